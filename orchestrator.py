@@ -1,0 +1,1906 @@
+"""orchestrator.py: t3's domain rules.
+
+A command is decided into events plus effect requests by ``decide``, a pure function of the
+thread's state, the command, a clock reading and an id source: nothing in it awaits, reads a
+clock or draws randomness. ``Orchestrator.dispatch`` serializes commands per thread, answers a
+command id it has seen from its receipt, commits receipt + events + projections + outbox rows in
+one transaction (``store.py``), then wakes waiters and the effect worker. The effect worker
+claims outbox rows under a lease and drives provider adapters (handed in by ``t3.py``); what the
+adapters report comes back as ingest commands through the same path, acknowledged only after
+they committed.
+
+Rules that hold everywhere below:
+- App ids are identity; provider ids are refs. Ids derive from command ids where a retry must
+  converge on the same entity.
+- Only the root node completes a run: ``running -> waiting -> completed``.
+- A run whose provider process is gone never stays ``running``: it ends ``interrupted`` or
+  ``failed`` with a visible ``statusReason``.
+- No SQL, subprocesses or HTTP here; never imports ``providers.py`` or ``tools.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, Protocol
+
+import store as _store
+
+__all__ = [
+    "T3Error", "CommandRejected", "RunStatus", "RUN_TERMINAL", "RUN_BLOCKING", "RuntimeMode",
+    "InteractionMode", "Actor", "CreationSource", "AppThread", "Run", "RunAttempt", "ExecutionNode",
+    "ProviderSession", "ProviderThread", "ProviderTurn", "RuntimeRequest", "ConversationMessage",
+    "TurnItem", "ThreadState", "Capabilities", "ProviderInfo", "Clock", "IdSource",
+    "CreateThread", "InitialMessage", "DispatchMessage", "InterruptRun", "RespondRuntimeRequest",
+    "CancelQueuedRun", "Decision", "decide", "AdapterEvent", "TextDelta", "ReasoningDelta",
+    "ToolUpdate", "PlanUpdate", "RuntimeRequestOpened", "TurnEnded", "ProviderAdapter",
+    "ProviderSessionHandle", "Orchestrator",
+]
+
+log = logging.getLogger("t3.orchestrator")
+
+
+# =============================================================================================
+# Errors
+
+
+class T3Error(Exception):
+    """t3 could not do that."""
+
+    code = "orchestration_error"
+
+    def __init__(self, message: str | None = None, *, code: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+        if code is not None:
+            self.code = code
+
+
+class CommandRejected(T3Error):
+    """The command does not apply to the current state."""
+
+
+# =============================================================================================
+# Vocabulary
+
+
+class RunStatus(enum.StrEnum):
+    PREPARING = "preparing"
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    WAITING = "waiting"
+    COMPLETED = "completed"
+    INTERRUPTED = "interrupted"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    ROLLED_BACK = "rolled_back"
+
+
+RUN_TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.INTERRUPTED, RunStatus.FAILED,
+                          RunStatus.CANCELLED, RunStatus.ROLLED_BACK})
+RUN_BLOCKING = frozenset({RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING,
+                          RunStatus.WAITING})
+
+
+class RuntimeMode(enum.StrEnum):
+    APPROVAL_REQUIRED = "approval-required"
+    AUTO_ACCEPT_EDITS = "auto-accept-edits"
+    AUTO = "auto"
+    FULL_ACCESS = "full-access"
+
+
+RUNTIME_RANK = {m: i for i, m in enumerate(RuntimeMode)}
+
+
+class InteractionMode(enum.StrEnum):
+    PLAN = "plan"
+    DEFAULT = "default"
+
+
+INTERACTION_RANK = {m: i for i, m in enumerate(InteractionMode)}
+
+
+class Actor(enum.StrEnum):
+    USER = "user"
+    AGENT = "agent"
+    SYSTEM = "system"
+
+
+class CreationSource(enum.StrEnum):
+    WEB = "web"
+    MCP = "mcp"
+    PROVIDER = "provider"
+    SERVER = "server"
+    CLI = "cli"
+
+
+_ATTEMPT_STATUSES = frozenset({"pending", "running", "completed", "interrupted", "failed",
+                               "cancelled", "superseded"})
+_NODE_STATUSES = frozenset({"pending", "running", "waiting", "completed", "interrupted", "failed",
+                            "cancelled", "rolled_back"})
+_REQUEST_STATUSES = frozenset({"pending", "resolved", "expired", "cancelled"})
+DECISIONS = ("accept", "acceptForSession", "decline", "cancel")
+
+
+# =============================================================================================
+# Entities: frozen values; events carry the whole entity after each change (camelCase JSON).
+
+
+def _camel(name: str) -> str:
+    """``provider_turn_id`` -> ``providerTurnId``; ``kind_`` -> ``kind`` (a name a ClassVar took)."""
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+class _Entity:
+    kind: ClassVar[str]
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {}
+    __slots__ = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {_camel(f.name): getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Any:
+        values = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            key = _camel(f.name)
+            if key in data:
+                values[f.name] = data[key]
+        entity = cls(**values)
+        for name, allowed in cls._checks.items():
+            if getattr(entity, name) not in allowed:
+                raise ValueError(f"{cls.__name__}.{name}: unknown value {getattr(entity, name)!r}")
+        return entity
+
+
+@dataclass(frozen=True, slots=True)
+class AppThread(_Entity):
+    kind: ClassVar[str] = "thread"
+    id: str
+    project_id: str
+    title: str
+    provider_instance_id: str
+    model_selection: Mapping[str, Any]
+    runtime_mode: str
+    interaction_mode: str
+    created_by: str
+    creation_source: str
+    created_at: str
+    updated_at: str
+    lineage: Mapping[str, Any]
+    branch: str | None = None
+    worktree_path: str | None = None
+    workspace: str | None = None  # the directory the agent runs in
+    active_provider_thread_id: str | None = None
+    forked_from: Mapping[str, Any] | None = None
+    archived_at: str | None = None
+    deleted_at: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Run(_Entity):
+    kind: ClassVar[str] = "run"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": frozenset(RunStatus)}
+    id: str
+    thread_id: str
+    ordinal: int
+    provider_instance_id: str
+    model_selection: Mapping[str, Any]
+    user_message_id: str
+    status: str
+    requested_at: str
+    provider_thread_id: str | None = None
+    root_node_id: str | None = None
+    active_attempt_id: str | None = None
+    queue_position: int | None = None
+    started_at: str | None = None
+    completed_at: str | None = None
+    checkpoint_id: str | None = None
+    context_handoff_id: str | None = None
+    status_reason: str | None = None  # why it ended as it did, in words a person can act on
+    failure: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunAttempt(_Entity):
+    kind: ClassVar[str] = "run-attempt"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": _ATTEMPT_STATUSES}
+    id: str
+    run_id: str
+    thread_id: str
+    attempt_ordinal: int
+    root_node_id: str
+    provider_instance_id: str
+    reason: str
+    status: str
+    provider_thread_id: str | None = None
+    provider_turn_id: str | None = None
+    started_at: str | None = None
+    completed_at: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionNode(_Entity):
+    kind: ClassVar[str] = "node"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": _NODE_STATUSES}
+    id: str
+    thread_id: str
+    run_id: str | None
+    parent_node_id: str | None
+    root_node_id: str
+    kind_: str  # root_turn | tool_call | approval_request | user_input_request | subagent | ...
+    status: str
+    counts_for_run: bool
+    provider_thread_id: str | None = None
+    provider_turn_id: str | None = None
+    runtime_request_id: str | None = None
+    native_ref: str | None = None
+    started_at: str | None = None
+    completed_at: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderSession(_Entity):
+    kind: ClassVar[str] = "provider-session"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {
+        "status": frozenset({"starting", "ready", "running", "waiting", "stopped", "error"})}
+    id: str
+    thread_id: str
+    driver: str
+    provider_instance_id: str
+    status: str
+    cwd: str
+    model: str | None
+    created_at: str
+    updated_at: str
+    pid: int | None = None
+    last_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderThread(_Entity):
+    kind: ClassVar[str] = "provider-thread"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {
+        "status": frozenset({"not_loaded", "idle", "active", "archived", "closed", "error"})}
+    id: str
+    app_thread_id: str
+    driver: str
+    provider_instance_id: str
+    status: str
+    created_at: str
+    updated_at: str
+    provider_session_id: str | None = None
+    native_thread_ref: str | None = None
+    first_run_ordinal: int | None = None
+    last_run_ordinal: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderTurn(_Entity):
+    kind: ClassVar[str] = "provider-turn"
+    id: str
+    thread_id: str
+    provider_thread_id: str
+    node_id: str
+    run_attempt_id: str
+    ordinal: int
+    status: str
+    native_turn_ref: str | None = None
+    started_at: str | None = None
+    completed_at: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeRequest(_Entity):
+    kind: ClassVar[str] = "runtime-request"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": _REQUEST_STATUSES}
+    id: str
+    thread_id: str
+    run_id: str
+    node_id: str
+    kind_: str  # command | file-read | file-change | permission | user_input | mcp-elicitation
+    status: str
+    title: str
+    detail: Mapping[str, Any]
+    response_capability: Mapping[str, Any]
+    created_at: str
+    native_request_ref: str | None = None
+    provider_turn_id: str | None = None
+    decision: str | None = None
+    answers: Mapping[str, Any] | None = None
+    resolved_at: str | None = None
+    status_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationMessage(_Entity):
+    kind: ClassVar[str] = "message"
+    id: str
+    thread_id: str
+    run_id: str | None
+    node_id: str | None
+    role: str  # user | assistant | system
+    text: str
+    streaming: bool
+    created_by: str
+    creation_source: str
+    created_at: str
+    updated_at: str
+
+
+@dataclass(frozen=True, slots=True)
+class TurnItem(_Entity):
+    """One row of a thread's timeline. Message items take their text from the message."""
+
+    kind: ClassVar[str] = "turn-item"
+    id: str
+    thread_id: str
+    run_id: str | None
+    node_id: str | None
+    type: str
+    status: str
+    position: int
+    updated_at: str
+    title: str | None = None
+    message_id: str | None = None
+    text: str | None = None
+    data: Mapping[str, Any] | None = None
+    input_intent: str | None = None
+    started_at: str | None = None
+    completed_at: str | None = None
+
+
+_ENTITY_TYPES: dict[str, type[_Entity]] = {
+    cls.kind: cls for cls in (AppThread, Run, RunAttempt, ExecutionNode, ProviderSession,
+                              ProviderThread, ProviderTurn, RuntimeRequest, ConversationMessage,
+                              TurnItem)}
+_EVENT_TYPE = {"thread": "thread.updated", "run": "run.updated", "run-attempt": "run-attempt.updated",
+               "node": "node.updated", "provider-session": "provider-session.updated",
+               "provider-thread": "provider-thread.updated", "provider-turn": "provider-turn.updated",
+               "runtime-request": "runtime-request.updated", "message": "message.updated",
+               "turn-item": "turn-item.updated"}
+
+
+@dataclass(slots=True)
+class ThreadState:
+    """Everything known about one thread, keyed by entity kind then id. Updated only by ``apply``."""
+
+    thread: AppThread | None = None
+    entities: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {kind: {} for kind in _ENTITY_TYPES if kind != "thread"})
+    next_position: int = 0
+    sequence: int = 0
+
+    @classmethod
+    def load(cls, sequence: int, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> ThreadState:
+        state = cls(sequence=sequence)
+        for kind, payloads in rows.items():
+            for payload in payloads:
+                state.put(_ENTITY_TYPES[kind].from_json(payload))
+        return state
+
+    def put(self, entity: Any) -> None:
+        if isinstance(entity, AppThread):
+            self.thread = entity
+            return
+        self.entities[entity.kind][entity.id] = entity
+        if isinstance(entity, TurnItem):
+            self.next_position = max(self.next_position, entity.position + 1)
+
+    # Reads used by decide and by tools
+    @property
+    def runs(self) -> list[Run]:
+        return sorted(self.entities["run"].values(), key=lambda r: r.ordinal)
+
+    def run(self, run_id: str) -> Run | None:
+        return self.entities["run"].get(run_id)
+
+    def latest_run(self) -> Run | None:
+        runs = self.runs
+        return runs[-1] if runs else None
+
+    def blocking_run(self) -> Run | None:
+        return next((r for r in reversed(self.runs) if r.status in RUN_BLOCKING), None)
+
+    def queued_runs(self) -> list[Run]:
+        queued = [r for r in self.runs if r.status == RunStatus.QUEUED]
+        return sorted(queued, key=lambda r: (r.queue_position or r.ordinal, r.ordinal))
+
+    def pending_requests(self) -> list[RuntimeRequest]:
+        return sorted((r for r in self.entities["runtime-request"].values() if r.status == "pending"),
+                      key=lambda r: r.created_at)
+
+    def items(self) -> list[TurnItem]:
+        return sorted(self.entities["turn-item"].values(), key=lambda i: i.position)
+
+    def status(self) -> str:
+        latest = self.latest_run()
+        return latest.status if latest else "idle"
+
+
+# =============================================================================================
+# Providers, as the domain sees them (providers.py implements these)
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    supports_interrupt: bool = True
+    supports_active_steering: bool = False
+    supports_steering_by_restart: bool = True
+    supports_queued_messages: bool = True
+    supports_resume: bool = False
+    supports_mcp: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderInfo:
+    instance_id: str
+    driver: str
+    display_name: str | None
+    models: Sequence[Mapping[str, Any]]
+    capabilities: Capabilities
+    available: bool = True
+    constraints: Sequence[str] = ()
+
+    def first_model(self) -> str | None:
+        return self.models[0]["id"] if self.models else None
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUpdate:
+    native_id: str
+    status: str  # pending | running | completed | failed
+    title: str | None = None
+    tool_kind: str | None = None
+    input: Any = None
+    output: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlanUpdate:
+    entries: Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeRequestOpened:
+    native_ref: str
+    request_kind: str
+    title: str
+    detail: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnEnded:
+    status: str  # completed | interrupted | failed
+    failure: str | None = None
+
+
+AdapterEvent = TextDelta | ReasoningDelta | ToolUpdate | PlanUpdate | RuntimeRequestOpened | TurnEnded
+
+
+class ProviderSessionHandle(Protocol):
+    """A live provider process serving one app thread (providers.py)."""
+
+    pid: int | None
+    native_thread_ref: str | None
+
+    def events(self) -> AsyncIterator[AdapterEvent]: ...
+    async def start_turn(self, text: str) -> None: ...
+    async def steer_turn(self, text: str) -> None: ...
+    async def interrupt_turn(self) -> None: ...
+    async def respond(self, native_ref: str, decision: str | None,
+                      answers: Mapping[str, Any] | None) -> None: ...
+    def alive(self) -> bool: ...
+    async def close(self, *, grace: float = 3.0) -> None: ...
+
+
+class ProviderAdapter(Protocol):
+    info: ProviderInfo
+
+    async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
+                           runtime_mode: str, interaction_mode: str, resume_ref: str | None,
+                           mcp_servers: Sequence[Mapping[str, Any]]) -> ProviderSessionHandle: ...
+
+
+# =============================================================================================
+# Commands
+
+
+class Clock(Protocol):
+    def __call__(self) -> str: ...
+
+
+class IdSource(Protocol):
+    def __call__(self, prefix: str) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class InitialMessage:
+    message_id: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CreateThread:
+    type: ClassVar[str] = "thread.create"
+    command_id: str
+    thread_id: str
+    project_id: str
+    title: str
+    provider_instance_id: str
+    model: str | None
+    runtime_mode: str
+    interaction_mode: str
+    workspace: str
+    created_by: str
+    creation_source: str
+    initial_message: InitialMessage | None = None
+    branch: str | None = None
+    worktree_path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchMessage:
+    type: ClassVar[str] = "message.dispatch"
+    command_id: str
+    thread_id: str
+    message_id: str
+    text: str
+    created_by: str
+    creation_source: str
+    mode: str  # start_immediately | queue_after_active | steer_active | restart_active
+    target_run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("start_immediately", "queue_after_active", "steer_active",
+                             "restart_active"):
+            raise ValueError(f"unknown dispatch mode {self.mode!r}")
+        if self.mode in ("steer_active", "restart_active") and not self.target_run_id:
+            raise ValueError(f"{self.mode} needs target_run_id")
+
+
+@dataclass(frozen=True, slots=True)
+class InterruptRun:
+    type: ClassVar[str] = "run.interrupt"
+    command_id: str
+    thread_id: str
+    run_id: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RespondRuntimeRequest:
+    type: ClassVar[str] = "runtime-request.respond"
+    command_id: str
+    thread_id: str
+    request_id: str
+    decision: str | None = None
+    answers: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.decision is None) == (self.answers is None):
+            raise ValueError("give exactly one of decision or answers")
+        if self.decision is not None and self.decision not in DECISIONS:
+            raise ValueError(f"unknown decision {self.decision!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CancelQueuedRun:
+    type: ClassVar[str] = "queued-run.cancel"
+    command_id: str
+    thread_id: str
+    run_id: str
+
+
+# Internal commands: the effect worker, the run executor and recovery speak these.
+
+
+@dataclass(frozen=True, slots=True)
+class MarkRunStarted:
+    type: ClassVar[str] = "run.mark-started"
+    command_id: str
+    thread_id: str
+    run_id: str
+    attempt_id: str
+    provider_session_id: str
+    session_created: bool
+    pid: int | None
+    native_thread_ref: str | None
+    cwd: str
+
+
+@dataclass(frozen=True, slots=True)
+class IngestProviderEvents:
+    type: ClassVar[str] = "provider.ingest"
+    command_id: str
+    thread_id: str
+    run_id: str
+    attempt_id: str
+    provider_session_id: str
+    events: tuple[AdapterEvent, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteRun:
+    type: ClassVar[str] = "run.complete"
+    command_id: str
+    thread_id: str
+    run_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class FailRun:
+    """An effect for this run failed for good, or its provider session ended under it."""
+
+    type: ClassVar[str] = "run.fail"
+    command_id: str
+    thread_id: str
+    run_id: str
+    attempt_id: str | None
+    status: str  # failed | interrupted
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndProviderSession:
+    type: ClassVar[str] = "provider-session.end"
+    command_id: str
+    thread_id: str
+    provider_session_id: str
+    status: str  # stopped | error
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverThread:
+    """After a server restart: nothing of the old process is live any more."""
+
+    type: ClassVar[str] = "thread.recover"
+    command_id: str
+    thread_id: str
+    reason: str
+    resumable_run_ids: frozenset[str] = frozenset()
+
+
+Command = (CreateThread | DispatchMessage | InterruptRun | RespondRuntimeRequest | CancelQueuedRun
+           | MarkRunStarted | IngestProviderEvents | CompleteRun | FailRun | EndProviderSession
+           | RecoverThread)
+
+
+def fingerprint(command: Any) -> str:
+    """A hash of what the command asks for, without its id: same id + other payload is refused."""
+    def plain(value: Any) -> Any:
+        if hasattr(value, "__dataclass_fields__"):
+            return {"_": type(value).__name__,
+                    **{f.name: plain(getattr(value, f.name)) for f in fields(value)}}
+        if isinstance(value, (list, tuple, frozenset, set)):
+            items = [plain(v) for v in value]
+            return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+        if isinstance(value, Mapping):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+    body = plain(command)
+    body.pop("command_id", None)
+    body["type"] = command.type
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# =============================================================================================
+# Effects
+
+
+@dataclass(frozen=True, slots=True)
+class EffectRequest:
+    effect_type: str
+    thread_id: str
+    payload: Mapping[str, Any]
+    key: str  # makes the effect id deterministic within its command
+
+    REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({"run.finalize"})
+
+    @property
+    def replay_safe(self) -> bool:
+        return self.effect_type in self.REPLAY_SAFE
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    events: tuple[_store.NewEvent, ...]
+    effects: tuple[EffectRequest, ...]
+    result: Mapping[str, Any]
+    cancel_effect_types: tuple[str, ...] = ()
+
+    def commit(self, command: Any) -> _store.Commit:
+        return _store.Commit(
+            command_id=command.command_id, command_type=command.type,
+            fingerprint=fingerprint(command), thread_id=command.thread_id, events=self.events,
+            effects=tuple(_store.NewEffect(
+                effect_id=f"effect:{command.command_id}:{e.effect_type}:{e.key}",
+                thread_id=e.thread_id, effect_type=e.effect_type, payload=e.payload,
+                replay_safe=e.replay_safe) for e in self.effects),
+            result=self.result, cancel_effect_types=self.cancel_effect_types)
+
+
+# =============================================================================================
+# decide: pure
+
+
+def _owning_thread(entity: Any) -> str:
+    if isinstance(entity, AppThread):
+        return entity.id
+    if isinstance(entity, ProviderThread):
+        return entity.app_thread_id
+    return entity.thread_id  # type: ignore[no-any-return]
+
+
+class _Draft:
+    """The entities a decision changes, laid over the thread's state, in event order."""
+
+    def __init__(self, state: ThreadState, command: Any, now: str) -> None:
+        self.state = state
+        self.command = command
+        self.now = now
+        self.changed: dict[tuple[str, str], Any] = {}
+        self.events: list[_store.NewEvent] = []
+        self.effects: list[EffectRequest] = []
+        self.cancel_effect_types: list[str] = []
+        self.next_position = state.next_position
+        self.thread = state.thread
+
+    def get(self, kind: str, entity_id: str | None) -> Any:
+        if entity_id is None:
+            return None
+        if (kind, entity_id) in self.changed:
+            return self.changed[(kind, entity_id)]
+        return self.state.entities[kind].get(entity_id)
+
+    def all(self, kind: str) -> list[Any]:
+        merged = dict(self.state.entities[kind])
+        merged.update({eid: e for (k, eid), e in self.changed.items() if k == kind})
+        return list(merged.values())
+
+    def put(self, entity: Any, event_type: str | None = None) -> Any:
+        if isinstance(entity, AppThread):
+            self.thread = entity
+        else:
+            self.changed[(entity.kind, entity.id)] = entity
+        self.events.append(_store.NewEvent(
+            event_id=f"event:{self.command.command_id}:{len(self.events)}",
+            thread_id=_owning_thread(entity), type=event_type or _EVENT_TYPE[entity.kind],
+            occurred_at=self.now, payload=entity.to_json()))
+        return entity
+
+    def position(self) -> int:
+        self.next_position += 1
+        return self.next_position - 1
+
+    def effect(self, effect_type: str, payload: Mapping[str, Any], key: str) -> None:
+        self.effects.append(EffectRequest(effect_type, self.command.thread_id, payload, key))
+
+    def runs(self) -> list[Run]:
+        return sorted(self.all("run"), key=lambda r: r.ordinal)
+
+    def decision(self, result: Mapping[str, Any]) -> Decision:
+        return Decision(tuple(self.events), tuple(self.effects), dict(result),
+                        tuple(self.cancel_effect_types))
+
+
+def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
+           providers: Mapping[str, ProviderInfo]) -> Decision:
+    """State + command -> events + effect requests. Raises CommandRejected; never does I/O."""
+    if not isinstance(command, CreateThread) and (state.thread is None
+                                                  or state.thread.deleted_at is not None):
+        raise CommandRejected(f"thread {command.thread_id} was not found", code="thread_not_found")
+    draft = _Draft(state, command, now)
+    handler = _HANDLERS[type(command)]
+    result = handler(draft, command, new_id=new_id, providers=providers)
+    return draft.decision(result)
+
+
+def _decide_create_thread(d: _Draft, c: CreateThread, **_: Any) -> Mapping[str, Any]:
+    if d.state.thread is not None:
+        raise CommandRejected(f"thread {c.thread_id} already exists", code="invalid_request")
+    thread = AppThread(
+        id=c.thread_id, project_id=c.project_id, title=c.title,
+        provider_instance_id=c.provider_instance_id,
+        model_selection={"instanceId": c.provider_instance_id, "model": c.model},
+        runtime_mode=c.runtime_mode, interaction_mode=c.interaction_mode,
+        created_by=c.created_by, creation_source=c.creation_source, created_at=d.now,
+        updated_at=d.now, lineage={"parentThreadId": None, "relationshipToParent": None,
+                                   "rootThreadId": c.thread_id},
+        branch=c.branch, worktree_path=c.worktree_path, workspace=c.workspace)
+    d.put(thread, "thread.created")
+    result: dict[str, Any] = {"threadId": c.thread_id, "runId": None, "messageId": None}
+    if c.initial_message:
+        run = _new_run(d, message_id=c.initial_message.message_id, text=c.initial_message.text,
+                       created_by=c.created_by, creation_source=c.creation_source, queued=False)
+        result.update(runId=run.id, messageId=c.initial_message.message_id, delivery="started")
+    return result
+
+
+def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation_source: str,
+             queued: bool) -> Run:
+    thread = d.thread
+    assert thread is not None
+    ordinal = len(d.runs()) + 1
+    run_id = f"run:{thread.id}:{ordinal}"
+    attempt_id = f"{run_id}:attempt:1"
+    root_id = f"node:{run_id}:root"
+    provider_thread_id = f"provider-thread:{thread.id}:{thread.provider_instance_id}"
+    queue_position = None
+    if queued:
+        queue_position = max([r.queue_position or 0 for r in d.runs()
+                              if r.status == RunStatus.QUEUED] + [0]) + 1
+    run = d.put(Run(
+        id=run_id, thread_id=thread.id, ordinal=ordinal,
+        provider_instance_id=thread.provider_instance_id, model_selection=thread.model_selection,
+        user_message_id=message_id, status=RunStatus.QUEUED if queued else RunStatus.STARTING,
+        requested_at=d.now, provider_thread_id=provider_thread_id, root_node_id=root_id,
+        active_attempt_id=attempt_id, queue_position=queue_position), "run.created")
+    d.put(RunAttempt(id=attempt_id, run_id=run_id, thread_id=thread.id, attempt_ordinal=1,
+                     root_node_id=root_id, provider_instance_id=thread.provider_instance_id,
+                     reason="initial", status="pending", provider_thread_id=provider_thread_id),
+          "run-attempt.created")
+    d.put(ExecutionNode(id=root_id, thread_id=thread.id, run_id=run_id, parent_node_id=None,
+                        root_node_id=root_id, kind_="root_turn", status="pending",
+                        counts_for_run=True, provider_thread_id=provider_thread_id))
+    d.put(ConversationMessage(id=message_id, thread_id=thread.id, run_id=run_id, node_id=root_id,
+                              role="user", text=text, streaming=False, created_by=created_by,
+                              creation_source=creation_source, created_at=d.now,
+                              updated_at=d.now))
+    if not queued:
+        _user_item(d, run, message_id, root_id, "turn_start")
+        d.effect("provider-turn.start", {"runId": run_id, "attemptId": attempt_id}, run_id)
+    return run
+
+
+def _user_item(d: _Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
+    return d.put(TurnItem(
+        id=f"turn-item:message:{message_id}", thread_id=run.thread_id, run_id=run.id,
+        node_id=node_id, type="user_message", status="completed", position=d.position(),
+        updated_at=d.now, message_id=message_id, input_intent=intent, started_at=d.now,
+        completed_at=d.now))
+
+
+def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
+                     **_: Any) -> Mapping[str, Any]:
+    thread = d.thread
+    assert thread is not None
+    if thread.archived_at is not None:
+        raise CommandRejected("the thread is archived", code="thread_not_sendable")
+    if d.get("message", c.message_id) is not None:
+        raise CommandRejected(f"message {c.message_id} already exists", code="invalid_request")
+    if c.mode in ("steer_active", "restart_active"):
+        return _decide_steer(d, c, providers)
+    blocking = next((r for r in reversed(d.runs()) if r.status in RUN_BLOCKING), None)
+    queued_exists = any(r.status == RunStatus.QUEUED for r in d.runs())
+    queued = blocking is not None or queued_exists
+    run = _new_run(d, message_id=c.message_id, text=c.text, created_by=c.created_by,
+                   creation_source=c.creation_source, queued=queued)
+    return {"threadId": thread.id, "runId": run.id, "messageId": c.message_id,
+            "delivery": "queued" if queued else "started"}
+
+
+def _steerable_run(d: _Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
+    run = d.get("run", run_id)
+    if run is None:
+        raise CommandRejected(f"run {run_id} was not found", code="run_not_found")
+    attempt = d.get("run-attempt", run.active_attempt_id)
+    turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
+    if run.status != RunStatus.RUNNING or turn is None or turn.status != "running":
+        raise CommandRejected(f"run {run.id} has no active provider turn to steer",
+                              code="thread_not_sendable")
+    return run, attempt
+
+
+def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, ProviderInfo]
+                  ) -> Mapping[str, Any]:
+    run, attempt = _steerable_run(d, c.target_run_id)
+    caps = providers[run.provider_instance_id].capabilities \
+        if run.provider_instance_id in providers else Capabilities()
+    result = {"threadId": run.thread_id, "runId": run.id, "messageId": c.message_id}
+    if c.mode == "steer_active" and caps.supports_active_steering:
+        d.put(ConversationMessage(id=c.message_id, thread_id=run.thread_id, run_id=run.id,
+                                  node_id=run.root_node_id, role="user", text=c.text,
+                                  streaming=False, created_by=c.created_by,
+                                  creation_source=c.creation_source, created_at=d.now,
+                                  updated_at=d.now))
+        _user_item(d, run, c.message_id, run.root_node_id or "", "steer")
+        d.effect("provider-turn.steer", {"runId": run.id, "attemptId": attempt.id,
+                                         "messageId": c.message_id}, c.message_id)
+        return {**result, "delivery": "steered"}
+    if not (caps.supports_interrupt and caps.supports_steering_by_restart):
+        raise CommandRejected("the provider can neither steer nor restart a turn",
+                              code="thread_not_sendable")
+    # Steering by interrupt-and-restart: the same run gets a new attempt with a new root node.
+    n = attempt.attempt_ordinal + 1
+    new_attempt_id = f"{run.id}:attempt:{n}"
+    new_root = f"node:{run.id}:attempt:{n}:root"
+    d.put(replace(attempt, status="superseded", completed_at=d.now))
+    old_root = d.get("node", attempt.root_node_id)
+    if old_root is not None:
+        d.put(replace(old_root, status="interrupted", completed_at=d.now))
+    d.put(RunAttempt(id=new_attempt_id, run_id=run.id, thread_id=run.thread_id, attempt_ordinal=n,
+                     root_node_id=new_root, provider_instance_id=run.provider_instance_id,
+                     reason="steering_restart", status="pending",
+                     provider_thread_id=run.provider_thread_id), "run-attempt.created")
+    d.put(ExecutionNode(id=new_root, thread_id=run.thread_id, run_id=run.id, parent_node_id=None,
+                        root_node_id=new_root, kind_="root_turn", status="pending",
+                        counts_for_run=True, provider_thread_id=run.provider_thread_id))
+    run = d.put(replace(run, status=RunStatus.STARTING, root_node_id=new_root,
+                        active_attempt_id=new_attempt_id, user_message_id=c.message_id))
+    d.put(ConversationMessage(id=c.message_id, thread_id=run.thread_id, run_id=run.id,
+                              node_id=new_root, role="user", text=c.text, streaming=False,
+                              created_by=c.created_by, creation_source=c.creation_source,
+                              created_at=d.now, updated_at=d.now))
+    _user_item(d, run, c.message_id, new_root, "steer")
+    d.effect("provider-turn.restart", {"runId": run.id, "interruptedAttemptId": attempt.id,
+                                       "attemptId": new_attempt_id}, new_attempt_id)
+    delivery = "restarted" if c.mode == "restart_active" else "steered"
+    return {**result, "delivery": delivery}
+
+
+def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]:
+    run = d.get("run", c.run_id)
+    if run is None:
+        raise CommandRejected(f"run {c.run_id} was not found", code="run_not_found")
+    if run.status in RUN_TERMINAL:
+        return {"threadId": run.thread_id, "runId": run.id, "status": run.status}
+    if run.status in (RunStatus.QUEUED, RunStatus.WAITING):
+        raise CommandRejected(f"run {run.id} is {run.status} and has no turn to interrupt",
+                              code="thread_not_interruptible")
+    attempt = d.get("run-attempt", run.active_attempt_id)
+    turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
+    reason = c.reason or "Interrupted on request."
+    d.put(TurnItem(id=f"turn-item:{run.id}:interrupt-request:{c.command_id}",
+                   thread_id=run.thread_id, run_id=run.id, node_id=run.root_node_id,
+                   type="run_interrupt_request", status="completed", position=d.position(),
+                   updated_at=d.now, text=reason, started_at=d.now, completed_at=d.now))
+    if turn is None or turn.status != "running":
+        # Nothing reached the provider yet: the run ends here and its start is called off.
+        _end_run(d, run, RunStatus.INTERRUPTED, "Interrupted before the provider started.")
+        d.cancel_effect_types += ["provider-turn.start", "provider-turn.restart"]
+        return {"threadId": run.thread_id, "runId": run.id, "status": RunStatus.INTERRUPTED}
+    d.effect("provider-turn.interrupt", {"runId": run.id, "attemptId": attempt.id,
+                                         "reason": reason}, attempt.id)
+    return {"threadId": run.thread_id, "runId": run.id, "status": "interrupt_requested"}
+
+
+def _end_run(d: _Draft, run: Run, status: str, reason: str | None,
+             failure: Mapping[str, Any] | None = None) -> Run:
+    """Terminalize a run with its attempt, root node, open requests and items; then promote."""
+    attempt = d.get("run-attempt", run.active_attempt_id)
+    if attempt is not None and attempt.status in ("pending", "running"):
+        d.put(replace(attempt, status=status if status != RunStatus.WAITING else "completed",
+                      completed_at=d.now))
+        turn = d.get("provider-turn", attempt.provider_turn_id)
+        if turn is not None and turn.status == "running":
+            d.put(replace(turn, status="completed" if status == RunStatus.WAITING else status,
+                          completed_at=d.now))
+    root = d.get("node", run.root_node_id)
+    if root is not None and root.status in ("pending", "running", "waiting"):
+        d.put(replace(root, status=status, completed_at=None if status == RunStatus.WAITING
+                      else d.now))
+    if status != RunStatus.WAITING:
+        for request in d.all("runtime-request"):
+            if request.run_id == run.id and request.status == "pending":
+                d.put(replace(request, status="cancelled", resolved_at=d.now,
+                              status_reason=f"The run ended ({status}) before an answer."))
+        for node in d.all("node"):
+            if node.run_id == run.id and node.id != run.root_node_id and \
+                    node.status in ("pending", "running", "waiting"):
+                d.put(replace(node, status="cancelled" if status != "failed" else "failed",
+                              completed_at=d.now))
+        for item in d.all("turn-item"):
+            if item.run_id == run.id and item.status in ("pending", "running", "waiting"):
+                d.put(replace(item, status=status, completed_at=d.now, updated_at=d.now))
+        for message in d.all("message"):
+            if message.run_id == run.id and message.streaming:
+                d.put(replace(message, streaming=False, updated_at=d.now))
+    run = d.put(replace(run, status=status, status_reason=reason, failure=failure,
+                        completed_at=None if status == RunStatus.WAITING else d.now))
+    if status == RunStatus.WAITING:
+        d.effect("run.finalize", {"runId": run.id}, run.id)
+    elif status in RUN_TERMINAL:
+        _promote_queued(d)
+    return run
+
+
+def _promote_queued(d: _Draft) -> None:
+    """Start the next queued run when nothing blocks the thread (same transaction)."""
+    runs = d.runs()
+    if any(r.status in RUN_BLOCKING for r in runs):
+        return
+    queued = sorted((r for r in runs if r.status == RunStatus.QUEUED),
+                    key=lambda r: (r.queue_position or r.ordinal, r.ordinal))
+    if not queued or (d.thread and (d.thread.archived_at or d.thread.deleted_at)):
+        return
+    run = d.put(replace(queued[0], status=RunStatus.STARTING, queue_position=None))
+    _user_item(d, run, run.user_message_id, run.root_node_id or "", "queued_turn")
+    d.effect("provider-turn.start", {"runId": run.id, "attemptId": run.active_attempt_id}, run.id)
+
+
+def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[str, Any]:
+    request = d.get("runtime-request", c.request_id)
+    if request is None:
+        raise CommandRejected(f"request {c.request_id} was not found", code="invalid_request")
+    if request.status != "pending":
+        raise CommandRejected(f"request {c.request_id} is already {request.status}",
+                              code="invalid_request")
+    if request.response_capability.get("type") != "live":
+        raise CommandRejected("the provider can no longer receive an answer to this request",
+                              code="invalid_request")
+    declined = c.decision in ("decline", "cancel")
+    d.put(replace(request, status="resolved", decision=c.decision, answers=c.answers,
+                  resolved_at=d.now))
+    node = d.get("node", request.node_id)
+    if node is not None:
+        d.put(replace(node, status="cancelled" if declined else "completed", completed_at=d.now))
+    item = d.get("turn-item", f"turn-item:runtime-request:{request.id}")
+    if item is not None:
+        d.put(replace(item, status="cancelled" if declined else "completed", updated_at=d.now,
+                      completed_at=d.now, data={**(item.data or {}), "decision": c.decision,
+                                                "answers": c.answers}))
+    d.effect("runtime-request.respond", {
+        "requestId": request.id, "runId": request.run_id,
+        "providerSessionId": request.response_capability.get("providerSessionId"),
+        "nativeRequestRef": request.native_request_ref, "decision": c.decision,
+        "answers": c.answers}, request.id)
+    return {"threadId": request.thread_id, "requestId": request.id, "status": "resolved",
+            "decision": c.decision}
+
+
+def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[str, Any]:
+    run = d.get("run", c.run_id)
+    if run is None:
+        raise CommandRejected(f"run {c.run_id} was not found", code="run_not_found")
+    if run.status != RunStatus.QUEUED:
+        raise CommandRejected(f"run {run.id} is {run.status}, not queued", code="invalid_request")
+    attempt = d.get("run-attempt", run.active_attempt_id)
+    if attempt is not None:
+        d.put(replace(attempt, status="cancelled", completed_at=d.now))
+    root = d.get("node", run.root_node_id)
+    if root is not None:
+        d.put(replace(root, status="cancelled", completed_at=d.now))
+    d.put(replace(run, status=RunStatus.CANCELLED, queue_position=None, completed_at=d.now,
+                  status_reason="The queued run was cancelled."))
+    return {"threadId": run.thread_id, "runId": run.id, "status": RunStatus.CANCELLED}
+
+
+def _current(d: _Draft, run_id: str, attempt_id: str) -> tuple[Run | None, RunAttempt | None]:
+    run = d.get("run", run_id)
+    attempt = d.get("run-attempt", attempt_id)
+    if run is None or attempt is None or run.active_attempt_id != attempt_id:
+        return None, attempt
+    return run, attempt
+
+
+def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str, ProviderInfo],
+                         **_: Any) -> Mapping[str, Any]:
+    run, attempt = _current(d, c.run_id, c.attempt_id)
+    if run is None or attempt is None or run.status != RunStatus.STARTING:
+        raise CommandRejected("the run is no longer waiting to start")
+    thread = d.thread
+    assert thread is not None
+    session = d.get("provider-session", c.provider_session_id)
+    provider = run.provider_instance_id
+    providers_driver = providers[provider].driver if provider in providers else provider
+    if session is None:
+        session = ProviderSession(
+            id=c.provider_session_id, thread_id=run.thread_id, driver=providers_driver,
+            provider_instance_id=provider, status="running", cwd=c.cwd,
+            model=run.model_selection.get("model"), created_at=d.now, updated_at=d.now, pid=c.pid)
+    d.put(replace(session, status="running", pid=c.pid, updated_at=d.now))
+    pthread = d.get("provider-thread", run.provider_thread_id)
+    if pthread is None:
+        pthread = ProviderThread(id=run.provider_thread_id or "", app_thread_id=run.thread_id,
+                                 driver=providers_driver, provider_instance_id=provider,
+                                 status="active", created_at=d.now, updated_at=d.now,
+                                 first_run_ordinal=run.ordinal)
+    d.put(replace(pthread, status="active", provider_session_id=c.provider_session_id,
+                  native_thread_ref=c.native_thread_ref or pthread.native_thread_ref,
+                  last_run_ordinal=run.ordinal, updated_at=d.now))
+    if thread.active_provider_thread_id != pthread.id:
+        d.put(replace(thread, active_provider_thread_id=pthread.id, updated_at=d.now))
+    turns = [t for t in d.all("provider-turn") if t.provider_thread_id == pthread.id]
+    turn = d.put(ProviderTurn(id=f"provider-turn:{attempt.id}", thread_id=run.thread_id,
+                              provider_thread_id=pthread.id, node_id=attempt.root_node_id,
+                              run_attempt_id=attempt.id, ordinal=len(turns) + 1, status="running",
+                              started_at=d.now))
+    d.put(replace(attempt, status="running", started_at=d.now, provider_turn_id=turn.id))
+    root = d.get("node", attempt.root_node_id)
+    if root is not None:
+        d.put(replace(root, status="running", started_at=d.now, provider_turn_id=turn.id))
+    d.put(replace(run, status=RunStatus.RUNNING, started_at=run.started_at or d.now))
+    return {"runId": run.id, "providerTurnId": turn.id}
+
+
+def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str, Any]:
+    run, attempt = _current(d, c.run_id, c.attempt_id)
+    if attempt is None:
+        raise CommandRejected("unknown attempt")
+    for event in c.events:
+        if run is None or run.status not in (RunStatus.RUNNING,):
+            # A superseded or ended attempt: only its provider turn's own end is recorded.
+            if isinstance(event, TurnEnded):
+                turn = d.get("provider-turn", attempt.provider_turn_id)
+                if turn is not None and turn.status == "running":
+                    d.put(replace(turn, status=event.status, completed_at=d.now))
+            continue
+        run = _ingest_one(d, run, attempt, c, event)
+    return {"runId": c.run_id}
+
+
+def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents,
+                event: AdapterEvent) -> Run:
+    root_id = attempt.root_node_id
+    if isinstance(event, (TextDelta, ReasoningDelta)):
+        role = "assistant" if isinstance(event, TextDelta) else "reasoning"
+        _append_text(d, run, attempt, role, event.text)
+    elif isinstance(event, ToolUpdate):
+        _close_streams(d, attempt)
+        node_id = f"node:{attempt.id}:tool:{event.native_id}"
+        node = d.get("node", node_id)
+        status = {"pending": "running", "in_progress": "running"}.get(event.status, event.status)
+        if status not in _NODE_STATUSES:
+            status = "running"
+        if node is None:
+            node = ExecutionNode(id=node_id, thread_id=run.thread_id, run_id=run.id,
+                                 parent_node_id=root_id, root_node_id=root_id, kind_="tool_call",
+                                 status=status, counts_for_run=False, native_ref=event.native_id,
+                                 started_at=d.now)
+        d.put(replace(node, status=status,
+                      completed_at=d.now if status in ("completed", "failed") else None))
+        item_id = f"turn-item:{attempt.id}:tool:{event.native_id}"
+        item = d.get("turn-item", item_id)
+        if item is None:
+            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
+                            type="tool_call", status=status, position=d.position(),
+                            updated_at=d.now, title=event.title or "Tool call", data={},
+                            started_at=d.now)
+        data = dict(item.data or {})
+        if event.input is not None:
+            data["input"] = event.input
+        if event.tool_kind:
+            data["kind"] = event.tool_kind
+        text = item.text
+        if event.output is not None:
+            text = event.output
+        d.put(replace(item, status=status, title=event.title or item.title, data=data, text=text,
+                      updated_at=d.now,
+                      completed_at=d.now if status in ("completed", "failed") else None))
+    elif isinstance(event, PlanUpdate):
+        item_id = f"turn-item:{attempt.id}:plan"
+        item = d.get("turn-item", item_id)
+        text = "\n".join(f"[{e.get('status', 'pending')}] {e.get('content', '')}"
+                         for e in event.entries)
+        if item is None:
+            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=root_id,
+                            type="todo_list", status="running", position=d.position(),
+                            updated_at=d.now, title="Plan", started_at=d.now)
+        d.put(replace(item, text=text, data={"steps": list(event.entries)}, updated_at=d.now))
+    elif isinstance(event, RuntimeRequestOpened):
+        _close_streams(d, attempt)
+        request_id = f"runtime-request:{c.provider_session_id}:{event.native_ref}"
+        if d.get("runtime-request", request_id) is None:
+            node_id = f"node:runtime-request:{request_id}"
+            node_kind = "user_input_request" if event.request_kind == "user_input" \
+                else "approval_request"
+            d.put(ExecutionNode(id=node_id, thread_id=run.thread_id, run_id=run.id,
+                                parent_node_id=root_id, root_node_id=root_id, kind_=node_kind,
+                                status="waiting", counts_for_run=False,
+                                runtime_request_id=request_id, native_ref=event.native_ref,
+                                started_at=d.now))
+            d.put(RuntimeRequest(
+                id=request_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
+                kind_=event.request_kind, status="pending", title=event.title,
+                detail=event.detail, created_at=d.now, native_request_ref=event.native_ref,
+                provider_turn_id=attempt.provider_turn_id,
+                response_capability={"type": "live", "providerSessionId": c.provider_session_id}))
+            d.put(TurnItem(id=f"turn-item:runtime-request:{request_id}", thread_id=run.thread_id,
+                           run_id=run.id, node_id=node_id, type=node_kind, status="waiting",
+                           position=d.position(), updated_at=d.now, title=event.title,
+                           text=event.title, data={"requestId": request_id,
+                                                   "requestKind": event.request_kind,
+                                                   **event.detail},
+                           started_at=d.now))
+    elif isinstance(event, TurnEnded):
+        _close_streams(d, attempt)
+        if event.status == "completed":
+            run = _end_run(d, run, RunStatus.WAITING, None)
+        elif event.status == "interrupted":
+            run = _end_run(d, run, RunStatus.INTERRUPTED, _interrupt_reason(d, run))
+        else:
+            failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
+                       "code": None, "retryable": None}
+            d.put(TurnItem(id=f"turn-item:{attempt.id}:error", thread_id=run.thread_id,
+                           run_id=run.id, node_id=root_id, type="error", status="failed",
+                           position=d.position(), updated_at=d.now, title="Provider error",
+                           text=event.failure, started_at=d.now, completed_at=d.now))
+            run = _end_run(d, run, RunStatus.FAILED, event.failure or "The provider failed.",
+                           failure)
+    return run
+
+
+def _interrupt_reason(d: _Draft, run: Run) -> str:
+    requests = [i for i in d.all("turn-item")
+                if i.run_id == run.id and i.type == "run_interrupt_request"]
+    if requests:
+        return max(requests, key=lambda i: i.position).text or "Interrupted on request."
+    return "The provider ended the turn as cancelled."
+
+
+def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str) -> None:
+    """Stream text into the attempt's open assistant (or reasoning) message."""
+    open_id = _open_stream_id(d, attempt, role)
+    if open_id is not None:
+        message = d.get("message", open_id)
+        d.put(replace(message, text=message.text + text, updated_at=d.now))
+        return
+    n = sum(1 for m in d.all("message") if m.run_id == run.id and m.role == role)
+    message_id = f"message:{attempt.id}:{role}:{n}"
+    d.put(ConversationMessage(id=message_id, thread_id=run.thread_id, run_id=run.id,
+                              node_id=attempt.root_node_id, role=role, text=text, streaming=True,
+                              created_by=Actor.AGENT, creation_source=CreationSource.PROVIDER,
+                              created_at=d.now, updated_at=d.now))
+    d.put(TurnItem(id=f"turn-item:message:{message_id}", thread_id=run.thread_id, run_id=run.id,
+                   node_id=attempt.root_node_id,
+                   type="assistant_message" if role == "assistant" else "reasoning",
+                   status="running", position=d.position(), updated_at=d.now,
+                   message_id=message_id, started_at=d.now))
+
+
+def _open_stream_id(d: _Draft, attempt: RunAttempt, role: str) -> str | None:
+    for message in d.all("message"):
+        if message.streaming and message.role == role and message.node_id == attempt.root_node_id:
+            return message.id
+    return None
+
+
+def _close_streams(d: _Draft, attempt: RunAttempt) -> None:
+    for role in ("assistant", "reasoning"):
+        open_id = _open_stream_id(d, attempt, role)
+        if open_id is None:
+            continue
+        message = d.get("message", open_id)
+        d.put(replace(message, streaming=False, updated_at=d.now))
+        item = d.get("turn-item", f"turn-item:message:{open_id}")
+        if item is not None:
+            d.put(replace(item, status="completed", updated_at=d.now, completed_at=d.now))
+
+
+def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
+    run = d.get("run", c.run_id)
+    if run is None or run.status != RunStatus.WAITING:
+        raise CommandRejected("the run is not waiting for finalization")
+    root = d.get("node", run.root_node_id)
+    if root is not None:
+        d.put(replace(root, status="completed", completed_at=d.now))
+    run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now))
+    _promote_queued(d)
+    return {"runId": run.id, "status": run.status}
+
+
+def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
+    run = d.get("run", c.run_id)
+    if run is None or run.status in RUN_TERMINAL or run.status == RunStatus.QUEUED:
+        raise CommandRejected("the run is not active")
+    if c.attempt_id is not None and run.active_attempt_id != c.attempt_id:
+        raise CommandRejected("the attempt is no longer current")
+    attempt = d.get("run-attempt", run.active_attempt_id)
+    if c.status == RunStatus.FAILED:
+        d.put(TurnItem(id=f"turn-item:{run.active_attempt_id}:error", thread_id=run.thread_id,
+                       run_id=run.id, node_id=run.root_node_id, type="error", status="failed",
+                       position=d.position(), updated_at=d.now, title="Run failed",
+                       text=c.reason, started_at=d.now, completed_at=d.now))
+    if attempt is not None:
+        _close_streams(d, attempt)
+    failure = {"class": "unknown", "message": c.reason[:4096], "code": None, "retryable": None} \
+        if c.status == RunStatus.FAILED else None
+    run = _end_run(d, run, c.status, c.reason, failure)
+    return {"runId": run.id, "status": run.status}
+
+
+def _decide_end_session(d: _Draft, c: EndProviderSession, **_: Any) -> Mapping[str, Any]:
+    session = d.get("provider-session", c.provider_session_id)
+    if session is None or session.status in ("stopped", "error"):
+        raise CommandRejected("the session has already ended")
+    d.put(replace(session, status=c.status, last_error=c.reason if c.status == "error" else None,
+                  updated_at=d.now))
+    _expire_requests(d, c.provider_session_id, c.reason)
+    for pthread in d.all("provider-thread"):
+        if pthread.provider_session_id == session.id and pthread.status == "active":
+            d.put(replace(pthread, status="idle", updated_at=d.now))
+    return {"providerSessionId": session.id, "status": c.status}
+
+
+def _expire_requests(d: _Draft, session_id: str | None, reason: str) -> None:
+    for request in d.all("runtime-request"):
+        if request.status == "pending" and (
+                session_id is None or request.response_capability.get("providerSessionId")
+                == session_id):
+            d.put(replace(request, status="expired", resolved_at=d.now, status_reason=reason,
+                          response_capability={"type": "not_resumable", "reason": reason}))
+            item = d.get("turn-item", f"turn-item:runtime-request:{request.id}")
+            if item is not None:
+                d.put(replace(item, status="cancelled", updated_at=d.now, completed_at=d.now))
+
+
+def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
+    ended: list[str] = []
+    for session in d.all("provider-session"):
+        if session.status not in ("stopped", "error"):
+            d.put(replace(session, status="stopped", updated_at=d.now, last_error=c.reason))
+    _expire_requests(d, None, c.reason)
+    for pthread in d.all("provider-thread"):
+        if pthread.status == "active":
+            d.put(replace(pthread, status="idle", updated_at=d.now))
+    for run in d.runs():
+        if run.status in (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.PREPARING) and \
+                run.id not in c.resumable_run_ids:
+            attempt = d.get("run-attempt", run.active_attempt_id)
+            if attempt is not None:
+                _close_streams(d, attempt)
+            _end_run(d, d.get("run", run.id), RunStatus.INTERRUPTED, c.reason)
+            ended.append(run.id)
+    _promote_queued(d)
+    return {"threadId": c.thread_id, "interruptedRunIds": ended}
+
+
+_HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
+    CreateThread: _decide_create_thread,
+    DispatchMessage: _decide_dispatch,
+    InterruptRun: _decide_interrupt,
+    RespondRuntimeRequest: _decide_respond,
+    CancelQueuedRun: _decide_cancel_queued,
+    MarkRunStarted: _decide_mark_started,
+    IngestProviderEvents: _decide_ingest,
+    CompleteRun: _decide_complete,
+    FailRun: _decide_fail_run,
+    EndProviderSession: _decide_end_session,
+    RecoverThread: _decide_recover,
+}
+
+
+# =============================================================================================
+# The runtime: dispatch, state, waits, the effect worker, live provider sessions
+
+
+def utc_now() -> str:
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}:{uuid.uuid4()}"
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchResult:
+    sequence: int
+    result: Mapping[str, Any]
+    replayed: bool = False
+
+
+class _PermanentEffectError(T3Error):
+    """The effect cannot succeed by retrying."""
+
+
+@dataclass(eq=False, slots=True)
+class _LiveSession:
+    """A provider process bound to one app thread, and the turn it is serving now."""
+
+    session_id: str
+    thread_id: str
+    instance_id: str
+    handle: Any
+    turn: tuple[str, str] | None = None  # (run_id, attempt_id)
+    turn_ended: asyncio.Event = field(default_factory=asyncio.Event)
+    interrupting: set[str] = field(default_factory=set)  # attempt ids with an interrupt sent
+    closing_reason: str | None = None
+    pump_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Orchestrator:
+    """Serializes commands per thread and runs their effects. Start with ``start(task_group)``."""
+
+    MAX_CONCURRENT_EFFECTS = 16
+    INTERRUPT_GRACE_S = 10.0
+
+    def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
+                 providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
+                 new_id: Callable[[str], str] = random_id, lease_ms: int = 30_000,
+                 coalesce_s: float = 0.02, backoff_base_ms: int = 100,
+                 mcp_servers: Callable[[str, str, str], Sequence[Mapping[str, Any]]] | None = None
+                 ) -> None:
+        self._store = store
+        self._adapters = dict(adapters)
+        self.providers = dict(providers)
+        self._clock = clock
+        self._new_id = new_id
+        self._lease_ms = lease_ms
+        self._coalesce_s = coalesce_s
+        self._backoff_base_ms = backoff_base_ms
+        self._mcp_servers = mcp_servers or (lambda thread_id, instance_id, session_id: ())
+        self._worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._states: dict[str, ThreadState] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._signals: dict[str, asyncio.Event] = {}
+        self._live: dict[str, _LiveSession] = {}
+        self._effect_tasks: dict[str, asyncio.Task[None]] = {}
+        self._effect_wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.stopping = False
+
+    # -- commands --------------------------------------------------------------------------------
+
+    async def dispatch(self, command: Any) -> DispatchResult:
+        """Decide and commit one command; a command id seen before returns its first result."""
+        async with self._lock(command.thread_id):
+            receipt = self._store.receipt(command.command_id)
+            if receipt is not None:
+                return self._replay(command, receipt)
+            state = await self.state(command.thread_id) or ThreadState()
+            decision = decide(state, command, now=self._clock(), new_id=self._new_id,
+                              providers=self.providers)
+            if not decision.events and not decision.effects:
+                return DispatchResult(state.sequence, decision.result)
+            try:
+                outcome = await self._store.commit(decision.commit(command))
+            except _store.FingerprintMismatch as exc:
+                raise T3Error(str(exc), code="invalid_request") from exc
+            if not outcome.committed:
+                return self._replay(command, outcome.receipt)
+            self._apply(decision.events, outcome.sequences)
+        for effect_id in outcome.cancelled_effect_ids:
+            task = self._effect_tasks.get(effect_id)
+            if task is not None:
+                task.cancel()
+        if decision.effects:
+            self._effect_wake.set()
+        return DispatchResult(outcome.receipt.result_sequence, decision.result)
+
+    def _replay(self, command: Any, receipt: _store.Receipt) -> DispatchResult:
+        if receipt.fingerprint != fingerprint(command):
+            raise T3Error(f"the request id behind command {command.command_id!r} was already "
+                          "used for a different request", code="invalid_request")
+        return DispatchResult(receipt.result_sequence, receipt.result, replayed=True)
+
+    def _apply(self, events: Sequence[_store.NewEvent], sequences: Sequence[int]) -> None:
+        touched: set[str] = set()
+        for event, sequence in zip(events, sequences):
+            kind = _store.event_kind(event.type)
+            entity = _ENTITY_TYPES[kind].from_json(event.payload)
+            state = self._states.get(event.thread_id)
+            if state is None and kind == "thread":
+                state = self._states[event.thread_id] = ThreadState()
+            if state is not None:
+                state.put(entity)
+                state.sequence = sequence
+            touched.add(event.thread_id)
+        for thread_id in touched:
+            self._notify(thread_id)
+
+    def _lock(self, thread_id: str) -> asyncio.Lock:
+        lock = self._locks.get(thread_id)
+        if lock is None:
+            lock = self._locks[thread_id] = asyncio.Lock()
+        return lock
+
+    # -- reads and waits -------------------------------------------------------------------------
+
+    async def state(self, thread_id: str) -> ThreadState | None:
+        """The thread's current state (cached; loaded from the store on first use)."""
+        state = self._states.get(thread_id)
+        if state is None:
+            sequence, rows = self._store.thread_entities(thread_id)
+            if not rows["thread"]:
+                return None
+            state = self._states.setdefault(thread_id, ThreadState.load(sequence, rows))
+        return state
+
+    def _signal(self, thread_id: str) -> asyncio.Event:
+        signal = self._signals.get(thread_id)
+        if signal is None:
+            signal = self._signals[thread_id] = asyncio.Event()
+        return signal
+
+    def _notify(self, thread_id: str) -> None:
+        signal = self._signals.pop(thread_id, None)
+        if signal is not None:
+            signal.set()
+
+    async def wait_until(self, thread_id: str, done: Callable[[ThreadState], bool],
+                         timeout_s: float) -> bool:
+        """Wait for ``done(state)``, woken by commits to the thread; False on timeout/shutdown."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            signal = self._signal(thread_id)
+            state = await self.state(thread_id)
+            if state is None or done(state):
+                return True
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0 or self.stopping:
+                return False
+            try:
+                await asyncio.wait_for(signal.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._spawn(self._effect_loop(), "effect-worker")
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s failed", task.get_name(), exc_info=task.exception())
+
+    def begin_shutdown(self) -> None:
+        """Stop taking new effects and end every wait with the state it has now."""
+        self.stopping = True
+        for thread_id in list(self._signals):
+            self._notify(thread_id)
+        self._effect_wake.set()
+
+    async def close(self, *, grace_s: float = 3.0) -> None:
+        """Shut down: provider processes get ``grace_s`` then their groups are killed."""
+        self.begin_shutdown()
+        for task in list(self._effect_tasks.values()):
+            task.cancel()
+        reason = "The t3 server shut down while this run was active."
+        for live in list(self._live.values()):
+            live.closing_reason = reason
+        await asyncio.gather(*(live.handle.close(grace=grace_s) for live in self._live.values()),
+                             return_exceptions=True)
+        await asyncio.gather(*(live.pump_done.wait() for live in list(self._live.values())))
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        released = await self._store.release_leases(owner=self._worker_id, reason=reason,
+                                                    now_ms=_ms())
+        if released:
+            log.info("released %d outbox lease(s)", released)
+
+    async def recover(self, *, reason: str) -> list[str]:
+        """After a restart: settle what the old process left behind. Returns recovered threads."""
+        cancelled, requeued = await self._store.recover_outbox(
+            reason="Cancelled: the server process ended before this effect completed.",
+            now_ms=_ms())
+        if cancelled or requeued:
+            log.info("outbox recovery: %d cancelled, %d requeued", len(cancelled), requeued)
+        recovered = []
+        stamp = self._clock()
+        for thread_id in self._store.threads_needing_recovery():
+            pending_starts = {e.payload.get("runId") for e in self._store.pending_effects(thread_id)
+                              if e.effect_type == "provider-turn.start" and e.attempt_count == 0}
+            result = await self.dispatch(RecoverThread(
+                command_id=f"recover:{thread_id}:{stamp}", thread_id=thread_id, reason=reason,
+                resumable_run_ids=frozenset(r for r in pending_starts if r)))
+            if result.result.get("interruptedRunIds"):
+                recovered.append(thread_id)
+        return recovered
+
+    # -- the effect worker -----------------------------------------------------------------------
+
+    async def _effect_loop(self) -> None:
+        while not self.stopping:
+            self._effect_wake.clear()
+            while len(self._effect_tasks) < self.MAX_CONCURRENT_EFFECTS and not self.stopping:
+                row = await self._store.claim_effect(owner=self._worker_id, now_ms=_ms(),
+                                                     lease_ms=self._lease_ms)
+                if row is None:
+                    break
+                self._effect_tasks[row.effect_id] = self._spawn(self._run_effect(row),
+                                                                f"effect {row.effect_type}")
+            due = self._store.next_effect_due_ms()
+            timeout = None if due is None else max(0.001, (due - _ms()) / 1000)
+            try:
+                await asyncio.wait_for(self._effect_wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def _run_effect(self, row: _store.EffectRow) -> None:
+        renewer = self._spawn(self._renew_lease(row, asyncio.current_task()), "lease")
+        try:
+            await self._execute(row)
+        except asyncio.CancelledError:
+            # Cancelled by a command (its row is already 'cancelled'), by losing the lease, or by
+            # shutdown (close() releases the lease). Nothing to settle here.
+            raise
+        except Exception as exc:  # any failure of the outside world is retried, then recorded
+            await self._effect_failed(row, exc)
+        else:
+            await self._store.settle_effect(row, owner=self._worker_id, status="succeeded")
+        finally:
+            renewer.cancel()
+            self._effect_tasks.pop(row.effect_id, None)
+            self._effect_wake.set()
+
+    async def _renew_lease(self, row: _store.EffectRow, task: asyncio.Task[Any] | None) -> None:
+        while True:
+            await asyncio.sleep(self._lease_ms / 3000)
+            held = await self._store.renew_lease(row, owner=self._worker_id,
+                                                 until_ms=_ms() + self._lease_ms)
+            if not held and task is not None:
+                log.warning("lost the lease on %s; stopping it", row.effect_id)
+                task.cancel()
+                return
+
+    async def _effect_failed(self, row: _store.EffectRow, exc: Exception) -> None:
+        message = f"{type(exc).__name__}: {exc}" if not isinstance(exc, T3Error) else str(exc)
+        last = row.attempt_count >= row.max_attempts or isinstance(exc, _PermanentEffectError)
+        log.warning("effect %s attempt %d failed: %s", row.effect_id, row.attempt_count, message)
+        if not last:
+            delay = min(30_000, self._backoff_base_ms * 2 ** (row.attempt_count - 1))
+            await self._store.settle_effect(row, owner=self._worker_id, status="pending",
+                                            error=message, retry_at_ms=_ms() + delay)
+            return
+        if not await self._store.settle_effect(row, owner=self._worker_id, status="failed",
+                                               error=message):
+            return
+        run_id = row.payload.get("runId")
+        if run_id and row.effect_type.startswith("provider-turn."):
+            try:
+                await self.dispatch(FailRun(
+                    command_id=f"command:effect-failed:{row.effect_id}", thread_id=row.thread_id,
+                    run_id=run_id, attempt_id=None, status=RunStatus.FAILED,
+                    reason=f"{row.effect_type} failed after {row.attempt_count} attempt(s): "
+                           f"{message}"))
+            except CommandRejected:
+                pass
+
+    async def _execute(self, row: _store.EffectRow) -> None:
+        p = row.payload
+        if row.effect_type == "provider-turn.start":
+            await self._start_attempt(row.thread_id, p["runId"], p["attemptId"])
+        elif row.effect_type == "provider-turn.restart":
+            await self._stop_turn(row.thread_id, p["interruptedAttemptId"])
+            await self._start_attempt(row.thread_id, p["runId"], p["attemptId"])
+        elif row.effect_type == "provider-turn.interrupt":
+            await self._interrupt(row.thread_id, p["runId"], p["attemptId"])
+        elif row.effect_type == "provider-turn.steer":
+            await self._steer(row.thread_id, p["runId"], p["attemptId"], p["messageId"])
+        elif row.effect_type == "runtime-request.respond":
+            live = self._live.get(row.thread_id)
+            if live is None or live.session_id != p["providerSessionId"]:
+                raise _PermanentEffectError("the provider session that asked is gone")
+            await live.handle.respond(p["nativeRequestRef"], p.get("decision"), p.get("answers"))
+        elif row.effect_type == "run.finalize":
+            try:
+                await self.dispatch(CompleteRun(command_id=f"command:finalize:{p['runId']}",
+                                                thread_id=row.thread_id, run_id=p["runId"]))
+            except CommandRejected:
+                pass  # already finalized: the effect is idempotent
+        else:
+            raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
+
+    # -- provider sessions -----------------------------------------------------------------------
+
+    async def _start_attempt(self, thread_id: str, run_id: str, attempt_id: str) -> None:
+        state = await self.state(thread_id)
+        run = state.run(run_id) if state else None
+        if state is None or run is None or run.status != RunStatus.STARTING \
+                or run.active_attempt_id != attempt_id:
+            return  # replayed or overtaken: nothing to start
+        live, created = await self._ensure_session(state, run)
+        message = state.entities["message"].get(run.user_message_id)
+        live.turn = (run_id, attempt_id)
+        live.turn_ended = asyncio.Event()
+        try:
+            await self.dispatch(MarkRunStarted(
+                command_id=f"command:start:{attempt_id}", thread_id=thread_id, run_id=run_id,
+                attempt_id=attempt_id, provider_session_id=live.session_id,
+                session_created=created, pid=live.handle.pid,
+                native_thread_ref=live.handle.native_thread_ref,
+                cwd=state.thread.workspace or os.getcwd() if state.thread else os.getcwd()))
+        except CommandRejected:
+            live.turn = None
+            return
+        try:
+            await live.handle.start_turn(message.text if message else "")
+        except Exception as exc:
+            live.turn = None
+            await self.dispatch(FailRun(
+                command_id=f"command:start-failed:{attempt_id}", thread_id=thread_id,
+                run_id=run_id, attempt_id=attempt_id, status=RunStatus.FAILED,
+                reason=f"The provider did not accept the turn: {exc}"))
+
+    async def _ensure_session(self, state: ThreadState, run: Run) -> tuple[_LiveSession, bool]:
+        thread = state.thread
+        assert thread is not None
+        live = self._live.get(thread.id)
+        if live is not None and live.handle.alive() and live.instance_id == run.provider_instance_id:
+            return live, False
+        if live is not None:
+            await live.handle.close()
+            await live.pump_done.wait()
+        adapter = self._adapters.get(run.provider_instance_id)
+        if adapter is None:
+            raise _PermanentEffectError(f"provider instance {run.provider_instance_id!r} is not "
+                                        "configured on this server")
+        pthread = state.entities["provider-thread"].get(run.provider_thread_id)
+        session_id = self._new_id("provider-session")
+        handle = await adapter.open_session(
+            session_id=session_id, thread_id=thread.id, cwd=thread.workspace or os.getcwd(),
+            model=run.model_selection.get("model"), runtime_mode=thread.runtime_mode,
+            interaction_mode=thread.interaction_mode,
+            resume_ref=pthread.native_thread_ref if pthread else None,
+            mcp_servers=self._mcp_servers(thread.id, run.provider_instance_id, session_id))
+        live = _LiveSession(session_id=session_id, thread_id=thread.id,
+                            instance_id=run.provider_instance_id, handle=handle)
+        self._live[thread.id] = live
+        self._spawn(self._pump(live), f"pump {session_id}")
+        return live, True
+
+    async def _pump(self, live: _LiveSession) -> None:
+        """Carry one session's events into ingest commands, in order, each after its commit."""
+        events: asyncio.Queue[Any] = live.handle.events
+        loop = asyncio.get_running_loop()
+        batch_no = 0
+        ended = False
+        try:
+            while not ended:
+                event = await events.get()
+                if event is None:
+                    break
+                batch = [event]
+                if isinstance(event, (TextDelta, ReasoningDelta)):
+                    deadline = loop.time() + self._coalesce_s
+                    while isinstance(batch[-1], (TextDelta, ReasoningDelta)):
+                        remaining = deadline - loop.time()
+                        if remaining <= 0:
+                            break
+                        try:
+                            nxt = await asyncio.wait_for(events.get(), remaining)
+                        except TimeoutError:
+                            break
+                        if nxt is None:
+                            ended = True
+                            break
+                        batch.append(nxt)
+                if live.turn is None:
+                    log.debug("dropping %d event(s) outside a turn on %s", len(batch),
+                              live.session_id)
+                    continue
+                run_id, attempt_id = live.turn
+                batch_no += 1
+                await self._ingest(live, run_id, attempt_id, batch_no, _merge_deltas(batch))
+                if any(isinstance(e, TurnEnded) for e in batch):
+                    live.turn = None
+                    live.turn_ended.set()
+        finally:
+            await self._session_gone(live)
+
+    async def _ingest(self, live: _LiveSession, run_id: str, attempt_id: str, batch_no: int,
+                      events: tuple[AdapterEvent, ...]) -> None:
+        command = IngestProviderEvents(
+            command_id=f"ingest:{attempt_id}:{live.session_id}:{batch_no}",
+            thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
+            provider_session_id=live.session_id, events=events)
+        delay = 0.05
+        while True:
+            try:
+                await self.dispatch(command)
+                return
+            except CommandRejected as exc:
+                log.warning("provider events for %s were not recorded: %s", attempt_id, exc)
+                return
+            except _store.StoreError as exc:
+                # The events stay in memory and are retried: ingest is acknowledged only
+                # after its commit.
+                log.error("could not record provider events (retrying): %s", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _session_gone(self, live: _LiveSession) -> None:
+        """The provider process ended: its turn and session end with a visible reason."""
+        try:
+            reason = live.closing_reason or getattr(live.handle, "exit_reason", None) \
+                or "The provider process exited."
+            if live.turn is not None:
+                run_id, attempt_id = live.turn
+                status = RunStatus.INTERRUPTED if (attempt_id in live.interrupting
+                                                   or live.closing_reason) else RunStatus.FAILED
+                live.turn = None
+                live.turn_ended.set()
+                try:
+                    await self.dispatch(FailRun(
+                        command_id=f"command:session-gone:{live.session_id}:{attempt_id}",
+                        thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
+                        status=status, reason=reason))
+                except CommandRejected:
+                    pass
+            try:
+                await self.dispatch(EndProviderSession(
+                    command_id=f"command:session-end:{live.session_id}", thread_id=live.thread_id,
+                    provider_session_id=live.session_id,
+                    status="stopped" if live.closing_reason else "error", reason=reason))
+            except CommandRejected:
+                pass
+        finally:
+            if self._live.get(live.thread_id) is live:
+                del self._live[live.thread_id]
+            live.pump_done.set()
+
+    async def _stop_turn(self, thread_id: str, attempt_id: str) -> None:
+        """Interrupt the attempt's turn and wait for it to end; kill the process if it won't."""
+        live = self._live.get(thread_id)
+        if live is None or live.turn is None or live.turn[1] != attempt_id:
+            return
+        live.interrupting.add(attempt_id)
+        ended = live.turn_ended
+        await live.handle.interrupt_turn()
+        try:
+            await asyncio.wait_for(ended.wait(), self.INTERRUPT_GRACE_S)
+        except TimeoutError:
+            log.warning("provider ignored the interrupt of %s; killing its session", attempt_id)
+            live.closing_reason = "The provider did not stop the turn when asked; t3 ended it."
+            await live.handle.close(grace=1.0)
+            await live.pump_done.wait()
+
+    async def _interrupt(self, thread_id: str, run_id: str, attempt_id: str) -> None:
+        live = self._live.get(thread_id)
+        if live is None or live.turn != (run_id, attempt_id):
+            state = await self.state(thread_id)
+            run = state.run(run_id) if state else None
+            if run is not None and run.status == RunStatus.RUNNING and \
+                    run.active_attempt_id == attempt_id:
+                await self.dispatch(FailRun(
+                    command_id=f"command:interrupt-orphan:{attempt_id}", thread_id=thread_id,
+                    run_id=run_id, attempt_id=attempt_id, status=RunStatus.INTERRUPTED,
+                    reason="Interrupted; its provider session was already gone."))
+            return
+        await self._stop_turn(thread_id, attempt_id)
+
+    async def _steer(self, thread_id: str, run_id: str, attempt_id: str, message_id: str) -> None:
+        live = self._live.get(thread_id)
+        state = await self.state(thread_id)
+        message = state.entities["message"].get(message_id) if state else None
+        if live is None or live.turn != (run_id, attempt_id) or message is None:
+            raise _PermanentEffectError("the turn to steer is no longer live")
+        await live.handle.steer_turn(message.text)
+
+
+def _ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _merge_deltas(batch: Sequence[AdapterEvent]) -> tuple[AdapterEvent, ...]:
+    """Join runs of deltas of one kind: the same text in one event per run of chunks."""
+    merged: list[AdapterEvent] = []
+    for event in batch:
+        last = merged[-1] if merged else None
+        if isinstance(event, TextDelta) and isinstance(last, TextDelta):
+            merged[-1] = TextDelta(last.text + event.text)
+        elif isinstance(event, ReasoningDelta) and isinstance(last, ReasoningDelta):
+            merged[-1] = ReasoningDelta(last.text + event.text)
+        else:
+            merged.append(event)
+    return tuple(merged)

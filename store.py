@@ -1,0 +1,725 @@
+"""store.py: t3's only door to SQLite (stdlib ``sqlite3``).
+
+What it owns:
+- Schema: ``sql/NNNN_name.sql`` applied in order at open, each file in one ``BEGIN IMMEDIATE``
+  transaction together with ``PRAGMA user_version = NNNN``. An older database is copied into
+  ``backups/`` (sqlite3 backup API, temp file + rename) before it is migrated; a newer one is
+  refused untouched.
+- One writer: a dedicated thread owns the only write connection and runs one job at a time
+  from a queue, each inside ``BEGIN IMMEDIATE``; callers await a future. Reads use a separate
+  ``query_only`` connection.
+- ``commit``: a command's receipt, its events (global ``sequence``, per-thread
+  ``stream_version``), the projection rows those events imply, its outbox rows and any outbox
+  cancellations, in ONE transaction. A command id seen before is answered from its receipt.
+- The effect outbox: claim with a lease, renew, settle fenced by attempt number, recovery
+  after a lost process.
+
+What it refuses to do: decide anything. It never imports another layer of t3; it stores and
+returns JSON-shaped dicts and leaves their meaning to ``orchestrator.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "SQL_DIR",
+    "StoreError",
+    "DatabaseTooNew",
+    "FingerprintMismatch",
+    "NewEvent",
+    "NewEffect",
+    "Commit",
+    "CommitResult",
+    "Receipt",
+    "EffectRow",
+    "Store",
+    "apply_migrations",
+    "schema_files",
+]
+
+SQL_DIR = Path(__file__).resolve().parent / "sql"
+log = logging.getLogger("t3.store")
+T = TypeVar("T")
+
+
+class StoreError(Exception):
+    """The database could not complete the operation."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class DatabaseTooNew(StoreError):
+    """The database was written by a newer t3; it was left untouched."""
+
+
+class FingerprintMismatch(StoreError):
+    """This command id was already used for a different command payload."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Values crossing the boundary
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    event_id: str
+    thread_id: str
+    type: str
+    occurred_at: str
+    payload: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class NewEffect:
+    effect_id: str
+    thread_id: str
+    effect_type: str
+    payload: Mapping[str, Any]
+    replay_safe: bool
+    max_attempts: int = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Everything one accepted command writes, committed atomically."""
+
+    command_id: str
+    command_type: str
+    fingerprint: str
+    thread_id: str | None
+    events: Sequence[NewEvent]
+    effects: Sequence[NewEffect] = ()
+    result: Mapping[str, Any] = field(default_factory=dict)
+    # Outbox rows of these types for this thread that are not settled yet become cancelled.
+    cancel_effect_types: Sequence[str] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    command_id: str
+    command_type: str
+    fingerprint: str
+    thread_id: str | None
+    status: str
+    result_sequence: int
+    result: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    committed: bool  # False: the receipt already existed and nothing was written
+    receipt: Receipt
+    sequences: Sequence[int] = ()
+    cancelled_effect_ids: Sequence[str] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EffectRow:
+    effect_id: str
+    command_id: str
+    thread_id: str
+    effect_type: str
+    payload: Mapping[str, Any]
+    replay_safe: bool
+    status: str
+    attempt_count: int
+    max_attempts: int
+    available_at_ms: int
+    lease_owner: str | None
+    lease_expires_ms: int | None
+    last_error: str | None
+
+
+def _effect_from_row(row: sqlite3.Row) -> EffectRow:
+    if row["status"] not in ("pending", "running", "succeeded", "failed", "cancelled"):
+        raise StoreError(f"unknown outbox status {row['status']!r}")
+    return EffectRow(
+        effect_id=row["effect_id"],
+        command_id=row["command_id"],
+        thread_id=row["thread_id"],
+        effect_type=row["effect_type"],
+        payload=json.loads(row["payload_json"]),
+        replay_safe=bool(row["replay_safe"]),
+        status=row["status"],
+        attempt_count=row["attempt_count"],
+        max_attempts=row["max_attempts"],
+        available_at_ms=row["available_at_ms"],
+        lease_owner=row["lease_owner"],
+        lease_expires_ms=row["lease_expires_ms"],
+        last_error=row["last_error"],
+    )
+
+
+def _receipt_from_row(row: sqlite3.Row) -> Receipt:
+    if row["status"] not in ("accepted", "rejected"):
+        raise StoreError(f"unknown receipt status {row['status']!r}")
+    return Receipt(
+        command_id=row["command_id"],
+        command_type=row["command_type"],
+        fingerprint=row["fingerprint"],
+        thread_id=row["thread_id"],
+        status=row["status"],
+        result_sequence=row["result_sequence"],
+        result=json.loads(row["result_json"]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Projections: which table an event's entity lands in, and the columns reads index.
+# (kind, table, primary key column, payload key of the id, {column: payload key})
+
+_PROJECTIONS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "thread": ("threads", "thread_id", {
+        "thread_id": "id", "project_id": "projectId", "parent_thread_id": "lineage.parentThreadId",
+        "created_at": "createdAt", "updated_at": "updatedAt", "deleted_at": "deletedAt"}),
+    "run": ("runs", "run_id", {
+        "run_id": "id", "thread_id": "threadId", "ordinal": "ordinal", "status": "status"}),
+    "run-attempt": ("run_attempts", "attempt_id", {
+        "attempt_id": "id", "thread_id": "threadId", "run_id": "runId"}),
+    "node": ("nodes", "node_id", {"node_id": "id", "thread_id": "threadId", "run_id": "runId"}),
+    "provider-session": ("provider_sessions", "provider_session_id", {
+        "provider_session_id": "id", "thread_id": "threadId", "status": "status"}),
+    "provider-thread": ("provider_threads", "provider_thread_id", {
+        "provider_thread_id": "id", "thread_id": "appThreadId"}),
+    "provider-turn": ("provider_turns", "provider_turn_id", {
+        "provider_turn_id": "id", "thread_id": "threadId"}),
+    "runtime-request": ("runtime_requests", "runtime_request_id", {
+        "runtime_request_id": "id", "thread_id": "threadId", "status": "status"}),
+    "message": ("messages", "message_id", {
+        "message_id": "id", "thread_id": "threadId", "run_id": "runId"}),
+    "turn-item": ("turn_items", "turn_item_id", {
+        "turn_item_id": "id", "thread_id": "threadId", "position": "position", "type": "type"}),
+}
+PROJECTION_KINDS = tuple(_PROJECTIONS)
+
+
+def _upsert_sql(table: str, pk: str, columns: Mapping[str, str]) -> str:
+    names = [*columns, "payload_json"]
+    updates = ", ".join(f"{n} = excluded.{n}" for n in names if n != pk)
+    return (f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))}) "
+            f"ON CONFLICT ({pk}) DO UPDATE SET {updates}")
+
+
+_UPSERTS = {kind: _upsert_sql(*spec) for kind, spec in _PROJECTIONS.items()}
+
+
+def _pluck(payload: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = payload
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def event_kind(event_type: str) -> str:
+    """``run.updated`` -> ``run``; ``provider-turn.updated`` -> ``provider-turn``."""
+    return event_type.rsplit(".", 1)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Statements
+
+_INSERT_RECEIPT = """
+INSERT INTO command_receipts (command_id, command_type, fingerprint, thread_id, status,
+                              result_sequence, result_json, error, accepted_at)
+VALUES (?, ?, ?, ?, 'accepted', 0, ?, NULL, ?)
+ON CONFLICT (command_id) DO NOTHING
+"""
+_SELECT_RECEIPT = "SELECT * FROM command_receipts WHERE command_id = ?"
+_FINISH_RECEIPT = "UPDATE command_receipts SET result_sequence = ? WHERE command_id = ?"
+_NEXT_STREAM_VERSION = "SELECT COALESCE(MAX(stream_version) + 1, 0) FROM events WHERE thread_id = ?"
+_INSERT_EVENT = """
+INSERT INTO events (event_id, thread_id, stream_version, command_id, type, occurred_at, payload_json)
+VALUES (?, ?, ?, ?, ?, ?, ?)
+RETURNING sequence
+"""
+_MAX_SEQUENCE = "SELECT COALESCE(MAX(sequence), 0) FROM events"
+_INSERT_EFFECT = """
+INSERT INTO effect_outbox (effect_id, command_id, thread_id, effect_type, payload_json, replay_safe,
+                           status, attempt_count, max_attempts, available_at_ms, created_at, updated_at)
+VALUES (?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)
+ON CONFLICT (effect_id) DO NOTHING
+"""
+_CANCEL_EFFECTS = """
+UPDATE effect_outbox SET status = 'cancelled', lease_owner = NULL, lease_expires_ms = NULL,
+       last_error = ?, updated_at = ?
+WHERE thread_id = ? AND effect_type = ? AND status IN ('pending', 'running')
+RETURNING effect_id
+"""
+# A row is claimable when it is due and pending, or running with an expired lease (its worker
+# is presumed dead; the attempt number fences that worker out). At most one row per thread
+# runs at a time, so a thread's provider effects happen in order.
+_CLAIM_EFFECT = """
+UPDATE effect_outbox
+SET status = 'running', attempt_count = attempt_count + 1, lease_owner = :owner,
+    lease_expires_ms = :now + :lease, last_error = NULL, updated_at = :stamp
+WHERE effect_id = (
+    SELECT o.effect_id FROM effect_outbox o
+    WHERE ((o.status = 'pending' AND o.available_at_ms <= :now)
+           OR (o.status = 'running' AND o.lease_expires_ms < :now))
+      AND NOT EXISTS (SELECT 1 FROM effect_outbox r
+                      WHERE r.thread_id = o.thread_id AND r.status = 'running'
+                        AND r.lease_expires_ms >= :now AND r.effect_id <> o.effect_id)
+    ORDER BY o.available_at_ms, o.created_at, o.effect_id
+    LIMIT 1)
+RETURNING *
+"""
+_RENEW_LEASE = """
+UPDATE effect_outbox SET lease_expires_ms = ?, updated_at = ?
+WHERE effect_id = ? AND status = 'running' AND lease_owner = ? AND attempt_count = ?
+"""
+_SETTLE_EFFECT = """
+UPDATE effect_outbox
+SET status = ?, available_at_ms = ?, last_error = ?, lease_owner = NULL, lease_expires_ms = NULL,
+    updated_at = ?
+WHERE effect_id = ? AND status = 'running' AND lease_owner = ? AND attempt_count = ?
+"""
+# When the worker should look again: the earliest pending row not held back by a running row of
+# its thread (a settle wakes the worker for those), or the earliest lease to expire.
+_NEXT_DUE = """
+SELECT MIN(t) FROM (
+    SELECT o.available_at_ms AS t FROM effect_outbox o
+    WHERE o.status = 'pending'
+      AND NOT EXISTS (SELECT 1 FROM effect_outbox r
+                      WHERE r.thread_id = o.thread_id AND r.status = 'running')
+    UNION ALL
+    SELECT lease_expires_ms FROM effect_outbox WHERE status = 'running')
+"""
+# Thread shells of one project, newest activity first.
+_LIST_THREADS = """
+SELECT t.payload_json AS thread_json,
+       lr.run_id AS latest_run_id, lr.status AS latest_status,
+       MAX(t.updated_at, COALESCE(json_extract(lr.payload_json, '$.requestedAt'), ''),
+           COALESCE(json_extract(lr.payload_json, '$.completedAt'), '')) AS activity_at,
+       (SELECT COUNT(*) FROM turn_items i WHERE i.thread_id = t.thread_id) AS item_count,
+       (SELECT COUNT(*) FROM runtime_requests q
+        WHERE q.thread_id = t.thread_id AND q.status = 'pending') AS pending_count
+FROM threads t
+LEFT JOIN runs lr ON lr.run_id = (SELECT r.run_id FROM runs r WHERE r.thread_id = t.thread_id
+                                  ORDER BY r.ordinal DESC LIMIT 1)
+WHERE t.project_id = ? AND t.deleted_at IS NULL
+ORDER BY activity_at DESC, t.thread_id DESC
+"""
+_THREADS_NEEDING_RECOVERY = """
+SELECT thread_id FROM runs WHERE status IN ('preparing', 'starting', 'running', 'queued')
+UNION SELECT thread_id FROM provider_sessions WHERE status NOT IN ('stopped', 'error')
+UNION SELECT thread_id FROM runtime_requests WHERE status = 'pending'
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Connections and schema
+
+
+def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
+    """The one place connection policy is set. ``isolation_level=None``: we issue BEGIN ourselves."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=5.0)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode = WAL")
+    # FULL: an acknowledged command is a promise; WAL+NORMAL can lose the last commits on power loss.
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute("PRAGMA foreign_keys = ON")
+    conn.execute("PRAGMA busy_timeout = 5000")
+    if readonly:
+        conn.execute("PRAGMA query_only = ON")
+    return conn
+
+
+@contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    # BEGIN IMMEDIATE takes the write lock up front: a deferred transaction that reads then
+    # writes can fail with SQLITE_BUSY at once in WAL mode instead of waiting out busy_timeout.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        # SQLITE_FULL / IOERR may already have rolled back; ROLLBACK then raises, and that
+        # error must not hide the original one.
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+        raise
+    conn.execute("COMMIT")
+
+
+_SCHEMA_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+
+
+def schema_files(sql_dir: Path = SQL_DIR) -> list[tuple[int, Path]]:
+    files = []
+    for path in sorted(sql_dir.iterdir()):
+        match = _SCHEMA_NAME.match(path.name)
+        if match:
+            files.append((int(match.group(1)), path))
+    versions = [v for v, _ in files]
+    if versions != list(range(1, len(versions) + 1)):
+        raise StoreError(f"schema files in {sql_dir} must be numbered 0001, 0002, ... without gaps")
+    return files
+
+
+def _statements(script: str) -> Iterator[str]:
+    buffer = ""
+    for line in script.splitlines(keepends=True):
+        buffer += line
+        if sqlite3.complete_statement(buffer):
+            statement = buffer.strip()
+            buffer = ""
+            if statement and not all(l.strip().startswith("--") or not l.strip()
+                                     for l in statement.splitlines()):
+                yield statement
+    if buffer.strip() and not all(l.strip().startswith("--") or not l.strip()
+                                  for l in buffer.splitlines()):
+        raise StoreError("schema file ends with an incomplete statement")
+
+
+def apply_migrations(path: Path, *, backups_dir: Path, sql_dir: Path = SQL_DIR,
+                     stop_after: int | None = None) -> int:
+    """Bring the database at ``path`` to the newest schema (or ``stop_after``); return its version."""
+    files = schema_files(sql_dir)
+    latest = files[-1][0] if files else 0
+    if path.exists():
+        # Look before touching anything: opening in WAL mode would already modify a newer file.
+        probe = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            current = probe.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            probe.close()
+        if current > latest:
+            raise DatabaseTooNew(f"{path} has schema version {current}, newer than this t3 "
+                                 f"(knows {latest}); it was left untouched")
+        if 0 < current < min(latest, stop_after or latest):
+            _backup(path, backups_dir, current)
+    conn = connect(path)
+    try:
+        current = conn.execute("PRAGMA user_version").fetchone()[0]
+        for version, file in files:
+            if version <= current or (stop_after is not None and version > stop_after):
+                continue
+            with _transaction(conn):
+                for statement in _statements(file.read_text()):
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {version:d}")
+            log.info("applied schema %s", file.name)
+            current = version
+        return current
+    finally:
+        conn.close()
+
+
+def _backup(path: Path, backups_dir: Path, version: int) -> Path:
+    backups_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = backups_dir / f"t3-v{version}-{stamp}.sqlite"
+    temp = target.with_suffix(".sqlite.tmp")
+    source = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    dest = sqlite3.connect(temp)
+    try:
+        source.backup(dest)
+    finally:
+        dest.close()
+        source.close()
+    os.replace(temp, target)
+    log.info("backed up schema v%d database to %s before migrating", version, target)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# The store
+
+
+def _now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z"
+
+
+_STOP = object()
+
+
+class Store:
+    """The database of one t3 data directory. Create with ``Store.open``; close with ``close``."""
+
+    def __init__(self, path: Path, *, backups_dir: Path) -> None:
+        self.path = path
+        apply_migrations(path, backups_dir=backups_dir)
+        self._reader = connect(path, readonly=True)
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="t3-store-writer", daemon=True)
+        self._write_conn = connect(path)
+        self._closed = False
+        self._writer.start()
+
+    # -- the writer thread -------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        conn = self._write_conn
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                break
+            fn, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with _transaction(conn):
+                    result = fn(conn)
+            except BaseException as exc:  # handed to the awaiting caller, not swallowed
+                future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
+            else:
+                future.set_result(result)
+        conn.close()
+
+    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn(conn)`` in one BEGIN IMMEDIATE transaction on the writer thread."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        # Shielded: once queued, the write happens; a cancelled caller must not leave the
+        # future unobserved, and a commit in flight cannot be recalled anyway.
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(_STOP)
+        self._writer.join(timeout=30)
+        self._reader.close()
+
+    # -- commands ------------------------------------------------------------------------------
+
+    async def commit(self, commit: Commit) -> CommitResult:
+        return await self.write(lambda conn: _commit(conn, commit))
+
+    def receipt(self, command_id: str) -> Receipt | None:
+        row = self._reader.execute(_SELECT_RECEIPT, (command_id,)).fetchone()
+        return _receipt_from_row(row) if row else None
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def read(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[sqlite3.Row]:
+        return self._reader.execute(sql, params).fetchall()
+
+    def thread_entities(self, thread_id: str) -> tuple[int, dict[str, list[dict[str, Any]]]]:
+        """Every projected entity of one thread and the sequence it reflects, in one snapshot."""
+        conn = self._reader
+        conn.execute("BEGIN")
+        try:
+            entities: dict[str, list[dict[str, Any]]] = {}
+            for kind, (table, _, columns) in _PROJECTIONS.items():
+                thread_col = "thread_id"
+                rows = conn.execute(
+                    f"SELECT payload_json FROM {table} WHERE {thread_col} = ?", (thread_id,)
+                ).fetchall()
+                entities[kind] = [json.loads(r[0]) for r in rows]
+            sequence = conn.execute(_MAX_SEQUENCE).fetchone()[0]
+        finally:
+            conn.execute("COMMIT")
+        return sequence, entities
+
+    def list_threads(self, project_id: str) -> list[dict[str, Any]]:
+        return [{"thread": json.loads(r["thread_json"]), "latestRunId": r["latest_run_id"],
+                 "status": r["latest_status"] or "idle", "updatedAt": r["activity_at"],
+                 "itemCount": r["item_count"], "pendingRequestCount": r["pending_count"]}
+                for r in self.read(_LIST_THREADS, (project_id,))]
+
+    def max_sequence(self) -> int:
+        return self._reader.execute(_MAX_SEQUENCE).fetchone()[0]
+
+    def events_after(self, sequence: int, *, thread_id: str | None = None,
+                     limit: int = 1000) -> list[dict[str, Any]]:
+        if thread_id is None:
+            rows = self.read("SELECT * FROM events WHERE sequence > ? ORDER BY sequence LIMIT ?",
+                             (sequence, limit))
+        else:
+            rows = self.read("SELECT * FROM events WHERE thread_id = ? AND sequence > ? "
+                             "ORDER BY sequence LIMIT ?", (thread_id, sequence, limit))
+        return [{"sequence": r["sequence"], "eventId": r["event_id"], "threadId": r["thread_id"],
+                 "streamVersion": r["stream_version"], "commandId": r["command_id"],
+                 "type": r["type"], "occurredAt": r["occurred_at"],
+                 "payload": json.loads(r["payload_json"])} for r in rows]
+
+    # -- server facts and projects (configuration, not events) -----------------------------------
+
+    async def meta(self, key: str, default: str) -> str:
+        """The stored value of ``key``, storing ``default`` first if there is none."""
+        def run(conn: sqlite3.Connection) -> str:
+            conn.execute("INSERT INTO server_meta (key, value) VALUES (?, ?) "
+                         "ON CONFLICT (key) DO NOTHING", (key, default))
+            return conn.execute("SELECT value FROM server_meta WHERE key = ?",
+                                (key,)).fetchone()[0]
+        return await self.write(run)
+
+    async def sync_projects(self, projects: Sequence[Mapping[str, str]]) -> None:
+        def run(conn: sqlite3.Connection) -> None:
+            for p in projects:
+                conn.execute("INSERT INTO projects (project_id, path, title) VALUES (?, ?, ?) "
+                             "ON CONFLICT (project_id) DO UPDATE SET path = excluded.path, "
+                             "title = excluded.title", (p["id"], p["path"], p["title"]))
+        await self.write(run)
+
+    # -- the effect outbox -----------------------------------------------------------------------
+
+    async def claim_effect(self, *, owner: str, now_ms: int, lease_ms: int) -> EffectRow | None:
+        params = {"owner": owner, "now": now_ms, "lease": lease_ms, "stamp": _now_iso()}
+
+        def run(conn: sqlite3.Connection) -> EffectRow | None:
+            row = conn.execute(_CLAIM_EFFECT, params).fetchone()
+            return _effect_from_row(row) if row else None
+        return await self.write(run)
+
+    async def renew_lease(self, effect: EffectRow, *, owner: str, until_ms: int) -> bool:
+        def run(conn: sqlite3.Connection) -> bool:
+            cur = conn.execute(_RENEW_LEASE, (until_ms, _now_iso(), effect.effect_id, owner,
+                                              effect.attempt_count))
+            return cur.rowcount == 1
+        return await self.write(run)
+
+    async def settle_effect(self, effect: EffectRow, *, owner: str, status: str,
+                            error: str | None = None, retry_at_ms: int = 0) -> bool:
+        """Finish a claimed row. False when this worker no longer holds it (fenced out)."""
+        if status not in ("pending", "succeeded", "failed", "cancelled"):
+            raise ValueError(f"cannot settle an effect as {status!r}")
+
+        def run(conn: sqlite3.Connection) -> bool:
+            cur = conn.execute(_SETTLE_EFFECT, (status, retry_at_ms, error, _now_iso(),
+                                                effect.effect_id, owner, effect.attempt_count))
+            return cur.rowcount == 1
+        return await self.write(run)
+
+    def next_effect_due_ms(self) -> int | None:
+        return self._reader.execute(_NEXT_DUE).fetchone()[0]
+
+    def pending_effects(self, thread_id: str) -> list[EffectRow]:
+        return [_effect_from_row(r) for r in self._reader.execute(
+            "SELECT * FROM effect_outbox WHERE thread_id = ? AND status = 'pending'",
+            (thread_id,))]
+
+    def threads_needing_recovery(self) -> list[str]:
+        return [r[0] for r in self._reader.execute(_THREADS_NEEDING_RECOVERY)]
+
+    def effect(self, effect_id: str) -> EffectRow | None:
+        row = self._reader.execute("SELECT * FROM effect_outbox WHERE effect_id = ?",
+                                   (effect_id,)).fetchone()
+        return _effect_from_row(row) if row else None
+
+    async def recover_outbox(self, *, reason: str, now_ms: int) -> tuple[list[EffectRow], int]:
+        """After a lost process: cancel process-bound rows that had started, requeue the rest.
+
+        A process-bound row that never ran (attempt_count 0) touched nothing and stays pending.
+        Returns the cancelled rows and the number of requeued rows.
+        """
+        def run(conn: sqlite3.Connection) -> tuple[list[EffectRow], int]:
+            stamp = _now_iso()
+            cancelled = conn.execute(
+                "UPDATE effect_outbox SET status = 'cancelled', lease_owner = NULL, "
+                "lease_expires_ms = NULL, last_error = ?, updated_at = ? "
+                "WHERE replay_safe = 0 AND (status = 'running' OR "
+                "(status = 'pending' AND attempt_count > 0)) RETURNING *", (reason, stamp)
+            ).fetchall()
+            requeued = conn.execute(
+                "UPDATE effect_outbox SET status = 'pending', available_at_ms = ?, "
+                "lease_owner = NULL, lease_expires_ms = NULL, updated_at = ? "
+                "WHERE status = 'running'", (now_ms, stamp)).rowcount
+            return [_effect_from_row(r) for r in cancelled], requeued
+        return await self.write(run)
+
+    async def release_leases(self, *, owner: str, reason: str, now_ms: int) -> int:
+        """At shutdown: replay-safe rows go back to pending; process-bound ones are cancelled."""
+        def run(conn: sqlite3.Connection) -> int:
+            stamp = _now_iso()
+            n = conn.execute("UPDATE effect_outbox SET status = 'pending', available_at_ms = ?, "
+                             "attempt_count = attempt_count - 1, lease_owner = NULL, "
+                             "lease_expires_ms = NULL, updated_at = ? WHERE status = 'running' "
+                             "AND lease_owner = ? AND replay_safe = 1",
+                             (now_ms, stamp, owner)).rowcount
+            n += conn.execute("UPDATE effect_outbox SET status = 'cancelled', lease_owner = NULL, "
+                              "lease_expires_ms = NULL, last_error = ?, updated_at = ? "
+                              "WHERE status = 'running' AND lease_owner = ?",
+                              (reason, stamp, owner)).rowcount
+            return n
+        return await self.write(run)
+
+
+def _translate(exc: BaseException) -> BaseException:
+    if isinstance(exc, sqlite3.Error):
+        err = StoreError(f"database error: {exc}")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
+    stamp = _now_iso()
+    inserted = conn.execute(_INSERT_RECEIPT, (
+        commit.command_id, commit.command_type, commit.fingerprint, commit.thread_id,
+        json.dumps(commit.result, separators=(",", ":")), stamp)).rowcount
+    if not inserted:
+        existing = _receipt_from_row(conn.execute(_SELECT_RECEIPT, (commit.command_id,)).fetchone())
+        if existing.fingerprint != commit.fingerprint:
+            raise FingerprintMismatch(
+                f"command id {commit.command_id!r} was already used for a different request")
+        return CommitResult(committed=False, receipt=existing)
+    sequences: list[int] = []
+    versions: dict[str, int] = {}
+    for event in commit.events:
+        if event.thread_id not in versions:
+            versions[event.thread_id] = conn.execute(_NEXT_STREAM_VERSION,
+                                                     (event.thread_id,)).fetchone()[0]
+        payload_json = json.dumps(event.payload, separators=(",", ":"))
+        sequence = conn.execute(_INSERT_EVENT, (
+            event.event_id, event.thread_id, versions[event.thread_id], commit.command_id,
+            event.type, event.occurred_at, payload_json)).fetchone()[0]
+        versions[event.thread_id] += 1
+        sequences.append(sequence)
+        _project(conn, event.type, event.payload, payload_json)
+    cancelled: list[str] = []
+    for effect_type in commit.cancel_effect_types:
+        cancelled += [r[0] for r in conn.execute(_CANCEL_EFFECTS, (
+            f"cancelled by command {commit.command_id}", stamp, commit.thread_id, effect_type))]
+    now_ms = int(time.time() * 1000)
+    for effect in commit.effects:
+        conn.execute(_INSERT_EFFECT, (
+            effect.effect_id, commit.command_id, effect.thread_id, effect.effect_type,
+            json.dumps(effect.payload, separators=(",", ":")), int(effect.replay_safe),
+            effect.max_attempts, now_ms, stamp, stamp))
+    result_sequence = sequences[-1] if sequences else conn.execute(_MAX_SEQUENCE).fetchone()[0]
+    conn.execute(_FINISH_RECEIPT, (result_sequence, commit.command_id))
+    receipt = Receipt(commit.command_id, commit.command_type, commit.fingerprint, commit.thread_id,
+                      "accepted", result_sequence, commit.result)
+    return CommitResult(committed=True, receipt=receipt, sequences=sequences,
+                        cancelled_effect_ids=cancelled)
+
+
+def _project(conn: sqlite3.Connection, event_type: str, payload: Mapping[str, Any],
+             payload_json: str) -> None:
+    kind = event_kind(event_type)
+    spec = _PROJECTIONS.get(kind)
+    if spec is None:
+        raise StoreError(f"no projection for event type {event_type!r}")
+    _, _, columns = spec
+    values = [_pluck(payload, key) for key in columns.values()]
+    conn.execute(_UPSERTS[kind], (*values, payload_json))
+
+
+def rebuild_projections(conn: sqlite3.Connection) -> None:
+    """Replay the whole event log into empty projection tables (used by replay-equivalence tests)."""
+    for table, _, _ in _PROJECTIONS.values():
+        conn.execute(f"DELETE FROM {table}")
+    for row in conn.execute("SELECT type, payload_json FROM events ORDER BY sequence").fetchall():
+        _project(conn, row[0], json.loads(row[1]), row[1])

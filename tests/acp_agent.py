@@ -1,0 +1,462 @@
+#!/usr/bin/env python3
+"""Scripted ACP agent: a fast, deterministic stand-in for an ACP agent CLI in tests.
+
+Speaks ACP (JSON-RPC 2.0, one JSON object per line) on stdin/stdout; stdout carries only
+protocol lines, diagnostics go to stderr. What a `session/prompt` does depends on trigger words
+in its text (case-sensitive tokens, checked in this order):
+
+  CRASH                one chunk "about to crash", then exit code 3 without answering
+  HANG                 ignore SIGTERM and block forever (nothing is answered any more)
+  FAIL                 one chunk "failing now", then JSON-RPC error -32603 "scripted failure"
+  THINK / PLAN         modifiers: an agent_thought_chunk / a plan update, then the reply below
+  ASK_PERMISSION       tool_call + session/request_permission; the reply depends on the answer
+  SLOW[:n]             n chunks "chunk <i> " (default 40), SCRIPTED_AGENT_CHUNK_DELAY seconds
+                       apart (default 0.05), then "done"; session/cancel stops it at once
+  FAST:n               n tiny chunks as fast as possible (throughput benchmarks)
+  ECHO_CWD             reply with the session cwd
+  ECHO_MCP             reply with the session's mcpServers, header values redacted
+  CALL_TOOL name {..}  call an MCP tool on the session's first http MCP server (rest of the
+                       line is the JSON arguments); reply "TOOL_RESULT: .." or "TOOL_ERROR: .."
+  (anything else)      "Hello from scripted agent. You said: <text>" in 3 chunks
+
+Options: --state-dir DIR (default $SCRIPTED_AGENT_STATE, else /tmp/scripted-acp-agent) holds one
+history file per session for session/load; --no-load hides loadSession and refuses session/load.
+Env SCRIPTED_AGENT_LOG=FILE appends {"pid", "dir": "in"|"out", "msg"} per message received/sent.
+A session/cancel ends the running prompt and any queued ones received before it as "cancelled".
+"""
+import argparse, asyncio, itertools, json, os, re, signal, sys, tempfile, threading, time
+import urllib.error, urllib.request, uuid
+from dataclasses import dataclass, field
+
+MODES = {"currentModeId": "default", "availableModes": [
+    {"id": "default", "name": "Default"}, {"id": "plan", "name": "Plan"}]}
+MODELS = {"currentModelId": "scripted-1", "availableModels": [
+    {"modelId": "scripted-1", "name": "Scripted 1"}, {"modelId": "scripted-2", "name": "Scripted 2"}]}
+PERMISSION_OPTIONS = [
+    {"optionId": "allow-once", "name": "Allow", "kind": "allow_once"},
+    {"optionId": "allow-always", "name": "Always allow", "kind": "allow_always"},
+    {"optionId": "reject-once", "name": "Reject", "kind": "reject_once"}]
+MCP_VERSION = "2025-06-18"
+MCP_TIMEOUT = 120.0
+
+
+def log(*parts):
+    print("scripted-acp-agent:", *parts, file=sys.stderr, flush=True)
+
+
+def has_word(text, word):
+    return re.search(rf"(?<!\w){word}(?!\w)", text) is not None
+
+
+class RpcError(Exception):
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class McpError(Exception):
+    pass
+
+
+@dataclass
+class Session:
+    cwd: str
+    mcp_servers: list
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO queue of prompts
+    running: asyncio.Task | None = None
+    cancels: int = 0  # bumped by session/cancel; prompts received before it are cancelled
+
+
+class Turn:
+    """Sends the session/update notifications of one prompt and collects its agent text."""
+
+    def __init__(self, agent, session_id):
+        self.agent, self.session_id, self.text = agent, session_id, ""
+
+    def update(self, update):
+        self.agent.notify("session/update", {"sessionId": self.session_id, "update": update})
+
+    def chunk(self, text, kind="agent_message_chunk"):
+        if kind == "agent_message_chunk":
+            self.text += text
+        self.update({"sessionUpdate": kind, "content": {"type": "text", "text": text}})
+
+    def tool_call(self, call_id, title, raw_input):
+        self.update({"sessionUpdate": "tool_call", "toolCallId": call_id, "title": title,
+                     "kind": "execute", "status": "pending", "rawInput": raw_input})
+
+    def tool_done(self, call_id, ok, raw_output, text):
+        self.update({"sessionUpdate": "tool_call_update", "toolCallId": call_id,
+                     "status": "completed" if ok else "failed", "rawOutput": raw_output,
+                     "content": [{"type": "content", "content": {"type": "text", "text": text}}]})
+
+
+class Agent:
+    def __init__(self, state_dir, load_enabled):
+        self.state_dir, self.load_enabled = state_dir, load_enabled
+        self.out = sys.stdout.buffer
+        sys.stdout = sys.stderr  # a stray print() must never corrupt the protocol stream
+        path = os.environ.get("SCRIPTED_AGENT_LOG")
+        self.log_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
+        self.sessions: dict[str, Session] = {}
+        self.pending: dict[int, asyncio.Future] = {}  # our own requests awaiting an answer
+        self.ids = itertools.count(1)
+        self.tasks = set()
+
+    # ---- wire ----
+    def trace(self, direction, msg):
+        if self.log_fd is not None:  # one write() per line: complete even if we are killed
+            line = json.dumps({"pid": os.getpid(), "dir": direction, "msg": msg}) + "\n"
+            os.write(self.log_fd, line.encode())
+
+    def send(self, msg):
+        self.trace("out", msg)
+        try:
+            self.out.write(json.dumps(msg).encode() + b"\n")
+            self.out.flush()
+        except OSError:  # client went away
+            os._exit(0)
+
+    def notify(self, method, params):
+        self.send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    async def request(self, method, params):
+        rid = next(self.ids)
+        self.pending[rid] = fut = asyncio.get_running_loop().create_future()
+        self.send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params})
+        try:
+            return await fut
+        finally:
+            self.pending.pop(rid, None)
+
+    async def run(self):
+        loop, lines = asyncio.get_running_loop(), asyncio.Queue()
+
+        def reader():  # a thread, so any kind of stdin (pipe, file, pty) works
+            for line in sys.stdin.buffer:
+                loop.call_soon_threadsafe(lines.put_nowait, line)
+            loop.call_soon_threadsafe(lines.put_nowait, None)
+
+        threading.Thread(target=reader, daemon=True).start()
+        while (line := await lines.get()) is not None:
+            if line.strip():
+                self.receive(line)
+        os._exit(0)  # stdin EOF: running prompts (and MCP worker threads) die with us
+
+    def receive(self, line):
+        try:
+            msg = json.loads(line)
+            assert isinstance(msg, dict)
+        except (ValueError, AssertionError):
+            log("ignoring malformed line:", line[:200])
+            return
+        self.trace("in", msg)
+        method = msg.get("method")
+        if method is None:  # an answer to one of our requests
+            fut = self.pending.get(msg.get("id"))
+            if fut is None or fut.done():
+                log("ignoring response to unknown request", msg.get("id"))
+            elif "error" in msg:
+                err = msg["error"] or {}
+                fut.set_exception(RpcError(err.get("code", -32603), err.get("message", "error")))
+            else:
+                fut.set_result(msg.get("result") or {})
+        elif "id" not in msg:  # a notification
+            s = self.sessions.get((msg.get("params") or {}).get("sessionId"))
+            if method == "session/cancel" and s:
+                s.cancels += 1
+                if s.running:
+                    s.running.cancel()
+            elif method != "session/cancel":
+                log("ignoring notification", method)
+        else:  # a request; a prompt remembers the cancel count now, in case it has to queue
+            params = msg.get("params") or {}
+            s = self.sessions.get(params.get("sessionId"))
+            task = asyncio.create_task(self.handle(msg["id"], method, params, s.cancels if s else 0))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def handle(self, rid, method, params, ticket):
+        handlers = {"initialize": self.initialize, "session/new": self.new_session,
+                    "session/load": self.load_session, "session/set_mode": self.set_option,
+                    "session/set_model": self.set_option}
+        try:
+            if method == "session/prompt":
+                result = await self.prompt(params, ticket)
+            elif method in handlers:
+                result = await handlers[method](params)
+            else:
+                raise RpcError(-32601, f"Method not found: {method}")
+            self.send({"jsonrpc": "2.0", "id": rid, "result": result})
+        except RpcError as e:
+            self.send({"jsonrpc": "2.0", "id": rid, "error": {"code": e.code, "message": e.message}})
+        except Exception as e:  # a bug here must not kill the agent
+            log(f"{method} failed: {e!r}")
+            self.send({"jsonrpc": "2.0", "id": rid, "error": {"code": -32603, "message": repr(e)}})
+
+    # ---- session bookkeeping ----
+    def session(self, params):
+        sid = params.get("sessionId")
+        if sid not in self.sessions:
+            raise RpcError(-32602, f"Unknown session {sid}")
+        return sid, self.sessions[sid]
+
+    def history_path(self, sid):
+        if not isinstance(sid, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", sid):
+            return None
+        return os.path.join(self.state_dir, f"{sid}.json")
+
+    def save(self, sid, role=None, text=None):
+        path = self.history_path(sid)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            data = {"sessionId": sid, "messages": []}
+        data["cwd"] = self.sessions[sid].cwd
+        if role:
+            data["messages"].append({"role": role, "text": text})
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".tmp", path)
+
+    # ---- methods ----
+    async def initialize(self, params):
+        return {"protocolVersion": 1, "agentCapabilities": {
+                    "loadSession": self.load_enabled,
+                    "promptCapabilities": {"image": False, "embeddedContext": False},
+                    "mcpCapabilities": {"http": True, "sse": False}},
+                "authMethods": [], "agentInfo": {"name": "scripted-acp-agent", "version": "1.0"}}
+
+    async def new_session(self, params):
+        sid = str(uuid.uuid4())
+        self.sessions[sid] = Session(params.get("cwd", ""), params.get("mcpServers") or [])
+        self.save(sid)
+        return {"sessionId": sid, "modes": MODES, "models": MODELS}
+
+    async def load_session(self, params):
+        if not self.load_enabled:
+            raise RpcError(-32601, "Method not found: session/load")
+        sid, path = params.get("sessionId"), self.history_path(params.get("sessionId"))
+        if path is None or not os.path.exists(path):
+            raise RpcError(-32602, f"Unknown session {sid}")
+        with open(path) as f:
+            data = json.load(f)
+        cwd, servers = params.get("cwd") or data.get("cwd", ""), params.get("mcpServers") or []
+        if sid in self.sessions:  # reloaded in the same process: keep its prompt queue
+            self.sessions[sid].cwd, self.sessions[sid].mcp_servers = cwd, servers
+        else:
+            self.sessions[sid] = Session(cwd, servers)
+        turn = Turn(self, sid)
+        for m in data["messages"]:
+            turn.chunk(m["text"], "user_message_chunk" if m["role"] == "user" else "agent_message_chunk")
+        return {"modes": MODES, "models": MODELS}
+
+    async def set_option(self, params):
+        self.session(params)
+        return {}
+
+    async def prompt(self, params, ticket):
+        sid, s = self.session(params)
+        text = "\n".join(b.get("text", "") for b in params.get("prompt", []) if b.get("type") == "text")
+        async with s.lock:  # one prompt at a time per session; later ones wait here
+            if s.cancels != ticket:  # cancelled while still queued
+                return {"stopReason": "cancelled"}
+            s.running = asyncio.current_task()
+            self.save(sid, "user", text)
+            turn = Turn(self, sid)
+            try:
+                return {"stopReason": await self.script(turn, s, text)}
+            except asyncio.CancelledError:
+                if s.cancels == ticket:  # not a session/cancel: let it propagate
+                    raise
+                asyncio.current_task().uncancel()
+                return {"stopReason": "cancelled"}
+            finally:
+                s.running = None
+                if turn.text:
+                    self.save(sid, "agent", turn.text)
+
+    async def script(self, t, s, text):
+        if has_word(text, "CRASH"):
+            t.chunk("about to crash")
+            os._exit(3)
+        if has_word(text, "HANG"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            log("hanging forever")
+            while True:
+                time.sleep(3600)  # blocks the event loop on purpose: nothing is answered
+        if has_word(text, "FAIL"):
+            t.chunk("failing now")
+            raise RpcError(-32603, "scripted failure")
+        if has_word(text, "THINK"):
+            t.chunk("thinking about it", "agent_thought_chunk")
+        if has_word(text, "PLAN"):
+            t.update({"sessionUpdate": "plan", "entries": [
+                {"content": "Look at the request", "priority": "medium", "status": "pending"},
+                {"content": "Answer it", "priority": "medium", "status": "pending"}]})
+        if has_word(text, "ASK_PERMISSION"):
+            return await self.ask_permission(t)
+        if m := re.search(r"(?<!\w)SLOW(?::(\d+))?(?!\w)", text):
+            delay = float(os.environ.get("SCRIPTED_AGENT_CHUNK_DELAY", "0.05"))
+            for i in range(int(m.group(1) or 40)):
+                t.chunk(f"chunk {i} ")
+                await asyncio.sleep(delay)  # a cancel lands here
+            t.chunk("done")
+        elif m := re.search(r"(?<!\w)FAST:(\d+)", text):
+            for i in range(int(m.group(1))):
+                t.chunk(f"{i} ")
+                if i % 256 == 255:
+                    await asyncio.sleep(0)  # let a cancel in
+        elif has_word(text, "ECHO_CWD"):
+            t.chunk(s.cwd)
+        elif has_word(text, "ECHO_MCP"):
+            t.chunk(json.dumps(redact_servers(s.mcp_servers)))
+        elif m := re.search(r"(?<!\w)CALL_TOOL[ \t]+(\S+)[ \t]*(.*)$", text, re.M):
+            await self.call_tool(t, s, m.group(1), m.group(2).strip())
+        else:
+            reply = f"Hello from scripted agent. You said: {text}"
+            n = -(-len(reply) // 3)
+            for i in range(3):
+                t.chunk(reply[i * n:(i + 1) * n])
+        return "end_turn"
+
+    async def ask_permission(self, t):
+        call_id = f"call-{uuid.uuid4().hex[:8]}"
+        t.tool_call(call_id, "Run scripted command", {"command": "echo scripted"})
+        answer = await self.request("session/request_permission", {
+            "sessionId": t.session_id, "options": PERMISSION_OPTIONS,
+            "toolCall": {"toolCallId": call_id, "title": "Run scripted command", "kind": "execute"}})
+        outcome = answer.get("outcome") or {}
+        if outcome.get("outcome") != "selected":
+            return "cancelled"
+        option = outcome.get("optionId", "")
+        if option.startswith("allow"):
+            t.tool_done(call_id, True, {"output": "scripted output"}, "scripted output")
+            t.chunk(f"permission granted: {option}")
+        else:
+            t.tool_done(call_id, False, {"error": "rejected"}, "rejected by user")
+            t.chunk("permission denied")
+        return "end_turn"
+
+    async def call_tool(self, t, s, name, raw_args):
+        call_id = f"call-{uuid.uuid4().hex[:8]}"
+        t.tool_call(call_id, f"mcp:{name}", {"tool": name, "arguments": raw_args})
+        try:
+            args = json.loads(raw_args) if raw_args else {}
+            server = next((x for x in s.mcp_servers if x.get("type") == "http" or "url" in x), None)
+            if server is None:
+                raise McpError("no http MCP server in this session")
+            result = await asyncio.to_thread(mcp_call, server, name, args)
+        except (McpError, ValueError) as e:
+            t.tool_done(call_id, False, {"error": str(e)}, str(e))
+            t.chunk(f"TOOL_ERROR: {e}")
+            return
+        if "structuredContent" in result:
+            out = json.dumps(result["structuredContent"])
+        else:
+            out = "".join(c.get("text", "") for c in result.get("content", []) if c.get("type") == "text")
+        t.tool_done(call_id, not result.get("isError"), result, out)
+        t.chunk(f"TOOL_RESULT: {out}")
+
+
+def header_items(headers):
+    """ACP gives headers as [{"name", "value"}]; accept a plain dict too."""
+    if isinstance(headers, dict):
+        return list(headers.items())
+    return [(h.get("name", ""), h.get("value", "")) for h in headers or []]
+
+
+def redact_servers(servers):
+    redacted = []
+    for srv in servers:
+        srv = dict(srv)
+        if "headers" in srv:
+            srv["headers"] = [{"name": k, "value": "<redacted>"} for k, _ in header_items(srv["headers"])]
+        redacted.append(srv)
+    has_auth = any(k.lower() == "authorization" for srv in servers
+                   for k, _ in header_items(srv.get("headers")))
+    return {"mcpServers": redacted, "hasAuthorization": has_auth}
+
+
+# ---- a minimal MCP Streamable HTTP client (runs in a worker thread) ----
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # tests talk to 127.0.0.1
+
+
+def mcp_post(url, headers, body):
+    """POST one JSON-RPC message; returns (status, response headers, error body, message)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    try:
+        resp = _opener.open(req, timeout=MCP_TIMEOUT)
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode("utf-8", "replace")[:500], None
+    except (urllib.error.URLError, OSError) as e:
+        raise McpError(f"cannot reach {url}: {e}") from None
+    with resp:
+        if "id" not in body:
+            return resp.status, resp.headers, "", None
+        if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return resp.status, resp.headers, "", read_sse(resp, body["id"])
+        raw = resp.read().decode("utf-8", "replace")
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            raise McpError(f"HTTP {resp.status}: response is not JSON: {raw[:200]}") from None
+        return resp.status, resp.headers, "", msg
+
+
+def read_sse(resp, want_id):
+    """Read SSE events until the JSON-RPC message with id want_id arrives."""
+    data = []
+    for raw in itertools.chain(resp, [b"\n"]):
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if line.startswith("data:"):
+            data.append(line[6:] if line.startswith("data: ") else line[5:])
+        elif not line and data:
+            msg, data = json.loads("\n".join(data)), []
+            if isinstance(msg, dict) and msg.get("id") == want_id:
+                return msg
+    raise McpError("SSE stream ended without a response")
+
+
+def mcp_call(server, tool, args):
+    url = server["url"]
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+               "mcp-protocol-version": MCP_VERSION, **dict(header_items(server.get("headers")))}
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": tool, "arguments": args}}
+    status, resp_headers, body, msg = mcp_post(url, headers, call)
+    if status == 400 and re.search(r"session|initiali[sz]", body, re.I):  # stateful server
+        init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": MCP_VERSION, "capabilities": {},
+            "clientInfo": {"name": "scripted-acp-agent", "version": "1.0"}}}
+        status, resp_headers, body, msg = mcp_post(url, headers, init)
+        if status >= 400:
+            raise McpError(f"HTTP {status} on initialize: {body}")
+        if resp_headers.get("mcp-session-id"):
+            headers["mcp-session-id"] = resp_headers["mcp-session-id"]
+        mcp_post(url, headers, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        status, resp_headers, body, msg = mcp_post(url, headers, call)
+    if status >= 400:
+        raise McpError(f"HTTP {status}: {body}")
+    if msg.get("error"):
+        raise McpError(f"JSON-RPC error {msg['error'].get('code')}: {msg['error'].get('message')}")
+    if not isinstance(msg.get("result"), dict):
+        raise McpError(f"no result in response: {json.dumps(msg)[:200]}")
+    return msg["result"]
+
+
+def main():
+    p = argparse.ArgumentParser(description="Scripted ACP agent for tests (see module docstring).")
+    p.add_argument("--state-dir", default=os.environ.get("SCRIPTED_AGENT_STATE")
+                   or os.path.join(tempfile.gettempdir(), "scripted-acp-agent"))
+    p.add_argument("--no-load", action="store_true", help="do not support session/load")
+    args, unknown = p.parse_known_args()
+    if unknown:
+        log("ignoring arguments", unknown)
+    os.makedirs(args.state_dir, exist_ok=True)
+    asyncio.run(Agent(args.state_dir, not args.no_load).run())
+
+
+if __name__ == "__main__":
+    main()

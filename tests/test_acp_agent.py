@@ -1,0 +1,126 @@
+"""Fast checks of the scripted ACP agent (tests/acp_agent.py) itself."""
+import json, os, queue, subprocess, sys, threading, time
+from pathlib import Path
+
+import pytest
+
+AGENT = Path(__file__).with_name("acp_agent.py")
+
+
+class AgentProcess:
+    """Runs the agent and reads its stdout lines in a thread, with deadlines."""
+
+    def __init__(self, env):
+        self.proc = subprocess.Popen([sys.executable, str(AGENT)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env={**os.environ, **env})
+        self.lines, self.next_id = queue.Queue(), 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(json.loads(line))
+        self.lines.put(None)
+
+    def send(self, msg):
+        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def request(self, method, params):
+        self.next_id += 1
+        self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params})
+        return self.next_id
+
+    def read_until(self, pred, timeout=5.0):
+        """Messages up to and including the first one matching pred."""
+        seen, deadline = [], time.monotonic() + timeout
+        while True:
+            msg = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            assert msg is not None, f"agent exited; saw {seen}"
+            seen.append(msg)
+            if pred(msg):
+                return seen
+
+    def call(self, method, params, timeout=5.0):
+        rid = self.request(method, params)
+        seen = self.read_until(lambda m: m.get("id") == rid and "method" not in m, timeout)
+        return seen[-1], seen[:-1]
+
+    def new_session(self, cwd="/tmp"):
+        self.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        return self.call("session/new", {"cwd": cwd, "mcpServers": []})[0]["result"]["sessionId"]
+
+    def prompt_params(self, sid, text):
+        return {"sessionId": sid, "prompt": [{"type": "text", "text": text}]}
+
+
+def agent_text(msgs, kind="agent_message_chunk"):
+    return "".join(m["params"]["update"]["content"]["text"] for m in msgs
+                   if m.get("method") == "session/update" and m["params"]["update"]["sessionUpdate"] == kind)
+
+
+@pytest.fixture
+def start_agent(tmp_path):
+    procs = []
+
+    def start(**env):
+        procs.append(AgentProcess({"SCRIPTED_AGENT_STATE": str(tmp_path / "state"),
+                                   "SCRIPTED_AGENT_LOG": str(tmp_path / "log.jsonl"), **env}))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        p.proc.kill()
+        p.proc.wait()
+
+
+def test_plain_prompt_streams_reply_and_is_logged(start_agent, tmp_path):
+    """A plain prompt streams the hello reply in 3 chunks, ends the turn and is logged."""
+    agent = start_agent()
+    sid = agent.new_session()
+    result, updates = agent.call("session/prompt", agent.prompt_params(sid, "hi"))
+    assert result["result"] == {"stopReason": "end_turn"}
+    assert len(updates) == 3 and agent_text(updates) == "Hello from scripted agent. You said: hi"
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert sum(e["dir"] == "in" and e["msg"].get("method") == "session/prompt" for e in log) == 1
+
+
+def test_cancel_stops_slow_prompt(start_agent):
+    """session/cancel during a SLOW prompt resolves it promptly as cancelled."""
+    agent = start_agent(SCRIPTED_AGENT_CHUNK_DELAY="0.05")
+    sid = agent.new_session()
+    rid = agent.request("session/prompt", agent.prompt_params(sid, "SLOW:1000"))
+    agent.read_until(lambda m: m.get("method") == "session/update")
+    agent.send({"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": sid}})
+    msgs = agent.read_until(lambda m: m.get("id") == rid, timeout=2.0)
+    assert msgs[-1]["result"] == {"stopReason": "cancelled"}
+    assert len(msgs) < 50
+
+
+def test_permission_request_is_answered(start_agent):
+    """ASK_PERMISSION waits for the client's answer and reports the chosen option."""
+    agent = start_agent()
+    sid = agent.new_session()
+    rid = agent.request("session/prompt", agent.prompt_params(sid, "ASK_PERMISSION"))
+    ask = agent.read_until(lambda m: m.get("method") == "session/request_permission")[-1]
+    assert [o["kind"] for o in ask["params"]["options"]] == ["allow_once", "allow_always", "reject_once"]
+    agent.send({"jsonrpc": "2.0", "id": ask["id"],
+                "result": {"outcome": {"outcome": "selected", "optionId": "allow-always"}}})
+    msgs = agent.read_until(lambda m: m.get("id") == rid)
+    assert msgs[-1]["result"] == {"stopReason": "end_turn"}
+    assert agent_text(msgs) == "permission granted: allow-always"
+
+
+def test_load_replays_history_in_new_process(start_agent):
+    """A second agent process replays a session's history on session/load."""
+    first = start_agent()
+    sid = first.new_session()
+    first.call("session/prompt", first.prompt_params(sid, "ECHO_CWD"))
+    first.proc.stdin.close()
+    assert first.proc.wait(5) == 0
+    second = start_agent()
+    second.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+    result, replay = second.call("session/load", {"sessionId": sid, "cwd": "/srv", "mcpServers": []})
+    assert "error" not in result
+    assert agent_text(replay, "user_message_chunk") == "ECHO_CWD" and agent_text(replay) == "/tmp"
+    _, updates = second.call("session/prompt", second.prompt_params(sid, "ECHO_CWD"))
+    assert agent_text(updates) == "/srv"

@@ -1,0 +1,829 @@
+"""tools.py: the MCP tool surface of t3 (server key ``t3-code``, server name ``t3``).
+
+Each tool has a hand-written JSON Schema; arguments are validated against it here (the MCP SDK's
+low-level server does not), unknown fields are refused, and a violation is the typed failure
+``invalid_request`` naming the field. Handlers check the caller's scope (set by ``t3.py``'s auth
+middleware in ``current_scope``), turn the request into orchestrator commands with ids derived
+from ``clientRequestId`` and the caller's identity, and shape results. Expected denials are typed
+failures: ``isError: true`` with ``structuredContent = {"_tag": "OrchestratorMcpFailure", code,
+message}``. Reads come from the orchestrator's thread state and the store; never SQL text,
+subprocesses or provider calls here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import urllib.parse
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mcp_types as types
+from mcp.server import Server, ServerRequestContext
+
+import orchestrator as orch
+from orchestrator import RUN_BLOCKING, RUN_TERMINAL, RunStatus, ThreadState
+from store import Store
+
+__all__ = ["FAILURE_CODES", "Scope", "current_scope", "ToolFailure", "Project", "ServerContext",
+           "Toolkit", "build_mcp_server", "validate"]
+
+log = logging.getLogger("t3.tools")
+
+FAILURE_CODES = frozenset({
+    "capability_denied", "parent_not_active", "provider_unavailable", "model_unavailable",
+    "runtime_mode_escalation_denied", "interaction_mode_escalation_denied", "task_not_found",
+    "task_not_cancellable", "thread_not_found", "run_not_found", "thread_not_sendable",
+    "thread_not_interruptible", "invalid_request", "orchestration_error",
+    "thread_credential_required"})
+
+DEFAULT_WAIT_MS = 30_000
+MAX_WAIT_MS = 600_000
+PROGRESS_EVERY_S = 5.0
+READ_BUDGET_CHARS = 30_000
+DEFAULT_ITEM_CHARS = 20_000
+TRUNCATION_MARK = "\n…[truncated]"
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Who is calling: the client token, or an agent in a thread (provider-session credential)."""
+
+    kind: str  # client | thread
+    key: str  # stable caller identity for idempotency keys
+    thread_id: str | None = None
+    provider_instance_id: str | None = None
+    capabilities: frozenset[str] = frozenset({"orchestration"})
+
+
+current_scope: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("t3_scope",
+                                                                            default=None)
+
+
+class ToolFailure(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        if code not in FAILURE_CODES:
+            raise ValueError(f"unknown failure code {code}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Project:
+    id: str
+    path: str
+    title: str
+
+
+@dataclass(slots=True)
+class ServerContext:
+    environment_id: str
+    projects: list[Project]
+    data_dir: Path
+    scratch_project: Project = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scratch_project = Project("scratch", str(self.data_dir / "scratch"), "Scratch")
+
+    def project(self, project_id: str | None) -> Project:
+        if project_id is None:
+            return self.projects[0]
+        for project in [*self.projects, self.scratch_project]:
+            if project.id == project_id:
+                return project
+        raise ToolFailure("invalid_request", f"projectId: unknown project {project_id!r}")
+
+    def link(self, thread_id: str) -> str:
+        return f"t3-thread://v2/{self.environment_id}/{thread_id}"
+
+
+# =============================================================================================
+# Schemas and validation
+
+
+def _text(max_len: int) -> dict[str, Any]:
+    return {"type": "string", "minLength": 1, "maxLength": max_len, "trim": True}
+
+
+RUNTIME_INPUT = {"type": "string", "enum": ["inherit", *orch.RuntimeMode]}
+INTERACTION_INPUT = {"type": "string", "enum": ["inherit", *orch.InteractionMode]}
+TARGET = {"type": "object", "additionalProperties": False, "properties": {
+    "providerInstanceId": _text(64), "driverKind": _text(64), "model": _text(256),
+    "options": {"type": ["array", "object"]}}}
+CLIENT_REQUEST_ID = _text(256)
+THREAD_ID = _text(512)
+RUN_STATUSES = ["idle", *RunStatus]
+
+
+def _object(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "properties": dict(properties),
+            "required": list(required)}
+
+
+def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
+    """Check ``value`` against the subset of JSON Schema our tools use; return it normalized."""
+    name = path or "arguments"
+    expected = schema.get("type")
+    kinds = expected if isinstance(expected, list) else [expected] if expected else []
+    if kinds and not any(_is_type(value, k) for k in kinds):
+        raise ToolFailure("invalid_request", f"{name}: expected {' or '.join(kinds)}")
+    if isinstance(value, str):
+        if schema.get("trim"):
+            value = value.strip()
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            raise ToolFailure("invalid_request", f"{name}: must not be empty")
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            raise ToolFailure("invalid_request",
+                              f"{name}: longer than {schema['maxLength']} characters")
+    if "enum" in schema and value not in schema["enum"]:
+        raise ToolFailure("invalid_request",
+                          f"{name}: must be one of {', '.join(map(str, schema['enum']))}")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            raise ToolFailure("invalid_request", f"{name}: must be >= {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            raise ToolFailure("invalid_request", f"{name}: must be <= {schema['maximum']}")
+    if isinstance(value, list):
+        if "minItems" in schema and len(value) < schema["minItems"]:
+            raise ToolFailure("invalid_request", f"{name}: needs at least {schema['minItems']}")
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            raise ToolFailure("invalid_request", f"{name}: at most {schema['maxItems']} allowed")
+        if "items" in schema:
+            value = [validate(schema["items"], v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict) and "properties" in schema:
+        props = schema["properties"]
+        for key in value:
+            if key not in props and schema.get("additionalProperties") is False:
+                raise ToolFailure("invalid_request",
+                                  f"{_join(path, key)}: unknown field")
+        for key in schema.get("required", ()):
+            if key not in value:
+                raise ToolFailure("invalid_request", f"{_join(path, key)}: required")
+        value = {k: validate(props[k], v, _join(path, k)) if k in props else v
+                 for k, v in value.items()}
+    return value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _is_type(value: Any, kind: str) -> bool:
+    return {"string": isinstance(value, str), "object": isinstance(value, dict),
+            "array": isinstance(value, list), "boolean": isinstance(value, bool),
+            "integer": isinstance(value, int) and not isinstance(value, bool),
+            "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+            "null": value is None}.get(kind, False)
+
+
+def _public_schema(schema: Any) -> Any:
+    """The schema as published: without our private ``trim`` keyword."""
+    if isinstance(schema, dict):
+        return {k: _public_schema(v) for k, v in schema.items() if k != "trim"}
+    if isinstance(schema, list):
+        return [_public_schema(v) for v in schema]
+    return schema
+
+
+# =============================================================================================
+# Tool table
+
+
+@dataclass(frozen=True, slots=True)
+class _Tool:
+    name: str
+    description: str
+    input_schema: Mapping[str, Any]
+    handler: str
+    read_only: bool = False
+    destructive: bool = False
+
+
+_CREATE_ENTRY = _object({"prompt": _text(120_000), "title": _text(512), "target": TARGET,
+                         "runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT})
+
+TOOLS: tuple[_Tool, ...] = (
+    _Tool("create_threads",
+          "Create 1-20 ORDINARY top-level t3 threads (not delegation). Entries with a prompt start "
+          "a run at once; entries without stay idle. Each entry may pick its provider instance, "
+          "model and modes. Retry with the same clientRequestId to get the same threads back.",
+          _object({"threads": {"type": "array", "minItems": 1, "maxItems": 20,
+                               "items": _CREATE_ENTRY},
+                   "clientRequestId": CLIENT_REQUEST_ID, "projectId": _text(256)}, ["threads"]),
+          "create_threads", destructive=True),
+    _Tool("t3_thread_launch",
+          "Launch one ordinary top-level thread bound to a workspace: workspaceStrategy 'root' "
+          "(the project root, default) or scratch: true (a fresh folder outside any project). "
+          "Pass the task in message. Worktree strategies are not available in this version.",
+          _object({"projectId": _text(256), "title": _text(512), "message": _text(120_000),
+                   "target": TARGET, "runtimeMode": RUNTIME_INPUT,
+                   "interactionMode": INTERACTION_INPUT,
+                   "workspaceStrategy": {"type": ["string", "object"]},
+                   "scratch": {"type": "boolean"}, "clientRequestId": CLIENT_REQUEST_ID}),
+          "launch", destructive=True),
+    _Tool("t3_thread_list",
+          "List thread shells of one project, newest first (projectId, else the caller's or the "
+          "default project). Filter by run status and title; offset pagination with cursor.",
+          _object({"projectId": _text(256),
+                   "statuses": {"type": "array", "maxItems": 10,
+                                "items": {"type": "string", "enum": RUN_STATUSES}},
+                   "titleContains": {"type": "string", "maxLength": 256},
+                   "includeSubagents": {"type": "boolean"},
+                   "cursor": {"type": "integer", "minimum": 0},
+                   "limit": {"type": "integer", "minimum": 1, "maximum": 100}}),
+          "list_threads", read_only=True),
+    _Tool("t3_thread_read",
+          "Read a thread's durable state, recent runs and timeline. view 'messages' (default: "
+          "user and assistant messages, plans) or 'activity' (also tools, reasoning, requests). "
+          "afterPosition=nextPosition reads newer items, beforePosition=earlierPosition older "
+          "ones, afterPosition=-1 starts at the oldest. Results stop near 30,000 characters.",
+          _object({"threadId": THREAD_ID, "view": {"type": "string",
+                                                   "enum": ["messages", "activity"]},
+                   "afterPosition": {"type": "integer", "minimum": -1},
+                   "beforePosition": {"type": "integer", "minimum": 0},
+                   "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+                   "runLimit": {"type": "integer", "minimum": 1, "maximum": 50},
+                   "maxCharsPerItem": {"type": "integer", "minimum": 1, "maximum": 50_000}},
+                  ["threadId"]),
+          "read_thread", read_only=True),
+    _Tool("t3_thread_send",
+          "Send a message to a thread. mode 'auto' (default) starts an idle thread, steers an "
+          "active turn, or queues behind a turn that cannot be steered yet; 'queue' makes a "
+          "separate follow-up run; 'steer' and 'restart' need an active provider turn (steering "
+          "falls back to interrupt-and-restart when the provider cannot steer).",
+          _object({"threadId": THREAD_ID, "message": _text(120_000),
+                   "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
+                   "clientRequestId": CLIENT_REQUEST_ID}, ["threadId", "message"]),
+          "send", destructive=True),
+    _Tool("t3_thread_wait",
+          "Wait until a run (runId, else the thread's latest run) is completed, failed, "
+          f"cancelled, interrupted or rolled_back, or a request of that run needs an answer. "
+          f"timeoutMs default {DEFAULT_WAIT_MS}, max {MAX_WAIT_MS}; a timeout never cancels work.",
+          _object({"threadId": THREAD_ID, "runId": _text(512),
+                   "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS}},
+                  ["threadId"]),
+          "wait", read_only=True),
+    _Tool("t3_thread_interrupt",
+          "Interrupt a run (runId, else the newest interruptible one). A terminal run is returned "
+          "unchanged; a thread with nothing running returns status no_active_run.",
+          _object({"threadId": THREAD_ID, "runId": _text(512), "reason": {
+              "type": "string", "maxLength": 2000}, "clientRequestId": CLIENT_REQUEST_ID},
+                  ["threadId"]),
+          "interrupt", destructive=True),
+    _Tool("t3_pending_request",
+          "List, read or answer a thread's pending runtime requests (approvals and questions "
+          "from its agent). respond takes requestId plus decision (accept, acceptForSession, "
+          "decline, cancel) or answers.",
+          _object({"threadId": THREAD_ID,
+                   "action": {"type": "string", "enum": ["list", "read", "respond"]},
+                   "requestId": _text(512),
+                   "decision": {"type": "string", "enum": list(orch.DECISIONS)},
+                   "answers": {"type": "object"}, "clientRequestId": CLIENT_REQUEST_ID},
+                  ["threadId", "action"]),
+          "pending_request", destructive=True),
+)
+_BY_NAME = {tool.name: tool for tool in TOOLS}
+
+
+# =============================================================================================
+# The toolkit
+
+
+class Toolkit:
+    def __init__(self, orchestrator: orch.Orchestrator, store: Store, context: ServerContext
+                 ) -> None:
+        self.orch = orchestrator
+        self.store = store
+        self.ctx = context
+
+    def list_tools(self) -> list[types.Tool]:
+        return [types.Tool(name=t.name, description=t.description,
+                           input_schema=_public_schema(t.input_schema),
+                           annotations=types.ToolAnnotations(
+                               read_only_hint=t.read_only, destructive_hint=t.destructive,
+                               open_world_hint=False))
+                for t in TOOLS]
+
+    async def call(self, name: str, arguments: Mapping[str, Any] | None, *,
+                   progress: Callable[[float, str], Awaitable[None]] | None = None
+                   ) -> dict[str, Any]:
+        """Run one tool; raises ToolFailure for every expected denial."""
+        tool = _BY_NAME.get(name)
+        if tool is None:
+            raise ToolFailure("invalid_request", f"unknown tool {name!r}")
+        scope = current_scope.get()
+        if scope is None or "orchestration" not in scope.capabilities:
+            raise ToolFailure("capability_denied", "this credential may not use orchestration")
+        args = validate(tool.input_schema, dict(arguments or {}))
+        handler = getattr(self, "_" + tool.handler)
+        try:
+            return await handler(scope, args, progress)  # type: ignore[no-any-return]
+        except orch.T3Error as exc:
+            raise ToolFailure(exc.code if exc.code in FAILURE_CODES else "orchestration_error",
+                              str(exc)) from exc
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _key(self, args: Mapping[str, Any]) -> str:
+        return args.get("clientRequestId") or str(uuid.uuid4())
+
+    @staticmethod
+    def _id(*parts: str) -> str:
+        return ":".join(urllib.parse.quote(p, safe="") for p in parts)
+
+    async def _thread(self, thread_id: str) -> ThreadState:
+        state = await self.orch.state(thread_id)
+        if state is None or state.thread is None or state.thread.deleted_at is not None:
+            raise ToolFailure("thread_not_found", f"thread {thread_id} was not found")
+        return state
+
+    async def _caller_thread(self, scope: Scope) -> ThreadState | None:
+        return await self.orch.state(scope.thread_id) if scope.thread_id else None
+
+    def _resolve_target(self, target: Mapping[str, Any] | None, caller: ThreadState | None
+                        ) -> tuple[orch.ProviderInfo, str | None]:
+        target = target or {}
+        providers = self.orch.providers
+        instance_id = target.get("providerInstanceId")
+        driver = target.get("driverKind")
+        if instance_id is None and driver is not None:
+            candidates = [p for p in providers.values() if p.driver == driver]
+            if not candidates:
+                raise ToolFailure("provider_unavailable", f"no provider instance of driver "
+                                                          f"{driver!r} is registered")
+            own = caller.thread.provider_instance_id if caller and caller.thread else None
+            chosen = next((p for p in candidates if p.instance_id == own), None) or next(
+                (p for p in candidates if p.available), candidates[0])
+            instance_id = chosen.instance_id
+        if instance_id is None:
+            if caller is not None and caller.thread is not None:
+                instance_id = caller.thread.provider_instance_id
+            else:
+                available = [p for p in providers.values() if p.available]
+                if not available:
+                    raise ToolFailure("provider_unavailable",
+                                      "no provider instance can run on this server")
+                instance_id = available[0].instance_id
+        info = providers.get(instance_id)
+        if info is None:
+            raise ToolFailure("provider_unavailable",
+                              f"provider instance {instance_id!r} is not registered")
+        if driver is not None and info.driver != driver:
+            raise ToolFailure("invalid_request", f"target.driverKind: instance {instance_id} is "
+                                                 f"driver {info.driver}, not {driver}")
+        if not info.available:
+            raise ToolFailure("provider_unavailable", f"provider instance {instance_id} cannot "
+                                                      f"run: {'; '.join(info.constraints)}")
+        model = target.get("model")
+        advertised = [m["id"] for m in info.models]
+        if model is None:
+            if caller is not None and caller.thread is not None and \
+                    caller.thread.provider_instance_id == instance_id:
+                model = caller.thread.model_selection.get("model")
+            else:
+                model = info.first_model()
+        elif advertised and model not in advertised:
+            raise ToolFailure("model_unavailable", f"model {model!r} is not offered by "
+                                                   f"{instance_id} ({', '.join(advertised)})")
+        return info, model
+
+    def _modes(self, args: Mapping[str, Any], caller: ThreadState | None) -> tuple[str, str]:
+        parent = caller.thread if caller is not None else None
+        runtime = args.get("runtimeMode", "inherit")
+        interaction = args.get("interactionMode", "inherit")
+        if runtime == "inherit":
+            runtime = parent.runtime_mode if parent else orch.RuntimeMode.FULL_ACCESS
+        if interaction == "inherit":
+            interaction = parent.interaction_mode if parent else orch.InteractionMode.DEFAULT
+        if parent is not None:
+            self._ceiling(parent, runtime, interaction)
+        return runtime, interaction
+
+    @staticmethod
+    def _ceiling(caller: orch.AppThread, runtime: str, interaction: str) -> None:
+        if orch.RUNTIME_RANK[orch.RuntimeMode(runtime)] > \
+                orch.RUNTIME_RANK[orch.RuntimeMode(caller.runtime_mode)]:
+            raise ToolFailure("runtime_mode_escalation_denied",
+                              f"runtime mode {runtime} is broader than the caller's "
+                              f"{caller.runtime_mode}")
+        if orch.INTERACTION_RANK[orch.InteractionMode(interaction)] > \
+                orch.INTERACTION_RANK[orch.InteractionMode(caller.interaction_mode)]:
+            raise ToolFailure("interaction_mode_escalation_denied",
+                              f"interaction mode {interaction} is broader than the caller's "
+                              f"{caller.interaction_mode}")
+
+    def _created(self, state: ThreadState, run_id: str | None) -> dict[str, Any]:
+        thread = state.thread
+        assert thread is not None
+        run = state.run(run_id) if run_id else state.latest_run()
+        return {"threadId": thread.id, "runId": run.id if run else None,
+                "status": run.status if run else "idle", "title": thread.title,
+                "createdBy": thread.created_by, "creationSource": thread.creation_source,
+                "providerInstanceId": thread.provider_instance_id,
+                "model": thread.model_selection.get("model"), "projectId": thread.project_id,
+                "link": self.ctx.link(thread.id)}
+
+    @staticmethod
+    def _title(title: str | None, prompt: str | None, fallback: str) -> str:
+        if title:
+            return title
+        if prompt:
+            line = " ".join(prompt.split())
+            return line if len(line) <= 80 else line[:77] + "..."
+        return fallback
+
+    async def _create(self, scope: Scope, *, command_id: str, thread_id: str, project: Project,
+                      workspace: str, entry: Mapping[str, Any], message_id: str,
+                      caller: ThreadState | None) -> dict[str, Any]:
+        info, model = self._resolve_target(entry.get("target"), caller)
+        runtime, interaction = self._modes(entry, caller)
+        prompt = entry.get("prompt")
+        command = orch.CreateThread(
+            command_id=command_id, thread_id=thread_id, project_id=project.id,
+            title=self._title(entry.get("title"), prompt, "New thread"),
+            provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
+            interaction_mode=interaction, workspace=workspace, created_by=orch.Actor.AGENT,
+            creation_source=orch.CreationSource.MCP,
+            initial_message=orch.InitialMessage(message_id, prompt) if prompt else None)
+        result = await self.orch.dispatch(command)
+        state = await self._thread(thread_id)
+        return self._created(state, result.result.get("runId"))
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    async def _create_threads(self, scope: Scope, args: Mapping[str, Any], _: Any
+                              ) -> dict[str, Any]:
+        caller = await self._caller_thread(scope)
+        project = self.ctx.project(args.get("projectId") or (
+            caller.thread.project_id if caller and caller.thread else None))
+        key = self._key(args)
+        created = []
+        for i, entry in enumerate(args["threads"]):
+            created.append(await self._create(
+                scope, command_id=self._id("command", "mcp", scope.key, "create-thread", key,
+                                           str(i)),
+                thread_id=self._id("thread", "mcp", scope.key, key, str(i)), project=project,
+                workspace=project.path, entry=entry,
+                message_id=self._id("message", "mcp", scope.key, key, str(i)), caller=caller))
+        return {"threads": created}
+
+    async def _launch(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
+        strategy = args.get("workspaceStrategy", "root")
+        if isinstance(strategy, dict):
+            strategy = strategy.get("type", "root")
+        if strategy in ("worktree", "existing_worktree"):
+            raise ToolFailure("invalid_request", f"workspaceStrategy: {strategy} is not available "
+                                                 "in this version of t3; use root or scratch")
+        if strategy != "root":
+            raise ToolFailure("invalid_request",
+                              "workspaceStrategy: must be root, worktree or existing_worktree")
+        caller = await self._caller_thread(scope)
+        key = self._key(args)
+        thread_id = self._id("thread", "mcp", scope.key, "launch", key)
+        if args.get("scratch"):
+            if args.get("projectId"):
+                raise ToolFailure("invalid_request", "scratch: cannot be combined with projectId")
+            project = self.ctx.scratch_project
+            workspace = Path(project.path) / urllib.parse.quote(thread_id, safe="")
+            workspace.mkdir(parents=True, exist_ok=True)
+        else:
+            project = self.ctx.project(args.get("projectId") or (
+                caller.thread.project_id if caller and caller.thread else None))
+            workspace = Path(project.path)
+        entry = {"prompt": args.get("message"), "title": args.get("title"),
+                 "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
+                 "interactionMode": args.get("interactionMode", "inherit")}
+        created = await self._create(
+            scope, command_id=self._id("command", "mcp", scope.key, "launch", key),
+            thread_id=thread_id, project=project, workspace=str(workspace), entry=entry,
+            message_id=self._id("message", "mcp", scope.key, "launch", key), caller=caller)
+        return {**created, "workspaceStrategy": "scratch" if args.get("scratch") else "root",
+                "workspacePath": str(workspace)}
+
+    async def _list_threads(self, scope: Scope, args: Mapping[str, Any], _: Any
+                            ) -> dict[str, Any]:
+        caller = await self._caller_thread(scope)
+        project = self.ctx.project(args.get("projectId") or (
+            caller.thread.project_id if caller and caller.thread else None))
+        rows = self.store.list_threads(project.id)
+        statuses = set(args.get("statuses") or ())
+        needle = (args.get("titleContains") or "").lower()
+        include_subagents = args.get("includeSubagents", True)
+        shells = []
+        for row in rows:
+            thread = row["thread"]
+            if not include_subagents and thread["lineage"].get("relationshipToParent") == \
+                    "subagent":
+                continue
+            if statuses and row["status"] not in statuses:
+                continue
+            if needle and needle not in thread["title"].lower():
+                continue
+            shells.append(self._shell(row))
+        cursor = args.get("cursor", 0)
+        limit = args.get("limit", 50)
+        page = shells[cursor:cursor + limit]
+        more = cursor + len(page) < len(shells)
+        return {"projectId": project.id, "currentThreadId": scope.thread_id, "threads": page,
+                "nextCursor": cursor + len(page) if more else None, "total": len(shells)}
+
+    def _shell(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        thread = row["thread"]
+        return {"threadId": thread["id"], "title": thread["title"],
+                "createdBy": thread["createdBy"], "creationSource": thread["creationSource"],
+                "status": row["status"], "latestRunId": row["latestRunId"],
+                "providerInstanceId": thread["providerInstanceId"],
+                "model": thread["modelSelection"].get("model"),
+                "runtimeMode": thread["runtimeMode"], "interactionMode": thread["interactionMode"],
+                "parentThreadId": thread["lineage"].get("parentThreadId"),
+                "relationshipToParent": thread["lineage"].get("relationshipToParent"),
+                "itemCount": row["itemCount"], "pendingRequestCount": row["pendingRequestCount"],
+                "createdAt": thread["createdAt"], "updatedAt": row["updatedAt"],
+                "link": self.ctx.link(thread["id"])}
+
+    async def _read_thread(self, scope: Scope, args: Mapping[str, Any], _: Any
+                           ) -> dict[str, Any]:
+        state = await self._thread(args["threadId"])
+        if "afterPosition" in args and "beforePosition" in args:
+            raise ToolFailure("invalid_request",
+                              "beforePosition: cannot be combined with afterPosition")
+        view = args.get("view", "messages")
+        max_chars = args.get("maxCharsPerItem", DEFAULT_ITEM_CHARS)
+        limit = args.get("limit", 50)
+        rows = [i for i in state.items() if view == "activity" or i.type in (
+            "user_message", "assistant_message", "proposed_plan")]
+        newest_first = "beforePosition" in args or (
+            "afterPosition" not in args and scope.kind == "thread")
+        if newest_first:
+            before = args.get("beforePosition")
+            candidates = [r for r in rows if before is None or r.position < before][::-1]
+        else:
+            after = args.get("afterPosition", -1)
+            candidates = [r for r in rows if r.position > after]
+        page: list[dict[str, Any]] = []
+        used = 0
+        for row in candidates:
+            if len(page) >= limit or (page and used >= READ_BUDGET_CHARS):
+                break
+            item = self._timeline_item(state, row, max_chars)
+            used += len(json.dumps(item))
+            page.append(item)
+        if newest_first:
+            page.reverse()
+        first = page[0]["position"] if page else None
+        last = page[-1]["position"] if page else None
+        has_older = first is not None and any(r.position < first for r in rows)
+        has_newer = last is not None and any(r.position > last for r in rows)
+        run_limit = args.get("runLimit", 10)
+        return {"thread": self._detail(state), "recentRuns": [
+                    self._run_summary(state, r) for r in state.runs[::-1][:run_limit]],
+                "items": page, "nextPosition": last if last is not None
+                else args.get("afterPosition"), "hasMore": has_newer,
+                "earlierPosition": first if has_older else None,
+                "link": self.ctx.link(state.thread.id if state.thread else "")}
+
+    def _detail(self, state: ThreadState) -> dict[str, Any]:
+        thread = state.thread
+        assert thread is not None
+        latest = state.latest_run()
+        active = next((r for r in reversed(state.runs) if r.status in (
+            RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)), None)
+        return {"threadId": thread.id, "projectId": thread.project_id, "title": thread.title,
+                "createdBy": thread.created_by, "creationSource": thread.creation_source,
+                "status": state.status(), "latestRunId": latest.id if latest else None,
+                "activeRunId": active.id if active else None,
+                "providerInstanceId": thread.provider_instance_id,
+                "model": thread.model_selection.get("model"), "runtimeMode": thread.runtime_mode,
+                "interactionMode": thread.interaction_mode, "branch": thread.branch,
+                "worktreePath": thread.worktree_path, "workspacePath": thread.workspace,
+                "parentThreadId": thread.lineage.get("parentThreadId"),
+                "relationshipToParent": thread.lineage.get("relationshipToParent"),
+                "runCount": len(state.runs), "itemCount": len(state.entities["turn-item"]),
+                "pendingRequestCount": len(state.pending_requests()),
+                "archived": thread.archived_at is not None, "createdAt": thread.created_at,
+                "updatedAt": thread.updated_at, "link": self.ctx.link(thread.id)}
+
+    @staticmethod
+    def _run_summary(state: ThreadState, run: orch.Run) -> dict[str, Any]:
+        attempts = [a for a in state.entities["run-attempt"].values() if a.run_id == run.id]
+        return {"runId": run.id, "ordinal": run.ordinal, "status": run.status,
+                "statusReason": run.status_reason, "providerInstanceId": run.provider_instance_id,
+                "model": run.model_selection.get("model"), "requestedAt": run.requested_at,
+                "startedAt": run.started_at, "completedAt": run.completed_at,
+                "attemptCount": len(attempts), "queuePosition": run.queue_position}
+
+    def _timeline_item(self, state: ThreadState, item: orch.TurnItem, max_chars: int
+                       ) -> dict[str, Any]:
+        message = state.entities["message"].get(item.message_id) if item.message_id else None
+        if message is not None:
+            text: str | None = message.text
+            created_by, source = message.created_by, message.creation_source
+        else:
+            text = item.text
+            created_by, source = (("system", "server") if item.type.startswith("run_interrupt")
+                                  else ("agent", "provider"))
+        truncated = text is not None and len(text) > max_chars
+        if truncated and text is not None:
+            text = text[:max(0, max_chars - len(TRUNCATION_MARK))] + TRUNCATION_MARK
+        return {"position": item.position, "visibility": "local",
+                "sourceThreadId": item.thread_id, "itemId": item.id, "runId": item.run_id,
+                "messageId": item.message_id, "role": message.role if message else None,
+                "createdBy": created_by, "creationSource": source, "type": item.type,
+                "status": item.status, "title": item.title, "text": text,
+                "textTruncated": truncated, "updatedAt": item.updated_at}
+
+    async def _send(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
+        state = await self._thread(args["threadId"])
+        thread = state.thread
+        assert thread is not None
+        caller = await self._caller_thread(scope)
+        if caller is not None and caller.thread is not None and caller.thread.id != thread.id:
+            self._ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
+        if thread.archived_at is not None:
+            raise ToolFailure("thread_not_sendable", f"thread {thread.id} is archived")
+        mode = args.get("mode", "auto")
+        steerable = _steerable_run(state)
+        dispatch_mode, target = {
+            "auto": ("steer_active", steerable.id) if steerable else ("start_immediately", None),
+            "queue": ("queue_after_active", None),
+            "steer": ("steer_active", steerable.id if steerable else None),
+            "restart": ("restart_active", steerable.id if steerable else None),
+        }[mode]
+        if mode in ("steer", "restart") and steerable is None:
+            raise ToolFailure("thread_not_sendable",
+                              f"thread {thread.id} has no active provider turn to {mode}")
+        key = self._key(args)
+        message_id = self._id("message", "mcp", scope.key, "thread-send", thread.id, key)
+        result = await self.orch.dispatch(orch.DispatchMessage(
+            command_id=self._id("command", "mcp", scope.key, "thread-send", thread.id, key),
+            thread_id=thread.id, message_id=message_id, text=args["message"],
+            created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP,
+            mode=dispatch_mode, target_run_id=target))
+        run = state.run(result.result["runId"])
+        return {"threadId": thread.id, "messageId": result.result["messageId"],
+                "runId": result.result["runId"], "status": run.status if run else None,
+                "delivery": result.result.get("delivery")}
+
+    async def _wait(self, scope: Scope, args: Mapping[str, Any],
+                    progress: Callable[[float, str], Awaitable[None]] | None) -> dict[str, Any]:
+        state = await self._thread(args["threadId"])
+        run_id = args.get("runId")
+        if run_id is not None and state.run(run_id) is None:
+            raise ToolFailure("run_not_found", f"run {run_id} was not found in {args['threadId']}")
+        run = state.run(run_id) if run_id else state.latest_run()
+        if run is None:
+            return {"threadId": args["threadId"], "runId": None, "status": "idle",
+                    "timedOut": False, "hasPendingQuestion": False, "pendingApproval": None}
+        pinned = run.id
+
+        def settled(s: ThreadState) -> bool:
+            r = s.run(pinned)
+            return r is None or r.status in RUN_TERMINAL or any(
+                q.run_id == pinned for q in s.pending_requests())
+
+        timeout_s = args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        done = settled(state)
+        while not done and not self.orch.stopping:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            done = await self.orch.wait_until(args["threadId"], settled,
+                                              min(remaining, PROGRESS_EVERY_S))
+            if not done and progress is not None and not self.orch.stopping:
+                elapsed = timeout_s - max(0.0, deadline - loop.time())
+                await progress(elapsed, "waiting for the run to finish")
+        state = await self._thread(args["threadId"])
+        current = state.run(pinned)
+        pending = [q for q in state.pending_requests() if q.run_id == pinned]
+        question = next((q for q in pending if q.kind_ == "user_input"), None)
+        approval = next((q for q in pending if q.kind_ != "user_input"), None)
+        status = current.status if current else "idle"
+        return {"threadId": args["threadId"], "runId": pinned, "status": status,
+                "statusReason": current.status_reason if current else None,
+                "timedOut": not done and status not in RUN_TERMINAL and not pending,
+                "hasPendingQuestion": question is not None,
+                "pendingApproval": {"requestId": approval.id, "kind": approval.kind_,
+                                    "runId": approval.run_id} if approval else None}
+
+    async def _interrupt(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
+        state = await self._thread(args["threadId"])
+        thread_id = args["threadId"]
+        caller = await self._caller_thread(scope)
+        if caller is not None and caller.thread is not None and caller.thread.id != thread_id \
+                and state.thread is not None:
+            self._ceiling(caller.thread, state.thread.runtime_mode, state.thread.interaction_mode)
+        active = [r for r in state.runs if r.status in RUN_BLOCKING]
+        if "runId" in args:
+            run = state.run(args["runId"])
+            if run is None:
+                raise ToolFailure("run_not_found", f"run {args['runId']} was not found")
+            if run.status in RUN_TERMINAL:
+                return {"threadId": thread_id, "runId": run.id, "status": run.status}
+            if not active or active[-1].id != run.id:
+                raise ToolFailure("thread_not_interruptible",
+                                  f"run {run.id} is {run.status}; only the newest active run "
+                                  "can be interrupted")
+        elif not active:
+            return {"threadId": thread_id, "runId": None, "status": "no_active_run"}
+        else:
+            run = active[-1]
+        key = self._key(args)
+        result = await self.orch.dispatch(orch.InterruptRun(
+            command_id=self._id("command", "mcp", scope.key, "thread-interrupt", thread_id, key),
+            thread_id=thread_id, run_id=run.id, reason=args.get("reason")))
+        status = result.result.get("status", "interrupt_requested")
+        if status not in RUN_TERMINAL:
+            status = "interrupt_requested"
+        return {"threadId": thread_id, "runId": run.id, "status": status}
+
+    async def _pending_request(self, scope: Scope, args: Mapping[str, Any], _: Any
+                               ) -> dict[str, Any]:
+        state = await self._thread(args["threadId"])
+        action = args["action"]
+        if action == "list":
+            return {"threadId": args["threadId"],
+                    "requests": [_request_summary(r) for r in state.pending_requests()]}
+        if "requestId" not in args:
+            raise ToolFailure("invalid_request", f"requestId: required for action {action}")
+        request = state.entities["runtime-request"].get(args["requestId"])
+        if request is None:
+            raise ToolFailure("invalid_request",
+                              f"requestId: no request {args['requestId']} in this thread")
+        if action == "read":
+            return {"threadId": args["threadId"], "request": {
+                **_request_summary(request), "detail": request.detail,
+                "decision": request.decision, "answers": request.answers,
+                "resolvedAt": request.resolved_at, "statusReason": request.status_reason}}
+        if ("decision" in args) == ("answers" in args):
+            raise ToolFailure("invalid_request", "decision: give exactly one of decision or "
+                                                 "answers")
+        key = self._key(args)
+        result = await self.orch.dispatch(orch.RespondRuntimeRequest(
+            command_id=self._id("command", "mcp", scope.key, "respond", request.id, key),
+            thread_id=args["threadId"], request_id=request.id, decision=args.get("decision"),
+            answers=args.get("answers")))
+        return {"threadId": args["threadId"], "requestId": request.id,
+                "status": result.result.get("status", "resolved"),
+                "decision": args.get("decision")}
+
+
+def _steerable_run(state: ThreadState) -> orch.Run | None:
+    for run in reversed(state.runs):
+        if run.status != RunStatus.RUNNING:
+            continue
+        attempt = state.entities["run-attempt"].get(run.active_attempt_id)
+        turn = state.entities["provider-turn"].get(attempt.provider_turn_id) if attempt else None
+        if turn is not None and turn.status == "running":
+            return run
+    return None
+
+
+def _request_summary(request: orch.RuntimeRequest) -> dict[str, Any]:
+    return {"requestId": request.id, "kind": request.kind_, "title": request.title,
+            "status": request.status, "runId": request.run_id, "createdAt": request.created_at,
+            "options": list(request.detail.get("options") or [])}
+
+
+# =============================================================================================
+# MCP wiring
+
+
+def _result(payload: Mapping[str, Any], *, is_error: bool) -> types.CallToolResult:
+    text = json.dumps(payload, ensure_ascii=False)
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
+                                structured_content=dict(payload), is_error=is_error)
+
+
+def build_mcp_server(toolkit: Toolkit, *, version: str) -> Server:
+    async def list_tools(ctx: ServerRequestContext, params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=toolkit.list_tools())
+
+    async def call_tool(ctx: ServerRequestContext, params: types.CallToolRequestParams
+                        ) -> types.CallToolResult:
+        async def progress(done: float, message: str) -> None:
+            try:
+                await ctx.session.report_progress(done, None, message)
+            except Exception as exc:  # a client gone mid-wait must not fail the wait
+                log.debug("progress not delivered: %s", exc)
+        try:
+            payload = await toolkit.call(params.name, params.arguments, progress=progress)
+        except ToolFailure as failure:
+            return _result({"_tag": "OrchestratorMcpFailure", "code": failure.code,
+                            "message": failure.message}, is_error=True)
+        except Exception:
+            log.exception("tool %s failed", params.name)
+            return _result({"_tag": "OrchestratorMcpFailure", "code": "orchestration_error",
+                            "message": "t3 hit an internal error; see the server log."},
+                           is_error=True)
+        return _result(payload, is_error=False)
+
+    server = Server("t3", version=version, on_list_tools=list_tools, on_call_tool=call_tool)
+    return server
