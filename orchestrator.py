@@ -287,6 +287,8 @@ class ProviderThread(_Entity):
 @dataclass(frozen=True, slots=True)
 class ProviderTurn(_Entity):
     kind: ClassVar[str] = "provider-turn"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": frozenset({
+        "pending", "running", "completed", "interrupted", "failed", "cancelled"})}
     id: str
     thread_id: str
     provider_thread_id: str
@@ -342,6 +344,8 @@ class TurnItem(_Entity):
     """One row of a thread's timeline. Message items take their text from the message."""
 
     kind: ClassVar[str] = "turn-item"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": frozenset({
+        "pending", "running", "waiting", "completed", "failed", "cancelled", "interrupted"})}
     id: str
     thread_id: str
     run_id: str | None
@@ -659,6 +663,10 @@ class FailRun:
     status: str  # failed | interrupted
     reason: str
 
+    def __post_init__(self) -> None:
+        if self.status not in (RunStatus.FAILED, RunStatus.INTERRUPTED):
+            raise ValueError(f"a run cannot be failed as {self.status!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class EndProviderSession:
@@ -816,9 +824,13 @@ def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
     return draft.decision(result)
 
 
-def _decide_create_thread(d: _Draft, c: CreateThread, **_: Any) -> Mapping[str, Any]:
+def _decide_create_thread(d: _Draft, c: CreateThread, *, providers: Mapping[str, ProviderInfo],
+                          **_: Any) -> Mapping[str, Any]:
     if d.state.thread is not None:
         raise CommandRejected(f"thread {c.thread_id} already exists", code="invalid_request")
+    if c.provider_instance_id not in providers:
+        raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
+                              code="provider_unavailable")
     thread = AppThread(
         id=c.thread_id, project_id=c.project_id, title=c.title,
         provider_instance_id=c.provider_instance_id,
@@ -932,6 +944,8 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
         raise CommandRejected("the provider can neither steer nor restart a turn",
                               code="thread_not_sendable")
     # Steering by interrupt-and-restart: the same run gets a new attempt with a new root node.
+    _close_streams(d, attempt)
+    _settle_open_work(d, run, "cancelled", "The turn was restarted with a new message.")
     n = attempt.attempt_ordinal + 1
     new_attempt_id = f"{run.id}:attempt:{n}"
     new_root = f"node:{run.id}:attempt:{n}:root"
@@ -979,6 +993,11 @@ def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]
         # Nothing reached the provider yet: the run ends here and its start is called off.
         _end_run(d, run, RunStatus.INTERRUPTED, "Interrupted before the provider started.")
         d.cancel_effect_types += ["provider-turn.start", "provider-turn.restart"]
+        for old in d.all("run-attempt"):  # a restart was cut short: stop the turn it replaced
+            old_turn = d.get("provider-turn", old.provider_turn_id)
+            if old.run_id == run.id and old_turn is not None and old_turn.status == "running":
+                d.effect("provider-turn.interrupt", {"runId": run.id, "attemptId": old.id,
+                                                     "reason": reason}, old.id)
         return {"threadId": run.thread_id, "runId": run.id, "status": RunStatus.INTERRUPTED}
     d.effect("provider-turn.interrupt", {"runId": run.id, "attemptId": attempt.id,
                                          "reason": reason}, attempt.id)
@@ -1000,22 +1019,7 @@ def _end_run(d: _Draft, run: Run, status: str, reason: str | None,
     if root is not None and root.status in ("pending", "running", "waiting"):
         d.put(replace(root, status=status, completed_at=None if status == RunStatus.WAITING
                       else d.now))
-    if status != RunStatus.WAITING:
-        for request in d.all("runtime-request"):
-            if request.run_id == run.id and request.status == "pending":
-                d.put(replace(request, status="cancelled", resolved_at=d.now,
-                              status_reason=f"The run ended ({status}) before an answer."))
-        for node in d.all("node"):
-            if node.run_id == run.id and node.id != run.root_node_id and \
-                    node.status in ("pending", "running", "waiting"):
-                d.put(replace(node, status="cancelled" if status != "failed" else "failed",
-                              completed_at=d.now))
-        for item in d.all("turn-item"):
-            if item.run_id == run.id and item.status in ("pending", "running", "waiting"):
-                d.put(replace(item, status=status, completed_at=d.now, updated_at=d.now))
-        for message in d.all("message"):
-            if message.run_id == run.id and message.streaming:
-                d.put(replace(message, streaming=False, updated_at=d.now))
+    _settle_open_work(d, run, status, f"The run ended ({status}) before an answer.")
     run = d.put(replace(run, status=status, status_reason=reason, failure=failure,
                         completed_at=None if status == RunStatus.WAITING else d.now))
     if status == RunStatus.WAITING:
@@ -1023,6 +1027,27 @@ def _end_run(d: _Draft, run: Run, status: str, reason: str | None,
     elif status in RUN_TERMINAL:
         _promote_queued(d)
     return run
+
+
+def _settle_open_work(d: _Draft, run: Run, status: str, reason: str) -> None:
+    """Close what a run's turn left open: requests, child nodes, items, streaming messages."""
+    done = RunStatus.COMPLETED if status == RunStatus.WAITING else status
+    for request in d.all("runtime-request"):
+        if request.run_id == run.id and request.status == "pending":
+            d.put(replace(request, status="cancelled", resolved_at=d.now, status_reason=reason,
+                          response_capability={"type": "not_resumable", "reason": reason}))
+    for node in d.all("node"):
+        if node.run_id == run.id and node.kind_ != "root_turn" and \
+                node.status in ("pending", "running", "waiting"):
+            d.put(replace(node, status="cancelled" if node.runtime_request_id else done,
+                          completed_at=d.now))
+    for item in d.all("turn-item"):
+        if item.run_id == run.id and item.status in ("pending", "running", "waiting"):
+            d.put(replace(item, status="cancelled" if item.type.endswith("_request") else done,
+                          completed_at=d.now, updated_at=d.now))
+    for message in d.all("message"):
+        if message.run_id == run.id and message.streaming:
+            d.put(replace(message, streaming=False, updated_at=d.now))
 
 
 def _promote_queued(d: _Draft) -> None:
@@ -1354,12 +1379,12 @@ def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
     for pthread in d.all("provider-thread"):
         if pthread.status == "active":
             d.put(replace(pthread, status="idle", updated_at=d.now))
+    for turn in d.all("provider-turn"):
+        if turn.status == "running":
+            d.put(replace(turn, status="interrupted", completed_at=d.now))
     for run in d.runs():
         if run.status in (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.PREPARING) and \
                 run.id not in c.resumable_run_ids:
-            attempt = d.get("run-attempt", run.active_attempt_id)
-            if attempt is not None:
-                _close_streams(d, attempt)
             _end_run(d, d.get("run", run.id), RunStatus.INTERRUPTED, c.reason)
             ended.append(run.id)
     _promote_queued(d)
@@ -1629,6 +1654,8 @@ class Orchestrator:
     async def _run_effect(self, row: _store.EffectRow) -> None:
         renewer = self._spawn(self._renew_lease(row, asyncio.current_task()), "lease")
         try:
+            if row.attempt_count > row.max_attempts:  # reclaimed after its last lease expired
+                raise _PermanentEffectError("no attempts left after the last lease expired")
             await self._execute(row)
         except asyncio.CancelledError:
             # Cancelled by a command (its row is already 'cancelled'), by losing the lease, or by

@@ -363,10 +363,11 @@ _SCHEMA_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
 def schema_files(sql_dir: Path = SQL_DIR) -> list[tuple[int, Path]]:
     files = []
-    for path in sorted(sql_dir.iterdir()):
+    for path in sorted(sql_dir.glob("*.sql")):
         match = _SCHEMA_NAME.match(path.name)
-        if match:
-            files.append((int(match.group(1)), path))
+        if not match:
+            raise StoreError(f"schema file {path.name} is not named NNNN_lower_snake.sql")
+        files.append((int(match.group(1)), path))
     versions = [v for v, _ in files]
     if versions != list(range(1, len(versions) + 1)):
         raise StoreError(f"schema files in {sql_dir} must be numbered 0001, 0002, ... without gaps")
@@ -374,18 +375,20 @@ def schema_files(sql_dir: Path = SQL_DIR) -> list[tuple[int, Path]]:
 
 
 def _statements(script: str) -> Iterator[str]:
-    buffer = ""
-    for line in script.splitlines(keepends=True):
-        buffer += line
-        if sqlite3.complete_statement(buffer):
-            statement = buffer.strip()
-            buffer = ""
-            if statement and not all(l.strip().startswith("--") or not l.strip()
-                                     for l in statement.splitlines()):
+    """Split a schema file into statements at each ';' that completes one."""
+    start = 0
+    for end, char in enumerate(script):
+        if char == ";" and sqlite3.complete_statement(script[start:end + 1]):
+            statement = script[start:end + 1].strip()
+            start = end + 1
+            if _has_code(statement):
                 yield statement
-    if buffer.strip() and not all(l.strip().startswith("--") or not l.strip()
-                                  for l in buffer.splitlines()):
+    if _has_code(script[start:]):
         raise StoreError("schema file ends with an incomplete statement")
+
+
+def _has_code(text: str) -> bool:
+    return any(line.strip() and not line.strip().startswith("--") for line in text.splitlines())
 
 
 def apply_migrations(path: Path, *, backups_dir: Path, sql_dir: Path = SQL_DIR,
@@ -395,7 +398,7 @@ def apply_migrations(path: Path, *, backups_dir: Path, sql_dir: Path = SQL_DIR,
     latest = files[-1][0] if files else 0
     if path.exists():
         # Look before touching anything: opening in WAL mode would already modify a newer file.
-        probe = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        probe = sqlite3.connect(_readonly_uri(path), uri=True)
         try:
             current = probe.execute("PRAGMA user_version").fetchone()[0]
         finally:
@@ -411,10 +414,13 @@ def apply_migrations(path: Path, *, backups_dir: Path, sql_dir: Path = SQL_DIR,
         for version, file in files:
             if version <= current or (stop_after is not None and version > stop_after):
                 continue
-            with _transaction(conn):
-                for statement in _statements(file.read_text()):
-                    conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {version:d}")
+            try:
+                with _transaction(conn):
+                    for statement in _statements(file.read_text()):
+                        conn.execute(statement)
+                    conn.execute(f"PRAGMA user_version = {version:d}")
+            except sqlite3.Error as exc:
+                raise StoreError(f"schema file {file.name} failed: {exc}") from exc
             log.info("applied schema %s", file.name)
             current = version
         return current
@@ -422,12 +428,16 @@ def apply_migrations(path: Path, *, backups_dir: Path, sql_dir: Path = SQL_DIR,
         conn.close()
 
 
+def _readonly_uri(path: Path) -> str:
+    return Path(path).resolve().as_uri() + "?mode=ro"  # as_uri escapes '#', '?' and '%'
+
+
 def _backup(path: Path, backups_dir: Path, version: int) -> Path:
     backups_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     target = backups_dir / f"t3-v{version}-{stamp}.sqlite"
     temp = target.with_suffix(".sqlite.tmp")
-    source = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    source = sqlite3.connect(_readonly_uri(path), uri=True)
     dest = sqlite3.connect(temp)
     try:
         source.backup(dest)
@@ -451,7 +461,7 @@ _STOP = object()
 
 
 class Store:
-    """The database of one t3 data directory. Create with ``Store.open``; close with ``close``."""
+    """The database of one t3 data directory: ``Store(path, backups_dir=...)``, then ``close()``."""
 
     def __init__(self, path: Path, *, backups_dir: Path) -> None:
         self.path = path
@@ -513,7 +523,10 @@ class Store:
     # -- reads -----------------------------------------------------------------------------------
 
     def read(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[sqlite3.Row]:
-        return self._reader.execute(sql, params).fetchall()
+        try:
+            return self._reader.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"database error: {exc}") from exc
 
     def thread_entities(self, thread_id: str) -> tuple[int, dict[str, list[dict[str, Any]]]]:
         """Every projected entity of one thread and the sequence it reflects, in one snapshot."""

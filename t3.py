@@ -304,6 +304,16 @@ async def _send_json(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]
     await send({"type": "http.response.body", "body": payload})
 
 
+async def _drain(receive: Callable[[], Awaitable[Any]], *, limit: int) -> None:
+    """Read and drop a request body so the client sees our answer instead of a reset."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
+
+
 def bearer_auth(app: ASGIApp, credentials: Credentials) -> ASGIApp:
     """Resolve ``Authorization: Bearer`` to a scope for the tool handlers, or answer 401."""
     from tools import current_scope
@@ -364,6 +374,7 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, environment_id: str) ->
             elif path == "/mcp":
                 length = dict(scope.get("headers") or []).get(b"content-length", b"0")
                 if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                    await _drain(receive, limit=4 * MAX_BODY_BYTES)
                     await _send_json(tracked_send, 413, {
                         "error": "payload_too_large",
                         "message": f"request bodies are limited to {MAX_BODY_BYTES} bytes"})
@@ -493,6 +504,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     hconfig.bind = [f"fd://{sock.fileno()}"]
     hconfig.graceful_timeout = 3.0
     hconfig.accesslog = None
+    hconfig.errorlog = logging.getLogger("hypercorn.error")
     url_host = f"[{host}]" if ":" in host else host
     url = f"http://{url_host}:{port}"
 
@@ -505,7 +517,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         server = loop.create_task(hypercorn.asyncio.serve(app, hconfig,
                                                           shutdown_trigger=http_stop.wait))
         _write_json_atomic(server_json, {
-            "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp", "wsUrl": f"{url}/ws",
+            "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp", "wsUrl": f"ws://{url_host}:{port}/ws",
             "port": port, "environmentId": environment_id,
             "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         print(f"t3 {VERSION} ready: MCP at {url}/mcp (client token in {data_dir / 'client-token'})",
@@ -519,7 +531,8 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
             await server
         stopped.cancel()
         await orch.close()
-    sock.close()
+    with contextlib.suppress(OSError):  # hypercorn usually closed it already
+        sock.close()
     log.info("stopped")
     return 0
 

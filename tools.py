@@ -165,8 +165,9 @@ def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
         for key in schema.get("required", ()):
             if key not in value:
                 raise ToolFailure("invalid_request", f"{_join(path, key)}: required")
+        # An optional field sent as null counts as absent: models often fill every field.
         value = {k: validate(props[k], v, _join(path, k)) if k in props else v
-                 for k, v in value.items()}
+                 for k, v in value.items() if v is not None or k in schema.get("required", ())}
     return value
 
 

@@ -1,0 +1,791 @@
+"""Unit tests for ``orchestrator.decide``: no database, no server, no clock.
+
+State is built only by applying decisions, as ``Orchestrator._apply`` does: every event's payload
+becomes an entity through ``_ENTITY_TYPES[event_kind(type)].from_json`` and is put into a
+``ThreadState``. Time is one fixed string and ids come from a counter, so every decision replays.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import orchestrator as o  # noqa: E402
+import store  # noqa: E402
+
+NOW = "2030-01-02T03:04:05.678Z"
+THREAD = "thread-1"
+SESSION = "provider-session:1"
+
+
+class CountingIds:
+    """A deterministic id source: ``prefix:1``, ``prefix:2``, ..."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}:{self.n}"
+
+
+def providers(*, active_steering: bool = False) -> dict[str, o.ProviderInfo]:
+    return {"scripted": o.ProviderInfo(
+        instance_id="scripted", driver="acp", display_name=None, models=[{"id": "m1"}],
+        capabilities=o.Capabilities(supports_active_steering=active_steering,
+                                    supports_steering_by_restart=True))}
+
+
+def apply(state: o.ThreadState, decision: o.Decision) -> o.ThreadState:
+    """What ``Orchestrator._apply`` does with committed events, minus sequences and wakes."""
+    for event in decision.events:
+        state.put(o._ENTITY_TYPES[store.event_kind(event.type)].from_json(event.payload))
+    return state
+
+
+def changed(decision: o.Decision, kind: str) -> list[Any]:
+    """The entities of one kind that a decision writes, in event order."""
+    return [o._ENTITY_TYPES[kind].from_json(e.payload) for e in decision.events
+            if store.event_kind(e.type) == kind]
+
+
+def final(decision: o.Decision, kind: str, entity_id: str) -> Any:
+    """The last version of one entity that a decision writes (None if it does not touch it)."""
+    versions = [e for e in changed(decision, kind) if e.id == entity_id]
+    return versions[-1] if versions else None
+
+
+def effect_types(decision: o.Decision) -> list[str]:
+    return [e.effect_type for e in decision.effects]
+
+
+def create_command(command_id: str, *, text: str | None = "hello") -> o.CreateThread:
+    initial = o.InitialMessage(message_id="msg-1", text=text) if text is not None else None
+    return o.CreateThread(
+        command_id=command_id, thread_id=THREAD, project_id="default", title="A thread",
+        provider_instance_id="scripted", model="m1", runtime_mode="full-access",
+        interaction_mode="default", workspace="/work/ws", created_by="user",
+        creation_source="web", initial_message=initial)
+
+
+class Sim:
+    """One thread, advanced by deciding commands and applying the decisions."""
+
+    def __init__(self, *, active_steering: bool = False) -> None:
+        self.state = o.ThreadState()
+        self.providers = providers(active_steering=active_steering)
+        self.count = 0
+
+    def cid(self, label: str) -> str:
+        self.count += 1
+        return f"cmd-{self.count}-{label}"
+
+    def decide(self, command: Any) -> o.Decision:
+        return o.decide(self.state, command, now=NOW, new_id=CountingIds(),
+                        providers=self.providers)
+
+    def do(self, command: Any) -> o.Decision:
+        decision = self.decide(command)
+        apply(self.state, decision)
+        return decision
+
+    def run(self, ordinal: int = 1) -> o.Run:
+        return self.state.run(f"run:{THREAD}:{ordinal}")
+
+    def get(self, kind: str, entity_id: str) -> Any:
+        return self.state.entities[kind].get(entity_id)
+
+    # Commands, each decided and applied; the decision is returned for inspection.
+    def create(self, text: str | None = "hello") -> o.Decision:
+        return self.do(create_command(self.cid("create"), text=text))
+
+    def send(self, text: str = "more", *, mode: str = "start_immediately",
+             target: str | None = None) -> o.Decision:
+        command_id = self.cid("send")
+        return self.do(o.DispatchMessage(
+            command_id=command_id, thread_id=THREAD, message_id=f"msg-{command_id}", text=text,
+            created_by="agent", creation_source="mcp", mode=mode, target_run_id=target))
+
+    def mark_started(self, ordinal: int = 1, *, attempt_id: str | None = None) -> o.Decision:
+        run = self.run(ordinal)
+        return self.do(o.MarkRunStarted(
+            command_id=self.cid("start"), thread_id=THREAD, run_id=run.id,
+            attempt_id=attempt_id or run.active_attempt_id, provider_session_id=SESSION,
+            session_created=True, pid=4242, native_thread_ref="native-thread-1", cwd="/work/ws"))
+
+    def ingest(self, *events: Any, ordinal: int = 1, attempt_id: str | None = None) -> o.Decision:
+        run = self.run(ordinal)
+        return self.do(o.IngestProviderEvents(
+            command_id=self.cid("ingest"), thread_id=THREAD, run_id=run.id,
+            attempt_id=attempt_id or run.active_attempt_id, provider_session_id=SESSION,
+            events=tuple(events)))
+
+    def interrupt(self, ordinal: int = 1, reason: str | None = None) -> o.Decision:
+        return self.do(o.InterruptRun(command_id=self.cid("interrupt"), thread_id=THREAD,
+                                      run_id=self.run(ordinal).id, reason=reason))
+
+    def complete(self, ordinal: int = 1) -> o.Decision:
+        return self.do(o.CompleteRun(command_id=self.cid("complete"), thread_id=THREAD,
+                                     run_id=self.run(ordinal).id))
+
+    def fail(self, ordinal: int = 1, *, status: str = "failed", reason: str = "boom") -> o.Decision:
+        return self.do(o.FailRun(command_id=self.cid("fail"), thread_id=THREAD,
+                                 run_id=self.run(ordinal).id, attempt_id=None, status=status,
+                                 reason=reason))
+
+    def respond(self, request_id: str, decision: str = "accept") -> o.Decision:
+        return self.do(o.RespondRuntimeRequest(command_id=self.cid("respond"), thread_id=THREAD,
+                                               request_id=request_id, decision=decision))
+
+    def recover(self, reason: str = "The server restarted.",
+                resumable: frozenset[str] = frozenset()) -> o.Decision:
+        return self.do(o.RecoverThread(command_id=self.cid("recover"), thread_id=THREAD,
+                                       reason=reason, resumable_run_ids=resumable))
+
+
+def running_sim(**kwargs: Any) -> Sim:
+    """A thread whose first run is running with a live provider turn."""
+    sim = Sim(**kwargs)
+    sim.create()
+    sim.mark_started()
+    return sim
+
+
+PERMISSION = o.RuntimeRequestOpened(native_ref="perm-1", request_kind="permission",
+                                    title="Run ls?", detail={"command": "ls"})
+REQUEST_ID = f"runtime-request:{SESSION}:perm-1"
+
+
+# =============================================================================================
+# Purity and determinism
+
+
+def test_decide_is_deterministic_and_leaves_state_untouched() -> None:
+    """Same state + command + clock + id source decides equal events and effects; state is unchanged."""
+    sim = running_sim()
+    sim.ingest(o.TextDelta("partial"), PERMISSION)
+    sim.send("later")  # queued behind the running run
+    run = sim.run()
+    commands = [
+        o.DispatchMessage(command_id="c-a", thread_id=THREAD, message_id="m-a", text="x",
+                          created_by="user", creation_source="web", mode="queue_after_active"),
+        o.DispatchMessage(command_id="c-b", thread_id=THREAD, message_id="m-b", text="y",
+                          created_by="user", creation_source="web", mode="steer_active",
+                          target_run_id=run.id),
+        o.IngestProviderEvents(command_id="c-c", thread_id=THREAD, run_id=run.id,
+                               attempt_id=run.active_attempt_id, provider_session_id=SESSION,
+                               events=(o.TextDelta("more"), o.TurnEnded("interrupted"))),
+        o.InterruptRun(command_id="c-d", thread_id=THREAD, run_id=run.id),
+        o.RespondRuntimeRequest(command_id="c-e", thread_id=THREAD, request_id=REQUEST_ID,
+                                decision="accept"),
+        o.FailRun(command_id="c-f", thread_id=THREAD, run_id=run.id, attempt_id=None,
+                  status="failed", reason="gone"),
+        o.RecoverThread(command_id="c-g", thread_id=THREAD, reason="restart"),
+    ]
+    for command in commands:
+        before = (copy.deepcopy(sim.state.entities), sim.state.thread, sim.state.next_position)
+        first, second = sim.decide(command), sim.decide(command)
+        assert first == second, command
+        assert first.commit(command) == second.commit(command)
+        assert (sim.state.entities, sim.state.thread, sim.state.next_position) == before, command
+
+
+# =============================================================================================
+# Creating threads and dispatching messages
+
+
+def test_create_thread_with_initial_message_starts_the_first_run() -> None:
+    """CreateThread with a message: thread, starting run #1, attempt, root, user message + item, start effect."""
+    sim = Sim()
+    decision = sim.create()
+    assert [e.type for e in decision.events][:3] == ["thread.created", "run.created",
+                                                     "run-attempt.created"]
+    thread = sim.state.thread
+    assert (thread.id, thread.created_by, thread.creation_source) == (THREAD, "user", "web")
+    run = sim.run()
+    assert (run.status, run.ordinal, run.user_message_id) == ("starting", 1, "msg-1")
+    attempt = sim.get("run-attempt", run.active_attempt_id)
+    assert (attempt.attempt_ordinal, attempt.status, attempt.reason) == (1, "pending", "initial")
+    root = sim.get("node", run.root_node_id)
+    assert (root.kind_, root.parent_node_id, root.counts_for_run) == ("root_turn", None, True)
+    message = sim.get("message", "msg-1")
+    assert (message.role, message.text, message.created_by, message.creation_source) == \
+        ("user", "hello", "user", "web")
+    [item] = sim.state.items()
+    assert (item.type, item.position, item.message_id, item.input_intent) == \
+        ("user_message", 0, "msg-1", "turn_start")
+    assert effect_types(decision) == ["provider-turn.start"]
+    assert decision.effects[0].payload == {"runId": run.id, "attemptId": attempt.id}
+    assert decision.result == {"threadId": THREAD, "runId": run.id, "messageId": "msg-1",
+                               "delivery": "started"}
+
+
+def test_effect_and_event_ids_derive_from_the_command_id() -> None:
+    """Effect and event ids are a function of the command id, so a replayed command converges."""
+    state = o.ThreadState()
+    command = create_command("cmd-create")
+    commit = o.decide(state, command, now=NOW, new_id=CountingIds(),
+                      providers=providers()).commit(command)
+    [effect] = commit.effects
+    assert effect.effect_id == f"effect:cmd-create:provider-turn.start:run:{THREAD}:1"
+    assert [e.event_id for e in commit.events] == \
+        [f"event:cmd-create:{i}" for i in range(len(commit.events))]
+    other = dataclasses.replace(command, command_id="cmd-other")
+    other_commit = o.decide(state, other, now=NOW, new_id=CountingIds(),
+                            providers=providers()).commit(other)
+    assert other_commit.effects[0].effect_id == \
+        f"effect:cmd-other:provider-turn.start:run:{THREAD}:1"
+    assert commit.fingerprint == other_commit.fingerprint
+
+
+def test_create_thread_without_message_starts_nothing() -> None:
+    """CreateThread without a message creates only the thread: no run, item or effect."""
+    sim = Sim()
+    decision = sim.create(text=None)
+    assert [e.type for e in decision.events] == ["thread.created"]
+    assert decision.effects == () and sim.state.runs == []
+    assert sim.state.status() == "idle"
+
+
+def test_dispatch_on_an_idle_thread_starts_a_run() -> None:
+    """start_immediately with nothing blocking gives a starting run, its user item and a start effect."""
+    sim = Sim()
+    sim.create(text=None)
+    decision = sim.send("go")
+    run = sim.run()
+    assert (run.status, run.ordinal, run.queue_position) == ("starting", 1, None)
+    assert decision.result["delivery"] == "started"
+    assert [i.input_intent for i in sim.state.items()] == ["turn_start"]
+    assert effect_types(decision) == ["provider-turn.start"]
+
+
+@pytest.mark.parametrize("blocking", ["starting", "running", "waiting"])
+def test_dispatch_behind_a_blocking_run_queues_without_item_or_effect(blocking: str) -> None:
+    """A message sent while a run blocks becomes a queued run: queuePosition, no user item, no effect."""
+    sim = Sim()
+    sim.create()
+    if blocking != "starting":
+        sim.mark_started()
+    if blocking == "waiting":
+        sim.ingest(o.TurnEnded("completed"))
+    assert sim.run().status == blocking
+    items_before = len(sim.state.items())
+    decision = sim.send("later")
+    queued = sim.run(2)
+    assert (queued.status, queued.queue_position) == ("queued", 1)
+    assert decision.result["delivery"] == "queued"
+    assert decision.effects == ()
+    assert changed(decision, "turn-item") == []
+    assert len(sim.state.items()) == items_before
+    sim.send("even later")
+    assert sim.run(3).queue_position == 2
+
+
+def assert_promoted(decision: o.Decision, sim: Sim, ordinal: int = 2) -> None:
+    promoted = final(decision, "run", f"run:{THREAD}:{ordinal}")
+    assert promoted is not None, "the queued run was not promoted in this decision"
+    assert (promoted.status, promoted.queue_position) == ("starting", None)
+    [item] = [i for i in changed(decision, "turn-item") if i.run_id == promoted.id]
+    assert (item.type, item.input_intent, item.message_id) == \
+        ("user_message", "queued_turn", promoted.user_message_id)
+    assert item.position == max(i.position for i in sim.state.items())
+    assert ("provider-turn.start", {"runId": promoted.id, "attemptId": promoted.active_attempt_id}) \
+        in [(e.effect_type, e.payload) for e in decision.effects]
+
+
+def test_queued_run_is_promoted_when_the_turn_ends_interrupted() -> None:
+    """TurnEnded(interrupted) ends the run and starts the queued run in the same decision."""
+    sim = running_sim()
+    sim.send("later")
+    decision = sim.ingest(o.TurnEnded("interrupted"))
+    assert final(decision, "run", sim.run().id).status == "interrupted"
+    assert_promoted(decision, sim)
+
+
+def test_queued_run_is_promoted_when_the_run_fails() -> None:
+    """FailRun ends the run with a failure and starts the queued run in the same decision."""
+    sim = running_sim()
+    sim.send("later")
+    decision = sim.fail(reason="the provider crashed")
+    run = sim.run()
+    assert (run.status, run.status_reason) == ("failed", "the provider crashed")
+    assert run.failure["message"] == "the provider crashed"
+    assert_promoted(decision, sim)
+
+
+def test_completed_turn_waits_for_finalize_and_only_completion_promotes() -> None:
+    """TurnEnded(completed) moves running -> waiting with run.finalize; CompleteRun completes and promotes."""
+    sim = running_sim()
+    sim.send("later")
+    waiting = sim.ingest(o.TurnEnded("completed"))
+    run = sim.run()
+    assert (run.status, run.completed_at) == ("waiting", None)
+    assert sim.get("node", run.root_node_id).status == "waiting"
+    assert sim.get("run-attempt", run.active_attempt_id).status == "completed"
+    assert effect_types(waiting) == ["run.finalize"]
+    assert waiting.effects[0].replay_safe
+    assert sim.run(2).status == "queued"
+    done = sim.complete()
+    assert sim.run().status == "completed"
+    assert sim.get("node", run.root_node_id).status == "completed"
+    assert_promoted(done, sim)
+
+
+def test_complete_run_rejects_a_run_that_is_not_waiting() -> None:
+    """Only a waiting run (root turn done) can complete."""
+    sim = running_sim()
+    with pytest.raises(o.CommandRejected):
+        sim.complete()
+
+
+# =============================================================================================
+# Starting runs
+
+
+def test_mark_run_started_moves_starting_to_running() -> None:
+    """MarkRunStarted creates the provider session, thread and turn and marks the run running."""
+    sim = Sim()
+    sim.create()
+    decision = sim.mark_started()
+    run = sim.run()
+    assert (run.status, run.started_at) == ("running", NOW)
+    session = sim.get("provider-session", SESSION)
+    assert (session.status, session.pid, session.driver, session.model) == \
+        ("running", 4242, "acp", "m1")
+    pthread = sim.get("provider-thread", run.provider_thread_id)
+    assert (pthread.status, pthread.provider_session_id, pthread.native_thread_ref) == \
+        ("active", SESSION, "native-thread-1")
+    assert sim.state.thread.active_provider_thread_id == pthread.id
+    attempt = sim.get("run-attempt", run.active_attempt_id)
+    turn = sim.get("provider-turn", attempt.provider_turn_id)
+    assert (turn.status, turn.ordinal, turn.node_id) == ("running", 1, run.root_node_id)
+    assert attempt.status == "running"
+    assert sim.get("node", run.root_node_id).status == "running"
+    assert decision.effects == ()
+
+
+def test_mark_run_started_rejects_a_stale_attempt_or_a_run_not_starting() -> None:
+    """MarkRunStarted for an unknown attempt, or for a run already running, is rejected."""
+    sim = Sim()
+    sim.create()
+    with pytest.raises(o.CommandRejected):
+        sim.mark_started(attempt_id=f"run:{THREAD}:1:attempt:9")
+    sim.mark_started()
+    with pytest.raises(o.CommandRejected):
+        sim.mark_started()
+
+
+# =============================================================================================
+# Ingesting provider events
+
+
+def test_text_deltas_stream_into_one_assistant_message() -> None:
+    """Consecutive TextDeltas concatenate into one streaming assistant message with one item."""
+    sim = running_sim()
+    sim.ingest(o.TextDelta("Hel"), o.TextDelta("lo"))
+    sim.ingest(o.TextDelta(" world"))
+    [message] = [m for m in sim.state.entities["message"].values() if m.role == "assistant"]
+    assert (message.text, message.streaming, message.created_by) == ("Hello world", True, "agent")
+    items = [i for i in sim.state.items() if i.type == "assistant_message"]
+    assert [(i.message_id, i.status) for i in items] == [(message.id, "running")]
+
+
+def test_a_tool_update_closes_the_open_stream() -> None:
+    """A ToolUpdate closes the streaming message; text after it opens a new message."""
+    sim = running_sim()
+    sim.ingest(o.TextDelta("Let me look."), o.ToolUpdate("tool-1", "pending", title="ls"),
+               o.TextDelta("Done."))
+    first, second = sorted((m for m in sim.state.entities["message"].values()
+                            if m.role == "assistant"), key=lambda m: m.id)
+    assert (first.text, first.streaming) == ("Let me look.", False)
+    assert (second.text, second.streaming) == ("Done.", True)
+    assert [i.type for i in sim.state.items()] == ["user_message", "assistant_message",
+                                                   "tool_call", "assistant_message"]
+    tool = next(i for i in sim.state.items() if i.type == "tool_call")
+    assert (tool.status, tool.title) == ("running", "ls")
+
+
+def test_turn_completed_closes_streams() -> None:
+    """TurnEnded(completed) closes the open assistant and reasoning streams and their items."""
+    sim = running_sim()
+    sim.ingest(o.ReasoningDelta("thinking"), o.TextDelta("answer"))
+    sim.ingest(o.TurnEnded("completed"))
+    messages = [m for m in sim.state.entities["message"].values() if m.role != "user"]
+    assert sorted(m.role for m in messages) == ["assistant", "reasoning"]
+    assert not any(m.streaming for m in messages)
+    assert all(i.status == "completed" for i in sim.state.items())
+
+
+def test_events_for_a_superseded_attempt_do_not_touch_the_run() -> None:
+    """After a restart, the old attempt's text is dropped and only its provider turn's end is kept."""
+    sim = running_sim()
+    old_attempt = sim.get("run-attempt", sim.run().active_attempt_id)
+    sim.send("redo", mode="restart_active", target=sim.run().id)
+    decision = sim.ingest(o.TextDelta("stale"), o.ToolUpdate("t", "running"),
+                          o.TurnEnded("interrupted"), attempt_id=old_attempt.id)
+    assert [e.type for e in decision.events] == ["provider-turn.updated"]
+    assert sim.get("provider-turn", old_attempt.provider_turn_id).status == "interrupted"
+    assert sim.run().status == "starting"
+    assert not any(m.text == "stale" for m in sim.state.entities["message"].values())
+
+
+# =============================================================================================
+# Steering
+
+
+def test_steering_without_active_steering_interrupts_and_restarts() -> None:
+    """steer_active on a provider without steering supersedes the attempt and restarts the run."""
+    sim = running_sim()
+    run = sim.run()
+    old_attempt_id, old_root = run.active_attempt_id, run.root_node_id
+    decision = sim.send("change course", mode="steer_active", target=run.id)
+    assert decision.result["delivery"] == "steered"
+    assert sim.get("run-attempt", old_attempt_id).status == "superseded"
+    assert sim.get("node", old_root).status == "interrupted"
+    run = sim.run()
+    new_attempt = sim.get("run-attempt", run.active_attempt_id)
+    assert (new_attempt.attempt_ordinal, new_attempt.reason, new_attempt.status) == \
+        (2, "steering_restart", "pending")
+    assert run.active_attempt_id == f"{run.id}:attempt:2" != old_attempt_id
+    assert run.root_node_id == new_attempt.root_node_id != old_root
+    assert sim.get("node", run.root_node_id).kind_ == "root_turn"
+    assert run.status == "starting"
+    assert effect_types(decision) == ["provider-turn.restart"]
+    assert decision.effects[0].payload == {"runId": run.id, "interruptedAttemptId": old_attempt_id,
+                                           "attemptId": new_attempt.id}
+    item = sim.state.items()[-1]
+    assert (item.type, item.input_intent, item.node_id) == ("user_message", "steer", run.root_node_id)
+    sim.mark_started()  # the restarted attempt starts like any other
+    assert sim.run().status == "running"
+
+
+def test_restart_active_reports_restarted() -> None:
+    """restart_active takes the same interrupt-and-restart path and reports delivery restarted."""
+    sim = running_sim(active_steering=True)
+    decision = sim.send("start over", mode="restart_active", target=sim.run().id)
+    assert decision.result["delivery"] == "restarted"
+    assert effect_types(decision) == ["provider-turn.restart"]
+    assert sim.run().status == "starting"
+
+
+def test_active_steering_sends_a_steer_effect_and_keeps_running() -> None:
+    """With active steering the message goes to the live turn: a steer effect, the run stays running."""
+    sim = running_sim(active_steering=True)
+    run = sim.run()
+    decision = sim.send("also do X", mode="steer_active", target=run.id)
+    assert decision.result["delivery"] == "steered"
+    assert effect_types(decision) == ["provider-turn.steer"]
+    assert sim.run() == run  # untouched: same attempt, same root, still running
+    assert sim.state.items()[-1].input_intent == "steer"
+
+
+@pytest.mark.parametrize("situation", ["starting", "queued", "waiting"])
+def test_steering_a_run_without_a_running_turn_is_rejected(situation: str) -> None:
+    """Steering needs a running run with a running provider turn, else thread_not_sendable."""
+    sim = Sim()
+    sim.create()
+    ordinal = 1
+    if situation == "queued":
+        sim.send("queued")
+        ordinal = 2
+    if situation == "waiting":
+        sim.mark_started()
+        sim.ingest(o.TurnEnded("completed"))
+    with pytest.raises(o.CommandRejected) as info:
+        sim.send("steer", mode="steer_active", target=sim.run(ordinal).id)
+    assert info.value.code == "thread_not_sendable"
+
+
+# =============================================================================================
+# Interrupting
+
+
+def test_interrupting_a_running_turn_asks_the_provider() -> None:
+    """InterruptRun on a live turn records the request and emits an interrupt effect; still running."""
+    sim = running_sim()
+    decision = sim.interrupt(reason="stop please")
+    assert decision.result["status"] == "interrupt_requested"
+    assert sim.run().status == "running"
+    item = sim.state.items()[-1]
+    assert (item.type, item.text) == ("run_interrupt_request", "stop please")
+    assert effect_types(decision) == ["provider-turn.interrupt"]
+    sim.ingest(o.TurnEnded("interrupted"))
+    assert (sim.run().status, sim.run().status_reason) == ("interrupted", "stop please")
+
+
+def test_interrupting_a_starting_run_ends_it_at_once() -> None:
+    """A run with no provider turn yet is interrupted immediately and its start effect is called off."""
+    sim = Sim()
+    sim.create()
+    decision = sim.interrupt()
+    run = sim.run()
+    assert run.status == "interrupted"
+    assert run.status_reason == "Interrupted before the provider started."
+    assert "provider-turn.start" in decision.cancel_effect_types
+    assert decision.effects == ()
+
+
+def test_interrupting_a_terminal_run_changes_nothing() -> None:
+    """InterruptRun on an ended run writes no events and reports the terminal status."""
+    sim = running_sim()
+    sim.fail()
+    decision = sim.interrupt()
+    assert decision.events == () and decision.effects == ()
+    assert decision.result["status"] == "failed"
+
+
+def test_interrupting_a_queued_run_is_rejected() -> None:
+    """A queued run has no turn to interrupt: thread_not_interruptible."""
+    sim = running_sim()
+    sim.send("later")
+    with pytest.raises(o.CommandRejected) as info:
+        sim.interrupt(2)
+    assert info.value.code == "thread_not_interruptible"
+
+
+def test_interrupting_during_a_steering_restart_still_stops_the_old_turn() -> None:
+    """Interrupting a run mid-restart leaves no provider turn running without a way to stop it."""
+    sim = running_sim()
+    old_attempt = sim.get("run-attempt", sim.run().active_attempt_id)
+    sim.send("change course", mode="steer_active", target=sim.run().id)
+    decision = sim.interrupt()
+    assert sim.get("provider-turn", old_attempt.provider_turn_id).status == "running"
+    assert "provider-turn.interrupt" in effect_types(decision) \
+        or "provider-turn.restart" not in decision.cancel_effect_types
+
+
+# =============================================================================================
+# Runtime requests
+
+
+def test_a_runtime_request_opens_a_pending_request_node_and_item() -> None:
+    """RuntimeRequestOpened: a pending live request, a waiting approval node and a waiting item."""
+    sim = running_sim()
+    sim.ingest(PERMISSION)
+    request = sim.get("runtime-request", REQUEST_ID)
+    assert (request.status, request.kind_, request.native_request_ref) == \
+        ("pending", "permission", "perm-1")
+    assert request.response_capability == {"type": "live", "providerSessionId": SESSION}
+    node = sim.get("node", request.node_id)
+    assert (node.kind_, node.status, node.parent_node_id) == \
+        ("approval_request", "waiting", sim.run().root_node_id)
+    item = sim.state.items()[-1]
+    assert (item.type, item.status, item.data["requestId"]) == \
+        ("approval_request", "waiting", REQUEST_ID)
+    assert sim.state.pending_requests() == [request]
+
+
+def test_responding_resolves_the_request_once() -> None:
+    """RespondRuntimeRequest resolves it with a respond effect; a second answer is rejected."""
+    sim = running_sim()
+    sim.ingest(PERMISSION)
+    decision = sim.respond(REQUEST_ID, "accept")
+    request = sim.get("runtime-request", REQUEST_ID)
+    assert (request.status, request.decision, request.resolved_at) == ("resolved", "accept", NOW)
+    assert sim.get("node", request.node_id).status == "completed"
+    assert effect_types(decision) == ["runtime-request.respond"]
+    assert decision.effects[0].payload["providerSessionId"] == SESSION
+    assert decision.effects[0].payload["nativeRequestRef"] == "perm-1"
+    with pytest.raises(o.CommandRejected):
+        sim.respond(REQUEST_ID, "accept")
+
+
+def test_declining_cancels_the_request_node() -> None:
+    """A decline resolves the request and marks its node and item cancelled."""
+    sim = running_sim()
+    sim.ingest(PERMISSION)
+    sim.respond(REQUEST_ID, "decline")
+    request = sim.get("runtime-request", REQUEST_ID)
+    assert (request.status, request.decision) == ("resolved", "decline")
+    assert sim.get("node", request.node_id).status == "cancelled"
+    assert sim.state.items()[-1].status == "cancelled"
+
+
+def test_a_pending_request_is_cancelled_when_the_run_ends() -> None:
+    """Ending the run (interrupted) cancels its pending request and node; answering is then refused."""
+    sim = running_sim()
+    sim.ingest(PERMISSION)
+    sim.ingest(o.TurnEnded("interrupted"))
+    request = sim.get("runtime-request", REQUEST_ID)
+    assert request.status == "cancelled" and request.status_reason
+    assert sim.get("node", request.node_id).status == "cancelled"
+    assert sim.state.pending_requests() == []
+    with pytest.raises(o.CommandRejected):
+        sim.respond(REQUEST_ID)
+
+
+def test_a_pending_request_does_not_outlive_a_completed_run() -> None:
+    """After TurnEnded(completed) and CompleteRun no request of the run is still pending."""
+    sim = running_sim()
+    sim.ingest(PERMISSION)
+    sim.ingest(o.TurnEnded("completed"))
+    sim.complete()
+    assert sim.run().status == "completed"
+    assert sim.get("runtime-request", REQUEST_ID).status != "pending"
+
+
+def test_no_message_stays_streaming_after_a_restarted_run_completes() -> None:
+    """A message streaming when its attempt was superseded is closed by the time the run completes."""
+    sim = running_sim()
+    sim.ingest(o.TextDelta("half a thought"))
+    sim.send("change course", mode="steer_active", target=sim.run().id)
+    sim.mark_started()
+    sim.ingest(o.TextDelta("new answer"), o.TurnEnded("completed"))
+    sim.complete()
+    assert sim.run().status == "completed"
+    assert [m.text for m in sim.state.entities["message"].values() if m.streaming] == []
+    assert [i.type for i in sim.state.items() if i.status == "running"] == []
+
+
+# =============================================================================================
+# Cancelling queued runs
+
+
+def test_cancel_queued_run_cancels_only_queued_runs() -> None:
+    """CancelQueuedRun cancels a queued run with its attempt and root; a non-queued run is rejected."""
+    sim = running_sim()
+    sim.send("later")
+    queued = sim.run(2)
+    sim.do(o.CancelQueuedRun(command_id=sim.cid("cancel"), thread_id=THREAD, run_id=queued.id))
+    run = sim.run(2)
+    assert (run.status, run.queue_position) == ("cancelled", None)
+    assert sim.get("run-attempt", run.active_attempt_id).status == "cancelled"
+    assert sim.get("node", run.root_node_id).status == "cancelled"
+    with pytest.raises(o.CommandRejected):
+        sim.do(o.CancelQueuedRun(command_id=sim.cid("cancel"), thread_id=THREAD,
+                                 run_id=sim.run(1).id))
+    # nothing left to promote when the running run ends
+    decision = sim.fail()
+    assert decision.effects == () and sim.run(2).status == "cancelled"
+
+
+# =============================================================================================
+# Recovery after a restart
+
+
+def test_recover_interrupts_live_runs_expires_requests_and_promotes() -> None:
+    """RecoverThread: a running run ends interrupted, sessions stop, requests expire, the queue moves."""
+    sim = running_sim()
+    sim.ingest(o.TextDelta("partial"), PERMISSION)
+    sim.send("later")
+    decision = sim.recover("The server restarted.")
+    run = sim.run()
+    assert (run.status, run.status_reason) == ("interrupted", "The server restarted.")
+    assert sim.get("provider-session", SESSION).status == "stopped"
+    assert sim.get("provider-thread", run.provider_thread_id).status == "idle"
+    request = sim.get("runtime-request", REQUEST_ID)
+    assert request.status == "expired"
+    assert request.response_capability == {"type": "not_resumable",
+                                           "reason": "The server restarted."}
+    assert not any(m.streaming for m in sim.state.entities["message"].values())
+    assert decision.result["interruptedRunIds"] == [run.id]
+    assert_promoted(decision, sim)
+
+
+def test_recover_interrupts_a_starting_run() -> None:
+    """A starting run that is not resumable is interrupted with the reason, never left starting."""
+    sim = Sim()
+    sim.create()
+    sim.recover("gone")
+    assert (sim.run().status, sim.run().status_reason) == ("interrupted", "gone")
+
+
+def test_recover_leaves_a_resumable_starting_run_alone() -> None:
+    """A starting run named in resumable_run_ids keeps its status and still blocks the queue."""
+    sim = Sim()
+    sim.create()
+    sim.send("later")
+    decision = sim.recover("gone", resumable=frozenset({sim.run().id}))
+    assert changed(decision, "run") == [] and decision.effects == ()
+    assert (sim.run().status, sim.run(2).status) == ("starting", "queued")
+    assert decision.result["interruptedRunIds"] == []
+
+
+# =============================================================================================
+# Fingerprints, rejections, entity JSON
+
+
+def test_fingerprint_ignores_the_command_id_but_not_the_payload() -> None:
+    """Equal payloads under different ids fingerprint equal; changing any payload field changes it."""
+    dispatch = o.DispatchMessage(command_id="a", thread_id=THREAD, message_id="m", text="hi",
+                                 created_by="user", creation_source="web",
+                                 mode="start_immediately")
+    create = create_command("a")
+    recover = o.RecoverThread(command_id="a", thread_id=THREAD, reason="r",
+                              resumable_run_ids=frozenset({"x", "y"}))
+    variants = {"thread_id": "other", "message_id": "m2", "text": "hi!", "created_by": "agent",
+                "creation_source": "mcp", "mode": "queue_after_active", "target_run_id": "run-x",
+                "project_id": "p2", "title": "t2", "provider_instance_id": "codex",
+                "model": "m2", "runtime_mode": "auto", "interaction_mode": "plan",
+                "workspace": "/elsewhere", "branch": "main", "worktree_path": "/wt",
+                "initial_message": o.InitialMessage(message_id="msg-1", text="bye"),
+                "reason": "r2", "resumable_run_ids": frozenset({"x"})}
+    for command in (dispatch, create, recover):
+        base = o.fingerprint(command)
+        assert o.fingerprint(dataclasses.replace(command, command_id="b")) == base
+        for f in dataclasses.fields(command):
+            if f.name == "command_id":
+                continue
+            assert o.fingerprint(dataclasses.replace(command, **{f.name: variants[f.name]})) \
+                != base, f.name
+    assert o.fingerprint(dataclasses.replace(recover, resumable_run_ids=frozenset({"y", "x"}))) \
+        == o.fingerprint(recover)
+
+
+@pytest.mark.parametrize("command", [
+    o.DispatchMessage(command_id="c", thread_id=THREAD, message_id="m", text="x",
+                      created_by="user", creation_source="web", mode="start_immediately"),
+    o.InterruptRun(command_id="c", thread_id=THREAD, run_id="r"),
+    o.CancelQueuedRun(command_id="c", thread_id=THREAD, run_id="r"),
+    o.RespondRuntimeRequest(command_id="c", thread_id=THREAD, request_id="q", decision="accept"),
+    o.RecoverThread(command_id="c", thread_id=THREAD, reason="r"),
+], ids=lambda c: type(c).__name__)
+def test_commands_for_an_unknown_thread_are_rejected(command: Any) -> None:
+    """Any command but CreateThread on a thread that does not exist: thread_not_found."""
+    with pytest.raises(o.CommandRejected) as info:
+        o.decide(o.ThreadState(), command, now=NOW, new_id=CountingIds(), providers=providers())
+    assert info.value.code == "thread_not_found"
+
+
+def test_creating_an_existing_thread_is_rejected() -> None:
+    """CreateThread for an id that already exists is refused."""
+    sim = Sim()
+    sim.create()
+    with pytest.raises(o.CommandRejected):
+        sim.create()
+
+
+def sample_entities() -> dict[str, list[Any]]:
+    """One of every entity kind, as a realistic run produces them."""
+    sim = running_sim()
+    sim.ingest(o.TextDelta("hi"), o.ToolUpdate("t1", "completed", title="ls", input={"a": [1]},
+                                               output="ok"), PERMISSION)
+    entities = {kind: list(by_id.values()) for kind, by_id in sim.state.entities.items()}
+    entities["thread"] = [sim.state.thread]
+    return entities
+
+
+@pytest.mark.parametrize("kind", sorted(o._ENTITY_TYPES))
+def test_entity_json_round_trips(kind: str) -> None:
+    """from_json(to_json(x)) == x for every entity kind."""
+    samples = sample_entities()[kind]
+    assert samples
+    for entity in samples:
+        assert type(entity).from_json(entity.to_json()) == entity
+
+
+@pytest.mark.parametrize("kind", [
+    "run", "run-attempt", "node", "provider-session", "provider-thread", "runtime-request",
+    "provider-turn", "turn-item"])
+def test_entity_from_json_rejects_an_unknown_status(kind: str) -> None:
+    """from_json refuses a status outside the entity's vocabulary."""
+    entity = sample_entities()[kind][0]
+    with pytest.raises(ValueError):
+        type(entity).from_json({**entity.to_json(), "status": "bogus"})

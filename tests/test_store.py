@@ -1,0 +1,676 @@
+"""Store-level tests for store.py: schema application, backups, pragmas, commit, outbox, replay.
+
+Every test works on real SQLite files under `tmp_path` and talks to `store.py` directly; no t3
+server is started. The store's async API is driven with `asyncio.run` through `_run`. Lease expiry
+is simulated with explicit `now_ms` values, never by waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import shutil
+import sqlite3
+import sys
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # `pytest` run without `python -m` does not put the repo on the path
+    sys.path.insert(0, str(_ROOT))
+
+import store  # noqa: E402
+from store import Commit, EffectRow, NewEffect, NewEvent, Store  # noqa: E402
+
+T = TypeVar("T")
+REAL_SQL_FILES = sorted(p for p in store.SQL_DIR.iterdir() if re.match(r"^\d{4}_.*\.sql$", p.name))
+STAMP = "2025-01-01T00:00:00.000Z"
+LEASE_MS = 1_000
+
+# A synthetic second schema file: a new table, an index on it, and a column added to a table of
+# 0001 (ALTER TABLE rewrites the stored CREATE TABLE text, which the comparison must also match).
+EXTRA_SQL = """\
+-- test-only schema step
+CREATE TABLE test_extra (
+    extra_id   TEXT PRIMARY KEY,
+    thread_id  TEXT NOT NULL,
+    note       TEXT
+);
+CREATE INDEX test_extra_by_thread ON test_extra (thread_id);
+
+ALTER TABLE projects ADD COLUMN archived_at TEXT;
+"""
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture
+def open_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
+    """`open_store(path=None)` -> a Store on `<tmp>/t3.sqlite`; every store is closed at teardown."""
+    opened: list[Store] = []
+
+    def make(path: Path | None = None) -> Store:
+        s = Store(path or tmp_path / "t3.sqlite", backups_dir=tmp_path / "backups")
+        opened.append(s)
+        return s
+
+    yield make
+    for s in reversed(opened):
+        s.close()
+
+
+@pytest.fixture
+def st(open_store: Callable[..., Store]) -> Store:
+    return open_store()
+
+
+@pytest.fixture
+def sql_dir(tmp_path: Path) -> Path:
+    """A schema directory: copies of the real files plus the synthetic 0002_test_extra.sql."""
+    d = tmp_path / "sql"
+    d.mkdir()
+    for f in REAL_SQL_FILES:
+        shutil.copy(f, d / f.name)
+    assert len(REAL_SQL_FILES) == 1, "renumber the synthetic file when real schema files are added"
+    (d / "0002_test_extra.sql").write_text(EXTRA_SQL)
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _schema(path: Path) -> tuple[int, list[tuple[str, str, str, str | None]]]:
+    with closing(sqlite3.connect(path)) as conn:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        rows = conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
+    return version, sorted((t, n, tbl, " ".join(sql.split()) if sql else None)
+                           for t, n, tbl, sql in rows)
+
+
+def _user_version(path: Path) -> int:
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        return conn.execute("PRAGMA user_version").fetchone()[0]
+
+
+def _thread(tid: str, *, project: str = "proj", updated: str = STAMP, parent: str | None = None,
+            title: str = "t") -> dict[str, Any]:
+    return {"id": tid, "projectId": project, "title": title,
+            "lineage": {"parentThreadId": parent, "rootThreadId": parent or tid},
+            "createdAt": STAMP, "updatedAt": updated, "deletedAt": None}
+
+
+def _run_entity(rid: str, tid: str, ordinal: int, status: str) -> dict[str, Any]:
+    return {"id": rid, "threadId": tid, "ordinal": ordinal, "status": status, "requestedAt": STAMP}
+
+
+def _event(event_id: str, tid: str, type_: str, payload: dict[str, Any]) -> NewEvent:
+    return NewEvent(event_id=event_id, thread_id=tid, type=type_, occurred_at=STAMP, payload=payload)
+
+
+def _effect(effect_id: str, tid: str, effect_type: str = "provider-turn.start", *,
+            replay_safe: bool = False) -> NewEffect:
+    return NewEffect(effect_id=effect_id, thread_id=tid, effect_type=effect_type,
+                     payload={"effectId": effect_id}, replay_safe=replay_safe)
+
+
+def _commit(command_id: str, tid: str | None, events: Sequence[NewEvent] = (),
+            effects: Sequence[NewEffect] = (), *, fingerprint: str | None = None,
+            result: dict[str, Any] | None = None, cancel: Sequence[str] = ()) -> Commit:
+    return Commit(command_id=command_id, command_type="test.command",
+                  fingerprint=fingerprint or f"fp-{command_id}", thread_id=tid, events=events,
+                  effects=effects, result=result or {"ok": command_id}, cancel_effect_types=cancel)
+
+
+def _add_effects(s: Store, *effects: NewEffect) -> int:
+    """Commit outbox rows (no events); return the latest `available_at_ms` they got."""
+    _run(s.commit(_commit(f"cmd-{effects[0].effect_id}", effects[0].thread_id, effects=effects)))
+    return max(_effect_row(s, e.effect_id).available_at_ms for e in effects)
+
+
+def _effect_row(s: Store, effect_id: str) -> EffectRow:
+    row = s.effect(effect_id)
+    assert row is not None, effect_id
+    return row
+
+
+def _claim(s: Store, owner: str, now_ms: int, lease_ms: int = LEASE_MS) -> EffectRow | None:
+    return _run(s.claim_effect(owner=owner, now_ms=now_ms, lease_ms=lease_ms))
+
+
+def _count(s: Store, table: str) -> int:
+    return s.read(f"SELECT COUNT(*) FROM {table}")[0][0]
+
+
+PROJECTION_TABLES = [table for table, _, _ in store._PROJECTIONS.values()]
+
+
+def _tables(conn: sqlite3.Connection, tables: Sequence[str]) -> dict[str, list[tuple[Any, ...]]]:
+    return {t: sorted(tuple(r) for r in conn.execute(f"SELECT * FROM {t}")) for t in tables}
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema application
+
+
+def test_migrating_file_by_file_equals_applying_all_files_fresh(tmp_path: Path, sql_dir: Path) -> None:
+    """Applying 0001 then 0002 in two runs gives the same schema and user_version as one run."""
+    a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    assert store.apply_migrations(a, backups_dir=tmp_path / "bk-a", sql_dir=sql_dir, stop_after=1) == 1
+    assert _user_version(a) == 1
+    assert store.apply_migrations(a, backups_dir=tmp_path / "bk-a", sql_dir=sql_dir) == 2
+    assert store.apply_migrations(b, backups_dir=tmp_path / "bk-b", sql_dir=sql_dir) == 2
+
+    version_a, schema_a = _schema(a)
+    version_b, schema_b = _schema(b)
+    assert version_a == version_b == 2
+    assert schema_a == schema_b
+    names = {name for _, name, _, _ in schema_b}
+    assert {"test_extra", "test_extra_by_thread", "events", "effect_outbox"} <= names
+    assert any("archived_at" in (sql or "") for _, name, _, sql in schema_b if name == "projects")
+
+
+def test_fresh_database_reaches_the_number_of_real_schema_files(tmp_path: Path) -> None:
+    """With the shipped sql/ files, a fresh database ends at user_version == their count."""
+    path = tmp_path / "t3.sqlite"
+    assert store.apply_migrations(path, backups_dir=tmp_path / "backups") == len(REAL_SQL_FILES)
+    assert _user_version(path) == len(REAL_SQL_FILES)
+    assert [v for v, _ in store.schema_files()] == list(range(1, len(REAL_SQL_FILES) + 1))
+
+
+def test_applying_migrations_to_a_current_database_changes_nothing(tmp_path: Path, sql_dir: Path) -> None:
+    """A second apply on an up-to-date database keeps its schema and writes no backup."""
+    path = tmp_path / "t3.sqlite"
+    store.apply_migrations(path, backups_dir=tmp_path / "backups", sql_dir=sql_dir)
+    before = _schema(path)
+    assert store.apply_migrations(path, backups_dir=tmp_path / "backups", sql_dir=sql_dir) == 2
+    assert _schema(path) == before
+    assert not (tmp_path / "backups").exists()
+
+
+def test_opening_an_older_database_writes_a_backup_first(tmp_path: Path, sql_dir: Path) -> None:
+    """Migrating v1 -> v2 first writes backups/t3-v1-*.sqlite: a complete v1 copy, no temp file left."""
+    path, backups = tmp_path / "t3.sqlite", tmp_path / "backups"
+    store.apply_migrations(path, backups_dir=backups, sql_dir=sql_dir, stop_after=1)
+    with closing(store.connect(path)) as conn:
+        conn.executemany("INSERT INTO projects (project_id, path, title) VALUES (?, ?, ?)",
+                         [("p1", "/src/one", "One"), ("p2", "/src/two", "Two")])
+        conn.execute("INSERT INTO server_meta (key, value) VALUES ('environment', 'env-1')")
+    assert not backups.exists(), "a fresh database (version 0) needs no backup"
+
+    assert store.apply_migrations(path, backups_dir=backups, sql_dir=sql_dir) == 2
+
+    copies = sorted(backups.glob("t3-v1-*.sqlite"))
+    assert len(copies) == 1
+    assert [p.name for p in backups.iterdir() if p.name.endswith(".tmp")] == []
+    with closing(sqlite3.connect(f"file:{copies[0]}?mode=ro", uri=True)) as copy:
+        assert copy.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert copy.execute("PRAGMA user_version").fetchone()[0] == 1
+        assert copy.execute("SELECT project_id, path, title FROM projects ORDER BY 1").fetchall() == [
+            ("p1", "/src/one", "One"), ("p2", "/src/two", "Two")]
+        assert copy.execute("SELECT value FROM server_meta").fetchall() == [("env-1",)]
+        assert copy.execute("SELECT 1 FROM sqlite_master WHERE name = 'test_extra'").fetchall() == []
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM projects").fetchone()[0] == 2
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+
+
+def _newer_database(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with closing(sqlite3.connect(path)) as conn:  # default rollback journal, not WAL
+        conn.execute("CREATE TABLE from_the_future (x TEXT)")
+        conn.execute("INSERT INTO from_the_future VALUES ('keep me')")
+        conn.execute("PRAGMA user_version = 99")
+        conn.commit()
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+
+
+def _fingerprint(directory: Path, path: Path) -> tuple[str, int, list[str]]:
+    return (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns,
+            sorted(p.name for p in directory.iterdir()))
+
+
+def test_a_newer_database_is_refused_untouched(tmp_path: Path) -> None:
+    """user_version 99: apply_migrations and Store raise DatabaseTooNew; bytes, mtime, dir unchanged."""
+    data = tmp_path / "data"
+    path = data / "t3.sqlite"
+    _newer_database(path)
+    before = _fingerprint(data, path)
+    assert before[2] == ["t3.sqlite"]
+
+    with pytest.raises(store.DatabaseTooNew):
+        store.apply_migrations(path, backups_dir=data / "backups")
+    with pytest.raises(store.DatabaseTooNew):
+        Store(path, backups_dir=data / "backups")
+
+    assert _fingerprint(data, path) == before
+    assert not (data / "t3.sqlite-wal").exists() and not (data / "t3.sqlite-shm").exists()
+    assert not (data / "backups").exists()
+
+
+def test_a_newer_database_is_refused_in_a_directory_whose_name_has_a_hash(tmp_path: Path) -> None:
+    """A '#' in the data dir's name does not defeat the newer-database refusal."""
+    data = tmp_path / "data#1"
+    path = data / "t3.sqlite"
+    _newer_database(path)
+    before = _fingerprint(data, path)
+    try:
+        with pytest.raises(store.DatabaseTooNew):
+            store.apply_migrations(path, backups_dir=data / "backups")
+    finally:
+        assert _fingerprint(data, path) == before
+        assert not (tmp_path / "data").exists(), "the probe must not create a stray database"
+
+
+def test_an_older_database_is_backed_up_in_a_directory_whose_name_has_a_hash(
+        tmp_path: Path, sql_dir: Path) -> None:
+    """A '#' in the data dir's name does not skip the copy-before-migrate backup."""
+    data = tmp_path / "data#1"
+    data.mkdir()
+    path = data / "t3.sqlite"
+    store.apply_migrations(path, backups_dir=data / "backups", sql_dir=sql_dir, stop_after=1)
+    assert store.apply_migrations(path, backups_dir=data / "backups", sql_dir=sql_dir) == 2
+    assert len(list((data / "backups").glob("t3-v1-*.sqlite"))) == 1
+
+
+def test_a_migration_that_fails_halfway_leaves_version_and_schema_as_before(
+        tmp_path: Path, sql_dir: Path) -> None:
+    """A file whose later statement fails is rolled back whole: user_version and schema unchanged."""
+    path = tmp_path / "t3.sqlite"
+    store.apply_migrations(path, backups_dir=tmp_path / "backups", sql_dir=sql_dir, stop_after=1)
+    before = _schema(path)
+    (sql_dir / "0002_test_extra.sql").write_text(
+        "ALTER TABLE projects ADD COLUMN archived_at TEXT;\n"
+        "CREATE TABLE test_extra (extra_id TEXT PRIMARY KEY);\n"
+        "INSERT INTO no_such_table (x) VALUES (1);\n")
+
+    with pytest.raises((store.StoreError, sqlite3.Error)):
+        store.apply_migrations(path, backups_dir=tmp_path / "backups", sql_dir=sql_dir)
+
+    assert _schema(path) == before
+    assert before[0] == 1
+    # Once the file is fixed the same database migrates normally.
+    (sql_dir / "0002_test_extra.sql").write_text(EXTRA_SQL)
+    assert store.apply_migrations(path, backups_dir=tmp_path / "backups", sql_dir=sql_dir) == 2
+
+
+def test_two_statements_on_one_line_are_both_applied(tmp_path: Path, sql_dir: Path) -> None:
+    """A schema line holding two complete statements applies both."""
+    (sql_dir / "0002_test_extra.sql").write_text(
+        "CREATE TABLE one_a (x TEXT); CREATE TABLE one_b (y TEXT);\n")
+    path = tmp_path / "t3.sqlite"
+    assert store.apply_migrations(path, backups_dir=tmp_path / "backups", sql_dir=sql_dir) == 2
+    names = {n for _, n, _, _ in _schema(path)[1]}
+    assert {"one_a", "one_b"} <= names
+
+
+# ---------------------------------------------------------------------------------------------
+# Connections
+
+
+def test_pragmas_take_effect_on_the_writer_and_the_reader(st: Store) -> None:
+    """Both connections run WAL, synchronous FULL, foreign keys on, busy_timeout 5000."""
+    names = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout", "query_only")
+
+    def pragmas(conn: sqlite3.Connection) -> tuple[Any, ...]:
+        return tuple(conn.execute(f"PRAGMA {n}").fetchone()[0] for n in names)
+
+    assert _run(st.write(pragmas)) == ("wal", 2, 1, 5000, 0)
+    assert tuple(st.read(f"PRAGMA {n}")[0][0] for n in names) == ("wal", 2, 1, 5000, 1)
+    with open(st.path, "rb") as f:
+        assert f.read(20)[18:20] == b"\x02\x02", "the file header records WAL mode"
+
+
+def test_the_reader_is_query_only(st: Store) -> None:
+    """A write through `Store.read` raises and leaves the table empty."""
+    with pytest.raises(store.StoreError):
+        st.read("INSERT INTO projects (project_id, path, title) VALUES ('p', '/p', 'P')")
+    assert _count(st, "projects") == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Commit
+
+
+def _thread_and_run_commit(command_id: str = "cmd-1", *, fingerprint: str | None = None) -> Commit:
+    return _commit(command_id, "th-1", [
+        _event("ev-1", "th-1", "thread.created", _thread("th-1")),
+        _event("ev-2", "th-1", "run.created", _run_entity("run-1", "th-1", 1, "queued")),
+        _event("ev-3", "th-1", "run.updated", _run_entity("run-1", "th-1", 1, "starting")),
+    ], [_effect("eff-1", "th-1")], fingerprint=fingerprint, result={"runId": "run-1", "n": [1, 2]})
+
+
+def test_commit_writes_events_projections_outbox_and_receipt(st: Store) -> None:
+    """One Commit: increasing sequences, stream versions 0.., projection rows, a pending outbox row, a receipt."""
+    res = _run(st.commit(_thread_and_run_commit()))
+    assert res.committed
+    assert len(res.sequences) == 3 and list(res.sequences) == sorted(set(res.sequences))
+    rows = st.read("SELECT sequence, event_id, thread_id, stream_version, command_id, type "
+                   "FROM events ORDER BY sequence")
+    assert [tuple(r) for r in rows] == [
+        (res.sequences[0], "ev-1", "th-1", 0, "cmd-1", "thread.created"),
+        (res.sequences[1], "ev-2", "th-1", 1, "cmd-1", "run.created"),
+        (res.sequences[2], "ev-3", "th-1", 2, "cmd-1", "run.updated"),
+    ]
+    assert [tuple(r) for r in st.read(
+        "SELECT thread_id, project_id, parent_thread_id, created_at, updated_at, deleted_at FROM threads")
+    ] == [("th-1", "proj", None, STAMP, STAMP, None)]
+    runs = st.read("SELECT run_id, thread_id, ordinal, status, payload_json FROM runs")
+    assert [tuple(r)[:4] for r in runs] == [("run-1", "th-1", 1, "starting")]
+    assert runs[0]["payload_json"] == st.read(
+        "SELECT payload_json FROM events WHERE event_id = 'ev-3'")[0][0]
+
+    eff = _effect_row(st, "eff-1")
+    assert (eff.status, eff.attempt_count, eff.command_id, eff.thread_id, eff.lease_owner) == (
+        "pending", 0, "cmd-1", "th-1", None)
+    assert st.receipt("cmd-1") == res.receipt
+    assert res.receipt.result == {"runId": "run-1", "n": [1, 2]}
+    assert res.receipt.result_sequence == res.sequences[-1] == st.max_sequence()
+
+    # A second command on the same thread continues its stream; global sequence keeps rising.
+    res2 = _run(st.commit(_commit("cmd-2", "th-1", [
+        _event("ev-4", "th-1", "run.updated", _run_entity("run-1", "th-1", 1, "running"))])))
+    assert res2.sequences[0] > res.sequences[-1]
+    assert st.read("SELECT stream_version FROM events WHERE event_id = 'ev-4'")[0][0] == 3
+    assert st.read("SELECT status FROM runs")[0][0] == "running"
+
+    # Stream versions count per thread, also when one commit interleaves two threads.
+    _run(st.commit(_commit("cmd-3", "th-2", [
+        _event("ev-5", "th-2", "thread.created", _thread("th-2", parent="th-1")),
+        _event("ev-6", "th-1", "thread.updated", _thread("th-1", title="renamed")),
+        _event("ev-7", "th-2", "thread.updated", _thread("th-2", parent="th-1", title="child")),
+    ])))
+    versions = st.read("SELECT event_id, stream_version FROM events WHERE command_id = 'cmd-3' "
+                       "ORDER BY sequence")
+    assert [tuple(r) for r in versions] == [("ev-5", 0), ("ev-6", 4), ("ev-7", 1)]
+    assert st.read("SELECT parent_thread_id FROM threads WHERE thread_id = 'th-2'")[0][0] == "th-1"
+
+
+def test_a_repeated_command_id_with_the_same_fingerprint_writes_nothing(st: Store) -> None:
+    """The same command id and fingerprint again: committed=False, the stored receipt, no new rows."""
+    first = _run(st.commit(_thread_and_run_commit()))
+    counts = {t: _count(st, t) for t in ("events", "threads", "runs", "effect_outbox", "command_receipts")}
+    again = _run(st.commit(_thread_and_run_commit()))
+    assert not again.committed
+    assert again.receipt == first.receipt
+    assert list(again.sequences) == [] and list(again.cancelled_effect_ids) == []
+    assert {t: _count(st, t) for t in counts} == counts
+
+
+def test_a_repeated_command_id_with_another_fingerprint_is_refused(st: Store) -> None:
+    """The same command id with a different fingerprint raises FingerprintMismatch and writes nothing."""
+    first = _run(st.commit(_thread_and_run_commit()))
+    counts = {t: _count(st, t) for t in ("events", "threads", "runs", "effect_outbox", "command_receipts")}
+    other = _commit("cmd-1", "th-2", [_event("ev-9", "th-2", "thread.created", _thread("th-2"))],
+                    [_effect("eff-9", "th-2")], fingerprint="another")
+    with pytest.raises(store.FingerprintMismatch):
+        _run(st.commit(other))
+    assert {t: _count(st, t) for t in counts} == counts
+    assert st.receipt("cmd-1") == first.receipt
+    assert st.effect("eff-9") is None
+
+
+def test_a_commit_is_all_or_nothing(st: Store) -> None:
+    """A Commit whose second event breaks a CHECK leaves no receipt, event, projection or outbox row."""
+    bad = _commit("cmd-bad", "th-1", [
+        _event("ev-1", "th-1", "thread.created", _thread("th-1")),
+        _event("ev-2", "th-1", "run.created", _run_entity("run-1", "th-1", 1, "not-a-status")),
+    ], [_effect("eff-1", "th-1")])
+    with pytest.raises(store.StoreError):
+        _run(st.commit(bad))
+    assert st.receipt("cmd-bad") is None
+    for table in ("command_receipts", "events", "effect_outbox", *PROJECTION_TABLES):
+        assert _count(st, table) == 0, table
+    # The writer survives the failed transaction, and the same command id can still be used.
+    ok = _run(st.commit(_commit("cmd-bad", "th-1", [
+        _event("ev-1", "th-1", "thread.created", _thread("th-1"))], [_effect("eff-1", "th-1")])))
+    assert ok.committed
+    assert st.read("SELECT stream_version FROM events")[0][0] == 0
+
+
+def test_cancel_effect_types_cancels_unsettled_rows_of_the_thread(st: Store) -> None:
+    """cancel_effect_types cancels that thread's pending/running rows of those types and reports them."""
+    t0 = _add_effects(st, _effect("T-x0", "T", "x"))
+    done = _claim(st, "w1", t0)
+    assert done is not None and done.effect_id == "T-x0"
+    assert _run(st.settle_effect(done, owner="w1", status="succeeded"))
+    t1 = _add_effects(st, _effect("T-x1", "T", "x"), _effect("T-x2", "T", "x"),
+                      _effect("T-y1", "T", "y"), _effect("U-x1", "U", "x"))
+    running = _claim(st, "w1", t1)
+    assert running is not None and running.effect_id == "T-x1"
+
+    res = _run(st.commit(_commit("cmd-cancel", "T", effects=[_effect("T-x3", "T", "x")],
+                                 cancel=["x"])))
+    assert sorted(res.cancelled_effect_ids) == ["T-x1", "T-x2"]
+    status = {r[0]: r[1] for r in st.read("SELECT effect_id, status FROM effect_outbox")}
+    assert status == {"T-x0": "succeeded", "T-x1": "cancelled", "T-x2": "cancelled",
+                      "T-y1": "pending", "U-x1": "pending", "T-x3": "pending"}
+    assert "cmd-cancel" in (_effect_row(st, "T-x2").last_error or "")
+    # The worker that held the cancelled row is fenced out.
+    assert not _run(st.settle_effect(running, owner="w1", status="succeeded"))
+    assert _effect_row(st, "T-x1").status == "cancelled"
+
+
+# ---------------------------------------------------------------------------------------------
+# The effect outbox
+
+
+def test_a_due_row_is_claimed_once_while_its_lease_holds(st: Store) -> None:
+    """claim_effect hands a due pending row to one owner; a second claim gets None until the lease expires."""
+    t0 = _add_effects(st, _effect("e1", "T"))
+    assert _claim(st, "w1", t0 - 1) is None, "not due yet"
+    row = _claim(st, "w1", t0)
+    assert row is not None
+    assert (row.effect_id, row.status, row.attempt_count, row.lease_owner, row.lease_expires_ms) == (
+        "e1", "running", 1, "w1", t0 + LEASE_MS)
+    assert _claim(st, "w2", t0) is None
+    assert _claim(st, "w2", t0 + LEASE_MS) is None, "the lease holds through its last millisecond"
+    assert _run(st.settle_effect(row, owner="w1", status="succeeded"))
+    settled = _effect_row(st, "e1")
+    assert (settled.status, settled.lease_owner, settled.lease_expires_ms) == ("succeeded", None, None)
+    assert _claim(st, "w2", t0 + 10 * LEASE_MS) is None
+
+
+def test_at_most_one_row_per_thread_runs_and_threads_run_concurrently(st: Store) -> None:
+    """A thread's second pending row waits for its first to settle; another thread's row is claimable."""
+    t0 = _add_effects(st, _effect("a1", "A"), _effect("a2", "A"), _effect("b1", "B"))
+    first = _claim(st, "w1", t0)
+    second = _claim(st, "w1", t0)
+    assert first is not None and second is not None
+    assert (first.effect_id, second.effect_id) == ("a1", "b1")
+    assert _claim(st, "w2", t0) is None, "a2 waits for a1"
+    assert st.next_effect_due_ms() == t0 + LEASE_MS
+    assert _run(st.settle_effect(first, owner="w1", status="succeeded"))
+    third = _claim(st, "w2", t0)
+    assert third is not None and third.effect_id == "a2"
+    assert _run(st.settle_effect(second, owner="w1", status="failed", error="boom"))
+    assert _effect_row(st, "b1").last_error == "boom"
+
+
+def test_a_stale_holder_is_fenced_after_another_owner_reclaims(st: Store) -> None:
+    """After lease expiry and a re-claim (attempt 2), the old holder's settle and renew fail and change nothing."""
+    t0 = _add_effects(st, _effect("e1", "T"))
+    stale = _claim(st, "w1", t0)
+    assert stale is not None and stale.attempt_count == 1
+    later = t0 + LEASE_MS + 1
+    fresh = _claim(st, "w2", later)
+    assert fresh is not None
+    assert (fresh.effect_id, fresh.attempt_count, fresh.lease_owner) == ("e1", 2, "w2")
+    assert _claim(st, "w3", later) is None, "the new lease holds"
+
+    before = _effect_row(st, "e1")
+    assert not _run(st.settle_effect(stale, owner="w1", status="succeeded"))
+    assert not _run(st.renew_lease(stale, owner="w1", until_ms=later + 50 * LEASE_MS))
+    assert _effect_row(st, "e1") == before
+
+    assert _run(st.renew_lease(fresh, owner="w2", until_ms=later + 5 * LEASE_MS))
+    assert _effect_row(st, "e1").lease_expires_ms == later + 5 * LEASE_MS
+    assert _run(st.settle_effect(fresh, owner="w2", status="succeeded"))
+    assert _effect_row(st, "e1").status == "succeeded"
+
+
+def test_the_attempt_number_fences_a_stale_holder_with_the_same_owner(st: Store) -> None:
+    """A re-claim by the same owner string still fences the earlier attempt's EffectRow."""
+    t0 = _add_effects(st, _effect("e1", "T"))
+    stale = _claim(st, "w1", t0)
+    fresh = _claim(st, "w1", t0 + LEASE_MS + 1)
+    assert stale is not None and fresh is not None and fresh.attempt_count == 2
+    before = _effect_row(st, "e1")
+    assert not _run(st.settle_effect(stale, owner="w1", status="failed", error="stale"))
+    assert _effect_row(st, "e1") == before
+    assert _run(st.settle_effect(fresh, owner="w1", status="succeeded"))
+
+
+def test_a_row_settled_for_retry_is_not_claimable_before_its_retry_time(st: Store) -> None:
+    """Settling as pending with retry_at_ms in the future holds the row back until exactly that time."""
+    t0 = _add_effects(st, _effect("e1", "T"))
+    row = _claim(st, "w1", t0)
+    assert row is not None
+    retry_at = t0 + 5_000
+    assert _run(st.settle_effect(row, owner="w1", status="pending", error="transient",
+                                 retry_at_ms=retry_at))
+    pending = _effect_row(st, "e1")
+    assert (pending.status, pending.available_at_ms, pending.attempt_count, pending.last_error) == (
+        "pending", retry_at, 1, "transient")
+    assert st.next_effect_due_ms() == retry_at
+    assert _claim(st, "w1", retry_at - 1) is None
+    again = _claim(st, "w2", retry_at)
+    assert again is not None and again.attempt_count == 2 and again.last_error is None
+
+
+def test_settle_refuses_running_as_a_status(st: Store) -> None:
+    """settle_effect only accepts a settled status (or pending for a retry)."""
+    t0 = _add_effects(st, _effect("e1", "T"))
+    row = _claim(st, "w1", t0)
+    assert row is not None
+    with pytest.raises(ValueError):
+        _run(st.settle_effect(row, owner="w1", status="running"))
+
+
+def test_recover_outbox_cancels_started_process_bound_rows_and_requeues_the_rest(st: Store) -> None:
+    """After a lost process: started process-bound rows are cancelled, unstarted ones stay, replay-safe requeue."""
+    t0 = _add_effects(st, _effect("p-run", "T1"), _effect("p-retry", "T2"),
+                      _effect("s-run", "T3", replay_safe=True))
+    claimed = {r.effect_id: r for r in (_claim(st, "dead", t0) for _ in range(3)) if r}
+    assert sorted(claimed) == ["p-retry", "p-run", "s-run"]
+    assert _run(st.settle_effect(claimed["p-retry"], owner="dead", status="pending",
+                                 retry_at_ms=t0 + 60_000))
+    _add_effects(st, _effect("p-fresh", "T4"))
+
+    now = t0 + 100
+    cancelled, requeued = _run(st.recover_outbox(reason="process lost", now_ms=now))
+    assert sorted(r.effect_id for r in cancelled) == ["p-retry", "p-run"]
+    assert all(r.status == "cancelled" and r.last_error == "process lost" for r in cancelled)
+    assert requeued == 1
+    rows = {e: _effect_row(st, e) for e in ("p-run", "p-retry", "p-fresh", "s-run")}
+    assert {e: r.status for e, r in rows.items()} == {
+        "p-run": "cancelled", "p-retry": "cancelled", "p-fresh": "pending", "s-run": "pending"}
+    assert rows["p-fresh"].attempt_count == 0
+    assert (rows["s-run"].lease_owner, rows["s-run"].lease_expires_ms, rows["s-run"].available_at_ms) == (
+        None, None, now)
+    assert not _run(st.settle_effect(claimed["p-run"], owner="dead", status="succeeded"))
+    reclaimed = {r.effect_id for r in (_claim(st, "new", now) for _ in range(3)) if r}
+    assert reclaimed == {"p-fresh", "s-run"}
+
+
+def test_release_leases_requeues_replay_safe_rows_and_cancels_process_bound_ones(st: Store) -> None:
+    """At shutdown an owner's replay-safe running rows go back to pending; its process-bound ones are cancelled."""
+    t0 = _add_effects(st, _effect("s1", "T1", replay_safe=True), _effect("p1", "T2"))
+    mine = [_claim(st, "w1", t0), _claim(st, "w1", t0)]
+    _add_effects(st, _effect("s2", "T3", replay_safe=True))
+    theirs = _claim(st, "w2", t0 + 100)
+    assert all(mine) and theirs is not None and theirs.effect_id == "s2"
+
+    assert _run(st.release_leases(owner="w1", reason="shutting down", now_ms=t0 + 200)) == 2
+    s1, p1, s2 = (_effect_row(st, e) for e in ("s1", "p1", "s2"))
+    assert (s1.status, s1.lease_owner, s1.attempt_count, s1.available_at_ms) == ("pending", None, 0, t0 + 200)
+    assert (p1.status, p1.lease_owner, p1.last_error) == ("cancelled", None, "shutting down")
+    assert (s2.status, s2.lease_owner, s2.attempt_count) == ("running", "w2", 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+
+
+def _several_commits(st: Store) -> None:
+    commits = [
+        _commit("c1", "th-1", [
+            _event("e1", "th-1", "thread.created", _thread("th-1")),
+            _event("e2", "th-1", "run.created", _run_entity("run-1", "th-1", 1, "queued")),
+            _event("e3", "th-1", "run-attempt.created",
+                   {"id": "att-1", "threadId": "th-1", "runId": "run-1", "number": 1}),
+            _event("e4", "th-1", "message.created",
+                   {"id": "msg-1", "threadId": "th-1", "runId": "run-1", "text": "hi"}),
+        ]),
+        _commit("c2", "th-1", [
+            _event("e5", "th-1", "run.updated", _run_entity("run-1", "th-1", 1, "running")),
+            _event("e6", "th-1", "provider-session.created",
+                   {"id": "ps-1", "threadId": "th-1", "status": "running"}),
+            _event("e7", "th-1", "provider-thread.created",
+                   {"id": "pt-1", "appThreadId": "th-1", "providerThreadId": "x"}),
+            _event("e8", "th-1", "provider-turn.created", {"id": "ptu-1", "threadId": "th-1"}),
+            _event("e9", "th-1", "turn-item.created",
+                   {"id": "ti-1", "threadId": "th-1", "position": 0, "type": "agentMessage"}),
+            _event("e10", "th-1", "node.created", {"id": "n-1", "threadId": "th-1", "runId": "run-1"}),
+        ]),
+        _commit("c3", "th-2", [
+            _event("e11", "th-2", "thread.created", _thread("th-2", parent="th-1")),
+            _event("e12", "th-2", "runtime-request.created",
+                   {"id": "rr-1", "threadId": "th-2", "status": "pending"}),
+        ]),
+        _commit("c4", "th-1", [
+            _event("e13", "th-1", "run.updated", _run_entity("run-1", "th-1", 1, "completed")),
+            _event("e14", "th-1", "turn-item.updated",
+                   {"id": "ti-1", "threadId": "th-1", "position": 0, "type": "agentMessage",
+                    "text": "done"}),
+            _event("e15", "th-1", "thread.updated", _thread("th-1", updated="2025-01-02T00:00:00.000Z",
+                                                           title="renamed")),
+            _event("e16", "th-2", "runtime-request.updated",
+                   {"id": "rr-1", "threadId": "th-2", "status": "resolved"}),
+            _event("e17", "th-1", "run.created", _run_entity("run-2", "th-1", 2, "queued")),
+        ]),
+    ]
+    for c in commits:
+        assert _run(st.commit(c)).committed
+
+
+def test_rebuild_projections_equals_the_live_projections(st: Store) -> None:
+    """Replaying the event log into emptied projection tables reproduces every live projection row."""
+    _several_commits(st)
+    live = {t: sorted(tuple(r) for r in st.read(f"SELECT * FROM {t}")) for t in PROJECTION_TABLES}
+    assert all(live.values()), "every projection table has rows"
+
+    def damage_and_rebuild(conn: sqlite3.Connection) -> dict[str, list[tuple[Any, ...]]]:
+        conn.execute("DELETE FROM runs")
+        conn.execute("UPDATE threads SET payload_json = '{}', updated_at = 'x'")
+        conn.execute("INSERT INTO messages (message_id, thread_id, run_id, payload_json) "
+                     "VALUES ('ghost', 'th-9', NULL, '{}')")
+        store.rebuild_projections(conn)
+        return _tables(conn, PROJECTION_TABLES)
+
+    assert _run(st.write(damage_and_rebuild)) == live
+    assert {t: sorted(tuple(r) for r in st.read(f"SELECT * FROM {t}")) for t in PROJECTION_TABLES} == live
+
+
+def test_thread_entities_reads_one_thread_and_its_sequence(st: Store) -> None:
+    """thread_entities returns only that thread's entities with the sequence of the latest event."""
+    _several_commits(st)
+    sequence, entities = st.thread_entities("th-2")
+    assert sequence == st.max_sequence()
+    assert [e["id"] for e in entities["thread"]] == ["th-2"]
+    assert [e["status"] for e in entities["runtime-request"]] == ["resolved"]
+    assert entities["run"] == []
+    _, th1 = st.thread_entities("th-1")
+    assert sorted(e["id"] for e in th1["run"]) == ["run-1", "run-2"]
+    assert [e["text"] for e in th1["turn-item"]] == ["done"]

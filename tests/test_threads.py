@@ -1,0 +1,370 @@
+"""Thread tools end to end: a real `t3.py` process, real SQLite, the scripted ACP agent, MCP over HTTP."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import (T3_PY, McpClient, T3Server, count_prompts, raw_post, scripted_provider,
+                     wait_until, write_config)
+
+
+def event_count(server: T3Server) -> int:
+    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
+        return db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+
+
+def row_counts(server: T3Server) -> dict[str, int]:
+    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                           "AND name NOT LIKE 'sqlite_%'")]
+        return {t: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables}
+
+
+def create(mcp: McpClient, prompt: str | None = None, **entry: object) -> dict:
+    if prompt is not None:
+        entry["prompt"] = prompt
+    result = mcp.call("create_threads", {"threads": [entry]})
+    assert result.ok, result.structured
+    return result.structured["threads"][0]
+
+
+def read(mcp: McpClient, thread_id: str, **args: object) -> dict:
+    result = mcp.call("t3_thread_read", {"threadId": thread_id, **args})
+    assert result.ok, result.structured
+    return result.structured
+
+
+def wait(mcp: McpClient, thread_id: str, **args: object) -> dict:
+    result = mcp.call("t3_thread_wait", {"threadId": thread_id, "timeoutMs": 20_000, **args})
+    assert result.ok, result.structured
+    return result.structured
+
+
+def assistant_text(mcp: McpClient, thread_id: str) -> str:
+    items = read(mcp, thread_id, afterPosition=-1)["items"]
+    return "".join(i["text"] or "" for i in items if i["type"] == "assistant_message")
+
+
+def test_create_wait_read_list(mcp: McpClient, t3: T3Server) -> None:
+    """create_threads -> t3_thread_wait completed -> read shows both messages with provenance."""
+    created = create(mcp, "hello there", title="Greeting")
+    assert created["createdBy"] == "agent" and created["creationSource"] == "mcp"
+    assert created["link"] == f"t3-thread://v2/{t3.info['environmentId']}/{created['threadId']}"
+    done = wait(mcp, created["threadId"])
+    assert done == {**done, "runId": created["runId"], "status": "completed", "timedOut": False}
+    page = read(mcp, created["threadId"])
+    assert page["thread"]["createdBy"] == "agent" and page["thread"]["creationSource"] == "mcp"
+    user, assistant = page["items"]
+    assert (user["type"], user["text"], user["createdBy"], user["creationSource"]) == \
+        ("user_message", "hello there", "agent", "mcp")
+    assert assistant["type"] == "assistant_message"
+    assert assistant["text"] == "Hello from scripted agent. You said: hello there"
+    assert (assistant["createdBy"], assistant["creationSource"]) == ("agent", "provider")
+    listed = mcp.call("t3_thread_list", {}).structured
+    assert listed["projectId"] == "proj" and listed["total"] == 1
+    assert listed["threads"][0]["threadId"] == created["threadId"]
+    assert listed["threads"][0]["status"] == "completed"
+
+
+def test_idle_thread_without_prompt(mcp: McpClient) -> None:
+    """An entry without a prompt creates an idle thread; waiting on it returns at once."""
+    created = create(mcp, title="Idle")
+    assert (created["runId"], created["status"]) == (None, "idle")
+    assert wait(mcp, created["threadId"]) == {
+        "threadId": created["threadId"], "runId": None, "status": "idle", "timedOut": False,
+        "hasPendingQuestion": False, "pendingApproval": None}
+
+
+def test_send_auto_steers_by_restart(mcp: McpClient, agent_log_path: Path) -> None:
+    """mode auto on a running ACP turn restarts it: a second attempt on the same run."""
+    created = create(mcp, "SLOW:400 first")
+    wait_until(lambda: "chunk 1" in assistant_text(mcp, created["threadId"]), 20)
+    sent = mcp.call("t3_thread_send", {"threadId": created["threadId"],
+                                       "message": "change of plan", "mode": "auto"}).structured
+    assert sent["runId"] == created["runId"] and sent["delivery"] == "steered"
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    run = read(mcp, created["threadId"])["recentRuns"][0]
+    assert run["runId"] == created["runId"] and run["attemptCount"] == 2
+    assert "You said: change of plan" in assistant_text(mcp, created["threadId"])
+    assert count_prompts(agent_log_path) == 2
+
+
+def test_send_queue_runs_after_active(mcp: McpClient) -> None:
+    """mode queue creates a queued run that starts only after the active run ends."""
+    created = create(mcp, "SLOW:8 first")
+    queued = mcp.call("t3_thread_send", {"threadId": created["threadId"], "message": "second",
+                                         "mode": "queue"}).structured
+    assert queued["delivery"] == "queued" and queued["status"] == "queued"
+    assert queued["runId"] != created["runId"]
+    assert wait(mcp, created["threadId"], runId=queued["runId"])["status"] == "completed"
+    runs = {r["runId"]: r for r in read(mcp, created["threadId"])["recentRuns"]}
+    assert runs[created["runId"]]["status"] == "completed"
+    assert runs[created["runId"]]["completedAt"] <= runs[queued["runId"]]["startedAt"]
+    items = read(mcp, created["threadId"])["items"]
+    assert [i["text"] for i in items if i["type"] == "user_message"] == ["SLOW:8 first", "second"]
+
+
+def test_interrupt_ends_run_interrupted(mcp: McpClient) -> None:
+    """t3_thread_interrupt on a streaming run ends it interrupted, with a reason."""
+    created = create(mcp, "SLOW:400 long")
+    wait_until(lambda: "chunk 0" in assistant_text(mcp, created["threadId"]), 20)
+    result = mcp.call("t3_thread_interrupt", {"threadId": created["threadId"],
+                                              "reason": "enough"}).structured
+    assert result == {"threadId": created["threadId"], "runId": created["runId"],
+                      "status": "interrupt_requested"}
+    done = wait(mcp, created["threadId"])
+    assert done["status"] == "interrupted" and done["statusReason"] == "enough"
+    again = mcp.call("t3_thread_interrupt", {"threadId": created["threadId"]}).structured
+    assert again["status"] == "no_active_run"
+    assert mcp.call("t3_thread_interrupt", {"threadId": created["threadId"],
+                                            "runId": created["runId"]}).structured["status"] \
+        == "interrupted"
+
+
+def test_wait_timeout_cancels_nothing(mcp: McpClient) -> None:
+    """A short wait returns timedOut with the run still running; the run then completes."""
+    created = create(mcp, "SLOW:20 wait for me")
+    early = wait(mcp, created["threadId"], timeoutMs=100)
+    assert early["timedOut"] is True and early["status"] in ("starting", "running")
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+
+
+def test_permission_request_roundtrip(mcp: McpClient) -> None:
+    """A permission request is listed and readable, and answering it lets the turn finish."""
+    created = create(mcp, "ASK_PERMISSION please", runtimeMode="approval-required")
+    blocked = wait(mcp, created["threadId"])
+    assert blocked["timedOut"] is False and blocked["status"] == "running"
+    request_id = blocked["pendingApproval"]["requestId"]
+    listed = mcp.call("t3_pending_request", {"threadId": created["threadId"],
+                                             "action": "list"}).structured
+    assert [r["requestId"] for r in listed["requests"]] == [request_id]
+    detail = mcp.call("t3_pending_request", {"threadId": created["threadId"], "action": "read",
+                                             "requestId": request_id}).structured["request"]
+    assert detail["status"] == "pending" and detail["kind"] == "command"
+    assert detail["detail"]["toolCall"]["title"] == "Run scripted command"
+    answer = mcp.call("t3_pending_request", {"threadId": created["threadId"],
+                                             "action": "respond", "requestId": request_id,
+                                             "decision": "accept"}).structured
+    assert answer["status"] == "resolved"
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    assert "permission granted: allow-once" in assistant_text(mcp, created["threadId"])
+    again = mcp.call("t3_pending_request", {"threadId": created["threadId"], "action": "respond",
+                                            "requestId": request_id, "decision": "accept"})
+    assert again.failure_code == "invalid_request"
+
+
+def test_permission_decline(mcp: McpClient) -> None:
+    """Declining a permission request denies the tool; the turn still completes."""
+    created = create(mcp, "ASK_PERMISSION please", runtimeMode="approval-required")
+    request_id = wait(mcp, created["threadId"])["pendingApproval"]["requestId"]
+    mcp.call("t3_pending_request", {"threadId": created["threadId"], "action": "respond",
+                                    "requestId": request_id, "decision": "decline"})
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    assert "permission denied" in assistant_text(mcp, created["threadId"])
+
+
+def test_full_access_never_asks(mcp: McpClient) -> None:
+    """In full-access mode the agent's permission request is granted without a pending request."""
+    created = create(mcp, "ASK_PERMISSION please", runtimeMode="full-access")
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    assert "permission granted" in assistant_text(mcp, created["threadId"])
+
+
+def test_client_request_id_is_idempotent(mcp: McpClient, t3: T3Server,
+                                         agent_log_path: Path) -> None:
+    """The same create_threads / t3_thread_send call with one clientRequestId starts one turn."""
+    args = {"threads": [{"prompt": "only once"}], "clientRequestId": "req-1"}
+    first = mcp.call("create_threads", args).structured["threads"][0]
+    second = mcp.call("create_threads", args).structured["threads"][0]
+    assert (first["threadId"], first["runId"]) == (second["threadId"], second["runId"])
+    wait(mcp, first["threadId"])
+    send = {"threadId": first["threadId"], "message": "follow up", "clientRequestId": "req-2"}
+    sent = mcp.call("t3_thread_send", send).structured
+    wait(mcp, first["threadId"])
+    events = event_count(t3)
+    resent = mcp.call("t3_thread_send", send).structured
+    assert (resent["runId"], resent["messageId"]) == (sent["runId"], sent["messageId"])
+    assert event_count(t3) == events
+    assert count_prompts(agent_log_path) == 2
+    other = mcp.call("t3_thread_send", {**send, "message": "something else"})
+    assert other.failure_code == "invalid_request"
+    assert event_count(t3) == events
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": "Basic abc"}])
+def test_unauthenticated_requests_get_401(t3: T3Server, headers: dict[str, str]) -> None:
+    """No or a wrong token: 401 with the SPEC body and headers, and nothing is written."""
+    before = row_counts(t3)
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "create_threads", "arguments": {"threads": [{"prompt": "x"}]}}}).encode()
+    response = raw_post(t3.mcp_url, body, {"Content-Type": "application/json",
+                                           "Accept": "application/json, text/event-stream",
+                                           **headers})
+    assert response.status == 401
+    assert response.json()["error"] == "invalid_mcp_credential"
+    assert response.headers["www-authenticate"] == 'Bearer error="invalid_token"'
+    assert response.headers["cache-control"] == "no-store"
+    assert row_counts(t3) == before
+    assert t3.token not in t3.stderr_text()
+
+
+@pytest.mark.parametrize(("tool", "args", "field"), [
+    ("create_threads", {"threads": []}, "threads"),
+    ("create_threads", {"threads": [{"prompt": "x", "colour": "red"}]}, "threads[0].colour"),
+    ("create_threads", {"threads": [{"prompt": ""}]}, "threads[0].prompt"),
+    ("create_threads", {"threads": [{"prompt": "x" * 120_001}]}, "threads[0].prompt"),
+    ("create_threads", {"threads": [{"prompt": "x", "runtimeMode": "root"}]},
+     "threads[0].runtimeMode"),
+    ("t3_thread_send", {"threadId": "t", "message": "x", "mode": "shout"}, "mode"),
+    ("t3_thread_send", {"threadId": "t"}, "message"),
+    ("t3_thread_read", {"threadId": "t", "limit": 0}, "limit"),
+    ("t3_thread_wait", {"threadId": "t", "timeoutMs": 600_001}, "timeoutMs"),
+    ("t3_thread_list", {"statuses": ["sleeping"]}, "statuses[0]"),
+    ("t3_pending_request", {"threadId": "t", "action": "approve"}, "action"),
+])
+def test_bad_arguments_are_invalid_request(mcp: McpClient, t3: T3Server, tool: str, args: dict,
+                                           field: str) -> None:
+    """Bad arguments get invalid_request naming the field, and write nothing."""
+    before = row_counts(t3)
+    result = mcp.call(tool, args)
+    assert result.is_error and result.failure_code == "invalid_request"
+    assert result.structured["_tag"] == "OrchestratorMcpFailure"
+    assert result.structured["message"].startswith(field + ":")
+    assert json.loads(result.text) == result.structured
+    assert row_counts(t3) == before
+
+
+@pytest.mark.parametrize(("tool", "args"), [
+    ("t3_thread_read", {}), ("t3_thread_wait", {}), ("t3_thread_interrupt", {}),
+    ("t3_thread_send", {"message": "hi"}), ("t3_pending_request", {"action": "list"})])
+def test_unknown_thread_is_thread_not_found(mcp: McpClient, t3: T3Server, tool: str,
+                                            args: dict) -> None:
+    """Every thread tool answers thread_not_found for an unknown thread, writing nothing."""
+    before = row_counts(t3)
+    result = mcp.call(tool, {"threadId": "thread:nope", **args})
+    assert result.is_error and result.failure_code == "thread_not_found"
+    assert row_counts(t3) == before
+
+
+def test_unknown_run_and_provider(mcp: McpClient) -> None:
+    """An unknown run is run_not_found; an unknown provider or model is refused before writing."""
+    created = create(mcp, title="x")
+    assert mcp.call("t3_thread_wait", {"threadId": created["threadId"], "runId": "run:x"}) \
+        .failure_code == "run_not_found"
+    assert mcp.call("create_threads", {"threads": [{"prompt": "x", "target": {
+        "providerInstanceId": "nope"}}]}).failure_code == "provider_unavailable"
+    assert mcp.call("create_threads", {"threads": [{"prompt": "x", "target": {
+        "model": "gpt-99"}}]}).failure_code == "model_unavailable"
+
+
+def test_read_pagination_and_budget(mcp: McpClient) -> None:
+    """Reads page with both cursors, stop near 30,000 characters and bound long items."""
+    created = create(mcp, "FAST:1 a")
+    tid = created["threadId"]
+    wait(mcp, tid)
+    for i in range(4):
+        mcp.call("t3_thread_send", {"threadId": tid, "message": f"{i} " + "y" * 9_000})
+        wait(mcp, tid)
+    positions, cursor, pages = [], -1, 0
+    while True:  # every user and assistant text is ~9,000 chars: about 3 fit in one read
+        page = read(mcp, tid, afterPosition=cursor, limit=100)
+        assert len(json.dumps(page["items"])) < 30_000 + 10_000
+        positions += [i["position"] for i in page["items"]]
+        cursor, pages = page["nextPosition"], pages + 1
+        if not page["hasMore"]:
+            break
+    assert positions == list(range(10)) and pages >= 3
+    newest = read(mcp, tid, limit=2)  # a client caller without a cursor starts at the oldest
+    assert [i["position"] for i in newest["items"]] == [0, 1]
+    older = read(mcp, tid, beforePosition=9, limit=3)
+    assert [i["position"] for i in older["items"]] == [6, 7, 8]
+    assert older["earlierPosition"] == 6 and older["hasMore"] is True
+    bounded = read(mcp, tid, afterPosition=1, limit=1, maxCharsPerItem=100)["items"][0]
+    assert bounded["textTruncated"] is True and len(bounded["text"]) == 100
+
+
+def test_launch_root_and_scratch(mcp: McpClient, t3: T3Server) -> None:
+    """t3_thread_launch runs in the project root or a scratch folder; worktrees are refused."""
+    root = mcp.call("t3_thread_launch", {"message": "ECHO_CWD"}).structured
+    assert root["workspaceStrategy"] == "root"
+    assert wait(mcp, root["threadId"])["status"] == "completed"
+    assert assistant_text(mcp, root["threadId"]) == root["workspacePath"]
+    scratch = mcp.call("t3_thread_launch", {"message": "ECHO_CWD", "scratch": True}).structured
+    assert scratch["projectId"] == "scratch"
+    assert Path(scratch["workspacePath"]).is_relative_to(t3.data_dir / "scratch")
+    assert wait(mcp, scratch["threadId"])["status"] == "completed"
+    assert assistant_text(mcp, scratch["threadId"]) == scratch["workspacePath"]
+    refused = mcp.call("t3_thread_launch", {"message": "x", "workspaceStrategy": "worktree"})
+    assert refused.failure_code == "invalid_request"
+
+
+def test_failing_agent_turn_is_failed_with_reason(mcp: McpClient) -> None:
+    """An agent that fails the prompt, or dies mid-turn, ends the run failed with its reason."""
+    failed = create(mcp, "FAIL now")
+    done = wait(mcp, failed["threadId"])
+    assert done["status"] == "failed" and "scripted failure" in done["statusReason"]
+    crashed = create(mcp, "CRASH now")
+    done = wait(mcp, crashed["threadId"])
+    assert done["status"] == "failed" and "exit code 3" in done["statusReason"]
+    again = mcp.call("t3_thread_send", {"threadId": crashed["threadId"], "message": "hi"})
+    assert wait(mcp, crashed["threadId"], runId=again.structured["runId"])["status"] == \
+        "completed"
+
+
+def test_routes(t3: T3Server) -> None:
+    """/healthz answers without auth; unknown routes are JSON 404; oversized bodies 413."""
+    from harness import raw_request
+    health = raw_request("GET", f"{t3.url}/healthz")
+    assert health.status == 200
+    assert health.json() == {"ok": True, "version": "0.1.0",
+                             "environmentId": t3.info["environmentId"]}
+    missing = raw_request("GET", f"{t3.url}/nope")
+    assert missing.status == 404 and missing.json()["error"] == "not_found"
+    huge = raw_post(t3.mcp_url, b"x" * (4 * 1024 * 1024 + 1),
+                    {"Authorization": f"Bearer {t3.token}", "Content-Type": "application/json"})
+    assert huge.status == 413
+
+
+def test_second_server_refused(t3: T3Server, t3_factory) -> None:
+    """A second server on the same data directory refuses to start and leaves the first running."""
+    second = t3_factory(data_dir=t3.data_dir, start=False)
+    with pytest.raises(Exception):
+        second.start()
+    assert "already using" in second.stderr_text()
+    assert t3.running
+
+
+def test_sigterm_shuts_down_cleanly(t3: T3Server, mcp: McpClient) -> None:
+    """SIGTERM mid-run: exit 0, server.json removed, the run ends with a reason, no agent left."""
+    created = create(mcp, "SLOW:400 busy")
+    wait_until(lambda: "chunk 0" in assistant_text(mcp, created["threadId"]), 20)
+    assert t3.stop() == 0
+    assert not (t3.data_dir / "server.json").exists()
+    with sqlite3.connect(t3.data_dir / "t3.sqlite") as db:
+        status, = db.execute("SELECT status FROM runs").fetchone()
+        running = db.execute("SELECT COUNT(*) FROM effect_outbox WHERE status = 'running'")
+        assert status == "interrupted" and running.fetchone()[0] == 0
+
+
+def test_token_command_and_invalid_config(tmp_path: Path) -> None:
+    """`t3.py token` prints the 0600 token; an invalid config names file, line and key."""
+    out = subprocess.run([sys.executable, str(T3_PY), "token", "--data-dir", str(tmp_path / "d")],
+                         capture_output=True, text=True, check=True)
+    token_file = tmp_path / "d" / "client-token"
+    assert out.stdout.strip() == token_file.read_text().strip()
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    config = write_config(tmp_path, providers=[{**scripted_provider(tmp_path), "driver": "nope"}])
+    bad = subprocess.run([sys.executable, str(T3_PY), "--port", "0", "--data-dir",
+                          str(tmp_path / "d"), "--config", str(config)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    line = next(n for n, text in enumerate(config.read_text().splitlines(), 1)
+                if text.startswith("driver"))
+    assert f"{config}:{line}: providers[0].driver" in bad.stderr
