@@ -908,8 +908,10 @@ def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, P
     queued = blocking is not None or queued_exists
     run = _new_run(d, message_id=c.message_id, text=c.text, created_by=c.created_by,
                    creation_source=c.creation_source, queued=queued)
+    _promote_queued(d)  # only acts if queued runs were left with nothing blocking them
+    run = d.get("run", run.id)
     return {"threadId": thread.id, "runId": run.id, "messageId": c.message_id,
-            "delivery": "queued" if queued else "started"}
+            "delivery": "queued" if run.status == RunStatus.QUEUED else "started"}
 
 
 def _steerable_run(d: _Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
@@ -1819,7 +1821,8 @@ class Orchestrator:
                 run_id, attempt_id = live.turn
                 batch_no += 1
                 await self._ingest(live, run_id, attempt_id, batch_no, _merge_deltas(batch))
-                if any(isinstance(e, TurnEnded) for e in batch):
+                if any(isinstance(e, TurnEnded) for e in batch) and \
+                        live.turn == (run_id, attempt_id):
                     live.turn = None
                     live.turn_ended.set()
         finally:

@@ -330,7 +330,6 @@ _DEFERRED = object()  # a request handler that answers later through respond()
 # ACP
 
 
-_ALLOW_ALWAYS = "allow_always"
 _STOP_STATUS = {"end_turn": "completed", "max_tokens": "completed",
                 "max_turn_requests": "completed", "refusal": "completed",
                 "cancelled": "interrupted"}

@@ -401,12 +401,13 @@ def apply_migrations(path: Path, *, backups_dir: Path, sql_dir: Path = SQL_DIR,
         probe = sqlite3.connect(_readonly_uri(path), uri=True)
         try:
             current = probe.execute("PRAGMA user_version").fetchone()[0]
+            has_schema = probe.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] > 0
         finally:
             probe.close()
         if current > latest:
             raise DatabaseTooNew(f"{path} has schema version {current}, newer than this t3 "
                                  f"(knows {latest}); it was left untouched")
-        if 0 < current < min(latest, stop_after or latest):
+        if has_schema and current < min(latest, stop_after or latest):
             _backup(path, backups_dir, current)
     conn = connect(path)
     try:

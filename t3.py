@@ -132,6 +132,10 @@ def load_config(path: Path, *, cwd: Path) -> Config:
             if command is not None and (not isinstance(command, list) or not command
                                         or not all(isinstance(c, str) for c in command)):
                 raise fail("providers", i, "command", "must be a non-empty list of strings")
+            if command and "/" in command[0] and not Path(command[0]).is_absolute():
+                # Agents run in their project's directory: a relative executable path means
+                # relative to this file.
+                command = [str((path.parent / command[0]).resolve()), *command[1:]]
             env = entry.get("env", {})
             if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
                 raise fail("providers", i, "env", "must be a table of strings")

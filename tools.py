@@ -439,21 +439,24 @@ class Toolkit:
             return line if len(line) <= 80 else line[:77] + "..."
         return fallback
 
-    async def _create(self, scope: Scope, *, command_id: str, thread_id: str, project: Project,
-                      workspace: str, entry: Mapping[str, Any], message_id: str,
-                      caller: ThreadState | None) -> dict[str, Any]:
+    def _plan_create(self, *, command_id: str, thread_id: str, project: Project,
+                     workspace: str, entry: Mapping[str, Any], message_id: str,
+                     caller: ThreadState | None) -> orch.CreateThread:
+        """Resolve one new thread's provider, model and modes; refuses before anything is written."""
         info, model = self._resolve_target(entry.get("target"), caller)
         runtime, interaction = self._modes(entry, caller)
         prompt = entry.get("prompt")
-        command = orch.CreateThread(
+        return orch.CreateThread(
             command_id=command_id, thread_id=thread_id, project_id=project.id,
             title=self._title(entry.get("title"), prompt, "New thread"),
             provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
             interaction_mode=interaction, workspace=workspace, created_by=orch.Actor.AGENT,
             creation_source=orch.CreationSource.MCP,
             initial_message=orch.InitialMessage(message_id, prompt) if prompt else None)
+
+    async def _create(self, command: orch.CreateThread) -> dict[str, Any]:
         result = await self.orch.dispatch(command)
-        state = await self._thread(thread_id)
+        state = await self._thread(command.thread_id)
         return self._created(state, result.result.get("runId"))
 
     # -- handlers --------------------------------------------------------------------------------
@@ -464,15 +467,13 @@ class Toolkit:
         project = self.ctx.project(args.get("projectId") or (
             caller.thread.project_id if caller and caller.thread else None))
         key = self._key(args)
-        created = []
-        for i, entry in enumerate(args["threads"]):
-            created.append(await self._create(
-                scope, command_id=self._id("command", "mcp", scope.key, "create-thread", key,
-                                           str(i)),
-                thread_id=self._id("thread", "mcp", scope.key, key, str(i)), project=project,
-                workspace=project.path, entry=entry,
-                message_id=self._id("message", "mcp", scope.key, key, str(i)), caller=caller))
-        return {"threads": created}
+        commands = [self._plan_create(
+            command_id=self._id("command", "mcp", scope.key, "create-thread", key, str(i)),
+            thread_id=self._id("thread", "mcp", scope.key, key, str(i)), project=project,
+            workspace=project.path, entry=entry,
+            message_id=self._id("message", "mcp", scope.key, key, str(i)), caller=caller)
+            for i, entry in enumerate(args["threads"])]
+        return {"threads": [await self._create(command) for command in commands]}
 
     async def _launch(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
         strategy = args.get("workspaceStrategy", "root")
@@ -492,7 +493,6 @@ class Toolkit:
                 raise ToolFailure("invalid_request", "scratch: cannot be combined with projectId")
             project = self.ctx.scratch_project
             workspace = Path(project.path) / urllib.parse.quote(thread_id, safe="")
-            workspace.mkdir(parents=True, exist_ok=True)
         else:
             project = self.ctx.project(args.get("projectId") or (
                 caller.thread.project_id if caller and caller.thread else None))
@@ -500,10 +500,12 @@ class Toolkit:
         entry = {"prompt": args.get("message"), "title": args.get("title"),
                  "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
                  "interactionMode": args.get("interactionMode", "inherit")}
-        created = await self._create(
-            scope, command_id=self._id("command", "mcp", scope.key, "launch", key),
+        command = self._plan_create(
+            command_id=self._id("command", "mcp", scope.key, "launch", key),
             thread_id=thread_id, project=project, workspace=str(workspace), entry=entry,
             message_id=self._id("message", "mcp", scope.key, "launch", key), caller=caller)
+        workspace.mkdir(parents=True, exist_ok=True)
+        created = await self._create(command)
         return {**created, "workspaceStrategy": "scratch" if args.get("scratch") else "root",
                 "workspacePath": str(workspace)}
 
@@ -608,7 +610,9 @@ class Toolkit:
                 "runCount": len(state.runs), "itemCount": len(state.entities["turn-item"]),
                 "pendingRequestCount": len(state.pending_requests()),
                 "archived": thread.archived_at is not None, "createdAt": thread.created_at,
-                "updatedAt": thread.updated_at, "link": self.ctx.link(thread.id)}
+                "updatedAt": max([thread.updated_at, *(t for t in (
+                    latest.requested_at, latest.completed_at) if latest and t)]),
+                "link": self.ctx.link(thread.id)}
 
     @staticmethod
     def _run_summary(state: ThreadState, run: orch.Run) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 -- as payload_json (the same JSON the last event about it carried) plus the
 -- columns reads filter or sort on.
 
-CREATE TABLE events (
+CREATE TABLE IF NOT EXISTS events (
     sequence        INTEGER PRIMARY KEY AUTOINCREMENT,
     event_id        TEXT    NOT NULL UNIQUE,
     thread_id       TEXT    NOT NULL,
@@ -14,10 +14,10 @@ CREATE TABLE events (
     payload_json    TEXT    NOT NULL,
     UNIQUE (thread_id, stream_version)
 );
-CREATE INDEX events_by_command ON events (command_id);
-CREATE INDEX events_by_thread ON events (thread_id, sequence);
+CREATE INDEX IF NOT EXISTS events_by_command ON events (command_id);
+CREATE INDEX IF NOT EXISTS events_by_thread ON events (thread_id, sequence);
 
-CREATE TABLE command_receipts (
+CREATE TABLE IF NOT EXISTS command_receipts (
     command_id      TEXT PRIMARY KEY,
     command_type    TEXT NOT NULL,
     fingerprint     TEXT NOT NULL,
@@ -29,7 +29,7 @@ CREATE TABLE command_receipts (
     accepted_at     TEXT NOT NULL
 );
 
-CREATE TABLE effect_outbox (
+CREATE TABLE IF NOT EXISTS effect_outbox (
     effect_id        TEXT PRIMARY KEY,
     command_id       TEXT    NOT NULL,
     thread_id        TEXT    NOT NULL,
@@ -47,16 +47,16 @@ CREATE TABLE effect_outbox (
     created_at       TEXT    NOT NULL,
     updated_at       TEXT    NOT NULL
 );
-CREATE INDEX effect_outbox_claim ON effect_outbox (status, available_at_ms);
-CREATE INDEX effect_outbox_by_thread ON effect_outbox (thread_id, status);
+CREATE INDEX IF NOT EXISTS effect_outbox_claim ON effect_outbox (status, available_at_ms);
+CREATE INDEX IF NOT EXISTS effect_outbox_by_thread ON effect_outbox (thread_id, status);
 
-CREATE TABLE projects (
+CREATE TABLE IF NOT EXISTS projects (
     project_id   TEXT PRIMARY KEY,
     path         TEXT NOT NULL,
     title        TEXT NOT NULL
 );
 
-CREATE TABLE threads (
+CREATE TABLE IF NOT EXISTS threads (
     thread_id    TEXT PRIMARY KEY,
     project_id   TEXT NOT NULL,
     parent_thread_id TEXT,
@@ -65,9 +65,9 @@ CREATE TABLE threads (
     deleted_at   TEXT,
     payload_json TEXT NOT NULL
 );
-CREATE INDEX threads_by_project ON threads (project_id, updated_at);
+CREATE INDEX IF NOT EXISTS threads_by_project ON threads (project_id, updated_at);
 
-CREATE TABLE runs (
+CREATE TABLE IF NOT EXISTS runs (
     run_id       TEXT PRIMARY KEY,
     thread_id    TEXT    NOT NULL,
     ordinal      INTEGER NOT NULL,
@@ -76,64 +76,64 @@ CREATE TABLE runs (
     payload_json TEXT    NOT NULL,
     UNIQUE (thread_id, ordinal)
 );
-CREATE INDEX runs_by_status ON runs (status);
+CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status);
 
-CREATE TABLE run_attempts (
+CREATE TABLE IF NOT EXISTS run_attempts (
     attempt_id   TEXT PRIMARY KEY,
     thread_id    TEXT NOT NULL,
     run_id       TEXT NOT NULL,
     payload_json TEXT NOT NULL
 );
-CREATE INDEX run_attempts_by_thread ON run_attempts (thread_id);
+CREATE INDEX IF NOT EXISTS run_attempts_by_thread ON run_attempts (thread_id);
 
-CREATE TABLE nodes (
+CREATE TABLE IF NOT EXISTS nodes (
     node_id      TEXT PRIMARY KEY,
     thread_id    TEXT NOT NULL,
     run_id       TEXT,
     payload_json TEXT NOT NULL
 );
-CREATE INDEX nodes_by_thread ON nodes (thread_id);
+CREATE INDEX IF NOT EXISTS nodes_by_thread ON nodes (thread_id);
 
-CREATE TABLE provider_sessions (
+CREATE TABLE IF NOT EXISTS provider_sessions (
     provider_session_id TEXT PRIMARY KEY,
     thread_id    TEXT NOT NULL,
     status       TEXT NOT NULL,
     payload_json TEXT NOT NULL
 );
-CREATE INDEX provider_sessions_by_thread ON provider_sessions (thread_id);
-CREATE INDEX provider_sessions_by_status ON provider_sessions (status);
+CREATE INDEX IF NOT EXISTS provider_sessions_by_thread ON provider_sessions (thread_id);
+CREATE INDEX IF NOT EXISTS provider_sessions_by_status ON provider_sessions (status);
 
-CREATE TABLE provider_threads (
+CREATE TABLE IF NOT EXISTS provider_threads (
     provider_thread_id TEXT PRIMARY KEY,
     thread_id    TEXT NOT NULL,
     payload_json TEXT NOT NULL
 );
-CREATE INDEX provider_threads_by_thread ON provider_threads (thread_id);
+CREATE INDEX IF NOT EXISTS provider_threads_by_thread ON provider_threads (thread_id);
 
-CREATE TABLE provider_turns (
+CREATE TABLE IF NOT EXISTS provider_turns (
     provider_turn_id TEXT PRIMARY KEY,
     thread_id    TEXT NOT NULL,
     payload_json TEXT NOT NULL
 );
-CREATE INDEX provider_turns_by_thread ON provider_turns (thread_id);
+CREATE INDEX IF NOT EXISTS provider_turns_by_thread ON provider_turns (thread_id);
 
-CREATE TABLE runtime_requests (
+CREATE TABLE IF NOT EXISTS runtime_requests (
     runtime_request_id TEXT PRIMARY KEY,
     thread_id    TEXT NOT NULL,
     status       TEXT NOT NULL CHECK (status IN ('pending', 'resolved', 'expired', 'cancelled')),
     payload_json TEXT NOT NULL
 );
-CREATE INDEX runtime_requests_by_thread ON runtime_requests (thread_id, status);
+CREATE INDEX IF NOT EXISTS runtime_requests_by_thread ON runtime_requests (thread_id, status);
 
-CREATE TABLE messages (
+CREATE TABLE IF NOT EXISTS messages (
     message_id   TEXT PRIMARY KEY,
     thread_id    TEXT NOT NULL,
     run_id       TEXT,
     payload_json TEXT NOT NULL
 );
-CREATE INDEX messages_by_thread ON messages (thread_id);
+CREATE INDEX IF NOT EXISTS messages_by_thread ON messages (thread_id);
 
-CREATE TABLE turn_items (
+CREATE TABLE IF NOT EXISTS turn_items (
     turn_item_id TEXT PRIMARY KEY,
     thread_id    TEXT    NOT NULL,
     position     INTEGER NOT NULL,
@@ -143,7 +143,7 @@ CREATE TABLE turn_items (
 );
 
 -- Facts about this data directory that outlive one server process (environment id).
-CREATE TABLE server_meta (
+CREATE TABLE IF NOT EXISTS server_meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );

@@ -368,3 +368,69 @@ def test_token_command_and_invalid_config(tmp_path: Path) -> None:
     line = next(n for n, text in enumerate(config.read_text().splitlines(), 1)
                 if text.startswith("driver"))
     assert f"{config}:{line}: providers[0].driver" in bad.stderr
+
+
+def test_wait_reports_progress(mcp: McpClient) -> None:
+    """A wait longer than 5 s sends MCP progress notifications to a client that asked for them."""
+    created = create(mcp, "SLOW:130 take a while")
+    result = mcp.call_with_progress("t3_thread_wait", {"threadId": created["threadId"],
+                                                       "timeoutMs": 30_000})
+    assert result.structured["status"] == "completed"
+    assert len(result.progress) >= 1
+
+
+def test_shutdown_ends_waits_with_current_state(t3: T3Server, mcp: McpClient) -> None:
+    """SIGTERM during a long wait: the wait returns the run's current state, not an error."""
+    created = create(mcp, "SLOW:600 long")
+    wait_until(lambda: "chunk 0" in assistant_text(mcp, created["threadId"]), 20)
+    pending = mcp.submit("t3_thread_wait", {"threadId": created["threadId"],
+                                            "timeoutMs": 120_000})
+    read(mcp, created["threadId"])  # a later request answered: the wait is in the server
+    assert t3.stop() == 0
+    result = pending.result(timeout=30)
+    # The wait ended before the run did: like a timeout, the caller polls again later.
+    assert result.ok and result.structured["status"] == "running"
+    assert result.structured["timedOut"] is True
+
+
+def test_create_threads_validates_every_entry_first(mcp: McpClient, t3: T3Server) -> None:
+    """A batch with one bad entry creates none of its threads."""
+    before = row_counts(t3)
+    result = mcp.call("create_threads", {"threads": [
+        {"prompt": "fine"}, {"prompt": "x", "target": {"providerInstanceId": "nope"}}]})
+    assert result.failure_code == "provider_unavailable"
+    assert row_counts(t3) == before
+
+
+def test_legacy_mcp_client(t3: T3Server) -> None:
+    """A handshake-era MCP client (initialize, protocol 2025-11-25) gets the same tools."""
+    legacy = t3.client(mode="legacy")
+    try:
+        assert "t3_thread_read" in legacy.list_tools()
+        created = legacy.call("create_threads", {"threads": [{"prompt": "hi"}]}).structured
+        assert wait(legacy, created["threads"][0]["threadId"])["status"] == "completed"
+    finally:
+        legacy.close()
+
+
+def test_database_versions_on_start(t3: T3Server, t3_factory) -> None:
+    """An older database is backed up before migrating; a newer one is refused untouched."""
+    create(t3.client(), "keep me")
+    assert t3.stop() == 0
+    db_path = t3.data_dir / "t3.sqlite"
+    with sqlite3.connect(db_path) as db:
+        db.execute("PRAGMA user_version = 0")
+    t3.restart()
+    backups = list((t3.data_dir / "backups").glob("t3-v0-*.sqlite"))
+    assert len(backups) == 1
+    with sqlite3.connect(backups[0]) as db:
+        assert db.execute("SELECT COUNT(*) FROM threads").fetchone()[0] == 1
+    assert t3.client().call("t3_thread_list", {}).structured["total"] == 1
+    assert t3.stop() == 0
+    with sqlite3.connect(db_path) as db:
+        db.execute("PRAGMA user_version = 99")
+    before = db_path.read_bytes()
+    with pytest.raises(Exception):
+        t3.restart()
+    assert "newer than this t3" in t3.stderr_text()
+    assert db_path.read_bytes() == before
