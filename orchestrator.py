@@ -28,9 +28,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import store as _store
 
@@ -506,8 +506,9 @@ class ProviderSessionHandle(Protocol):
 
     pid: int | None
     native_thread_ref: str | None
+    events: asyncio.Queue[AdapterEvent | None]  # None: the process is gone (see exit_reason)
+    exit_reason: str | None
 
-    def events(self) -> AsyncIterator[AdapterEvent]: ...
     async def start_turn(self, text: str) -> None: ...
     async def steer_turn(self, text: str) -> None: ...
     async def interrupt_turn(self) -> None: ...
@@ -529,12 +530,8 @@ class ProviderAdapter(Protocol):
 # Commands
 
 
-class Clock(Protocol):
-    def __call__(self) -> str: ...
-
-
-class IdSource(Protocol):
-    def __call__(self, prefix: str) -> str: ...
+Clock = Callable[[], str]  # the current time as an ISO-8601 UTC string
+IdSource = Callable[[str], str]  # a fresh unique id with the given prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -752,6 +749,9 @@ class Decision:
 # decide: pure
 
 
+_E = TypeVar("_E", bound="_Entity")
+
+
 def _owning_thread(entity: Any) -> str:
     if isinstance(entity, AppThread):
         return entity.id
@@ -786,11 +786,11 @@ class _Draft:
         merged.update({eid: e for (k, eid), e in self.changed.items() if k == kind})
         return list(merged.values())
 
-    def put(self, entity: Any, event_type: str | None = None) -> Any:
+    def put(self, entity: _E, event_type: str | None = None) -> _E:
         if isinstance(entity, AppThread):
             self.thread = entity
         else:
-            self.changed[(entity.kind, entity.id)] = entity
+            self.changed[(entity.kind, entity.id)] = entity  # type: ignore[attr-defined]
         self.events.append(_store.NewEvent(
             event_id=f"event:{self.command.command_id}:{len(self.events)}",
             thread_id=_owning_thread(entity), type=event_type or _EVENT_TYPE[entity.kind],
@@ -1299,7 +1299,7 @@ def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str)
 def _open_stream_id(d: _Draft, attempt: RunAttempt, role: str) -> str | None:
     for message in d.all("message"):
         if message.streaming and message.role == role and message.node_id == attempt.root_node_id:
-            return message.id
+            return str(message.id)
     return None
 
 
@@ -1445,13 +1445,16 @@ class _LiveSession:
     interrupting: set[str] = field(default_factory=set)  # attempt ids with an interrupt sent
     closing_reason: str | None = None
     pump_done: asyncio.Event = field(default_factory=asyncio.Event)
+    idle_timer: asyncio.TimerHandle | None = None
 
 
 class Orchestrator:
     """Serializes commands per thread and runs their effects. Start with ``start(task_group)``."""
 
     MAX_CONCURRENT_EFFECTS = 16
+    MAX_CACHED_THREADS = 512
     INTERRUPT_GRACE_S = 10.0
+    IDLE_RELEASE_S = 30 * 60.0  # a provider process with no turn for this long is stopped
 
     def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
@@ -1514,7 +1517,7 @@ class Orchestrator:
 
     def _apply(self, events: Sequence[_store.NewEvent], sequences: Sequence[int]) -> None:
         touched: set[str] = set()
-        for event, sequence in zip(events, sequences):
+        for event, sequence in zip(events, sequences, strict=True):
             kind = _store.event_kind(event.type)
             entity = _ENTITY_TYPES[kind].from_json(event.payload)
             state = self._states.get(event.thread_id)
@@ -1537,13 +1540,29 @@ class Orchestrator:
 
     async def state(self, thread_id: str) -> ThreadState | None:
         """The thread's current state (cached; loaded from the store on first use)."""
-        state = self._states.get(thread_id)
+        state = self._states.pop(thread_id, None)
         if state is None:
             sequence, rows = self._store.thread_entities(thread_id)
             if not rows["thread"]:
                 return None
-            state = self._states.setdefault(thread_id, ThreadState.load(sequence, rows))
+            state = ThreadState.load(sequence, rows)
+            self._evict()
+        self._states[thread_id] = state  # most recently used last
         return state
+
+    def _evict(self) -> None:
+        """Keep the cache bounded: drop the least recently used threads that are at rest."""
+        excess = len(self._states) - self.MAX_CACHED_THREADS
+        for thread_id in list(self._states):
+            if excess <= 0:
+                return
+            state = self._states[thread_id]
+            lock = self._locks.get(thread_id)
+            if (lock is None or not lock.locked()) and thread_id not in self._live \
+                    and state.blocking_run() is None and not state.queued_runs():
+                del self._states[thread_id]
+                self._locks.pop(thread_id, None)
+                excess -= 1
 
     def _signal(self, thread_id: str) -> asyncio.Event:
         signal = self._signals.get(thread_id)
@@ -1740,6 +1759,8 @@ class Orchestrator:
             return  # replayed or overtaken: nothing to start
         live, created = await self._ensure_session(state, run)
         message = state.entities["message"].get(run.user_message_id)
+        if live.idle_timer is not None:
+            live.idle_timer.cancel()
         live.turn = (run_id, attempt_id)
         live.turn_ended = asyncio.Event()
         try:
@@ -1774,7 +1795,7 @@ class Orchestrator:
         if adapter is None:
             raise _PermanentEffectError(f"provider instance {run.provider_instance_id!r} is not "
                                         "configured on this server")
-        pthread = state.entities["provider-thread"].get(run.provider_thread_id)
+        pthread = state.entities["provider-thread"].get(run.provider_thread_id or "")
         session_id = self._new_id("provider-session")
         handle = await adapter.open_session(
             session_id=session_id, thread_id=thread.id, cwd=thread.workspace or os.getcwd(),
@@ -1825,6 +1846,7 @@ class Orchestrator:
                         live.turn == (run_id, attempt_id):
                     live.turn = None
                     live.turn_ended.set()
+                    live.idle_timer = loop.call_later(self.IDLE_RELEASE_S, self._release, live)
         finally:
             await self._session_gone(live)
 
@@ -1878,6 +1900,11 @@ class Orchestrator:
             if self._live.get(live.thread_id) is live:
                 del self._live[live.thread_id]
             live.pump_done.set()
+
+    def _release(self, live: _LiveSession) -> None:
+        if live.turn is None and self._live.get(live.thread_id) is live:
+            live.closing_reason = "Stopped after being idle."
+            self._spawn(live.handle.close(), f"release {live.session_id}")
 
     async def _stop_turn(self, thread_id: str, attempt_id: str) -> None:
         """Interrupt the attempt's turn and wait for it to end; kill the process if it won't."""

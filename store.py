@@ -411,7 +411,7 @@ def apply_migrations(path: Path, *, backups_dir: Path, sql_dir: Path = SQL_DIR,
             _backup(path, backups_dir, current)
     conn = connect(path)
     try:
-        current = conn.execute("PRAGMA user_version").fetchone()[0]
+        current = int(conn.execute("PRAGMA user_version").fetchone()[0])
         for version, file in files:
             if version <= current or (stop_after is not None and version > stop_after):
                 continue
@@ -535,11 +535,9 @@ class Store:
         conn.execute("BEGIN")
         try:
             entities: dict[str, list[dict[str, Any]]] = {}
-            for kind, (table, _, columns) in _PROJECTIONS.items():
-                thread_col = "thread_id"
-                rows = conn.execute(
-                    f"SELECT payload_json FROM {table} WHERE {thread_col} = ?", (thread_id,)
-                ).fetchall()
+            for kind, (table, _, _) in _PROJECTIONS.items():
+                rows = conn.execute(f"SELECT payload_json FROM {table} WHERE thread_id = ?",
+                                    (thread_id,)).fetchall()
                 entities[kind] = [json.loads(r[0]) for r in rows]
             sequence = conn.execute(_MAX_SEQUENCE).fetchone()[0]
         finally:
@@ -553,7 +551,7 @@ class Store:
                 for r in self.read(_LIST_THREADS, (project_id,))]
 
     def max_sequence(self) -> int:
-        return self._reader.execute(_MAX_SEQUENCE).fetchone()[0]
+        return int(self._reader.execute(_MAX_SEQUENCE).fetchone()[0])
 
     def events_after(self, sequence: int, *, thread_id: str | None = None,
                      limit: int = 1000) -> list[dict[str, Any]]:
@@ -575,8 +573,8 @@ class Store:
         def run(conn: sqlite3.Connection) -> str:
             conn.execute("INSERT INTO server_meta (key, value) VALUES (?, ?) "
                          "ON CONFLICT (key) DO NOTHING", (key, default))
-            return conn.execute("SELECT value FROM server_meta WHERE key = ?",
-                                (key,)).fetchone()[0]
+            return str(conn.execute("SELECT value FROM server_meta WHERE key = ?",
+                                    (key,)).fetchone()[0])
         return await self.write(run)
 
     async def sync_projects(self, projects: Sequence[Mapping[str, str]]) -> None:
@@ -617,7 +615,8 @@ class Store:
         return await self.write(run)
 
     def next_effect_due_ms(self) -> int | None:
-        return self._reader.execute(_NEXT_DUE).fetchone()[0]
+        due = self._reader.execute(_NEXT_DUE).fetchone()[0]
+        return None if due is None else int(due)
 
     def pending_effects(self, thread_id: str) -> list[EffectRow]:
         return [_effect_from_row(r) for r in self._reader.execute(

@@ -28,7 +28,7 @@ import sys
 import time
 import tomllib
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ def load_config(path: Path, *, cwd: Path) -> Config:
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise fail("server", None, "port", "must be an integer 0-65535")
 
-    projects = []
+    projects: list[dict[str, str]] = []
     for i, entry in enumerate(data.get("projects", [])):
         for key in entry:
             if key not in _SECTIONS["projects"]:
@@ -115,7 +115,7 @@ def load_config(path: Path, *, cwd: Path) -> Config:
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
 
-    providers = None
+    providers: list[dict[str, Any]] | None = None
     if "providers" in data:
         from providers import DRIVERS
         providers = []
@@ -300,7 +300,7 @@ def _hash(token: str) -> str:
 
 
 async def _send_json(send: Callable[[MutableMapping[str, Any]], Awaitable[None]], status: int,
-                     body: Mapping[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
+                     body: Mapping[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     payload = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),

@@ -611,7 +611,7 @@ class Toolkit:
                 "pendingRequestCount": len(state.pending_requests()),
                 "archived": thread.archived_at is not None, "createdAt": thread.created_at,
                 "updatedAt": max([thread.updated_at, *(t for t in (
-                    latest.requested_at, latest.completed_at) if latest and t)]),
+                    (latest.requested_at, latest.completed_at) if latest else ()) if t)]),
                 "link": self.ctx.link(thread.id)}
 
     @staticmethod
@@ -784,7 +784,7 @@ def _steerable_run(state: ThreadState) -> orch.Run | None:
     for run in reversed(state.runs):
         if run.status != RunStatus.RUNNING:
             continue
-        attempt = state.entities["run-attempt"].get(run.active_attempt_id)
+        attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
         turn = state.entities["provider-turn"].get(attempt.provider_turn_id) if attempt else None
         if turn is not None and turn.status == "running":
             return run
