@@ -691,7 +691,7 @@ Command = (CreateThread | DispatchMessage | InterruptRun | RespondRuntimeRequest
            | RecoverThread)
 
 
-def fingerprint(command: Any) -> str:
+def fingerprint_of(command: Any) -> str:
     """A hash of what the command asks for, without its id: same id + other payload is refused."""
     def plain(value: Any) -> Any:
         if hasattr(value, "__dataclass_fields__"):
@@ -737,7 +737,7 @@ class Decision:
     def commit(self, command: Any) -> _store.Commit:
         return _store.Commit(
             command_id=command.command_id, command_type=command.type,
-            fingerprint=fingerprint(command), thread_id=command.thread_id, events=self.events,
+            fingerprint=fingerprint_of(command), thread_id=command.thread_id, events=self.events,
             effects=tuple(_store.NewEffect(
                 effect_id=f"effect:{command.command_id}:{e.effect_type}:{e.key}",
                 thread_id=e.thread_id, effect_type=e.effect_type, payload=e.payload,
@@ -1510,7 +1510,7 @@ class Orchestrator:
         return DispatchResult(outcome.receipt.result_sequence, decision.result)
 
     def _replay(self, command: Any, receipt: _store.Receipt) -> DispatchResult:
-        if receipt.fingerprint != fingerprint(command):
+        if receipt.fingerprint != fingerprint_of(command):
             raise T3Error(f"the request id behind command {command.command_id!r} was already "
                           "used for a different request", code="invalid_request")
         return DispatchResult(receipt.result_sequence, receipt.result, replayed=True)

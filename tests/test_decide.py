@@ -728,15 +728,15 @@ def test_fingerprint_ignores_the_command_id_but_not_the_payload() -> None:
                 "initial_message": o.InitialMessage(message_id="msg-1", text="bye"),
                 "reason": "r2", "resumable_run_ids": frozenset({"x"})}
     for command in (dispatch, create, recover):
-        base = o.fingerprint(command)
-        assert o.fingerprint(dataclasses.replace(command, command_id="b")) == base
+        base = o.fingerprint_of(command)
+        assert o.fingerprint_of(dataclasses.replace(command, command_id="b")) == base
         for f in dataclasses.fields(command):
             if f.name == "command_id":
                 continue
-            assert o.fingerprint(dataclasses.replace(command, **{f.name: variants[f.name]})) \
+            assert o.fingerprint_of(dataclasses.replace(command, **{f.name: variants[f.name]})) \
                 != base, f.name
-    assert o.fingerprint(dataclasses.replace(recover, resumable_run_ids=frozenset({"y", "x"}))) \
-        == o.fingerprint(recover)
+    assert o.fingerprint_of(dataclasses.replace(recover, resumable_run_ids=frozenset({"y", "x"}))) \
+        == o.fingerprint_of(recover)
 
 
 @pytest.mark.parametrize("command", [
