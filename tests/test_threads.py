@@ -434,3 +434,20 @@ def test_database_versions_on_start(t3: T3Server, t3_factory) -> None:
         t3.restart()
     assert "newer than this t3" in t3.stderr_text()
     assert db_path.read_bytes() == before
+
+
+def test_provider_that_cannot_start_fails_the_run_after_retries(t3_factory, tmp_path: Path
+                                                                ) -> None:
+    """An agent that dies during its handshake is retried with backoff, then the run fails."""
+    broken = {"id": "broken", "driver": "acp", "models": ["m"],
+              "command": [sys.executable, "-c", "import sys; sys.exit(7)"]}
+    server = t3_factory(providers=[broken])
+    client = server.client()
+    created = create(client, "hello")
+    done = wait(client, created["threadId"])
+    assert done["status"] == "failed"
+    assert "after 5 attempt(s)" in done["statusReason"]
+    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
+        status, attempts = db.execute("SELECT status, attempt_count FROM effect_outbox "
+                                      "WHERE effect_type = 'provider-turn.start'").fetchone()
+    assert (status, attempts) == ("failed", 5)
