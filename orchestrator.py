@@ -42,7 +42,9 @@ __all__ = [
     "CreateThread", "InitialMessage", "DispatchMessage", "InterruptRun", "RespondRuntimeRequest",
     "CancelQueuedRun", "Decision", "decide", "AdapterEvent", "TextDelta", "ReasoningDelta",
     "ToolUpdate", "PlanUpdate", "RuntimeRequestOpened", "TurnEnded", "ProviderAdapter",
-    "ProviderSessionHandle", "Orchestrator",
+    "ProviderSessionHandle", "Orchestrator", "McpEndpoint", "SessionCredentials", "Subagent",
+    "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
+    "task_result", "TASK_TERMINAL",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -363,15 +365,61 @@ class TurnItem(_Entity):
     completed_at: str | None = None
 
 
+TASK_STATUSES = frozenset({"pending", "running", "waiting", "completed", "failed", "cancelled",
+                           "interrupted"})
+TASK_TERMINAL = frozenset({"completed", "failed", "cancelled", "interrupted"})
+
+
+@dataclass(frozen=True, slots=True)
+class Subagent(_Entity):
+    """The parent's record of a delegated task; its id is the task id (= the parent's node id)."""
+
+    kind: ClassVar[str] = "subagent"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": TASK_STATUSES}
+    id: str
+    thread_id: str
+    run_id: str
+    parent_node_id: str
+    origin: str  # app_owned
+    created_by: str
+    driver: str
+    provider_instance_id: str
+    child_thread_id: str
+    child_run_id: str
+    prompt: str
+    title: str
+    model: str | None
+    completion_wake: str  # always | settled_only
+    status: str
+    started_at: str
+    updated_at: str
+    result: str | None = None
+    completed_at: str | None = None
+    cancel_requested: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ContextTransfer(_Entity):
+    kind: ClassVar[str] = "context-transfer"
+    id: str
+    thread_id: str  # the thread that owns the record (a delegated task's parent)
+    type: str  # subagent_spawn | subagent_result
+    source_thread_id: str
+    target_thread_id: str
+    status: str
+    created_by: str
+    created_at: str
+    updated_at: str
+    target_run_id: str | None = None
+    summary: str | None = None
+    consumed_at: str | None = None
+
+
 _ENTITY_TYPES: dict[str, type[_Entity]] = {
     cls.kind: cls for cls in (AppThread, Run, RunAttempt, ExecutionNode, ProviderSession,
                               ProviderThread, ProviderTurn, RuntimeRequest, ConversationMessage,
-                              TurnItem)}
-_EVENT_TYPE = {"thread": "thread.updated", "run": "run.updated", "run-attempt": "run-attempt.updated",
-               "node": "node.updated", "provider-session": "provider-session.updated",
-               "provider-thread": "provider-thread.updated", "provider-turn": "provider-turn.updated",
-               "runtime-request": "runtime-request.updated", "message": "message.updated",
-               "turn-item": "turn-item.updated"}
+                              TurnItem, Subagent, ContextTransfer)}
+_EVENT_TYPE = {kind: f"{kind}.updated" for kind in _ENTITY_TYPES}
 
 
 @dataclass(slots=True)
@@ -454,6 +502,7 @@ class ProviderInfo:
     capabilities: Capabilities
     available: bool = True
     constraints: Sequence[str] = ()
+    runtime_modes: Sequence[str] | None = None  # None: every runtime mode is offered
 
     def first_model(self) -> str | None:
         return self.models[0]["id"] if self.models else None
@@ -501,6 +550,24 @@ class TurnEnded:
 AdapterEvent = TextDelta | ReasoningDelta | ToolUpdate | PlanUpdate | RuntimeRequestOpened | TurnEnded
 
 
+@dataclass(frozen=True, slots=True)
+class McpEndpoint:
+    """t3's MCP server as one provider session sees it; each driver injects it in its own way."""
+
+    name: str
+    url: str
+    headers: Mapping[str, str]
+
+
+class SessionCredentials(Protocol):
+    """Provider-session credentials (t3.py): issued before a session opens, touched per turn."""
+
+    def issue(self, *, thread_id: str, provider_instance_id: str,
+              provider_session_id: str) -> McpEndpoint | None: ...
+    def touch(self, provider_session_id: str) -> None: ...
+    def revoke(self, provider_session_id: str) -> None: ...
+
+
 class ProviderSessionHandle(Protocol):
     """A live provider process serving one app thread (providers.py)."""
 
@@ -523,7 +590,7 @@ class ProviderAdapter(Protocol):
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
-                           mcp_servers: Sequence[Mapping[str, Any]]) -> ProviderSessionHandle: ...
+                           mcp: McpEndpoint | None) -> ProviderSessionHandle: ...
 
 
 # =============================================================================================
@@ -612,6 +679,65 @@ class CancelQueuedRun:
     run_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class DelegateTask:
+    """delegated_task.request: a child thread runs ``task`` (only it) for the parent's agent."""
+
+    type: ClassVar[str] = "delegated_task.request"
+    # What a retry must repeat to get the same task back; the parent run may differ by then.
+    fingerprint_fields: ClassVar[tuple[str, ...]] = (
+        "thread_id", "task", "title", "provider_instance_id", "model", "runtime_mode",
+        "interaction_mode")
+    command_id: str
+    thread_id: str  # the parent
+    parent_run_id: str
+    task: str
+    title: str
+    provider_instance_id: str
+    model: str | None
+    runtime_mode: str
+    interaction_mode: str
+    completion_wake: str  # settled_only (mode wait) | always (mode async)
+    created_by: str
+    creation_source: str
+
+    @property
+    def task_id(self) -> str:
+        return f"node:delegated-task:{self.command_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class SetWakePolicy:
+    type: ClassVar[str] = "delegated_task.wake-policy"
+    command_id: str
+    thread_id: str
+    task_id: str
+    completion_wake: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTaskCancel:
+    """Mark a task cancelled by its parent: no automatic delivery; a late success is interrupted."""
+
+    type: ClassVar[str] = "delegated_task.cancel"
+    command_id: str
+    thread_id: str
+    task_id: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FinalizeSubagent:
+    """The child's original run ended: publish its result to the parent, and wake the parent."""
+
+    type: ClassVar[str] = "subagent.finalize"
+    command_id: str
+    thread_id: str  # the parent
+    task_id: str
+    status: str
+    result: str
+
+
 # Internal commands: the effect worker, the run executor and recovery speak these.
 
 
@@ -687,8 +813,8 @@ class RecoverThread:
 
 
 Command = (CreateThread | DispatchMessage | InterruptRun | RespondRuntimeRequest | CancelQueuedRun
-           | MarkRunStarted | IngestProviderEvents | CompleteRun | FailRun | EndProviderSession
-           | RecoverThread)
+           | DelegateTask | SetWakePolicy | RequestTaskCancel | FinalizeSubagent | MarkRunStarted
+           | IngestProviderEvents | CompleteRun | FailRun | EndProviderSession | RecoverThread)
 
 
 def fingerprint_of(command: Any) -> str:
@@ -705,6 +831,9 @@ def fingerprint_of(command: Any) -> str:
         return value
     body = plain(command)
     body.pop("command_id", None)
+    counted = getattr(command, "fingerprint_fields", None)
+    if counted is not None:
+        body = {k: v for k, v in body.items() if k in counted}
     body["type"] = command.type
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -720,7 +849,7 @@ class EffectRequest:
     payload: Mapping[str, Any]
     key: str  # makes the effect id deterministic within its command
 
-    REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({"run.finalize"})
+    REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({"run.finalize", "subagent.finalize"})
 
     @property
     def replay_safe(self) -> bool:
@@ -763,13 +892,15 @@ def _owning_thread(entity: Any) -> str:
 class _Draft:
     """The entities a decision changes, laid over the thread's state, in event order."""
 
-    def __init__(self, state: ThreadState, command: Any, now: str) -> None:
+    def __init__(self, state: ThreadState, command: Any, now: str, *,
+                 sharing: _Draft | None = None) -> None:
         self.state = state
         self.command = command
         self.now = now
         self.changed: dict[tuple[str, str], Any] = {}
-        self.events: list[_store.NewEvent] = []
-        self.effects: list[EffectRequest] = []
+        # A draft for a second thread in the same command shares the event and effect lists.
+        self.events: list[_store.NewEvent] = sharing.events if sharing else []
+        self.effects: list[EffectRequest] = sharing.effects if sharing else []
         self.cancel_effect_types: list[str] = []
         self.next_position = state.next_position
         self.thread = state.thread
@@ -801,8 +932,10 @@ class _Draft:
         self.next_position += 1
         return self.next_position - 1
 
-    def effect(self, effect_type: str, payload: Mapping[str, Any], key: str) -> None:
-        self.effects.append(EffectRequest(effect_type, self.command.thread_id, payload, key))
+    def effect(self, effect_type: str, payload: Mapping[str, Any], key: str, *,
+               thread_id: str | None = None) -> None:
+        owner = thread_id or (self.thread.id if self.thread else self.command.thread_id)
+        self.effects.append(EffectRequest(effect_type, owner, payload, key))
 
     def runs(self) -> list[Run]:
         return sorted(self.all("run"), key=lambda r: r.ordinal)
@@ -1027,6 +1160,7 @@ def _end_run(d: _Draft, run: Run, status: str, reason: str | None,
     if status == RunStatus.WAITING:
         d.effect("run.finalize", {"runId": run.id}, run.id)
     elif status in RUN_TERMINAL:
+        _finalize_if_settled(d)
         _promote_queued(d)
     return run
 
@@ -1039,12 +1173,13 @@ def _settle_open_work(d: _Draft, run: Run, status: str, reason: str) -> None:
             d.put(replace(request, status="cancelled", resolved_at=d.now, status_reason=reason,
                           response_capability={"type": "not_resumable", "reason": reason}))
     for node in d.all("node"):
-        if node.run_id == run.id and node.kind_ != "root_turn" and \
+        if node.run_id == run.id and node.kind_ not in ("root_turn", "subagent") and \
                 node.status in ("pending", "running", "waiting"):
             d.put(replace(node, status="cancelled" if node.runtime_request_id else done,
                           completed_at=d.now))
     for item in d.all("turn-item"):
-        if item.run_id == run.id and item.status in ("pending", "running", "waiting"):
+        if item.run_id == run.id and item.type != "subagent" and \
+                item.status in ("pending", "running", "waiting"):
             d.put(replace(item, status="cancelled" if item.type.endswith("_request") else done,
                           completed_at=d.now, updated_at=d.now))
     for message in d.all("message"):
@@ -1315,6 +1450,22 @@ def _close_streams(d: _Draft, attempt: RunAttempt) -> None:
             d.put(replace(item, status="completed", updated_at=d.now, completed_at=d.now))
 
 
+def task_result(state: ThreadState, run: Run) -> str:
+    """What a delegated run hands back: its provider error first when it failed, else the last
+    assistant text of its final attempt."""
+    attempt_root = run.root_node_id
+    texts = [m for m in state.entities["message"].values()
+             if m.run_id == run.id and m.role == "assistant" and m.text.strip()]
+    final = [m for m in texts if m.node_id == attempt_root] or texts
+    progress = max(final, key=lambda m: (m.created_at, m.id)).text if final else None
+    if run.status == RunStatus.COMPLETED:
+        return progress or "Child task completed without an assistant result."
+    head = f"Child task ended with status {run.status}"
+    if run.status_reason:
+        head += f": {run.status_reason}"
+    return head + (f"\n\nProgress before it ended:\n{progress}" if progress else "")
+
+
 def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status != RunStatus.WAITING:
@@ -1323,6 +1474,7 @@ def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     if root is not None:
         d.put(replace(root, status="completed", completed_at=d.now))
     run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now))
+    _finalize_if_settled(d)
     _promote_queued(d)
     return {"runId": run.id, "status": run.status}
 
@@ -1393,7 +1545,158 @@ def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
     return {"threadId": c.thread_id, "interruptedRunIds": ended}
 
 
+def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, ProviderInfo],
+                     **_: Any) -> Mapping[str, Any]:
+    parent = d.thread
+    assert parent is not None
+    run = d.get("run", c.parent_run_id)
+    if run is None or run.status not in RUN_BLOCKING:
+        raise CommandRejected("delegated tasks need an active run of the calling thread",
+                              code="parent_not_active")
+    info = providers.get(c.provider_instance_id)
+    if info is None:
+        raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
+                              code="provider_unavailable")
+    task_id = c.task_id
+    child_id = f"thread:delegated-task:{c.command_id}"
+    child = _Draft(ThreadState(), c, d.now, sharing=d)
+    child.put(AppThread(
+        id=child_id, project_id=parent.project_id, title=c.title,
+        provider_instance_id=c.provider_instance_id,
+        model_selection={"instanceId": c.provider_instance_id, "model": c.model},
+        runtime_mode=c.runtime_mode, interaction_mode=c.interaction_mode,
+        created_by=c.created_by, creation_source=c.creation_source, created_at=d.now,
+        updated_at=d.now, lineage={"parentThreadId": parent.id, "relationshipToParent": "subagent",
+                                   "rootThreadId": parent.lineage.get("rootThreadId") or parent.id},
+        forked_from={"type": "node", "nodeId": task_id}, branch=parent.branch,
+        worktree_path=parent.worktree_path, workspace=parent.workspace), "thread.created")
+    child_run = _new_run(child, message_id=f"message:delegated-task:{c.command_id}", text=c.task,
+                         created_by=c.created_by, creation_source=c.creation_source, queued=False)
+    d.put(ExecutionNode(id=task_id, thread_id=parent.id, run_id=run.id,
+                        parent_node_id=run.root_node_id, root_node_id=run.root_node_id or task_id,
+                        kind_="subagent", status="running", counts_for_run=False,
+                        started_at=d.now))
+    d.put(Subagent(id=task_id, thread_id=parent.id, run_id=run.id,
+                   parent_node_id=run.root_node_id or task_id, origin="app_owned",
+                   created_by=c.created_by, driver=info.driver,
+                   provider_instance_id=c.provider_instance_id, child_thread_id=child_id,
+                   child_run_id=child_run.id, prompt=c.task, title=c.title, model=c.model,
+                   completion_wake=c.completion_wake, status="running", started_at=d.now,
+                   updated_at=d.now))
+    d.put(TurnItem(id=f"turn-item:{task_id}", thread_id=parent.id, run_id=run.id, node_id=task_id,
+                   type="subagent", status="running", position=d.position(), updated_at=d.now,
+                   title=c.title, text=c.task, started_at=d.now,
+                   data={"taskId": task_id, "childThreadId": child_id,
+                         "providerInstanceId": c.provider_instance_id, "model": c.model}))
+    d.put(ContextTransfer(id=f"context-transfer:subagent_spawn:{task_id}", thread_id=parent.id,
+                          type="subagent_spawn", source_thread_id=parent.id,
+                          target_thread_id=child_id, status="consumed", created_by=c.created_by,
+                          created_at=d.now, updated_at=d.now, target_run_id=child_run.id,
+                          consumed_at=d.now))
+    return {"taskId": task_id, "childThreadId": child_id, "childRunId": child_run.id}
+
+
+def _task(d: _Draft, task_id: str) -> Subagent:
+    task = d.get("subagent", task_id)
+    if task is None:
+        raise CommandRejected(f"task {task_id} was not found in this thread",
+                              code="task_not_found")
+    return task  # type: ignore[no-any-return]
+
+
+def _decide_wake_policy(d: _Draft, c: SetWakePolicy, **_: Any) -> Mapping[str, Any]:
+    task = _task(d, c.task_id)
+    if task.completion_wake != c.completion_wake:
+        d.put(replace(task, completion_wake=c.completion_wake, updated_at=d.now))
+    return {"taskId": task.id, "completionWake": c.completion_wake}
+
+
+def _decide_task_cancel(d: _Draft, c: RequestTaskCancel, **_: Any) -> Mapping[str, Any]:
+    task = _task(d, c.task_id)
+    if not task.cancel_requested:
+        d.put(replace(task, cancel_requested=True, updated_at=d.now))
+    return {"taskId": task.id, "status": task.status}
+
+
+def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, ProviderInfo],
+                     **_: Any) -> Mapping[str, Any]:
+    task = _task(d, c.task_id)
+    if task.status in TASK_TERMINAL:
+        return {"taskId": task.id, "status": task.status}  # already published: idempotent
+    status = c.status
+    if task.cancel_requested and status == "completed":
+        status = "interrupted"  # a cancelled task's late success does not count as one
+    task = d.put(replace(task, status=status, result=c.result, completed_at=d.now,
+                         updated_at=d.now))
+    node = d.get("node", task.id)
+    if node is not None:
+        d.put(replace(node, status=status, completed_at=d.now))
+    item = d.get("turn-item", f"turn-item:{task.id}")
+    if item is not None:
+        d.put(replace(item, status=status, text=c.result, updated_at=d.now, completed_at=d.now))
+    d.put(ContextTransfer(id=f"context-transfer:subagent_result:{task.id}", thread_id=task.thread_id,
+                          type="subagent_result", source_thread_id=task.child_thread_id,
+                          target_thread_id=task.thread_id, status="consumed",
+                          created_by=Actor.SYSTEM, created_at=d.now, updated_at=d.now,
+                          target_run_id=task.run_id, summary=c.result, consumed_at=d.now))
+    live = any(r.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)
+               for r in d.runs())
+    if not task.cancel_requested and (task.completion_wake == "always" or not live):
+        verb = "completed" if status == "completed" else f"ended with status {status}"
+        _notify_parent(d, f"message:task-wake:{task.id}", providers,
+                       f'Delegated task "{task.title}" {verb}. Use task_status with taskId '
+                       f"{task.id} to read the result.")
+    _finalize_if_settled(d)
+    return {"taskId": task.id, "status": status}
+
+
+def _notify_parent(d: _Draft, message_id: str, providers: Mapping[str, ProviderInfo],
+                   text: str) -> None:
+    """Deliver a system notice to this thread's agent: steered in if it can be, else queued."""
+    for run in reversed(d.runs()):
+        attempt = d.get("run-attempt", run.active_attempt_id)
+        turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
+        info = providers.get(run.provider_instance_id)
+        if run.status == RunStatus.RUNNING and turn is not None and turn.status == "running" \
+                and info is not None and info.capabilities.supports_active_steering:
+            d.put(ConversationMessage(id=message_id, thread_id=run.thread_id, run_id=run.id,
+                                      node_id=run.root_node_id, role="user", text=text,
+                                      streaming=False, created_by=Actor.AGENT,
+                                      creation_source=CreationSource.SERVER, created_at=d.now,
+                                      updated_at=d.now))
+            _user_item(d, run, message_id, run.root_node_id or "", "steer")
+            d.effect("provider-turn.steer", {"runId": run.id, "attemptId": attempt.id,
+                                             "messageId": message_id}, message_id)
+            return
+        break
+    blocked = any(r.status in RUN_BLOCKING or r.status == RunStatus.QUEUED for r in d.runs())
+    _new_run(d, message_id=message_id, text=text, created_by=Actor.AGENT,
+             creation_source=CreationSource.SERVER, queued=blocked)
+
+
+def _finalize_if_settled(d: _Draft) -> None:
+    """A delegated child thread whose original run ended and whose own tasks all ended asks its
+    parent to publish the result (through the outbox, so a crash cannot lose it)."""
+    thread = d.thread
+    if thread is None or thread.lineage.get("relationshipToParent") != "subagent" \
+            or not thread.forked_from:
+        return
+    runs = d.runs()
+    if not runs or runs[0].status not in RUN_TERMINAL:
+        return
+    if any(t.status not in TASK_TERMINAL for t in d.all("subagent")):
+        return  # waiting for its own children
+    d.effect("subagent.finalize", {"parentThreadId": thread.lineage["parentThreadId"],
+                                   "taskId": thread.forked_from["nodeId"],
+                                   "childThreadId": thread.id, "runId": runs[0].id},
+             runs[0].id, thread_id=thread.lineage["parentThreadId"])
+
+
 _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
+    DelegateTask: _decide_delegate,
+    SetWakePolicy: _decide_wake_policy,
+    RequestTaskCancel: _decide_task_cancel,
+    FinalizeSubagent: _decide_finalize,
     CreateThread: _decide_create_thread,
     DispatchMessage: _decide_dispatch,
     InterruptRun: _decide_interrupt,
@@ -1460,8 +1763,7 @@ class Orchestrator:
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
                  new_id: Callable[[str], str] = random_id, lease_ms: int = 30_000,
                  coalesce_s: float = 0.02, backoff_base_ms: int = 100,
-                 mcp_servers: Callable[[str, str, str], Sequence[Mapping[str, Any]]] | None = None
-                 ) -> None:
+                 credentials: SessionCredentials | None = None) -> None:
         self._store = store
         self._adapters = dict(adapters)
         self.providers = dict(providers)
@@ -1470,7 +1772,7 @@ class Orchestrator:
         self._lease_ms = lease_ms
         self._coalesce_s = coalesce_s
         self._backoff_base_ms = backoff_base_ms
-        self._mcp_servers = mcp_servers or (lambda thread_id, instance_id, session_id: ())
+        self._credentials = credentials
         self._worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._states: dict[str, ThreadState] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -1575,22 +1877,31 @@ class Orchestrator:
         if signal is not None:
             signal.set()
 
-    async def wait_until(self, thread_id: str, done: Callable[[ThreadState], bool],
+    async def wait_until(self, thread_ids: Sequence[str],
+                         done: Callable[[Mapping[str, ThreadState]], bool],
                          timeout_s: float) -> bool:
-        """Wait for ``done(state)``, woken by commits to the thread; False on timeout/shutdown."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        """Wait for ``done(states)``, woken by commits to any of the threads; False on timeout
+        or shutdown. No polling: each check follows a commit."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         while True:
-            signal = self._signal(thread_id)
-            state = await self.state(thread_id)
-            if state is None or done(state):
+            signals = [self._signal(t) for t in thread_ids]
+            states = {}
+            for thread_id in thread_ids:
+                state = await self.state(thread_id)
+                if state is not None:
+                    states[thread_id] = state
+            if done(states):
                 return True
-            remaining = deadline - asyncio.get_running_loop().time()
+            remaining = deadline - loop.time()
             if remaining <= 0 or self.stopping:
                 return False
+            waiters = [loop.create_task(s.wait()) for s in signals]
             try:
-                await asyncio.wait_for(signal.wait(), remaining)
-            except TimeoutError:
-                pass
+                await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -1740,6 +2051,9 @@ class Orchestrator:
             if live is None or live.session_id != p["providerSessionId"]:
                 raise _PermanentEffectError("the provider session that asked is gone")
             await live.handle.respond(p["nativeRequestRef"], p.get("decision"), p.get("answers"))
+        elif row.effect_type == "subagent.finalize":
+            await self._finalize_task(p["parentThreadId"], p["taskId"], p["childThreadId"],
+                                      p["runId"])
         elif row.effect_type == "run.finalize":
             try:
                 await self.dispatch(CompleteRun(command_id=f"command:finalize:{p['runId']}",
@@ -1748,6 +2062,20 @@ class Orchestrator:
                 pass  # already finalized: the effect is idempotent
         else:
             raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
+
+    async def _finalize_task(self, parent_id: str, task_id: str, child_id: str,
+                             run_id: str) -> None:
+        child = await self.state(child_id)
+        run = child.run(run_id) if child else None
+        if child is None or run is None:
+            raise _PermanentEffectError(f"the run {run_id} of task {task_id} is gone")
+        status = RunStatus.CANCELLED if run.status == RunStatus.ROLLED_BACK else run.status
+        try:
+            await self.dispatch(FinalizeSubagent(
+                command_id=f"command:finalize-task:{task_id}", thread_id=parent_id,
+                task_id=task_id, status=status, result=task_result(child, run)))
+        except CommandRejected as exc:
+            log.warning("task %s could not be finalized: %s", task_id, exc)
 
     # -- provider sessions -----------------------------------------------------------------------
 
@@ -1761,6 +2089,8 @@ class Orchestrator:
         message = state.entities["message"].get(run.user_message_id)
         if live.idle_timer is not None:
             live.idle_timer.cancel()
+        if self._credentials:
+            self._credentials.touch(live.session_id)
         live.turn = (run_id, attempt_id)
         live.turn_ended = asyncio.Event()
         try:
@@ -1797,12 +2127,21 @@ class Orchestrator:
                                         "configured on this server")
         pthread = state.entities["provider-thread"].get(run.provider_thread_id or "")
         session_id = self._new_id("provider-session")
-        handle = await adapter.open_session(
-            session_id=session_id, thread_id=thread.id, cwd=thread.workspace or os.getcwd(),
-            model=run.model_selection.get("model"), runtime_mode=thread.runtime_mode,
-            interaction_mode=thread.interaction_mode,
-            resume_ref=pthread.native_thread_ref if pthread else None,
-            mcp_servers=self._mcp_servers(thread.id, run.provider_instance_id, session_id))
+        # The credential exists before the process does; it dies with the session.
+        mcp = self._credentials.issue(thread_id=thread.id,
+                                      provider_instance_id=run.provider_instance_id,
+                                      provider_session_id=session_id) \
+            if self._credentials and adapter.info.capabilities.supports_mcp else None
+        try:
+            handle = await adapter.open_session(
+                session_id=session_id, thread_id=thread.id, cwd=thread.workspace or os.getcwd(),
+                model=run.model_selection.get("model"), runtime_mode=thread.runtime_mode,
+                interaction_mode=thread.interaction_mode,
+                resume_ref=pthread.native_thread_ref if pthread else None, mcp=mcp)
+        except BaseException:
+            if self._credentials:
+                self._credentials.revoke(session_id)
+            raise
         live = _LiveSession(session_id=session_id, thread_id=thread.id,
                             instance_id=run.provider_instance_id, handle=handle)
         self._live[thread.id] = live
@@ -1897,6 +2236,8 @@ class Orchestrator:
             except CommandRejected:
                 pass
         finally:
+            if self._credentials:
+                self._credentials.revoke(live.session_id)
             if self._live.get(live.thread_id) is live:
                 del self._live[live.thread_id]
             live.pump_done.set()

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator import (Capabilities, PlanUpdate, ProviderInfo, ReasoningDelta,
+from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderInfo, ReasoningDelta,
                           RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded)
 
 __all__ = ["DRIVERS", "ProviderConfig", "AcpAdapter", "UnavailableAdapter", "build_adapter",
@@ -364,14 +364,21 @@ class AcpSession:
     # -- opening -------------------------------------------------------------------------------
 
     async def open(self, *, cwd: str, model: str | None, interaction_mode: str,
-                   resume_ref: str | None, mcp_servers: Sequence[Mapping[str, Any]]) -> None:
+                   resume_ref: str | None, mcp: McpEndpoint | None) -> None:
         init = await self.rpc.request("initialize", {
             "protocolVersion": 1,
             "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False},
                                    "terminal": False},
             "clientInfo": {"name": "t3", "version": "0.1.0"}}, timeout=60)
         self.agent_capabilities = (init or {}).get("agentCapabilities") or {}
-        servers = [dict(s) for s in mcp_servers]
+        servers = []
+        if mcp is not None and (self.agent_capabilities.get("mcpCapabilities") or {}).get("http"):
+            # ACP's injection: an http MCP server with headers as name/value pairs.
+            servers.append({"type": "http", "name": mcp.name, "url": mcp.url,
+                            "headers": [{"name": k, "value": v} for k, v in mcp.headers.items()]})
+        elif mcp is not None:
+            log.info("%s does not take http MCP servers; t3's tools are not injected",
+                     self._adapter.info.instance_id)
         session: Mapping[str, Any] | None = None
         if resume_ref and self.agent_capabilities.get("loadSession"):
             self._loading = True  # history replayed by session/load is not a new turn
@@ -555,7 +562,7 @@ class AcpAdapter:
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
-                           mcp_servers: Sequence[Mapping[str, Any]]) -> AcpSession:
+                           mcp: McpEndpoint | None) -> AcpSession:
         if not self.info.available:
             raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
                                + "; ".join(self.info.constraints))
@@ -565,7 +572,7 @@ class AcpAdapter:
         session = AcpSession(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
             await session.open(cwd=cwd, model=model, interaction_mode=interaction_mode,
-                               resume_ref=resume_ref, mcp_servers=mcp_servers)
+                               resume_ref=resume_ref, mcp=mcp)
         except BaseException:
             await session.close(grace=1.0)
             raise

@@ -205,6 +205,12 @@ _PROJECTIONS: dict[str, tuple[str, str, dict[str, str]]] = {
         "message_id": "id", "thread_id": "threadId", "run_id": "runId"}),
     "turn-item": ("turn_items", "turn_item_id", {
         "turn_item_id": "id", "thread_id": "threadId", "position": "position", "type": "type"}),
+    "subagent": ("subagents", "subagent_id", {
+        "subagent_id": "id", "thread_id": "threadId", "child_thread_id": "childThreadId",
+        "status": "status"}),
+    "context-transfer": ("context_transfers", "context_transfer_id", {
+        "context_transfer_id": "id", "thread_id": "threadId", "type": "type",
+        "source_thread_id": "sourceThreadId", "target_thread_id": "targetThreadId"}),
 }
 PROJECTION_KINDS = tuple(_PROJECTIONS)
 

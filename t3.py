@@ -251,17 +251,21 @@ def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
 class Credentials:
     """Bearer tokens: the client token, and provider-session credentials (hashes only, in memory)."""
 
-    def __init__(self, *, client_token: str, max_lifetime_s: int, idle_s: int) -> None:
+    def __init__(self, *, client_token: str, max_lifetime_s: int, idle_s: int,
+                 mcp_url: str) -> None:
         from tools import Scope
         self._scope_type = Scope
         self._client_hash = _hash(client_token)
         self._sessions: dict[str, dict[str, Any]] = {}  # token hash -> record
         self.max_lifetime_s = max_lifetime_s
         self.idle_s = idle_s
+        self.mcp_url = mcp_url
 
     def issue(self, *, thread_id: str, provider_instance_id: str, provider_session_id: str
-              ) -> str:
-        """A new credential for one provider session; only its hash is kept."""
+              ) -> Any:
+        """A new credential for one provider session, as the MCP endpoint its agent is given.
+        Only the token's hash is kept; the raw token lives in the returned endpoint alone."""
+        from orchestrator import McpEndpoint
         token = secrets.token_urlsafe(32)
         now = time.monotonic()
         self._sessions[_hash(token)] = {
@@ -270,7 +274,8 @@ class Credentials:
                                       provider_instance_id=provider_instance_id,
                                       capabilities=frozenset({"orchestration", "preview"})),
             "session": provider_session_id, "issued": now, "touched": now}
-        return token
+        return McpEndpoint(name="t3-code", url=self.mcp_url,
+                           headers={"Authorization": f"Bearer {token}"})
 
     def touch(self, provider_session_id: str) -> None:
         for record in self._sessions.values():
@@ -455,10 +460,26 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                port: int, server_json: Path, *, prov: Any, orchestrator_cls: Any,
                toolkit_cls: Any, context_cls: Any, project_cls: Any, build_mcp_server: Any,
                hypercorn: Any, manager_cls: Any) -> int:
+    # Bind first: provider-session credentials name the MCP URL, and recovery may start agents.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        print(f"t3: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        sock.close()
+        return 1
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    url_host = f"[{host}]" if ":" in host else host
+    local_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, url_host)
+    url = f"http://{url_host}:{port}"
+
     environment_id = await store.meta("environmentId", f"env-{uuid.uuid4().hex[:12]}")
     token = client_token(data_dir)
     credentials = Credentials(client_token=token, max_lifetime_s=config.credential_max_lifetime_s,
-                              idle_s=config.credential_idle_s)
+                              idle_s=config.credential_idle_s,
+                              mcp_url=f"http://{local_host}:{port}/mcp")
     owner = str(data_dir)
     orphans = prov.kill_orphans(owner)
     if orphans:
@@ -476,7 +497,8 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
             log.info("provider %s unavailable: %s", adapter.info.instance_id,
                      "; ".join(adapter.info.constraints))
     orch = orchestrator_cls(store, adapters=adapters,
-                            providers={k: a.info for k, a in adapters.items()})
+                            providers={k: a.info for k, a in adapters.items()},
+                            credentials=credentials)
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.")
@@ -493,24 +515,11 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                           json_response=False, max_request_body_size=MAX_BODY_BYTES)
     app = build_app(mcp=manager.handle_request, credentials=credentials,
                     environment_id=environment_id)
-
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        print(f"t3: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
-        await orch.close()
-        return 1
-    sock.listen(128)
-    port = sock.getsockname()[1]
     hconfig = hypercorn.config.Config()
     hconfig.bind = [f"fd://{sock.fileno()}"]
     hconfig.graceful_timeout = 3.0
     hconfig.accesslog = None
     hconfig.errorlog = logging.getLogger("hypercorn.error")
-    url_host = f"[{host}]" if ":" in host else host
-    url = f"http://{url_host}:{port}"
 
     stop = asyncio.Event()
     http_stop = asyncio.Event()

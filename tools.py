@@ -209,7 +209,40 @@ class _Tool:
 _CREATE_ENTRY = _object({"prompt": _text(120_000), "title": _text(512), "target": TARGET,
                          "runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT})
 
+ROLES = ["implementation", "research", "review", "design", "test", "general"]
+
 TOOLS: tuple[_Tool, ...] = (
+    _Tool("orchestrator_capabilities",
+          "List t3's provider instances and models you can delegate to, your inherited provider, "
+          "model and modes, and the orchestration features. Model lists are short; pass search "
+          "to find omitted models.",
+          _object({"search": {"type": "string", "maxLength": 256}}), "capabilities",
+          read_only=True),
+    _Tool("delegate_task",
+          "Delegate ONE task to a t3-owned child agent of THIS thread, on any provider, using only "
+          "the given task text (no parent history). Use it whenever work should go to another "
+          "agent, subagent or worker, including cross-provider. Provider, model and modes inherit "
+          "unless target/runtimeMode/interactionMode override them (never broader than yours). "
+          "mode 'async' (default) returns at once and the child's completion wakes this thread "
+          "with a message naming the task, so end your turn instead of polling; mode 'wait' "
+          "blocks until the result or timeoutMs (the child keeps running after a timeout; use "
+          "task_status). Reuse clientRequestId when retrying the same task.",
+          _object({"task": _text(120_000), "target": TARGET, "title": _text(512),
+                   "role": {"type": "string", "enum": ROLES},
+                   "mode": {"type": "string", "enum": ["async", "wait"]},
+                   "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS},
+                   "clientRequestId": CLIENT_REQUEST_ID, "runtimeMode": RUNTIME_INPUT,
+                   "interactionMode": INTERACTION_INPUT}, ["task"]),
+          "delegate", destructive=True),
+    _Tool("task_status",
+          "The latest durable state and result of a task this thread delegated.",
+          _object({"taskId": _text(1024)}, ["taskId"]), "task_status", read_only=True),
+    _Tool("task_cancel",
+          "Cancel a task this thread delegated: its own delegated tasks first, then its child "
+          "thread. A finished task is returned unchanged (its child thread is still stopped).",
+          _object({"taskId": _text(1024), "reason": {"type": "string", "maxLength": 2000},
+                   "clientRequestId": CLIENT_REQUEST_ID}, ["taskId"]),
+          "task_cancel", destructive=True),
     _Tool("create_threads",
           "Create 1-20 ORDINARY top-level t3 threads (not delegation). Entries with a prompt start "
           "a run at once; entries without stay idle. Each entry may pick its provider instance, "
@@ -459,11 +492,259 @@ class Toolkit:
         state = await self._thread(command.thread_id)
         return self._created(state, result.result.get("runId"))
 
+    async def _agent_caller(self, scope: Scope, what: str) -> tuple[ThreadState, orch.Run]:
+        """The calling thread and its active run, for tools that act on behalf of an agent."""
+        if scope.kind != "thread" or scope.thread_id is None:
+            raise ToolFailure("thread_credential_required", f"{what} needs an agent running "
+                              "inside a t3 thread (a provider-session credential)")
+        caller = await self._caller_thread(scope)
+        run = _live_run(caller, scope.provider_instance_id) if caller else None
+        if caller is None or run is None:
+            raise ToolFailure("parent_not_active", f"{what} needs an active run of the calling "
+                              "thread owned by this provider session")
+        return caller, run
+
+    async def _require_live_caller(self, scope: Scope, target_thread_id: str | None,
+                                   what: str) -> ThreadState | None:
+        """A thread caller changing another thread needs its own live run and the ceiling."""
+        caller = await self._caller_thread(scope)
+        if caller is None or caller.thread is None or caller.thread.id == target_thread_id:
+            return caller
+        if _live_run(caller, scope.provider_instance_id) is None:
+            raise ToolFailure("parent_not_active", f"{what} on another thread needs an active "
+                              "run of the calling thread")
+        return caller
+
+    def _step_down(self, info: orch.ProviderInfo, runtime: str, explicit: bool) -> str:
+        """A provider that offers only some runtime modes: explicit ones must be offered;
+        inherited ones step down to the broadest it offers."""
+        if info.runtime_modes is None or runtime in info.runtime_modes:
+            return runtime
+        if explicit:
+            raise ToolFailure("invalid_request", f"runtimeMode: {info.instance_id} offers only "
+                              f"{', '.join(info.runtime_modes)}")
+        rank = orch.RUNTIME_RANK[orch.RuntimeMode(runtime)]
+        offered = [m for m in info.runtime_modes if orch.RUNTIME_RANK[orch.RuntimeMode(m)] <= rank]
+        if not offered:
+            raise ToolFailure("runtime_mode_escalation_denied", f"{info.instance_id} offers no "
+                              f"runtime mode as narrow as {runtime}")
+        return max(offered, key=lambda m: orch.RUNTIME_RANK[orch.RuntimeMode(m)])
+
+    # -- delegation ------------------------------------------------------------------------------
+
+    async def _capabilities(self, scope: Scope, args: Mapping[str, Any], _: Any
+                            ) -> dict[str, Any]:
+        caller = await self._caller_thread(scope)
+        thread = caller.thread if caller else None
+        search = (args.get("search") or "").lower()
+        providers = []
+        for info in self.orch.providers.values():
+            models = [dict(m) for m in info.models]
+            own = thread.model_selection.get("model") if thread and \
+                thread.provider_instance_id == info.instance_id else None
+            if search:
+                shown = [m for m in models if search in m["id"].lower()
+                         or search in str(m.get("label") or "").lower()]
+            elif info.driver in ("codex", "claudeAgent", "grok"):
+                shown = models
+            else:
+                shown = models[:8] + [m for m in models[8:] if m["id"] == own]
+            entry: dict[str, Any] = {
+                "providerInstanceId": info.instance_id, "driverKind": info.driver,
+                "displayName": info.display_name,
+                "models": [{"id": m["id"], "label": m.get("label"),
+                            **({"options": m["options"]} if m.get("options") else {})}
+                           for m in shown],
+                "omittedModels": len(models) - len(shown),
+                "canRunChildTask": info.available, "canRunCrossProviderChildTask": info.available,
+                "constraints": list(info.constraints)}
+            if info.runtime_modes is not None:
+                entry["runtimeModes"] = list(info.runtime_modes)
+            providers.append(entry)
+        return {"parentThreadId": thread.id if thread else None,
+                "inheritedProviderInstanceId": thread.provider_instance_id if thread else None,
+                "inheritedModel": thread.model_selection.get("model") if thread else None,
+                "runtimeMode": thread.runtime_mode if thread else None,
+                "interactionMode": thread.interaction_mode if thread else None,
+                "providers": providers,
+                "features": {"appOwnedSubagents": True, "asyncPolling": True,
+                             "cancellation": True, "batchThreadCreation": True,
+                             "threadManagement": True, "incrementalThreadRead": True,
+                             "scheduledTasks": False, "maxBatchThreads": 20}}
+
+    async def _delegate(self, scope: Scope, args: Mapping[str, Any],
+                        progress: Callable[[float, str], Awaitable[None]] | None
+                        ) -> dict[str, Any]:
+        if scope.kind != "thread":
+            raise ToolFailure("thread_credential_required", "delegate_task needs an agent "
+                              "running inside a t3 thread (a provider-session credential)")
+        key = self._key(args)
+        command_id = self._id("command", "mcp", scope.key, "delegate-task", key)
+        receipt = self.store.receipt(command_id)
+        if receipt is None:
+            caller, run = await self._agent_caller(scope, "delegate_task")
+            info, model = self._resolve_target(args.get("target"), caller)
+            runtime, interaction = self._modes(args, caller)
+            runtime = self._step_down(info, runtime, "runtimeMode" in args
+                                      and args["runtimeMode"] != "inherit")
+            role = args.get("role")
+            task = args["task"] if role in (None, "general") else \
+                f"Act as the {role} sub-agent for this task.\n\n{args['task']}"
+            assert caller.thread is not None
+            command = orch.DelegateTask(
+                command_id=command_id, thread_id=caller.thread.id, parent_run_id=run.id,
+                task=task, title=self._title(args.get("title"), args["task"], "Delegated task"),
+                provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
+                interaction_mode=interaction,
+                completion_wake="settled_only" if args.get("mode") == "wait" else "always",
+                created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP)
+            result = await self.orch.dispatch(command)
+            task_id = result.result["taskId"]
+            parent_id = caller.thread.id
+        else:  # a retry of work already done: the same task, whatever the parent does now
+            task_id = receipt.result["taskId"]
+            parent_id = receipt.thread_id or ""
+        timed_out = False
+        if args.get("mode") == "wait":
+            timed_out = not await self._wait_task(parent_id, task_id, args, progress)
+            if timed_out and not self.orch.stopping:
+                # The child keeps running; its completion must now wake the parent mid-turn.
+                await self.orch.dispatch(orch.SetWakePolicy(
+                    command_id=self._id("command", "mcp", scope.key, "delegate-task-wake-policy",
+                                        key), thread_id=parent_id, task_id=task_id,
+                    completion_wake="always"))
+        shaped = await self._task_result(parent_id, task_id)
+        shaped["waitTimedOut"] = timed_out and shaped["status"] not in orch.TASK_TERMINAL
+        return shaped
+
+    async def _wait_task(self, parent_id: str, task_id: str, args: Mapping[str, Any],
+                         progress: Callable[[float, str], Awaitable[None]] | None) -> bool:
+        parent = await self._thread(parent_id)
+        task = parent.entities["subagent"][task_id]
+        child_id = task.child_thread_id
+
+        def settled(states: Mapping[str, ThreadState]) -> bool:
+            current = states[parent_id].entities["subagent"][task_id]
+            child = states.get(child_id)
+            return current.status in orch.TASK_TERMINAL or bool(
+                child and child.pending_requests())
+
+        timeout_s = args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.orch.stopping:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            if await self.orch.wait_until([parent_id, child_id], settled,
+                                          min(remaining, PROGRESS_EVERY_S)):
+                return True
+            if progress is not None and not self.orch.stopping:
+                await progress(timeout_s - max(0.0, deadline - loop.time()),
+                               "waiting for the delegated task")
+        return False
+
+    async def _task_result(self, parent_id: str, task_id: str) -> dict[str, Any]:
+        parent = await self._thread(parent_id)
+        task = parent.entities["subagent"].get(task_id)
+        if task is None:
+            raise ToolFailure("task_not_found", f"no task {task_id} was delegated by this thread")
+        child = await self._thread(task.child_thread_id)
+        original = child.run(task.child_run_id)
+        terminal = task.status in orch.TASK_TERMINAL
+        children_open = any(s.status not in orch.TASK_TERMINAL
+                            for s in child.entities["subagent"].values())
+        if terminal:
+            status, work = task.status, "result_available"
+        elif original is None:
+            status, work = "running", "working"
+        else:
+            status = {"queued": "queued", "waiting": "waiting"}.get(original.status, "running")
+            settled = original.status in RUN_TERMINAL or original.status == RunStatus.WAITING
+            work = "waiting_for_children" if settled and children_open else "working"
+            if settled:
+                status = "waiting"
+        later = [r for r in child.runs if original is not None and r.ordinal > original.ordinal]
+        latest = next((r for r in reversed(later) if r.status in RUN_TERMINAL), None)
+        pending = child.pending_requests()
+        question = next((q for q in pending if q.kind_ == "user_input"), None)
+        approval = next((q for q in pending if q.kind_ != "user_input"), None)
+        return {"taskId": task.id, "childThreadId": task.child_thread_id,
+                "childRunId": task.child_run_id, "childNodeId": task.id, "status": status,
+                "workState": work,
+                "hasPendingChildRuns": any(r.status not in RUN_TERMINAL for r in later),
+                "providerInstanceId": task.provider_instance_id, "model": task.model,
+                "summary": task.result if terminal else None,
+                "resultContextTransferId": f"context-transfer:subagent_result:{task.id}"
+                if terminal else None,
+                "latestTerminalRunId": latest.id if latest else None,
+                "latestTerminalStatus": latest.status if latest else None,
+                "latestTerminalSummary": orch.task_result(child, latest) if latest else None,
+                "latestTerminalResultContextTransferId": None,
+                "hasPendingQuestion": question is not None,
+                "pendingApproval": {"requestId": approval.id, "kind": approval.kind_,
+                                    "runId": approval.run_id} if approval else None,
+                "waitTimedOut": False, "childThreadLink": self.ctx.link(task.child_thread_id)}
+
+    async def _task_status(self, scope: Scope, args: Mapping[str, Any], _: Any
+                           ) -> dict[str, Any]:
+        if scope.kind != "thread" or scope.thread_id is None:
+            raise ToolFailure("thread_credential_required", "task_status needs an agent running "
+                              "inside a t3 thread (a provider-session credential)")
+        return await self._task_result(scope.thread_id, args["taskId"])
+
+    async def _task_cancel(self, scope: Scope, args: Mapping[str, Any], _: Any
+                           ) -> dict[str, Any]:
+        if scope.kind != "thread" or scope.thread_id is None:
+            raise ToolFailure("thread_credential_required", "task_cancel needs an agent running "
+                              "inside a t3 thread (a provider-session credential)")
+        before = await self._task_result(scope.thread_id, args["taskId"])
+        stopped = await self._cancel_task(scope.thread_id, args["taskId"], args.get("reason"),
+                                          self._key(args))
+        if before["status"] in orch.TASK_TERMINAL:
+            return {"taskId": args["taskId"], "status": before["status"]}
+        if not stopped:
+            raise ToolFailure("task_not_cancellable", f"task {args['taskId']} has no run to "
+                              "interrupt and no queued turn to cancel")
+        return {"taskId": args["taskId"], "status": "cancel_requested"}
+
+    async def _cancel_task(self, parent_id: str, task_id: str, reason: str | None,
+                           key: str) -> bool:
+        """Stop a task's own delegated tasks first, then its child thread. True if anything was
+        interrupted or cancelled."""
+        parent = await self._thread(parent_id)
+        task = parent.entities["subagent"].get(task_id)
+        if task is None:
+            raise ToolFailure("task_not_found", f"no task {task_id} was delegated by this thread")
+        child = await self._thread(task.child_thread_id)
+        stopped = False
+        for sub in list(child.entities["subagent"].values()):
+            if sub.status not in orch.TASK_TERMINAL:
+                stopped |= await self._cancel_task(child.thread.id if child.thread else "",
+                                                   sub.id, reason, key)
+        await self.orch.dispatch(orch.RequestTaskCancel(
+            command_id=self._id("command", "task-cancel", task_id, key), thread_id=parent_id,
+            task_id=task_id, reason=reason))
+        why = reason or "The delegated task was cancelled by its parent."
+        for run in list(child.runs):
+            if run.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING):
+                await self.orch.dispatch(orch.InterruptRun(
+                    command_id=self._id("command", "task-cancel", run.id, key),
+                    thread_id=run.thread_id, run_id=run.id, reason=why))
+                stopped = True
+            elif run.status == RunStatus.QUEUED and run.id == task.child_run_id:
+                await self.orch.dispatch(orch.CancelQueuedRun(
+                    command_id=self._id("command", "task-cancel", run.id, key),
+                    thread_id=run.thread_id, run_id=run.id))
+                stopped = True
+        return stopped
+
     # -- handlers --------------------------------------------------------------------------------
 
     async def _create_threads(self, scope: Scope, args: Mapping[str, Any], _: Any
                               ) -> dict[str, Any]:
-        caller = await self._caller_thread(scope)
+        caller = (await self._agent_caller(scope, "create_threads"))[0] \
+            if scope.kind == "thread" else None
         project = self.ctx.project(args.get("projectId") or (
             caller.thread.project_id if caller and caller.thread else None))
         key = self._key(args)
@@ -485,7 +766,8 @@ class Toolkit:
         if strategy != "root":
             raise ToolFailure("invalid_request",
                               "workspaceStrategy: must be root, worktree or existing_worktree")
-        caller = await self._caller_thread(scope)
+        caller = (await self._agent_caller(scope, "t3_thread_launch"))[0] \
+            if scope.kind == "thread" else None
         key = self._key(args)
         thread_id = self._id("thread", "mcp", scope.key, "launch", key)
         if args.get("scratch"):
@@ -584,12 +866,24 @@ class Toolkit:
         has_older = first is not None and any(r.position < first for r in rows)
         has_newer = last is not None and any(r.position > last for r in rows)
         run_limit = args.get("runLimit", 10)
-        return {"thread": self._detail(state), "recentRuns": [
+        return {"thread": self._detail(state), "transfers": await self._transfers(state),
+                "recentRuns": [
                     self._run_summary(state, r) for r in state.runs[::-1][:run_limit]],
                 "items": page, "nextPosition": last if last is not None
                 else args.get("afterPosition"), "hasMore": has_newer,
                 "earlierPosition": first if has_older else None,
                 "link": self.ctx.link(state.thread.id if state.thread else "")}
+
+    async def _transfers(self, state: ThreadState) -> list[dict[str, Any]]:
+        """Context transfers naming this thread: its tasks' spawns and results, or its own."""
+        own = list(state.entities["context-transfer"].values())
+        parent_id = state.thread.lineage.get("parentThreadId") if state.thread else None
+        parent = await self.orch.state(parent_id) if parent_id else None
+        if parent is not None and state.thread is not None:
+            own += [t for t in parent.entities["context-transfer"].values()
+                    if state.thread.id in (t.source_thread_id, t.target_thread_id)]
+        return [{k: v for k, v in t.to_json().items() if k != "threadId"}
+                for t in sorted(own, key=lambda t: (t.created_at, t.id))]
 
     def _detail(self, state: ThreadState) -> dict[str, Any]:
         thread = state.thread
@@ -647,7 +941,7 @@ class Toolkit:
         state = await self._thread(args["threadId"])
         thread = state.thread
         assert thread is not None
-        caller = await self._caller_thread(scope)
+        caller = await self._require_live_caller(scope, thread.id, "t3_thread_send")
         if caller is not None and caller.thread is not None and caller.thread.id != thread.id:
             self._ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
         if thread.archived_at is not None:
@@ -700,7 +994,8 @@ class Toolkit:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
-            done = await self.orch.wait_until(args["threadId"], settled,
+            done = await self.orch.wait_until([args["threadId"]],
+                                              lambda s: settled(s[args["threadId"]]),
                                               min(remaining, PROGRESS_EVERY_S))
             if not done and progress is not None and not self.orch.stopping:
                 elapsed = timeout_s - max(0.0, deadline - loop.time())
@@ -721,7 +1016,7 @@ class Toolkit:
     async def _interrupt(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
         state = await self._thread(args["threadId"])
         thread_id = args["threadId"]
-        caller = await self._caller_thread(scope)
+        caller = await self._require_live_caller(scope, thread_id, "t3_thread_interrupt")
         if caller is not None and caller.thread is not None and caller.thread.id != thread_id \
                 and state.thread is not None:
             self._ceiling(caller.thread, state.thread.runtime_mode, state.thread.interaction_mode)
@@ -778,6 +1073,14 @@ class Toolkit:
         return {"threadId": args["threadId"], "requestId": request.id,
                 "status": result.result.get("status", "resolved"),
                 "decision": args.get("decision")}
+
+
+def _live_run(state: ThreadState, instance_id: str | None) -> orch.Run | None:
+    """The caller's active run, if the calling provider instance owns it."""
+    run = state.blocking_run()
+    if run is None or (instance_id is not None and run.provider_instance_id != instance_id):
+        return None
+    return run
 
 
 def _steerable_run(state: ThreadState) -> orch.Run | None:

@@ -9,20 +9,46 @@ in its text (case-sensitive tokens, checked in this order):
   HANG                 ignore SIGTERM and block forever (nothing is answered any more)
   FAIL                 one chunk "failing now", then JSON-RPC error -32603 "scripted failure"
   THINK / PLAN         modifiers: an agent_thought_chunk / a plan update, then the reply below
+  DELAYED_CALL s name {..}   (a whole line) schedule an MCP tool call in the background, made
+                       s seconds (float) later with the session's first http MCP server and its
+                       headers as they are then (a later session/load may change them), for as long
+                       as the process lives; its outcome is only logged (no turn). Line
+                       "scheduled <n> call(s)"
+  CALL_TOOL name {..}  (a whole line; each such line is one call, run in order) call an MCP tool on
+                       the session's first http MCP server (rest of the line: JSON arguments), each
+                       in a tool_call / tool_call_update pair; one line per call, "TOOL_RESULT:
+                       <compact JSON of structuredContent, else the text content>" or "TOOL_ERROR:
+                       <message, with the HTTP status if there was one>". A session/cancel ends
+                       the prompt at once (the HTTP request finishes in its thread and is logged)
+  ECHO_PROMPT          one line with the exact prompt text (text blocks joined by "\n")
   ASK_PERMISSION       tool_call + session/request_permission; the reply depends on the answer
   SLOW[:n]             n chunks "chunk <i> " (default 40), SCRIPTED_AGENT_CHUNK_DELAY seconds
                        apart (default 0.05), then "done"; session/cancel stops it at once
   FAST:n               n tiny chunks as fast as possible (throughput benchmarks)
   ECHO_CWD             reply with the session cwd
   ECHO_MCP             reply with the session's mcpServers, header values redacted
-  CALL_TOOL name {..}  call an MCP tool on the session's first http MCP server (rest of the
-                       line is the JSON arguments); reply "TOOL_RESULT: .." or "TOOL_ERROR: .."
-  (anything else)      "Hello from scripted agent. You said: <text>" in 3 chunks
+  (none of the above)  "Hello from scripted agent. You said: <text>" in 3 chunks
+
+A prompt runs these steps in the order listed: CRASH/HANG/FAIL end it; THINK/PLAN add updates;
+then the DELAYED_CALL line, the CALL_TOOL lines, the ECHO_PROMPT line; then at most one of
+ASK_PERMISSION, SLOW, FAST, ECHO_CWD, ECHO_MCP (first found), and the hello reply only when nothing
+else replied. Outputs of different steps are separated by "\n". Trigger words are looked for
+outside the CALL_TOOL / DELAYED_CALL lines, so a call's JSON arguments (e.g. a prompt for another
+agent) never trigger anything here. A call line is `[spaces]CALL_TOOL <name> [json]` or
+`[spaces]DELAYED_CALL <seconds> <name> [json]`; other lines with these words are plain text.
 
 Options: --state-dir DIR (default $SCRIPTED_AGENT_STATE, else /tmp/scripted-acp-agent) holds one
 history file per session for session/load; --no-load hides loadSession and refuses session/load.
-Env SCRIPTED_AGENT_LOG=FILE appends {"pid", "dir": "in"|"out", "msg"} per message received/sent.
+Env SCRIPTED_AGENT_LOG=FILE appends one JSON line per message received/sent, {"pid", "dir":
+"in"|"out", "msg"} (raw, header values included), and one per MCP tool call when it ends (immediate,
+cancelled or delayed): {"pid", "dir": "mcp", "sessionId", "tool", "arguments", "httpStatus" (int or
+null), "isError", "result" (structuredContent, else text, else null), "error" (str or null),
+"startedAt", "endedAt" (time.time())}.
 A session/cancel ends the running prompt and any queued ones received before it as "cancelled".
+MCP calls speak Streamable HTTP (protocol version 2025-06-18; JSON or SSE responses; a stateful
+server gets an initialize first), each in its own thread, with a 700 s socket timeout.
+Verified by hand against mcp 2.3.0 servers (MCPServer and low-level Server with
+StreamableHTTPSessionManager, stateless and stateful, JSON and SSE responses).
 """
 import argparse, asyncio, itertools, json, os, re, signal, sys, tempfile, threading, time
 import urllib.error, urllib.request, uuid
@@ -37,7 +63,9 @@ PERMISSION_OPTIONS = [
     {"optionId": "allow-always", "name": "Always allow", "kind": "allow_always"},
     {"optionId": "reject-once", "name": "Reject", "kind": "reject_once"}]
 MCP_VERSION = "2025-06-18"
-MCP_TIMEOUT = 120.0
+MCP_TIMEOUT = 700.0  # per socket operation; t3's waits last up to 600 s
+CALL_LINE = re.compile(r"[ \t]*CALL_TOOL[ \t]+(\S+)[ \t]*(.*?)\s*")
+DELAYED_LINE = re.compile(r"[ \t]*DELAYED_CALL[ \t]+(\d+(?:\.\d*)?|\.\d+)[ \t]+(\S+)[ \t]*(.*?)\s*")
 
 
 def log(*parts):
@@ -55,7 +83,22 @@ class RpcError(Exception):
 
 
 class McpError(Exception):
-    pass
+    def __init__(self, message, status=None):
+        super().__init__(message)
+        self.status = status  # the HTTP status of the failing response, if there was one
+
+
+def parse_calls(text):
+    """-> ([(tool, raw_args)], [(seconds, tool, raw_args)], text without those lines)."""
+    calls, delayed, rest = [], [], []
+    for line in text.split("\n"):
+        if m := CALL_LINE.fullmatch(line):
+            calls.append((m[1], m[2]))
+        elif m := DELAYED_LINE.fullmatch(line):
+            delayed.append((float(m[1]), m[2], m[3]))
+        else:
+            rest.append(line)
+    return calls, delayed, "\n".join(rest)
 
 
 @dataclass
@@ -72,12 +115,20 @@ class Turn:
 
     def __init__(self, agent, session_id):
         self.agent, self.session_id, self.text = agent, session_id, ""
+        self.new_line = False  # the next agent text starts a new line
+
+    def line(self, text):
+        """Agent text on a line of its own."""
+        self.new_line = bool(self.text)
+        self.chunk(text)
 
     def update(self, update):
         self.agent.notify("session/update", {"sessionId": self.session_id, "update": update})
 
     def chunk(self, text, kind="agent_message_chunk"):
         if kind == "agent_message_chunk":
+            if self.new_line:
+                text, self.new_line = "\n" + text, False
             self.text += text
         self.update({"sessionUpdate": kind, "content": {"type": "text", "text": text}})
 
@@ -105,9 +156,17 @@ class Agent:
 
     # ---- wire ----
     def trace(self, direction, msg):
+        self.write_log({"pid": os.getpid(), "dir": direction, "msg": msg})
+
+    def write_log(self, entry):
         if self.log_fd is not None:  # one write() per line: complete even if we are killed
-            line = json.dumps({"pid": os.getpid(), "dir": direction, "msg": msg}) + "\n"
-            os.write(self.log_fd, line.encode())
+            os.write(self.log_fd, (json.dumps(entry) + "\n").encode())  # also from MCP threads
+
+    def spawn(self, coro):
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     def send(self, msg):
         self.trace("out", msg)
@@ -172,9 +231,7 @@ class Agent:
         else:  # a request; a prompt remembers the cancel count now, in case it has to queue
             params = msg.get("params") or {}
             s = self.sessions.get(params.get("sessionId"))
-            task = asyncio.create_task(self.handle(msg["id"], method, params, s.cancels if s else 0))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self.spawn(self.handle(msg["id"], method, params, s.cancels if s else 0))
 
     async def handle(self, rid, method, params, ticket):
         handlers = {"initialize": self.initialize, "session/new": self.new_session,
@@ -278,43 +335,51 @@ class Agent:
                     self.save(sid, "agent", turn.text)
 
     async def script(self, t, s, text):
-        if has_word(text, "CRASH"):
+        calls, delayed, rest = parse_calls(text)  # triggers are words of `rest`
+        if has_word(rest, "CRASH"):
             t.chunk("about to crash")
             os._exit(3)
-        if has_word(text, "HANG"):
+        if has_word(rest, "HANG"):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             log("hanging forever")
             while True:
                 time.sleep(3600)  # blocks the event loop on purpose: nothing is answered
-        if has_word(text, "FAIL"):
+        if has_word(rest, "FAIL"):
             t.chunk("failing now")
             raise RpcError(-32603, "scripted failure")
-        if has_word(text, "THINK"):
+        if has_word(rest, "THINK"):
             t.chunk("thinking about it", "agent_thought_chunk")
-        if has_word(text, "PLAN"):
+        if has_word(rest, "PLAN"):
             t.update({"sessionUpdate": "plan", "entries": [
                 {"content": "Look at the request", "priority": "medium", "status": "pending"},
                 {"content": "Answer it", "priority": "medium", "status": "pending"}]})
-        if has_word(text, "ASK_PERMISSION"):
+        for delay, name, raw_args in delayed:
+            self.spawn(self.delayed_call(t.session_id, s, delay, name, raw_args))
+        if delayed:
+            t.line(f"scheduled {len(delayed)} call(s)")
+        for name, raw_args in calls:
+            await self.call_tool(t, s, name, raw_args)
+        if has_word(rest, "ECHO_PROMPT"):
+            t.line(text)
+        t.new_line = bool(t.text)
+        if has_word(rest, "ASK_PERMISSION"):
             return await self.ask_permission(t)
-        if m := re.search(r"(?<!\w)SLOW(?::(\d+))?(?!\w)", text):
+        if m := re.search(r"(?<!\w)SLOW(?::(\d+))?(?!\w)", rest):
             delay = float(os.environ.get("SCRIPTED_AGENT_CHUNK_DELAY", "0.05"))
             for i in range(int(m.group(1) or 40)):
                 t.chunk(f"chunk {i} ")
                 await asyncio.sleep(delay)  # a cancel lands here
             t.chunk("done")
-        elif m := re.search(r"(?<!\w)FAST:(\d+)", text):
+        elif m := re.search(r"(?<!\w)FAST:(\d+)", rest):
             for i in range(int(m.group(1))):
                 t.chunk(f"{i} ")
                 if i % 256 == 255:
                     await asyncio.sleep(0)  # let a cancel in
-        elif has_word(text, "ECHO_CWD"):
+        elif has_word(rest, "ECHO_CWD"):
             t.chunk(s.cwd)
-        elif has_word(text, "ECHO_MCP"):
+        elif has_word(rest, "ECHO_MCP"):
             t.chunk(json.dumps(redact_servers(s.mcp_servers)))
-        elif m := re.search(r"(?<!\w)CALL_TOOL[ \t]+(\S+)[ \t]*(.*)$", text, re.M):
-            await self.call_tool(t, s, m.group(1), m.group(2).strip())
-        else:
+        elif not t.text:
             reply = f"Hello from scripted agent. You said: {text}"
             n = -(-len(reply) // 3)
             for i in range(3):
@@ -343,21 +408,73 @@ class Agent:
         call_id = f"call-{uuid.uuid4().hex[:8]}"
         t.tool_call(call_id, f"mcp:{name}", {"tool": name, "arguments": raw_args})
         try:
-            args = json.loads(raw_args) if raw_args else {}
-            server = next((x for x in s.mcp_servers if x.get("type") == "http" or "url" in x), None)
+            outcome = await self.mcp(t.session_id, s, name, raw_args)
+        except asyncio.CancelledError:  # session/cancel: the request finishes in its thread
+            t.tool_done(call_id, False, {"error": "cancelled"}, "cancelled")
+            raise
+        if outcome["error"] is not None:
+            t.tool_done(call_id, False, {"error": outcome["error"]}, outcome["error"])
+            t.line(f"TOOL_ERROR: {outcome['error']}")
+        else:
+            out = outcome["result"]
+            out = out if isinstance(out, str) else json.dumps(out, separators=(",", ":"))
+            t.tool_done(call_id, not outcome["isError"], outcome["raw"], out)
+            t.line(f"TOOL_RESULT: {out}")
+
+    async def delayed_call(self, sid, s, delay, name, raw_args):
+        await asyncio.sleep(delay)
+        await self.mcp(sid, s, name, raw_args)  # logged; nobody to tell
+
+    def mcp(self, sid, s, name, raw_args):
+        """Start one logged MCP tool call in a thread of its own (a call may wait for minutes, and
+        a cancelled one keeps running); -> a future of the log entry plus "raw" (the MCP result)."""
+        loop, servers = asyncio.get_running_loop(), s.mcp_servers
+        fut = loop.create_future()
+
+        def deliver(outcome):
+            if not fut.done():
+                fut.set_result(outcome)
+
+        def work():
+            outcome = self.mcp_logged(sid, servers, name, raw_args)
+            try:
+                loop.call_soon_threadsafe(deliver, outcome)
+            except RuntimeError:  # the loop is gone
+                pass
+
+        threading.Thread(target=work, name=f"mcp-{name}", daemon=True).start()
+        return fut
+
+    def mcp_logged(self, sid, servers, name, raw_args):
+        entry = {"pid": os.getpid(), "dir": "mcp", "sessionId": sid, "tool": name,
+                 "arguments": raw_args, "httpStatus": None, "isError": True, "result": None,
+                 "error": None, "startedAt": time.time(), "endedAt": None}
+        raw = None
+        try:
+            try:
+                entry["arguments"] = args = json.loads(raw_args) if raw_args else {}
+            except ValueError as e:
+                raise McpError(f"bad JSON arguments: {e}") from None
+            server = next((x for x in servers if x.get("type") == "http" or "url" in x), None)
             if server is None:
                 raise McpError("no http MCP server in this session")
-            result = await asyncio.to_thread(mcp_call, server, name, args)
-        except (McpError, ValueError) as e:
-            t.tool_done(call_id, False, {"error": str(e)}, str(e))
-            t.chunk(f"TOOL_ERROR: {e}")
-            return
-        if "structuredContent" in result:
-            out = json.dumps(result["structuredContent"])
-        else:
-            out = "".join(c.get("text", "") for c in result.get("content", []) if c.get("type") == "text")
-        t.tool_done(call_id, not result.get("isError"), result, out)
-        t.chunk(f"TOOL_RESULT: {out}")
+            entry["httpStatus"], raw = mcp_call(server, name, args)
+            if "structuredContent" in raw:
+                entry["result"] = raw["structuredContent"]
+            else:
+                entry["result"] = "".join(c.get("text", "") for c in raw.get("content") or []
+                                          if c.get("type") == "text")
+            entry["isError"] = bool(raw.get("isError"))
+        except McpError as e:
+            entry["httpStatus"], entry["error"] = e.status, str(e)
+        except Exception as e:  # timeouts while reading, broken streams, ...
+            entry["error"] = f"{type(e).__name__}: {e}"
+        entry["endedAt"] = time.time()
+        try:
+            self.write_log(entry)
+        except OSError as e:
+            log(f"cannot log an MCP call: {e!r}")
+        return {**entry, "raw": raw}
 
 
 def header_items(headers):
@@ -389,23 +506,35 @@ def mcp_post(url, headers, body):
     try:
         resp = _opener.open(req, timeout=MCP_TIMEOUT)
     except urllib.error.HTTPError as e:
-        return e.code, e.headers, e.read().decode("utf-8", "replace")[:500], None
+        try:
+            text = e.read().decode("utf-8", "replace")[:500]
+        except Exception as read_error:
+            text = f"(unreadable body: {read_error!r})"
+        return e.code, e.headers, text, None
     except (urllib.error.URLError, OSError) as e:
         raise McpError(f"cannot reach {url}: {e}") from None
     with resp:
-        if "id" not in body:
-            return resp.status, resp.headers, "", None
-        if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            return resp.status, resp.headers, "", read_sse(resp, body["id"])
-        raw = resp.read().decode("utf-8", "replace")
         try:
-            msg = json.loads(raw)
-        except ValueError:
-            raise McpError(f"HTTP {resp.status}: response is not JSON: {raw[:200]}") from None
-        return resp.status, resp.headers, "", msg
+            return resp.status, resp.headers, "", read_body(resp, body)
+        except McpError:
+            raise
+        except Exception as e:  # a read timeout, a broken stream, bad SSE data, ...
+            raise McpError(f"HTTP {resp.status}: reading the response failed: {e!r}", resp.status) from None
 
 
-def read_sse(resp, want_id):
+def read_body(resp, body):
+    if "id" not in body:
+        return None
+    if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+        return read_sse(resp, body["id"], resp.status)
+    raw = resp.read().decode("utf-8", "replace")
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise McpError(f"HTTP {resp.status}: response is not JSON: {raw[:200]}", resp.status) from None
+
+
+def read_sse(resp, want_id, status):
     """Read SSE events until the JSON-RPC message with id want_id arrives."""
     data = []
     for raw in itertools.chain(resp, [b"\n"]):
@@ -416,10 +545,11 @@ def read_sse(resp, want_id):
             msg, data = json.loads("\n".join(data)), []
             if isinstance(msg, dict) and msg.get("id") == want_id:
                 return msg
-    raise McpError("SSE stream ended without a response")
+    raise McpError(f"HTTP {status}: SSE stream ended without a response", status)
 
 
 def mcp_call(server, tool, args):
+    """-> (HTTP status of the tools/call response, its JSON-RPC result)."""
     url = server["url"]
     headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
                "mcp-protocol-version": MCP_VERSION, **dict(header_items(server.get("headers")))}
@@ -432,18 +562,21 @@ def mcp_call(server, tool, args):
             "clientInfo": {"name": "scripted-acp-agent", "version": "1.0"}}}
         status, resp_headers, body, msg = mcp_post(url, headers, init)
         if status >= 400:
-            raise McpError(f"HTTP {status} on initialize: {body}")
+            raise McpError(f"HTTP {status} on initialize: {body}", status)
         if resp_headers.get("mcp-session-id"):
             headers["mcp-session-id"] = resp_headers["mcp-session-id"]
         mcp_post(url, headers, {"jsonrpc": "2.0", "method": "notifications/initialized"})
         status, resp_headers, body, msg = mcp_post(url, headers, call)
     if status >= 400:
-        raise McpError(f"HTTP {status}: {body}")
+        raise McpError(f"HTTP {status}: {body}", status)
+    if not isinstance(msg, dict):
+        raise McpError(f"HTTP {status}: no JSON-RPC response", status)
     if msg.get("error"):
-        raise McpError(f"JSON-RPC error {msg['error'].get('code')}: {msg['error'].get('message')}")
+        err = msg["error"]
+        raise McpError(f"HTTP {status}: JSON-RPC error {err.get('code')}: {err.get('message')}", status)
     if not isinstance(msg.get("result"), dict):
-        raise McpError(f"no result in response: {json.dumps(msg)[:200]}")
-    return msg["result"]
+        raise McpError(f"HTTP {status}: no result in response: {json.dumps(msg)[:200]}", status)
+    return status, msg["result"]
 
 
 def main():

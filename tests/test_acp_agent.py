@@ -1,8 +1,11 @@
 """Fast checks of the scripted ACP agent (tests/acp_agent.py) itself."""
 import json, os, queue, subprocess, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from harness import wait_until
 
 AGENT = Path(__file__).with_name("acp_agent.py")
 
@@ -45,9 +48,10 @@ class AgentProcess:
         seen = self.read_until(lambda m: m.get("id") == rid and "method" not in m, timeout)
         return seen[-1], seen[:-1]
 
-    def new_session(self, cwd="/tmp"):
+    def new_session(self, cwd="/tmp", mcp_servers=()):
         self.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
-        return self.call("session/new", {"cwd": cwd, "mcpServers": []})[0]["result"]["sessionId"]
+        params = {"cwd": cwd, "mcpServers": list(mcp_servers)}
+        return self.call("session/new", params)[0]["result"]["sessionId"]
 
     def prompt_params(self, sid, text):
         return {"sessionId": sid, "prompt": [{"type": "text", "text": text}]}
@@ -56,6 +60,56 @@ class AgentProcess:
 def agent_text(msgs, kind="agent_message_chunk"):
     return "".join(m["params"]["update"]["content"]["text"] for m in msgs
                    if m.get("method") == "session/update" and m["params"]["update"]["sessionUpdate"] == kind)
+
+
+def mcp_log(path):
+    return [e for e in map(json.loads, Path(path).read_text().splitlines()) if e["dir"] == "mcp"]
+
+
+class ToyMcp:
+    """A tiny stateless MCP server with JSON responses, run in threads of the test process. Every
+    tool answers {"tool", "arguments"} as structuredContent; tool "block" only once `release` is
+    set. `calls` receives (tool, arguments, Authorization header) as each request arrives."""
+
+    def __init__(self):
+        self.calls, self.release = queue.Queue(), threading.Event()
+        toy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                params = body.get("params") or {}
+                name, args = params.get("name"), params.get("arguments")
+                toy.calls.put((name, args, self.headers.get("Authorization")))
+                if name == "block":
+                    toy.release.wait(30)
+                out = json.dumps({"jsonrpc": "2.0", "id": body.get("id"), "result": {
+                    "content": [], "structuredContent": {"tool": name, "arguments": args}}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.servers = [{"type": "http", "name": "toy", "url": f"http://127.0.0.1:{self.httpd.server_port}/mcp",
+                         "headers": [{"name": "Authorization", "value": "Bearer tok-1"}]}]
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def toy_mcp():
+    toy = ToyMcp()
+    yield toy
+    toy.close()
 
 
 @pytest.fixture
@@ -124,3 +178,48 @@ def test_load_replays_history_in_new_process(start_agent):
     assert agent_text(replay, "user_message_chunk") == "ECHO_CWD" and agent_text(replay) == "/tmp"
     _, updates = second.call("session/prompt", second.prompt_params(sid, "ECHO_CWD"))
     assert agent_text(updates) == "/srv"
+
+
+def test_tool_calls_run_in_order_and_are_logged(start_agent, tmp_path, toy_mcp):
+    """Each CALL_TOOL line is one call, in order, with the session's headers; trigger words in the
+    arguments are inert; ECHO_PROMPT adds the prompt; every call is logged as a "mcp" line."""
+    agent = start_agent()
+    sid = agent.new_session(mcp_servers=toy_mcp.servers)
+    text = 'CALL_TOOL echo {"n": 1}\nCALL_TOOL echo {"n": 2, "prompt": "SLOW:500 FAIL"}\nECHO_PROMPT'
+    result, updates = agent.call("session/prompt", agent.prompt_params(sid, text))
+    assert result["result"] == {"stopReason": "end_turn"}
+    assert agent_text(updates) == ('TOOL_RESULT: {"tool":"echo","arguments":{"n":1}}\n'
+                                   'TOOL_RESULT: {"tool":"echo","arguments":{"n":2,"prompt":"SLOW:500 FAIL"}}\n'
+                                   + text)
+    assert [(m["params"]["update"]["sessionUpdate"], m["params"]["update"]["status"]) for m in updates
+            if "tool_call" in m["params"]["update"]["sessionUpdate"]] == [
+        ("tool_call", "pending"), ("tool_call_update", "completed")] * 2
+    assert [toy_mcp.calls.get_nowait() for _ in range(2)] == [
+        ("echo", {"n": 1}, "Bearer tok-1"), ("echo", {"n": 2, "prompt": "SLOW:500 FAIL"}, "Bearer tok-1")]
+    logged = mcp_log(tmp_path / "log.jsonl")  # written before the call's result reaches the turn
+    assert [(e["sessionId"], e["tool"], e["arguments"], e["httpStatus"], e["isError"], e["error"])
+            for e in logged] == [(sid, "echo", {"n": 1}, 200, False, None),
+                                 (sid, "echo", {"n": 2, "prompt": "SLOW:500 FAIL"}, 200, False, None)]
+    assert logged[0]["result"] == {"tool": "echo", "arguments": {"n": 1}}
+    assert logged[0]["startedAt"] <= logged[0]["endedAt"] <= logged[1]["startedAt"]
+
+
+def test_cancel_during_tool_call_and_delayed_call(start_agent, tmp_path, toy_mcp):
+    """session/cancel ends a prompt waiting for a tool at once (the call is logged when it ends);
+    DELAYED_CALL ends the turn at once and makes its call later in the background."""
+    agent = start_agent()
+    sid = agent.new_session(mcp_servers=toy_mcp.servers)
+    rid = agent.request("session/prompt", agent.prompt_params(sid, "CALL_TOOL block {}\nCALL_TOOL echo {}"))
+    assert toy_mcp.calls.get(timeout=5)[0] == "block"
+    agent.send({"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": sid}})
+    msgs = agent.read_until(lambda m: m.get("id") == rid, timeout=2.0)
+    assert msgs[-1]["result"] == {"stopReason": "cancelled"}
+    assert msgs[-2]["params"]["update"]["status"] == "failed"
+
+    result, updates = agent.call("session/prompt", agent.prompt_params(sid, 'DELAYED_CALL 0.01 echo {"late": 1}'))
+    assert result["result"] == {"stopReason": "end_turn"} and agent_text(updates) == "scheduled 1 call(s)"
+    assert toy_mcp.calls.get(timeout=5) == ("echo", {"late": 1}, "Bearer tok-1")  # not the cancelled "echo {}"
+    toy_mcp.release.set()
+    logged = wait_until(lambda: len(entries := mcp_log(tmp_path / "log.jsonl")) == 2 and entries, 5.0)
+    assert sorted((e["tool"], e["result"]["arguments"]) for e in logged) == [("block", {}), ("echo", {"late": 1})]
+    assert toy_mcp.calls.empty()

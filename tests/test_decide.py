@@ -767,9 +767,166 @@ def sample_entities() -> dict[str, list[Any]]:
     sim = running_sim()
     sim.ingest(o.TextDelta("hi"), o.ToolUpdate("t1", "completed", title="ls", input={"a": [1]},
                                                output="ok"), PERMISSION)
+    world = World(sim)
+    world.delegate()
     entities = {kind: list(by_id.values()) for kind, by_id in sim.state.entities.items()}
     entities["thread"] = [sim.state.thread]
     return entities
+
+
+# ---------------------------------------------------------------------------------------------
+# Delegation: commands that touch a parent and a child thread
+
+
+class World:
+    """Several threads; each decision's events are applied to the thread they belong to."""
+
+    def __init__(self, parent: Sim) -> None:
+        self.parent = parent
+        self.states = {THREAD: parent.state}
+        self.count = 0
+
+    def do(self, command: Any) -> o.Decision:
+        state = self.states.setdefault(command.thread_id, o.ThreadState())
+        decision = o.decide(state, command, now=NOW, new_id=CountingIds(),
+                            providers=self.parent.providers)
+        for event in decision.events:
+            self.states.setdefault(event.thread_id, o.ThreadState()).put(
+                o._ENTITY_TYPES[store.event_kind(event.type)].from_json(event.payload))
+        return decision
+
+    def delegate(self, task: str = "child work", *, wake: str = "always",
+                 command_id: str = "cmd-delegate") -> o.Decision:
+        return self.do(o.DelegateTask(
+            command_id=command_id, thread_id=THREAD, parent_run_id=self.parent.run().id,
+            task=task, title="Child", provider_instance_id="scripted", model="m1",
+            runtime_mode="full-access", interaction_mode="default", completion_wake=wake,
+            created_by="agent", creation_source="mcp"))
+
+    def child(self, command_id: str = "cmd-delegate") -> o.ThreadState:
+        return self.states[f"thread:delegated-task:{command_id}"]
+
+    def end_child(self, status: str = "interrupted") -> o.Decision:
+        child = self.child()
+        run = child.runs[0]
+        self.do(o.MarkRunStarted(
+            command_id="cmd-child-start", thread_id=run.thread_id, run_id=run.id,
+            attempt_id=run.active_attempt_id, provider_session_id="s2", session_created=True,
+            pid=1, native_thread_ref="n2", cwd="/w"))
+        return self.do(o.IngestProviderEvents(
+            command_id="cmd-child-end", thread_id=run.thread_id, run_id=run.id,
+            attempt_id=run.active_attempt_id, provider_session_id="s2",
+            events=(o.TextDelta("child answer"), o.TurnEnded(status))))
+
+    def finalize(self, status: str = "completed", result: str = "child answer") -> o.Decision:
+        self.count += 1
+        return self.do(o.FinalizeSubagent(
+            command_id=f"cmd-finalize-{self.count}", thread_id=THREAD,
+            task_id="node:delegated-task:cmd-delegate", status=status, result=result))
+
+
+TASK_ID = "node:delegated-task:cmd-delegate"
+
+
+def test_delegation_creates_child_with_only_the_task_prompt() -> None:
+    """delegated_task.request: child thread (lineage subagent), its run with only the task text,
+    the parent's subagent node, row and item, and a consumed spawn transfer, in one decision."""
+    world = World(running_sim())
+    decision = world.delegate("do exactly this")
+    child = world.child()
+    assert child.thread.lineage == {"parentThreadId": THREAD, "relationshipToParent": "subagent",
+                                    "rootThreadId": THREAD}
+    assert child.thread.forked_from == {"type": "node", "nodeId": TASK_ID}
+    [run] = child.runs
+    assert run.status == "starting"
+    assert [m.text for m in child.entities["message"].values()] == ["do exactly this"]
+    start = [e for e in decision.effects if e.effect_type == "provider-turn.start"]
+    assert [e.thread_id for e in start] == [child.thread.id]
+    parent = world.states[THREAD]
+    task = parent.entities["subagent"][TASK_ID]
+    assert (task.status, task.child_thread_id, task.child_run_id) == \
+        ("running", child.thread.id, run.id)
+    assert parent.entities["node"][TASK_ID].kind_ == "subagent"
+    [spawn] = parent.entities["context-transfer"].values()
+    assert (spawn.type, spawn.status, spawn.target_run_id) == ("subagent_spawn", "consumed",
+                                                              run.id)
+
+
+def test_delegation_needs_an_active_parent_run() -> None:
+    """A parent whose run ended cannot delegate: parent_not_active."""
+    sim = running_sim()
+    sim.interrupt()
+    sim.ingest(o.TurnEnded("interrupted"))
+    with pytest.raises(o.CommandRejected) as info:
+        World(sim).delegate()
+    assert info.value.code == "parent_not_active"
+
+
+def test_child_terminal_asks_the_parent_to_finalize_through_the_outbox() -> None:
+    """The child's original run ending emits a replay-safe subagent.finalize for the parent."""
+    world = World(running_sim())
+    world.delegate()
+    decision = world.end_child("interrupted")
+    [finalize] = [e for e in decision.effects if e.effect_type == "subagent.finalize"]
+    assert finalize.thread_id == THREAD and finalize.replay_safe
+    assert finalize.payload["taskId"] == TASK_ID
+
+
+def test_finalize_publishes_the_result_and_wakes_an_async_parent_once() -> None:
+    """An async task's result is published with a result transfer and wakes the parent exactly
+    once (queued behind its running turn); a second finalize changes nothing."""
+    world = World(running_sim())
+    world.delegate(wake="always")
+    decision = world.finalize()
+    parent = world.states[THREAD]
+    task = parent.entities["subagent"][TASK_ID]
+    assert (task.status, task.result) == ("completed", "child answer")
+    assert parent.entities["node"][TASK_ID].status == "completed"
+    transfer = parent.entities["context-transfer"][f"context-transfer:subagent_result:{TASK_ID}"]
+    assert transfer.status == "consumed" and transfer.summary == "child answer"
+    wake = parent.runs[-1]
+    assert wake.status == "queued" and wake.ordinal == 2
+    assert TASK_ID in parent.entities["message"][wake.user_message_id].text
+    assert world.finalize().events == ()
+    assert len(parent.runs) == 2 and decision.effects == ()
+
+
+def test_wait_mode_task_does_not_wake_a_live_parent() -> None:
+    """A settled_only task finishing while its parent runs (the parent is waiting on it) does
+    not queue a wake; finishing after the parent went idle does."""
+    world = World(running_sim())
+    world.delegate(wake="settled_only")
+    world.finalize()
+    assert len(world.states[THREAD].runs) == 1
+    idle = World(running_sim())
+    idle.delegate(wake="settled_only")
+    idle.parent.ingest(o.TurnEnded("interrupted"))
+    decision = idle.finalize()
+    assert idle.states[THREAD].runs[-1].status == "starting"
+    assert "provider-turn.start" in effect_types(decision)
+
+
+def test_cancelled_task_settles_interrupted_without_a_wake() -> None:
+    """After task_cancel, a late success counts as interrupted and no wake is delivered."""
+    world = World(running_sim())
+    world.delegate(wake="always")
+    world.do(o.RequestTaskCancel(command_id="cmd-cancel", thread_id=THREAD, task_id=TASK_ID))
+    world.finalize("completed")
+    parent = world.states[THREAD]
+    assert parent.entities["subagent"][TASK_ID].status == "interrupted"
+    assert len(parent.runs) == 1
+
+
+def test_delegation_fingerprint_ignores_the_parent_run_and_mode() -> None:
+    """A retried delegate_task from a later turn (or another mode) is the same request."""
+    base = o.DelegateTask(command_id="c", thread_id=THREAD, parent_run_id="r1", task="t",
+                          title="T", provider_instance_id="scripted", model=None,
+                          runtime_mode="full-access", interaction_mode="default",
+                          completion_wake="always", created_by="agent", creation_source="mcp")
+    assert o.fingerprint_of(dataclasses.replace(base, parent_run_id="r2",
+                                                completion_wake="settled_only")) == \
+        o.fingerprint_of(base)
+    assert o.fingerprint_of(dataclasses.replace(base, task="other")) != o.fingerprint_of(base)
 
 
 @pytest.mark.parametrize("kind", sorted(o._ENTITY_TYPES))
