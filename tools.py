@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import json
 import logging
 import urllib.parse
@@ -579,31 +580,35 @@ class Toolkit:
             raise ToolFailure("thread_credential_required", "delegate_task needs an agent "
                               "running inside a t3 thread (a provider-session credential)")
         key = self._key(args)
-        command_id = self._id("command", "mcp", scope.key, "delegate-task", key)
-        receipt = self.store.receipt(command_id)
-        if receipt is None:
-            caller, run = await self._agent_caller(scope, "delegate_task")
-            info, model = self._resolve_target(args.get("target"), caller)
-            runtime, interaction = self._modes(args, caller)
-            runtime = self._step_down(info, runtime, "runtimeMode" in args
-                                      and args["runtimeMode"] != "inherit")
-            role = args.get("role")
-            task = args["task"] if role in (None, "general") else \
-                f"Act as the {role} sub-agent for this task.\n\n{args['task']}"
-            assert caller.thread is not None
-            command = orch.DelegateTask(
-                command_id=command_id, thread_id=caller.thread.id, parent_run_id=run.id,
-                task=task, title=self._title(args.get("title"), args["task"], "Delegated task"),
-                provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
-                interaction_mode=interaction,
-                completion_wake="settled_only" if args.get("mode") == "wait" else "always",
-                created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP)
-            result = await self.orch.dispatch(command)
-            task_id = result.result["taskId"]
-            parent_id = caller.thread.id
-        else:  # a retry of work already done: the same task, whatever the parent does now
+        caller = await self._caller_thread(scope)
+        if caller is None or caller.thread is None:
+            raise ToolFailure("parent_not_active", "the calling thread is gone")
+        info, model = self._resolve_target(args.get("target"), caller)
+        runtime, interaction = self._modes(args, caller)
+        runtime = self._step_down(info, runtime, "runtimeMode" in args
+                                  and args["runtimeMode"] != "inherit")
+        role = args.get("role")
+        task = args["task"] if role in (None, "general") else \
+            f"Act as the {role} sub-agent for this task.\n\n{args['task']}"
+        command = orch.DelegateTask(
+            command_id=self._id("command", "mcp", scope.key, "delegate-task", key),
+            thread_id=caller.thread.id, parent_run_id="", task=task,
+            title=self._title(args.get("title"), args["task"], "Delegated task"),
+            provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
+            interaction_mode=interaction,
+            completion_wake="settled_only" if args.get("mode") == "wait" else "always",
+            created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP)
+        parent_id = caller.thread.id
+        receipt = self.store.receipt(command.command_id)
+        if receipt is not None:  # a retry: the same task, whatever the parent does now
+            if receipt.fingerprint != orch.fingerprint_of(command):
+                raise ToolFailure("invalid_request", "clientRequestId: already used for a "
+                                  "different delegate_task request")
             task_id = receipt.result["taskId"]
-            parent_id = receipt.thread_id or ""
+        else:
+            _, run = await self._agent_caller(scope, "delegate_task")
+            result = await self.orch.dispatch(dataclasses.replace(command, parent_run_id=run.id))
+            task_id = result.result["taskId"]
         timed_out = False
         if args.get("mode") == "wait":
             timed_out = not await self._wait_task(parent_id, task_id, args, progress)
@@ -699,45 +704,49 @@ class Toolkit:
             raise ToolFailure("thread_credential_required", "task_cancel needs an agent running "
                               "inside a t3 thread (a provider-session credential)")
         before = await self._task_result(scope.thread_id, args["taskId"])
-        stopped = await self._cancel_task(scope.thread_id, args["taskId"], args.get("reason"),
-                                          self._key(args))
-        if before["status"] in orch.TASK_TERMINAL:
-            return {"taskId": args["taskId"], "status": before["status"]}
-        if not stopped:
+        terminal = before["status"] in orch.TASK_TERMINAL
+        if not terminal and not await self._stoppable(scope.thread_id, args["taskId"]):
             raise ToolFailure("task_not_cancellable", f"task {args['taskId']} has no run to "
-                              "interrupt and no queued turn to cancel")
-        return {"taskId": args["taskId"], "status": "cancel_requested"}
+                              "interrupt, no queued turn and no open task of its own")
+        await self._cancel_task(scope.thread_id, args["taskId"], args.get("reason"),
+                                self._key(args))
+        return {"taskId": args["taskId"],
+                "status": before["status"] if terminal else "cancel_requested"}
+
+    async def _stoppable(self, parent_id: str, task_id: str) -> bool:
+        parent = await self._thread(parent_id)
+        task = parent.entities["subagent"][task_id]
+        child = await self._thread(task.child_thread_id)
+        return any(s.status not in orch.TASK_TERMINAL
+                   for s in child.entities["subagent"].values()) or any(
+            r.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)
+            or (r.status == RunStatus.QUEUED and r.id == task.child_run_id) for r in child.runs)
 
     async def _cancel_task(self, parent_id: str, task_id: str, reason: str | None,
-                           key: str) -> bool:
-        """Stop a task's own delegated tasks first, then its child thread. True if anything was
-        interrupted or cancelled."""
+                           key: str) -> None:
+        """Stop a task's own delegated tasks first, then its child thread."""
         parent = await self._thread(parent_id)
         task = parent.entities["subagent"].get(task_id)
         if task is None:
             raise ToolFailure("task_not_found", f"no task {task_id} was delegated by this thread")
         child = await self._thread(task.child_thread_id)
-        stopped = False
         for sub in list(child.entities["subagent"].values()):
             if sub.status not in orch.TASK_TERMINAL:
-                stopped |= await self._cancel_task(child.thread.id if child.thread else "",
-                                                   sub.id, reason, key)
-        await self.orch.dispatch(orch.RequestTaskCancel(
-            command_id=self._id("command", "task-cancel", task_id, key), thread_id=parent_id,
-            task_id=task_id, reason=reason))
+                await self._cancel_task(task.child_thread_id, sub.id, reason, key)
+        if task.status not in orch.TASK_TERMINAL:  # a published result stays as it is
+            await self.orch.dispatch(orch.RequestTaskCancel(
+                command_id=self._id("command", "task-cancel", task_id, key), thread_id=parent_id,
+                task_id=task_id, reason=reason))
         why = reason or "The delegated task was cancelled by its parent."
         for run in list(child.runs):
             if run.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING):
                 await self.orch.dispatch(orch.InterruptRun(
                     command_id=self._id("command", "task-cancel", run.id, key),
                     thread_id=run.thread_id, run_id=run.id, reason=why))
-                stopped = True
             elif run.status == RunStatus.QUEUED and run.id == task.child_run_id:
                 await self.orch.dispatch(orch.CancelQueuedRun(
                     command_id=self._id("command", "task-cancel", run.id, key),
                     thread_id=run.thread_id, run_id=run.id))
-                stopped = True
-        return stopped
 
     # -- handlers --------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 
 Speaks ACP (JSON-RPC 2.0, one JSON object per line) on stdin/stdout; stdout carries only
 protocol lines, diagnostics go to stderr. What a `session/prompt` does depends on trigger words
-in its text (case-sensitive tokens, checked in this order):
+in its text (case-sensitive tokens; see below for their order and combinations):
 
   CRASH                one chunk "about to crash", then exit code 3 without answering
   HANG                 ignore SIGTERM and block forever (nothing is answered any more)
@@ -30,7 +30,7 @@ in its text (case-sensitive tokens, checked in this order):
   (none of the above)  "Hello from scripted agent. You said: <text>" in 3 chunks
 
 A prompt runs these steps in the order listed: CRASH/HANG/FAIL end it; THINK/PLAN add updates;
-then the DELAYED_CALL line, the CALL_TOOL lines, the ECHO_PROMPT line; then at most one of
+then the DELAYED_CALL lines (scheduled), the CALL_TOOL lines, the ECHO_PROMPT line; then at most one of
 ASK_PERMISSION, SLOW, FAST, ECHO_CWD, ECHO_MCP (first found), and the hello reply only when nothing
 else replied. Outputs of different steps are separated by "\n". Trigger words are looked for
 outside the CALL_TOOL / DELAYED_CALL lines, so a call's JSON arguments (e.g. a prompt for another
@@ -47,8 +47,9 @@ null), "isError", "result" (structuredContent, else text, else null), "error" (s
 A session/cancel ends the running prompt and any queued ones received before it as "cancelled".
 MCP calls speak Streamable HTTP (protocol version 2025-06-18; JSON or SSE responses; a stateful
 server gets an initialize first), each in its own thread, with a 700 s socket timeout.
-Verified by hand against mcp 2.3.0 servers (MCPServer and low-level Server with
-StreamableHTTPSessionManager, stateless and stateful, JSON and SSE responses).
+Verified by hand against mcp 2.3.0 servers: MCPServer over uvicorn (stateless and stateful, JSON
+and SSE responses) and the low-level Server with StreamableHTTPSessionManager(stateless=True,
+json_response=False) on hypercorn (several calls per turn, DELAYED_CALL, cancel mid-call).
 """
 import argparse, asyncio, itertools, json, os, re, signal, sys, tempfile, threading, time
 import urllib.error, urllib.request, uuid

@@ -28,8 +28,15 @@ def wait(mcp: McpClient, thread_id: str, **args: object) -> dict:
 
 
 def items(mcp: McpClient, thread_id: str, view: str = "activity") -> list[dict]:
-    return mcp.call("t3_thread_read", {"threadId": thread_id, "afterPosition": -1,
-                                       "view": view, "limit": 100}).structured["items"]
+    """The whole timeline, read page by page."""
+    out, cursor = [], -1
+    while True:
+        page = mcp.call("t3_thread_read", {"threadId": thread_id, "afterPosition": cursor,
+                                           "view": view, "limit": 100}).structured
+        out += page["items"]
+        if not page["hasMore"]:
+            return out
+        cursor = page["nextPosition"]
 
 
 def tool_results(mcp: McpClient, thread_id: str) -> list[dict]:
@@ -72,3 +79,149 @@ def test_delegate_wait_cross_provider(t3_factory, tmp_path: Path) -> None:
     types = [t["type"] for t in child["transfers"]]
     assert types == ["subagent_spawn", "subagent_result"]
     assert all(t["status"] == "consumed" for t in child["transfers"])
+
+
+def wake_prompts(log_path: Path) -> list[str]:
+    """Prompts the parent's agent received that are task wakes."""
+    return [e["msg"]["params"]["prompt"][0]["text"] for e in agent_log(log_path)
+            if e["dir"] == "in" and e["msg"].get("method") == "session/prompt"
+            and e["msg"]["params"]["prompt"][0]["text"].startswith("Delegated task")]
+
+
+def runs_settled(mcp: McpClient, thread_id: str, count: int) -> bool:
+    runs = mcp.call("t3_thread_read", {"threadId": thread_id, "runLimit": 50}).structured[
+        "recentRuns"]
+    return len(runs) >= count and all(
+        r["status"] in ("completed", "failed", "interrupted", "cancelled") for r in runs)
+
+
+def spawn_lines(wave: int, n: int, child_prompt: str) -> str:
+    return "\n".join(call_line("delegate_task", {
+        "task": child_prompt, "title": f"w{wave}c{i}", "target": {"providerInstanceId": "beta"},
+        "clientRequestId": f"w{wave}c{i}"}) for i in range(n))
+
+
+def test_async_waves_wake_the_parent_once_per_child(t3_factory, tmp_path: Path) -> None:
+    """3 waves of 5 async children, finishing while the parent runs and while it is idle: 15
+    wakes, one per task, none lost, none doubled."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    # Wave 1: the children finish while the parent's turn is still streaming.
+    parent = create(mcp, spawn_lines(1, 5, "quick child") + "\nSLOW:60",
+                    target={"providerInstanceId": "alpha"})
+    tid = parent["threadId"]
+    wait_until(lambda: len(wake_prompts(tmp_path / "agent-alpha.log")) == 5, 60)
+    # Wave 2: the parent's turn ends at once; the children finish while it is idle.
+    mcp.call("t3_thread_send", {"threadId": tid, "message": spawn_lines(2, 5, "SLOW:10 kid"),
+                                "mode": "queue"})
+    wait_until(lambda: len(wake_prompts(tmp_path / "agent-alpha.log")) == 10, 60)
+    # Wave 3: mixed.
+    mcp.call("t3_thread_send", {"threadId": tid, "message": spawn_lines(3, 5, "SLOW:3 kid")
+                                + "\nSLOW:20", "mode": "queue"})
+    wait_until(lambda: len(wake_prompts(tmp_path / "agent-alpha.log")) == 15, 60)
+    wait_until(lambda: runs_settled(mcp, tid, 18), 60)
+    wakes = wake_prompts(tmp_path / "agent-alpha.log")
+    task_ids = {w.split("taskId ")[1].split(" ")[0] for w in wakes}
+    assert len(wakes) == 15 and len(task_ids) == 15
+    results = tool_results(mcp, tid)
+    assert {r["taskId"] for r in results} == task_ids
+
+
+def test_wakes_survive_kill9(t3_factory, tmp_path: Path) -> None:
+    """kill -9 right after children complete: each child still wakes the parent exactly once."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    parent = create(mcp, spawn_lines(1, 5, "quick child") + "\nSLOW:400",
+                    target={"providerInstanceId": "alpha"})
+    tid = parent["threadId"]
+
+    def children_done() -> bool:
+        subs = [i for i in items(mcp, tid) if i["type"] == "subagent"]
+        return len(subs) == 5 and all(s["status"] == "completed" for s in subs)
+    wait_until(children_done, 60)
+    t3.kill9()
+    t3.restart()
+    wait_until(lambda: len(wake_prompts(tmp_path / "agent-alpha.log")) >= 5
+               and runs_settled(mcp, tid, 6), 60)
+    wakes = wake_prompts(tmp_path / "agent-alpha.log")
+    assert len(wakes) == 5 and len(set(wakes)) == 5
+
+
+def test_delegate_retry_after_credential_reissue(t3_factory, tmp_path: Path) -> None:
+    """The same delegate_task with the same clientRequestId, also from a new provider session
+    (a new credential after a restart), returns the same task and starts no second child turn."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    line = call_line("delegate_task", {"task": "only once", "clientRequestId": "same",
+                                       "target": {"providerInstanceId": "beta"}})
+    parent = create(mcp, f"{line}\n{line}", target={"providerInstanceId": "alpha"})
+    wait(mcp, parent["threadId"])
+    first, second = tool_results(mcp, parent["threadId"])
+    assert first["taskId"] == second["taskId"]
+    wait(mcp, first["childThreadId"])
+    t3.stop()
+    t3.restart()
+    sent = mcp.call("t3_thread_send", {"threadId": parent["threadId"], "message": line})
+    wait(mcp, parent["threadId"], runId=sent.structured["runId"])
+    third = tool_results(mcp, parent["threadId"])[-1]
+    assert third["taskId"] == first["taskId"]
+    tokens = {json.dumps(e["msg"]["params"]["mcpServers"]) for e in agent_log(
+        tmp_path / "agent-alpha.log") if e["dir"] == "in" and e["msg"].get("method") in (
+        "session/new", "session/load")}
+    assert len(tokens) == 2  # two sessions, two credentials
+    beta_prompts = [e for e in agent_log(tmp_path / "agent-beta.log")
+                    if e["dir"] == "in" and e["msg"].get("method") == "session/prompt"]
+    assert len(beta_prompts) == 1
+
+
+def test_task_cancel_stops_child_and_grandchild(t3_factory, tmp_path: Path) -> None:
+    """task_cancel on a running task whose child runs its own task: both end interrupted; on a
+    completed task it returns completed and changes nothing."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    grandchild = call_line("delegate_task", {"task": "SLOW:600 grandchild", "mode": "wait",
+                                             "timeoutMs": 120_000, "title": "grandchild"})
+    parent = create(mcp, call_line("delegate_task", {"task": grandchild, "title": "child"}),
+                    target={"providerInstanceId": "alpha"})
+    tid = parent["threadId"]
+    wait(mcp, tid)
+    [task] = tool_results(mcp, tid)
+
+    def grandchild_thread() -> str | None:
+        listed = mcp.call("t3_thread_list", {"limit": 100}).structured["threads"]
+        return next((t["threadId"] for t in listed
+                     if t["parentThreadId"] == task["childThreadId"]), None)
+    gid = wait_until(grandchild_thread, 30)
+    wait_until(lambda: "chunk 1" in "".join(i["text"] or "" for i in items(mcp, gid)), 30)
+    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": call_line(
+        "task_cancel", {"taskId": task["taskId"], "reason": "stop it"})})
+    wait(mcp, tid, runId=sent.structured["runId"])
+    assert tool_results(mcp, tid)[-1] == {"taskId": task["taskId"], "status": "cancel_requested"}
+    assert wait(mcp, gid)["status"] == "interrupted"
+    assert wait(mcp, task["childThreadId"])["status"] == "interrupted"
+    status_line = call_line("task_status", {"taskId": task["taskId"]})
+    wait_until(lambda: (mcp.call("t3_thread_send", {"threadId": tid, "message": status_line,
+                                                    "mode": "queue"}) and
+                        wait(mcp, tid) and
+                        tool_results(mcp, tid)[-1]["status"] == "interrupted"), 30)
+
+
+def test_task_cancel_on_completed_task_changes_nothing(t3_factory, tmp_path: Path) -> None:
+    """task_cancel of a finished task returns its status and writes no event."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    parent = create(mcp, call_line("delegate_task", {"task": "done soon", "mode": "wait"}),
+                    target={"providerInstanceId": "alpha"})
+    wait(mcp, parent["threadId"])
+    [task] = tool_results(mcp, parent["threadId"])
+    assert task["status"] == "completed"
+    child_events = lambda: len(items(mcp, task["childThreadId"]))  # noqa: E731
+    before = child_events()
+    sent = mcp.call("t3_thread_send", {"threadId": parent["threadId"], "message": call_line(
+        "task_cancel", {"taskId": task["taskId"]})})
+    wait(mcp, parent["threadId"], runId=sent.structured["runId"])
+    assert tool_results(mcp, parent["threadId"])[-1] == {"taskId": task["taskId"],
+                                                         "status": "completed"}
+    assert child_events() == before
+    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
+        assert db.execute("SELECT status FROM subagents").fetchone()[0] == "completed"
