@@ -225,3 +225,128 @@ def test_task_cancel_on_completed_task_changes_nothing(t3_factory, tmp_path: Pat
     assert child_events() == before
     with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
         assert db.execute("SELECT status FROM subagents").fetchone()[0] == "completed"
+
+
+def mcp_calls(log_path: Path) -> list[dict]:
+    return [e for e in agent_log(log_path) if e["dir"] == "mcp"]
+
+
+def session_token(log_path: Path) -> str:
+    """The raw bearer token t3 gave the agent's latest session (the agent logs what it got)."""
+    opened = [e["msg"] for e in agent_log(log_path) if e["dir"] == "in"
+              and e["msg"].get("method") in ("session/new", "session/load")]
+    [server] = opened[-1]["params"]["mcpServers"]
+    assert (server["type"], server["name"]) == ("http", "t3-code")
+    [header] = server["headers"]
+    assert header["name"] == "Authorization" and header["value"].startswith("Bearer ")
+    return header["value"][len("Bearer "):]
+
+
+def tools_list(t3: T3Server, token: str) -> int:
+    from harness import raw_post
+    return raw_post(t3.mcp_url, json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list",
+                                            "params": {}}).encode(),
+                    {"Authorization": f"Bearer {token}", "Content-Type": "application/json",
+                     "Accept": "application/json, text/event-stream"}).status
+
+
+@pytest.mark.parametrize("limits", ["credential_max_lifetime_s = 2", "credential_idle_s = 2"])
+def test_credentials_expire(t3_factory, tmp_path: Path, agent_log_path: Path,
+                            limits: str) -> None:
+    """A provider-session credential works during the turn and gets 401 after its configured
+    lifetime or idle time."""
+    t3 = t3_factory(extra=f"[limits]\n{limits}\n")
+    mcp = t3.client()
+    parent = create(mcp, "CALL_TOOL orchestrator_capabilities {}\n"
+                         "DELAYED_CALL 3 orchestrator_capabilities {}")
+    wait(mcp, parent["threadId"])
+    calls = wait_until(lambda: len(c := mcp_calls(agent_log_path)) == 2 and c, 30)
+    assert [c["httpStatus"] for c in calls] == [200, 401]
+    assert calls[0]["result"]["parentThreadId"] == parent["threadId"]
+
+
+def test_released_session_revokes_its_token_and_no_token_leaks(t3: T3Server, mcp: McpClient,
+                                                               agent_log_path: Path) -> None:
+    """The token works while its session lives, is refused once the session ends, and appears
+    nowhere in the data directory or the server's stderr."""
+    parent = create(mcp, "CALL_TOOL orchestrator_capabilities {}")
+    wait(mcp, parent["threadId"])
+    token = session_token(agent_log_path)
+    assert tools_list(t3, token) == 200
+    sent = mcp.call("t3_thread_send", {"threadId": parent["threadId"], "message": "CRASH"})
+    assert wait(mcp, parent["threadId"], runId=sent.structured["runId"])["status"] == "failed"
+    assert tools_list(t3, token) == 401
+    assert t3.stop() == 0
+    for path in t3.data_dir.rglob("*"):
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), path
+    assert token not in t3.stderr_text()
+    assert (t3.data_dir / "logs").exists() and any((t3.data_dir / "logs").iterdir())
+
+
+def test_capabilities_through_the_injected_server(t3_factory, tmp_path: Path) -> None:
+    """An agent sees its own thread, both instances and the features via orchestrator_capabilities."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    parent = create(mcp, "CALL_TOOL orchestrator_capabilities {}",
+                    target={"providerInstanceId": "beta", "model": "scripted-2"})
+    wait(mcp, parent["threadId"])
+    [caps] = tool_results(mcp, parent["threadId"])
+    assert caps["parentThreadId"] == parent["threadId"]
+    assert (caps["inheritedProviderInstanceId"], caps["inheritedModel"]) == ("beta", "scripted-2")
+    assert [p["providerInstanceId"] for p in caps["providers"]] == ["alpha", "beta"]
+    assert all(p["canRunChildTask"] for p in caps["providers"])
+
+
+def test_failed_child_and_role_prefix(t3_factory, tmp_path: Path) -> None:
+    """A failed child's result leads with its provider error; a role adds one line to the task."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    parent = create(mcp, "\n".join([
+        call_line("delegate_task", {"task": "FAIL please", "mode": "wait"}),
+        call_line("delegate_task", {"task": "ECHO_PROMPT", "role": "review", "mode": "wait"})]),
+        target={"providerInstanceId": "alpha"})
+    wait(mcp, parent["threadId"])
+    failed, reviewed = tool_results(mcp, parent["threadId"])
+    assert failed["status"] == "failed"
+    assert failed["summary"].startswith("Child task ended with status failed: ")
+    assert "scripted failure" in failed["summary"].split("\n")[0]
+    assert failed["summary"].index("scripted failure") < failed["summary"].index("failing now")
+    assert reviewed["summary"] == "Act as the review sub-agent for this task.\n\nECHO_PROMPT"
+
+
+def test_wait_timeout_then_the_result_wakes_the_parent(t3_factory, tmp_path: Path) -> None:
+    """A wait that times out reports waitTimedOut without cancelling; the child's completion
+    then wakes the parent once."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    parent = create(mcp, call_line("delegate_task", {"task": "SLOW:30 slow child",
+                                                     "mode": "wait", "timeoutMs": 300}),
+                    target={"providerInstanceId": "alpha"})
+    wait(mcp, parent["threadId"])
+    [result] = tool_results(mcp, parent["threadId"])
+    assert result["waitTimedOut"] is True and result["status"] == "running"
+    wait_until(lambda: len(wake_prompts(tmp_path / "agent-alpha.log")) == 1, 30)
+    assert wait(mcp, result["childThreadId"])["status"] == "completed"
+    wait_until(lambda: runs_settled(mcp, parent["threadId"], 2), 30)
+    assert len(wake_prompts(tmp_path / "agent-alpha.log")) == 1
+
+
+def test_wait_ends_early_for_a_pending_approval(t3_factory, tmp_path: Path) -> None:
+    """A child's pending approval ends the parent's wait with pendingApproval; answering it
+    lets the child finish."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    parent = create(mcp, call_line("delegate_task", {"task": "ASK_PERMISSION", "mode": "wait"}),
+                    target={"providerInstanceId": "alpha"}, runtimeMode="approval-required")
+    wait(mcp, parent["threadId"])
+    [result] = tool_results(mcp, parent["threadId"])
+    assert result["waitTimedOut"] is False and result["hasPendingQuestion"] is False
+    approval = result["pendingApproval"]
+    assert approval["kind"] == "command" and approval["runId"] == result["childRunId"]
+    answered = mcp.call("t3_pending_request", {"threadId": result["childThreadId"],
+                                               "action": "respond",
+                                               "requestId": approval["requestId"],
+                                               "decision": "accept"})
+    assert answered.ok
+    assert wait(mcp, result["childThreadId"])["status"] == "completed"
