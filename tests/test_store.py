@@ -77,12 +77,10 @@ def st(open_store: Callable[..., Store]) -> Store:
 
 @pytest.fixture
 def sql_dir(tmp_path: Path) -> Path:
-    """A schema directory: copies of the real files plus the synthetic 0002_test_extra.sql."""
+    """A schema directory: a copy of the real 0001 plus the synthetic 0002_test_extra.sql."""
     d = tmp_path / "sql"
     d.mkdir()
-    for f in REAL_SQL_FILES:
-        shutil.copy(f, d / f.name)
-    assert len(REAL_SQL_FILES) == 1, "renumber the synthetic file when real schema files are added"
+    shutil.copy(REAL_SQL_FILES[0], d / REAL_SQL_FILES[0].name)
     (d / "0002_test_extra.sql").write_text(EXTRA_SQL)
     return d
 
@@ -639,6 +637,12 @@ def _several_commits(st: Store) -> None:
             _event("e16", "th-2", "runtime-request.updated",
                    {"id": "rr-1", "threadId": "th-2", "status": "resolved"}),
             _event("e17", "th-1", "run.created", _run_entity("run-2", "th-1", 2, "queued")),
+            _event("e18", "th-1", "subagent.updated",
+                   {"id": "task-1", "threadId": "th-1", "childThreadId": "th-2",
+                    "status": "running"}),
+            _event("e19", "th-1", "context-transfer.updated",
+                   {"id": "ct-1", "threadId": "th-1", "type": "subagent_spawn",
+                    "sourceThreadId": "th-1", "targetThreadId": "th-2"}),
         ]),
     ]
     for c in commits:
@@ -674,3 +678,13 @@ def test_thread_entities_reads_one_thread_and_its_sequence(st: Store) -> None:
     _, th1 = st.thread_entities("th-1")
     assert sorted(e["id"] for e in th1["run"]) == ["run-1", "run-2"]
     assert [e["text"] for e in th1["turn-item"]] == ["done"]
+
+
+def test_real_schema_step_by_step_equals_fresh(tmp_path: Path) -> None:
+    """The shipped sql/ files applied one at a time give the same schema as all at once."""
+    a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    for version in range(1, len(REAL_SQL_FILES) + 1):
+        assert store.apply_migrations(a, backups_dir=tmp_path / "bk-a",
+                                      stop_after=version) == version
+    assert store.apply_migrations(b, backups_dir=tmp_path / "bk-b") == len(REAL_SQL_FILES)
+    assert _schema(a) == _schema(b)
