@@ -44,7 +44,7 @@ __all__ = [
     "ToolUpdate", "PlanUpdate", "RuntimeRequestOpened", "TurnEnded", "ProviderAdapter",
     "ProviderSessionHandle", "Orchestrator", "McpEndpoint", "SessionCredentials", "Subagent",
     "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
-    "task_result", "TASK_TERMINAL",
+    "task_result", "TASK_TERMINAL", "NotifyTaskQuestion",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -738,6 +738,20 @@ class FinalizeSubagent:
     result: str
 
 
+@dataclass(frozen=True, slots=True)
+class NotifyTaskQuestion:
+    """A delegated child asks a question: its parent's agent is told, unless it is already
+    waiting on the task (the wait reports it) or the task was cancelled."""
+
+    type: ClassVar[str] = "subagent.question"
+    command_id: str
+    thread_id: str  # the parent
+    task_id: str
+    request_id: str
+    child_thread_id: str
+    question: str
+
+
 # Internal commands: the effect worker, the run executor and recovery speak these.
 
 
@@ -813,7 +827,8 @@ class RecoverThread:
 
 
 Command = (CreateThread | DispatchMessage | InterruptRun | RespondRuntimeRequest | CancelQueuedRun
-           | DelegateTask | SetWakePolicy | RequestTaskCancel | FinalizeSubagent | MarkRunStarted
+           | DelegateTask | SetWakePolicy | RequestTaskCancel | FinalizeSubagent
+           | NotifyTaskQuestion | MarkRunStarted
            | IngestProviderEvents | CompleteRun | FailRun | EndProviderSession | RecoverThread)
 
 
@@ -849,7 +864,8 @@ class EffectRequest:
     payload: Mapping[str, Any]
     key: str  # makes the effect id deterministic within its command
 
-    REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({"run.finalize", "subagent.finalize"})
+    REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({
+        "run.finalize", "subagent.finalize", "subagent.question", "subagent.question-settled"})
 
     @property
     def replay_safe(self) -> bool:
@@ -1222,6 +1238,10 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
         d.put(replace(item, status="cancelled" if declined else "completed", updated_at=d.now,
                       completed_at=d.now, data={**(item.data or {}), "decision": c.decision,
                                                 "answers": c.answers}))
+    task = _parent_task(d)
+    if request.kind_ == "user_input" and task is not None:
+        d.effect("subagent.question-settled", {**task, "requestId": request.id}, request.id,
+                 thread_id=task["parentThreadId"])
     d.effect("runtime-request.respond", {
         "requestId": request.id, "runId": request.run_id,
         "providerSessionId": request.response_capability.get("providerSessionId"),
@@ -1385,6 +1405,12 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
                                                    "requestKind": event.request_kind,
                                                    **event.detail},
                            started_at=d.now))
+            task = _parent_task(d)
+            if event.request_kind == "user_input" and task is not None:
+                # Users rarely watch child threads: the parent's agent hears about the question.
+                d.effect("subagent.question", {**task, "requestId": request_id,
+                                               "question": event.title}, request_id,
+                         thread_id=task["parentThreadId"])
     elif isinstance(event, TurnEnded):
         _close_streams(d, attempt)
         if event.status == "completed":
@@ -1674,22 +1700,42 @@ def _notify_parent(d: _Draft, message_id: str, providers: Mapping[str, ProviderI
              creation_source=CreationSource.SERVER, queued=blocked)
 
 
-def _finalize_if_settled(d: _Draft) -> None:
-    """A delegated child thread whose original run ended and whose own tasks all ended asks its
-    parent to publish the result (through the outbox, so a crash cannot lose it)."""
+def _parent_task(d: _Draft) -> dict[str, str] | None:
+    """For a delegated child thread: who its parent is and which task it serves."""
     thread = d.thread
     if thread is None or thread.lineage.get("relationshipToParent") != "subagent" \
             or not thread.forked_from:
-        return
+        return None
+    return {"parentThreadId": thread.lineage["parentThreadId"],
+            "taskId": thread.forked_from["nodeId"], "childThreadId": thread.id}
+
+
+def _decide_task_question(d: _Draft, c: NotifyTaskQuestion, *,
+                          providers: Mapping[str, ProviderInfo], **_: Any) -> Mapping[str, Any]:
+    task = _task(d, c.task_id)
+    live = any(r.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)
+               for r in d.runs())
+    if task.status in TASK_TERMINAL or task.cancel_requested or (
+            task.completion_wake == "settled_only" and live):
+        return {"taskId": task.id, "notified": False}
+    _notify_parent(d, f"message:task-question:{c.request_id}", providers,
+                   f'Delegated task "{task.title}" is blocked on a question: {c.question}\n'
+                   f"Answer it with t3_pending_request (threadId {c.child_thread_id}, requestId "
+                   f"{c.request_id}), or ask the user.")
+    return {"taskId": task.id, "notified": True}
+
+
+def _finalize_if_settled(d: _Draft) -> None:
+    """A delegated child thread whose original run ended and whose own tasks all ended asks its
+    parent to publish the result (through the outbox, so a crash cannot lose it)."""
+    task = _parent_task(d)
     runs = d.runs()
-    if not runs or runs[0].status not in RUN_TERMINAL:
+    if task is None or not runs or runs[0].status not in RUN_TERMINAL:
         return
     if any(t.status not in TASK_TERMINAL for t in d.all("subagent")):
         return  # waiting for its own children
-    d.effect("subagent.finalize", {"parentThreadId": thread.lineage["parentThreadId"],
-                                   "taskId": thread.forked_from["nodeId"],
-                                   "childThreadId": thread.id, "runId": runs[0].id},
-             runs[0].id, thread_id=thread.lineage["parentThreadId"])
+    d.effect("subagent.finalize", {**task, "runId": runs[0].id}, runs[0].id,
+             thread_id=task["parentThreadId"])
 
 
 _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
@@ -1697,6 +1743,7 @@ _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
     SetWakePolicy: _decide_wake_policy,
     RequestTaskCancel: _decide_task_cancel,
     FinalizeSubagent: _decide_finalize,
+    NotifyTaskQuestion: _decide_task_question,
     CreateThread: _decide_create_thread,
     DispatchMessage: _decide_dispatch,
     InterruptRun: _decide_interrupt,
@@ -2054,6 +2101,17 @@ class Orchestrator:
         elif row.effect_type == "subagent.finalize":
             await self._finalize_task(p["parentThreadId"], p["taskId"], p["childThreadId"],
                                       p["runId"])
+        elif row.effect_type == "subagent.question":
+            try:
+                await self.dispatch(NotifyTaskQuestion(
+                    command_id=f"command:task-question:{p['requestId']}",
+                    thread_id=p["parentThreadId"], task_id=p["taskId"],
+                    request_id=p["requestId"], child_thread_id=p["childThreadId"],
+                    question=p["question"]))
+            except CommandRejected as exc:
+                log.info("question of task %s not routed: %s", p["taskId"], exc)
+        elif row.effect_type == "subagent.question-settled":
+            await self._withdraw_question(p["parentThreadId"], p["requestId"])
         elif row.effect_type == "run.finalize":
             try:
                 await self.dispatch(CompleteRun(command_id=f"command:finalize:{p['runId']}",
@@ -2062,6 +2120,16 @@ class Orchestrator:
                 pass  # already finalized: the effect is idempotent
         else:
             raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
+
+    async def _withdraw_question(self, parent_id: str, request_id: str) -> None:
+        """The child's question was answered: a notice still queued for the parent is moot."""
+        parent = await self.state(parent_id)
+        message_id = f"message:task-question:{request_id}"
+        for run in parent.runs if parent else []:
+            if run.user_message_id == message_id and run.status == RunStatus.QUEUED:
+                await self.dispatch(CancelQueuedRun(
+                    command_id=f"command:withdraw-question:{request_id}", thread_id=parent_id,
+                    run_id=run.id))
 
     async def _finalize_task(self, parent_id: str, task_id: str, child_id: str,
                              run_id: str) -> None:

@@ -946,3 +946,46 @@ def test_entity_from_json_rejects_an_unknown_status(kind: str) -> None:
     entity = sample_entities()[kind][0]
     with pytest.raises(ValueError):
         type(entity).from_json({**entity.to_json(), "status": "bogus"})
+
+
+QUESTION = o.RuntimeRequestOpened(native_ref="q1", request_kind="user_input",
+                                  title="Which branch?", detail={"questions": []})
+
+
+def child_running(world: World) -> o.Run:
+    run = world.child().runs[0]
+    world.do(o.MarkRunStarted(
+        command_id="cmd-child-start", thread_id=run.thread_id, run_id=run.id,
+        attempt_id=run.active_attempt_id, provider_session_id="s2", session_created=True, pid=1,
+        native_thread_ref="n2", cwd="/w"))
+    return run
+
+
+def test_child_question_is_routed_to_the_parent_and_withdrawn_when_answered() -> None:
+    """A child's question emits a notice for the parent (queued behind its turn); answering it
+    emits the withdrawal; a parent waiting on the task is not notified (its wait reports it)."""
+    world = World(running_sim())
+    world.delegate(wake="always")
+    run = child_running(world)
+    asked = world.do(o.IngestProviderEvents(
+        command_id="cmd-q", thread_id=run.thread_id, run_id=run.id,
+        attempt_id=run.active_attempt_id, provider_session_id="s2", events=(QUESTION,)))
+    [route] = [e for e in asked.effects if e.effect_type == "subagent.question"]
+    assert route.thread_id == THREAD and route.replay_safe
+    notice = world.do(o.NotifyTaskQuestion(
+        command_id="cmd-notice", thread_id=THREAD, task_id=TASK_ID,
+        request_id=route.payload["requestId"], child_thread_id=run.thread_id,
+        question="Which branch?"))
+    queued = world.states[THREAD].runs[-1]
+    assert queued.status == "queued" and notice.result["notified"] is True
+    assert "Which branch?" in world.states[THREAD].entities["message"][queued.user_message_id].text
+    answered = world.do(o.RespondRuntimeRequest(
+        command_id="cmd-answer", thread_id=run.thread_id,
+        request_id=route.payload["requestId"], answers={"q": "main"}))
+    assert "subagent.question-settled" in effect_types(answered)
+    waiting = World(running_sim())
+    waiting.delegate(wake="settled_only")
+    quiet = waiting.do(o.NotifyTaskQuestion(
+        command_id="cmd-notice", thread_id=THREAD, task_id=TASK_ID, request_id="r",
+        child_thread_id="c", question="?"))
+    assert quiet.events == () and quiet.result["notified"] is False
