@@ -128,23 +128,30 @@ def test_async_waves_wake_the_parent_once_per_child(t3_factory, tmp_path: Path) 
 
 
 def test_wakes_survive_kill9(t3_factory, tmp_path: Path) -> None:
-    """kill -9 right after children complete: each child still wakes the parent exactly once."""
+    """3 waves of 5 children, with a kill -9 of the server right after each wave's children
+    complete: still exactly 15 wakes, one per task."""
     t3 = t3_factory(providers=two_agents(tmp_path))
     mcp = t3.client()
-    parent = create(mcp, spawn_lines(1, 5, "quick child") + "\nSLOW:400",
-                    target={"providerInstanceId": "alpha"})
+    parent = create(mcp, "hello", target={"providerInstanceId": "alpha"})
     tid = parent["threadId"]
+    wait(mcp, tid)
+    for wave in (1, 2, 3):
+        sent = mcp.call("t3_thread_send", {"threadId": tid, "mode": "queue",
+                                           "message": spawn_lines(wave, 5, "quick child")
+                                           + "\nSLOW:400"})
+        assert sent.ok
 
-    def children_done() -> bool:
-        subs = [i for i in items(mcp, tid) if i["type"] == "subagent"]
-        return len(subs) == 5 and all(s["status"] == "completed" for s in subs)
-    wait_until(children_done, 60)
-    t3.kill9()
-    t3.restart()
-    wait_until(lambda: len(wake_prompts(tmp_path / "agent-alpha.log")) >= 5
-               and runs_settled(mcp, tid, 6), 60)
+        def children_done() -> bool:
+            subs = [i for i in items(mcp, tid) if i["type"] == "subagent"
+                    and f'"w{wave}c' in json.dumps(i)]
+            return len(subs) == 5 and all(s["status"] == "completed" for s in subs)
+        wait_until(children_done, 60)
+        t3.kill9()
+        t3.restart()
+        wait_until(lambda: len(wake_prompts(tmp_path / "agent-alpha.log")) >= 5 * wave, 60)
+    wait_until(lambda: runs_settled(mcp, tid, 1 + 3 + 15), 90)
     wakes = wake_prompts(tmp_path / "agent-alpha.log")
-    assert len(wakes) == 5 and len(set(wakes)) == 5
+    assert len(wakes) == 15 and len(set(wakes)) == 15
 
 
 def test_delegate_retry_after_credential_reissue(t3_factory, tmp_path: Path) -> None:
@@ -350,3 +357,37 @@ def test_wait_ends_early_for_a_pending_approval(t3_factory, tmp_path: Path) -> N
                                                "decision": "accept"})
     assert answered.ok
     assert wait(mcp, result["childThreadId"])["status"] == "completed"
+
+
+def test_agent_batch_threads_and_async_polling(t3_factory, tmp_path: Path) -> None:
+    """An agent creates ordinary threads with per-thread overrides, and polls an async task with
+    task_status until its result is available."""
+    t3 = t3_factory(providers=two_agents(tmp_path))
+    mcp = t3.client()
+    parent = create(mcp, "\n".join([
+        call_line("create_threads", {"threads": [
+            {"prompt": "first"}, {"title": "Idle on beta", "target": {
+                "providerInstanceId": "beta"}}], "clientRequestId": "batch"}),
+        call_line("delegate_task", {"task": "SLOW:10 background", "title": "bg"}),
+        call_line("task_status", {"taskId": "unknown-task"})]),
+        target={"providerInstanceId": "alpha"})
+    wait(mcp, parent["threadId"])
+    batch, task = tool_results(mcp, parent["threadId"])[:2]
+    first, idle = batch["threads"]
+    assert (first["providerInstanceId"], first["createdBy"], first["creationSource"]) == \
+        ("alpha", "agent", "mcp")
+    assert (idle["providerInstanceId"], idle["status"], idle["runId"]) == ("beta", "idle", None)
+    assert task["status"] in ("queued", "running") and task["workState"] == "working"
+    listed = mcp.call("t3_thread_list", {"includeSubagents": False}).structured
+    assert {t["threadId"] for t in listed["threads"]} == {
+        parent["threadId"], first["threadId"], idle["threadId"]}
+    poll = call_line("task_status", {"taskId": task["taskId"]})
+
+    def polled() -> dict:
+        sent = mcp.call("t3_thread_send", {"threadId": parent["threadId"], "message": poll,
+                                           "mode": "queue"}).structured
+        wait(mcp, parent["threadId"], runId=sent["runId"])
+        return tool_results(mcp, parent["threadId"])[-1]
+    done = wait_until(lambda: (r := polled())["workState"] == "result_available" and r, 60)
+    assert done["status"] == "completed" and "chunk 9" in done["summary"]
+    assert done["resultContextTransferId"].startswith("context-transfer:subagent_result:")
