@@ -493,11 +493,17 @@ class Toolkit:
         state = await self._thread(command.thread_id)
         return self._created(state, result.result.get("runId"))
 
-    async def _agent_caller(self, scope: Scope, what: str) -> tuple[ThreadState, orch.Run]:
-        """The calling thread and its active run, for tools that act on behalf of an agent."""
+    @staticmethod
+    def _thread_caller(scope: Scope, what: str) -> str:
+        """The calling thread's id; the client token has none."""
         if scope.kind != "thread" or scope.thread_id is None:
             raise ToolFailure("thread_credential_required", f"{what} needs an agent running "
                               "inside a t3 thread (a provider-session credential)")
+        return scope.thread_id
+
+    async def _agent_caller(self, scope: Scope, what: str) -> tuple[ThreadState, orch.Run]:
+        """The calling thread and its active run, for tools that act on behalf of an agent."""
+        self._thread_caller(scope, what)
         caller = await self._caller_thread(scope)
         run = _live_run(caller, scope.provider_instance_id) if caller else None
         if caller is None or run is None:
@@ -576,9 +582,7 @@ class Toolkit:
     async def _delegate(self, scope: Scope, args: Mapping[str, Any],
                         progress: Callable[[float, str], Awaitable[None]] | None
                         ) -> dict[str, Any]:
-        if scope.kind != "thread":
-            raise ToolFailure("thread_credential_required", "delegate_task needs an agent "
-                              "running inside a t3 thread (a provider-session credential)")
+        self._thread_caller(scope, "delegate_task")
         key = self._key(args)
         caller = await self._caller_thread(scope)
         if caller is None or caller.thread is None:
@@ -693,23 +697,17 @@ class Toolkit:
 
     async def _task_status(self, scope: Scope, args: Mapping[str, Any], _: Any
                            ) -> dict[str, Any]:
-        if scope.kind != "thread" or scope.thread_id is None:
-            raise ToolFailure("thread_credential_required", "task_status needs an agent running "
-                              "inside a t3 thread (a provider-session credential)")
-        return await self._task_result(scope.thread_id, args["taskId"])
+        return await self._task_result(self._thread_caller(scope, "task_status"), args["taskId"])
 
     async def _task_cancel(self, scope: Scope, args: Mapping[str, Any], _: Any
                            ) -> dict[str, Any]:
-        if scope.kind != "thread" or scope.thread_id is None:
-            raise ToolFailure("thread_credential_required", "task_cancel needs an agent running "
-                              "inside a t3 thread (a provider-session credential)")
-        before = await self._task_result(scope.thread_id, args["taskId"])
+        parent_id = self._thread_caller(scope, "task_cancel")
+        before = await self._task_result(parent_id, args["taskId"])
         terminal = before["status"] in orch.TASK_TERMINAL
-        if not terminal and not await self._stoppable(scope.thread_id, args["taskId"]):
+        if not terminal and not await self._stoppable(parent_id, args["taskId"]):
             raise ToolFailure("task_not_cancellable", f"task {args['taskId']} has no run to "
                               "interrupt, no queued turn and no open task of its own")
-        await self._cancel_task(scope.thread_id, args["taskId"], args.get("reason"),
-                                self._key(args))
+        await self._cancel_task(parent_id, args["taskId"], args.get("reason"), self._key(args))
         return {"taskId": args["taskId"],
                 "status": before["status"] if terminal else "cancel_requested"}
 
