@@ -353,6 +353,21 @@ def bearer_auth(app: ASGIApp, credentials: Credentials) -> ASGIApp:
 # The ASGI app
 
 
+def _by_accept(sse: ASGIApp, plain: ASGIApp) -> ASGIApp:
+    """Route an MCP POST by its Accept header; both managers are then told the client takes
+    both media types, which is what the SDK insists on."""
+    async def route(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"accept"]
+        accept = dict(scope.get("headers") or []).get(b"accept", b"").lower()
+        target = sse if b"text/event-stream" in accept or scope.get("method") != "POST" \
+            else plain
+        if scope.get("method") == "POST":
+            headers.append((b"accept", b"application/json, text/event-stream"))
+            scope = {**scope, "headers": headers}
+        await target(scope, receive, send)
+    return route
+
+
 def build_app(*, mcp: ASGIApp, credentials: Credentials, environment_id: str) -> ASGIApp:
     authed_mcp = bearer_auth(mcp, credentials)
 
@@ -511,10 +526,15 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                           projects=[project_cls(p["id"], p["path"], p["title"])
                                     for p in config.projects], data_dir=data_dir)
     toolkit = toolkit_cls(orch, store, context)
-    manager = manager_cls(app=build_mcp_server(toolkit, version=VERSION), stateless=True,
-                          json_response=False, max_request_body_size=MAX_BODY_BYTES)
-    app = build_app(mcp=manager.handle_request, credentials=credentials,
-                    environment_id=environment_id)
+    mcp_server = build_mcp_server(toolkit, version=VERSION)
+    # Streamable HTTP answers in SSE (progress notifications flow); a client that accepts only
+    # JSON gets plain JSON answers from a second manager over the same server instead of a 406.
+    sse = manager_cls(app=mcp_server, stateless=True, json_response=False,
+                      max_request_body_size=MAX_BODY_BYTES)
+    plain = manager_cls(app=mcp_server, stateless=True, json_response=True,
+                        max_request_body_size=MAX_BODY_BYTES)
+    app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request),
+                    credentials=credentials, environment_id=environment_id)
     hconfig = hypercorn.config.Config()
     hconfig.bind = [f"fd://{sock.fileno()}"]
     hconfig.graceful_timeout = 3.0
@@ -526,7 +546,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with manager.run():
+    async with sse.run(), plain.run():
         server = loop.create_task(hypercorn.asyncio.serve(app, hconfig,
                                                           shutdown_trigger=http_stop.wait))
         _write_json_atomic(server_json, {

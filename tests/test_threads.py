@@ -451,3 +451,17 @@ def test_provider_that_cannot_start_fails_the_run_after_retries(t3_factory, tmp_
         status, attempts = db.execute("SELECT status, attempt_count FROM effect_outbox "
                                       "WHERE effect_type = 'provider-turn.start'").fetchone()
     assert (status, attempts) == ("failed", 5)
+
+
+def test_json_only_clients_get_json(t3: T3Server) -> None:
+    """A client that accepts only application/json gets a JSON answer, not a 406; one that
+    accepts both gets SSE."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+        "name": "t3_thread_list", "arguments": {}}}).encode()
+    auth = {"Authorization": f"Bearer {t3.token}", "Content-Type": "application/json",
+            "mcp-protocol-version": "2025-06-18"}
+    plain = raw_post(t3.mcp_url, body, {**auth, "Accept": "application/json"})
+    assert plain.status == 200 and plain.headers["content-type"].startswith("application/json")
+    assert plain.json()["result"]["structuredContent"]["projectId"] == "proj"
+    sse = raw_post(t3.mcp_url, body, {**auth, "Accept": "application/json, text/event-stream"})
+    assert sse.status == 200 and sse.headers["content-type"].startswith("text/event-stream")
