@@ -1142,7 +1142,8 @@ def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]
                    updated_at=d.now, text=reason, started_at=d.now, completed_at=d.now))
     if turn is None or turn.status != "running":
         # Nothing reached the provider yet: the run ends here and its start is called off.
-        _end_run(d, run, RunStatus.INTERRUPTED, "Interrupted before the provider started.")
+        _end_run(d, run, RunStatus.INTERRUPTED,
+                 c.reason or "Interrupted before the provider started.")
         d.cancel_effect_types += ["provider-turn.start", "provider-turn.restart"]
         for old in d.all("run-attempt"):  # a restart was cut short: stop the turn it replaced
             old_turn = d.get("provider-turn", old.provider_turn_id)
@@ -2212,6 +2213,8 @@ class Orchestrator:
             raise
         live = _LiveSession(session_id=session_id, thread_id=thread.id,
                             instance_id=run.provider_instance_id, handle=handle)
+        live.idle_timer = asyncio.get_running_loop().call_later(self.IDLE_RELEASE_S,
+                                                                self._release, live)
         self._live[thread.id] = live
         self._spawn(self._pump(live), f"pump {session_id}")
         return live, True
