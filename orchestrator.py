@@ -2283,6 +2283,8 @@ class Orchestrator:
 
     async def _session_gone(self, live: _LiveSession) -> None:
         """The provider process ended: its turn and session end with a visible reason."""
+        if self._credentials:  # first: nothing may use the dead session's token from now on
+            self._credentials.revoke(live.session_id)
         try:
             reason = live.closing_reason or getattr(live.handle, "exit_reason", None) \
                 or "The provider process exited."
@@ -2307,8 +2309,6 @@ class Orchestrator:
             except CommandRejected:
                 pass
         finally:
-            if self._credentials:
-                self._credentials.revoke(live.session_id)
             if self._live.get(live.thread_id) is live:
                 del self._live[live.thread_id]
             live.pump_done.set()

@@ -32,6 +32,8 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -548,17 +550,7 @@ class AcpAdapter:
         self.config = config
         self.owner = owner
         self.protocol_log = _protocol_log(log_dir, config.instance_id)
-        constraints = []
-        if not config.enabled:
-            constraints.append("disabled in the configuration")
-        if not config.command:
-            constraints.append("no command configured")
-        elif not _resolvable(config.command[0]):
-            constraints.append(f"executable not found: {config.command[0]}")
-        self.info = ProviderInfo(instance_id=config.instance_id, driver=config.driver,
-                                 display_name=config.display_name, models=config.models,
-                                 capabilities=self.CAPABILITIES, available=not constraints,
-                                 constraints=tuple(constraints))
+        self.info = _info(config, self.CAPABILITIES)
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
@@ -579,6 +571,542 @@ class AcpAdapter:
         return session
 
 
+# =============================================================================================
+# Claude Code (claude -p, stream-json)
+
+
+_CLAUDE_EDIT_TOOLS = {"Edit", "Write", "MultiEdit", "NotebookEdit"}
+
+
+class ClaudeSession:
+    """One `claude -p` stream-json process serving one app thread; it lives across turns."""
+
+    def __init__(self, *, adapter: ClaudeAdapter, process: _Process, session_ref: str,
+                 runtime_mode: str, mcp_dir: str | None) -> None:
+        self._adapter = adapter
+        self._process = process
+        self._runtime_mode = runtime_mode
+        self._mcp_dir = mcp_dir
+        self.pid: int | None = process.pid
+        self.native_thread_ref: str | None = session_ref
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.exit_reason: str | None = None
+        self._label = f"{adapter.info.instance_id}[{process.pid}]"
+        self._permissions: dict[str, Mapping[str, Any]] = {}
+        self._requests = itertools.count(1)
+        self._in_turn = False
+        self._interrupted = False
+        self._closing = False
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
+
+    def alive(self) -> bool:
+        return self._process.alive()
+
+    async def _send(self, message: Mapping[str, Any]) -> None:
+        stdin = self._process.proc.stdin
+        if stdin is None or stdin.is_closing() or not self.alive():
+            raise ConnectionError(f"{self._label}: the provider process is not running")
+        line = json.dumps(message, separators=(",", ":"))
+        self._adapter.protocol_log.info("%s -> %s", self._label, redact(line))
+        stdin.write(line.encode() + b"\n")
+        await stdin.drain()
+
+    async def start_turn(self, text: str) -> None:
+        if self._in_turn:
+            raise RuntimeError("a turn is already running on this session")
+        self._in_turn, self._interrupted = True, False
+        await self._send({"type": "user", "session_id": "", "parent_tool_use_id": None,
+                          "message": {"role": "user", "content": [{"type": "text", "text": text}]}})
+
+    async def steer_turn(self, text: str) -> None:
+        raise RuntimeError("t3 steers Claude Code by interrupt-and-restart")
+
+    async def interrupt_turn(self) -> None:
+        self._interrupted = True
+        for native_ref in list(self._permissions):
+            await self._answer(native_ref, {"behavior": "deny", "message": "Interrupted."})
+        try:
+            await self._send({"type": "control_request", "request_id": f"t3-{next(self._requests)}",
+                              "request": {"subtype": "interrupt"}})
+        except ConnectionError:
+            pass
+
+    async def respond(self, native_ref: str, decision: str | None,
+                      answers: Mapping[str, Any] | None) -> None:
+        request = self._permissions.get(native_ref)
+        if request is None:
+            raise RuntimeError(f"no pending permission request {native_ref} on this session")
+        if decision in ("accept", "acceptForSession"):
+            await self._answer(native_ref, {"behavior": "allow",
+                                            "updatedInput": request.get("input") or {}})
+        else:
+            await self._answer(native_ref, {"behavior": "deny",
+                                            "message": "The user declined this tool call."})
+
+    async def _answer(self, native_ref: str, response: Mapping[str, Any]) -> None:
+        self._permissions.pop(native_ref, None)
+        try:
+            await self._send({"type": "control_response", "response": {
+                "subtype": "success", "request_id": native_ref, "response": response}})
+        except ConnectionError:
+            pass
+
+    async def close(self, *, grace: float = 3.0) -> None:
+        self._closing = True
+        await self._process.stop(grace=grace)
+
+    async def _read_stdout(self) -> None:
+        stdout = self._process.proc.stdout
+        assert stdout is not None
+        try:
+            while True:
+                raw = await stdout.readline()
+                if not raw:
+                    break
+                line = raw.decode(errors="replace").strip()
+                if not line:
+                    continue
+                self._adapter.protocol_log.info("%s <- %s", self._label, redact(line))
+                try:
+                    message = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(message, dict):
+                    await self._route(message)
+        except (ConnectionError, ValueError) as exc:
+            log.warning("%s: stopped reading: %s", self._label, exc)
+        finally:
+            returncode = await self._process.proc.wait()
+            self.exit_reason = None if self._closing else \
+                f"The provider process exited unexpectedly (exit code {returncode})."
+            self._permissions.clear()
+            if self._mcp_dir:
+                shutil.rmtree(self._mcp_dir, ignore_errors=True)
+            await self.events.put(None)
+
+    async def _route(self, message: Mapping[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "stream_event":
+            event = message.get("event") or {}
+            delta = event.get("delta") or {}
+            if event.get("type") == "content_block_delta" and delta.get("type") == "text_delta":
+                await self.events.put(TextDelta(delta.get("text", "")))
+            elif event.get("type") == "content_block_delta" and \
+                    delta.get("type") == "thinking_delta":
+                await self.events.put(ReasoningDelta(delta.get("thinking", "")))
+        elif kind == "assistant":
+            for block in (message.get("message") or {}).get("content") or []:
+                if block.get("type") == "tool_use":
+                    await self.events.put(ToolUpdate(
+                        native_id=str(block.get("id")), status="running",
+                        title=block.get("name"), tool_kind=block.get("name"),
+                        input=block.get("input")))
+        elif kind == "user":
+            for block in (message.get("message") or {}).get("content") or []:
+                if isinstance(block, Mapping) and block.get("type") == "tool_result":
+                    content = block.get("content")
+                    output = content if isinstance(content, str) else json.dumps(content)
+                    await self.events.put(ToolUpdate(
+                        native_id=str(block.get("tool_use_id")),
+                        status="failed" if block.get("is_error") else "completed",
+                        output=output))
+        elif kind == "control_request":
+            await self._on_control_request(message)
+        elif kind == "result" and self._in_turn:
+            self._in_turn = False
+            if not message.get("is_error"):
+                await self.events.put(TurnEnded("completed"))
+            elif self._interrupted:
+                await self.events.put(TurnEnded("interrupted"))
+            else:
+                await self.events.put(TurnEnded("failed", str(
+                    message.get("result") or message.get("subtype") or "Claude Code failed")))
+
+    async def _on_control_request(self, message: Mapping[str, Any]) -> None:
+        request = message.get("request") or {}
+        request_id = str(message.get("request_id"))
+        if request.get("subtype") != "can_use_tool":
+            await self._send({"type": "control_response", "response": {
+                "subtype": "error", "request_id": request_id,
+                "error": f"t3 does not handle {request.get('subtype')}"}})
+            return
+        tool = str(request.get("tool_name") or "")
+        self._permissions[request_id] = request
+        if self._runtime_mode in ("full-access", "auto") or tool.startswith("mcp__t3-code__"):
+            await self.respond(request_id, "accept", None)  # this mode never asks the user
+            return
+        kind = "command" if tool == "Bash" else "file-change" if tool in _CLAUDE_EDIT_TOOLS \
+            else "file-read" if tool == "Read" else "permission"
+        await self.events.put(RuntimeRequestOpened(
+            native_ref=request_id, request_kind=kind,
+            title=f"Allow {request.get('display_name') or tool}?",
+            detail={"toolName": tool, "input": request.get("input"),
+                    "description": request.get("description")}))
+
+    async def _read_stderr(self) -> None:
+        stderr = self._process.proc.stderr
+        assert stderr is not None
+        while True:
+            raw = await stderr.readline()
+            if not raw:
+                return
+            self._adapter.protocol_log.info("%s stderr %s", self._label,
+                                            redact(raw.decode(errors="replace").rstrip()))
+
+
+class ClaudeAdapter:
+    """Claude Code headless: `claude -p` with stream-json input and output and permission
+    prompts over stdio; t3's MCP server via a private --mcp-config file."""
+
+    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
+                                supports_steering_by_restart=True, supports_queued_messages=True,
+                                supports_resume=True, supports_mcp=True)
+
+    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
+        self.config = config
+        self.owner = owner
+        self.protocol_log = _protocol_log(log_dir, config.instance_id)
+        self.info = _info(config, self.CAPABILITIES)
+
+    async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
+                           runtime_mode: str, interaction_mode: str, resume_ref: str | None,
+                           mcp: McpEndpoint | None) -> ClaudeSession:
+        if not self.info.available:
+            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
+                               + "; ".join(self.info.constraints))
+        command = list(self.config.command)
+        for flag in ("--include-partial-messages",):
+            if flag not in command:
+                command.append(flag)
+        if model:
+            command += ["--model", model]
+        mode = "plan" if interaction_mode == "plan" else \
+            "acceptEdits" if runtime_mode == "auto-accept-edits" else "default"
+        command += ["--permission-mode", mode]
+        session_ref = resume_ref or str(uuid.uuid4())
+        command += ["--resume", session_ref] if resume_ref else ["--session-id", session_ref]
+        mcp_dir = None
+        if mcp is not None:
+            # The token goes in a private file, not on the command line others can read.
+            mcp_dir = tempfile.mkdtemp(prefix="t3-mcp-")
+            config_path = Path(mcp_dir) / "mcp.json"
+            fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"mcpServers": {mcp.name: {"type": "http", "url": mcp.url,
+                                                     "headers": dict(mcp.headers)}}}, f)
+            command += ["--mcp-config", str(config_path), "--strict-mcp-config",
+                        "--allowedTools", f"mcp__{mcp.name}__*"]
+        env = {**os.environ, **self.config.env, "T3_OWNER": self.owner,
+               "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        process = await _Process.spawn(command, cwd=cwd, env=env)
+        return ClaudeSession(adapter=self, process=process, session_ref=session_ref,
+                             runtime_mode=runtime_mode, mcp_dir=mcp_dir)
+
+
+# =============================================================================================
+# Codex (codex app-server)
+#
+# JSON-RPC over stdio, one JSON object per line (research/agents.md §2, D§7.3). Codex's own
+# messages carry no "jsonrpc" field; the ones t3 sends do, which codex accepts. One process per
+# session, one codex thread per process.
+
+
+# runtime mode -> (approvalPolicy, sandbox)
+_CODEX_MODES = {"approval-required": ("untrusted", "read-only"),
+                "auto-accept-edits": ("on-request", "workspace-write"),
+                "auto": ("on-request", "workspace-write"),
+                "full-access": ("never", "danger-full-access")}
+_CODEX_REQUEST_KINDS = {"item/commandExecution/requestApproval": "command",
+                        "item/fileChange/requestApproval": "file-change",
+                        "mcpServer/elicitation/request": "mcp-elicitation",
+                        "item/tool/requestUserInput": "user_input"}
+_CODEX_DECISIONS = {"accept": "accept", "acceptForSession": "acceptForSession",
+                    "decline": "decline", "cancel": "cancel"}
+_CODEX_TOOL_ITEMS = {"commandExecution": "execute", "fileChange": "edit", "mcpToolCall": "mcp"}
+_CODEX_TOOL_STATUS = {"inProgress": "running", "completed": "completed", "failed": "failed",
+                      "declined": "failed"}
+_CODEX_PLAN_STATUS = {"pending": "pending", "inProgress": "in_progress", "completed": "completed"}
+_CODEX_WAIT_TOOL = "t3_thread_wait"  # served alone by the "-direct" registration
+
+
+def _codex_mcp_servers(mcp: McpEndpoint) -> dict[str, Any]:
+    """The seed's two registrations of t3's MCP server: ``t3-code`` with every tool but
+    ``t3_thread_wait``, ``t3-code-direct`` with only that one. t3's own tools are scoped to the
+    thread by the credential, so codex runs them without asking."""
+    common = {"url": mcp.url, "http_headers": dict(mcp.headers),
+              "default_tools_approval_mode": "approve"}
+    return {mcp.name: {**common, "disabled_tools": [_CODEX_WAIT_TOOL]},
+            f"{mcp.name}-direct": {**common, "enabled_tools": [_CODEX_WAIT_TOOL]}}
+
+
+class CodexSession:
+    """One ``codex app-server`` process serving one app thread (one codex thread)."""
+
+    def __init__(self, *, adapter: CodexAdapter, process: _Process, runtime_mode: str) -> None:
+        self._adapter = adapter
+        self._process = process
+        self._runtime_mode = runtime_mode
+        self.pid: int | None = process.pid
+        self.native_thread_ref: str | None = None
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.exit_reason: str | None = None
+        self._turn_id: str | None = None
+        self._ended_turns: set[str] = set()
+        self._last_error: str | None = None
+        self._requests: dict[str, tuple[Any, str]] = {}  # native_ref -> (JSON-RPC id, method)
+        self._closing = False
+        self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log,
+                            label=f"{adapter.info.instance_id}[{process.pid}]",
+                            on_request=self._on_request, on_notification=self._on_notification,
+                            on_close=self._on_close)
+
+    def alive(self) -> bool:
+        return self._process.alive() and not self.rpc.closed
+
+    # -- opening -------------------------------------------------------------------------------
+
+    async def open(self, *, cwd: str, model: str | None, resume_ref: str | None,
+                   mcp: McpEndpoint | None) -> None:
+        await self.rpc.request("initialize", {
+            "clientInfo": {"name": "t3", "title": "t3", "version": "0.1.0"},
+            "capabilities": {"experimentalApi": True}}, timeout=60)
+        await self.rpc.notify("initialized", {})
+        approval, sandbox = _CODEX_MODES.get(self._runtime_mode, _CODEX_MODES["auto"])
+        params: dict[str, Any] = {"cwd": cwd, "approvalPolicy": approval, "sandbox": sandbox}
+        if model:
+            params["model"] = model
+        if mcp is not None:
+            params["config"] = {"mcp_servers": _codex_mcp_servers(mcp)}
+        result: Mapping[str, Any] | None = None
+        if resume_ref:
+            try:
+                # excludeTurns: t3 keeps its own history; codex still gives the model all of it
+                result = await self.rpc.request("thread/resume", {
+                    "threadId": resume_ref, "excludeTurns": True, **params}, timeout=120)
+            except JsonRpcError as exc:
+                log.warning("thread/resume of %s failed (%s); starting a new thread",
+                            resume_ref, exc)
+        if result is None:
+            result = await self.rpc.request("thread/start", params, timeout=120)
+        self.native_thread_ref = ((result or {}).get("thread") or {}).get("id")
+        if not self.native_thread_ref:
+            raise JsonRpcError(-32603, "codex returned no thread id")
+
+    # -- turns -----------------------------------------------------------------------------------
+
+    async def start_turn(self, text: str) -> None:
+        if self._turn_id is not None:
+            raise RuntimeError("a turn is already running on this session")
+        self._last_error = None
+        result = await self.rpc.request("turn/start", {
+            "threadId": self.native_thread_ref, "input": _codex_input(text)}, timeout=60)
+        turn_id = ((result or {}).get("turn") or {}).get("id")
+        if turn_id and turn_id not in self._ended_turns:  # a fast turn may have ended already
+            self._turn_id = turn_id
+
+    async def steer_turn(self, text: str) -> None:
+        if self._turn_id is None:
+            raise RuntimeError("no turn is running on this session")
+        await self.rpc.request("turn/steer", {"threadId": self.native_thread_ref,
+                                              "expectedTurnId": self._turn_id,
+                                              "input": _codex_input(text)}, timeout=60)
+
+    async def interrupt_turn(self) -> None:
+        for native_ref in list(self._requests):
+            _, method = self._requests[native_ref]
+            await self._answer(native_ref, _codex_answer(method, "cancel", None))
+        if self._turn_id is None:
+            return
+        try:
+            await self.rpc.request("turn/interrupt", {"threadId": self.native_thread_ref,
+                                                      "turnId": self._turn_id}, timeout=30)
+        except (JsonRpcError, ConnectionError) as exc:
+            log.info("turn/interrupt not applied: %s", exc)
+
+    async def respond(self, native_ref: str, decision: str | None,
+                      answers: Mapping[str, Any] | None) -> None:
+        if native_ref not in self._requests:
+            raise RuntimeError(f"no pending request {native_ref} on this session")
+        _, method = self._requests[native_ref]
+        await self._answer(native_ref, _codex_answer(method, decision, answers))
+
+    async def _answer(self, native_ref: str, result: Mapping[str, Any]) -> None:
+        request_id, _ = self._requests.pop(native_ref)
+        try:
+            await self.rpc.respond(request_id, result)
+        except ConnectionError:
+            pass
+
+    async def close(self, *, grace: float = 3.0) -> None:
+        self._closing = True
+        await self._process.stop(grace=grace)
+
+    # -- incoming --------------------------------------------------------------------------------
+
+    async def _on_request(self, request_id: Any, method: str, params: Mapping[str, Any]) -> Any:
+        kind = _CODEX_REQUEST_KINDS.get(method)
+        if kind is None:
+            raise JsonRpcError(-32601, f"t3 does not offer {method}")
+        if self._runtime_mode == "full-access" and kind != "user_input":
+            return _codex_answer(method, "accept", None)  # this mode never asks the user
+        native_ref = str(request_id)
+        self._requests[native_ref] = (request_id, method)
+        await self.events.put(RuntimeRequestOpened(
+            native_ref=native_ref, request_kind=kind, title=_codex_request_title(method, params),
+            detail=dict(params)))
+        return _DEFERRED
+
+    async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
+        if params.get("threadId") not in (None, self.native_thread_ref):
+            return
+        if method == "item/agentMessage/delta":
+            await self.events.put(TextDelta(params.get("delta", "")))
+        elif method in ("item/reasoning/textDelta", "item/reasoning/summaryTextDelta"):
+            await self.events.put(ReasoningDelta(params.get("delta", "")))
+        elif method in ("item/started", "item/completed"):
+            item = params.get("item") or {}
+            if item.get("type") in _CODEX_TOOL_ITEMS:
+                await self.events.put(_codex_tool_update(item))
+        elif method == "turn/plan/updated":
+            await self.events.put(PlanUpdate(entries=[
+                {"content": step.get("step", ""),
+                 "status": _CODEX_PLAN_STATUS.get(step.get("status"), "pending")}
+                for step in params.get("plan") or []]))
+        elif method == "turn/started":
+            turn_id = (params.get("turn") or {}).get("id")
+            if turn_id and turn_id not in self._ended_turns:
+                self._turn_id = turn_id
+        elif method == "error" and not params.get("willRetry"):
+            self._last_error = (params.get("error") or {}).get("message") or self._last_error
+        elif method == "turn/completed":
+            await self._turn_completed(params.get("turn") or {})
+
+    async def _turn_completed(self, turn: Mapping[str, Any]) -> None:
+        if self._turn_id is not None and turn.get("id") not in (None, self._turn_id):
+            return
+        self._turn_id = None
+        if turn.get("id"):
+            self._ended_turns.add(turn["id"])
+        for native_ref in list(self._requests):  # nothing can answer them any more
+            self._requests.pop(native_ref, None)
+        status = turn.get("status")
+        if status == "interrupted":
+            await self.events.put(TurnEnded("interrupted"))
+        elif status == "failed":
+            message = (turn.get("error") or {}).get("message") or self._last_error
+            await self.events.put(TurnEnded("failed", f"Codex failed the turn: "
+                                                      f"{message or 'no reason given'}"))
+        else:
+            await self.events.put(TurnEnded("completed"))
+
+    async def _on_close(self, returncode: int) -> None:
+        self.exit_reason = None if self._closing else \
+            f"The provider process exited unexpectedly (exit code {returncode})."
+        self._requests.clear()
+        await self.events.put(None)
+
+
+def _codex_input(text: str) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": text, "text_elements": []}]
+
+
+def _codex_answer(method: str, decision: str | None, answers: Mapping[str, Any] | None
+                  ) -> Mapping[str, Any]:
+    if method == "item/tool/requestUserInput":
+        # codex wants {question id: {answers: [strings]}}
+        return {"answers": {qid: (a if isinstance(a, Mapping) else
+                                  {"answers": list(a) if isinstance(a, (list, tuple))
+                                   else [str(a)]})
+                            for qid, a in (answers or {}).items()}}
+    if method == "mcpServer/elicitation/request":
+        action = {"accept": "accept", "acceptForSession": "accept",
+                  "decline": "decline"}.get(decision or "cancel", "cancel")
+        return {"action": action, "content": dict(answers) if answers and action == "accept"
+                else None, "_meta": None}
+    return {"decision": _CODEX_DECISIONS.get(decision or "cancel", "cancel")}
+
+
+def _codex_request_title(method: str, params: Mapping[str, Any]) -> str:
+    if method == "item/commandExecution/requestApproval":
+        return f"Run {params.get('command') or 'a command'}"
+    if method == "item/fileChange/requestApproval":
+        return params.get("reason") or "Apply file changes"
+    if method == "mcpServer/elicitation/request":
+        return params.get("message") or f"{params.get('serverName', 'An MCP server')} asks"
+    questions = params.get("questions") or []
+    first = questions[0] if questions and isinstance(questions[0], Mapping) else {}
+    return first.get("question") or first.get("header") or "Codex asks a question"
+
+
+def _codex_tool_update(item: Mapping[str, Any]) -> ToolUpdate:
+    kind = str(item.get("type"))
+    output: str | None = None
+    tool_input: Any
+    if kind == "commandExecution":
+        title, tool_input = item.get("command"), {"command": item.get("command"),
+                                                  "cwd": item.get("cwd")}
+        output = item.get("aggregatedOutput")
+    elif kind == "fileChange":
+        changes = item.get("changes") or []
+        title = "Edit " + ", ".join(str(c.get("path")) for c in changes) if changes else "Edit"
+        tool_input = {"changes": changes}
+    else:
+        title = f"{item.get('server')}.{item.get('tool')}"
+        tool_input = item.get("arguments")
+        if item.get("error"):
+            output = (item.get("error") or {}).get("message")
+        elif item.get("result") is not None:
+            texts = [c.get("text", "") for c in (item["result"].get("content") or [])
+                     if isinstance(c, Mapping) and c.get("type") == "text"]
+            output = "\n".join(texts) if texts else json.dumps(item["result"])
+    return ToolUpdate(native_id=str(item.get("id")),
+                      status=_CODEX_TOOL_STATUS.get(str(item.get("status")), "running"),
+                      title=title, tool_kind=_CODEX_TOOL_ITEMS[kind], input=tool_input,
+                      output=output)
+
+
+class CodexAdapter:
+    """``codex app-server``, one process per session."""
+
+    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
+                                supports_steering_by_restart=True, supports_queued_messages=True,
+                                supports_resume=True, supports_mcp=True)
+
+    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
+        self.config = config
+        self.owner = owner
+        self.protocol_log = _protocol_log(log_dir, config.instance_id)
+        constraints = []
+        if not config.enabled:
+            constraints.append("disabled in the configuration")
+        if not config.command:
+            constraints.append("no command configured")
+        elif not _resolvable(config.command[0]):
+            constraints.append(f"executable not found: {config.command[0]}")
+        self.info = ProviderInfo(instance_id=config.instance_id, driver=config.driver,
+                                 display_name=config.display_name, models=config.models,
+                                 capabilities=self.CAPABILITIES, available=not constraints,
+                                 constraints=tuple(constraints))
+
+    async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
+                           runtime_mode: str, interaction_mode: str, resume_ref: str | None,
+                           mcp: McpEndpoint | None) -> CodexSession:
+        if not self.info.available:
+            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
+                               + "; ".join(self.info.constraints))
+        env = {**os.environ, **self.config.env, "T3_OWNER": self.owner,
+               "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        process = await _Process.spawn(self.config.command, cwd=cwd, env=env)
+        session = CodexSession(adapter=self, process=process, runtime_mode=runtime_mode)
+        try:
+            await session.open(cwd=cwd, model=model, resume_ref=resume_ref, mcp=mcp)
+        except BaseException:
+            await session.close(grace=1.0)
+            raise
+        return session
+
+
 class UnavailableAdapter:
     """A configured instance whose driver this t3 cannot run yet."""
 
@@ -593,6 +1121,21 @@ class UnavailableAdapter:
                            + "; ".join(self.info.constraints))
 
 
+def _info(config: ProviderConfig, capabilities: Capabilities) -> ProviderInfo:
+    """What an instance offers, and why it cannot run if it cannot."""
+    constraints = []
+    if not config.enabled:
+        constraints.append("disabled in the configuration")
+    if not config.command:
+        constraints.append("no command configured")
+    elif not _resolvable(config.command[0]):
+        constraints.append(f"executable not found: {config.command[0]}")
+    return ProviderInfo(instance_id=config.instance_id, driver=config.driver,
+                        display_name=config.display_name, models=config.models,
+                        capabilities=capabilities, available=not constraints,
+                        constraints=tuple(constraints))
+
+
 def _resolvable(executable: str) -> bool:
     return shutil.which(executable) is not None or (os.path.isabs(executable)
                                                     and os.access(executable, os.X_OK))
@@ -601,5 +1144,9 @@ def _resolvable(executable: str) -> bool:
 def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str) -> Any:
     if config.driver == "acp":
         return AcpAdapter(config, log_dir=log_dir, owner=owner)
+    if config.driver == "claudeAgent":
+        return ClaudeAdapter(config, log_dir=log_dir, owner=owner)
+    if config.driver == "codex":
+        return CodexAdapter(config, log_dir=log_dir, owner=owner)
     return UnavailableAdapter(config, f"the {config.driver} driver is not built into this "
                                       "version of t3 yet")
