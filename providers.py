@@ -15,7 +15,8 @@ Raw protocol traffic goes to rotating files under ``<data-dir>/logs/`` with cred
 never to SQLite.
 
 Drivers here: ``acp`` (JSON-RPC 2.0 over stdio NDJSON: gemini --acp, claude-agent-acp,
-codex-acp, ...). Other drivers of the design are listed as unavailable until built.
+codex-acp, ...), ``claudeAgent`` (claude -p stream-json), ``codex`` (codex app-server) and ``pi``
+(pi --mode rpc). Other drivers of the design are listed as unavailable until built.
 This module never touches the database and imports only the domain's types.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
 import itertools
 import json
 import logging
@@ -41,7 +43,7 @@ from typing import Any
 from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderInfo, ReasoningDelta,
                           RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded)
 
-__all__ = ["DRIVERS", "ProviderConfig", "AcpAdapter", "UnavailableAdapter", "build_adapter",
+__all__ = ["DRIVERS", "ProviderConfig", "AcpAdapter", "PiAdapter", "UnavailableAdapter", "build_adapter",
            "detect_providers", "kill_orphans", "redact"]
 
 log = logging.getLogger("t3.providers")
@@ -1107,6 +1109,334 @@ class CodexAdapter:
         return session
 
 
+# =============================================================================================
+# Pi (pi --mode rpc)
+#
+# pi's own JSONL protocol over stdio (research/agents.md §5, D§7.8): commands ``{type, id, ...}``
+# on stdin, responses ``{type: "response", id, command, success, data?, error?}`` and events
+# (no id) on stdout. Framing is LF only: pi's strings may hold U+2028/U+2029, which a line
+# splitter on "any line break" would cut, so t3 splits on b"\n" and strips one trailing CR.
+
+
+_PI_REQUEST_TIMEOUT = 90.0  # pi answers its first command only once it has started (slow under load)
+_PI_EXTENSION_NAME = "pi-t3-mcp-extension.ts"
+# The MCP bridge (seed "Pi V2"): t3's tools as pi tools named mcp__t3-code__<tool>, each calling
+# t3's MCP server over HTTP with the session's credential. Written into the data dir's cache.
+_PI_MCP_EXTENSION = r"""// Written by t3: forwards t3's MCP tools into pi (pi has no MCP client). Do not edit.
+import type { ExtensionAPI } from "@mariozechner/pi-coding-agent";
+import { Type } from "typebox";
+
+const URL_ = process.env.T3_MCP_URL ?? "";
+const TOKEN = process.env.T3_MCP_BEARER_TOKEN ?? "";
+const PREFIX = "mcp__t3-code__";
+let nextId = 1;
+let sessionId: string | undefined;
+
+async function rpc(method: string, params: unknown, signal?: AbortSignal): Promise<any> {
+  const headers: Record<string, string> = {
+    "content-type": "application/json",
+    accept: "application/json, text/event-stream",
+    authorization: `Bearer ${TOKEN}`,
+    "mcp-protocol-version": "2025-06-18",
+  };
+  if (sessionId) headers["mcp-session-id"] = sessionId;
+  const res = await fetch(URL_, {
+    method: "POST", headers, signal,
+    body: JSON.stringify({ jsonrpc: "2.0", id: nextId++, method, params }),
+  });
+  const sid = res.headers.get("mcp-session-id");
+  if (sid) sessionId = sid;
+  const body = await res.text();
+  if (!res.ok) throw new Error(`t3 MCP ${method}: HTTP ${res.status}: ${body.slice(0, 500)}`);
+  let message: any;
+  if ((res.headers.get("content-type") ?? "").includes("text/event-stream")) {
+    for (const line of body.split("\n")) {
+      if (!line.startsWith("data:")) continue;
+      const data = JSON.parse(line.slice(5).trim());
+      if (data && data.id !== undefined && (data.result !== undefined || data.error !== undefined)) message = data;
+    }
+  } else {
+    message = JSON.parse(body);
+  }
+  if (!message) throw new Error(`t3 MCP ${method}: no response`);
+  if (message.error) throw new Error(`t3 MCP ${method}: ${message.error.message ?? JSON.stringify(message.error)}`);
+  return message.result;
+}
+
+export default async function (pi: ExtensionAPI) {
+  if (!URL_) return;
+  await rpc("initialize", {
+    protocolVersion: "2025-06-18", capabilities: {},
+    clientInfo: { name: "t3-pi-bridge", version: "0.1.0" },
+  });
+  await fetch(URL_, {
+    method: "POST",
+    headers: {
+      "content-type": "application/json", accept: "application/json, text/event-stream",
+      authorization: `Bearer ${TOKEN}`, "mcp-protocol-version": "2025-06-18",
+      ...(sessionId ? { "mcp-session-id": sessionId } : {}),
+    },
+    body: JSON.stringify({ jsonrpc: "2.0", method: "notifications/initialized" }),
+  }).then((r) => r.text()).catch(() => undefined);
+  const listed = await rpc("tools/list", {});
+  for (const tool of listed?.tools ?? []) {
+    const schema = tool.inputSchema ?? { type: "object", properties: {} };
+    pi.registerTool({
+      name: PREFIX + tool.name,
+      label: tool.title ?? tool.name,
+      description: tool.description ?? tool.name,
+      parameters: Type.Unsafe(schema),
+      async execute(_toolCallId: string, params: any, signal?: AbortSignal) {
+        const result = await rpc("tools/call", { name: tool.name, arguments: params ?? {} }, signal);
+        let content = (result?.content ?? []).filter((c: any) => c && c.type === "text");
+        if (content.length === 0) content = [{ type: "text", text: JSON.stringify(result?.structuredContent ?? result ?? null) }];
+        if (result?.isError) throw new Error(content.map((c: any) => c.text).join("\n"));
+        return { content, details: { structuredContent: result?.structuredContent } };
+      },
+    } as any);
+  }
+}
+"""
+
+
+class PiSession:
+    """One ``pi --mode rpc`` process serving one app thread; its session file is the native
+    thread ref and lives across processes."""
+
+    def __init__(self, *, adapter: PiAdapter, process: _Process, session_file: str) -> None:
+        self._adapter = adapter
+        self._process = process
+        self.pid: int | None = process.pid
+        self.native_thread_ref: str | None = session_file
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.exit_reason: str | None = None
+        self._label = f"{adapter.info.instance_id}[{process.pid}]"
+        self._ids = itertools.count(1)
+        self._pending: dict[str, asyncio.Future[Mapping[str, Any]]] = {}
+        self._in_turn = False
+        self._interrupted = False
+        self._last_error: str | None = None
+        self._closing = False
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
+
+    def alive(self) -> bool:
+        return self._process.alive()
+
+    async def _request(self, kind: str, *, timeout: float = _PI_REQUEST_TIMEOUT,
+                       **fields: Any) -> Mapping[str, Any]:
+        stdin = self._process.proc.stdin
+        if stdin is None or stdin.is_closing() or not self.alive():
+            raise ConnectionError(f"{self._label}: the provider process is not running")
+        request_id = f"t3-{next(self._ids)}"
+        future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        line = json.dumps({"type": kind, "id": request_id, **fields}, separators=(",", ":"))
+        self._adapter.protocol_log.info("%s -> %s", self._label, redact(line))
+        try:
+            stdin.write(line.encode() + b"\n")
+            await stdin.drain()
+            response = await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(request_id, None)
+        if not response.get("success"):
+            raise RuntimeError(f"pi refused {kind}: {response.get('error') or 'no reason given'}")
+        return response
+
+    async def start_turn(self, text: str) -> None:
+        if self._in_turn:
+            raise RuntimeError("a turn is already running on this session")
+        self._in_turn, self._interrupted, self._last_error = True, False, None
+        try:
+            await self._request("prompt", message=text)
+        except BaseException:
+            self._in_turn = False
+            raise
+
+    async def steer_turn(self, text: str) -> None:
+        if not self._in_turn:
+            raise RuntimeError("no turn is running on this session")
+        await self._request("steer", message=text)
+
+    async def interrupt_turn(self) -> None:
+        if not self._in_turn:
+            return
+        self._interrupted = True
+        try:  # pi answers abort only after the turn has ended
+            await self._request("abort", timeout=30.0)
+        except (ConnectionError, RuntimeError, TimeoutError) as exc:
+            log.info("%s: abort not applied: %s", self._label, exc)
+
+    async def respond(self, native_ref: str, decision: str | None,
+                      answers: Mapping[str, Any] | None) -> None:
+        raise RuntimeError("pi raises no runtime requests")
+
+    async def close(self, *, grace: float = 3.0) -> None:
+        self._closing = True
+        await self._process.stop(grace=grace)
+
+    async def _read_stdout(self) -> None:
+        stdout = self._process.proc.stdout
+        assert stdout is not None
+        buffer = b""
+        try:
+            while True:
+                chunk = await stdout.read(1 << 16)
+                if not chunk:
+                    break
+                buffer += chunk
+                while (end := buffer.find(b"\n")) >= 0:
+                    raw, buffer = buffer[:end], buffer[end + 1:]
+                    if raw.endswith(b"\r"):
+                        raw = raw[:-1]
+                    await self._line(raw)
+                if len(buffer) > _LINE_LIMIT:
+                    raise ValueError("a protocol line exceeds the size limit")
+        except (ConnectionError, ValueError) as exc:
+            log.warning("%s: stopped reading: %s", self._label, exc)
+        finally:
+            returncode = await self._process.proc.wait()
+            self.exit_reason = None if self._closing else \
+                f"The provider process exited unexpectedly (exit code {returncode})."
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(ConnectionError("the provider process exited"))
+            await self.events.put(None)
+
+    async def _line(self, raw: bytes) -> None:
+        text = raw.decode(errors="replace")
+        if not text.strip():
+            return
+        self._adapter.protocol_log.info("%s <- %s", self._label, redact(text))
+        try:
+            message = json.loads(text)
+        except json.JSONDecodeError:
+            return
+        if isinstance(message, dict):
+            await self._route(message)
+
+    async def _route(self, message: Mapping[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "response":
+            future = self._pending.get(str(message.get("id")))
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif kind == "message_update":
+            event = message.get("assistantMessageEvent") or {}
+            if event.get("type") == "text_delta":
+                await self.events.put(TextDelta(event.get("delta", "")))
+            elif event.get("type") == "thinking_delta":
+                await self.events.put(ReasoningDelta(event.get("delta", "")))
+        elif kind == "message_end":
+            msg = message.get("message") or {}
+            if msg.get("role") == "assistant" and msg.get("stopReason") == "error":
+                self._last_error = msg.get("errorMessage") or "the model request failed"
+            elif msg.get("role") == "assistant":
+                self._last_error = None
+        elif kind in ("tool_execution_start", "tool_execution_update", "tool_execution_end"):
+            await self.events.put(_pi_tool_update(message))
+        elif kind in ("agent_end", "agent_settled") and self._in_turn:
+            # pi 0.73.1 ends a prompt with agent_end (it has no agent_settled yet)
+            await self._end_turn()
+
+    async def _end_turn(self) -> None:
+        self._in_turn = False
+        if self._interrupted:
+            await self.events.put(TurnEnded("interrupted"))
+        elif self._last_error:
+            await self.events.put(TurnEnded("failed", f"pi failed the turn: {self._last_error}"))
+        else:
+            await self.events.put(TurnEnded("completed"))
+
+    async def _read_stderr(self) -> None:
+        stderr = self._process.proc.stderr
+        assert stderr is not None
+        while True:
+            raw = await stderr.readline()
+            if not raw:
+                return
+            self._adapter.protocol_log.info("%s stderr %s", self._label,
+                                            redact(raw.decode(errors="replace").rstrip()))
+
+
+def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
+    kind = message.get("type")
+    name = str(message.get("toolName") or "tool")
+    args = message.get("args")
+    output: str | None = None
+    result = message.get("result") if kind == "tool_execution_end" else \
+        message.get("partialResult")
+    if isinstance(result, Mapping):
+        texts = [c.get("text", "") for c in result.get("content") or []
+                 if isinstance(c, Mapping) and c.get("type") == "text"]
+        output = "\n".join(texts)
+    status = ("failed" if message.get("isError") else "completed") \
+        if kind == "tool_execution_end" else "running"
+    title = f"{name} {args.get('command')}" if name == "bash" and isinstance(args, Mapping) \
+        and args.get("command") else name
+    return ToolUpdate(native_id=str(message.get("toolCallId")), status=status,
+                      title=title if kind == "tool_execution_start" else None,
+                      tool_kind="execute" if name == "bash" else
+                      "mcp" if name.startswith("mcp__") else name,
+                      input=args if kind == "tool_execution_start" else None, output=output)
+
+
+class PiAdapter:
+    """``pi --mode rpc``, one process per session. pi has no permission prompts: its tools just
+    run, so runtime requests never arise and the runtime mode does not change what it may do.
+    Steering is native (``steer``: delivered before pi's next model call, same turn).
+    Conversations persist in ``--session <file>`` under ``<data-dir>/agents/pi-sessions/``, one
+    file per app thread, which is the native thread ref. pi has no MCP client: t3's MCP server
+    reaches it through a t3-owned extension (``<data-dir>/agents/pi-t3-mcp-extension.ts``) that
+    registers t3's tools as ``mcp__t3-code__<tool>`` and calls them over HTTP."""
+
+    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
+                                supports_steering_by_restart=True, supports_queued_messages=True,
+                                supports_resume=True, supports_mcp=True)
+
+    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
+        self.config = config
+        self.owner = owner
+        self.protocol_log = _protocol_log(log_dir, config.instance_id)
+        self.agents_dir = log_dir.parent / "agents"
+        self.info = _info(config, self.CAPABILITIES)
+
+    def session_file(self, thread_id: str) -> Path:
+        digest = hashlib.sha256(thread_id.encode()).hexdigest()[:32]
+        return self.agents_dir / "pi-sessions" / f"{digest}.jsonl"
+
+    def _extension(self) -> Path:
+        path = self.agents_dir / _PI_EXTENSION_NAME
+        if not path.exists() or path.read_text() != _PI_MCP_EXTENSION:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            partial.write_text(_PI_MCP_EXTENSION)
+            partial.replace(path)
+        return path
+
+    async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
+                           runtime_mode: str, interaction_mode: str, resume_ref: str | None,
+                           mcp: McpEndpoint | None) -> PiSession:
+        if not self.info.available:
+            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
+                               + "; ".join(self.info.constraints))
+        session_file = Path(resume_ref) if resume_ref else self.session_file(thread_id)
+        session_file.parent.mkdir(parents=True, exist_ok=True)
+        command = list(self.config.command) + ["--session", str(session_file)]
+        if model:
+            provider, _, name = model.rpartition("/")
+            command += (["--provider", provider] if provider else []) + ["--model", name]
+        env = {**os.environ, **self.config.env, "T3_OWNER": self.owner,
+               "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        if mcp is not None:
+            command += ["--extension", str(self._extension())]
+            auth = next((v for k, v in mcp.headers.items() if k.lower() == "authorization"), "")
+            env["T3_MCP_URL"] = mcp.url
+            env["T3_MCP_BEARER_TOKEN"] = auth.removeprefix("Bearer ").strip()
+        process = await _Process.spawn(command, cwd=cwd, env=env)
+        return PiSession(adapter=self, process=process, session_file=str(session_file))
+
+
 class UnavailableAdapter:
     """A configured instance whose driver this t3 cannot run yet."""
 
@@ -1148,5 +1478,7 @@ def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str) -> Any:
         return ClaudeAdapter(config, log_dir=log_dir, owner=owner)
     if config.driver == "codex":
         return CodexAdapter(config, log_dir=log_dir, owner=owner)
+    if config.driver == "pi":
+        return PiAdapter(config, log_dir=log_dir, owner=owner)
     return UnavailableAdapter(config, f"the {config.driver} driver is not built into this "
                                       "version of t3 yet")
