@@ -15,14 +15,16 @@ Raw protocol traffic goes to rotating files under ``<data-dir>/logs/`` with cred
 never to SQLite.
 
 Drivers here: ``acp`` (JSON-RPC 2.0 over stdio NDJSON: gemini --acp, claude-agent-acp,
-codex-acp, ...), ``claudeAgent`` (claude -p stream-json), ``codex`` (codex app-server) and ``pi``
-(pi --mode rpc). Other drivers of the design are listed as unavailable until built.
+codex-acp, ...), ``claudeAgent`` (claude -p stream-json), ``codex`` (codex app-server), ``pi``
+(pi --mode rpc) and ``opencode`` (opencode serve, REST + SSE). Other drivers of the design are
+listed as unavailable until built.
 This module never touches the database and imports only the domain's types.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import ctypes
 import hashlib
 import itertools
@@ -33,17 +35,20 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderInfo, ReasoningDelta,
                           RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded)
 
-__all__ = ["DRIVERS", "ProviderConfig", "AcpAdapter", "PiAdapter", "UnavailableAdapter", "build_adapter",
+__all__ = ["DRIVERS", "ProviderConfig", "AcpAdapter", "ClaudeAdapter", "CodexAdapter", "PiAdapter",
+           "OpenCodeAdapter", "UnavailableAdapter", "build_adapter",
            "detect_providers", "kill_orphans", "redact"]
 
 log = logging.getLogger("t3.providers")
@@ -1437,6 +1442,429 @@ class PiAdapter:
         return PiSession(adapter=self, process=process, session_file=str(session_file))
 
 
+# =============================================================================================
+# OpenCode (opencode serve)
+#
+# HTTP REST plus one SSE stream (research/agents.md §6, D§7.7). One `opencode serve` process per
+# session, bound to 127.0.0.1 on a free port and guarded by a random server password; one
+# opencode session per app thread. Stdlib HTTP/1.1 over asyncio streams.
+
+
+_OPENCODE_LISTENING = re.compile(r"listening on (http://[^\s]+)")
+_OPENCODE_EDIT_TOOLS = {"edit", "write", "patch", "multiedit"}
+_OPENCODE_TOOL_STATUS = {"pending": "pending", "running": "running", "completed": "completed",
+                         "error": "failed"}
+_OPENCODE_REPLIES = {"accept": "once", "acceptForSession": "always"}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
+async def _http_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    status_line = await reader.readline()
+    if not status_line:
+        raise ConnectionError("the opencode server closed the connection")
+    status = int(status_line.split()[1])
+    headers: dict[str, str] = {}
+    while True:
+        line = (await reader.readline()).decode("latin-1").strip()
+        if not line:
+            return status, headers
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+
+
+async def _http_body_chunks(reader: asyncio.StreamReader, headers: Mapping[str, str]
+                            ) -> AsyncIterator[bytes]:
+    """The body of a response as it arrives (chunked, by length, or until the connection ends)."""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        while True:
+            size_line = await reader.readline()
+            if not size_line:
+                return
+            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                return
+            chunk = await reader.readexactly(size)
+            await reader.readline()
+            yield chunk
+    elif "content-length" in headers:
+        remaining = int(headers["content-length"])
+        if remaining:
+            yield await reader.readexactly(remaining)
+    else:
+        while chunk := await reader.read(65536):
+            yield chunk
+
+
+class OpenCodeSession:
+    """One ``opencode serve`` process serving one app thread (one opencode session)."""
+
+    def __init__(self, *, adapter: OpenCodeAdapter, process: _Process, port: int,
+                 password: str, cwd: str, model: str | None, runtime_mode: str) -> None:
+        self._adapter = adapter
+        self._process = process
+        self._port = port
+        self._auth = "Basic " + base64.b64encode(
+            f"opencode:{password}".encode()).decode()
+        self._cwd = cwd
+        self._model = model
+        self._runtime_mode = runtime_mode
+        self.pid: int | None = process.pid
+        self.native_thread_ref: str | None = None
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.exit_reason: str | None = None
+        self._label = f"{adapter.info.instance_id}[{process.pid}]"
+        self._in_turn = False
+        self._busy = False  # the root session went busy in this turn
+        self._interrupted = False
+        self._error: str | None = None
+        self._closing = False
+        self._permissions: dict[str, Mapping[str, Any]] = {}
+        self._roles: dict[str, str] = {}  # message id -> role
+        self._parts: dict[str, str] = {}  # part id -> part type
+        self._sent: dict[str, int] = {}  # part id -> characters already emitted
+        self._tools: dict[str, tuple[str, Any]] = {}  # part id -> (status, output) emitted
+        self._listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._subscribed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_output(process.proc.stdout, "stdout")),
+                       loop.create_task(self._read_output(process.proc.stderr, "stderr")),
+                       loop.create_task(self._watch_exit())]
+
+    def alive(self) -> bool:
+        return self._process.alive()
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    def _target(self, path: str) -> str:
+        sep = "&" if "?" in path else "?"
+        return f"{path}{sep}directory={quote(self._cwd, safe='')}"
+
+    async def _request(self, method: str, path: str, body: Any = None, *,
+                       timeout: float = 60) -> Any:
+        payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
+        target = self._target(path)
+        self._adapter.protocol_log.info("%s -> %s %s %s", self._label, method, target,
+                                        redact(payload.decode()))
+
+        async def exchange() -> Any:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self._port)
+            try:
+                writer.write((f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1:{self._port}\r\n"
+                              f"Authorization: {self._auth}\r\nAccept: application/json\r\n"
+                              f"Content-Type: application/json\r\n"
+                              f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+                              ).encode() + payload)
+                await writer.drain()
+                status, headers = await _http_head(reader)
+                data = b"".join([c async for c in _http_body_chunks(reader, headers)])
+            finally:
+                writer.close()
+            text = data.decode(errors="replace")
+            self._adapter.protocol_log.info("%s <- %s %s", self._label, status, redact(text))
+            if status >= 300:
+                raise _HttpError(status, text)
+            return json.loads(text) if text.strip() else None
+
+        return await asyncio.wait_for(exchange(), timeout)
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    async def open(self, *, resume_ref: str | None, mcp: McpEndpoint | None) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._listening), 60)
+        except TimeoutError:
+            raise RuntimeError("opencode serve did not start listening within 60 s") from None
+        self._tasks.append(asyncio.get_running_loop().create_task(self._read_events()))
+        await asyncio.wait_for(asyncio.shield(self._subscribed), 30)
+        if mcp is not None:
+            # Over the loopback HTTP API: the token is never on a command line or in a file.
+            await self._request("POST", "/mcp", {"name": mcp.name, "config": {
+                "type": "remote", "url": mcp.url, "headers": dict(mcp.headers),
+                "oauth": False, "enabled": True}})
+        if resume_ref:
+            try:
+                found = await self._request("GET", f"/session/{resume_ref}")
+                self.native_thread_ref = (found or {}).get("id")
+            except _HttpError as exc:
+                log.warning("opencode session %s is gone (%s); starting a new one",
+                            resume_ref, exc)
+        if not self.native_thread_ref:
+            created = await self._request("POST", "/session", {})
+            self.native_thread_ref = (created or {}).get("id")
+        if not self.native_thread_ref:
+            raise RuntimeError("opencode returned no session id")
+
+    # -- turns -----------------------------------------------------------------------------------
+
+    async def start_turn(self, text: str) -> None:
+        if self._in_turn:
+            raise RuntimeError("a turn is already running on this session")
+        self._in_turn, self._busy, self._interrupted, self._error = True, False, False, None
+        body: dict[str, Any] = {"parts": [{"type": "text", "text": text}]}
+        if self._model and "/" in self._model:
+            provider_id, _, model_id = self._model.partition("/")
+            body["model"] = {"providerID": provider_id, "modelID": model_id}
+        try:
+            await self._request("POST", f"/session/{self.native_thread_ref}/prompt_async", body)
+        except BaseException:
+            self._in_turn = False
+            raise
+
+    async def steer_turn(self, text: str) -> None:
+        raise RuntimeError("t3 steers opencode by interrupt-and-restart")
+
+    async def interrupt_turn(self) -> None:
+        self._interrupted = True
+        for native_ref in list(self._permissions):
+            await self._reply(native_ref, "reject")
+        if not self._in_turn:
+            return
+        try:
+            await self._request("POST", f"/session/{self.native_thread_ref}/abort", {})
+        except (_HttpError, ConnectionError, OSError) as exc:
+            log.info("opencode abort not applied: %s", exc)
+
+    async def respond(self, native_ref: str, decision: str | None,
+                      answers: Mapping[str, Any] | None) -> None:
+        if native_ref not in self._permissions:
+            raise RuntimeError(f"no pending permission request {native_ref} on this session")
+        await self._reply(native_ref, _OPENCODE_REPLIES.get(decision or "", "reject"))
+
+    async def _reply(self, native_ref: str, reply: str) -> None:
+        self._permissions.pop(native_ref, None)
+        try:
+            await self._request("POST", f"/permission/{native_ref}/reply", {"reply": reply})
+        except (_HttpError, ConnectionError, OSError) as exc:
+            log.info("opencode permission reply not applied: %s", exc)
+
+    async def close(self, *, grace: float = 3.0) -> None:
+        self._closing = True
+        await self._process.stop(grace=grace)
+        for task in self._tasks:
+            task.cancel()
+
+    # -- incoming --------------------------------------------------------------------------------
+
+    async def _read_output(self, stream: asyncio.StreamReader | None, name: str) -> None:
+        assert stream is not None
+        while True:
+            raw = await stream.readline()
+            if not raw:
+                return
+            line = raw.decode(errors="replace").rstrip()
+            self._adapter.protocol_log.info("%s %s %s", self._label, name, redact(line))
+            if (found := _OPENCODE_LISTENING.search(line)) and not self._listening.done():
+                self._listening.set_result(found.group(1))
+
+    async def _watch_exit(self) -> None:
+        returncode = await self._process.proc.wait()
+        self.exit_reason = None if self._closing else \
+            f"The provider process exited unexpectedly (exit code {returncode})."
+        for future in (self._listening, self._subscribed):
+            if not future.done():
+                future.set_exception(ConnectionError(
+                    f"opencode serve exited (exit code {returncode})"))
+        self._permissions.clear()
+        await self.events.put(None)
+
+    async def _read_events(self) -> None:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self._port)
+            writer.write((f"GET {self._target('/event')} HTTP/1.1\r\n"
+                          f"Host: 127.0.0.1:{self._port}\r\nAuthorization: {self._auth}\r\n"
+                          "Accept: text/event-stream\r\n\r\n").encode())
+            await writer.drain()
+            status, headers = await _http_head(reader)
+            if status != 200:
+                raise ConnectionError(f"GET /event answered {status}")
+            buffer = b""
+            async for chunk in _http_body_chunks(reader, headers):
+                buffer += chunk.replace(b"\r\n", b"\n")
+                while b"\n\n" in buffer:
+                    record, buffer = buffer.split(b"\n\n", 1)
+                    data = "\n".join(line[5:].lstrip() for line in
+                                     record.decode(errors="replace").split("\n")
+                                     if line.startswith("data:"))
+                    if not data:
+                        continue
+                    self._adapter.protocol_log.info("%s <- event %s", self._label, redact(data))
+                    if not self._subscribed.done():
+                        self._subscribed.set_result(None)
+                    try:
+                        event = json.loads(data)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(event, dict):
+                        await self._route(str(event.get("type")), event.get("properties") or {})
+        except (ConnectionError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
+            if not self._closing:
+                log.warning("%s: event stream ended: %s", self._label, exc)
+            if not self._subscribed.done():
+                self._subscribed.set_exception(ConnectionError(str(exc)))
+
+    async def _route(self, kind: str, props: Mapping[str, Any]) -> None:
+        # Only the root session (this thread's) streams text and ends the turn; child sessions
+        # (opencode's subagents) still raise permission asks, which t3 answers the same way.
+        root = self.native_thread_ref
+        if kind == "message.updated":
+            info = props.get("info") or {}
+            self._roles[str(info.get("id"))] = str(info.get("role"))
+        elif kind == "message.part.updated":
+            part = props.get("part") or {}
+            if part.get("sessionID") == root:
+                await self._on_part(part)
+        elif kind == "message.part.delta":
+            part_id = str(props.get("partID"))
+            if props.get("sessionID") == root and props.get("field", "text") == "text" and \
+                    self._roles.get(str(props.get("messageID"))) == "assistant":
+                await self._emit_text(part_id, self._parts.get(part_id, "text"),
+                                      str(props.get("delta") or ""))
+        elif kind == "permission.asked":
+            await self._on_permission(props)
+        elif kind == "permission.replied":
+            self._permissions.pop(str(props.get("requestID") or props.get("permissionID")), None)
+        elif kind == "session.status" and props.get("sessionID") == root:
+            status = (props.get("status") or {}).get("type")
+            if status == "busy":
+                self._busy = True
+            elif status == "idle":
+                await self._turn_over()
+        elif kind == "session.idle" and props.get("sessionID") == root:
+            await self._turn_over()
+        elif kind == "session.error" and props.get("sessionID") in (root, None):
+            error = props.get("error") or {}
+            if error.get("name") == "MessageAbortedError":
+                self._interrupted = True
+            else:
+                self._error = str((error.get("data") or {}).get("message")
+                                  or error.get("name") or "opencode failed the turn")
+            self._busy = True
+
+    async def _on_part(self, part: Mapping[str, Any]) -> None:
+        part_id, part_type = str(part.get("id")), str(part.get("type"))
+        self._parts[part_id] = part_type
+        if part_type in ("text", "reasoning"):
+            if self._roles.get(str(part.get("messageID"))) != "assistant":
+                return
+            full = str(part.get("text") or "")
+            sent = self._sent.get(part_id, 0)
+            if len(full) > sent:
+                await self._emit_text(part_id, part_type, full[sent:])
+        elif part_type == "tool":
+            state = part.get("state") or {}
+            status = _OPENCODE_TOOL_STATUS.get(str(state.get("status")), "running")
+            output = state.get("output") if status == "completed" else state.get("error")
+            if self._tools.get(part_id) == (status, output):
+                return
+            self._tools[part_id] = (status, output)
+            tool = str(part.get("tool") or "")
+            await self.events.put(ToolUpdate(
+                native_id=str(part.get("callID") or part_id), status=status,
+                title=state.get("title") or tool,
+                tool_kind="execute" if tool == "bash" else "edit"
+                if tool in _OPENCODE_EDIT_TOOLS else tool,
+                input=state.get("input"),
+                output=None if output is None else str(output)))
+
+    async def _emit_text(self, part_id: str, part_type: str, text: str) -> None:
+        if not text:
+            return
+        self._sent[part_id] = self._sent.get(part_id, 0) + len(text)
+        await self.events.put(ReasoningDelta(text) if part_type == "reasoning" else TextDelta(text))
+
+    async def _on_permission(self, props: Mapping[str, Any]) -> None:
+        native_ref = str(props.get("id"))
+        self._permissions[native_ref] = props
+        permission = str(props.get("permission") or "")
+        if self._runtime_mode in ("full-access", "auto") or \
+                (self._runtime_mode == "auto-accept-edits" and permission in _OPENCODE_EDIT_TOOLS):
+            await self._reply(native_ref, "once")  # this mode never asks the user
+            return
+        kind = "command" if permission == "bash" else "file-change" \
+            if permission in _OPENCODE_EDIT_TOOLS else "permission"
+        metadata = props.get("metadata") or {}
+        subject = metadata.get("command") or ", ".join(map(str, props.get("patterns") or []))
+        await self.events.put(RuntimeRequestOpened(
+            native_ref=native_ref, request_kind=kind,
+            title=f"Allow {permission}{': ' + str(subject) if subject else ''}?",
+            detail={"permission": permission, "patterns": props.get("patterns"),
+                    "metadata": metadata, "sessionID": props.get("sessionID")}))
+
+    async def _turn_over(self) -> None:
+        if not self._in_turn or not self._busy:
+            return  # an idle from before this turn started
+        self._in_turn = False
+        for native_ref in list(self._permissions):  # nothing can answer them any more
+            self._permissions.pop(native_ref, None)
+        if self._interrupted:
+            await self.events.put(TurnEnded("interrupted"))
+        elif self._error:
+            await self.events.put(TurnEnded("failed", f"opencode failed the turn: {self._error}"))
+        else:
+            await self.events.put(TurnEnded("completed"))
+
+
+class OpenCodeAdapter:
+    """``opencode serve``: one HTTP server process per session, driven over REST and SSE."""
+
+    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
+                                supports_steering_by_restart=True, supports_queued_messages=True,
+                                supports_resume=True, supports_mcp=True)
+
+    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
+        self.config = config
+        self.owner = owner
+        self.protocol_log = _protocol_log(log_dir, config.instance_id)
+        self.info = _info(config, self.CAPABILITIES)
+
+    def _config_content(self, runtime_mode: str) -> str:
+        """The instance's own OPENCODE_CONFIG_CONTENT (providers, model) plus t3's settings."""
+        try:
+            content = json.loads(self.config.env.get("OPENCODE_CONFIG_CONTENT") or "{}")
+        except json.JSONDecodeError:
+            content = {}
+        content.setdefault("autoupdate", False)
+        content.setdefault("share", "disabled")
+        ask = "ask" if runtime_mode in ("approval-required", "auto-accept-edits") else "allow"
+        edit = "ask" if runtime_mode == "approval-required" else "allow"
+        content["permission"] = {**(content.get("permission") or {}), "bash": ask, "edit": edit}
+        return json.dumps(content)
+
+    async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
+                           runtime_mode: str, interaction_mode: str, resume_ref: str | None,
+                           mcp: McpEndpoint | None) -> OpenCodeSession:
+        if not self.info.available:
+            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
+                               + "; ".join(self.info.constraints))
+        port = _free_port()
+        password = uuid.uuid4().hex
+        command = [*self.config.command, "--hostname", "127.0.0.1", "--port", str(port)]
+        env = {**os.environ, "OPENCODE_DISABLE_AUTOUPDATE": "1", **self.config.env,
+               "OPENCODE_CONFIG_CONTENT": self._config_content(runtime_mode),
+               "OPENCODE_SERVER_PASSWORD": password, "T3_OWNER": self.owner,
+               "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        process = await _Process.spawn(command, cwd=cwd, env=env)
+        session = OpenCodeSession(adapter=self, process=process, port=port, password=password,
+                                  cwd=cwd, model=model, runtime_mode=runtime_mode)
+        try:
+            await session.open(resume_ref=resume_ref, mcp=mcp)
+        except BaseException:
+            await session.close(grace=1.0)
+            raise
+        return session
+
+
 class UnavailableAdapter:
     """A configured instance whose driver this t3 cannot run yet."""
 
@@ -1480,5 +1908,7 @@ def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str) -> Any:
         return CodexAdapter(config, log_dir=log_dir, owner=owner)
     if config.driver == "pi":
         return PiAdapter(config, log_dir=log_dir, owner=owner)
+    if config.driver == "opencode":
+        return OpenCodeAdapter(config, log_dir=log_dir, owner=owner)
     return UnavailableAdapter(config, f"the {config.driver} driver is not built into this "
                                       "version of t3 yet")
