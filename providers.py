@@ -200,6 +200,29 @@ def kill_orphans(owner: str) -> int:
     return killed
 
 
+class _Adapter:
+    """What every driver's adapter shares: its configuration, protocol log and availability."""
+
+    CAPABILITIES = Capabilities()
+
+    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
+        self.config = config
+        self.owner = owner
+        self.protocol_log = _protocol_log(log_dir, config.instance_id)
+        self.info = _info(config, self.CAPABILITIES)
+
+    def _check_available(self) -> None:
+        if not self.info.available:
+            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
+                               + "; ".join(self.info.constraints))
+
+    def _env(self, thread_id: str, **extra: str) -> dict[str, str]:
+        """The process environment: ours, the instance's, and the marker that lets a restarted
+        server find what this one started (kill_orphans)."""
+        return {**os.environ, **self.config.env, **extra, "T3_OWNER": self.owner,
+                "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+
+
 # =============================================================================================
 # JSON-RPC 2.0 over stdio, one JSON object per line
 
@@ -546,27 +569,18 @@ def _tool_output(update: Mapping[str, Any]) -> str | None:
     return raw if isinstance(raw, str) else json.dumps(raw)
 
 
-class AcpAdapter:
+class AcpAdapter(_Adapter):
     """Any ACP agent started by command."""
 
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True)
 
-    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
-        self.config = config
-        self.owner = owner
-        self.protocol_log = _protocol_log(log_dir, config.instance_id)
-        self.info = _info(config, self.CAPABILITIES)
-
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
                            mcp: McpEndpoint | None) -> AcpSession:
-        if not self.info.available:
-            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                               + "; ".join(self.info.constraints))
-        env = {**os.environ, **self.config.env, "T3_OWNER": self.owner,
-               "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        self._check_available()
+        env = self._env(thread_id)
         process = await _Process.spawn(self.config.command, cwd=cwd, env=env)
         session = AcpSession(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
@@ -762,7 +776,7 @@ class ClaudeSession:
                                             redact(raw.decode(errors="replace").rstrip()))
 
 
-class ClaudeAdapter:
+class ClaudeAdapter(_Adapter):
     """Claude Code headless: `claude -p` with stream-json input and output and permission
     prompts over stdio; t3's MCP server via a private --mcp-config file."""
 
@@ -770,18 +784,10 @@ class ClaudeAdapter:
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True)
 
-    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
-        self.config = config
-        self.owner = owner
-        self.protocol_log = _protocol_log(log_dir, config.instance_id)
-        self.info = _info(config, self.CAPABILITIES)
-
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
                            mcp: McpEndpoint | None) -> ClaudeSession:
-        if not self.info.available:
-            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                               + "; ".join(self.info.constraints))
+        self._check_available()
         command = list(self.config.command)
         for flag in ("--include-partial-messages",):
             if flag not in command:
@@ -804,8 +810,7 @@ class ClaudeAdapter:
                                                      "headers": dict(mcp.headers)}}}, f)
             command += ["--mcp-config", str(config_path), "--strict-mcp-config",
                         "--allowedTools", f"mcp__{mcp.name}__*"]
-        env = {**os.environ, **self.config.env, "T3_OWNER": self.owner,
-               "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        env = self._env(thread_id)
         process = await _Process.spawn(command, cwd=cwd, env=env)
         return ClaudeSession(adapter=self, process=process, session_ref=session_ref,
                              runtime_mode=runtime_mode, mcp_dir=mcp_dir)
@@ -1073,37 +1078,18 @@ def _codex_tool_update(item: Mapping[str, Any]) -> ToolUpdate:
                       output=output)
 
 
-class CodexAdapter:
+class CodexAdapter(_Adapter):
     """``codex app-server``, one process per session."""
 
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True)
 
-    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
-        self.config = config
-        self.owner = owner
-        self.protocol_log = _protocol_log(log_dir, config.instance_id)
-        constraints = []
-        if not config.enabled:
-            constraints.append("disabled in the configuration")
-        if not config.command:
-            constraints.append("no command configured")
-        elif not _resolvable(config.command[0]):
-            constraints.append(f"executable not found: {config.command[0]}")
-        self.info = ProviderInfo(instance_id=config.instance_id, driver=config.driver,
-                                 display_name=config.display_name, models=config.models,
-                                 capabilities=self.CAPABILITIES, available=not constraints,
-                                 constraints=tuple(constraints))
-
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
                            mcp: McpEndpoint | None) -> CodexSession:
-        if not self.info.available:
-            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                               + "; ".join(self.info.constraints))
-        env = {**os.environ, **self.config.env, "T3_OWNER": self.owner,
-               "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        self._check_available()
+        env = self._env(thread_id)
         process = await _Process.spawn(self.config.command, cwd=cwd, env=env)
         session = CodexSession(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
@@ -1386,7 +1372,7 @@ def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
                       input=args if kind == "tool_execution_start" else None, output=output)
 
 
-class PiAdapter:
+class PiAdapter(_Adapter):
     """``pi --mode rpc``, one process per session. pi has no permission prompts: its tools just
     run, so runtime requests never arise and the runtime mode does not change what it may do.
     Steering is native (``steer``: delivered before pi's next model call, same turn).
@@ -1400,11 +1386,8 @@ class PiAdapter:
                                 supports_resume=True, supports_mcp=True)
 
     def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
-        self.config = config
-        self.owner = owner
-        self.protocol_log = _protocol_log(log_dir, config.instance_id)
+        super().__init__(config, log_dir=log_dir, owner=owner)
         self.agents_dir = log_dir.parent / "agents"
-        self.info = _info(config, self.CAPABILITIES)
 
     def session_file(self, thread_id: str) -> Path:
         digest = hashlib.sha256(thread_id.encode()).hexdigest()[:32]
@@ -1422,17 +1405,14 @@ class PiAdapter:
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
                            mcp: McpEndpoint | None) -> PiSession:
-        if not self.info.available:
-            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                               + "; ".join(self.info.constraints))
+        self._check_available()
         session_file = Path(resume_ref) if resume_ref else self.session_file(thread_id)
         session_file.parent.mkdir(parents=True, exist_ok=True)
         command = list(self.config.command) + ["--session", str(session_file)]
         if model:
             provider, _, name = model.rpartition("/")
             command += (["--provider", provider] if provider else []) + ["--model", name]
-        env = {**os.environ, **self.config.env, "T3_OWNER": self.owner,
-               "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        env = self._env(thread_id)
         if mcp is not None:
             command += ["--extension", str(self._extension())]
             auth = next((v for k, v in mcp.headers.items() if k.lower() == "authorization"), "")
@@ -1815,18 +1795,12 @@ class OpenCodeSession:
             await self.events.put(TurnEnded("completed"))
 
 
-class OpenCodeAdapter:
+class OpenCodeAdapter(_Adapter):
     """``opencode serve``: one HTTP server process per session, driven over REST and SSE."""
 
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True)
-
-    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
-        self.config = config
-        self.owner = owner
-        self.protocol_log = _protocol_log(log_dir, config.instance_id)
-        self.info = _info(config, self.CAPABILITIES)
 
     def _config_content(self, runtime_mode: str) -> str:
         """The instance's own OPENCODE_CONFIG_CONTENT (providers, model) plus t3's settings."""
@@ -1844,16 +1818,13 @@ class OpenCodeAdapter:
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
                            mcp: McpEndpoint | None) -> OpenCodeSession:
-        if not self.info.available:
-            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                               + "; ".join(self.info.constraints))
+        self._check_available()
         port = _free_port()
         password = uuid.uuid4().hex
         command = [*self.config.command, "--hostname", "127.0.0.1", "--port", str(port)]
-        env = {**os.environ, "OPENCODE_DISABLE_AUTOUPDATE": "1", **self.config.env,
-               "OPENCODE_CONFIG_CONTENT": self._config_content(runtime_mode),
-               "OPENCODE_SERVER_PASSWORD": password, "T3_OWNER": self.owner,
-               "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        env = {"OPENCODE_DISABLE_AUTOUPDATE": "1", **self._env(
+            thread_id, OPENCODE_CONFIG_CONTENT=self._config_content(runtime_mode),
+            OPENCODE_SERVER_PASSWORD=password)}
         process = await _Process.spawn(command, cwd=cwd, env=env)
         session = OpenCodeSession(adapter=self, process=process, port=port, password=password,
                                   cwd=cwd, model=model, runtime_mode=runtime_mode)
