@@ -177,6 +177,23 @@ class _Process:
             pass
 
 
+async def _log_stderr(process: _Process, protocol_log: logging.Logger, label: str) -> None:
+    """Drain a provider's stderr into its protocol log (a full pipe would stall the process)."""
+    stderr = process.proc.stderr
+    assert stderr is not None
+    while True:
+        raw = await stderr.readline()
+        if not raw:
+            return
+        protocol_log.info("%s stderr %s", label, redact(raw.decode(errors="replace").rstrip()))
+
+
+def _exit_reason(closing: bool, returncode: int) -> str | None:
+    """Why a session's process ended, when t3 did not end it."""
+    return None if closing else \
+        f"The provider process exited unexpectedly (exit code {returncode})."
+
+
 def kill_orphans(owner: str) -> int:
     """Kill processes a previous t3 on this data directory started (found by ``T3_OWNER``)."""
     needle = f"T3_OWNER={owner}".encode() + b"\0"
@@ -341,14 +358,7 @@ class _JsonRpc:
             pass
 
     async def _read_stderr(self) -> None:
-        stderr = self._process.proc.stderr
-        assert stderr is not None
-        while True:
-            raw = await stderr.readline()
-            if not raw:
-                return
-            self._log.info("%s stderr %s", self._label, redact(raw.decode(errors="replace")
-                                                              .rstrip()))
+        await _log_stderr(self._process, self._log, self._label)
 
     def cancel(self) -> None:
         for task in self._tasks:
@@ -537,8 +547,7 @@ class AcpSession:
             await self.events.put(PlanUpdate(entries=list(update.get("entries") or [])))
 
     async def _on_close(self, returncode: int) -> None:
-        self.exit_reason = None if self._closing else \
-            f"The provider process exited unexpectedly (exit code {returncode})."
+        self.exit_reason = _exit_reason(self._closing, returncode)
         self._permissions.clear()
         await self.events.put(None)
 
@@ -699,8 +708,7 @@ class ClaudeSession:
             log.warning("%s: stopped reading: %s", self._label, exc)
         finally:
             returncode = await self._process.proc.wait()
-            self.exit_reason = None if self._closing else \
-                f"The provider process exited unexpectedly (exit code {returncode})."
+            self.exit_reason = _exit_reason(self._closing, returncode)
             self._permissions.clear()
             if self._mcp_dir:
                 shutil.rmtree(self._mcp_dir, ignore_errors=True)
@@ -766,14 +774,7 @@ class ClaudeSession:
                     "description": request.get("description")}))
 
     async def _read_stderr(self) -> None:
-        stderr = self._process.proc.stderr
-        assert stderr is not None
-        while True:
-            raw = await stderr.readline()
-            if not raw:
-                return
-            self._adapter.protocol_log.info("%s stderr %s", self._label,
-                                            redact(raw.decode(errors="replace").rstrip()))
+        await _log_stderr(self._process, self._adapter.protocol_log, self._label)
 
 
 class ClaudeAdapter(_Adapter):
@@ -1013,8 +1014,7 @@ class CodexSession:
             await self.events.put(TurnEnded("completed"))
 
     async def _on_close(self, returncode: int) -> None:
-        self.exit_reason = None if self._closing else \
-            f"The provider process exited unexpectedly (exit code {returncode})."
+        self.exit_reason = _exit_reason(self._closing, returncode)
         self._requests.clear()
         await self.events.put(None)
 
@@ -1287,8 +1287,7 @@ class PiSession:
             log.warning("%s: stopped reading: %s", self._label, exc)
         finally:
             returncode = await self._process.proc.wait()
-            self.exit_reason = None if self._closing else \
-                f"The provider process exited unexpectedly (exit code {returncode})."
+            self.exit_reason = _exit_reason(self._closing, returncode)
             for future in self._pending.values():
                 if not future.done():
                     future.set_exception(ConnectionError("the provider process exited"))
@@ -1340,14 +1339,7 @@ class PiSession:
             await self.events.put(TurnEnded("completed"))
 
     async def _read_stderr(self) -> None:
-        stderr = self._process.proc.stderr
-        assert stderr is not None
-        while True:
-            raw = await stderr.readline()
-            if not raw:
-                return
-            self._adapter.protocol_log.info("%s stderr %s", self._label,
-                                            redact(raw.decode(errors="replace").rstrip()))
+        await _log_stderr(self._process, self._adapter.protocol_log, self._label)
 
 
 def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
@@ -1649,8 +1641,7 @@ class OpenCodeSession:
 
     async def _watch_exit(self) -> None:
         returncode = await self._process.proc.wait()
-        self.exit_reason = None if self._closing else \
-            f"The provider process exited unexpectedly (exit code {returncode})."
+        self.exit_reason = _exit_reason(self._closing, returncode)
         for future in (self._listening, self._subscribed):
             if not future.done():
                 future.set_exception(ConnectionError(

@@ -20,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from harness import ...` in any import mode
 
+from fake_model import FakeModelServer  # noqa: E402
 from harness import McpClient, T3Server, child_pids, kill_matching, pids_alive, wait_until, write_config  # noqa: E402
 
 
@@ -102,3 +103,10 @@ def mcp(t3: T3Server) -> McpClient:
 def agent_log_path(tmp_path: Path) -> Path:
     """The default scripted provider's JSONL log."""
     return tmp_path / "agent.log"
+
+
+@pytest.fixture
+def model() -> Iterator[FakeModelServer]:
+    """The scripted fake model server real-CLI tests point their agents at."""
+    with FakeModelServer(slow_delay=0.3) as server:
+        yield server

@@ -14,8 +14,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["AGENTS", "cache_dir", "installed", "ensure_installed", "npm_available"]
+__all__ = ["AGENTS", "cache_dir", "installed", "ensure_installed", "npm_available",
+           "create", "wait", "text"]
 
 AGENTS: dict[str, dict[str, str]] = json.loads(
     (Path(__file__).resolve().parent / "agents.json").read_text())
@@ -67,6 +69,30 @@ def ensure_installed(name: str) -> Path:
     if found is None:
         raise RuntimeError(f"{spec['package']}@{spec['version']} installed no {spec['bin']}")
     return found
+
+
+# ---------------------------------------------------------------- driving t3 in real-CLI tests
+
+def create(mcp: Any, prompt: str, **entry: Any) -> dict[str, Any]:
+    """create_threads with one prompt; the created thread."""
+    result = mcp.call("create_threads", {"threads": [{"prompt": prompt, **entry}]})
+    assert result.ok, result.structured
+    return result.structured["threads"][0]
+
+
+def wait(mcp: Any, thread_id: str, **args: Any) -> dict[str, Any]:
+    """t3_thread_wait with room for a real CLI's slow start."""
+    result = mcp.call("t3_thread_wait", {"threadId": thread_id, "timeoutMs": 120_000, **args},
+                      timeout=180)
+    assert result.ok, result.structured
+    return result.structured
+
+
+def text(mcp: Any, thread_id: str) -> str:
+    """The thread's assistant text, oldest first."""
+    page = mcp.call("t3_thread_read", {"threadId": thread_id, "afterPosition": -1,
+                                       "limit": 100}).structured
+    return "\n".join(i["text"] or "" for i in page["items"] if i["type"] == "assistant_message")
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,6 @@ prompts over stdio), installed from npm at its pinned version and run against th
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +11,7 @@ import pytest
 
 from fake_model import FakeModelServer
 from harness import T3Server, wait_until
-from real_cli import ensure_installed, npm_available
-from test_real_acp import create, text, wait
+from real_cli import create, ensure_installed, npm_available, text, wait
 
 pytestmark = [pytest.mark.real_cli,
               pytest.mark.skipif(not npm_available(), reason="npm is not installed")]
@@ -34,12 +32,6 @@ def claude_provider(tmp_path: Path, model_url: str) -> dict[str, Any]:
                     "ENABLE_TOOL_SEARCH": "false",
                     "IS_SANDBOX": "1"},
             "models": ["claude-sonnet-4-5"]}
-
-
-@pytest.fixture
-def model() -> Iterator[FakeModelServer]:
-    with FakeModelServer(slow_delay=0.3) as server:
-        yield server
 
 
 @pytest.fixture

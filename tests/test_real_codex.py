@@ -4,15 +4,14 @@ tests/agents.json), installed from npm and run against the fake model server."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fake_model import FakeModelServer
-from harness import McpClient, T3Server, wait_until
-from real_cli import ensure_installed, npm_available
+from harness import T3Server, wait_until
+from real_cli import create, ensure_installed, npm_available, text, wait
 
 pytestmark = [pytest.mark.real_cli,
               pytest.mark.skipif(not npm_available(), reason="npm is not installed")]
@@ -37,33 +36,8 @@ def provider(tmp_path: Path, model_url: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-def model() -> Iterator[FakeModelServer]:
-    with FakeModelServer(slow_delay=0.3) as server:
-        yield server
-
-
-@pytest.fixture
 def server(model: FakeModelServer, tmp_path: Path, t3_factory: Any) -> T3Server:
     return t3_factory(providers=[provider(tmp_path, model.url)])
-
-
-def create(mcp: McpClient, prompt: str, **entry: Any) -> dict[str, Any]:
-    result = mcp.call("create_threads", {"threads": [{"prompt": prompt, **entry}]})
-    assert result.ok, result.structured
-    return result.structured["threads"][0]
-
-
-def wait(mcp: McpClient, thread_id: str, **args: Any) -> dict[str, Any]:
-    result = mcp.call("t3_thread_wait", {"threadId": thread_id, "timeoutMs": 120_000, **args},
-                      timeout=180)
-    assert result.ok, result.structured
-    return result.structured
-
-
-def text(mcp: McpClient, thread_id: str) -> str:
-    page = mcp.call("t3_thread_read", {"threadId": thread_id, "afterPosition": -1,
-                                       "limit": 100}).structured
-    return "\n".join(i["text"] or "" for i in page["items"] if i["type"] == "assistant_message")
 
 
 def test_text_turn(server: T3Server) -> None:

@@ -5,26 +5,18 @@ carries the child's answer."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fake_model import FakeModelServer
-from real_cli import npm_available
-from test_real_acp import create, text, wait
+from real_cli import create, npm_available, text, wait
 from test_real_claude import claude_provider
 from test_real_codex import provider as codex_provider
 
 pytestmark = [pytest.mark.real_cli,
               pytest.mark.skipif(not npm_available(), reason="npm is not installed")]
-
-
-@pytest.fixture
-def model() -> Iterator[FakeModelServer]:
-    with FakeModelServer(slow_delay=0.3) as server:
-        yield server
 
 
 def test_codex_delegates_to_claude(model: FakeModelServer, tmp_path: Path,

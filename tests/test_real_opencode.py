@@ -5,7 +5,6 @@ through @ai-sdk/openai-compatible, research/agents.md §6)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +12,7 @@ import pytest
 
 from fake_model import FakeModelServer
 from harness import T3Server, wait_until
-from real_cli import ensure_installed, npm_available
-from test_real_codex import create, text, wait
+from real_cli import create, ensure_installed, npm_available, text, wait
 
 pytestmark = [pytest.mark.real_cli,
               pytest.mark.skipif(not npm_available(), reason="npm is not installed")]
@@ -36,12 +34,6 @@ def provider(tmp_path: Path, model_url: str) -> dict[str, Any]:
            "XDG_STATE_HOME": str(home / ".local/state"), "OPENCODE_DISABLE_MODELS_FETCH": "1",
            "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_CONFIG_CONTENT": json.dumps(config)}
     return {"id": "opencode", "driver": "opencode", "command": [binary, "serve"], "env": env}
-
-
-@pytest.fixture
-def model() -> Iterator[FakeModelServer]:
-    with FakeModelServer(slow_delay=0.3) as server:
-        yield server
 
 
 @pytest.fixture
