@@ -1814,7 +1814,7 @@ class Orchestrator:
                  credentials: SessionCredentials | None = None) -> None:
         self._store = store
         self._adapters = dict(adapters)
-        self.providers = dict(providers)
+        self.providers = providers  # read live: an instance may become available later
         self._clock = clock
         self._new_id = new_id
         self._lease_ms = lease_ms

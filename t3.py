@@ -149,9 +149,18 @@ def load_config(path: Path, *, cwd: Path) -> Config:
                 raise fail("providers", i, "enabled", "must be true or false")
             if any(p["id"] == pid for p in providers):
                 raise fail("providers", i, "id", f"duplicate provider id {pid!r}")
+            agent, registry = entry.get("agent"), entry.get("registry")
+            for key, value in (("agent", agent), ("registry", registry)):
+                if driver == "acpRegistry" and (not isinstance(value, str) or not value):
+                    raise fail("providers", i, key, "the acpRegistry driver needs it (a string)")
+                if driver != "acpRegistry" and value is not None:
+                    raise fail("providers", i, key, "only the acpRegistry driver takes it")
+            if registry and not registry.startswith(("http://", "https://")):
+                registry = str((path.parent / registry).resolve())  # relative to this file
             providers.append({"id": pid, "driver": driver, "command": command, "env": env,
                               "models": models, "enabled": enabled,
-                              "displayName": entry.get("displayName")})
+                              "displayName": entry.get("displayName"), "agent": agent,
+                              "registry": registry})
 
     limits = data.get("limits", {})
     values = {}
@@ -502,17 +511,18 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
 
     configs = [prov.ProviderConfig(instance_id=p["id"], driver=p["driver"], command=p["command"],
                                    env=p["env"], models=p["models"], enabled=p["enabled"],
-                                   display_name=p["displayName"])
+                                   display_name=p["displayName"], agent=p["agent"],
+                                   registry=p["registry"])
                for p in config.providers] if config.providers is not None \
         else prov.detect_providers()
-    adapters = {c.instance_id: prov.build_adapter(c, log_dir=data_dir / "logs", owner=owner)
+    adapters = {c.instance_id: prov.build_adapter(c, log_dir=data_dir / "logs", owner=owner,
+                                                  agents_dir=data_dir / "agents")
                 for c in configs}
     for adapter in adapters.values():
         if not adapter.info.available:
             log.info("provider %s unavailable: %s", adapter.info.instance_id,
                      "; ".join(adapter.info.constraints))
-    orch = orchestrator_cls(store, adapters=adapters,
-                            providers={k: a.info for k, a in adapters.items()},
+    orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                             credentials=credentials)
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
@@ -546,7 +556,11 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with sse.run(), plain.run():
+    async with sse.run(), plain.run(), asyncio.TaskGroup() as tasks:
+        # Adapters with something to install (acpRegistry) prepare in the background: the
+        # server is up meanwhile and lists them unavailable with "preparing ...".
+        preparing = [tasks.create_task(a.prepare(), name=f"prepare-{k}")
+                     for k, a in adapters.items() if hasattr(a, "prepare")]
         server = loop.create_task(hypercorn.asyncio.serve(app, hconfig,
                                                           shutdown_trigger=http_stop.wait))
         _write_json_atomic(server_json, {
@@ -558,6 +572,8 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         stopped = loop.create_task(stop.wait())
         await asyncio.wait({server, stopped}, return_when=asyncio.FIRST_COMPLETED)
         log.info("shutting down")
+        for task in preparing:
+            task.cancel()  # an install in progress is killed; its partial directory is removed
         orch.begin_shutdown()  # waits return their current state before HTTP closes
         http_stop.set()
         with contextlib.suppress(Exception):
@@ -568,6 +584,23 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         sock.close()
     log.info("stopped")
     return 0
+
+
+class _LiveProviderInfo(Mapping[str, Any]):
+    """Each adapter's ``info`` as it is now, for the orchestrator and tools: an instance still
+    being prepared (acpRegistry) becomes available, or fails with a reason, after startup."""
+
+    def __init__(self, adapters: Mapping[str, Any]) -> None:
+        self._adapters = adapters
+
+    def __getitem__(self, instance_id: str) -> Any:
+        return self._adapters[instance_id].info
+
+    def __iter__(self) -> Any:
+        return iter(self._adapters)
+
+    def __len__(self) -> int:
+        return len(self._adapters)
 
 
 # =============================================================================================
