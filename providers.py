@@ -15,9 +15,12 @@ Raw protocol traffic goes to rotating files under ``<data-dir>/logs/`` with cred
 never to SQLite.
 
 Drivers here: ``acp`` (JSON-RPC 2.0 over stdio NDJSON: gemini --acp, claude-agent-acp,
-codex-acp, ...), ``claudeAgent`` (claude -p stream-json), ``codex`` (codex app-server), ``pi``
-(pi --mode rpc) and ``opencode`` (opencode serve, REST + SSE). Other drivers of the design are
-listed as unavailable until built.
+codex-acp, ...), ``acpRegistry`` (an agent named in an ACP registry JSON: its binary, npm or uv
+distribution is installed into ``<data-dir>/agents/registry/`` by ``prepare()``, which t3.py runs
+in the background at startup, then it runs as ``acp``), ``claudeAgent`` (claude -p stream-json),
+``codex`` (codex app-server), ``pi`` (pi --mode rpc) and ``opencode`` (opencode serve, REST +
+SSE). Other drivers of the design are listed as unavailable until built. An adapter's ``info``
+may change after startup (an acpRegistry instance becomes available once prepared).
 This module never touches the database and imports only the domain's types.
 """
 
@@ -27,7 +30,6 @@ import asyncio
 import base64
 import contextlib
 import ctypes
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -47,7 +49,7 @@ import urllib.request
 import uuid
 import zipfile
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
@@ -752,10 +754,12 @@ class AcpRegistryAdapter(AcpAdapter):
                  cache_dir: Path) -> None:
         super().__init__(config, log_dir=log_dir, owner=owner)
         self._cache_dir = cache_dir
+        self._command_override = list(config.command)  # a local executable instead of ours (seed)
+        self._env_configured = dict(config.env)
         self._lock = asyncio.Lock()
         self._prepared = not config.enabled  # a disabled instance has nothing to prepare
         reason = f"preparing {config.agent}" if config.enabled else "disabled in the configuration"
-        self.info = dataclasses.replace(self.info, available=False, constraints=(reason,))
+        self.info = replace(self.info, available=False, constraints=(reason,))
 
     async def prepare(self) -> None:
         """Resolve, install and probe the agent, once (a second caller waits for the first);
@@ -771,11 +775,11 @@ class AcpRegistryAdapter(AcpAdapter):
                 reason = str(exc) if isinstance(exc, RegistryError) else \
                     f"preparing ACP registry agent {self.config.agent} failed: {exc}"
                 log.warning("provider %s unavailable: %s", self.info.instance_id, reason)
-                self.info = dataclasses.replace(self.info, constraints=(reason,))
+                self.info = replace(self.info, constraints=(reason,))
             else:
                 log.info("provider %s ready: %s %s (%s)", self.info.instance_id, agent.id,
                          agent.version, agent.kind)
-                self.info = dataclasses.replace(
+                self.info = replace(
                     self.info, available=True, constraints=(), capabilities=capabilities,
                     models=self.config.models or models)  # configured models win
             self._prepared = True
@@ -794,10 +798,9 @@ class AcpRegistryAdapter(AcpAdapter):
         assert self.config.agent is not None and self.config.registry is not None
         registry = await asyncio.to_thread(read_registry, self.config.registry)
         agent = select_agent(registry, self.config.agent, platform_key=registry_platform())
-        self.info = dataclasses.replace(self.info,
-                                        constraints=(f"preparing {agent.id} {agent.version}",))
-        if self.config.command:
-            executable = list(self.config.command)  # a local executable overrides the installed one
+        self.info = replace(self.info, constraints=(f"preparing {agent.id} {agent.version}",))
+        if self._command_override:
+            executable = self._command_override
         else:
             async with _CACHE_LOCKS.setdefault(self._cache_dir, asyncio.Lock()):
                 if agent.kind == "binary":
@@ -808,7 +811,7 @@ class AcpRegistryAdapter(AcpAdapter):
                     path = await self._prepare_uvx(agent)
             executable = [str(path)]
         self.config.command = [*executable, *agent.args]
-        self.config.env = {**agent.env, **self.config.env}
+        self.config.env = {**agent.env, **self._env_configured}
         return agent
 
     async def _prepare_npx(self, agent: RegistryAgent) -> Path:
@@ -906,7 +909,7 @@ class AcpRegistryAdapter(AcpAdapter):
         models = [{"id": m["modelId"], "label": m.get("name")} for m in session.advertised_models
                   if isinstance(m, Mapping) and isinstance(m.get("modelId"), str)]
         advertised = session.agent_capabilities
-        return models, dataclasses.replace(
+        return models, replace(
             self.CAPABILITIES, supports_resume=bool(advertised.get("loadSession")),
             supports_mcp=bool((advertised.get("mcpCapabilities") or {}).get("http")))
 

@@ -28,7 +28,7 @@ import sys
 import time
 import tomllib
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -596,7 +596,7 @@ class _LiveProviderInfo(Mapping[str, Any]):
     def __getitem__(self, instance_id: str) -> Any:
         return self._adapters[instance_id].info
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[str]:
         return iter(self._adapters)
 
     def __len__(self) -> int:

@@ -154,7 +154,9 @@ def test_binary_agent_prepares_then_runs_a_turn(tmp_path: Path, t3_factory: Any,
     created = create(mcp, "hello registry", target={"providerInstanceId": "reg"})
     assert wait(mcp, created["threadId"])["status"] == "completed"
     assert text(mcp, created["threadId"]) == "Hello from scripted agent. You said: hello registry"
-    assert any(e["msg"].get("method") == "session/prompt" for e in agent_log(tmp_path / "agent.log"))
+    prompts = [e for e in agent_log(tmp_path / "agent.log")  # the registry's env reached it
+               if e["msg"].get("method") == "session/prompt"]
+    assert len(prompts) == 1
     assert (tmp_path / "agent-state").is_dir()  # the registry's args reached the agent
     installed = server.data_dir / "agents/registry/bin" / AGENT_ID / AGENT_VERSION / this_platform()
     assert (installed / LAUNCHER).is_file() and (installed / ".t3-prepared").is_file()
