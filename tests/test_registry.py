@@ -88,11 +88,11 @@ def launcher_archive() -> bytes:
     return buffer.getvalue()
 
 
-def binary_registry(tmp_path: Path, archives: ArchiveServer, *, sha256: str | None = None
-                    ) -> Path:
-    """A registry file declaring the scripted agent as this platform's binary distribution,
-    with the archive's true checksum unless `sha256` says otherwise."""
-    archive = launcher_archive()
+def binary_registry(tmp_path: Path, archives: ArchiveServer, *, sha256: str | None = None,
+                    archive: bytes | None = None) -> Path:
+    """A registry file declaring the scripted agent (or `archive`) as this platform's binary
+    distribution, with the archive's true checksum unless `sha256` says otherwise."""
+    archive = archive or launcher_archive()
     archives.files["/scripted.tar.gz"] = archive
     target = {"archive": archives.url("/scripted.tar.gz"), "cmd": f"./{LAUNCHER}",
               "args": ["--state-dir", str(tmp_path / "agent-state")],
@@ -181,6 +181,23 @@ def test_checksum_mismatch_is_refused(tmp_path: Path, t3_factory: Any,
     assert "checksum" in refused.structured["message"]
     assert cache_files(server) == []
     assert not (server.data_dir / "agents/registry/bin" / AGENT_ID).exists()
+
+
+def test_unsafe_archive_is_refused(tmp_path: Path, t3_factory: Any,
+                                   archives: ArchiveServer) -> None:
+    """An archive member with `..` is refused before anything is unpacked: the instance is
+    unavailable naming the path, nothing lands outside (or inside) the cache."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name in (LAUNCHER, "../../../../escaped.txt"):
+            member = tarfile.TarInfo(name)
+            member.size = 2
+            tar.addfile(member, io.BytesIO(b"x\n"))
+    registry = binary_registry(tmp_path, archives, archive=buffer.getvalue())
+    server = t3_factory(providers=[registry_provider(registry)])
+    [reason] = settled(server.client())["constraints"]
+    assert "unsafe path '../../../../escaped.txt'" in reason, reason
+    assert not list(tmp_path.rglob("escaped.txt")) and cache_files(server) == []
 
 
 def test_unknown_agent_is_named(tmp_path: Path, t3_factory: Any, archives: ArchiveServer) -> None:
