@@ -64,7 +64,7 @@ class Config:
 
 _SECTIONS = {"server": {"host", "port"}, "projects": {"id", "path", "title"},
              "providers": {"id", "driver", "command", "env", "models", "enabled", "displayName",
-                           "agent", "registry"},
+                           "agent", "registry", "instructions"},
              "limits": {"credential_max_lifetime_s", "credential_idle_s"}}
 
 
@@ -147,11 +147,15 @@ def load_config(path: Path, *, cwd: Path) -> Config:
             enabled = entry.get("enabled", True)
             if not isinstance(enabled, bool):
                 raise fail("providers", i, "enabled", "must be true or false")
+            instructions = entry.get("instructions", True)
+            if not isinstance(instructions, bool):
+                raise fail("providers", i, "instructions", "must be true or false")
             if any(p["id"] == pid for p in providers):
                 raise fail("providers", i, "id", f"duplicate provider id {pid!r}")
             providers.append({"id": pid, "driver": driver, "command": command, "env": env,
                               "models": models, "enabled": enabled,
-                              "displayName": entry.get("displayName")})
+                              "displayName": entry.get("displayName"),
+                              "instructions": instructions})
 
     limits = data.get("limits", {})
     values = {}
@@ -502,7 +506,8 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
 
     configs = [prov.ProviderConfig(instance_id=p["id"], driver=p["driver"], command=p["command"],
                                    env=p["env"], models=p["models"], enabled=p["enabled"],
-                                   display_name=p["displayName"])
+                                   display_name=p["displayName"],
+                                   instructions=p["instructions"])
                for p in config.providers] if config.providers is not None \
         else prov.detect_providers()
     adapters = {c.instance_id: prov.build_adapter(c, log_dir=data_dir / "logs", owner=owner)
