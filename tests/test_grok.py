@@ -118,3 +118,18 @@ def test_grok_turn_and_capabilities(client: McpClient) -> None:
     [entry] = client.call("orchestrator_capabilities", {}).structured["providers"]
     assert (entry["providerInstanceId"], entry["driverKind"]) == ("grok", "grok")
     assert entry["canRunChildTask"] is True and entry["constraints"] == []
+
+
+def test_steer_by_cancel_and_restart(client: McpClient) -> None:
+    """Grok cannot steer a running turn: a message sent to it restarts the turn (a second
+    attempt of the same run) with the new message."""
+    created = create(client, "SLOW:400 first")
+    thread_id = created["threadId"]
+    wait_until(lambda: "chunk 1" in assistant_text(client, thread_id), 60)
+    sent = client.call("t3_thread_send", {"threadId": thread_id, "message": "second",
+                                          "mode": "auto"})
+    assert sent.ok and sent.structured["delivery"] == "steered", sent.structured
+    assert wait(client, thread_id)["status"] == "completed"
+    run = client.call("t3_thread_read", {"threadId": thread_id}).structured["recentRuns"][0]
+    assert run["runId"] == created["runId"] and run["attemptCount"] == 2
+    assert "You said: second" in assistant_text(client, thread_id)
