@@ -17,8 +17,7 @@ never to SQLite.
 Drivers here: ``acp`` (JSON-RPC 2.0 over stdio NDJSON: gemini --acp, claude-agent-acp,
 codex-acp, ...), ``grok`` (the same plus xAI's extensions), ``claudeAgent`` (claude -p
 stream-json), ``codex`` (codex app-server), ``pi`` (pi --mode rpc) and ``opencode`` (opencode
-serve, REST + SSE). Other drivers of the design are
-listed as unavailable until built.
+serve, REST + SSE). Other drivers of the design are listed as unavailable until built.
 This module never touches the database and imports only the domain's types.
 """
 
