@@ -15,12 +15,12 @@ Raw protocol traffic goes to rotating files under ``<data-dir>/logs/`` with cred
 never to SQLite.
 
 Drivers here: ``acp`` (JSON-RPC 2.0 over stdio NDJSON: gemini --acp, claude-agent-acp,
-codex-acp, ...), ``acpRegistry`` (an agent named in an ACP registry JSON: its binary, npm or uv
-distribution is installed into ``<data-dir>/agents/registry/`` by ``prepare()``, which t3.py runs
-in the background at startup, then it runs as ``acp``), ``claudeAgent`` (claude -p stream-json),
-``codex`` (codex app-server), ``pi`` (pi --mode rpc) and ``opencode`` (opencode serve, REST +
-SSE). Other drivers of the design are listed as unavailable until built. An adapter's ``info``
-may change after startup (an acpRegistry instance becomes available once prepared).
+codex-acp, ...), ``grok`` (the same plus xAI's extensions), ``acpRegistry`` (an agent named in an
+ACP registry JSON: its binary, npm or uv distribution is installed into
+``<data-dir>/agents/registry/`` by ``prepare()``, which t3.py runs in the background at startup,
+then it runs as ``acp``), ``claudeAgent`` (claude -p stream-json), ``codex`` (codex app-server),
+``pi`` (pi --mode rpc) and ``opencode`` (opencode serve, REST + SSE). An adapter's ``info`` may
+change after startup (an acpRegistry instance becomes available once prepared).
 This module never touches the database and imports only the domain's types.
 """
 
@@ -57,10 +57,11 @@ from urllib.parse import quote
 from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderInfo, ReasoningDelta,
                           RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded)
 
-__all__ = ["DRIVERS", "ProviderConfig", "AcpAdapter", "AcpRegistryAdapter", "ClaudeAdapter",
-           "CodexAdapter", "PiAdapter", "OpenCodeAdapter", "UnavailableAdapter", "RegistryAgent",
-           "RegistryError", "build_adapter", "detect_providers", "kill_orphans", "read_registry",
-           "redact", "registry_platform", "select_agent"]
+__all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "AcpAdapter",
+           "AcpRegistryAdapter", "GrokAdapter", "ClaudeAdapter", "CodexAdapter", "PiAdapter",
+           "OpenCodeAdapter", "UnavailableAdapter", "RegistryAgent", "RegistryError",
+           "build_adapter", "detect_providers", "kill_orphans", "read_registry", "redact",
+           "registry_platform", "select_agent"]
 
 log = logging.getLogger("t3.providers")
 
@@ -82,6 +83,28 @@ _DETECTABLE = (("codex", "codex", ["codex", "app-server"]),
 
 _LINE_LIMIT = 64 * 1024 * 1024
 
+# What an agent with t3's MCP server is told about it (D§4.5), in t3's words. Each driver delivers
+# it its own way: a system or developer prompt where the CLI has one, else a separate prompt block
+# before the user's first prompt (ACP). Only sessions that have the MCP endpoint get it.
+ORCHESTRATION_INSTRUCTIONS = """\
+You are running inside t3, a server that orchestrates coding agents. Its MCP server "t3-code" \
+gives you tools to hand work to other agents; your client may show their names with a prefix \
+(for example mcp__t3-code__delegate_task).
+- delegate_task: give one task to a child agent that t3 runs and records. Use it whenever you want \
+a sub-agent, a worker, a reviewer or parallel help, on this provider or another one; make one call \
+per child and write the whole task into it (the child does not see this conversation). With mode \
+"async" (the default) it returns at once and t3 tells you when the task ends, so finish your turn \
+instead of polling; with mode "wait" it returns the result, or the current state if the wait times \
+out (the child keeps working). Keep the taskId it returns.
+- task_status: the state and result of a task you delegated. task_cancel: stop a task you no \
+longer need.
+- orchestrator_capabilities: the provider instances, models and modes you may delegate to; use \
+its ids in delegate_task's target. A child never gets broader permissions than you have.
+- create_threads: start separate top-level threads, only when the user asks for such threads; \
+they are not your sub-tasks.
+Do not do work twice that you delegated, do not poll in a tight loop, and when you retry a call \
+that failed or timed out, pass the same clientRequestId so the work starts only once."""
+
 
 class ProviderConfig:
     """One ``[[providers]]`` entry, validated by t3.py."""
@@ -89,7 +112,8 @@ class ProviderConfig:
     def __init__(self, *, instance_id: str, driver: str, command: Sequence[str] | None = None,
                  env: Mapping[str, str] | None = None, models: Sequence[Any] = (),
                  enabled: bool = True, display_name: str | None = None,
-                 agent: str | None = None, registry: str | None = None) -> None:
+                 agent: str | None = None, registry: str | None = None,
+                 instructions: bool = True) -> None:
         if driver not in DRIVERS:
             raise ValueError(f"unknown driver {driver!r}")
         if (driver == "acpRegistry") != (agent is not None and registry is not None):
@@ -103,6 +127,7 @@ class ProviderConfig:
         self.display_name = display_name
         self.agent = agent  # acpRegistry: the agent's id in the registry
         self.registry = registry  # acpRegistry: the registry's http(s) URL or file path
+        self.instructions = instructions  # deliver ORCHESTRATION_INSTRUCTIONS (README)
 
 
 def detect_providers() -> list[ProviderConfig]:
@@ -249,6 +274,11 @@ class _Adapter:
             raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
                                + "; ".join(self.info.constraints))
 
+    def _instructions(self, mcp: McpEndpoint | None) -> str | None:
+        """The orchestration instructions for a session, when it has t3's MCP server."""
+        return ORCHESTRATION_INSTRUCTIONS if mcp is not None and self.config.instructions \
+            else None
+
     def _env(self, thread_id: str, **extra: str) -> dict[str, str]:
         """The process environment: ours, the instance's, and the marker that lets a restarted
         server find what this one started (kill_orphans)."""
@@ -393,10 +423,24 @@ _STOP_STATUS = {"end_turn": "completed", "max_tokens": "completed",
                 "cancelled": "interrupted"}
 _TOOL_KIND_TO_REQUEST = {"execute": "command", "edit": "file-change", "delete": "file-change",
                          "move": "file-change", "read": "file-read"}
+_INSTRUCTIONS_TAG = "t3_code_orchestration_instructions"
+# t3's interaction mode plan and runtime modes -> the ACP agent's own mode ids, the first one the
+# agent advertises in session/new wins. What the pinned agents advertise: claude-agent-acp
+# default, acceptEdits, plan, dontAsk, bypassPermissions; gemini --acp default, autoEdit, yolo,
+# plan; codex-acp none. With a matching mode the agent itself asks (or does not) as the t3 mode
+# says; without one, t3 still answers the agent's permission requests by the runtime mode. "auto"
+# keeps the agent asking for commands so that t3 records (and grants) each of them.
+_ACP_MODES = {"plan": ("plan",),
+              "approval-required": ("default",),
+              "auto-accept-edits": ("acceptEdits", "autoEdit"),
+              "auto": ("acceptEdits", "autoEdit"),
+              "full-access": ("bypassPermissions", "yolo")}
 
 
 class AcpSession:
     """One ACP agent process serving one app thread (one ACP session)."""
+
+    CLIENT_META: Mapping[str, Any] = {}  # flavors announce their extensions in initialize
 
     def __init__(self, *, adapter: AcpAdapter, process: _Process, runtime_mode: str) -> None:
         self._adapter = adapter
@@ -408,9 +452,12 @@ class AcpSession:
         self.exit_reason: str | None = None
         self.agent_capabilities: Mapping[str, Any] = {}
         self.advertised_models: list[Mapping[str, Any]] = []  # session/new's availableModels
+        self.mode_id: str | None = None  # the agent's own mode t3 selected, if one matched
         self._loading = False
+        self._instructions: str | None = None  # sent with the first prompt, then None
         self._prompt_task: asyncio.Task[None] | None = None
-        self._permissions: dict[str, tuple[Any, list[Mapping[str, Any]]]] = {}
+        # native_ref -> (JSON-RPC id, method, what answering it needs)
+        self._requests: dict[str, tuple[Any, str, Any]] = {}
         self._closing = False
         self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log,
                             label=f"{adapter.info.instance_id}[{process.pid}]",
@@ -424,10 +471,12 @@ class AcpSession:
 
     async def open(self, *, cwd: str, model: str | None, interaction_mode: str,
                    resume_ref: str | None, mcp: McpEndpoint | None) -> None:
+        capabilities: dict[str, Any] = {"fs": {"readTextFile": False, "writeTextFile": False},
+                                        "terminal": False}
+        if self.CLIENT_META:
+            capabilities["_meta"] = dict(self.CLIENT_META)
         init = await self.rpc.request("initialize", {
-            "protocolVersion": 1,
-            "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False},
-                                   "terminal": False},
+            "protocolVersion": 1, "clientCapabilities": capabilities,
             "clientInfo": {"name": "t3", "version": "0.1.0"}}, timeout=60)
         self.agent_capabilities = (init or {}).get("agentCapabilities") or {}
         servers = []
@@ -456,16 +505,23 @@ class AcpSession:
             self.native_thread_ref = (session or {}).get("sessionId")
             if not self.native_thread_ref:
                 raise JsonRpcError(-32603, "session/new returned no sessionId")
+            # A new ACP session is the provider thread's first run: it gets the instructions
+            # (a loaded one had them in its first prompt).
+            self._instructions = self._adapter._instructions(mcp) if servers else None
         self.advertised_models = list(((session or {}).get("models") or {})
                                       .get("availableModels") or [])
         await self._apply_mode_and_model(session or {}, model, interaction_mode)
 
     async def _apply_mode_and_model(self, session: Mapping[str, Any], model: str | None,
                                     interaction_mode: str) -> None:
-        modes = (session.get("modes") or {}).get("availableModes") or []
-        if interaction_mode == "plan" and any(m.get("id") == "plan" for m in modes):
+        modes = session.get("modes") or {}
+        advertised = [m.get("id") for m in modes.get("availableModes") or []]
+        wanted = _ACP_MODES["plan"] if interaction_mode == "plan" else \
+            _ACP_MODES.get(self._runtime_mode, ())
+        self.mode_id = next((m for m in wanted if m in advertised), None)
+        if self.mode_id is not None and self.mode_id != modes.get("currentModeId"):
             await self._optional("session/set_mode", {"sessionId": self.native_thread_ref,
-                                                      "modeId": "plan"})
+                                                      "modeId": self.mode_id})
         models = session.get("models") or {}
         available = {m.get("modelId") for m in models.get("availableModels") or []}
         if model and model in available and model != models.get("currentModelId"):
@@ -483,12 +539,18 @@ class AcpSession:
     async def start_turn(self, text: str) -> None:
         if self._prompt_task is not None and not self._prompt_task.done():
             raise RuntimeError("a turn is already running on this session")
-        self._prompt_task = asyncio.get_running_loop().create_task(self._prompt(text))
+        prompt = [{"type": "text", "text": text}]
+        if self._instructions:
+            # A block of its own before the user's: the user's prompt stays exactly as written.
+            prompt.insert(0, {"type": "text", "text": f"<{_INSTRUCTIONS_TAG}>\n"
+                              f"{self._instructions}\n</{_INSTRUCTIONS_TAG}>"})
+            self._instructions = None
+        self._prompt_task = asyncio.get_running_loop().create_task(self._prompt(prompt))
 
-    async def _prompt(self, text: str) -> None:
+    async def _prompt(self, prompt: list[dict[str, Any]]) -> None:
         try:
             result = await self.rpc.request("session/prompt", {
-                "sessionId": self.native_thread_ref, "prompt": [{"type": "text", "text": text}]})
+                "sessionId": self.native_thread_ref, "prompt": prompt})
         except JsonRpcError as exc:
             await self.events.put(TurnEnded("failed", f"The agent failed the turn: {exc}"))
             return
@@ -501,10 +563,11 @@ class AcpSession:
         raise RuntimeError("ACP agents cannot steer a running turn")
 
     async def interrupt_turn(self) -> None:
-        # ACP: the client answers every pending permission request "cancelled" and sends
-        # session/cancel; the prompt then resolves with stopReason "cancelled".
-        for native_ref in list(self._permissions):
-            await self._answer(native_ref, {"outcome": {"outcome": "cancelled"}})
+        # ACP: the client answers every pending request "cancelled" and sends session/cancel;
+        # the prompt then resolves with stopReason "cancelled".
+        for native_ref in list(self._requests):
+            _, method, context = self._requests[native_ref]
+            await self._answer(native_ref, self._result(method, context, "cancel", None))
         try:
             await self.rpc.notify("session/cancel", {"sessionId": self.native_thread_ref})
         except ConnectionError:
@@ -512,17 +575,29 @@ class AcpSession:
 
     async def respond(self, native_ref: str, decision: str | None,
                       answers: Mapping[str, Any] | None) -> None:
-        if native_ref not in self._permissions:
-            raise RuntimeError(f"no pending permission request {native_ref} on this session")
-        _, options = self._permissions[native_ref]
-        await self._answer(native_ref, _permission_outcome(decision, options))
+        if native_ref not in self._requests:
+            raise RuntimeError(f"no pending request {native_ref} on this session")
+        _, method, context = self._requests[native_ref]
+        await self._answer(native_ref, self._result(method, context, decision, answers))
+
+    def _result(self, method: str, context: Any, decision: str | None,
+                answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        """The JSON-RPC result that answers a pending agent request (flavors add methods)."""
+        return _permission_outcome(decision, context)
 
     async def _answer(self, native_ref: str, result: Mapping[str, Any]) -> None:
-        request_id, _ = self._permissions.pop(native_ref)
+        request_id, _, _ = self._requests.pop(native_ref)
         try:
             await self.rpc.respond(request_id, result)
         except ConnectionError:
             pass
+
+    async def _ask(self, request_id: Any, method: str, context: Any,
+                   request: RuntimeRequestOpened) -> Any:
+        """Hold an agent request open until the user's answer arrives through respond()."""
+        self._requests[request.native_ref] = (request_id, method, context)
+        await self.events.put(request)
+        return _DEFERRED
 
     async def close(self, *, grace: float = 3.0) -> None:
         self._closing = True
@@ -538,14 +613,11 @@ class AcpSession:
         if self._runtime_mode in ("full-access", "auto") or (
                 self._runtime_mode == "auto-accept-edits" and tool.get("kind") == "edit"):
             return _permission_outcome("accept", options)  # this mode never asks the user
-        native_ref = str(request_id)
-        self._permissions[native_ref] = (request_id, options)
-        await self.events.put(RuntimeRequestOpened(
-            native_ref=native_ref,
+        return await self._ask(request_id, method, options, RuntimeRequestOpened(
+            native_ref=str(request_id),
             request_kind=_TOOL_KIND_TO_REQUEST.get(tool.get("kind", ""), "permission"),
             title=tool.get("title") or "Permission requested",
             detail={"toolCall": tool, "options": options}))
-        return _DEFERRED
 
     async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
         if method != "session/update" or self._loading:
@@ -567,7 +639,7 @@ class AcpSession:
 
     async def _on_close(self, returncode: int) -> None:
         self.exit_reason = _exit_reason(self._closing, returncode)
-        self._permissions.clear()
+        self._requests.clear()
         await self.events.put(None)
 
 
@@ -603,6 +675,7 @@ class AcpAdapter(_Adapter):
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True)
+    SESSION: type[AcpSession] = AcpSession
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
@@ -610,7 +683,7 @@ class AcpAdapter(_Adapter):
         self._check_available()
         env = self._env(thread_id)
         process = await _Process.spawn(self.config.command, cwd=cwd, env=env)
-        session = AcpSession(adapter=self, process=process, runtime_mode=runtime_mode)
+        session = self.SESSION(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
             await session.open(cwd=cwd, model=model, interaction_mode=interaction_mode,
                                resume_ref=resume_ref, mcp=mcp)
@@ -1045,6 +1118,96 @@ def _refuse_unsafe(agent: RegistryAgent, names: Iterable[str]) -> None:
         if not _inside(name):
             raise RegistryError(f"ACP registry agent {agent.id}: the archive {agent.archive} "
                                 f"holds an unsafe path {name!r} (absolute or with ..); refused")
+# Grok (grok agent stdio): the ACP adapter plus xAI's extensions
+#
+# Grok asks structured questions with the agent->client request ``x.ai/ask_user_question`` (ACP
+# extension spelling ``_x.ai/ask_user_question``), params ``{sessionId, toolCallId, questions:
+# [{question, header?, options: [{label, description?}], multiSelect?}], mode?}``, and wants
+# ``{outcome: "accepted", answers: {<question text>: label | [labels]}, annotations: {}}`` or
+# ``{outcome: "cancelled"}`` back. The grok CLI is not installable here: that shape is what other
+# ACP clients of grok send and receive (zed-industries/zed#58484, getpaseo/paseo#3491,
+# BytePioneer-AI/codex-host#205), so the mapping below is tolerant. ``x.ai/task_backgrounded``
+# notifications are only logged. ACP has no steering or fork: the orchestrator steers by
+# cancel-and-restart (capabilities) and forks by portable context.
+
+
+_GROK_ASK = ("x.ai/ask_user_question", "_x.ai/ask_user_question")
+_GROK_BACKGROUNDED = ("x.ai/task_backgrounded", "_x.ai/task_backgrounded")
+
+
+class GrokSession(AcpSession):
+    CLIENT_META = {"x.ai/ask_user_question": True}
+
+    async def _on_request(self, request_id: Any, method: str, params: Mapping[str, Any]) -> Any:
+        if method not in _GROK_ASK:
+            return await super()._on_request(request_id, method, params)
+        questions = _grok_questions(params)
+        if not questions:
+            return {"outcome": "cancelled"}  # nothing to ask: never leave the tool hanging
+        return await self._ask(request_id, method, questions, RuntimeRequestOpened(
+            native_ref=str(request_id), request_kind="user_input",
+            title=questions[0]["question"] or "Grok asks a question",
+            detail={"questions": questions, "toolCallId": params.get("toolCallId"),
+                    "mode": params.get("mode")}))
+
+    def _result(self, method: str, context: Any, decision: str | None,
+                answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        if method not in _GROK_ASK:
+            return super()._result(method, context, decision, answers)
+        if answers is None or decision in ("decline", "cancel"):
+            return {"outcome": "cancelled"}
+        return {"outcome": "accepted", "answers": _grok_answers(context, answers),
+                "annotations": {}}
+
+    async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
+        if method in _GROK_BACKGROUNDED:
+            log.info("%s: a task went to the background: %s", self._adapter.info.instance_id,
+                     redact(json.dumps(params)[:500]))
+            return
+        await super()._on_notification(method, params)
+
+
+def _grok_questions(params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Grok's questions as t3 shows them: each with an id (q0, q1, ...) to answer it by."""
+    inner = params.get("params")
+    if isinstance(inner, Mapping) and "questions" not in params:
+        params = inner  # some clients see the extension's params wrapped once more
+    raw = params.get("questions")
+    if raw is None and params.get("question"):
+        raw = [params]  # a single question, flat
+    questions = []
+    for i, q in enumerate(raw if isinstance(raw, list) else []):
+        if not isinstance(q, Mapping):
+            continue
+        options = [{"label": str(o.get("label", "")), "description": o.get("description")}
+                   if isinstance(o, Mapping) else {"label": str(o), "description": None}
+                   for o in q.get("options") or q.get("choices") or []]
+        questions.append({"id": f"q{i}", "question": str(q.get("question") or ""),
+                          "header": q.get("header"), "options": options,
+                          "multiSelect": bool(q.get("multiSelect") or q.get("multi_select"))})
+    return questions
+
+
+def _grok_answers(questions: Sequence[Mapping[str, Any]], answers: Mapping[str, Any]
+                  ) -> dict[str, Any]:
+    """t3 answers (keyed by question id or text; a label, free text or a list of them) -> grok's
+    answers keyed by question text."""
+    out: dict[str, Any] = {}
+    for q in questions:
+        value = answers.get(q["id"], answers.get(q["question"]))
+        if isinstance(value, Mapping):  # codex's shape {"answers": [...]}
+            value = value.get("answers")
+        if value is None:
+            continue
+        values = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+        out[q["question"]] = values if q["multiSelect"] or len(values) > 1 else values[0]
+    return out
+
+
+class GrokAdapter(AcpAdapter):
+    """``grok agent stdio``: ACP with xAI's question extension."""
+
+    SESSION = GrokSession
 
 
 # =============================================================================================
@@ -1257,6 +1420,8 @@ class ClaudeAdapter(_Adapter):
                                                      "headers": dict(mcp.headers)}}}, f)
             command += ["--mcp-config", str(config_path), "--strict-mcp-config",
                         "--allowedTools", f"mcp__{mcp.name}__*"]
+        if instructions := self._instructions(mcp):  # the system prompt is per process
+            command += ["--append-system-prompt", instructions]
         env = self._env(thread_id)
         process = await _Process.spawn(command, cwd=cwd, env=env)
         return ClaudeSession(adapter=self, process=process, session_ref=session_ref,
@@ -1347,6 +1512,10 @@ class CodexSession:
                 log.warning("thread/resume of %s failed (%s); starting a new thread",
                             resume_ref, exc)
         if result is None:
+            # A new codex thread is the first run; a resumed one keeps what it was started with.
+            instructions = self._adapter._instructions(mcp)
+            if instructions:
+                params["developerInstructions"] = instructions
             result = await self.rpc.request("thread/start", params, timeout=120)
         self.native_thread_ref = ((result or {}).get("thread") or {}).get("id")
         if not self.native_thread_ref:
@@ -1856,6 +2025,8 @@ class PiAdapter(_Adapter):
             auth = next((v for k, v in mcp.headers.items() if k.lower() == "authorization"), "")
             env["T3_MCP_URL"] = mcp.url
             env["T3_MCP_BEARER_TOKEN"] = auth.removeprefix("Bearer ").strip()
+        if instructions := self._instructions(mcp):  # the system prompt is per process
+            command += ["--append-system-prompt", instructions]
         process = await _Process.spawn(command, cwd=cwd, env=env)
         return PiSession(adapter=self, process=process, session_file=str(session_file))
 
@@ -1952,6 +2123,7 @@ class OpenCodeSession:
         self._parts: dict[str, str] = {}  # part id -> part type
         self._sent: dict[str, int] = {}  # part id -> characters already emitted
         self._tools: dict[str, tuple[str, Any]] = {}  # part id -> (status, output) emitted
+        self._system: str | None = None  # the orchestration instructions, when it has t3's MCP
         self._listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._subscribed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
@@ -2005,6 +2177,7 @@ class OpenCodeSession:
             raise RuntimeError("opencode serve did not start listening within 60 s") from None
         self._tasks.append(asyncio.get_running_loop().create_task(self._read_events()))
         await asyncio.wait_for(asyncio.shield(self._subscribed), 30)
+        self._system = self._adapter._instructions(mcp)
         if mcp is not None:
             # Over the loopback HTTP API: the token is never on a command line or in a file.
             await self._request("POST", "/mcp", {"name": mcp.name, "config": {
@@ -2030,6 +2203,8 @@ class OpenCodeSession:
             raise RuntimeError("a turn is already running on this session")
         self._in_turn, self._busy, self._interrupted, self._error = True, False, False, None
         body: dict[str, Any] = {"parts": [{"type": "text", "text": text}]}
+        if self._system:  # opencode's system prompt is per prompt
+            body["system"] = self._system
         if self._model and "/" in self._model:
             provider_id, _, model_id = self._model.partition("/")
             body["model"] = {"providerID": provider_id, "modelID": model_id}
@@ -2316,6 +2491,8 @@ def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str,
     if config.driver == "acpRegistry":
         return AcpRegistryAdapter(config, log_dir=log_dir, owner=owner, cache_dir=(
             agents_dir or log_dir.parent / "agents") / "registry")
+    if config.driver == "grok":
+        return GrokAdapter(config, log_dir=log_dir, owner=owner)
     if config.driver == "claudeAgent":
         return ClaudeAdapter(config, log_dir=log_dir, owner=owner)
     if config.driver == "codex":

@@ -64,7 +64,7 @@ class Config:
 
 _SECTIONS = {"server": {"host", "port"}, "projects": {"id", "path", "title"},
              "providers": {"id", "driver", "command", "env", "models", "enabled", "displayName",
-                           "agent", "registry"},
+                           "agent", "registry", "instructions"},
              "limits": {"credential_max_lifetime_s", "credential_idle_s"}}
 
 
@@ -147,6 +147,9 @@ def load_config(path: Path, *, cwd: Path) -> Config:
             enabled = entry.get("enabled", True)
             if not isinstance(enabled, bool):
                 raise fail("providers", i, "enabled", "must be true or false")
+            instructions = entry.get("instructions", True)
+            if not isinstance(instructions, bool):
+                raise fail("providers", i, "instructions", "must be true or false")
             if any(p["id"] == pid for p in providers):
                 raise fail("providers", i, "id", f"duplicate provider id {pid!r}")
             agent, registry = entry.get("agent"), entry.get("registry")
@@ -160,7 +163,7 @@ def load_config(path: Path, *, cwd: Path) -> Config:
             providers.append({"id": pid, "driver": driver, "command": command, "env": env,
                               "models": models, "enabled": enabled,
                               "displayName": entry.get("displayName"), "agent": agent,
-                              "registry": registry})
+                              "registry": registry, "instructions": instructions})
 
     limits = data.get("limits", {})
     values = {}
@@ -512,7 +515,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     configs = [prov.ProviderConfig(instance_id=p["id"], driver=p["driver"], command=p["command"],
                                    env=p["env"], models=p["models"], enabled=p["enabled"],
                                    display_name=p["displayName"], agent=p["agent"],
-                                   registry=p["registry"])
+                                   registry=p["registry"], instructions=p["instructions"])
                for p in config.providers] if config.providers is not None \
         else prov.detect_providers()
     adapters = {c.instance_id: prov.build_adapter(c, log_dir=data_dir / "logs", owner=owner,

@@ -22,6 +22,11 @@ in its text (case-sensitive tokens; see below for their order and combinations):
                        the prompt at once (the HTTP request finishes in its thread and is logged)
   ECHO_PROMPT          one line with the exact prompt text (text blocks joined by "\n")
   ASK_PERMISSION       tool_call + session/request_permission; the reply depends on the answer
+  ASK_QUESTION         grok's `_x.ai/ask_user_question` request with QUESTIONS (a single-choice
+                       "Which color?" and a multi-select "Which sizes?"); an accepted answer is
+                       replied as "answered: <compact JSON of its answers, keys sorted>", a
+                       cancelled one as "question cancelled" with stopReason "cancelled"
+  BACKGROUND           modifier: a grok `x.ai/task_backgrounded` notification first
   SLOW[:n]             n chunks "chunk <i> " (default 40), SCRIPTED_AGENT_CHUNK_DELAY seconds
                        apart (default 0.05), then "done"; session/cancel stops it at once
   FAST:n               n tiny chunks as fast as possible (throughput benchmarks)
@@ -29,12 +34,14 @@ in its text (case-sensitive tokens; see below for their order and combinations):
   ECHO_MCP             reply with the session's mcpServers, header values redacted
   (none of the above)  "Hello from scripted agent. You said: <text>" in 3 chunks
 
-A prompt runs these steps in the order listed: CRASH/HANG/FAIL end it; THINK/PLAN add updates;
-then the DELAYED_CALL lines (scheduled), the CALL_TOOL lines, the ECHO_PROMPT line; then at most one of
-ASK_PERMISSION, SLOW, FAST, ECHO_CWD, ECHO_MCP (first found), and the hello reply only when nothing
-else replied. Outputs of different steps are separated by "\n". Trigger words are looked for
+A prompt runs these steps in the order listed: CRASH/HANG/FAIL end it; THINK/PLAN/BACKGROUND add
+updates; then the DELAYED_CALL lines (scheduled), the CALL_TOOL lines, the ECHO_PROMPT line; then at
+most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, ECHO_CWD, ECHO_MCP (first found), and the
+hello reply only when nothing else replied. Outputs of different steps are separated by "\n". Trigger words are looked for
 outside the CALL_TOOL / DELAYED_CALL lines, so a call's JSON arguments (e.g. a prompt for another
-agent) never trigger anything here. A call line is `[spaces]CALL_TOOL <name> [json]` or
+agent) never trigger anything here. A prompt's text blocks are joined by "\n"; a block that is
+t3's orchestration instructions (it starts with `<t3_code_orchestration_instructions>`) is left out
+of the prompt text (the log keeps every block). A call line is `[spaces]CALL_TOOL <name> [json]` or
 `[spaces]DELAYED_CALL <seconds> <name> [json]`; other lines with these words are plain text.
 
 Options: --state-dir DIR (default $SCRIPTED_AGENT_STATE, else /tmp/scripted-acp-agent) holds one
@@ -59,6 +66,12 @@ MODES = {"currentModeId": "default", "availableModes": [
     {"id": "default", "name": "Default"}, {"id": "plan", "name": "Plan"}]}
 MODELS = {"currentModelId": "scripted-1", "availableModels": [
     {"modelId": "scripted-1", "name": "Scripted 1"}, {"modelId": "scripted-2", "name": "Scripted 2"}]}
+QUESTIONS = [
+    {"question": "Which color?", "header": "Color", "multiSelect": False,
+     "options": [{"label": "red", "description": "warm"}, {"label": "blue", "description": "cool"}]},
+    {"question": "Which sizes?", "header": "Sizes", "multiSelect": True,
+     "options": [{"label": "S"}, {"label": "M"}, {"label": "L"}]}]
+INSTRUCTIONS_TAG = "<t3_code_orchestration_instructions>"
 PERMISSION_OPTIONS = [
     {"optionId": "allow-once", "name": "Allow", "kind": "allow_once"},
     {"optionId": "allow-always", "name": "Always allow", "kind": "allow_always"},
@@ -316,7 +329,8 @@ class Agent:
 
     async def prompt(self, params, ticket):
         sid, s = self.session(params)
-        text = "\n".join(b.get("text", "") for b in params.get("prompt", []) if b.get("type") == "text")
+        text = "\n".join(b.get("text", "") for b in params.get("prompt", [])
+                         if b.get("type") == "text" and not b.get("text", "").startswith(INSTRUCTIONS_TAG))
         async with s.lock:  # one prompt at a time per session; later ones wait here
             if s.cancels != ticket:  # cancelled while still queued
                 return {"stopReason": "cancelled"}
@@ -354,6 +368,8 @@ class Agent:
             t.update({"sessionUpdate": "plan", "entries": [
                 {"content": "Look at the request", "priority": "medium", "status": "pending"},
                 {"content": "Answer it", "priority": "medium", "status": "pending"}]})
+        if has_word(rest, "BACKGROUND"):
+            self.notify("x.ai/task_backgrounded", {"sessionId": t.session_id, "taskId": "task-1"})
         for delay, name, raw_args in delayed:
             self.spawn(self.delayed_call(t.session_id, s, delay, name, raw_args))
         if delayed:
@@ -365,6 +381,8 @@ class Agent:
         t.new_line = bool(t.text)
         if has_word(rest, "ASK_PERMISSION"):
             return await self.ask_permission(t)
+        if has_word(rest, "ASK_QUESTION"):
+            return await self.ask_question(t)
         if m := re.search(r"(?<!\w)SLOW(?::(\d+))?(?!\w)", rest):
             delay = float(os.environ.get("SCRIPTED_AGENT_CHUNK_DELAY", "0.05"))
             for i in range(int(m.group(1) or 40)):
@@ -403,6 +421,16 @@ class Agent:
         else:
             t.tool_done(call_id, False, {"error": "rejected"}, "rejected by user")
             t.chunk("permission denied")
+        return "end_turn"
+
+    async def ask_question(self, t):
+        answer = await self.request("_x.ai/ask_user_question", {
+            "sessionId": t.session_id, "toolCallId": f"call-{uuid.uuid4().hex[:8]}",
+            "questions": QUESTIONS, "mode": "default"})
+        if answer.get("outcome") != "accepted":
+            t.chunk("question cancelled")
+            return "cancelled"
+        t.chunk("answered: " + json.dumps(answer.get("answers"), sort_keys=True, separators=(",", ":")))
         return "end_turn"
 
     async def call_tool(self, t, s, name, raw_args):

@@ -164,6 +164,35 @@ def test_permission_request_is_answered(start_agent):
     assert agent_text(msgs) == "permission granted: allow-always"
 
 
+def test_question_is_answered(start_agent):
+    """ASK_QUESTION sends grok's _x.ai/ask_user_question and replies with the answers it got;
+    BACKGROUND first sends an x.ai/task_backgrounded notification."""
+    agent = start_agent()
+    sid = agent.new_session()
+    rid = agent.request("session/prompt", agent.prompt_params(sid, "BACKGROUND ASK_QUESTION"))
+    seen = agent.read_until(lambda m: m.get("method") == "_x.ai/ask_user_question")
+    assert any(m.get("method") == "x.ai/task_backgrounded" for m in seen)
+    ask = seen[-1]
+    assert [q["question"] for q in ask["params"]["questions"]] == ["Which color?", "Which sizes?"]
+    agent.send({"jsonrpc": "2.0", "id": ask["id"], "result": {
+        "outcome": "accepted", "answers": {"Which color?": "red"}, "annotations": {}}})
+    msgs = agent.read_until(lambda m: m.get("id") == rid)
+    assert msgs[-1]["result"] == {"stopReason": "end_turn"}
+    assert agent_text(msgs) == 'answered: {"Which color?":"red"}'
+
+
+def test_instruction_block_is_not_prompt_text(start_agent):
+    """A block of t3's orchestration instructions is left out of the scripted prompt text."""
+    agent = start_agent()
+    sid = agent.new_session()
+    params = {"sessionId": sid, "prompt": [
+        {"type": "text", "text": "<t3_code_orchestration_instructions>\nFAIL\n"
+                                 "</t3_code_orchestration_instructions>"},
+        {"type": "text", "text": "ECHO_PROMPT"}]}
+    result, updates = agent.call("session/prompt", params)
+    assert result["result"] == {"stopReason": "end_turn"} and agent_text(updates) == "ECHO_PROMPT"
+
+
 def test_load_replays_history_in_new_process(start_agent):
     """A second agent process replays a session's history on session/load."""
     first = start_agent()

@@ -65,7 +65,7 @@ def test_delegate_wait_cross_provider(t3_factory, tmp_path: Path) -> None:
     assert result["status"] == "completed" and result["waitTimedOut"] is False
     assert result["summary"] == "ECHO_PROMPT"  # the child got the task prompt and nothing else
     assert result["providerInstanceId"] == "beta"
-    beta_prompts = [e["msg"]["params"]["prompt"][0]["text"] for e in agent_log(
+    beta_prompts = [e["msg"]["params"]["prompt"][-1]["text"] for e in agent_log(
         tmp_path / "agent-beta.log") if e["dir"] == "in" and e["msg"].get("method") ==
         "session/prompt"]
     assert beta_prompts == ["ECHO_PROMPT"]
@@ -82,10 +82,10 @@ def test_delegate_wait_cross_provider(t3_factory, tmp_path: Path) -> None:
 
 
 def wake_prompts(log_path: Path) -> list[str]:
-    """Prompts the parent's agent received that are task wakes."""
-    return [e["msg"]["params"]["prompt"][0]["text"] for e in agent_log(log_path)
+    """Prompts the parent's agent received that are task wakes (the user's block is the last)."""
+    return [e["msg"]["params"]["prompt"][-1]["text"] for e in agent_log(log_path)
             if e["dir"] == "in" and e["msg"].get("method") == "session/prompt"
-            and e["msg"]["params"]["prompt"][0]["text"].startswith("Delegated task")]
+            and e["msg"]["params"]["prompt"][-1]["text"].startswith("Delegated task")]
 
 
 def runs_settled(mcp: McpClient, thread_id: str, count: int) -> bool:

@@ -4,6 +4,7 @@ installed from npm at its pinned version and run against the fake model server."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +68,15 @@ def server(cli: str, model: FakeModelServer, tmp_path: Path, t3_factory: Any) ->
     return t3_factory(providers=[provider(cli, tmp_path, model.url)])
 
 
-def test_text_turn(server: T3Server, cli: str) -> None:
-    """A plain turn completes and its answer is readable."""
+def test_text_turn(server: T3Server, cli: str, model: FakeModelServer) -> None:
+    """A plain turn completes and its answer is readable; the orchestration instructions reached
+    the model."""
     mcp = server.client()
     created = create(mcp, "say hi")
     assert wait(mcp, created["threadId"])["status"] == "completed"
     assert "Hello from fake model. You said: say hi" in text(mcp, created["threadId"])
+    # t3's orchestration instructions went with the first prompt, as a block of their own.
+    assert any("You are running inside t3" in json.dumps(r["body"]) for r in model.requests)
 
 
 def test_tool_call_needs_approval(server: T3Server, cli: str) -> None:
@@ -89,6 +93,23 @@ def test_tool_call_needs_approval(server: T3Server, cli: str) -> None:
     assert answer.ok, answer.structured
     assert wait(mcp, created["threadId"])["status"] == "completed"
     assert "TOOL_RESULT_SEEN" in text(mcp, created["threadId"])
+
+
+# The agent's own never-ask mode t3 selects for full-access (codex-acp 0.16.0 advertises none).
+FULL_ACCESS_MODE = {"claude-agent-acp": "bypassPermissions", "codex-acp": None, "gemini": "yolo"}
+
+
+def test_full_access_selects_the_agents_mode(server: T3Server, cli: str) -> None:
+    """In full-access mode t3 switches the agent to its own never-ask mode where it has one, and
+    a tool call runs without a runtime request."""
+    mcp = server.client()
+    created = create(mcp, "USE_TOOL: echo fake-tool-ran", runtimeMode="full-access")
+    done = wait(mcp, created["threadId"])
+    assert done["status"] == "completed" and done["pendingApproval"] is None, done
+    assert "TOOL_RESULT_SEEN" in text(mcp, created["threadId"])
+    log = (server.data_dir / "logs" / "provider-agent.log").read_text()
+    chosen = re.findall(r'"method":"session/set_mode","params":\{[^}]*"modeId":"([^"]+)"', log)
+    assert chosen == ([FULL_ACCESS_MODE[cli]] if FULL_ACCESS_MODE[cli] else [])
 
 
 def test_interrupt(server: T3Server, cli: str) -> None:

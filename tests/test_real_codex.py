@@ -40,12 +40,14 @@ def server(model: FakeModelServer, tmp_path: Path, t3_factory: Any) -> T3Server:
     return t3_factory(providers=[provider(tmp_path, model.url)])
 
 
-def test_text_turn(server: T3Server) -> None:
-    """A plain turn completes and its answer is readable."""
+def test_text_turn(server: T3Server, model: FakeModelServer) -> None:
+    """A plain turn completes and its answer is readable; t3's orchestration instructions
+    reached the model (in the developer instructions)."""
     mcp = server.client()
     created = create(mcp, "say hi")
     assert wait(mcp, created["threadId"])["status"] == "completed"
     assert "Hello from fake model. You said: say hi" in text(mcp, created["threadId"])
+    assert any("You are running inside t3" in json.dumps(r["body"]) for r in model.requests)
 
 
 def test_tool_call_needs_approval(server: T3Server, tmp_path: Path) -> None:

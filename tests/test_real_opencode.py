@@ -41,7 +41,7 @@ def server(model: FakeModelServer, tmp_path: Path, t3_factory: Any) -> T3Server:
     return t3_factory(providers=[provider(tmp_path, model.url)])
 
 
-def test_text_turn(server: T3Server) -> None:
+def test_text_turn(server: T3Server, model: FakeModelServer) -> None:
     """A plain turn completes and its answer is readable."""
     mcp = server.client()
     created = create(mcp, "say hi")
@@ -49,6 +49,8 @@ def test_text_turn(server: T3Server) -> None:
     answer = text(mcp, created["threadId"])
     assert "Hello from fake model. You said: say hi" in answer
     assert answer.count("Hello from fake model") == 1, answer  # deltas and part updates, once
+    # t3's orchestration instructions reached the model (the system of prompt_async).
+    assert any("You are running inside t3" in json.dumps(r["body"]) for r in model.requests)
 
 
 def test_tool_call_needs_approval(server: T3Server) -> None:

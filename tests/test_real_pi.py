@@ -42,12 +42,14 @@ def server(model: FakeModelServer, tmp_path: Path, t3_factory: Any) -> T3Server:
     return t3_factory(providers=[provider(tmp_path, model.url)])
 
 
-def test_text_turn(server: T3Server) -> None:
+def test_text_turn(server: T3Server, model: FakeModelServer) -> None:
     """A plain turn completes (agent_end) and its answer is readable."""
     mcp = server.client()
     created = create(mcp, "say hi")
     assert wait(mcp, created["threadId"])["status"] == "completed"
     assert "Hello from fake model. You said: say hi" in text(mcp, created["threadId"])
+    # t3's orchestration instructions reached the model (--append-system-prompt).
+    assert any("You are running inside t3" in json.dumps(r["body"]) for r in model.requests)
 
 
 def test_tool_runs_without_approval(server: T3Server) -> None:
