@@ -110,7 +110,10 @@ def acp_provider(name: str, tmp_path: Path, model_url: str) -> dict[str, Any]:
         env |= {"IS_SANDBOX": "1", "ANTHROPIC_BASE_URL": model_url,
                 "ANTHROPIC_API_KEY": "fake-key", "CLAUDE_CONFIG_DIR": str(home / "claude"),
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
-                "DISABLE_AUTOUPDATER": "1"}
+                "DISABLE_AUTOUPDATER": "1",
+                # Its SDK (Claude Code 2.1.83) fetches the plugin blocklist from
+                # raw.githubusercontent.com despite the settings above; only bare mode skips it.
+                "CLAUDE_CODE_SIMPLE": "1"}
         command = [binary]
     elif name == "codex-acp":
         codex_home = _codex_home(home, model_url, 'approval_policy = "untrusted"\n'
