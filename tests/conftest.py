@@ -91,7 +91,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             os.kill(pid, signal.SIGKILL)
     shutil.rmtree(_groups_file().parent, ignore_errors=True)
     if leaked:
-        print(f"\nprocesses started by the tests were still alive after the run (killed):\n  "
+        print("\nprocesses started by the tests were still alive after the run (killed):\n  "
               + "\n  ".join(described), file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
