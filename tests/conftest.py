@@ -4,14 +4,25 @@ agent (tests/acp_agent.py) as its provider, and a sync MCP client for it.
 Markers: `real_cli` (npm CLIs against the fake model server; run by CI), `soak` (long fault loops;
 skipped unless selected with `-m soak`). Process hygiene: every process carrying the test's marker
 (its tmp dir, in a command line or an environment) is killed at teardown, and a test that leaves a
-child of the test runner alive fails.
+child of the test runner alive fails. After the whole run, a process still carrying the run's
+`T3_TEST_SESSION=<id>` (set in os.environ here, so inherited by every server, provider and
+subprocess the tests start) or living in a process group a test's server used is killed, and the
+run fails naming it.
+
+Network audit: a real_cli test runs its servers under strace (when installed; `T3_TEST_STRACE=0`
+turns it off) and fails if t3 or an agent CLI sent anything to an address that is not this host
+(real_cli.violations).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,12 +32,68 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from harness import ...` in any import mode
 
 from fake_model import FakeModelServer  # noqa: E402
-from harness import McpClient, T3Server, child_pids, kill_matching, pids_alive, wait_until, write_config  # noqa: E402
+from harness import (McpClient, T3Server, child_pids, describe_process, kill_matching, leaked_processes,  # noqa: E402
+                     pids_alive, process_group, processes_matching, start_time, wait_until, write_config)
+from real_cli import Send, registry_hosts, strace_command, violations  # noqa: E402
+
+SESSION_ENV = "T3_TEST_SESSION"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "real_cli: drives the real npm agent CLIs against the fake model server")
     config.addinivalue_line("markers", "soak: long fault loops for bench/; skipped unless `-m soak`")
+    # Set before xdist starts its workers, so they and everything they start carry the same id.
+    os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
+
+
+def _session_marker() -> str:
+    return f"{SESSION_ENV}={os.environ[SESSION_ENV]}\0"  # the NUL ends the value in /proc/<pid>/environ
+
+
+def _groups_file() -> Path:
+    """Process groups the run's servers and providers used, one `<group> <leader start>` a line
+    (appended by every worker, read by the controller at the end)."""
+    return Path(tempfile.gettempdir()) / f"t3-test-{os.environ[SESSION_ENV]}" / "groups"
+
+
+def _record_groups(marker: str) -> None:
+    lines = {f"{g} {t}\n" for pid in processes_matching(marker)
+             if (g := process_group(pid)) and (t := start_time(g)) is not None}
+    _groups_file().parent.mkdir(exist_ok=True)
+    with open(_groups_file(), "a") as f:
+        f.writelines(sorted(lines))
+
+
+def leftover_processes(*, exclude: Sequence[int] = ()) -> list[int]:
+    """Live processes the run started, by its session marker or a recorded process group."""
+    groups: dict[int, int] = {}
+    try:
+        for line in _groups_file().read_text().splitlines():
+            group, started = map(int, line.split())
+            groups[group] = started
+    except (OSError, ValueError):
+        pass
+    return leaked_processes(_session_marker(), groups=groups, exclude=exclude)
+
+
+@pytest.hookimpl(trylast=True)  # after xdist has stopped its workers
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail the run if a process it started is still alive (killed first)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    # The controller's children are its xdist workers (they carry the marker too); a process a
+    # test leaked has been re-parented away from the controller.
+    xdist = session.config.pluginmanager.has_plugin("dsession")
+    leaked = leftover_processes(exclude=child_pids() if xdist else ())
+    described = [describe_process(pid) for pid in leaked]
+    for pid in leaked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(_groups_file().parent, ignore_errors=True)
+    if leaked:
+        print("\nprocesses started by the tests were still alive after the run (killed):\n  "
+              + "\n  ".join(described), file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -64,11 +131,18 @@ def test_marker(tmp_path: Path) -> str:
 T3Factory = Callable[..., T3Server]
 
 
+def _strace_wanted(request: pytest.FixtureRequest) -> bool:
+    return (request.node.get_closest_marker("real_cli") is not None and shutil.which("strace") is not None
+            and os.environ.get("T3_TEST_STRACE", "1") != "0")
+
+
 @pytest.fixture
-def t3_factory(tmp_path: Path, test_marker: str) -> Iterator[T3Factory]:
+def t3_factory(tmp_path: Path, test_marker: str, request: pytest.FixtureRequest) -> Iterator[T3Factory]:
     """`t3_factory(providers=, extra=, env=, config=, data_dir=, args=, start=True)` -> T3Server.
-    Defaults: data dir `<tmp>/data`, config from `write_config(tmp_path, ...)`."""
+    Defaults: data dir `<tmp>/data`, config from `write_config(tmp_path, ...)`. In a real_cli test
+    each server runs under strace into `<tmp>/net-<n>.strace`, audited at teardown."""
     servers: list[T3Server] = []
+    traces: list[Path] = []
 
     def make(*, providers: Sequence[Mapping[str, Any]] | None = None, extra: str = "",
              env: Mapping[str, str] | None = None, config: Path | None = None, data_dir: Path | None = None,
@@ -76,15 +150,32 @@ def t3_factory(tmp_path: Path, test_marker: str) -> Iterator[T3Factory]:
         if config is None:
             name = "t3.toml" if not servers else f"t3-{len(servers) + 1}.toml"
             config = write_config(tmp_path, providers=providers, extra=extra, name=name)
-        server = T3Server(data_dir or tmp_path / "data", config, args=args,
+        wrap: list[str] = []
+        if _strace_wanted(request):
+            traces.append(tmp_path / f"net-{len(servers) + 1}.strace")
+            wrap = strace_command(traces[-1])
+        server = T3Server(data_dir or tmp_path / "data", config, args=args, wrap=wrap,
                           env={"T3_TEST_MARKER": test_marker, **(env or {})})
         servers.append(server)
         return server.start() if start else server
 
     yield make
+    _record_groups(test_marker)
     for server in reversed(servers):
         server.close()
     kill_matching(test_marker)  # agents orphaned by a kill -9 of the server, or a server that leaked them
+    found = [v for trace in traces if trace.exists() for v in _audit(trace)]
+    if found:
+        pytest.fail("sent to an address that is not this host:\n" + "\n".join(v.line for v in found))
+
+
+def _audit(trace: Path) -> list[Send]:
+    lines = trace.read_text(errors="replace").splitlines()
+    found = violations(lines)
+    if found:  # only then ask npm and DNS which addresses the registry has
+        registry, nameservers = registry_hosts()
+        found = violations(lines, registry=registry, nameservers=nameservers)
+    return found
 
 
 @pytest.fixture

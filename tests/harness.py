@@ -34,7 +34,8 @@ from mcp.client.streamable_http import streamable_http_client
 
 __all__ = ["REPO", "T3_PY", "ACP_AGENT", "ServerStartError", "T3Server", "Progress", "ToolResult", "McpClient",
            "RawResponse", "raw_request", "raw_post", "wait_until", "agent_log", "count_prompts",
-           "scripted_provider", "write_config", "pids_alive", "processes_matching", "kill_matching", "child_pids"]
+           "scripted_provider", "write_config", "pids_alive", "processes_matching", "kill_matching", "child_pids",
+           "process_group", "start_time", "leaked_processes", "describe_process"]
 
 REPO = Path(__file__).resolve().parent.parent
 T3_PY = REPO / "t3.py"
@@ -73,20 +74,22 @@ class _Pump(threading.Thread):
 
 @dataclass
 class _Run:
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str]  # t3, or the `wrap` command running it
     stderr: _Pump
     stdout: _Pump
+    pid: int = 0  # t3's own pid, from server.json
 
 
 class T3Server:
     """One `t3.py` server on a data dir; `restart()` runs it again on the same dir and config.
-    Its own session (`start_new_session`), so `kill9()` hits the server and nothing else."""
+    Its own session (`start_new_session`), so `kill9()` hits the server and nothing else. With
+    `wrap` (e.g. an strace command line) t3 runs as that command's child; signals go to t3 itself."""
 
     def __init__(self, data_dir: Path, config: Path, *, script: Path = T3_PY, env: Mapping[str, str] | None = None,
-                 args: Sequence[str] = (), startup_timeout: float = 30.0) -> None:
+                 args: Sequence[str] = (), startup_timeout: float = 30.0, wrap: Sequence[str] = ()) -> None:
         self.data_dir, self.config, self.script = Path(data_dir), Path(config), Path(script)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.args, self.startup_timeout = list(args), startup_timeout
+        self.args, self.startup_timeout, self.wrap = list(args), startup_timeout, list(wrap)
         self.info: dict[str, Any] = {}  # server.json of the current run
         self._runs: list[_Run] = []
         self._clients: list[McpClient] = []
@@ -95,7 +98,7 @@ class T3Server:
         """Start; return once the ready line is out and server.json names this process."""
         if self.running:
             raise RuntimeError("server already running")
-        cmd = [sys.executable, str(self.script), "--port", "0", "--data-dir", str(self.data_dir),
+        cmd = [*self.wrap, sys.executable, str(self.script), "--port", "0", "--data-dir", str(self.data_dir),
                "--config", str(self.config), *self.args]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, encoding="utf-8", errors="replace", env=self.env, cwd=self.data_dir.parent,
@@ -112,6 +115,7 @@ class T3Server:
             self.info = wait_until(lambda: self._own_info(run), max(1.0, deadline - time.monotonic()), interval=0.02)
         except TimeoutError:
             self._fail_start(run, "announced its URL but wrote no server.json with its pid")
+        run.pid = int(self.info["pid"])
         for c in self._clients:  # a session to the previous process is dead even if the port is reused
             c.reset()
         return self
@@ -121,12 +125,16 @@ class T3Server:
             self._fail_start(run, "exited after announcing its URL")
         with contextlib.suppress(OSError, ValueError):
             info = json.loads((self.data_dir / "server.json").read_text())
-            return info if info.get("pid") == run.proc.pid else None
+            pid = info.get("pid")
+            ours = pid == run.proc.pid or (bool(self.wrap) and isinstance(pid, int)
+                                           and (_state_and_ppid(pid) or ("", 0))[1] == run.proc.pid)
+            return info if ours else None
         return None
 
     def _fail_start(self, run: _Run, what: str) -> None:
         if run.proc.poll() is None:
-            run.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.proc.pid, signal.SIGKILL)  # t3 and a `wrap` command around it
         run.proc.wait(10)
         run.stderr.join(2)
         raise ServerStartError(f"t3 {what} (exit {run.proc.returncode}); stderr:\n{run.stderr.text()}")
@@ -137,11 +145,13 @@ class T3Server:
             return None
         run = self._runs[-1]
         if run.proc.poll() is None:
-            run.proc.send_signal(sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(run.pid or run.proc.pid, sig)
             try:
                 run.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                run.proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(run.proc.pid, signal.SIGKILL)
                 run.proc.wait(10)
         # all the server wrote is in the pipe now; a provider that inherited the pipe may keep it
         # open past the server's exit, so the (daemon) pumps get a short grace, not a wait for EOF
@@ -177,7 +187,9 @@ class T3Server:
 
     @property
     def pid(self) -> int:
-        return self._runs[-1].proc.pid
+        """t3's pid (not the `wrap` command's)."""
+        run = self._runs[-1]
+        return run.pid or run.proc.pid
 
     @property
     def running(self) -> bool:
@@ -434,6 +446,24 @@ def _state_and_ppid(pid: int) -> tuple[str, int] | None:
     return state, int(ppid)
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name: state, ppid, pgrp, session, ..."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def process_group(pid: int) -> int | None:
+    return int(fields[2]) if (fields := _stat(pid)) else None
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (with the pid, it names one process)."""
+    return int(fields[19]) if (fields := _stat(pid)) else None
+
+
 def _all_pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
 
@@ -468,3 +498,29 @@ def kill_matching(marker: str, *, timeout: float = 10.0) -> list[int]:
             os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not pids_alive(pids), timeout, message=f"killed processes {pids} gone")
     return pids
+
+
+def leaked_processes(marker: str, *, groups: Mapping[int, int] | None = None,
+                     exclude: Iterable[int] = ()) -> list[int]:
+    """Live processes carrying `marker` in their command line or environment, or in one of
+    `groups` ({process group id: its leader's start time}) and started after that leader (so a
+    reused group id is not taken for a recorded one). This process and `exclude` are left out."""
+    found = set(processes_matching(marker))
+    recorded = dict(groups or {})
+    for pid in pids_alive(_all_pids()) if recorded else []:
+        group, started = process_group(pid), start_time(pid)
+        if group is None or group not in recorded or started is None or started < recorded[group]:
+            continue
+        leader_started = start_time(group)
+        if leader_started is None or leader_started == recorded[group]:
+            found.add(pid)
+    return sorted(found - {os.getpid(), *exclude})
+
+
+def describe_process(pid: int) -> str:
+    """`<pid> <command line>`, for a report."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        cmdline = "?"
+    return f"{pid} {cmdline.strip()[:300]}"

@@ -11,9 +11,7 @@ from typing import Any
 import pytest
 
 from fake_model import FakeModelServer
-from real_cli import create, npm_available, text, wait
-from test_real_claude import claude_provider
-from test_real_codex import provider as codex_provider
+from real_cli import claude_provider, codex_provider, create, npm_available, text, wait
 
 pytestmark = [pytest.mark.real_cli,
               pytest.mark.skipif(not npm_available(), reason="npm is not installed")]
