@@ -629,6 +629,10 @@ class CreateThread:
 @dataclass(frozen=True, slots=True)
 class DispatchMessage:
     type: ClassVar[str] = "message.dispatch"
+    # The mode and target are derived from the thread's state when the call arrives; a retry of
+    # the same message must get the first answer even after the state moved on.
+    fingerprint_fields: ClassVar[tuple[str, ...]] = (
+        "thread_id", "message_id", "text", "created_by", "creation_source")
     command_id: str
     thread_id: str
     message_id: str
