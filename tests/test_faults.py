@@ -1,0 +1,377 @@
+"""Fault injection against the real server: kill -9 at exact points of a turn, duplicate commands,
+a second process on the database, a full disk, and SIGTERM with work in flight.
+
+Exact crash points come from the test hook `T3_CRASH_AT=<point>` (store.crash_point: the server
+SIGKILLs itself there). Each test states what "nothing lost" means for its fault and checks the
+database directly afterwards with `assert_consistent`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import closing, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import T3Factory
+from harness import (McpClient, ServerStartError, T3Server, agent_log, count_prompts, pids_alive,
+                     processes_matching, wait_until)
+
+LONG = 60.0  # generous: two cores are shared with other test processes
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+@contextmanager
+def readonly_db(t3: T3Server) -> Iterator[sqlite3.Connection]:
+    with closing(sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True)) as db:
+        yield db
+
+
+def scalar(t3: T3Server, sql: str, *params: Any) -> Any:
+    with readonly_db(t3) as db:
+        return db.execute(sql, params).fetchone()[0]
+
+
+def assert_consistent(t3: T3Server) -> None:
+    """The log is whole: integrity ok, per-thread stream versions gap-free, every event has its
+    receipt, no projection row without an event, no outbox row without its command's receipt."""
+    with readonly_db(t3) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        for thread_id, count, top in db.execute(
+                "SELECT thread_id, COUNT(*), MAX(stream_version) FROM events GROUP BY thread_id"):
+            assert top == count - 1, f"stream versions of {thread_id} have a gap"
+        assert db.execute("SELECT COUNT(*) FROM events e WHERE NOT EXISTS (SELECT 1 FROM "
+                          "command_receipts r WHERE r.command_id = e.command_id)").fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM effect_outbox o WHERE NOT EXISTS (SELECT 1 FROM "
+                          "command_receipts r WHERE r.command_id = o.command_id)").fetchone()[0] == 0
+        for table, key in (("threads", "thread_id"), ("runs", "run_id"), ("messages", "message_id")):
+            orphans = db.execute(f"SELECT COUNT(*) FROM {table} p WHERE NOT EXISTS (SELECT 1 FROM "
+                                 f"events e WHERE json_extract(e.payload_json, '$.id') = p.{key})")
+            assert orphans.fetchone()[0] == 0, f"{table} row without an event"
+
+
+def assert_settled(t3: T3Server) -> None:
+    """Nothing is stuck: no outbox row pending or running, no run starting or running."""
+    wait_until(lambda: scalar(t3, "SELECT COUNT(*) FROM effect_outbox "
+                                  "WHERE status IN ('pending', 'running')") == 0,
+               LONG, message="outbox rows settle")
+    assert scalar(t3, "SELECT COUNT(*) FROM runs WHERE status IN "
+                      "('preparing', 'starting', 'running', 'waiting')") == 0
+
+
+def read(mcp: McpClient, thread_id: str) -> dict[str, Any]:
+    return mcp.call("t3_thread_read", {"threadId": thread_id, "afterPosition": -1}).structured
+
+
+def assistant_text(mcp: McpClient, thread_id: str) -> str:
+    return "".join(i["text"] or "" for i in read(mcp, thread_id)["items"]
+                   if i["type"] == "assistant_message")
+
+
+def run_of(mcp: McpClient, thread_id: str, run_id: str) -> dict[str, Any]:
+    return next(r for r in read(mcp, thread_id)["recentRuns"] if r["runId"] == run_id)
+
+
+def wait_run(mcp: McpClient, thread_id: str, run_id: str) -> dict[str, Any]:
+    done = mcp.call("t3_thread_wait", {"threadId": thread_id, "runId": run_id,
+                                       "timeoutMs": 60_000}, timeout=90).structured
+    assert not done["timedOut"], done
+    return done
+
+
+def create(mcp: McpClient, prompt: str, **extra: Any) -> tuple[str, str]:
+    created = mcp.call("create_threads", {"threads": [{"prompt": prompt}], **extra}).structured
+    return created["threads"][0]["threadId"], created["threads"][0]["runId"]
+
+
+def unanswered(mcp: McpClient, tool: str, args: dict[str, Any]) -> None:
+    """The call dies with the server: it gets no answer."""
+    try:
+        result = mcp.call(tool, args, timeout=LONG)
+    except Exception:  # the connection dropped; what the client sees varies by SDK layer
+        return
+    pytest.fail(f"{tool} was answered although the server crashed: {result.structured}")
+
+
+def crashed_and_restarted(t3: T3Server, agents: set[int]) -> None:
+    """The server SIGKILLed itself at its crash point: its agents die with it; restart unarmed."""
+    wait_until(lambda: not t3.running, LONG, message="server killed itself at the crash point")
+    assert t3.returncode == -9
+    wait_until(lambda: not pids_alive(agents), LONG, message="old agents gone")
+    t3.env.pop("T3_CRASH_AT")
+    t3.start()
+
+
+def agent_pids(path: Path) -> set[int]:
+    return {entry["pid"] for entry in agent_log(path)}
+
+
+def receipts_like(t3: T3Server, pattern: str) -> int:
+    return int(scalar(t3, "SELECT COUNT(*) FROM command_receipts WHERE command_id LIKE ?", pattern))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. kill -9 at four points of a turn
+
+
+def test_kill9_before_a_send_commits_leaves_no_trace(t3_factory: T3Factory, agent_log_path: Path,
+                                                     test_marker: str) -> None:
+    """Crash before t3_thread_send commits: the unanswered send left nothing; earlier work is
+    whole; the same clientRequestId then starts exactly one turn."""
+    t3 = t3_factory(env={"T3_CRASH_AT": "before-commit:message.dispatch"})
+    mcp = t3.client()
+    thread_id, first_run = create(mcp, "first")
+    assert wait_run(mcp, thread_id, first_run)["status"] == "completed"
+    events_before = scalar(t3, "SELECT MAX(sequence) FROM events")
+    send = {"threadId": thread_id, "message": "second", "clientRequestId": "send-1"}
+    unanswered(mcp, "t3_thread_send", send)
+    crashed_and_restarted(t3, agent_pids(agent_log_path))
+
+    assert receipts_like(t3, "%thread-send%send-1%") == 0
+    assert scalar(t3, "SELECT COUNT(*) FROM events WHERE sequence > ? AND command_id NOT LIKE "
+                      "'recover:%'", events_before) == 0, "only recovery wrote since"
+    assert scalar(t3, "SELECT COUNT(*) FROM runs") == 1
+    assert run_of(mcp, thread_id, first_run)["status"] == "completed"
+    sent = mcp.call("t3_thread_send", send).structured
+    assert wait_run(mcp, thread_id, sent["runId"])["status"] == "completed"
+    assert "You said: second" in assistant_text(mcp, thread_id)
+    assert count_prompts(agent_log_path) == 2
+    assert_settled(t3)
+    assert_consistent(t3)
+
+
+def test_kill9_after_a_send_commits_resumes_it_once(t3_factory: T3Factory,
+                                                    agent_log_path: Path) -> None:
+    """Crash after t3_thread_send committed, before its effect was claimed: the command is there
+    in full, its run starts after the restart and completes, and a retry returns the same run."""
+    t3 = t3_factory(env={"T3_CRASH_AT": "after-commit:message.dispatch"})
+    mcp = t3.client()
+    thread_id, first_run = create(mcp, "first")
+    wait_run(mcp, thread_id, first_run)
+    send = {"threadId": thread_id, "message": "second", "clientRequestId": "send-1"}
+    unanswered(mcp, "t3_thread_send", send)
+    crashed_and_restarted(t3, agent_pids(agent_log_path))
+
+    assert receipts_like(t3, "%thread-send%send-1%") == 1
+    run_id = scalar(t3, "SELECT run_id FROM runs WHERE ordinal = 2")
+    retried = mcp.call("t3_thread_send", send).structured
+    assert retried["runId"] == run_id
+    assert wait_run(mcp, thread_id, run_id)["status"] == "completed"
+    assert assistant_text(mcp, thread_id).count("You said: second") == 1
+    assert count_prompts(agent_log_path) == 2
+    assert scalar(t3, "SELECT COUNT(*) FROM runs") == 2
+    assert_settled(t3)
+    assert_consistent(t3)
+
+
+@pytest.mark.parametrize("point, prompt, status, kept", [
+    # (c) the provider is streaming: the first batch of deltas has committed
+    ("after-commit:provider.ingest", "SLOW:40 stream", "interrupted", "chunk 0"),
+    # (d) the provider ended its turn; the crash comes before that end is recorded
+    ("before-ingest:turn-ended", "hello", "interrupted", ""),
+    # (d') the end is recorded (run waiting); the crash comes before finalization commits
+    ("before-commit:run.complete", "hello", "completed", "You said: hello"),
+])
+def test_kill9_during_a_turn(t3_factory: T3Factory, agent_log_path: Path, test_marker: str,
+                             point: str, prompt: str, status: str, kept: str) -> None:
+    """Crash mid-turn: committed output survives, the run ends as designed (interrupted with a
+    reason, or finalized), no outbox row or run is stuck, the old agent is gone, the thread works."""
+    t3 = t3_factory(env={"T3_CRASH_AT": point})
+    mcp = t3.client()
+    thread_id, run_id = create(mcp, prompt)  # acknowledged before the turn reaches the point
+    wait_until(lambda: not t3.running, LONG, message="server reached its crash point")
+    committed = scalar(t3, "SELECT COUNT(*) FROM events")
+    old_agents = agent_pids(agent_log_path)
+    assert old_agents
+    crashed_and_restarted(t3, old_agents)
+
+    run = wait_run(mcp, thread_id, run_id)
+    assert run["status"] == status
+    if status == "interrupted":
+        assert "restarted" in run_of(mcp, thread_id, run_id)["statusReason"]
+    assert kept in assistant_text(mcp, thread_id)
+    assert scalar(t3, "SELECT COUNT(*) FROM events") >= committed
+    assert scalar(t3, "SELECT COUNT(*) FROM events WHERE type = 'run.updated' AND "
+                      "json_extract(payload_json, '$.status') = ?", status) == 1
+    sent = mcp.call("t3_thread_send", {"threadId": thread_id, "message": "again"}).structured
+    assert wait_run(mcp, thread_id, sent["runId"])["status"] == "completed"
+    assert "You said: again" in assistant_text(mcp, thread_id)
+    assert not pids_alive(old_agents)
+    assert all(p not in old_agents for p in processes_matching(test_marker))
+    assert_settled(t3)
+    assert_consistent(t3)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Duplicate command ids: concurrently and after a restart
+
+
+def parallel(mcp: McpClient, tool: str, args: dict[str, Any], n: int = 8) -> list[dict[str, Any]]:
+    futures: list[Future[Any]] = [mcp.submit(tool, args, timeout=LONG) for _ in range(n)]
+    results = [f.result(timeout=LONG + 10) for f in futures]
+    assert all(r.ok for r in results), [r.structured for r in results if not r.ok]
+    return [r.structured for r in results]
+
+
+def test_parallel_and_restarted_duplicates_make_one_set_of_events(t3: T3Server, mcp: McpClient,
+                                                                   agent_log_path: Path) -> None:
+    """8 concurrent identical create_threads, then 8 identical t3_thread_send while the first
+    turn streams, then both again after a restart: equal answers, one set of events, one turn each."""
+    create_args = {"threads": [{"prompt": "SLOW:20 once"}], "clientRequestId": "dup-create"}
+    created = parallel(mcp, "create_threads", create_args)
+    assert all(c == created[0] for c in created)
+    thread_id = created[0]["threads"][0]["threadId"]
+    wait_until(lambda: "chunk 1" in assistant_text(mcp, thread_id), LONG)
+    send_args = {"threadId": thread_id, "message": "follow up", "clientRequestId": "dup-send"}
+    sent = parallel(mcp, "t3_thread_send", send_args)
+    assert len({(s["runId"], s["messageId"]) for s in sent}) == 1
+    wait_run(mcp, thread_id, sent[0]["runId"])
+    assert_settled(t3)
+    mine = "SELECT COUNT(*) FROM events WHERE command_id LIKE '%dup-%'"
+    events, runs, prompts = scalar(t3, mine), scalar(t3, "SELECT COUNT(*) FROM runs"), \
+        count_prompts(agent_log_path)
+
+    t3.restart()
+    again = parallel(mcp, "create_threads", create_args, n=2)
+    ids = lambda c: [(t["threadId"], t["runId"]) for t in c["threads"]]  # noqa: E731
+    assert ids(again[0]) == ids(again[1]) == ids(created[0])  # the status has moved on
+    resent = parallel(mcp, "t3_thread_send", send_args, n=2)
+    assert {(s["runId"], s["messageId"]) for s in resent} == {(sent[0]["runId"],
+                                                               sent[0]["messageId"])}
+    assert scalar(t3, mine) == events
+    assert scalar(t3, "SELECT COUNT(*) FROM threads") == 1
+    assert scalar(t3, "SELECT COUNT(*) FROM runs") == runs
+    assert receipts_like(t3, "%create-thread%dup-create%") == 1
+    assert receipts_like(t3, "%thread-send%dup-send%") == 1
+    assert count_prompts(agent_log_path) == prompts == 2  # the first turn, then the follow-up
+    assert assistant_text(mcp, thread_id).count("You said: follow up") == 1
+    assert_consistent(t3)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Two processes on one database
+
+
+def test_a_second_server_on_the_same_data_dir_is_refused(t3_factory: T3Factory, t3: T3Server,
+                                                         mcp: McpClient) -> None:
+    """A second server on the data dir exits 1 naming the holder; the first keeps working."""
+    second = t3_factory(start=False)
+    assert second.data_dir == t3.data_dir
+    with pytest.raises(ServerStartError):
+        second.start()
+    assert second.returncode == 1
+    assert f"another t3 server (pid {t3.pid}) is already using" in second.stderr_text()
+    thread_id, run_id = create(mcp, "still here")
+    assert wait_run(mcp, thread_id, run_id)["status"] == "completed"
+
+
+def test_an_outside_sqlite_writer_never_corrupts_the_log(t3: T3Server, mcp: McpClient) -> None:
+    """A raw sqlite3 connection writing (and holding the write lock) while a turn streams: the
+    turn completes in full, integrity_check is ok and the event log stays gap-free."""
+    stop, writes = threading.Event(), [0]
+
+    def outside_writer() -> None:
+        with closing(sqlite3.connect(t3.data_dir / "t3.sqlite", timeout=30,
+                                     isolation_level=None)) as db:
+            db.execute("CREATE TABLE IF NOT EXISTS outside_writes (n INTEGER PRIMARY KEY, note TEXT)")
+            while not stop.is_set():
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("INSERT INTO outside_writes (note) VALUES (?)", ("x" * 4000,))
+                stop.wait(0.02)  # hold the write lock: the server's writer has to wait its turn
+                db.execute("COMMIT")
+                writes[0] += 1
+                stop.wait(0.02)  # then let go for as long (a writer that never does starves
+                # every other one past busy_timeout: SQLite's locks are not fair)
+
+    writer = threading.Thread(target=outside_writer, daemon=True)
+    writer.start()
+    try:
+        thread_id, run_id = create(mcp, "SLOW:20 contended")
+        assert wait_run(mcp, thread_id, run_id)["status"] == "completed"
+    finally:
+        stop.set()
+        writer.join(LONG)
+    assert writes[0] > 0
+    text = assistant_text(mcp, thread_id)
+    assert all(f"chunk {i} " in text for i in range(20)) and text.endswith("done")
+    sent = mcp.call("t3_thread_send", {"threadId": thread_id, "message": "after"}).structured
+    assert wait_run(mcp, thread_id, sent["runId"])["status"] == "completed"
+    assert_settled(t3)
+    assert_consistent(t3)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. A full disk
+
+
+def test_a_full_disk_fails_a_command_cleanly_and_recovers(t3: T3Server, mcp: McpClient) -> None:
+    """With the database capped at its current size, a large send fails with a typed error and
+    writes nothing, reads keep working, and without the cap the same send succeeds."""
+    thread_id, run_id = create(mcp, "before the disk fills")
+    wait_run(mcp, thread_id, run_id)
+    t3.stop()
+    t3.env["T3_MAX_PAGE_COUNT"] = "1"  # below the current size: SQLite keeps the current size
+    t3.start()
+    events = scalar(t3, "SELECT MAX(sequence) FROM events")
+    send = {"threadId": thread_id, "message": "big " * 25_000, "clientRequestId": "big"}
+    failed = mcp.call("t3_thread_send", send)
+    assert failed.failure_code == "orchestration_error", failed.structured
+    assert "full" in failed.structured["message"]
+    assert scalar(t3, "SELECT MAX(sequence) FROM events") == events
+    assert receipts_like(t3, "%big") == 0
+    assert "Traceback" not in t3.stderr_text()
+    assert read(mcp, thread_id)["recentRuns"][0]["status"] == "completed"
+    assert mcp.call("t3_thread_list", {}).ok
+
+    t3.stop()
+    del t3.env["T3_MAX_PAGE_COUNT"]
+    t3.start()
+    sent = mcp.call("t3_thread_send", send).structured
+    assert wait_run(mcp, thread_id, sent["runId"])["status"] == "completed"
+    assert "You said: big big" in assistant_text(mcp, thread_id)
+    assert_settled(t3)
+    assert_consistent(t3)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Graceful shutdown with work in flight
+
+
+def test_sigterm_with_a_running_and_a_queued_run(t3: T3Server, mcp: McpClient,
+                                                 agent_log_path: Path) -> None:
+    """SIGTERM mid-turn with a queued run: a pending wait returns, the server exits 0 promptly,
+    no lease is held, the active run ends interrupted with a reason and its agent is gone; after
+    the restart the queued run runs once and nothing is repeated."""
+    thread_id, run_id = create(mcp, "SLOW:600 long")
+    queued = mcp.call("t3_thread_send", {"threadId": thread_id, "message": "then this",
+                                         "mode": "queue"}).structured
+    wait_until(lambda: "chunk 1" in assistant_text(mcp, thread_id), LONG)
+    waiting = mcp.submit("t3_thread_wait", {"threadId": thread_id, "runId": run_id,
+                                            "timeoutMs": 600_000}, timeout=LONG)
+    agents = agent_pids(agent_log_path)
+    started = time.monotonic()
+    assert t3.stop(timeout=LONG) == 0
+    assert time.monotonic() - started < 30
+    assert waiting.result(timeout=LONG).ok
+    assert not pids_alive(agents)
+    assert scalar(t3, "SELECT COUNT(*) FROM effect_outbox WHERE status = 'running'") == 0
+    status, reason = scalar(t3, "SELECT status FROM runs WHERE run_id = ?", run_id), scalar(
+        t3, "SELECT json_extract(payload_json, '$.statusReason') FROM runs WHERE run_id = ?", run_id)
+    assert (status, "shut down" in reason) == ("interrupted", True)
+
+    t3.start()
+    assert wait_run(mcp, thread_id, queued["runId"])["status"] == "completed"
+    assert run_of(mcp, thread_id, run_id)["status"] == "interrupted"
+    assert assistant_text(mcp, thread_id).count("You said: then this") == 1
+    assert count_prompts(agent_log_path) == 2
+    assert_settled(t3)
+    assert_consistent(t3)
