@@ -8,12 +8,16 @@ database directly afterwards with `assert_consistent`.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import sqlite3
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import closing, contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,11 @@ import pytest
 from conftest import T3Factory
 from harness import (McpClient, ServerStartError, T3Server, agent_log, count_prompts, pids_alive,
                      processes_matching, wait_until)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import orchestrator as o  # noqa: E402
+import store  # noqa: E402
 
 LONG = 60.0  # generous: two cores are shared with other test processes
 
@@ -375,3 +384,253 @@ def test_sigterm_with_a_running_and_a_queued_run(t3: T3Server, mcp: McpClient,
     assert count_prompts(agent_log_path) == 2
     assert_settled(t3)
     assert_consistent(t3)
+
+
+# ---------------------------------------------------------------------------------------------
+# In process: the real Orchestrator.dispatch (decide + the real store) without provider processes
+
+
+NOW = "2030-01-02T03:04:05.678Z"
+THREAD = "thread-1"
+PROVIDERS = {"scripted": o.ProviderInfo(
+    instance_id="scripted", driver="acp", display_name=None, models=[{"id": "m1"}],
+    capabilities=o.Capabilities(supports_steering_by_restart=True))}
+
+
+class Counter:
+    """Deterministic ids, ``prefix:1``, ``prefix:2``, ...; also numbers command ids."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}:{self.n}"
+
+
+def in_process(path: Path) -> tuple[o.Orchestrator, store.Store]:
+    """An orchestrator on a real store at ``path``; its effect worker is never started."""
+    db = store.Store(path / "t3.sqlite", backups_dir=path / "backups")
+    return o.Orchestrator(db, adapters={}, providers=PROVIDERS, clock=lambda: NOW,
+                          new_id=Counter()), db
+
+
+def create_thread(command_id: str = "create", text: str = "hello") -> o.CreateThread:
+    return o.CreateThread(
+        command_id=command_id, thread_id=THREAD, project_id="proj", title="A thread",
+        provider_instance_id="scripted", model="m1", runtime_mode="full-access",
+        interaction_mode="default", workspace="/work/ws", created_by="user",
+        creation_source="web", initial_message=o.InitialMessage(message_id="msg-0", text=text))
+
+
+def table_rows(db: store.Store, tables: Sequence[str]) -> dict[str, list[tuple[Any, ...]]]:
+    return {t: sorted(tuple(r) for r in db.read(f"SELECT * FROM {t}")) for t in tables}
+
+
+ALL_TABLES = ("events", "command_receipts", "effect_outbox",
+              *(table for table, _, _ in store._PROJECTIONS.values()))
+
+
+def test_a_duplicate_provider_result_changes_nothing(tmp_path: Path) -> None:
+    """The provider's end delivered twice, the same ingest batch replayed, finalization applied
+    twice and a late failure: one terminal event, and nothing changes after the first."""
+    async def scenario() -> None:
+        orch, db = in_process(tmp_path)
+        try:
+            await orch.dispatch(create_thread())
+            run = (await orch.state(THREAD)).latest_run()
+            start = o.MarkRunStarted(
+                command_id="start", thread_id=THREAD, run_id=run.id,
+                attempt_id=run.active_attempt_id, provider_session_id="ps-1",
+                session_created=True, pid=1, native_thread_ref="n-1", cwd="/work/ws")
+            await orch.dispatch(start)
+
+            def ingest(command_id: str, *events: o.AdapterEvent) -> o.IngestProviderEvents:
+                return o.IngestProviderEvents(
+                    command_id=command_id, thread_id=THREAD, run_id=run.id,
+                    attempt_id=run.active_attempt_id, provider_session_id="ps-1", events=events)
+
+            ended = ingest("ingest:1", o.TextDelta("hi"), o.TurnEnded("completed"))
+            await orch.dispatch(ended)
+            complete = o.CompleteRun(command_id=f"command:finalize:{run.id}", thread_id=THREAD,
+                                     run_id=run.id)
+            first = await orch.dispatch(complete)
+            assert first.result == {"runId": run.id, "status": "completed"}
+            before = table_rows(db, ALL_TABLES)
+
+            assert (await orch.dispatch(ended)).replayed  # the same batch again
+            await orch.dispatch(ingest("ingest:2", o.TurnEnded("completed")))  # a second end
+            await orch.dispatch(ingest("ingest:3", o.TurnEnded("failed", "late")))
+            again = await orch.dispatch(complete)
+            assert again.replayed and again.result == first.result
+            with pytest.raises(o.CommandRejected):  # another finalizer's id: not waiting any more
+                await orch.dispatch(replace(complete, command_id="command:finalize:other"))
+            with pytest.raises(o.CommandRejected):
+                await orch.dispatch(o.FailRun(command_id="fail", thread_id=THREAD, run_id=run.id,
+                                              attempt_id=None, status="failed", reason="late"))
+            assert table_rows(db, ALL_TABLES) == before
+            terminal = db.read("SELECT COUNT(*) FROM events WHERE type = 'run.updated' AND "
+                               "json_extract(payload_json, '$.status') = 'completed'")
+            assert terminal[0][0] == 1
+        finally:
+            db.close()
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Replay equivalence: projections rebuilt from the event log equal the live ones
+
+
+def rebuilt_equals_live(db: store.Store) -> None:
+    """Rebuild every projection table from the events (in the writer's transaction, rolled
+    back afterwards) and compare with the live tables."""
+    tables = [table for table, _, _ in store._PROJECTIONS.values()]
+    live = table_rows(db, tables)
+
+    class Undo(Exception):
+        pass
+
+    def rebuild(conn: sqlite3.Connection) -> None:
+        store.rebuild_projections(conn)
+        raise Undo({t: sorted(tuple(r) for r in conn.execute(f"SELECT * FROM {t}"))
+                    for t in tables})
+
+    with pytest.raises(Undo) as rebuilt:
+        asyncio.run(_write(db, rebuild))
+    assert rebuilt.value.args[0] == live
+
+
+async def _write(db: store.Store, fn: Any) -> Any:
+    return await db.write(fn)
+
+
+def steps() -> Any:
+    """Hypothesis strategy: a list of (action, small int) pairs, each turned into a command by
+    `command_for` against the thread's current state."""
+    from hypothesis import strategies as hs
+    return hs.lists(hs.tuples(hs.sampled_from(ACTIONS), hs.integers(0, 2)), min_size=12,
+                    max_size=30)
+
+
+# Weighted by repetition: turns mostly stream and end; faults are rarer.
+ACTIONS = ("send", "send", "queue", "steer", "start", "text", "text", "text", "think", "tool",
+           "tool", "ask", "respond", "end", "end", "end", "complete", "complete", "complete",
+           "fail", "interrupt", "cancel", "recover", "end-session")
+END_STATUS = ("completed", "interrupted", "failed")
+PROVIDER_ACTIONS = ("text", "think", "tool", "ask", "end")
+
+
+def command_for(action: str, k: int, state: o.ThreadState, n: int, session: str) -> Any:
+    """The command an action means now (it may well be refused: that is part of the property)."""
+    cid = f"cmd-{n}-{action}-{k}"
+    runs = state.runs
+    run = next((r for r in reversed(runs) if r.status in o.RUN_BLOCKING), runs[-1] if runs else None)
+    if action in ("send", "queue", "steer"):
+        mode = {"send": "start_immediately", "queue": "queue_after_active",
+                "steer": "steer_active"}[action]
+        target = run.id if action == "steer" and run else None
+        if action == "steer" and target is None:
+            mode = "start_immediately"
+        return o.DispatchMessage(command_id=cid, thread_id=THREAD, message_id=f"msg-{n}",
+                                 text=f"message {n}", created_by="agent", creation_source="mcp",
+                                 mode=mode, target_run_id=target)
+    if action == "recover":
+        return o.RecoverThread(command_id=cid, thread_id=THREAD, reason="restarted")
+    if action == "end-session":
+        return o.EndProviderSession(command_id=cid, thread_id=THREAD, provider_session_id=session,
+                                    status="stopped", reason="closed")
+    if action == "respond":
+        pending = state.pending_requests()
+        request_id = pending[0].id if pending else "runtime-request:none"
+        return o.RespondRuntimeRequest(command_id=cid, thread_id=THREAD, request_id=request_id,
+                                       decision=("accept", "decline", "cancel")[k])
+    if action == "cancel":
+        queued = state.queued_runs()
+        return o.CancelQueuedRun(command_id=cid, thread_id=THREAD,
+                                 run_id=queued[0].id if queued else "run:none")
+    if run is None:
+        return None
+    if action == "start":
+        return o.MarkRunStarted(command_id=cid, thread_id=THREAD, run_id=run.id,
+                                attempt_id=run.active_attempt_id or "", provider_session_id=session,
+                                session_created=True, pid=100 + n, native_thread_ref="native-1",
+                                cwd="/work/ws")
+    if action == "complete":
+        return o.CompleteRun(command_id=cid, thread_id=THREAD, run_id=run.id)
+    if action == "fail":
+        return o.FailRun(command_id=cid, thread_id=THREAD, run_id=run.id, attempt_id=None,
+                         status=("failed", "interrupted", "failed")[k], reason=f"fault {n}")
+    if action == "interrupt":
+        return o.InterruptRun(command_id=cid, thread_id=THREAD, run_id=run.id, reason=f"stop {n}")
+    event = {"text": o.TextDelta(f"text {n} "), "think": o.ReasoningDelta(f"thought {n} "),
+             "tool": o.ToolUpdate(native_id=f"tool-{k}", status=("pending", "completed", "failed")[k],
+                                  title="ls", tool_kind="execute", input={"n": n}, output=f"out {n}"),
+             "ask": o.RuntimeRequestOpened(native_ref=f"ask-{n}", request_kind="permission",
+                                           title="Run ls?", detail={"command": "ls"}),
+             "end": o.TurnEnded(END_STATUS[k], "boom" if k == 2 else None)}[action]
+    return o.IngestProviderEvents(command_id=cid, thread_id=THREAD, run_id=run.id,
+                                  attempt_id=run.active_attempt_id or "",
+                                  provider_session_id=session, events=(event,))
+
+
+async def run_steps(orch: o.Orchestrator, plan: Sequence[tuple[str, int]]) -> int:
+    """Dispatch the plan's commands after creating the thread; returns how many were accepted."""
+    await orch.dispatch(create_thread())
+    session, accepted = "ps-0", 0
+    for n, (action, k) in enumerate(plan):
+        if action in ("recover", "end-session"):
+            session = f"ps-{n}"  # a later start opens a new provider session
+        state = await orch.state(THREAD)
+        blocking = state.blocking_run()
+        if action in PROVIDER_ACTIONS and blocking and blocking.status == o.RunStatus.STARTING:
+            # As the effect worker would: a provider reports only on a turn it was started on.
+            await orch.dispatch(command_for("start", k, state, n, session))
+            state = await orch.state(THREAD)
+        command = command_for(action, k, state, n,
+                              session if action != "end-session" else f"ps-{n - 1}")
+        if command is None:
+            continue
+        try:
+            await orch.dispatch(command)
+            accepted += 1
+        except o.CommandRejected:
+            pass
+    return accepted
+
+
+def test_random_command_sequences_rebuild_to_the_live_projections(tmp_path_factory: Any) -> None:
+    """For generated command sequences through dispatch (decide + the real store): projections
+    rebuilt from the events equal the live ones, the orchestrator's cached state equals a fresh
+    load, stream versions are gap-free and at most one run blocks the thread. Examples:
+    T3_FUZZ_EXAMPLES (default 30, derandomized so CI is repeatable)."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=int(os.environ.get("T3_FUZZ_EXAMPLES", "30")), derandomize=True,
+              deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(plan=steps())
+    def check(plan: list[tuple[str, int]]) -> None:
+        path = tmp_path_factory.mktemp("fuzz")
+        orch, db = in_process(path)
+        try:
+            asyncio.run(run_steps(orch, plan))
+            rebuilt_equals_live(db)
+            cached = asyncio.run(_cached(orch))
+            fresh = o.ThreadState.load(*db.thread_entities(THREAD))
+            assert (cached.thread, cached.entities, cached.next_position) == (
+                fresh.thread, fresh.entities, fresh.next_position)
+            versions = [r[0] for r in db.read(
+                "SELECT stream_version FROM events WHERE thread_id = ? ORDER BY sequence", (THREAD,))]
+            assert versions == list(range(len(versions)))
+            assert sum(r.status in o.RUN_BLOCKING for r in fresh.runs) <= 1
+        finally:
+            db.close()
+
+    check()
+
+
+async def _cached(orch: o.Orchestrator) -> o.ThreadState:
+    state = await orch.state(THREAD)
+    assert state is not None
+    return state
