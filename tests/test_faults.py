@@ -9,6 +9,7 @@ database directly afterwards with `assert_consistent`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import sys
@@ -634,3 +635,36 @@ async def _cached(orch: o.Orchestrator) -> o.ThreadState:
     state = await orch.state(THREAD)
     assert state is not None
     return state
+
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+EVENT_COLUMNS = ("sequence", "event_id", "thread_id", "stream_version", "command_id", "type",
+                 "occurred_at", "payload_json")
+
+
+@pytest.mark.parametrize("name", ["steering", "permissions", "delegation"])
+def test_golden_history_rebuilds_to_its_captured_projections(tmp_path: Path, name: str) -> None:
+    """A real server's event log (tests/golden, captured by capture.py: steering, interrupts,
+    a failure, permissions, delegation) loaded into a fresh database rebuilds exactly the
+    projection tables that server had."""
+    events = [json.loads(line) for line in
+              (GOLDEN / f"{name}.events.jsonl").read_text(encoding="utf-8").splitlines()]
+    expected = json.loads((GOLDEN / f"{name}.projections.json").read_text(encoding="utf-8"))
+    assert events and any(expected.values())
+    db = store.Store(tmp_path / "t3.sqlite", backups_dir=tmp_path / "backups")
+    try:
+        def load_and_rebuild(conn: sqlite3.Connection) -> dict[str, list[list[Any]]]:
+            conn.executemany(
+                f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
+                f"VALUES ({', '.join('?' * len(EVENT_COLUMNS))})",
+                [tuple(e[c] for c in EVENT_COLUMNS) for e in events])
+            store.rebuild_projections(conn)
+            return {t: sorted([list(r) for r in conn.execute(f"SELECT * FROM {t}")], key=repr)
+                    for t in expected}
+
+        rebuilt = asyncio.run(_write(db, load_and_rebuild))
+    finally:
+        db.close()
+    assert set(expected) == {table for table, _, _ in store._PROJECTIONS.values()}
+    for table in expected:
+        assert rebuilt[table] == expected[table], table
