@@ -8,6 +8,7 @@ is simulated with explicit `now_ms` values, never by waiting.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import os
 import re
@@ -519,6 +520,27 @@ def test_a_stale_holder_is_fenced_after_another_owner_reclaims(st: Store) -> Non
     assert _effect_row(st, "e1").lease_expires_ms == later + 5 * LEASE_MS
     assert _run(st.settle_effect(fresh, owner="w2", status="succeeded"))
     assert _effect_row(st, "e1").status == "succeeded"
+
+
+def test_two_stores_on_one_file_never_claim_a_row_twice(open_store: Callable[..., Store]) -> None:
+    """Two stores (two writer connections, as two processes would have) claiming concurrently
+    from one outbox: every row is claimed exactly once while the leases hold."""
+    a, b = open_store(), open_store()
+    t0 = _add_effects(a, *(_effect(f"e{i}", f"T{i}") for i in range(24)))
+
+    def drain(s: Store, owner: str) -> list[str]:
+        got = []
+        while (row := _claim(s, owner, t0, lease_ms=60_000)) is not None:
+            got.append(row.effect_id)
+        return got
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        claimed = [f.result() for f in [pool.submit(drain, a, "wa"), pool.submit(drain, b, "wb")]]
+    every = claimed[0] + claimed[1]
+    assert sorted(every) == sorted(f"e{i}" for i in range(24))
+    assert len(set(every)) == len(every)
+    owners = {r[0]: r[1] for r in a.read("SELECT effect_id, lease_owner FROM effect_outbox")}
+    assert all(owners[e] == "wa" for e in claimed[0]) and all(owners[e] == "wb" for e in claimed[1])
 
 
 def test_the_attempt_number_fences_a_stale_holder_with_the_same_owner(st: Store) -> None:
