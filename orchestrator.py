@@ -629,6 +629,10 @@ class CreateThread:
 @dataclass(frozen=True, slots=True)
 class DispatchMessage:
     type: ClassVar[str] = "message.dispatch"
+    # The mode and target are derived from the thread's state when the call arrives; a retry of
+    # the same message must get the first answer even after the state moved on.
+    fingerprint_fields: ClassVar[tuple[str, ...]] = (
+        "thread_id", "message_id", "text", "created_by", "creation_source")
     command_id: str
     thread_id: str
     message_id: str
@@ -1844,12 +1848,14 @@ class Orchestrator:
                               providers=self.providers)
             if not decision.events and not decision.effects:
                 return DispatchResult(state.sequence, decision.result)
+            _store.crash_point(f"before-commit:{command.type}")
             try:
                 outcome = await self._store.commit(decision.commit(command))
             except _store.FingerprintMismatch as exc:
                 raise T3Error(str(exc), code="invalid_request") from exc
             if not outcome.committed:
                 return self._replay(command, outcome.receipt)
+            _store.crash_point(f"after-commit:{command.type}")
             self._apply(decision.events, outcome.sequences)
         for effect_id in outcome.cancelled_effect_ids:
             task = self._effect_tasks.get(effect_id)
@@ -2250,10 +2256,12 @@ class Orchestrator:
                               live.session_id)
                     continue
                 run_id, attempt_id = live.turn
+                turn_ended = any(isinstance(e, TurnEnded) for e in batch)
+                if turn_ended:
+                    _store.crash_point("before-ingest:turn-ended")
                 batch_no += 1
                 await self._ingest(live, run_id, attempt_id, batch_no, _merge_deltas(batch))
-                if any(isinstance(e, TurnEnded) for e in batch) and \
-                        live.turn == (run_id, attempt_id):
+                if turn_ended and live.turn == (run_id, attempt_id):
                     live.turn = None
                     live.turn_ended.set()
                     live.idle_timer = loop.call_later(self.IDLE_RELEASE_S, self._release, live)

@@ -27,6 +27,7 @@ import logging
 import os
 import queue
 import re
+import signal
 import sqlite3
 import threading
 import time
@@ -50,6 +51,7 @@ __all__ = [
     "Store",
     "apply_migrations",
     "schema_files",
+    "crash_point",
 ]
 
 SQL_DIR = Path(__file__).resolve().parent / "sql"
@@ -70,6 +72,16 @@ class DatabaseTooNew(StoreError):
 
 class FingerprintMismatch(StoreError):
     """This command id was already used for a different command payload."""
+
+
+# Test hook (README "Fault injection"): the process SIGKILLs itself at the one named point, so a
+# test can crash it at an exact place. Read once at import; unset, every crash_point is a no-op.
+_CRASH_AT = os.environ.get("T3_CRASH_AT") or None
+
+
+def crash_point(name: str) -> None:
+    if name == _CRASH_AT:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,6 +489,8 @@ class Store:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="t3-store-writer", daemon=True)
         self._write_conn = connect(path)
+        if cap := os.environ.get("T3_MAX_PAGE_COUNT"):  # test hook: a full disk (README)
+            self._write_conn.execute(f"PRAGMA max_page_count = {int(cap):d}")
         self._closed = False
         self._writer.start()
 
@@ -694,6 +708,7 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
             raise FingerprintMismatch(
                 f"command id {commit.command_id!r} was already used for a different request")
         return CommitResult(committed=False, receipt=existing)
+    crash_point("commit:after-receipt")
     sequences: list[int] = []
     versions: dict[str, int] = {}
     for event in commit.events:
@@ -707,6 +722,7 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
         versions[event.thread_id] += 1
         sequences.append(sequence)
         _project(conn, event.type, event.payload, payload_json)
+    crash_point("commit:after-events")
     cancelled: list[str] = []
     for effect_type in commit.cancel_effect_types:
         cancelled += [r[0] for r in conn.execute(_CANCEL_EFFECTS, (
@@ -717,6 +733,7 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
             effect.effect_id, commit.command_id, effect.thread_id, effect.effect_type,
             json.dumps(effect.payload, separators=(",", ":")), int(effect.replay_safe),
             effect.max_attempts, now_ms, stamp, stamp))
+    crash_point("commit:after-outbox")
     result_sequence = sequences[-1] if sequences else conn.execute(_MAX_SEQUENCE).fetchone()[0]
     conn.execute(_FINISH_RECEIPT, (result_sequence, commit.command_id))
     receipt = Receipt(commit.command_id, commit.command_type, commit.fingerprint, commit.thread_id,

@@ -29,7 +29,7 @@ from mcp.server import Server, ServerRequestContext
 
 import orchestrator as orch
 from orchestrator import RUN_BLOCKING, RUN_TERMINAL, RunStatus, ThreadState
-from store import Store
+from store import Store, StoreError
 
 __all__ = ["FAILURE_CODES", "Scope", "current_scope", "ToolFailure", "Project", "ServerContext",
            "Toolkit", "build_mcp_server", "validate"]
@@ -362,6 +362,9 @@ class Toolkit:
         except orch.T3Error as exc:
             raise ToolFailure(exc.code if exc.code in FAILURE_CODES else "orchestration_error",
                               str(exc)) from exc
+        except StoreError as exc:  # e.g. a full disk: the transaction rolled back, nothing written
+            log.warning("tool %s could not write: %s", name, exc)
+            raise ToolFailure("orchestration_error", f"t3 could not record this: {exc}") from exc
 
     # -- helpers ---------------------------------------------------------------------------------
 

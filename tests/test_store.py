@@ -8,10 +8,14 @@ is simulated with explicit `now_ms` values, never by waiting.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
+import os
 import re
 import shutil
+import signal
 import sqlite3
+import subprocess
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import closing
@@ -518,6 +522,27 @@ def test_a_stale_holder_is_fenced_after_another_owner_reclaims(st: Store) -> Non
     assert _effect_row(st, "e1").status == "succeeded"
 
 
+def test_two_stores_on_one_file_never_claim_a_row_twice(open_store: Callable[..., Store]) -> None:
+    """Two stores (two writer connections, as two processes would have) claiming concurrently
+    from one outbox: every row is claimed exactly once while the leases hold."""
+    a, b = open_store(), open_store()
+    t0 = _add_effects(a, *(_effect(f"e{i}", f"T{i}") for i in range(24)))
+
+    def drain(s: Store, owner: str) -> list[str]:
+        got = []
+        while (row := _claim(s, owner, t0, lease_ms=60_000)) is not None:
+            got.append(row.effect_id)
+        return got
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        claimed = [f.result() for f in [pool.submit(drain, a, "wa"), pool.submit(drain, b, "wb")]]
+    every = claimed[0] + claimed[1]
+    assert sorted(every) == sorted(f"e{i}" for i in range(24))
+    assert len(set(every)) == len(every)
+    owners = {r[0]: r[1] for r in a.read("SELECT effect_id, lease_owner FROM effect_outbox")}
+    assert all(owners[e] == "wa" for e in claimed[0]) and all(owners[e] == "wb" for e in claimed[1])
+
+
 def test_the_attempt_number_fences_a_stale_holder_with_the_same_owner(st: Store) -> None:
     """A re-claim by the same owner string still fences the earlier attempt's EffectRow."""
     t0 = _add_effects(st, _effect("e1", "T"))
@@ -688,3 +713,67 @@ def test_real_schema_step_by_step_equals_fresh(tmp_path: Path) -> None:
                                       stop_after=version) == version
     assert store.apply_migrations(b, backups_dir=tmp_path / "bk-b") == len(REAL_SQL_FILES)
     assert _schema(a) == _schema(b)
+
+
+# ---------------------------------------------------------------------------------------------
+# A crash between the statements of one commit
+
+
+_CRASHING_COMMIT = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import store
+s = store.Store(Path(sys.argv[2]), backups_dir=Path(sys.argv[3]))
+commit = store.Commit(
+    command_id="cmd-crash", command_type="test.command", fingerprint="fp", thread_id="th-1",
+    events=[store.NewEvent("ev-c1", "th-1", "run.created", "2025-01-01T00:00:00.000Z",
+                           {"id": "run-c", "threadId": "th-1", "ordinal": 2, "status": "queued"}),
+            store.NewEvent("ev-c2", "th-2", "thread.created", "2025-01-01T00:00:00.000Z",
+                           {"id": "th-2", "projectId": "proj", "createdAt": "x", "updatedAt": "x"})],
+    effects=[store.NewEffect("eff-crash", "th-1", "provider-turn.start", {}, replay_safe=False)],
+    cancel_effect_types=["provider-turn.start"])
+asyncio.run(s.commit(commit))
+print("committed")
+"""
+
+
+@pytest.mark.parametrize("point", ["commit:after-receipt", "commit:after-events",
+                                   "commit:after-outbox"])
+def test_a_process_killed_inside_a_commit_leaves_none_of_it(tmp_path: Path, point: str) -> None:
+    """SIGKILL between the statements of one commit transaction: after reopening, no receipt,
+    event, projection row or outbox row of that command exists, earlier commits are whole, and
+    integrity_check is ok."""
+    path = tmp_path / "t3.sqlite"
+    first = Store(path, backups_dir=tmp_path / "backups")
+    _run(first.commit(_thread_and_run_commit()))
+    before = {t: _count(first, t) for t in ("command_receipts", "events", "effect_outbox",
+                                            *PROJECTION_TABLES)}
+    first.close()
+    child = subprocess.run([sys.executable, "-c", _CRASHING_COMMIT, str(_ROOT), str(path),
+                            str(tmp_path / "backups")], env={**os.environ, "T3_CRASH_AT": point},
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert "committed" not in child.stdout
+
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    reopened = Store(path, backups_dir=tmp_path / "backups")
+    try:
+        assert reopened.receipt("cmd-crash") is None
+        assert reopened.read("SELECT COUNT(*) FROM events WHERE command_id = 'cmd-crash'")[0][0] == 0
+        assert reopened.read("SELECT COUNT(*) FROM threads WHERE thread_id = 'th-2'")[0][0] == 0
+        assert reopened.read("SELECT COUNT(*) FROM runs WHERE run_id = 'run-c'")[0][0] == 0
+        assert reopened.effect("eff-crash") is None
+        assert {t: _count(reopened, t) for t in before} == before
+        assert _effect_row(reopened, "eff-1").status == "pending", "the cancel did not persist"
+        # The same command commits in full once the process lives.
+        again = subprocess.run([sys.executable, "-c", _CRASHING_COMMIT, str(_ROOT), str(path),
+                                str(tmp_path / "backups")], capture_output=True, text=True,
+                               timeout=60)
+        assert again.returncode == 0 and "committed" in again.stdout, again.stderr
+        assert reopened.receipt("cmd-crash") is not None
+        assert reopened.effect("eff-crash") is not None
+        assert _effect_row(reopened, "eff-1").status == "cancelled"
+    finally:
+        reopened.close()
