@@ -2239,8 +2239,9 @@ class Orchestrator:
                         remaining = deadline - loop.time()
                         if remaining <= 0:
                             break
-                        try:
-                            nxt = await asyncio.wait_for(events.get(), remaining)
+                        try:  # what is queued already is taken without a timer task per event
+                            nxt = events.get_nowait() if not events.empty() \
+                                else await asyncio.wait_for(events.get(), remaining)
                         except TimeoutError:
                             break
                         if nxt is None:
