@@ -12,7 +12,8 @@ counts, cumulatively:
               events are not one contiguous block (committed twice)
 - stuck:      outbox rows `running` with an expired lease once the restarted server is ready
 - ghosts:     runs `starting`/`running` without a live provider process of the current server for
-              their thread, still so 10 s after the restart
+              their thread and without a pending or running outbox row on it (an effect on its
+              way), still so 10 s after the restart
 - orphans:    provider processes of a killed server (T3_OWNER=<data dir>, another T3_SERVER_PID)
               still alive 5 s after the restart
 
@@ -182,8 +183,12 @@ class Soak:
 
     def _ghosts(self, pid: int) -> set[str]:
         with contextlib.closing(self._db()) as db:
-            active = db.execute("SELECT run_id, thread_id FROM runs "
-                                "WHERE status IN ('starting', 'running')").fetchall()
+            # a run whose thread still has its start effect pending or running is on its way
+            # (the worker runs at most 16 effects at once), not a ghost
+            active = db.execute("SELECT run_id, thread_id FROM runs r "
+                                "WHERE status IN ('starting', 'running') AND NOT EXISTS ("
+                                "SELECT 1 FROM effect_outbox o WHERE o.thread_id = r.thread_id "
+                                "AND o.status IN ('pending', 'running'))").fetchall()
         if not active:
             return set()
         live_threads = {env.get("T3_THREAD_ID") for p in processes_matching(f"T3_OWNER={self.owner}")
