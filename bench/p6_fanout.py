@@ -1,6 +1,6 @@
 """P6 fan-out: one parent thread whose scripted agent calls `delegate_task` (mode async) 100
 times in one turn, over the MCP server t3 injected into its session; every child is a t3 thread
-with its own scripted agent process streaming `SLOW:60` (60 chunks, 50 ms apart). Measures the
+with its own scripted agent process streaming `SLOW:1200` (1,200 chunks 50 ms apart, about a minute, so that the tasks overlap). Measures the
 wall time from creating the parent to every task completed, the peak number of tasks live at
 once (child runs starting or running), and the server's RSS growth (VmRSS from
 /proc/<pid>/status, sampled every 0.2 s) over its idle baseline, per live task at the peak.
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         mcp.call("t3_thread_wait", {"threadId": warm["threadId"], "timeoutMs": 120_000}, timeout=130)
         baseline = _bench.rss_kb(server.pid)
         lines = "\n".join("CALL_TOOL delegate_task " + json.dumps(
-            {"task": f"SLOW:60 child {i}", "mode": "async", "title": f"task {i}"}) for i in range(n))
+            {"task": f"SLOW:1200 child {i}", "mode": "async", "title": f"task {i}"}) for i in range(n))
         peak = {"rss": baseline, "live": 0}
 
         def all_done() -> bool:
