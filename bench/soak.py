@@ -17,7 +17,7 @@ counts, cumulatively:
 - orphans:    provider processes of a killed server (T3_OWNER=<data dir>, another T3_SERVER_PID)
               still alive 5 s after the restart
 
-Usage: python bench/soak.py [--cycles 200] [--quick] [--seed N]
+Usage: python bench/soak.py [--cycles 200] [--quick] [--seed N] [--keep FILE]
 """
 
 from __future__ import annotations
@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _bench.parser("kill -9 / restart soak of the real t3 server under load")
     p.add_argument("--cycles", type=int, default=200)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--keep", type=Path, help="copy the final database here (for a post-mortem)")
     args = p.parse_args(argv)
     cycles = 10 if args.quick else args.cycles
     began = time.perf_counter()
@@ -252,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             soak.client.close()
         with contextlib.closing(soak._db()) as db:
             events = db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+            if args.keep:
+                with contextlib.closing(sqlite3.connect(args.keep)) as dest:
+                    db.backup(dest)
     t = soak.tally
     elapsed = time.perf_counter() - began
     failures = t.lost + t.duplicates + t.stuck + t.ghosts + t.orphans
