@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         fill_s = {}
         for (name, data_dir), n in zip(dirs.items(), (small_n, big_n)):
             shutil.copytree(tmp / "seed", data_dir, ignore=shutil.ignore_patterns("server.json", "*.lock"))
-            fill_s[name] = _bench.timed(lambda: bulk_fill(data_dir / "t3.sqlite", thread_ids[0], n))
+            fill_s[name] = _bench.timed(lambda d=data_dir, n=n: bulk_fill(d / "t3.sqlite", thread_ids[0], n))
         sizes = {k: (d / "t3.sqlite").stat().st_size for k, d in dirs.items()}
         servers = {k: _server(tmp, k, d) for k, d in dirs.items()}
         startup: dict[str, list[float]] = {k: [] for k in (*dirs, "imports")}
