@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -136,6 +137,7 @@ DECISIONS = ("accept", "acceptForSession", "decline", "cancel")
 # Entities: frozen values; events carry the whole entity after each change (camelCase JSON).
 
 
+@functools.cache  # every event (de)serializes whole entities: ~140 calls per command otherwise
 def _camel(name: str) -> str:
     """``provider_turn_id`` -> ``providerTurnId``; ``kind_`` -> ``kind`` (a name a ClassVar took)."""
     head, *rest = name.split("_")
@@ -2243,8 +2245,9 @@ class Orchestrator:
                         remaining = deadline - loop.time()
                         if remaining <= 0:
                             break
-                        try:
-                            nxt = await asyncio.wait_for(events.get(), remaining)
+                        try:  # what is queued already is taken without a timer task per event
+                            nxt = events.get_nowait() if not events.empty() \
+                                else await asyncio.wait_for(events.get(), remaining)
                         except TimeoutError:
                             break
                         if nxt is None:

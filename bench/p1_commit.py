@@ -1,0 +1,134 @@
+"""P1 command commit: one `message.dispatch` (DispatchMessage, start_immediately on an idle
+thread) through the real path in process (`Orchestrator.dispatch`: receipt check, decide, the
+store's writer thread, one BEGIN IMMEDIATE commit of receipt + events + projections + outbox,
+state applied) against a raw sqlite3 loop writing the same rows with the same pragmas.
+
+Each repetition: N idle threads are created through the real path (not timed), the database is
+copied, N dispatches are timed on the original; the rows those dispatches wrote (receipts,
+events, projection upserts, outbox) are read back and replayed into the copy, one BEGIN IMMEDIATE
+... COMMIT per command, with every parameter prepared before the clock starts. The figure is the
+median over repetitions of the per-command time. Target: real <= 2x raw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import _bench
+import orchestrator as o
+import store as s
+
+PROVIDERS = {"scripted": o.ProviderInfo(instance_id="scripted", driver="acp", display_name=None,
+                                        models=[{"id": "m1"}], capabilities=o.Capabilities())}
+
+
+async def _real(path: Path, copy_to: Path, n: int) -> float:
+    """Create n idle threads, copy the database, then time n dispatches; seconds per command."""
+    store = s.Store(path, backups_dir=path.parent / "backups")
+    try:
+        orch = o.Orchestrator(store, adapters={}, providers=PROVIDERS)
+        for i in range(n):
+            await orch.dispatch(o.CreateThread(
+                command_id=f"create-{i}", thread_id=f"thread-{i}", project_id="proj",
+                title=f"Thread {i}", provider_instance_id="scripted", model="m1",
+                runtime_mode="full-access", interaction_mode="default", workspace="/tmp/ws",
+                created_by="user", creation_source="mcp"))
+        with contextlib.closing(sqlite3.connect(copy_to)) as dest:
+            store._reader.backup(dest)
+        commands = [o.DispatchMessage(command_id=f"dispatch-{i}", thread_id=f"thread-{i}",
+                                      message_id=f"message-{i}", text=f"message {i}",
+                                      created_by="agent", creation_source="mcp",
+                                      mode="start_immediately") for i in range(n)]
+        started = time.perf_counter()
+        for command in commands:
+            await orch.dispatch(command)
+        return (time.perf_counter() - started) / n
+    finally:
+        store.close()
+
+
+Plan = list[tuple[str, tuple[Any, ...]]]
+
+
+def command_plans(path: Path, command_type: str, *, thread_id: str | None = None) -> list[Plan]:
+    """Per command of `command_type`, in commit order: the statements and parameters that write
+    the rows it wrote (receipt, events, one projection upsert per event, outbox rows)."""
+    db = sqlite3.connect(path)
+    db.row_factory = sqlite3.Row
+    plans = []
+    receipts = db.execute("SELECT * FROM command_receipts WHERE command_type = ? "
+                          "AND (? IS NULL OR thread_id = ?) ORDER BY rowid",
+                          (command_type, thread_id, thread_id)).fetchall()
+    for r in receipts:
+        plan: list[tuple[str, tuple[Any, ...]]] = [(
+            "INSERT INTO command_receipts (command_id, command_type, fingerprint, thread_id, status, "
+            "result_sequence, result_json, error, accepted_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (r["command_id"], r["command_type"], r["fingerprint"], r["thread_id"], r["status"],
+             r["result_sequence"], r["result_json"], r["error"], r["accepted_at"]))]
+        for e in db.execute("SELECT * FROM events WHERE command_id = ? ORDER BY sequence",
+                            (r["command_id"],)):
+            plan.append(("INSERT INTO events (event_id, thread_id, stream_version, command_id, type, "
+                         "occurred_at, payload_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (e["event_id"], e["thread_id"], e["stream_version"], e["command_id"],
+                          e["type"], e["occurred_at"], e["payload_json"])))
+            kind = s.event_kind(e["type"])
+            payload = json.loads(e["payload_json"])
+            columns = s._PROJECTIONS[kind][2]
+            plan.append((s._UPSERTS[kind], (*(s._pluck(payload, k) for k in columns.values()),
+                                            e["payload_json"])))
+        for x in db.execute("SELECT * FROM effect_outbox WHERE command_id = ?", (r["command_id"],)):
+            plan.append((f"INSERT INTO effect_outbox ({', '.join(x.keys())}) "
+                         f"VALUES ({', '.join('?' * len(x.keys()))})", tuple(x)))
+        plans.append(plan)
+    db.close()
+    return plans
+
+
+def replay(path: Path, plans: list[Plan]) -> float:
+    """Write each plan in one BEGIN IMMEDIATE ... COMMIT with t3's pragmas; total seconds."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    for pragma in ("journal_mode = WAL", "synchronous = FULL", "foreign_keys = ON",
+                   "busy_timeout = 5000"):
+        conn.execute(f"PRAGMA {pragma}")
+    started = time.perf_counter()
+    for plan in plans:
+        conn.execute("BEGIN IMMEDIATE")
+        for sql, params in plan:
+            conn.execute(sql, params)
+        conn.execute("COMMIT")
+    elapsed = time.perf_counter() - started
+    conn.close()
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _bench.parser(__doc__.splitlines()[0]).parse_args(argv)
+    n, reps = (100, 3) if args.quick else (300, 7)
+    real_s, raw_s, rows_per = [], [], 0
+    for rep in range(reps):
+        with _bench.scratch_dir("p1") as tmp:
+            real_db, raw_db = tmp / "real.sqlite", tmp / "raw.sqlite"
+            real_s.append(asyncio.run(_real(real_db, raw_db, n)))
+            plans = command_plans(real_db, "message.dispatch")
+            rows_per = sum(len(p) for p in plans) // len(plans)
+            raw_s.append(replay(raw_db, plans) / len(plans))
+    real, raw = _bench.median(real_s), _bench.median(raw_s)
+    ratio = real / raw
+    _bench.report("P1 command commit (message.dispatch)", [
+        ("commands per repetition", f"{n} x {reps} repetitions"),
+        ("statements per command (raw)", f"{rows_per} (receipt, events, projection upserts, outbox)"),
+        ("real: Orchestrator.dispatch", f"{real * 1e3:.3f} ms/command ({1 / real:,.0f}/s)"),
+        ("raw sqlite3 transaction", f"{raw * 1e3:.3f} ms/command ({1 / raw:,.0f}/s)"),
+        ("ratio real/raw", f"{ratio:.2f}x"),
+    ], verdict=f"{'PASS' if ratio <= 2 else 'MISS'}: target <= 2x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""P2 ingest: provider text deltas persisted per second, from the scripted agent streaming
+`FAST:n` tiny chunks through the real server (ACP over stdio -> driver -> orchestrator, which
+coalesces deltas for 20 ms into one `provider.ingest` command -> one commit), against a raw
+sqlite3 loop writing the same rows.
+
+Real: wall time from `create_threads` to `t3_thread_wait` returning completed, for FAST:N and for
+FAST:N0 in the same repetition; the difference removes the fixed cost (agent process start, ACP
+session, run bookkeeping), so N - N0 deltas / (t_N - t_N0) is the marginal ingest rate. Each run's
+full text is checked in the database. Raw: the ingest commands of one FAST:N run are read back
+(receipt, events, projection upserts) and replayed into a fresh database, one transaction per
+command as the server did; raw rate = N / replay time. Targets: >= 20,000 deltas/s and real rate
+>= raw rate / 3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+
+import _bench
+import store as s
+from harness import McpClient, T3Server, scripted_provider
+from p1_commit import command_plans, replay
+
+
+def _run(mcp: McpClient, n: int) -> tuple[float, str, str]:
+    """FAST:n on a new thread to completion; (seconds, thread id, run id)."""
+    started = time.perf_counter()
+    created = mcp.call("create_threads", {"threads": [{"prompt": f"FAST:{n}"}]}).structured
+    thread = created["threads"][0]
+    done = mcp.call("t3_thread_wait", {"threadId": thread["threadId"], "timeoutMs": 300_000},
+                    timeout=320).structured
+    elapsed = time.perf_counter() - started
+    if done["status"] != "completed":
+        raise RuntimeError(f"FAST:{n} ended {done}")
+    return elapsed, thread["threadId"], thread["runId"]
+
+
+def _check_text(server: T3Server, run_id: str, n: int) -> None:
+    with contextlib.closing(sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro",
+                                            uri=True)) as db:
+        texts = [json.loads(r[0])["text"] for r in db.execute(
+            "SELECT payload_json FROM messages WHERE run_id = ? AND "
+            "json_extract(payload_json, '$.role') = 'assistant'", (run_id,))]
+    if "".join(texts) != "".join(f"{i} " for i in range(n)):
+        raise RuntimeError(f"run {run_id}: persisted text is not the {n} deltas in order")
+
+
+def _rows(server: T3Server, thread_id: str) -> tuple[int, int]:
+    """(ingest commits, events) of one thread's provider.ingest commands."""
+    with contextlib.closing(sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro",
+                                            uri=True)) as db:
+        return db.execute(
+            "SELECT COUNT(DISTINCT r.command_id), COUNT(e.sequence) FROM command_receipts r "
+            "JOIN events e ON e.command_id = r.command_id "
+            "WHERE r.command_type = 'provider.ingest' AND r.thread_id = ?", (thread_id,)).fetchone()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _bench.parser(__doc__.splitlines()[0]).parse_args(argv)
+    n, n0, reps = (20_000, 200, 3) if args.quick else (100_000, 1_000, 5)
+    real_rates, raw_rates, coalesced = [], [], []
+    with _bench.scratch_dir("p2") as tmp:
+        provider = scripted_provider(tmp, env={"SCRIPTED_AGENT_LOG": ""})  # no per-message log
+        with _bench.t3_server(tmp, providers=[provider]) as server, server.client() as mcp:
+            _run(mcp, n0)  # warm up: imports, first session
+            for _ in range(reps):
+                small, _, run0 = _run(mcp, n0)
+                big, thread_id, run_id = _run(mcp, n)
+                _check_text(server, run0, n0)
+                _check_text(server, run_id, n)
+                real_rates.append((n - n0) / (big - small))
+                commits, events = _rows(server, thread_id)
+                coalesced.append((commits, events))
+                plans = command_plans(server.data_dir / "t3.sqlite", "provider.ingest",
+                                      thread_id=thread_id)
+                raw_db = tmp / f"raw-{len(raw_rates)}.sqlite"
+                s.apply_migrations(raw_db, backups_dir=tmp / "backups")
+                raw_rates.append(n / replay(raw_db, plans))
+    real, raw = _bench.median(real_rates), _bench.median(raw_rates)
+    commits = _bench.median([c for c, _ in coalesced])
+    events = _bench.median([e for _, e in coalesced])
+    ratio = raw / real
+    ok = real >= 20_000 and ratio <= 3
+    _bench.report("P2 ingest (provider text deltas)", [
+        ("deltas per run", f"FAST:{n} minus FAST:{n0}, {reps} repetitions"),
+        ("real: deltas received and persisted", f"{real:,.0f} deltas/s (median; all {', '.join(f'{r:,.0f}' for r in real_rates)})"),
+        ("rows written per run", f"{commits:.0f} ingest commits, {events:.0f} events "
+                                 f"({n / commits:,.0f} deltas per commit, 20 ms window)"),
+        ("raw: same rows, same transactions", f"{raw:,.0f} deltas/s"),
+        ("ratio raw/real", f"{ratio:.2f}x"),
+    ], verdict=f"{'PASS' if ok else 'MISS'}: target >= 20,000 deltas/s and <= 3x raw")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""P4 scale: the P3 reads (t3_thread_read, t3_thread_list) and server startup on a database
+holding 1M events against one holding 10k, both served at once and read interleaved.
+
+How the databases are made: a real server creates 20 threads in project "proj", each with one
+completed run (the threads that are read), and stops. That database is copied twice and each
+copy is filled with a bulk loader to 10k and to 1M events: the events of one real thread are
+replayed as many new threads in project "bulk", every id in them suffixed per copy, through the
+same INSERT into `events` and the same projection upserts `store.py` uses (`store._project`), in
+large transactions with synchronous=OFF. Not through `Store.commit`: a million fsynced commits
+would take hours. No command receipts or outbox rows are written for the bulk threads (the
+reads do not touch them). `--quick` uses 100k instead of 1M.
+
+Targets: read p50 on the big database <= 1.3x the small one; startup (process start to ready
+line) on the big database < 1 s. Startup is also shown minus the time a fresh interpreter
+takes just to import what t3.py imports (mostly the MCP SDK's pydantic models), measured
+interleaved with the starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _bench
+import store as s
+from harness import T3Server, scripted_provider, write_config
+from p3_tools import measure, seed_threads
+
+SEED_THREADS = 20
+
+
+def _suffixed(value: Any, suffix: str) -> Any:
+    """The payload with every id (keys `id`, `*Id`; lists under `*Ids`) suffixed."""
+    if isinstance(value, dict):
+        return {k: (v + suffix if isinstance(v, str) and (k == "id" or k.endswith("Id"))
+                    else [x + suffix for x in v] if k.endswith("Ids") and isinstance(v, list)
+                    else _suffixed(v, suffix)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_suffixed(v, suffix) for v in value]
+    return value
+
+
+def bulk_fill(db_path: Path, template_thread: str, total_events: int) -> int:
+    """Add copies of one thread's events (project "bulk") until the log holds `total_events`."""
+    conn = sqlite3.connect(db_path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = OFF")
+    # Each template event is prepared once with a marker in every id; a copy only replaces it.
+    marker = "~bulk#"
+    template = []
+    for version, type_, occurred_at, payload_json in conn.execute(
+            "SELECT stream_version, type, occurred_at, payload_json FROM events "
+            "WHERE thread_id = ? ORDER BY sequence", (template_thread,)).fetchall():
+        body = _suffixed(json.loads(payload_json), marker)
+        kind = s.event_kind(type_)
+        if kind == "thread":
+            body["projectId"] = "bulk"
+        text = json.dumps(body, separators=(",", ":"))
+        columns = s._PROJECTIONS[kind][2]
+        values = [s._pluck(body, key) for key in columns.values()]
+        template.append((version, type_, occurred_at, text, s._UPSERTS[kind], values))
+    have = conn.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+    copy = 0
+    conn.execute("BEGIN")
+    while have < total_events:
+        copy += 1
+        suffix = f"~bulk{copy}"
+        thread_id = template_thread + suffix
+        for version, type_, occurred_at, text, upsert, values in template:
+            if have >= total_events:
+                break
+            text = text.replace(marker, suffix)
+            conn.execute(s._INSERT_EVENT, (f"event:{have}{suffix}", thread_id, version,
+                                           f"bulk{suffix}", type_, occurred_at, text)).fetchone()
+            conn.execute(upsert, (*(v.replace(marker, suffix) if isinstance(v, str) else v
+                                    for v in values), text))
+            have += 1
+        if copy % 2000 == 0:
+            conn.execute("COMMIT")
+            conn.execute("BEGIN")
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    return have
+
+
+def _server(tmp: Path, name: str, data_dir: Path) -> T3Server:
+    projects = [{"id": "proj", "path": str(tmp / "workspace"), "title": "Test project"},
+                {"id": "bulk", "path": str(tmp / "workspace"), "title": "Bulk"}]
+    (tmp / "workspace").mkdir(exist_ok=True)
+    config = write_config(tmp, providers=[scripted_provider(tmp)], projects=projects,
+                          name=f"{name}.toml")
+    return T3Server(data_dir, config, env={"T3_TEST_MARKER": f"{tmp}/"})
+
+
+IMPORTS = ("import t3, tools, providers, orchestrator, store, hypercorn.asyncio, "
+           "mcp.server.streamable_http_manager")
+
+
+def _imports() -> float:
+    """Seconds a fresh interpreter takes to import what t3.py imports before it opens the database."""
+    return _bench.timed(lambda: subprocess.run([sys.executable, "-c", IMPORTS], cwd=_bench.REPO,
+                                               check=True))
+
+
+def _startup(server: T3Server) -> float:
+    started = time.perf_counter()
+    server.start()
+    elapsed = time.perf_counter() - started
+    server.stop()
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _bench.parser(__doc__.splitlines()[0]).parse_args(argv)
+    small_n, big_n = 10_000, (100_000 if args.quick else 1_000_000)
+    samples, starts = (40, 3) if args.quick else (300, 5)
+    with _bench.scratch_dir("p4") as tmp:
+        seed = _server(tmp, "seed", tmp / "seed")
+        with contextlib.closing(seed.start()), seed.client() as mcp:
+            thread_ids = seed_threads(mcp, SEED_THREADS)
+        dirs = {"small": tmp / "small", "big": tmp / "big"}
+        fill_s = {}
+        for (name, data_dir), n in zip(dirs.items(), (small_n, big_n)):
+            shutil.copytree(tmp / "seed", data_dir, ignore=shutil.ignore_patterns("server.json", "*.lock"))
+            fill_s[name] = _bench.timed(lambda d=data_dir, n=n: bulk_fill(d / "t3.sqlite", thread_ids[0], n))
+        sizes = {k: (d / "t3.sqlite").stat().st_size for k, d in dirs.items()}
+        servers = {k: _server(tmp, k, d) for k, d in dirs.items()}
+        startup: dict[str, list[float]] = {k: [] for k in (*dirs, "imports")}
+        for _ in range(starts):  # interleaved: small, big, imports, small, big ...
+            for k, server in servers.items():
+                startup[k].append(_startup(server))
+            startup["imports"].append(_imports())
+        with contextlib.ExitStack() as stack:
+            clients = {}
+            for k, server in servers.items():
+                stack.callback(server.close)
+                server.start()
+                clients[k] = stack.enter_context(server.client())
+            calls = {f"{tool} {k}": (clients[k], tool, a) for tool, a in (
+                ("t3_thread_read", {"threadId": thread_ids[7]}), ("t3_thread_list", {}))
+                for k in dirs}
+            times = measure(calls, samples)
+            bulk_list = measure({k: (clients[k], "t3_thread_list", {"projectId": "bulk"})
+                                 for k in dirs}, 5 if args.quick else 20)
+    p50 = {k: _bench.median(v) for k, v in times.items()}
+    p99 = {k: _bench.percentile(v, 99) for k, v in times.items()}
+    ratios = {tool: p50[f"{tool} big"] / p50[f"{tool} small"]
+              for tool in ("t3_thread_read", "t3_thread_list")}
+    start_big = _bench.median(startup["big"])
+    rows = [("events", f"small {small_n:,} ({sizes['small'] / 1e6:.0f} MB, filled in "
+                       f"{fill_s['small']:.0f} s), big {big_n:,} ({sizes['big'] / 1e6:.0f} MB, "
+                       f"filled in {fill_s['big']:.0f} s)")]
+    rows += [(k, f"p50 {p50[k] * 1e3:.2f} ms, p99 {p99[k] * 1e3:.2f} ms") for k in times]
+    rows += [(f"{tool} big/small p50", f"{r:.2f}x") for tool, r in ratios.items()]
+    rows += [(f"list of project 'bulk' {k}", f"p50 {_bench.median(v) * 1e3:.1f} ms "
+                                             f"(informational: every bulk thread is in it)")
+             for k, v in bulk_list.items()]
+    imports = _bench.median(startup["imports"])
+    rows += [(f"startup {k}", f"median {_bench.median(startup[k]) * 1e3:.0f} ms of {starts}, "
+                              f"{(_bench.median(startup[k]) - imports) * 1e3:.0f} ms after imports")
+             for k in dirs]
+    rows += [("imports alone (fresh interpreter)", f"median {imports * 1e3:.0f} ms")]
+    ok = max(ratios.values()) <= 1.3 and start_big < 1.0
+    _bench.report("P4 scale (1M vs 10k events)" if not args.quick else "P4 scale (100k vs 10k events)",
+                  rows, verdict=f"{'PASS' if ok else 'MISS'}: target reads <= 1.3x, startup on the big "
+                                f"database < 1 s (worst read ratio {max(ratios.values()):.2f}x, "
+                                f"startup {start_big * 1e3:.0f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,284 @@
+"""Soak: kill -9 / restart cycles of the real server under a running workload.
+
+Each cycle starts (or restarts) `t3.py` on one data directory, drives a workload over MCP for a
+random 0.3-1.5 s (threads created with slow, fast and no prompts; messages sent in auto and queue
+mode to earlier threads; at most 4 calls in flight), then SIGKILLs the server with calls still in
+flight. After the restart it retries every call that got no answer (same clientRequestId) and
+counts, cumulatively:
+
+- lost:       acknowledged results (thread, run, message ids from a successful call) missing from
+              the database
+- duplicates: a retried request that produced a second thread or message, or a command id whose
+              events are not one contiguous block (committed twice)
+- stuck:      outbox rows `running` with an expired lease once the restarted server is ready
+- ghosts:     runs `starting`/`running` without a live provider process of the current server for
+              their thread and without a pending or running outbox row on it (an effect on its
+              way), still so 10 s after the restart
+- orphans:    provider processes of a killed server (T3_OWNER=<data dir>, another T3_SERVER_PID)
+              still alive 5 s after the restart
+
+Usage: python bench/soak.py [--cycles 200] [--quick] [--seed N] [--keep FILE]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import random
+import sqlite3
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import _bench
+from harness import McpClient, T3Server, ToolResult, pids_alive, processes_matching, wait_until
+
+GHOST_GRACE_S = 10.0
+ORPHAN_GRACE_S = 5.0
+IN_FLIGHT = 4
+
+
+@dataclass
+class Tally:
+    cycles: int = 0
+    calls_ok: int = 0
+    calls_unanswered: int = 0
+    retried_ok: int = 0
+    lost: int = 0
+    duplicates: int = 0
+    stuck: int = 0
+    ghosts: int = 0
+    orphans: int = 0
+    restart_s: list[float] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Acked:
+    threads: set[str] = field(default_factory=set)
+    runs: set[str] = field(default_factory=set)
+    messages: set[str] = field(default_factory=set)
+
+
+def _env_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+class Soak:
+    def __init__(self, tmp: Path, server: T3Server, *, seed: int) -> None:
+        self.tmp, self.server, self.rng = tmp, server, random.Random(seed)
+        self.client: McpClient = server.client()
+        self.db_path = server.data_dir / "t3.sqlite"
+        self.owner = str(server.data_dir.resolve())
+        self.acked, self.tally = Acked(), Tally()
+        self.known_threads: list[str] = []
+        self.serial = 0
+
+    # -- the workload ----------------------------------------------------------------------
+
+    def _next_call(self) -> tuple[str, dict[str, Any]]:
+        self.serial += 1
+        tag = f"soak-{self.serial}"
+        if self.known_threads and self.rng.random() < 0.45:
+            mode = self.rng.choice(["auto", "queue"])
+            return "t3_thread_send", {"threadId": self.rng.choice(self.known_threads[-40:]),
+                                      "message": f"{tag} SLOW:{self.rng.randint(5, 30)}",
+                                      "mode": mode, "clientRequestId": tag}
+        entries = [{"title": f"{tag}-slow", "prompt": f"SLOW:{self.rng.randint(10, 60)} {tag}"},
+                   {"title": f"{tag}-fast", "prompt": f"hello {tag}"},
+                   {"title": f"{tag}-idle"}]
+        return "create_threads", {"threads": self.rng.sample(entries, self.rng.randint(1, 3)),
+                                  "clientRequestId": tag}
+
+    def _record(self, tool: str, result: ToolResult) -> None:
+        s = result.structured or {}
+        if tool == "create_threads":
+            for t in s.get("threads", []):
+                self.acked.threads.add(t["threadId"])
+                self.known_threads.append(t["threadId"])
+                if t.get("runId"):
+                    self.acked.runs.add(t["runId"])
+        else:
+            self.acked.runs.add(s["runId"])
+            self.acked.messages.add(s["messageId"])
+
+    def drive(self, seconds: float) -> list[tuple[str, dict[str, Any]]]:
+        """Run the workload for `seconds`, then kill -9; return the calls left unanswered."""
+        deadline = time.monotonic() + seconds
+        in_flight: dict[concurrent.futures.Future[ToolResult], tuple[str, dict[str, Any]]] = {}
+        while (left := deadline - time.monotonic()) > 0:
+            while len(in_flight) < IN_FLIGHT:
+                tool, args = self._next_call()
+                in_flight[self.client.submit(tool, args, timeout=60)] = (tool, args)
+            done, _ = concurrent.futures.wait(in_flight, timeout=left,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            for fut in done:
+                self._settle(fut, in_flight.pop(fut))
+        self.server.kill9()
+        unanswered = []
+        done, not_done = concurrent.futures.wait(in_flight, timeout=60)
+        for fut in done:
+            if self._settle(fut, in_flight[fut]) is None:
+                unanswered.append(in_flight[fut])
+        unanswered += [in_flight[f] for f in not_done]
+        self.tally.calls_unanswered += len(unanswered)
+        return unanswered
+
+    def _settle(self, fut: concurrent.futures.Future[ToolResult], call: tuple[str, dict[str, Any]]
+                ) -> ToolResult | None:
+        try:
+            result = fut.result()
+        except Exception:  # the connection died with the server: not acknowledged
+            return None
+        if result.ok:
+            self.tally.calls_ok += 1
+            self._record(call[0], result)
+        return result
+
+    def retry(self, calls: list[tuple[str, dict[str, Any]]]) -> None:
+        for tool, args in calls:
+            with contextlib.suppress(Exception):
+                result = self.client.call(tool, args, timeout=60)
+                if result.ok:
+                    self.tally.retried_ok += 1
+                    self._record(tool, result)
+
+    # -- the checks -------------------------------------------------------------------------
+
+    def _db(self) -> sqlite3.Connection:
+        return sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
+
+    def check_after_restart(self, cycle: int) -> None:
+        t = self.tally
+        pid = self.server.pid
+        # orphans: providers of a killed server; PDEATHSIG and the startup sweep should end them
+        stale = [p for p in processes_matching(f"T3_OWNER={self.owner}")
+                 if _env_of(p).get("T3_SERVER_PID") not in (None, str(pid))]
+        if stale:
+            with contextlib.suppress(TimeoutError):
+                wait_until(lambda: not pids_alive(stale), ORPHAN_GRACE_S, interval=0.1)
+            if left := pids_alive(stale):
+                t.orphans += len(left)
+                t.notes.append(f"cycle {cycle}: orphan provider pids {left}")
+        now_ms = int(time.time() * 1000)
+        with contextlib.closing(self._db()) as db:
+            stuck = db.execute("SELECT COUNT(*) FROM effect_outbox WHERE status = 'running' "
+                               "AND lease_expires_ms < ?", (now_ms,)).fetchone()[0]
+        if stuck:
+            t.stuck += stuck
+            t.notes.append(f"cycle {cycle}: {stuck} outbox rows running with an expired lease")
+        ghosts = self._ghosts(pid)
+        if ghosts:
+            with contextlib.suppress(TimeoutError):
+                wait_until(lambda: not self._ghosts(pid), GHOST_GRACE_S, interval=0.1)
+            if left_ghosts := self._ghosts(pid):
+                t.ghosts += len(left_ghosts)
+                t.notes.append(f"cycle {cycle}: ghost runs {sorted(left_ghosts)}")
+
+    def _ghosts(self, pid: int) -> set[str]:
+        with contextlib.closing(self._db()) as db:
+            # a run whose thread still has its start effect pending or running is on its way
+            # (the worker runs at most 16 effects at once), not a ghost
+            active = db.execute("SELECT run_id, thread_id FROM runs r "
+                                "WHERE status IN ('starting', 'running') AND NOT EXISTS ("
+                                "SELECT 1 FROM effect_outbox o WHERE o.thread_id = r.thread_id "
+                                "AND o.status IN ('pending', 'running'))").fetchall()
+        if not active:
+            return set()
+        live_threads = {env.get("T3_THREAD_ID") for p in processes_matching(f"T3_OWNER={self.owner}")
+                        if (env := _env_of(p)).get("T3_SERVER_PID") == str(pid)}
+        return {run_id for run_id, thread_id in active if thread_id not in live_threads}
+
+    def check_log(self, cycle: int) -> None:
+        """Lost acknowledgements and duplicates, over everything so far."""
+        t = self.tally
+        with contextlib.closing(self._db()) as db:
+            threads = {r[0] for r in db.execute("SELECT thread_id FROM threads")}
+            runs = {r[0] for r in db.execute("SELECT run_id FROM runs")}
+            messages = {r[0] for r in db.execute("SELECT message_id FROM messages")}
+            lost = (len(self.acked.threads - threads) + len(self.acked.runs - runs)
+                    + len(self.acked.messages - messages))
+            split = db.execute("SELECT COUNT(*) FROM (SELECT command_id FROM events "
+                               "WHERE command_id IS NOT NULL GROUP BY command_id "
+                               "HAVING MAX(sequence) - MIN(sequence) + 1 <> COUNT(*))").fetchone()[0]
+            titles = db.execute("SELECT COUNT(*) FROM (SELECT json_extract(payload_json, '$.title') "
+                                "AS title FROM threads GROUP BY title HAVING COUNT(*) > 1)").fetchone()[0]
+            texts = db.execute("SELECT COUNT(*) FROM (SELECT json_extract(payload_json, '$.text') AS "
+                               "text FROM messages WHERE json_extract(payload_json, '$.role') = 'user' "
+                               "AND text LIKE 'soak-%' GROUP BY text HAVING COUNT(*) > 1)").fetchone()[0]
+        if lost:
+            t.notes.append(f"cycle {cycle}: {lost} acknowledged ids missing")
+        if split + titles + texts > t.duplicates:
+            t.notes.append(f"cycle {cycle}: duplicates (split commands {split}, threads {titles}, "
+                           f"messages {texts})")
+        t.lost = lost
+        t.duplicates = split + titles + texts
+
+    def cycle(self, n: int) -> None:
+        unanswered = self.drive(self.rng.uniform(0.3, 1.5))
+        started = time.perf_counter()
+        self.server.start()
+        self.tally.restart_s.append(time.perf_counter() - started)
+        self.check_after_restart(n)
+        self.retry(unanswered)
+        self.check_log(n)
+        self.tally.cycles += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _bench.parser("kill -9 / restart soak of the real t3 server under load")
+    p.add_argument("--cycles", type=int, default=200)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--keep", type=Path, help="copy the final database here (for a post-mortem)")
+    args = p.parse_args(argv)
+    cycles = 10 if args.quick else args.cycles
+    began = time.perf_counter()
+    with _bench.scratch_dir("soak") as tmp, _bench.t3_server(tmp, chunk_delay=0.02) as server:
+        soak = Soak(tmp, server, seed=args.seed)
+        try:
+            for n in range(1, cycles + 1):
+                soak.cycle(n)
+                if n % 10 == 0 or n == cycles:
+                    t = soak.tally
+                    print(f"cycle {n}/{cycles}: {time.perf_counter() - began:.0f} s, ok calls "
+                          f"{t.calls_ok}, lost {t.lost}, dup {t.duplicates}, stuck {t.stuck}, "
+                          f"ghosts {t.ghosts}, orphans {t.orphans}", file=sys.stderr, flush=True)
+        finally:
+            soak.client.close()
+        with contextlib.closing(soak._db()) as db:
+            events = db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+            if args.keep:
+                with contextlib.closing(sqlite3.connect(args.keep)) as dest:
+                    db.backup(dest)
+    t = soak.tally
+    elapsed = time.perf_counter() - began
+    failures = t.lost + t.duplicates + t.stuck + t.ghosts + t.orphans
+    _bench.report(f"soak: {t.cycles} kill -9 / restart cycles", [
+        ("wall time", f"{elapsed:.0f} s ({elapsed / max(t.cycles, 1):.1f} s per cycle)"),
+        ("calls acknowledged", f"{t.calls_ok} (+{t.retried_ok} retries after restart)"),
+        ("calls unanswered at kill", str(t.calls_unanswered)),
+        ("threads / runs / messages acked", f"{len(soak.acked.threads)} / {len(soak.acked.runs)} / "
+                                            f"{len(soak.acked.messages)}"),
+        ("events in the log", str(events)),
+        ("restart to ready p50 / max", f"{_bench.median(t.restart_s) * 1000:.0f} ms / "
+                                       f"{max(t.restart_s) * 1000:.0f} ms"),
+        ("acknowledged commands lost", str(t.lost)),
+        ("duplicate events", str(t.duplicates)),
+        ("stuck outbox rows", str(t.stuck)),
+        ("ghost runs", str(t.ghosts)),
+        ("orphan processes", str(t.orphans)),
+    ], verdict=("PASS: 0 of each" if failures == 0 else f"FAIL: {failures} problems") +
+       f" over {t.cycles} cycles (target: 0 over 1,000)")
+    for note in t.notes[:30]:
+        print(f"  ! {note}")
+    return 0 if failures == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
