@@ -39,8 +39,9 @@ FUZZ_EXAMPLES = int(os.environ.get("T3_FUZZ_EXAMPLES", "12"))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 SCHEMAS = {tool.name: tool.input_schema for tool in TOOLS}
-STARTS_WORK = {"t3_thread_send", "t3_thread_interrupt", "create_threads", "t3_thread_launch",
-               "t3_pending_request"}
+# Tools whose success can set a seeded thread's run going (valid creates and launches carry no
+# prompt, and seeded threads never ask for approval).
+STARTS_WORK = {"t3_thread_send", "t3_thread_interrupt"}
 # Fields left out of valid cases: they would start a provider run (and process) per case.
 NO_RUNS = {("create_threads", "prompt"), ("t3_thread_launch", "message")}
 JSON_TYPES = ("string", "integer", "number", "boolean", "array", "object")
@@ -65,9 +66,9 @@ class Target:
         with sqlite3.connect(f"file:{self.server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
             return db.execute("SELECT COALESCE(MAX(sequence), 0) FROM events").fetchone()[0]
 
-    def settle(self) -> None:
-        """Wait until every seeded thread's latest run has ended, so no writes are in flight."""
-        for thread_id in self.thread_ids:
+    def settle(self, thread_ids: list[str] | None = None) -> None:
+        """Wait until the seeded threads' latest runs have ended, so no writes are in flight."""
+        for thread_id in self.thread_ids if thread_ids is None else thread_ids:
             result = self.mcp.call("t3_thread_wait", {"threadId": thread_id, "timeoutMs": 60_000},
                                    timeout=90)
             assert result.ok and not result.structured["timedOut"], result.structured
@@ -266,8 +267,8 @@ def call_and_check(target: Target, tool: str, args: Mapping[str, Any]) -> ToolRe
     assert "Traceback" not in (result.text or "")
     if result.ok:
         assert isinstance(result.structured, dict) and json.loads(result.text) == result.structured
-        if tool in STARTS_WORK:
-            target.settle()
+        if tool in STARTS_WORK and args.get("threadId") in target.thread_ids:
+            target.settle([args["threadId"]])
         return result
     assert result.structured and result.structured.get("_tag") == "OrchestratorMcpFailure", \
         result.text
