@@ -161,8 +161,12 @@ class _Process:
         except ProcessLookupError:  # already gone and reaped
             self._kill_group(signal.SIGKILL)
             return
-        exited = loop.create_future()
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+        loop.add_reader(fd, readable)
         try:
             await exited  # a pidfd becomes readable when the process exits
         finally:

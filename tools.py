@@ -1073,11 +1073,11 @@ class Toolkit:
             raise ToolFailure("invalid_request", "decision: give exactly one of decision or "
                                                  "answers")
         # Answering changes that thread's run: the same privilege ceiling as send and interrupt.
-        caller = await self._require_live_caller(scope, state.thread.id if state.thread else None,
-                                                 "t3_pending_request respond")
-        if caller is not None and caller.thread is not None and state.thread is not None \
-                and caller.thread.id != state.thread.id:
-            self._ceiling(caller.thread, state.thread.runtime_mode, state.thread.interaction_mode)
+        thread = state.thread
+        assert thread is not None
+        caller = await self._require_live_caller(scope, thread.id, "t3_pending_request respond")
+        if caller is not None and caller.thread is not None and caller.thread.id != thread.id:
+            self._ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
         key = self._key(args)
         result = await self.orch.dispatch(orch.RespondRuntimeRequest(
             command_id=self._id("command", "mcp", scope.key, "respond", request.id, key),
