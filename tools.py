@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import hashlib
 import json
 import logging
 import urllib.parse
@@ -781,7 +782,7 @@ class Toolkit:
             if args.get("projectId"):
                 raise ToolFailure("invalid_request", "scratch: cannot be combined with projectId")
             project = self.ctx.scratch_project
-            workspace = Path(project.path) / urllib.parse.quote(thread_id, safe="")
+            workspace = Path(project.path) / _folder_name(thread_id)
         else:
             project = self.ctx.project(args.get("projectId") or (
                 caller.thread.project_id if caller and caller.thread else None))
@@ -1086,6 +1087,15 @@ class Toolkit:
         return {"threadId": args["threadId"], "requestId": request.id,
                 "status": result.result.get("status", "resolved"),
                 "decision": args.get("decision")}
+
+
+def _folder_name(thread_id: str) -> str:
+    """A thread's scratch folder name: its quoted id, or a prefix and a hash when that would pass
+    the 255-byte limit of a file name (ids carry clientRequestId: 256 characters of any script)."""
+    quoted = urllib.parse.quote(thread_id, safe="")
+    if len(quoted) <= 128:
+        return quoted
+    return f"{quoted[:80]}-{hashlib.sha256(thread_id.encode()).hexdigest()[:32]}"
 
 
 def _live_run(state: ThreadState, instance_id: str | None) -> orch.Run | None:
