@@ -311,6 +311,17 @@ def test_unknown_tools(target: Target, name: str, args: dict[str, Any]) -> None:
     assert result.failure_code == "invalid_request"
 
 
+def test_scratch_launch_with_the_longest_client_request_id(target: Target) -> None:
+    """Found by the soak: a scratch launch named its folder after the quoted thread id, which a
+    256-character clientRequestId pushed past the file-name limit (an internal error). The folder
+    name is now bounded, and a retry gets the same folder."""
+    args = {"scratch": True, "title": "long key", "clientRequestId": "é" * 256}
+    first = call_and_check(target, "t3_thread_launch", args)
+    assert first.ok and Path(first.structured["workspacePath"]).is_dir()
+    again = call_and_check(target, "t3_thread_launch", args)
+    assert again.structured["workspacePath"] == first.structured["workspacePath"]
+
+
 # ---------------------------------------------------------------- raw HTTP at /mcp
 
 def _rpc(method: Any, params: Any = None, rid: Any = 1, version: Any = "2.0") -> dict[str, Any]:
