@@ -195,6 +195,7 @@ class _Process:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.pid = proc.pid
+        self._reaper = asyncio.get_running_loop().create_task(self._kill_group_on_exit())
 
     @classmethod
     async def spawn(cls, command: Sequence[str], *, cwd: str, env: Mapping[str, str]) -> _Process:
@@ -204,6 +205,31 @@ class _Process:
             start_new_session=True, limit=_LINE_LIMIT,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         return cls(proc)
+
+    async def _kill_group_on_exit(self) -> None:
+        """When the provider itself exits, SIGKILL what is left of its group. Helpers it started
+        must not outlive it, and they hold its pipes open: stdout would never reach EOF (and on
+        Python 3.11 ``Process.wait`` waits for the pipes too), so its turn would never end."""
+        if not hasattr(os, "pidfd_open"):  # not Linux: stop() still kills the group
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # already gone and reaped
+            self._kill_group(signal.SIGKILL)
+            return
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+        loop.add_reader(fd, readable)
+        try:
+            await exited  # a pidfd becomes readable when the process exits
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        self._kill_group(signal.SIGKILL)
 
     def alive(self) -> bool:
         return self.proc.returncode is None
@@ -247,8 +273,15 @@ async def _log_stderr(process: _Process, protocol_log: logging.Logger, label: st
 
 def _exit_reason(closing: bool, returncode: int) -> str | None:
     """Why a session's process ended, when t3 did not end it."""
-    return None if closing else \
-        f"The provider process exited unexpectedly (exit code {returncode})."
+    if closing:
+        return None
+    if returncode < 0:  # asyncio reports death by signal N as -N
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"The provider process was killed by {name} (exit code {returncode})."
+    return f"The provider process exited unexpectedly (exit code {returncode})."
 
 
 def kill_orphans(owner: str) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import hashlib
 import json
 import logging
 import urllib.parse
@@ -784,7 +785,7 @@ class Toolkit:
             if args.get("projectId"):
                 raise ToolFailure("invalid_request", "scratch: cannot be combined with projectId")
             project = self.ctx.scratch_project
-            workspace = Path(project.path) / urllib.parse.quote(thread_id, safe="")
+            workspace = Path(project.path) / _folder_name(thread_id)
         else:
             project = self.ctx.project(args.get("projectId") or (
                 caller.thread.project_id if caller and caller.thread else None))
@@ -1075,6 +1076,12 @@ class Toolkit:
         if ("decision" in args) == ("answers" in args):
             raise ToolFailure("invalid_request", "decision: give exactly one of decision or "
                                                  "answers")
+        # Answering changes that thread's run: the same privilege ceiling as send and interrupt.
+        thread = state.thread
+        assert thread is not None
+        caller = await self._require_live_caller(scope, thread.id, "t3_pending_request respond")
+        if caller is not None and caller.thread is not None and caller.thread.id != thread.id:
+            self._ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
         key = self._key(args)
         result = await self.orch.dispatch(orch.RespondRuntimeRequest(
             command_id=self._id("command", "mcp", scope.key, "respond", request.id, key),
@@ -1083,6 +1090,15 @@ class Toolkit:
         return {"threadId": args["threadId"], "requestId": request.id,
                 "status": result.result.get("status", "resolved"),
                 "decision": args.get("decision")}
+
+
+def _folder_name(thread_id: str) -> str:
+    """A thread's scratch folder name: its quoted id, or a prefix and a hash when that would pass
+    the 255-byte limit of a file name (ids carry clientRequestId: 256 characters of any script)."""
+    quoted = urllib.parse.quote(thread_id, safe="")
+    if len(quoted) <= 128:
+        return quoted
+    return f"{quoted[:80]}-{hashlib.sha256(thread_id.encode()).hexdigest()[:32]}"
 
 
 def _live_run(state: ThreadState, instance_id: str | None) -> orch.Run | None:

@@ -6,6 +6,11 @@ protocol lines, diagnostics go to stderr. What a `session/prompt` does depends o
 in its text (case-sensitive tokens; see below for their order and combinations):
 
   CRASH                one chunk "about to crash", then exit code 3 without answering
+  KILL_SELF            one chunk "about to die", then SIGKILL to itself (death by a signal)
+  HALF_LINE            write the first half of a JSON line (no newline) to stdout, exit code 4
+  ORPHAN               start a grandchild that ignores SIGTERM and keeps stdout open for 600 s
+                       (its pid is logged as {"pid", "dir": "grandchild", "grandchildPid"}),
+                       one chunk "leaving a grandchild", then exit code 5
   HANG                 ignore SIGTERM and block forever (nothing is answered any more)
   FAIL                 one chunk "failing now", then JSON-RPC error -32603 "scripted failure"
   THINK / PLAN         modifiers: an agent_thought_chunk / a plan update, then the reply below
@@ -34,16 +39,19 @@ in its text (case-sensitive tokens; see below for their order and combinations):
   ECHO_MCP             reply with the session's mcpServers, header values redacted
   (none of the above)  "Hello from scripted agent. You said: <text>" in 3 chunks
 
-A prompt runs these steps in the order listed: CRASH/HANG/FAIL end it; THINK/PLAN/BACKGROUND add
-updates; then the DELAYED_CALL lines (scheduled), the CALL_TOOL lines, the ECHO_PROMPT line; then at
-most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, ECHO_CWD, ECHO_MCP (first found), and the
-hello reply only when nothing else replied. Outputs of different steps are separated by "\n". Trigger words are looked for
+A prompt runs these steps in the order listed: CRASH/KILL_SELF/HALF_LINE/ORPHAN/HANG/FAIL end it;
+THINK/PLAN/BACKGROUND add updates; then the DELAYED_CALL lines (scheduled), the CALL_TOOL lines,
+the ECHO_PROMPT line; then at most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, ECHO_CWD,
+ECHO_MCP (first found), and the hello reply only when nothing else replied. Outputs of different
+steps are separated by "\n". Trigger words are looked for
 outside the CALL_TOOL / DELAYED_CALL lines, so a call's JSON arguments (e.g. a prompt for another
 agent) never trigger anything here. A prompt's text blocks are joined by "\n"; a block that is
 t3's orchestration instructions (it starts with `<t3_code_orchestration_instructions>`) is left out
 of the prompt text (the log keeps every block). A call line is `[spaces]CALL_TOOL <name> [json]` or
 `[spaces]DELAYED_CALL <seconds> <name> [json]`; other lines with these words are plain text.
 
+Env SCRIPTED_AGENT_FAIL_STARTS=FILE:N makes the first N processes sharing FILE (a counter) exit
+with code 7 on `initialize` (a provider that fails to start, then recovers).
 Options: --state-dir DIR (default $SCRIPTED_AGENT_STATE, else /tmp/scripted-acp-agent) holds one
 history file per session for session/load; --no-load hides loadSession and refuses session/load.
 Env SCRIPTED_AGENT_LOG=FILE appends one JSON line per message received/sent, {"pid", "dir":
@@ -58,7 +66,7 @@ Verified by hand against mcp 2.3.0 servers: MCPServer over uvicorn (stateless an
 and SSE responses) and the low-level Server with StreamableHTTPSessionManager(stateless=True,
 json_response=False) on hypercorn (several calls per turn, DELAYED_CALL, cancel mid-call).
 """
-import argparse, asyncio, itertools, json, os, re, signal, sys, tempfile, threading, time
+import argparse, asyncio, fcntl, itertools, json, os, re, signal, subprocess, sys, tempfile, threading, time
 import urllib.error, urllib.request, uuid
 from dataclasses import dataclass, field
 
@@ -293,6 +301,9 @@ class Agent:
 
     # ---- methods ----
     async def initialize(self, params):
+        if failing_start():
+            log("failing this start on purpose")
+            os._exit(7)
         return {"protocolVersion": 1, "agentCapabilities": {
                     "loadSession": self.load_enabled,
                     "promptCapabilities": {"image": False, "embeddedContext": False},
@@ -354,6 +365,22 @@ class Agent:
         if has_word(rest, "CRASH"):
             t.chunk("about to crash")
             os._exit(3)
+        if has_word(rest, "KILL_SELF"):
+            t.chunk("about to die")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if has_word(rest, "HALF_LINE"):
+            half = json.dumps({"jsonrpc": "2.0", "method": "session/update", "params": {
+                "sessionId": t.session_id, "update": {"sessionUpdate": "agent_message_chunk"}}})
+            self.out.write(half[:len(half) // 2].encode())
+            self.out.flush()
+            os._exit(4)
+        if has_word(rest, "ORPHAN"):
+            child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                      "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+                                     stdin=subprocess.DEVNULL)  # inherits stdout and stderr
+            self.write_log({"pid": os.getpid(), "dir": "grandchild", "grandchildPid": child.pid})
+            t.chunk("leaving a grandchild")
+            os._exit(5)
         if has_word(rest, "HANG"):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             log("hanging forever")
@@ -504,6 +531,20 @@ class Agent:
         except OSError as e:
             log(f"cannot log an MCP call: {e!r}")
         return {**entry, "raw": raw}
+
+
+def failing_start():
+    """SCRIPTED_AGENT_FAIL_STARTS=FILE:N: count this start in FILE; true for the first N."""
+    spec = os.environ.get("SCRIPTED_AGENT_FAIL_STARTS")
+    if not spec:
+        return False
+    path, limit = spec.rsplit(":", 1)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        count = len(f.read()) + 1
+        f.write("x")
+    return count <= int(limit)
 
 
 def header_items(headers):

@@ -1,0 +1,433 @@
+"""Fuzzing the MCP surface of one real server (reliability test 9): every tool's arguments, valid,
+boundary and invalid, generated from the tools' own JSON schemas (tools.TOOLS) plus hand-written
+invalid variants, sent over real MCP HTTP; and raw HTTP at /mcp (malformed JSON-RPC, batches,
+wrong methods, content types and headers, oversized bodies).
+
+Properties: the server never crashes, never answers 5xx or a traceback; a call either succeeds or
+is a typed failure with a known code; a failed call writes nothing (the event log does not grow);
+an invalid argument is `invalid_request` naming the field.
+
+Speed: one server per module (per xdist worker); the seed is fixed (derandomize). CI runs
+FUZZ_EXAMPLES cases per tool and variant; `T3_FUZZ_EXAMPLES=10000` runs a soak.
+Valid `create_threads` / `t3_thread_launch` calls carry no prompt (a run per fuzz case would start
+thousands of agent processes); sends go to a few seeded threads, whose runs are waited out before
+the next case so that the event log is quiet when a failed call is checked.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import sqlite3
+import sys
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness import T3Server, ToolResult, kill_matching, raw_request, wait_until, write_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools import FAILURE_CODES, TOOLS  # noqa: E402
+
+FUZZ_EXAMPLES = int(os.environ.get("T3_FUZZ_EXAMPLES", "12"))
+FUZZ = settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
+                suppress_health_check=list(HealthCheck))
+SCHEMAS = {tool.name: tool.input_schema for tool in TOOLS}
+# Tools whose success can set a seeded thread's run going (valid creates and launches carry no
+# prompt, and seeded threads never ask for approval).
+STARTS_WORK = {"t3_thread_send", "t3_thread_interrupt"}
+# Fields left out of valid cases: they would start a provider run (and process) per case.
+NO_RUNS = {("create_threads", "prompt"), ("t3_thread_launch", "message")}
+JSON_TYPES = ("string", "integer", "number", "boolean", "array", "object")
+
+
+# ---------------------------------------------------------------- the server under fuzz
+
+class Target:
+    """The module's server, a client, its seeded threads and a view of its event log."""
+
+    def __init__(self, server: T3Server) -> None:
+        self.server = server
+        self.mcp = server.client()
+        created = self.mcp.call("create_threads", {"threads": [
+            {"prompt": "hello", "title": "seeded with a run"}, {"title": "idle one"},
+            {"title": "idle two"}]}).structured["threads"]
+        self.thread_ids = [t["threadId"] for t in created]
+        self.run_ids = [created[0]["runId"]]
+        self.settle()
+
+    def events(self) -> int:
+        with sqlite3.connect(f"file:{self.server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
+            return db.execute("SELECT COALESCE(MAX(sequence), 0) FROM events").fetchone()[0]
+
+    def settle(self, thread_ids: list[str] | None = None) -> None:
+        """Wait until the seeded threads' latest runs have ended, so no writes are in flight."""
+        for thread_id in self.thread_ids if thread_ids is None else thread_ids:
+            result = self.mcp.call("t3_thread_wait", {"threadId": thread_id, "timeoutMs": 60_000},
+                                   timeout=90)
+            assert result.ok and not result.structured["timedOut"], result.structured
+
+    def headers(self, **extra: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.server.token}", "Content-Type": "application/json",
+                "Accept": "application/json, text/event-stream", **extra}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    marker = f"{tmp}{os.sep}"
+    server = T3Server(tmp / "data", write_config(tmp), env={"T3_TEST_MARKER": marker}).start()
+    try:
+        yield Target(server)
+    finally:
+        server.close()
+        kill_matching(marker)
+    assert "Traceback" not in server.stderr_text(), server.stderr_text()[-4000:]
+
+
+# ---------------------------------------------------------------- strategies from the schemas
+
+def _kinds(schema: Mapping[str, Any]) -> list[str]:
+    kind = schema.get("type")
+    return kind if isinstance(kind, list) else [kind] if kind else list(JSON_TYPES)
+
+
+def any_json(depth: int = 2) -> st.SearchStrategy[Any]:
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False,
+                       allow_infinity=False), st.text(max_size=20))
+    return st.recursive(leaves, lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+        max_leaves=6) if depth else leaves
+
+
+def valid_value(schema: Mapping[str, Any], name: str, target: Target, tool: str
+                ) -> st.SearchStrategy[Any]:
+    """Values the schema accepts, boundaries included; ids drawn partly from real ones."""
+    real = {"threadId": target.thread_ids, "runId": target.run_ids, "projectId": ["proj"],
+            "providerInstanceId": ["scripted"], "model": ["scripted-1", "scripted-2"]}
+    if name in real:
+        plain = schema.get("maxLength", 64)
+        return st.one_of(st.sampled_from(real[name]),
+                         st.text(min_size=1, max_size=min(plain, 40)).filter(str.strip))
+    if name == "timeoutMs":  # the schema allows 600 s; a fuzz case must not wait that long
+        return st.integers(0, 2_000)
+    if "enum" in schema:
+        return st.sampled_from(list(schema["enum"]))
+    return st.one_of([_valid_of_kind(kind, schema, target, tool) for kind in _kinds(schema)])
+
+
+def _valid_of_kind(kind: str, schema: Mapping[str, Any], target: Target, tool: str
+                   ) -> st.SearchStrategy[Any]:
+    if kind == "string":
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        text = st.text(min_size=low, max_size=min(high or 64, 64))
+        if low and schema.get("trim"):
+            text = text.filter(lambda s: len(s.strip()) >= low)
+        return st.one_of(text, st.just("b" * high)) if high else text
+    if kind == "integer":
+        low, high = schema.get("minimum"), schema.get("maximum")
+        edges = [v for v in (low, high) if v is not None]
+        return st.one_of(st.integers(low, high), *([st.sampled_from(edges)] if edges else []))
+    if kind == "number":
+        return st.floats(allow_nan=False, allow_infinity=False)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "array":
+        items = valid_value(schema["items"], "", target, tool) if "items" in schema else any_json()
+        return st.lists(items, min_size=schema.get("minItems", 0),
+                        max_size=min(schema.get("maxItems", 3), 3))
+    if kind == "object":
+        if "properties" not in schema:
+            return st.dictionaries(st.text(max_size=8), any_json(), max_size=3)
+        props = {k: v for k, v in schema["properties"].items() if (tool, k) not in NO_RUNS}
+        required = set(schema.get("required", ()))
+        return st.fixed_dictionaries(
+            {k: valid_value(v, k, target, tool) for k, v in props.items() if k in required},
+            optional={k: valid_value(v, k, target, tool) for k, v in props.items()
+                      if k not in required})
+    return st.none()
+
+
+def _slots(schema: Mapping[str, Any], path: tuple[Any, ...] = ()
+           ) -> Iterator[tuple[tuple[Any, ...], Mapping[str, Any], bool]]:
+    """Every property reachable through objects and first array items: (path, schema, required)."""
+    for key, sub in schema.get("properties", {}).items():
+        here = (*path, key)
+        yield here, sub, key in schema.get("required", ())
+        if "properties" in sub:
+            yield from _slots(sub, here)
+        elif "items" in sub and "properties" in sub["items"]:
+            yield from _slots(sub["items"], (*here, 0))
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    """The field's name as tools.validate spells it: threads[0].prompt."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def _wrong_type(schema: Mapping[str, Any]) -> st.SearchStrategy[Any]:
+    samples = {"string": st.text(max_size=10), "integer": st.integers(),
+               "number": st.floats(allow_nan=False, allow_infinity=False).filter(
+                   lambda f: not f.is_integer()),
+               "boolean": st.booleans(), "array": st.lists(st.integers(), max_size=2),
+               "object": st.dictionaries(st.text(max_size=5), st.integers(), max_size=2)}
+    allowed = set(_kinds(schema))
+    return st.one_of([s for kind, s in samples.items() if kind not in allowed])
+
+
+@st.composite
+def invalid_case(draw: st.DrawFn, tool: str, target: Target) -> tuple[dict[str, Any], str]:
+    """A valid call with exactly one thing broken: -> (arguments, the field named in the error)."""
+    schema = SCHEMAS[tool]
+    args = draw(valid_value(schema, "", target, tool))
+    slots = list(_slots(schema))
+    mutations = ["unknown", "wrong_type"]
+    if any(req for path, _, req in slots if len(path) == 1):
+        mutations += ["missing", "null_required"]
+    if any("maxLength" in s for _, s, _ in slots):
+        mutations.append("too_long")
+    if any(s.get("trim") and s.get("minLength") for _, s, _ in slots):
+        mutations.append("blank")
+    if any("minimum" in s or "maximum" in s for _, s, _ in slots):
+        mutations.append("out_of_range")
+    if any("enum" in s for _, s, _ in slots):
+        mutations.append("not_in_enum")
+    kind = draw(st.sampled_from(mutations))
+    if kind == "unknown":
+        parents = [()] + [p for p, s, _ in slots if "properties" in s] + \
+            [(*p, 0) for p, s, _ in slots if "properties" in s.get("items", {})]
+        parent = draw(st.sampled_from(parents))
+        props = _schema_at(schema, parent).get("properties", {})
+        key = draw(st.text(min_size=1, max_size=12).filter(lambda k: k not in props))
+        return _put(args, (*parent, key), draw(any_json(1))), _name((*parent, key))
+    if kind in ("missing", "null_required"):
+        path, _, _ = draw(st.sampled_from([s for s in slots if s[2] and len(s[0]) == 1]))
+        if kind == "missing":
+            args.pop(path[0], None)
+            return args, _name(path)
+        return _put(args, path, None), _name(path)
+    candidates = {
+        "wrong_type": slots,
+        "too_long": [s for s in slots if "maxLength" in s[1]],
+        "blank": [s for s in slots if s[1].get("trim") and s[1].get("minLength")],
+        "out_of_range": [s for s in slots if "minimum" in s[1] or "maximum" in s[1]],
+        "not_in_enum": [s for s in slots if "enum" in s[1]],
+    }[kind]
+    path, sub, _ = draw(st.sampled_from(candidates))
+    if kind == "wrong_type":
+        value = draw(_wrong_type(sub))
+    elif kind == "too_long":
+        value = draw(st.sampled_from(["x", " ", "é", "\U0001F600"])) * (sub["maxLength"] + 1)
+    elif kind == "blank":
+        value = draw(st.sampled_from(["", " ", "\t\n ", "\u3000"]))
+    elif kind == "out_of_range":
+        bounds = [sub["minimum"] - draw(st.integers(1, 10**12))] if "minimum" in sub else []
+        bounds += [sub["maximum"] + draw(st.integers(1, 10**12))] if "maximum" in sub else []
+        value = draw(st.sampled_from(bounds))
+    else:
+        value = draw(st.text(max_size=12).filter(lambda v: v not in sub["enum"]))
+    return _put(args, path, value), _name(path)
+
+
+def _schema_at(schema: Mapping[str, Any], path: tuple[Any, ...]) -> Mapping[str, Any]:
+    for part in path:
+        schema = schema["items"] if isinstance(part, int) else schema["properties"][part]
+    return schema
+
+
+def _put(args: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    """Set `value` at `path`, making the containers on the way (a list gets one entry)."""
+    here: Any = args
+    for part, nxt in zip(path, path[1:]):
+        if isinstance(part, int):
+            here = here[part]
+            continue
+        if not isinstance(here.get(part), (dict, list)) or (isinstance(nxt, int) and not here[part]):
+            here[part] = [{}] if isinstance(nxt, int) else {}
+        here = here[part]
+    here[path[-1]] = value
+    return args
+
+
+# ---------------------------------------------------------------- tool fuzzing
+
+def call_and_check(target: Target, tool: str, args: Mapping[str, Any]) -> ToolResult:
+    """One call: success, or a typed failure that wrote nothing; never an internal error."""
+    before = target.events()
+    result = target.mcp.call(tool, dict(args), timeout=120)
+    assert "Traceback" not in (result.text or "")
+    if result.ok:
+        assert isinstance(result.structured, dict) and json.loads(result.text) == result.structured
+        if tool in STARTS_WORK and args.get("threadId") in target.thread_ids:
+            target.settle([args["threadId"]])
+        return result
+    assert result.structured and result.structured.get("_tag") == "OrchestratorMcpFailure", \
+        result.text
+    assert result.failure_code in FAILURE_CODES
+    assert result.failure_code != "orchestration_error", (tool, args, result.structured)
+    assert target.events() == before, (tool, args, result.structured)
+    return result
+
+
+@pytest.mark.parametrize("tool", sorted(SCHEMAS))
+@FUZZ
+@given(data=st.data())
+def test_valid_and_boundary_arguments(target: Target, tool: str, data: st.DataObject) -> None:
+    """Arguments the schema accepts, ids real or not, boundaries included, never make the server
+    fail: each call succeeds or is a typed failure that wrote nothing."""
+    args = data.draw(valid_value(SCHEMAS[tool], "", target, tool), label="arguments")
+    call_and_check(target, tool, args)
+
+
+@pytest.mark.parametrize("tool", sorted(SCHEMAS))
+@FUZZ
+@given(data=st.data())
+def test_invalid_arguments(target: Target, tool: str, data: st.DataObject) -> None:
+    """A call with one broken field (unknown, wrong type, missing, null, too long, blank, out of
+    range, not in the enum) is invalid_request naming that field, and writes nothing."""
+    args, field = data.draw(invalid_case(tool, target), label="arguments")
+    result = call_and_check(target, tool, args)
+    assert result.failure_code == "invalid_request", (args, result.structured)
+    assert result.structured["message"].startswith(field + ":"), (field, result.structured)
+
+
+@FUZZ
+@given(name=st.one_of(st.text(max_size=40), st.sampled_from(sorted(SCHEMAS)).map(str.upper)),
+       args=st.dictionaries(st.text(max_size=10), any_json(), max_size=3))
+def test_unknown_tools(target: Target, name: str, args: dict[str, Any]) -> None:
+    """A tool name t3 does not have is invalid_request, writing nothing."""
+    if name in SCHEMAS:
+        return
+    result = call_and_check(target, name, args)
+    assert result.failure_code == "invalid_request"
+
+
+def test_scratch_launch_with_the_longest_client_request_id(target: Target) -> None:
+    """Found by the soak: a scratch launch named its folder after the quoted thread id, which a
+    256-character clientRequestId pushed past the file-name limit (an internal error). The folder
+    name is now bounded, and a retry gets the same folder."""
+    args = {"scratch": True, "title": "long key", "clientRequestId": "é" * 256}
+    first = call_and_check(target, "t3_thread_launch", args)
+    assert first.ok and Path(first.structured["workspacePath"]).is_dir()
+    again = call_and_check(target, "t3_thread_launch", args)
+    assert again.structured["workspacePath"] == first.structured["workspacePath"]
+
+
+# ---------------------------------------------------------------- raw HTTP at /mcp
+
+def _rpc(method: Any, params: Any = None, rid: Any = 1, version: Any = "2.0") -> dict[str, Any]:
+    msg: dict[str, Any] = {"jsonrpc": version, "method": method, "id": rid}
+    if params is not None:
+        msg["params"] = params
+    return msg
+
+
+tool_call = st.builds(lambda name, args: _rpc("tools/call", {"name": name, "arguments": args}),
+                      st.sampled_from(sorted(SCHEMAS)), any_json())
+junk_rpc = st.one_of(
+    st.builds(_rpc, st.one_of(st.text(max_size=20), any_json(0)), any_json(), any_json(0),
+              st.sampled_from(["2.0", "1.0", 2, None, ""])),
+    tool_call,
+    st.lists(st.one_of(tool_call, any_json()), max_size=4),  # batches
+    any_json())
+raw_bodies = st.one_of(
+    junk_rpc.map(lambda v: json.dumps(v).encode()),
+    st.binary(max_size=200),
+    st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")),
+    junk_rpc.map(lambda v: json.dumps(v).encode()[:-1]),  # cut short
+    st.just(b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t3_thread_list",'
+            b'"arguments":{"titleContains":"\\ud800"}}}'),  # a lone surrogate
+    st.just(b""), st.just(b"\n"), st.just(b"null"), st.just(b"[]"))
+odd_headers = st.fixed_dictionaries({}, optional={
+    "Content-Type": st.sampled_from(["text/plain", "application/x-www-form-urlencoded", "",
+                                     "application/json; charset=latin-1", "multipart/form-data"]),
+    "Accept": st.sampled_from(["", "*/*", "text/html", "application/json", "text/event-stream"]),
+    "mcp-session-id": st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=40),
+    "mcp-protocol-version": st.sampled_from(["1999-01-01", "", "2025-06-18", "latest"]),
+    "Last-Event-ID": st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=20)})
+
+
+def _successful_write(tool_body: bytes, response: bytes) -> bool:
+    """Did this raw exchange include a successful destructive tool call (allowed to write)?"""
+    return b"tools/call" in tool_body and b'"isError":false' in response.replace(b" ", b"")
+
+
+def check_raw(target: Target, method: str, body: bytes | None, headers: Mapping[str, str]) -> int:
+    before = target.events()
+    response = raw_request(method, target.server.mcp_url, body, headers, timeout=60)
+    assert response.status < 500, (method, body, headers, response)
+    assert b"Traceback" not in response.body and b'File "' not in response.body
+    if not _successful_write(body or b"", response.body):
+        assert target.events() == before, (body, response)
+    return response.status
+
+
+@FUZZ
+@given(body=raw_bodies, headers=odd_headers)
+def test_raw_posts(target: Target, body: bytes, headers: dict[str, str]) -> None:
+    """Malformed JSON-RPC, batches, cut-off or binary bodies, odd content types and headers:
+    never a 5xx or a traceback, and nothing is written unless a tool call succeeded."""
+    check_raw(target, "POST", body, target.headers(**headers))
+
+
+@FUZZ
+@given(method=st.sampled_from(["GET", "DELETE", "PUT", "PATCH", "OPTIONS", "HEAD"]),
+       headers=odd_headers, body=st.one_of(st.none(), st.binary(max_size=50)))
+def test_raw_other_methods(target: Target, method: str, headers: dict[str, str],
+                           body: bytes | None) -> None:
+    """Other HTTP methods on /mcp are answered (or refused) without a 5xx or a traceback."""
+    if method in ("GET", "HEAD"):  # a GET may open a stream the server keeps; it must answer
+        headers = {**headers, "Accept": "application/json"}
+        body = None
+    check_raw(target, method, body, target.headers(**headers))
+
+
+@FUZZ
+@given(auth=st.one_of(st.text(max_size=60).map(lambda t: t.encode("utf-8").decode("latin-1")),
+                      st.binary(max_size=40).map(lambda b: "Bearer " + b.hex())),
+       body=raw_bodies)
+def test_raw_bad_credentials(target: Target, auth: str, body: bytes) -> None:
+    """Any Authorization header but a valid token is 401 before the body is looked at."""
+    if target.server.token in auth:
+        return
+    headers = {**target.headers(), "Authorization": auth}
+    if not auth.strip() or any(c in auth for c in "\r\n\x00"):
+        headers.pop("Authorization")
+    assert check_raw(target, "POST", body, headers) == 401
+
+
+def test_oversized_bodies_are_413(target: Target) -> None:
+    """A body over 4 MiB is 413, whether it announces its length or is sent chunked; the server
+    stays up and writes nothing."""
+    before = target.events()
+    huge = json.dumps(_rpc("tools/call", {"name": "create_threads", "arguments": {
+        "threads": [{"title": "x" * (4 * 1024 * 1024)}]}})).encode()
+    assert raw_request("POST", target.server.mcp_url, huge, target.headers()).status == 413
+    url = urllib.parse.urlsplit(target.server.mcp_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        conn.request("POST", url.path, body=(huge[i:i + 65536] for i in range(0, len(huge), 65536)),
+                     headers=target.headers(), encode_chunked=True)
+        assert conn.getresponse().status == 413
+    finally:
+        conn.close()
+    assert target.events() == before
+    assert raw_request("GET", f"{target.server.url}/healthz").status == 200
+
+
+def test_server_survives_the_fuzz(target: Target) -> None:
+    """After everything above, the server still serves a whole turn."""
+    created = target.mcp.call("create_threads", {"threads": [{"prompt": "still there?"}]})
+    thread = created.structured["threads"][0]
+    done = target.mcp.call("t3_thread_wait", {"threadId": thread["threadId"], "timeoutMs": 60_000})
+    assert done.structured["status"] == "completed"
+    wait_until(lambda: target.server.running, 1)
