@@ -396,13 +396,15 @@ def test_raw_other_methods(target: Target, method: str, headers: dict[str, str],
                       st.binary(max_size=40).map(lambda b: "Bearer " + b.hex())),
        body=raw_bodies)
 def test_raw_bad_credentials(target: Target, auth: str, body: bytes) -> None:
-    """Any Authorization header but a valid token is 401 before the body is looked at."""
+    """Any Authorization header but a valid token is 401 before the body is looked at (one with
+    control characters is malformed HTTP: the HTTP layer may answer 400 first)."""
     if target.server.token in auth:
         return
     headers = {**target.headers(), "Authorization": auth}
     if not auth.strip() or any(c in auth for c in "\r\n\x00"):
         headers.pop("Authorization")
-    assert check_raw(target, "POST", body, headers) == 401
+    malformed = any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7f for c in auth)
+    assert check_raw(target, "POST", body, headers) in ((400, 401) if malformed else (401,))
 
 
 def test_oversized_bodies_are_413(target: Target) -> None:
