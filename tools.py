@@ -1080,6 +1080,10 @@ class Toolkit:
         thread = state.thread
         assert thread is not None
         caller = await self._require_live_caller(scope, thread.id, "t3_pending_request respond")
+        if caller is not None and caller.thread is not None and caller.thread.id == thread.id:
+            # An approval the agent could grant itself would void approval-required.
+            raise ToolFailure("capability_denied", "a thread's agent cannot answer its own "
+                              "thread's requests; the user or a parent thread answers them")
         if caller is not None and caller.thread is not None and caller.thread.id != thread.id:
             self._ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
         key = self._key(args)

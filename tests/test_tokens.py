@@ -99,7 +99,8 @@ def test_token_of_an_ended_run_reads_but_changes_nothing(t3_factory, tmp_path: P
 
 def test_live_token_cannot_reach_above_its_own_modes(t3_factory, tmp_path: Path) -> None:
     """An agent with a live approval-required run cannot send to, interrupt or answer for a
-    thread with broader runtime mode; it may still read it."""
+    thread with broader runtime mode, nor answer its own thread's request; it may still read
+    it."""
     t3 = t3_factory(providers=two_agents(tmp_path))
     client = t3.client()
     a_id, _ = start(client, "ASK_PERMISSION", "alpha", "approval-required")
@@ -117,6 +118,10 @@ def test_live_token_cannot_reach_above_its_own_modes(t3_factory, tmp_path: Path)
             refused(t3, a, tool, args, "runtime_mode_escalation_denied")
         refused(t3, a, "create_threads", {"threads": [{"title": "x", "runtimeMode": "auto"}]},
                 "runtime_mode_escalation_denied")
+        # Nor may it grant its own approval: that would void approval-required.
+        refused(t3, a, "t3_pending_request", {"threadId": a_id, "action": "respond",
+                                              "requestId": own_request, "decision": "accept"},
+                "capability_denied")
     finally:
         a.close()
     assert pending_approval(client, b_id) == request_id
