@@ -19,6 +19,16 @@ def event_count(server: T3Server) -> int:
         return db.execute("SELECT COALESCE(MAX(sequence), 0) FROM events").fetchone()[0]
 
 
+def session_ended(server: T3Server, thread_id: str) -> bool:
+    """Every provider session of the thread is recorded closed and no effect of it is on its way."""
+    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
+        open_sessions = db.execute("SELECT COUNT(*) FROM provider_sessions WHERE thread_id = ? AND "
+                                   "status NOT IN ('closed', 'error')", (thread_id,)).fetchone()[0]
+        effects = db.execute("SELECT COUNT(*) FROM effect_outbox WHERE thread_id = ? AND status IN "
+                             "('pending', 'running')", (thread_id,)).fetchone()[0]
+    return open_sessions == 0 and effects == 0
+
+
 def session_token(log_path: Path) -> str:
     """The bearer token t3 gave the agent logging to `log_path` (its latest session)."""
     opened = [e["msg"] for e in agent_log(log_path) if e["dir"] == "in"
@@ -152,6 +162,8 @@ def test_token_revoked_mid_session(t3_factory, tmp_path: Path, agent_log_path: P
     wait(client, a_id)
     crashed = client.call("t3_thread_send", {"threadId": a_id, "message": "CRASH"}).structured
     assert wait(client, a_id)["runId"] == crashed["runId"]  # the session died with its process
+    # The credential is revoked first, then the session's end is recorded: count after that.
+    wait_until(lambda: session_ended(t3, a_id), 30, message="A's provider session recorded ended")
     before = event_count(t3)
     body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
         "name": "create_threads", "arguments": {"threads": [{"title": "too late"}]}}}).encode()
