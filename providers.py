@@ -48,7 +48,7 @@ import urllib.parse
 import urllib.request
 import uuid
 import zipfile
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -284,6 +284,29 @@ def _exit_reason(closing: bool, returncode: int) -> str | None:
     return f"The provider process exited unexpectedly (exit code {returncode})."
 
 
+async def _read_json_lines(process: _Process, protocol_log: logging.Logger, label: str,
+                           on_message: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    """Hand each JSON object the provider writes to stdout (one per line, logged redacted) to
+    ``on_message``, until end of file or a broken stream; other lines are skipped."""
+    stdout = process.proc.stdout
+    assert stdout is not None
+    try:
+        while raw := await stdout.readline():
+            line = raw.decode(errors="replace").strip()
+            if not line:
+                continue
+            protocol_log.info("%s <- %s", label, redact(line))
+            try:
+                message = json.loads(line)
+            except json.JSONDecodeError:
+                log.warning("%s: ignoring a line that is not JSON", label)
+                continue
+            if isinstance(message, dict):
+                await on_message(message)
+    except (ConnectionError, ValueError) as exc:  # ValueError: a line over the limit
+        log.warning("%s: stopped reading: %s", label, exc)
+
+
 def kill_orphans(owner: str) -> int:
     """Kill processes a previous t3 on this data directory started (found by ``T3_OWNER``)."""
     needle = f"T3_OWNER={owner}".encode() + b"\0"
@@ -397,26 +420,8 @@ class _JsonRpc:
         await stdin.drain()
 
     async def _read_stdout(self) -> None:
-        stdout = self._process.proc.stdout
-        assert stdout is not None
         try:
-            while True:
-                raw = await stdout.readline()
-                if not raw:
-                    break
-                line = raw.decode(errors="replace").strip()
-                if not line:
-                    continue
-                self._log.info("%s <- %s", self._label, redact(line))
-                try:
-                    message = json.loads(line)
-                except json.JSONDecodeError:
-                    log.warning("%s: ignoring a line that is not JSON", self._label)
-                    continue
-                if isinstance(message, dict):
-                    await self._route(message)
-        except (ConnectionError, ValueError) as exc:  # ValueError: a line over the limit
-            log.warning("%s: stopped reading: %s", self._label, exc)
+            await _read_json_lines(self._process, self._log, self._label, self._route)
         finally:
             self.closed = True
             for future in self._pending.values():
@@ -1345,25 +1350,9 @@ class ClaudeSession:
         await self._process.stop(grace=grace)
 
     async def _read_stdout(self) -> None:
-        stdout = self._process.proc.stdout
-        assert stdout is not None
         try:
-            while True:
-                raw = await stdout.readline()
-                if not raw:
-                    break
-                line = raw.decode(errors="replace").strip()
-                if not line:
-                    continue
-                self._adapter.protocol_log.info("%s <- %s", self._label, redact(line))
-                try:
-                    message = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(message, dict):
-                    await self._route(message)
-        except (ConnectionError, ValueError) as exc:
-            log.warning("%s: stopped reading: %s", self._label, exc)
+            await _read_json_lines(self._process, self._adapter.protocol_log, self._label,
+                                   self._route)
         finally:
             returncode = await self._process.proc.wait()
             self.exit_reason = _exit_reason(self._closing, returncode)
