@@ -11,7 +11,7 @@ import pytest
 
 from fake_model import FakeModelServer
 from harness import T3Server
-from real_cli import codex_provider, create, npm_available, text, wait
+from real_cli import codex_provider, create, npm_available, wait
 
 pytestmark = [pytest.mark.real_cli,
               pytest.mark.skipif(not npm_available(), reason="npm is not installed")]
@@ -20,18 +20,6 @@ pytestmark = [pytest.mark.real_cli,
 @pytest.fixture
 def server(model: FakeModelServer, tmp_path: Path, t3_factory: Any) -> T3Server:
     return t3_factory(providers=[codex_provider(tmp_path, model.url)])
-
-
-def test_own_mcp_tools_need_no_approval(server: T3Server) -> None:
-    """t3's own tools run without an approval even in approval-required mode (a tool that is
-    not read-only here): codex gets them with default_tools_approval_mode "approve" (the
-    credential already scopes them)."""
-    mcp = server.client()
-    created = create(mcp, 'CALL_MCP t3_thread_interrupt {"threadId": "thread:none"}',
-                     runtimeMode="approval-required")
-    done = wait(mcp, created["threadId"])
-    assert done["status"] == "completed" and done["pendingApproval"] is None, done
-    assert "TOOL_RESULT_SEEN" in text(mcp, created["threadId"])
 
 
 def test_mcp_tools_are_split(server: T3Server, model: FakeModelServer) -> None:
