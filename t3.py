@@ -512,15 +512,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
 
-    configs = [prov.ProviderConfig(instance_id=p["id"], driver=p["driver"], command=p["command"],
-                                   env=p["env"], models=p["models"], enabled=p["enabled"],
-                                   display_name=p["displayName"], agent=p["agent"],
-                                   registry=p["registry"], instructions=p["instructions"])
-               for p in config.providers] if config.providers is not None \
-        else prov.detect_providers()
-    adapters = {c.instance_id: prov.build_adapter(c, log_dir=data_dir / "logs", owner=owner,
-                                                  agents_dir=data_dir / "agents")
-                for c in configs}
+    adapters = build_adapters(config, data_dir, prov)
     for adapter in adapters.values():
         if not adapter.info.available:
             log.info("provider %s unavailable: %s", adapter.info.instance_id,
@@ -587,6 +579,20 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         sock.close()
     log.info("stopped")
     return 0
+
+
+def build_adapters(config: Config, data_dir: Path, prov: Any) -> dict[str, Any]:
+    """One adapter per configured provider instance (or per detected CLI when none are configured).
+    Their processes are tagged with the data dir, so a later server can find its orphans."""
+    configs = [prov.ProviderConfig(instance_id=p["id"], driver=p["driver"], command=p["command"],
+                                   env=p["env"], models=p["models"], enabled=p["enabled"],
+                                   display_name=p["displayName"], agent=p["agent"],
+                                   registry=p["registry"], instructions=p["instructions"])
+               for p in config.providers] if config.providers is not None \
+        else prov.detect_providers()
+    return {c.instance_id: prov.build_adapter(c, log_dir=data_dir / "logs", owner=str(data_dir),
+                                              agents_dir=data_dir / "agents")
+            for c in configs}
 
 
 class _LiveProviderInfo(Mapping[str, Any]):

@@ -32,7 +32,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from harness import ...` in any import mode
 
 from fake_model import FakeModelServer  # noqa: E402
-from harness import (McpClient, T3Server, child_pids, describe_process, kill_matching, leaked_processes,  # noqa: E402
+from harness import (KEPT_MARKERS, McpClient, T3Server, child_pids, describe_process, kill_matching, leaked_processes,  # noqa: E402
                      pids_alive, process_group, processes_matching, start_time, wait_until, write_config)
 from real_cli import Send, registry_hosts, strace_command, violations  # noqa: E402
 
@@ -110,7 +110,8 @@ def _no_leaked_children() -> Iterator[None]:
     """Fail a test that leaves a new child process of the test runner alive (it is killed first)."""
     before = set(child_pids())
     yield
-    leaked = [p for p in child_pids() if p not in before]
+    kept = {pid for marker in KEPT_MARKERS for pid in processes_matching(marker)}
+    leaked = [p for p in child_pids() if p not in before and p not in kept]
     if not leaked:
         return
     try:
@@ -118,7 +119,8 @@ def _no_leaked_children() -> Iterator[None]:
     except TimeoutError:
         for pid in pids_alive(leaked):
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            with contextlib.suppress(ChildProcessError):  # an asyncio child watcher reaped it
+                os.waitpid(pid, 0)
         pytest.fail(f"test left child processes alive: {leaked}")
 
 

@@ -16,26 +16,51 @@ the next case so that the event log is quiet when a failed call is checked.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import http.client
 import json
 import os
 import sqlite3
 import sys
+import threading
+import traceback
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import (
+    KEPT_MARKERS,
+    T3Server,
+    ToolResult,
+    kill_matching,
+    raw_request,
+    wait_until,
+    write_config,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import T3Server, ToolResult, kill_matching, raw_request, wait_until, write_config
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools import FAILURE_CODES, TOOLS  # noqa: E402
+import providers
+import t3
+import tools
+from orchestrator import Orchestrator
+from store import Store
+from tools import (
+    FAILURE_CODES,
+    TOOLS,
+    Project,
+    ServerContext,
+    ToolFailure,
+    Toolkit,
+    current_scope,
+)
 
 FUZZ_EXAMPLES = int(os.environ.get("T3_FUZZ_EXAMPLES", "12"))
+IN_PROCESS = os.environ.get("T3_FUZZ_IN_PROCESS") == "1"
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 SCHEMAS = {tool.name: tool.input_schema for tool in TOOLS}
@@ -50,45 +75,149 @@ JSON_TYPES = ("string", "integer", "number", "boolean", "array", "object")
 # ---------------------------------------------------------------- the server under fuzz
 
 class Target:
-    """The module's server, a client, its seeded threads and a view of its event log."""
+    """Where the tool fuzzers' calls go, its seeded threads and a view of its event log."""
 
-    def __init__(self, server: T3Server) -> None:
-        self.server = server
-        self.mcp = server.client()
-        created = self.mcp.call("create_threads", {"threads": [
+    db_path: Path
+
+    def call(self, tool: str, args: dict[str, Any], *, timeout: float = 120) -> ToolResult:
+        raise NotImplementedError
+
+    def seed(self) -> None:
+        created = self.call("create_threads", {"threads": [
             {"prompt": "hello", "title": "seeded with a run"}, {"title": "idle one"},
             {"title": "idle two"}]}).structured["threads"]
         self.thread_ids = [t["threadId"] for t in created]
         self.run_ids = [created[0]["runId"]]
         self.settle()
 
+    @functools.cached_property
+    def _reader(self) -> sqlite3.Connection:
+        return sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, isolation_level=None,
+                               check_same_thread=False)
+
     def events(self) -> int:
-        with sqlite3.connect(f"file:{self.server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-            return db.execute("SELECT COALESCE(MAX(sequence), 0) FROM events").fetchone()[0]
+        return self._reader.execute("SELECT COALESCE(MAX(sequence), 0) FROM events").fetchone()[0]
 
     def settle(self, thread_ids: list[str] | None = None) -> None:
         """Wait until the seeded threads' latest runs have ended, so no writes are in flight."""
         for thread_id in self.thread_ids if thread_ids is None else thread_ids:
-            result = self.mcp.call("t3_thread_wait", {"threadId": thread_id, "timeoutMs": 60_000},
-                                   timeout=90)
+            result = self.call("t3_thread_wait", {"threadId": thread_id, "timeoutMs": 60_000},
+                               timeout=90)
             assert result.ok and not result.structured["timedOut"], result.structured
+
+
+class HttpTarget(Target):
+    """The module's real server, over MCP HTTP (what CI fuzzes), and raw HTTP at /mcp."""
+
+    def __init__(self, server: T3Server) -> None:
+        self.server = server
+        self.db_path = server.data_dir / "t3.sqlite"
+        self.mcp = server.client()
+        self.seed()
+
+    def call(self, tool: str, args: dict[str, Any], *, timeout: float = 120) -> ToolResult:
+        return self.mcp.call(tool, args, timeout=timeout)
 
     def headers(self, **extra: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.server.token}", "Content-Type": "application/json",
                 "Accept": "application/json, text/event-stream", **extra}
 
 
+class InProcessTarget(Target):
+    """Soak mode (T3_FUZZ_IN_PROCESS=1): a server's layers built as t3.py builds them (Store,
+    Orchestrator with its effect worker and the scripted agent, Toolkit), on an event loop in a
+    thread of this process. A call goes where the MCP handler sends it, under the scope the client
+    token resolves to, and is shaped by the same tools._result. Only HTTP and the MCP SDK are left
+    out (the HTTP fuzzers cover them), which makes a case about 20 times cheaper."""
+
+    def __init__(self, tmp: Path) -> None:
+        config = t3.load_config(write_config(tmp), cwd=tmp)
+        data_dir = tmp / "data"
+        for sub in ("logs", "backups", "scratch", "worktrees", "agents"):
+            (data_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.db_path = data_dir / "t3.sqlite"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-loop", daemon=True)
+        self.thread.start()
+
+        async def build() -> None:
+            self.store = Store(self.db_path, backups_dir=data_dir / "backups")
+            credentials = t3.Credentials(client_token="fuzz-client", max_lifetime_s=3600,
+                                         idle_s=3600, mcp_url="http://127.0.0.1:9/mcp")
+            self.scope = credentials.resolve("fuzz-client")
+            adapters = t3.build_adapters(config, data_dir, providers)
+            self.orch = Orchestrator(self.store, adapters=adapters, credentials=credentials,
+                                     providers=t3._LiveProviderInfo(adapters))
+            await self.store.sync_projects(config.projects)
+            self.orch.start()
+            self.toolkit = Toolkit(self.orch, self.store, ServerContext(
+                environment_id="env-fuzz", data_dir=data_dir,
+                projects=[Project(p["id"], p["path"], p["title"]) for p in config.projects]))
+        self._run(build(), 60)
+        self.seed()
+
+    def _run(self, coro: Any, timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, tool: str, args: dict[str, Any], *, timeout: float = 120) -> ToolResult:
+        async def handle() -> ToolResult:
+            current_scope.set(self.scope)  # this task's context only
+            try:
+                payload, is_error = await self.toolkit.call(tool, args), False
+            except ToolFailure as failure:
+                payload, is_error = {"_tag": "OrchestratorMcpFailure", "code": failure.code,
+                                     "message": failure.message}, True
+            except Exception:  # noqa: BLE001 - the MCP handler makes this orchestration_error
+                payload, is_error = {"_tag": "OrchestratorMcpFailure",
+                                     "code": "orchestration_error",
+                                     "message": traceback.format_exc()}, True
+            shaped = tools._result(payload, is_error=is_error)
+            text = shaped.content[0].text
+            return ToolResult(json.loads(text), shaped.is_error, text, shaped)
+        return self._run(handle(), timeout)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self.orch.begin_shutdown()
+            await self.orch.close()
+            self.store.close()
+        try:
+            self._run(stop(), 30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+def http_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpTarget]:
     tmp = tmp_path_factory.mktemp("fuzz")
     marker = f"{tmp}{os.sep}"
     server = T3Server(tmp / "data", write_config(tmp), env={"T3_TEST_MARKER": marker}).start()
     try:
-        yield Target(server)
+        yield HttpTarget(server)
     finally:
         server.close()
         kill_matching(marker)
     assert "Traceback" not in server.stderr_text(), server.stderr_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Target]:
+    """The tool fuzzers' target: the HTTP server, or its layers in process in soak mode."""
+    if not IN_PROCESS:
+        yield request.getfixturevalue("http_target")
+        return
+    tmp = tmp_path_factory.mktemp("fuzz-in-process")
+    marker = f"{tmp}{os.sep}"
+    KEPT_MARKERS.add(marker)
+    inner = InProcessTarget(tmp)
+    try:
+        yield inner
+    finally:
+        inner.close()
+        KEPT_MARKERS.discard(marker)
+        assert not kill_matching(marker), "the in-process server left agent processes behind"
 
 
 # ---------------------------------------------------------------- strategies from the schemas
@@ -98,6 +227,12 @@ def _kinds(schema: Mapping[str, Any]) -> list[str]:
     return kind if isinstance(kind, list) else [kind] if kind else list(JSON_TYPES)
 
 
+# Strategies are built once and reused: building one per draw (its filters' lambdas are described
+# by compiling their source) cost hypothesis ten times more than an in-process tool call.
+_BUILT: dict[tuple[Any, ...], st.SearchStrategy[Any]] = {}
+
+
+@functools.cache
 def any_json(depth: int = 2) -> st.SearchStrategy[Any]:
     leaves = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False,
                        allow_infinity=False), st.text(max_size=20))
@@ -109,6 +244,14 @@ def any_json(depth: int = 2) -> st.SearchStrategy[Any]:
 def valid_value(schema: Mapping[str, Any], name: str, target: Target, tool: str
                 ) -> st.SearchStrategy[Any]:
     """Values the schema accepts, boundaries included; ids drawn partly from real ones."""
+    key = (id(schema), name, id(target), tool)
+    if key not in _BUILT:
+        _BUILT[key] = _valid_value(schema, name, target, tool)
+    return _BUILT[key]
+
+
+def _valid_value(schema: Mapping[str, Any], name: str, target: Target, tool: str
+                 ) -> st.SearchStrategy[Any]:
     real = {"threadId": target.thread_ids, "runId": target.run_ids, "projectId": ["proj"],
             "providerInstanceId": ["scripted"], "model": ["scripted-1", "scripted-2"]}
     if name in real:
@@ -175,13 +318,17 @@ def _name(path: tuple[Any, ...]) -> str:
 
 
 def _wrong_type(schema: Mapping[str, Any]) -> st.SearchStrategy[Any]:
+    key = ("wrong type", id(schema))
+    if key in _BUILT:
+        return _BUILT[key]
     samples = {"string": st.text(max_size=10), "integer": st.integers(),
                "number": st.floats(allow_nan=False, allow_infinity=False).filter(
                    lambda f: not f.is_integer()),
                "boolean": st.booleans(), "array": st.lists(st.integers(), max_size=2),
                "object": st.dictionaries(st.text(max_size=5), st.integers(), max_size=2)}
     allowed = set(_kinds(schema))
-    return st.one_of([s for kind, s in samples.items() if kind not in allowed])
+    _BUILT[key] = st.one_of([s for kind, s in samples.items() if kind not in allowed])
+    return _BUILT[key]
 
 
 @st.composite
@@ -207,7 +354,8 @@ def invalid_case(draw: st.DrawFn, tool: str, target: Target) -> tuple[dict[str, 
             [(*p, 0) for p, s, _ in slots if "properties" in s.get("items", {})]
         parent = draw(st.sampled_from(parents))
         props = _schema_at(schema, parent).get("properties", {})
-        key = draw(st.text(min_size=1, max_size=12).filter(lambda k: k not in props))
+        key = draw(st.text(min_size=1, max_size=12))
+        key += "~" if key in props else ""
         return _put(args, (*parent, key), draw(any_json(1))), _name((*parent, key))
     if kind in ("missing", "null_required"):
         path, _, _ = draw(st.sampled_from([s for s in slots if s[2] and len(s[0]) == 1]))
@@ -234,7 +382,8 @@ def invalid_case(draw: st.DrawFn, tool: str, target: Target) -> tuple[dict[str, 
         bounds += [sub["maximum"] + draw(st.integers(1, 10**12))] if "maximum" in sub else []
         value = draw(st.sampled_from(bounds))
     else:
-        value = draw(st.text(max_size=12).filter(lambda v: v not in sub["enum"]))
+        value = draw(st.text(max_size=12))
+        value += "~" if value in sub["enum"] else ""
     return _put(args, path, value), _name(path)
 
 
@@ -263,7 +412,7 @@ def _put(args: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, A
 def call_and_check(target: Target, tool: str, args: Mapping[str, Any]) -> ToolResult:
     """One call: success, or a typed failure that wrote nothing; never an internal error."""
     before = target.events()
-    result = target.mcp.call(tool, dict(args), timeout=120)
+    result = target.call(tool, dict(args))
     assert "Traceback" not in (result.text or "")
     if result.ok:
         assert isinstance(result.structured, dict) and json.loads(result.text) == result.structured
@@ -361,75 +510,76 @@ def _successful_write(tool_body: bytes, response: bytes) -> bool:
     return b"tools/call" in tool_body and b'"isError":false' in response.replace(b" ", b"")
 
 
-def check_raw(target: Target, method: str, body: bytes | None, headers: Mapping[str, str]) -> int:
-    before = target.events()
-    response = raw_request(method, target.server.mcp_url, body, headers, timeout=60)
+def check_raw(http_target: HttpTarget, method: str, body: bytes | None, headers: Mapping[str, str]) -> int:
+    before = http_target.events()
+    response = raw_request(method, http_target.server.mcp_url, body, headers, timeout=60)
     assert response.status < 500, (method, body, headers, response)
     assert b"Traceback" not in response.body and b'File "' not in response.body
     if not _successful_write(body or b"", response.body):
-        assert target.events() == before, (body, response)
+        assert http_target.events() == before, (body, response)
     return response.status
 
 
 @FUZZ
 @given(body=raw_bodies, headers=odd_headers)
-def test_raw_posts(target: Target, body: bytes, headers: dict[str, str]) -> None:
+def test_raw_posts(http_target: HttpTarget, body: bytes, headers: dict[str, str]) -> None:
     """Malformed JSON-RPC, batches, cut-off or binary bodies, odd content types and headers:
     never a 5xx or a traceback, and nothing is written unless a tool call succeeded."""
-    check_raw(target, "POST", body, target.headers(**headers))
+    check_raw(http_target, "POST", body, http_target.headers(**headers))
 
 
 @FUZZ
 @given(method=st.sampled_from(["GET", "DELETE", "PUT", "PATCH", "OPTIONS", "HEAD"]),
        headers=odd_headers, body=st.one_of(st.none(), st.binary(max_size=50)))
-def test_raw_other_methods(target: Target, method: str, headers: dict[str, str],
+def test_raw_other_methods(http_target: HttpTarget, method: str, headers: dict[str, str],
                            body: bytes | None) -> None:
     """Other HTTP methods on /mcp are answered (or refused) without a 5xx or a traceback."""
     if method in ("GET", "HEAD"):  # a GET may open a stream the server keeps; it must answer
         headers = {**headers, "Accept": "application/json"}
         body = None
-    check_raw(target, method, body, target.headers(**headers))
+    check_raw(http_target, method, body, http_target.headers(**headers))
 
 
 @FUZZ
 @given(auth=st.one_of(st.text(max_size=60).map(lambda t: t.encode("utf-8").decode("latin-1")),
                       st.binary(max_size=40).map(lambda b: "Bearer " + b.hex())),
        body=raw_bodies)
-def test_raw_bad_credentials(target: Target, auth: str, body: bytes) -> None:
+def test_raw_bad_credentials(http_target: HttpTarget, auth: str, body: bytes) -> None:
     """Any Authorization header but a valid token is 401 before the body is looked at (one with
     control characters is malformed HTTP: the HTTP layer may answer 400 first)."""
-    if target.server.token in auth:
+    if http_target.server.token in auth:
         return
-    headers = {**target.headers(), "Authorization": auth}
+    headers = {**http_target.headers(), "Authorization": auth}
     if not auth.strip() or any(c in auth for c in "\r\n\x00"):
         headers.pop("Authorization")
     malformed = any(ord(c) < 0x20 and c != "\t" or ord(c) == 0x7f for c in auth)
-    assert check_raw(target, "POST", body, headers) in ((400, 401) if malformed else (401,))
+    assert check_raw(http_target, "POST", body, headers) in ((400, 401) if malformed else (401,))
 
 
-def test_oversized_bodies_are_413(target: Target) -> None:
+def test_oversized_bodies_are_413(http_target: HttpTarget) -> None:
     """A body over 4 MiB is 413, whether it announces its length or is sent chunked; the server
     stays up and writes nothing."""
-    before = target.events()
+    before = http_target.events()
     huge = json.dumps(_rpc("tools/call", {"name": "create_threads", "arguments": {
         "threads": [{"title": "x" * (4 * 1024 * 1024)}]}})).encode()
-    assert raw_request("POST", target.server.mcp_url, huge, target.headers()).status == 413
-    url = urllib.parse.urlsplit(target.server.mcp_url)
+    headers = http_target.headers()
+    assert raw_request("POST", http_target.server.mcp_url, huge, headers).status == 413
+    url = urllib.parse.urlsplit(http_target.server.mcp_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
     try:
         conn.request("POST", url.path, body=(huge[i:i + 65536] for i in range(0, len(huge), 65536)),
-                     headers=target.headers(), encode_chunked=True)
+                     headers=headers, encode_chunked=True)
         assert conn.getresponse().status == 413
     finally:
         conn.close()
-    assert target.events() == before
-    assert raw_request("GET", f"{target.server.url}/healthz").status == 200
+    assert http_target.events() == before
+    assert raw_request("GET", f"{http_target.server.url}/healthz").status == 200
 
 
-def test_server_survives_the_fuzz(target: Target) -> None:
+def test_server_survives_the_fuzz(target: Target, http_target: HttpTarget) -> None:
     """After everything above, the server still serves a whole turn."""
-    created = target.mcp.call("create_threads", {"threads": [{"prompt": "still there?"}]})
+    created = target.call("create_threads", {"threads": [{"prompt": "still there?"}]})
     thread = created.structured["threads"][0]
-    done = target.mcp.call("t3_thread_wait", {"threadId": thread["threadId"], "timeoutMs": 60_000})
+    done = target.call("t3_thread_wait", {"threadId": thread["threadId"], "timeoutMs": 60_000})
     assert done.structured["status"] == "completed"
-    wait_until(lambda: target.server.running, 1)
+    wait_until(lambda: http_target.server.running, 1)
