@@ -8,7 +8,10 @@ is a typed failure with a known code; a failed call writes nothing (the event lo
 an invalid argument is `invalid_request` naming the field.
 
 Speed: one server per module (per xdist worker); the seed is fixed (derandomize). CI runs
-FUZZ_EXAMPLES cases per tool and variant; `T3_FUZZ_EXAMPLES=10000` runs a soak.
+FUZZ_EXAMPLES cases per tool and variant over HTTP. The soak mode,
+`T3_FUZZ_IN_PROCESS=1 T3_FUZZ_EXAMPLES=5000 python -m pytest tests/test_fuzz.py`, sends the tool
+fuzzers' calls to the same layers in process (InProcessTarget; about 6 cases/s over HTTP on 2
+cores, 30 to 100 in process) and keeps the raw HTTP fuzzers on a real server.
 Valid `create_threads` / `t3_thread_launch` calls carry no prompt (a run per fuzz case would start
 thousands of agent processes); sends go to a few seeded threads, whose runs are waited out before
 the next case so that the event log is quiet when a failed call is checked.
