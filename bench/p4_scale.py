@@ -5,8 +5,8 @@ How the databases are made: a real server creates 20 threads in project "proj", 
 completed run (the threads that are read), and stops. That database is copied twice and each
 copy is filled with a bulk loader to 10k and to 1M events: the events of one real thread are
 replayed as many new threads in project "bulk", every id in them suffixed per copy, through the
-same INSERT into `events` and the same projection upserts `store.py` uses (`store._project`), in
-large transactions with synchronous=OFF. Not through `Store.commit`: a million fsynced commits
+same INSERT into `events` and the same projection writes `store.py` uses
+(`store.projection_writes`), in large transactions with synchronous=OFF. Not through `Store.commit`: a million fsynced commits
 would take hours. No command receipts or outbox rows are written for the bulk threads (the
 reads do not touch them). `--quick` uses 100k instead of 1M.
 
@@ -63,9 +63,8 @@ def bulk_fill(db_path: Path, template_thread: str, total_events: int) -> int:
         if kind == "thread":
             body["projectId"] = "bulk"
         text = json.dumps(body, separators=(",", ":"))
-        columns = s._PROJECTIONS[kind][2]
-        values = [s._pluck(body, key) for key in columns.values()]
-        template.append((version, type_, occurred_at, text, s._UPSERTS[kind], values))
+        template.append((version, type_, occurred_at, text,
+                         s.projection_writes(type_, body, text)))
     have = conn.execute("SELECT COUNT(*) FROM events").fetchone()[0]
     copy = 0
     conn.execute("BEGIN")
@@ -73,14 +72,15 @@ def bulk_fill(db_path: Path, template_thread: str, total_events: int) -> int:
         copy += 1
         suffix = f"~bulk{copy}"
         thread_id = template_thread + suffix
-        for version, type_, occurred_at, text, upsert, values in template:
+        for version, type_, occurred_at, text, writes in template:
             if have >= total_events:
                 break
-            text = text.replace(marker, suffix)
             conn.execute(s._INSERT_EVENT, (f"event:{have}{suffix}", thread_id, version,
-                                           f"bulk{suffix}", type_, occurred_at, text)).fetchone()
-            conn.execute(upsert, (*(v.replace(marker, suffix) if isinstance(v, str) else v
-                                    for v in values), text))
+                                           f"bulk{suffix}", type_, occurred_at,
+                                           text.replace(marker, suffix))).fetchone()
+            for sql, params in writes:
+                conn.execute(sql, tuple(v.replace(marker, suffix) if isinstance(v, str) else v
+                                        for v in params))
             have += 1
         if copy % 2000 == 0:
             conn.execute("COMMIT")
