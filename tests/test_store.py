@@ -1,4 +1,5 @@
-"""Store-level tests for store.py: schema application, backups, pragmas, commit, outbox, replay.
+"""Store-level tests for store.py: schema application, backups, pragmas, commit, outbox, replay,
+listing.
 
 Every test works on real SQLite files under `tmp_path` and talks to `store.py` directly; no t3
 server is started. The store's async API is driven with `asyncio.run` through `_run`. Lease expiry
@@ -972,7 +973,7 @@ def test_a_database_from_before_the_activity_column_is_backed_up_migrated_and_li
         assert kept == old_tables
         for (project, filters), expected in zip(cases, before):
             assert _listed(st, project, page_size=5, **filters) == expected, (project, filters)
-        live = _tables(st._reader, PROJECTION_TABLES)
+        live = {t: sorted(tuple(r) for r in st.read(f"SELECT * FROM {t}")) for t in PROJECTION_TABLES}
 
         def rebuilt(conn: sqlite3.Connection) -> dict[str, list[tuple[Any, ...]]]:
             store.rebuild_projections(conn)
