@@ -318,20 +318,44 @@ SELECT MIN(t) FROM (
     UNION ALL
     SELECT lease_expires_ms FROM effect_outbox WHERE status = 'running')
 """
-# Thread shells of one project, newest activity first.
-_LIST_THREADS = """
-SELECT t.payload_json AS thread_json,
+# A thread's activity time: the later of its updated_at and its latest run's requestedAt and
+# completedAt. Recomputed from the projection rows after every thread or run write, so it does
+# not depend on the order those events arrive in (sql/0003 backfills it with the same expression).
+_REFRESH_ACTIVITY = """
+UPDATE threads SET activity_at = COALESCE((
+    SELECT MAX(threads.updated_at, COALESCE(json_extract(r.payload_json, '$.requestedAt'), ''),
+               COALESCE(json_extract(r.payload_json, '$.completedAt'), ''))
+    FROM runs r WHERE r.thread_id = threads.thread_id
+    ORDER BY r.ordinal DESC LIMIT 1), updated_at)
+WHERE thread_id = ?
+"""
+# The threads of one project a list shows, newest activity first: a range of the partial index
+# threads_by_activity read backwards. Each filter is off when its parameter is NULL; the title
+# test is t3_title_contains (Python's str.lower, not SQLite's ASCII-only lower()).
+_LISTED_THREADS = """
+FROM threads t
+WHERE t.project_id = :project AND t.deleted_at IS NULL
+  AND (:subagents OR json_extract(t.payload_json, '$.lineage.relationshipToParent')
+                     IS NOT 'subagent')
+  AND (:needle IS NULL OR t3_title_contains(json_extract(t.payload_json, '$.title'), :needle))
+  AND (:statuses IS NULL OR COALESCE((SELECT r.status FROM runs r WHERE r.thread_id = t.thread_id
+                                      ORDER BY r.ordinal DESC LIMIT 1), 'idle')
+                            IN (SELECT value FROM json_each(:statuses)))
+"""
+_COUNT_LISTED_THREADS = "SELECT COUNT(*)" + _LISTED_THREADS
+# One page of them; the counts and the latest run are looked up for the page's rows only.
+_PAGE_OF_LISTED_THREADS = f"""
+SELECT t.payload_json AS thread_json, t.activity_at,
        lr.run_id AS latest_run_id, lr.status AS latest_status,
-       MAX(t.updated_at, COALESCE(json_extract(lr.payload_json, '$.requestedAt'), ''),
-           COALESCE(json_extract(lr.payload_json, '$.completedAt'), '')) AS activity_at,
        (SELECT COUNT(*) FROM turn_items i WHERE i.thread_id = t.thread_id) AS item_count,
        (SELECT COUNT(*) FROM runtime_requests q
         WHERE q.thread_id = t.thread_id AND q.status = 'pending') AS pending_count
-FROM threads t
+FROM (SELECT t.thread_id {_LISTED_THREADS}
+      ORDER BY t.activity_at DESC, t.thread_id DESC LIMIT :limit OFFSET :offset) page
+JOIN threads t ON t.thread_id = page.thread_id
 LEFT JOIN runs lr ON lr.run_id = (SELECT r.run_id FROM runs r WHERE r.thread_id = t.thread_id
                                   ORDER BY r.ordinal DESC LIMIT 1)
-WHERE t.project_id = ? AND t.deleted_at IS NULL
-ORDER BY activity_at DESC, t.thread_id DESC
+ORDER BY t.activity_at DESC, t.thread_id DESC
 """
 _THREADS_NEEDING_RECOVERY = """
 SELECT thread_id FROM runs WHERE status IN ('preparing', 'starting', 'running', 'queued')
@@ -353,9 +377,14 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA foreign_keys = ON")
     conn.execute("PRAGMA busy_timeout = 5000")
+    conn.create_function("t3_title_contains", 2, _title_contains, deterministic=True)
     if readonly:
         conn.execute("PRAGMA query_only = ON")
     return conn
+
+
+def _title_contains(title: Any, needle: str) -> bool:
+    return isinstance(title, str) and needle in title.lower()
 
 
 @contextmanager
@@ -564,11 +593,32 @@ class Store:
             conn.execute("COMMIT")
         return sequence, entities
 
-    def list_threads(self, project_id: str) -> list[dict[str, Any]]:
-        return [{"thread": json.loads(r["thread_json"]), "latestRunId": r["latest_run_id"],
-                 "status": r["latest_status"] or "idle", "updatedAt": r["activity_at"],
-                 "itemCount": r["item_count"], "pendingRequestCount": r["pending_count"]}
-                for r in self.read(_LIST_THREADS, (project_id,))]
+    def list_threads(self, project_id: str, *, statuses: Sequence[str] = (),
+                     title_contains: str = "", include_subagents: bool = True, offset: int = 0,
+                     limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
+        """How many of a project's threads match, and the page of them from ``offset``, newest
+        activity first (read in one snapshot). Empty ``statuses`` / ``title_contains`` match all;
+        a thread without runs has status ``idle``."""
+        params = {"project": project_id, "subagents": include_subagents,
+                  "needle": title_contains.lower() or None,
+                  "statuses": json.dumps(sorted(statuses)) if statuses else None,
+                  "offset": offset, "limit": limit}
+        conn = self._reader
+        try:
+            conn.execute("BEGIN")
+            try:
+                total = conn.execute(_COUNT_LISTED_THREADS, params).fetchone()[0]
+                # A cursor past the end may be too big for an SQLite integer.
+                params["offset"] = min(offset, total)
+                rows = conn.execute(_PAGE_OF_LISTED_THREADS, params).fetchall()
+            finally:
+                conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise StoreError(f"database error: {exc}") from exc
+        return total, [{"thread": json.loads(r["thread_json"]), "latestRunId": r["latest_run_id"],
+                        "status": r["latest_status"] or "idle", "updatedAt": r["activity_at"],
+                        "itemCount": r["item_count"], "pendingRequestCount": r["pending_count"]}
+                       for r in rows]
 
     def max_sequence(self) -> int:
         return int(self._reader.execute(_MAX_SEQUENCE).fetchone()[0])
@@ -744,13 +794,24 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
 
 def _project(conn: sqlite3.Connection, event_type: str, payload: Mapping[str, Any],
              payload_json: str) -> None:
+    for sql, params in projection_writes(event_type, payload, payload_json):
+        conn.execute(sql, params)
+
+
+def projection_writes(event_type: str, payload: Mapping[str, Any], payload_json: str
+                      ) -> list[tuple[str, tuple[Any, ...]]]:
+    """The statements (and parameters) that project one event: its entity's upsert, then for a
+    thread or a run the refresh of the thread's activity time."""
     kind = event_kind(event_type)
     spec = _PROJECTIONS.get(kind)
     if spec is None:
         raise StoreError(f"no projection for event type {event_type!r}")
     _, _, columns = spec
     values = [_pluck(payload, key) for key in columns.values()]
-    conn.execute(_UPSERTS[kind], (*values, payload_json))
+    writes: list[tuple[str, tuple[Any, ...]]] = [(_UPSERTS[kind], (*values, payload_json))]
+    if kind in ("thread", "run"):
+        writes.append((_REFRESH_ACTIVITY, (values[list(columns).index("thread_id")],)))
+    return writes
 
 
 def rebuild_projections(conn: sqlite3.Connection) -> None:

@@ -807,27 +807,16 @@ class Toolkit:
         caller = await self._caller_thread(scope)
         project = self.ctx.project(args.get("projectId") or (
             caller.thread.project_id if caller and caller.thread else None))
-        rows = self.store.list_threads(project.id)
-        statuses = set(args.get("statuses") or ())
-        needle = (args.get("titleContains") or "").lower()
-        include_subagents = args.get("includeSubagents", True)
-        shells = []
-        for row in rows:
-            thread = row["thread"]
-            if not include_subagents and thread["lineage"].get("relationshipToParent") == \
-                    "subagent":
-                continue
-            if statuses and row["status"] not in statuses:
-                continue
-            if needle and needle not in thread["title"].lower():
-                continue
-            shells.append(self._shell(row))
         cursor = args.get("cursor", 0)
-        limit = args.get("limit", 50)
-        page = shells[cursor:cursor + limit]
-        more = cursor + len(page) < len(shells)
+        total, rows = self.store.list_threads(
+            project.id, statuses=args.get("statuses") or (),
+            title_contains=args.get("titleContains") or "",
+            include_subagents=args.get("includeSubagents", True), offset=cursor,
+            limit=args.get("limit", 50))
+        page = [self._shell(row) for row in rows]
+        more = cursor + len(page) < total
         return {"projectId": project.id, "currentThreadId": scope.thread_id, "threads": page,
-                "nextCursor": cursor + len(page) if more else None, "total": len(shells)}
+                "nextCursor": cursor + len(page) if more else None, "total": total}
 
     def _shell(self, row: Mapping[str, Any]) -> dict[str, Any]:
         thread = row["thread"]

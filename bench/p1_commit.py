@@ -5,7 +5,7 @@ state applied) against a raw sqlite3 loop writing the same rows with the same pr
 
 Each repetition: N idle threads are created through the real path (not timed), the database is
 copied, N dispatches are timed on the original; the rows those dispatches wrote (receipts,
-events, projection upserts, outbox) are read back and replayed into the copy, one BEGIN IMMEDIATE
+events, projection writes, outbox) are read back and replayed into the copy, one BEGIN IMMEDIATE
 ... COMMIT per command, with every parameter prepared before the clock starts. The figure is the
 median over repetitions of the per-command time. Target: real <= 2x raw.
 """
@@ -58,7 +58,7 @@ Plan = list[tuple[str, tuple[Any, ...]]]
 
 def command_plans(path: Path, command_type: str, *, thread_id: str | None = None) -> list[Plan]:
     """Per command of `command_type`, in commit order: the statements and parameters that write
-    the rows it wrote (receipt, events, one projection upsert per event, outbox rows)."""
+    the rows it wrote (receipt, events, each event's projection writes, outbox rows)."""
     db = sqlite3.connect(path)
     db.row_factory = sqlite3.Row
     plans = []
@@ -77,11 +77,8 @@ def command_plans(path: Path, command_type: str, *, thread_id: str | None = None
                          "occurred_at, payload_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
                          (e["event_id"], e["thread_id"], e["stream_version"], e["command_id"],
                           e["type"], e["occurred_at"], e["payload_json"])))
-            kind = s.event_kind(e["type"])
-            payload = json.loads(e["payload_json"])
-            columns = s._PROJECTIONS[kind][2]
-            plan.append((s._UPSERTS[kind], (*(s._pluck(payload, k) for k in columns.values()),
-                                            e["payload_json"])))
+            plan += s.projection_writes(e["type"], json.loads(e["payload_json"]),
+                                        e["payload_json"])
         for x in db.execute("SELECT * FROM effect_outbox WHERE command_id = ?", (r["command_id"],)):
             plan.append((f"INSERT INTO effect_outbox ({', '.join(x.keys())}) "
                          f"VALUES ({', '.join('?' * len(x.keys()))})", tuple(x)))

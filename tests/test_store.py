@@ -1,4 +1,5 @@
-"""Store-level tests for store.py: schema application, backups, pragmas, commit, outbox, replay.
+"""Store-level tests for store.py: schema application, backups, pragmas, commit, outbox, replay,
+listing.
 
 Every test works on real SQLite files under `tmp_path` and talks to `store.py` directly; no t3
 server is started. The store's async API is driven with `asyncio.run` through `_run`. Lease expiry
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -777,3 +779,205 @@ def test_a_process_killed_inside_a_commit_leaves_none_of_it(tmp_path: Path, poin
         assert _effect_row(reopened, "eff-1").status == "cancelled"
     finally:
         reopened.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing threads: an indexed activity column (sql/0003) in place of a full sort
+
+
+# The list query and the tool's filters as they were before sql/0003 (commit 4b811a9): the
+# reference order and filtering the indexed list must reproduce exactly.
+_LIST_THREADS_BEFORE_0003 = """
+SELECT t.payload_json AS thread_json,
+       lr.run_id AS latest_run_id, lr.status AS latest_status,
+       MAX(t.updated_at, COALESCE(json_extract(lr.payload_json, '$.requestedAt'), ''),
+           COALESCE(json_extract(lr.payload_json, '$.completedAt'), '')) AS activity_at,
+       (SELECT COUNT(*) FROM turn_items i WHERE i.thread_id = t.thread_id) AS item_count,
+       (SELECT COUNT(*) FROM runtime_requests q
+        WHERE q.thread_id = t.thread_id AND q.status = 'pending') AS pending_count
+FROM threads t
+LEFT JOIN runs lr ON lr.run_id = (SELECT r.run_id FROM runs r WHERE r.thread_id = t.thread_id
+                                  ORDER BY r.ordinal DESC LIMIT 1)
+WHERE t.project_id = ? AND t.deleted_at IS NULL
+ORDER BY activity_at DESC, t.thread_id DESC
+"""
+
+
+def _listed_before_0003(conn: sqlite3.Connection | Store, project: str, *,
+                        statuses: Sequence[str] = (), title_contains: str = "",
+                        include_subagents: bool = True) -> list[tuple[Any, ...]]:
+    rows = (conn.read if isinstance(conn, Store) else conn.execute)(
+        _LIST_THREADS_BEFORE_0003, (project,))
+    needle = title_contains.lower()
+    listed = []
+    for r in rows:
+        thread = json.loads(r[0])
+        if not include_subagents and thread["lineage"].get("relationshipToParent") == "subagent":
+            continue
+        if statuses and (r[2] or "idle") not in statuses:
+            continue
+        if needle and needle not in thread["title"].lower():
+            continue
+        listed.append((thread["id"], r[1], r[2] or "idle", r[3], r[4], r[5]))
+    return listed
+
+
+def _listed(st: Store, project: str, *, page_size: int, **filters: Any) -> list[tuple[Any, ...]]:
+    """Every page of Store.list_threads in turn; each page's total must agree."""
+    listed: list[tuple[Any, ...]] = []
+    totals = set()
+    while True:
+        total, page = st.list_threads(project, offset=len(listed), limit=page_size, **filters)
+        totals.add(total)
+        listed += [(r["thread"]["id"], r["latestRunId"], r["status"], r["updatedAt"],
+                    r["itemCount"], r["pendingRequestCount"]) for r in page]
+        if not page:
+            break
+    assert totals == {len(listed)}
+    return listed
+
+
+def _at(minute: int) -> str:
+    return f"2025-01-01T{minute // 60:02d}:{minute % 60:02d}:00.000Z"
+
+
+def _mixed_threads(seed: int = 7) -> list[tuple[str, list[NewEvent]]]:
+    """Commits of threads whose activity comes from creation, later thread updates (renames,
+    deletion), and runs (a sent message starts one: requestedAt, then completedAt). Some runs
+    arrive before their thread, some threads tie on activity time, some are subagents, some
+    in another project; turn items and pending requests make the counts differ."""
+    import random
+    rng = random.Random(seed)
+    commits: list[tuple[str, list[NewEvent]]] = []
+    n = 0
+
+    def event(tid: str, type_: str, payload: dict[str, Any]) -> NewEvent:
+        nonlocal n
+        n += 1
+        return _event(f"ev-{n}", tid, type_, payload)
+
+    titles = ["Alpha", "beta fix", "ÄPFEL und Birnen", "äpfel", "Gamma ALPHA", "delta"]
+    for i in range(60):
+        tid = f"th-{i:02d}"
+        created = rng.choice([10, 10, 20, 30, rng.randrange(0, 400)])  # ties on purpose
+        thread = {**_thread(tid, project="proj" if i % 7 else "other", updated=_at(created),
+                            title=rng.choice(titles)), "createdAt": _at(created)}
+        if i % 5 == 0:
+            thread["lineage"] = {"parentThreadId": "th-01", "relationshipToParent": "subagent",
+                                 "rootThreadId": "th-01"}
+        events = [event(tid, "thread.created", thread)]
+        for ordinal in range(1, rng.choice([0, 1, 1, 2, 3]) + 1):
+            requested = created + rng.randrange(0, 300)
+            run = {**_run_entity(f"run-{tid}-{ordinal}", tid, ordinal, "running"),
+                   "requestedAt": _at(requested), "completedAt": None}
+            events.append(event(tid, "message.created", {"id": f"msg-{tid}-{ordinal}",
+                                                         "threadId": tid, "runId": run["id"]}))
+            events.append(event(tid, "run.created", run))
+            if rng.random() < 0.6:
+                status = rng.choice(["completed", "failed", "interrupted"])
+                events.append(event(tid, "run.updated", {**run, "status": status,
+                                                         "completedAt": _at(requested + 5)}))
+        for position in range(rng.randrange(0, 3)):
+            events.append(event(tid, "turn-item.created", {
+                "id": f"ti-{tid}-{position}", "threadId": tid, "position": position,
+                "type": "agentMessage"}))
+        if rng.random() < 0.2:
+            events.append(event(tid, "runtime-request.created", {
+                "id": f"rr-{tid}", "threadId": tid, "status": "pending"}))
+        if rng.random() < 0.3:
+            renamed = {**thread, "title": rng.choice(titles),
+                       "updatedAt": _at(created + rng.randrange(0, 500))}
+            events.append(event(tid, "thread.updated", renamed))
+        if rng.random() < 0.1:
+            events.append(event(tid, "thread.updated", {**thread, "deletedAt": _at(created + 1),
+                                                        "updatedAt": _at(created + 1)}))
+        if i % 9 == 4 and len(events) > 2:  # a run's event before its thread's (order-independent)
+            runs = [e for e in events if e.type.startswith("run.")]
+            if runs:
+                events.remove(runs[0])
+                events.insert(0, runs[0])
+        commits.append((tid, events))
+    rng.shuffle(commits)
+    return commits
+
+
+LIST_FILTERS: list[dict[str, Any]] = [
+    {}, {"statuses": ["idle"]}, {"statuses": ["completed", "running"]},
+    {"title_contains": "äPf"}, {"title_contains": "ALPHA"}, {"include_subagents": False},
+    {"statuses": ["failed", "idle"], "title_contains": "a", "include_subagents": False},
+    {"statuses": ["waiting"]},
+]
+
+
+def test_list_order_paging_and_filters_match_the_full_sort(st: Store) -> None:
+    """Store.list_threads, read page by page (sizes 1, 7, 100), gives the same threads, order,
+    status, activity time, counts and totals as sorting the whole project did before sql/0003,
+    for each filter; a cursor past the end gives an empty page and the total."""
+    for number, (tid, events) in enumerate(_mixed_threads()):
+        assert _run(st.commit(_commit(f"c{number}", tid, events))).committed
+    for project in ("proj", "other", "none"):
+        for filters in LIST_FILTERS:
+            expected = _listed_before_0003(st, project, **filters)
+            for page_size in (1, 7, 100):
+                assert _listed(st, project, page_size=page_size, **filters) == expected, \
+                    (project, filters, page_size)
+    everything = _listed_before_0003(st, "proj")
+    assert len(everything) > 30 and len({e[3] for e in everything}) < len(everything), "ties"
+    assert st.list_threads("proj", offset=2**70, limit=5) == (len(everything), [])
+
+
+def _write_like_before_0003(path: Path, commits: list[tuple[str, list[NewEvent]]]) -> None:
+    """What a t3 before sql/0003 wrote for these commits: each event and its entity's upsert."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("BEGIN")
+        versions: dict[str, int] = {}
+        for command, (_, events) in enumerate(commits):
+            for e in events:
+                version = versions[e.thread_id] = versions.get(e.thread_id, -1) + 1
+                payload_json = json.dumps(e.payload, separators=(",", ":"))
+                conn.execute(store._INSERT_EVENT, (e.event_id, e.thread_id, version,
+                                                   f"c{command}", e.type, e.occurred_at,
+                                                   payload_json)).fetchone()
+                kind = store.event_kind(e.type)
+                columns = store._PROJECTIONS[kind][2]
+                conn.execute(store._UPSERTS[kind], (*(store._pluck(e.payload, k)
+                                                      for k in columns.values()), payload_json))
+        conn.execute("COMMIT")
+
+
+def test_a_database_from_before_the_activity_column_is_backed_up_migrated_and_lists_alike(
+        tmp_path: Path) -> None:
+    """A schema v2 database holding threads is copied to backups/t3-v2-*.sqlite first, then
+    migrated: its rows are kept, activity_at is filled as the projection would fill it (a
+    rebuild from the events changes nothing), and every list gives the order it gave before."""
+    path, backups = tmp_path / "t3.sqlite", tmp_path / "backups"
+    assert store.apply_migrations(path, backups_dir=backups, stop_after=2) == 2
+    _write_like_before_0003(path, _mixed_threads(seed=11))
+    cases = [(p, f) for p in ("proj", "other") for f in LIST_FILTERS]
+    with closing(sqlite3.connect(path)) as old:
+        before = [_listed_before_0003(old, p, **f) for p, f in cases]
+        old_tables = {t: sorted(old.execute(f"SELECT * FROM {t}").fetchall())
+                      for t in ("events", *PROJECTION_TABLES)}
+    assert not backups.exists()
+
+    st = Store(path, backups_dir=backups)
+    try:
+        (copy,) = backups.glob("t3-v2-*.sqlite")
+        with closing(sqlite3.connect(f"file:{copy}?mode=ro", uri=True)) as backup:
+            assert backup.execute("PRAGMA user_version").fetchone()[0] == 2
+            assert {t: sorted(backup.execute(f"SELECT * FROM {t}").fetchall())
+                    for t in old_tables} == old_tables
+        assert _user_version(path) == len(REAL_SQL_FILES) >= 3
+        kept = {t: sorted(tuple(r)[:len(old_tables[t][0])] for r in st.read(f"SELECT * FROM {t}"))
+                for t in old_tables}
+        assert kept == old_tables
+        for (project, filters), expected in zip(cases, before):
+            assert _listed(st, project, page_size=5, **filters) == expected, (project, filters)
+        live = {t: sorted(tuple(r) for r in st.read(f"SELECT * FROM {t}")) for t in PROJECTION_TABLES}
+
+        def rebuilt(conn: sqlite3.Connection) -> dict[str, list[tuple[Any, ...]]]:
+            store.rebuild_projections(conn)
+            return _tables(conn, PROJECTION_TABLES)
+        assert _run(st.write(rebuilt)) == live
+    finally:
+        st.close()

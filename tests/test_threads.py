@@ -72,6 +72,26 @@ def test_create_wait_read_list(mcp: McpClient, t3: T3Server) -> None:
     assert listed["threads"][0]["status"] == "completed"
 
 
+def test_list_is_newest_activity_first_page_by_page(mcp: McpClient) -> None:
+    """t3_thread_list orders by the latest of creation, a thread's update and its latest run
+    (a sent message), and cursor pages of 1 walk that order with the same total."""
+    a, b, c = (create(mcp, title=title)["threadId"] for title in ("A", "B", "C"))
+    mcp.call("t3_thread_send", {"threadId": a, "message": "wake up"})
+    assert wait(mcp, a)["status"] == "completed"
+    listed = mcp.call("t3_thread_list", {}).structured
+    assert [t["threadId"] for t in listed["threads"]] == [a, c, b]
+    assert (listed["total"], listed["nextCursor"]) == (3, None)
+    walked, cursor = [], 0
+    while cursor is not None:
+        page = mcp.call("t3_thread_list", {"cursor": cursor, "limit": 1}).structured
+        assert page["total"] == 3 and len(page["threads"]) == 1
+        walked += page["threads"]
+        cursor = page["nextCursor"]
+    assert walked == listed["threads"]
+    idle = mcp.call("t3_thread_list", {"statuses": ["idle"], "titleContains": "b"}).structured
+    assert ([t["threadId"] for t in idle["threads"]], idle["total"]) == ([b], 1)
+
+
 def test_idle_thread_without_prompt(mcp: McpClient) -> None:
     """An entry without a prompt creates an idle thread; waiting on it returns at once."""
     created = create(mcp, title="Idle")
@@ -415,17 +435,21 @@ def test_legacy_mcp_client(t3: T3Server) -> None:
 
 def test_database_versions_on_start(t3: T3Server, t3_factory) -> None:
     """An older database is backed up before migrating; a newer one is refused untouched."""
-    create(t3.client(), "keep me")
+    created = create(t3.client(), "keep me")
     assert t3.stop() == 0
     db_path = t3.data_dir / "t3.sqlite"
-    with sqlite3.connect(db_path) as db:
-        db.execute("PRAGMA user_version = 0")
+    with sqlite3.connect(db_path) as db:  # back to schema 2, as a t3 before sql/0003 left it
+        db.execute("DROP INDEX threads_by_activity")
+        db.execute("ALTER TABLE threads DROP COLUMN activity_at")
+        db.execute("CREATE INDEX threads_by_project ON threads (project_id, updated_at)")
+        db.execute("PRAGMA user_version = 2")
     t3.restart()
-    backups = list((t3.data_dir / "backups").glob("t3-v0-*.sqlite"))
+    backups = list((t3.data_dir / "backups").glob("t3-v2-*.sqlite"))
     assert len(backups) == 1
     with sqlite3.connect(backups[0]) as db:
         assert db.execute("SELECT COUNT(*) FROM threads").fetchone()[0] == 1
-    assert t3.client().call("t3_thread_list", {}).structured["total"] == 1
+    listed = t3.client().call("t3_thread_list", {}).structured
+    assert listed["total"] == 1 and listed["threads"][0]["threadId"] == created["threadId"]
     assert t3.stop() == 0
     with sqlite3.connect(db_path) as db:
         db.execute("PRAGMA user_version = 99")
