@@ -29,7 +29,7 @@ import sys
 import threading
 import traceback
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from harness import (
     wait_until,
     write_config,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -64,8 +64,15 @@ from tools import (
 
 FUZZ_EXAMPLES = int(os.environ.get("T3_FUZZ_EXAMPLES", "12"))
 IN_PROCESS = os.environ.get("T3_FUZZ_IN_PROCESS") == "1"
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
-                suppress_health_check=list(HealthCheck))
+# Derandomized (one fixed seed per test) unless T3_FUZZ_SEED names another one: a second soak
+# round then draws other cases, as reproducible.
+FUZZ_SEED = os.environ.get("T3_FUZZ_SEED")
+_FUZZ_SETTINGS = settings(max_examples=FUZZ_EXAMPLES, derandomize=FUZZ_SEED is None,
+                          deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+
+def FUZZ(test: Callable[..., None]) -> Callable[..., None]:  # noqa: N802 - reads as a decorator
+    return _FUZZ_SETTINGS(seed(int(FUZZ_SEED))(test) if FUZZ_SEED else test)
 SCHEMAS = {tool.name: tool.input_schema for tool in TOOLS}
 # Tools whose success can set a seeded thread's run going (valid creates and launches carry no
 # prompt, and seeded threads never ask for approval).
