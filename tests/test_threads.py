@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import (T3_PY, McpClient, T3Server, count_prompts, raw_post, scripted_provider,
-                     wait_until, write_config)
+from harness import (T3_PY, McpClient, T3Server, agent_log, count_prompts, raw_post,
+                     scripted_provider, wait_until, write_config)
 
 
 def event_count(server: T3Server) -> int:
@@ -465,3 +466,20 @@ def test_json_only_clients_get_json(t3: T3Server) -> None:
     assert plain.json()["result"]["structuredContent"]["projectId"] == "proj"
     sse = raw_post(t3.mcp_url, body, {**auth, "Accept": "application/json, text/event-stream"})
     assert sse.status == 200 and sse.headers["content-type"].startswith("text/event-stream")
+
+
+def test_traffic_log_holds_an_ended_turns_every_line_redacted(mcp: McpClient, t3: T3Server,
+                                                              agent_log_path: Path) -> None:
+    """Once a turn is recorded completed, the provider traffic log already holds every line the
+    agent streamed, in order, and the session's bearer token only as <redacted>."""
+    created = create(mcp, "FAST:3000")
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    log = (t3.data_dir / "logs" / "provider-scripted.log").read_text()
+    chunks = re.findall(r'"agent_message_chunk", "content": \{"type": "text", "text": "(\d+) "', log)
+    assert chunks == [str(i) for i in range(3000)]
+    [opened] = [e["msg"] for e in agent_log(agent_log_path)
+                if e["dir"] == "in" and e["msg"].get("method") == "session/new"]
+    [header] = opened["params"]["mcpServers"][0]["headers"]
+    token = header["value"].removeprefix("Bearer ")
+    assert len(token) > 10 and token not in log
+    assert '"name":"Authorization","value":"<redacted>"' in log
