@@ -142,13 +142,11 @@ _SECRET = re.compile(r"(Bearer\s+)[A-Za-z0-9._~+/=-]+|(\"(?:value|Authorization|
                      r"token|bearer_token)\"\s*:\s*\")[^\"]*(\")")
 
 
-_SECRET_HINTS = ("Bearer", '"value"', '"Authorization"', '"authorization"', '"token"',
-                 '"bearer_token"')
-
-
 def redact(text: str) -> str:
     """Blank out bearer tokens and Authorization values anywhere in a protocol line."""
-    if not any(hint in text for hint in _SECRET_HINTS):  # most lines: skip the regex scan
+    # Most lines hold none of the keys: skip the regex scan (spelled out, as this runs per line).
+    if "Bearer" not in text and '"value"' not in text and 'uthorization"' not in text \
+            and '"token"' not in text and '"bearer_token"' not in text:
         return text
     return _SECRET.sub(lambda m: (m.group(1) + "<redacted>") if m.group(1)
                        else m.group(2) + "<redacted>" + m.group(3), text)
