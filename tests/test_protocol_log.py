@@ -4,7 +4,10 @@ rotation, credentials redacted, and an ended turn's traffic on disk before t3 se
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
+
+import pytest
 
 import providers
 from orchestrator import TextDelta, TurnEnded
@@ -68,3 +71,56 @@ def test_a_turn_end_flushes_the_log_before_it_is_delivered(tmp_path: Path) -> No
     sizes = asyncio.run(scenario())
     assert sizes[0] == 0 and sizes[1] > 0 and sizes[2] == sizes[1] and sizes[3] > sizes[2]
     assert logged(path) == ["agent[1] <- a delta"] * 2
+
+
+class _Stdout:
+    """What `_read_json_lines` reads: a process whose stdout is a fed StreamReader."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.stdout = reader
+
+
+class _Process:
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.proc = _Stdout(reader)
+
+
+def read_lines(tmp_path: Path, writes: list[bytes]) -> tuple[list[dict], list[str]]:
+    """Feed `writes` as separate reads, then end of file; (messages handed on, lines logged)."""
+    async def scenario() -> list[dict]:
+        reader = asyncio.StreamReader()
+        for data in writes:
+            reader.feed_data(data)
+        reader.feed_eof()
+        log = providers._ProtocolLog(tmp_path / "provider-x.log")
+        got: list[dict] = []
+
+        async def on_message(message: dict) -> None:
+            got.append(message)
+        await providers._read_json_lines(_Process(reader), log, "x[1]", on_message)  # type: ignore[arg-type]
+        log.close()
+        return got
+
+    got = asyncio.run(scenario())
+    return got, logged(tmp_path / "provider-x.log")
+
+
+def test_json_lines_split_across_reads_arrive_whole_and_in_order(tmp_path: Path) -> None:
+    """Lines are cut at newlines wherever the reads end: a line spread over many 64 KiB reads, many
+    lines in one read, blank and non-JSON lines (logged, skipped) and a last line without its
+    newline all come out as the reader of one line at a time would give them."""
+    big = json.dumps({"n": 1, "text": "x" * 200_000}).encode()
+    stream = (b'{"n": 0}\n\n' + big + b'\nnot json\n' + b"".join(
+        json.dumps({"n": i}).encode() + b"\r\n" for i in range(2, 2000)) + b'{"n": 2000}')
+    writes = [stream[i:i + 7_001] for i in range(0, len(stream), 7_001)]
+    got, lines = read_lines(tmp_path, writes)
+    assert [m["n"] for m in got] == list(range(2001)) and got[1]["text"] == "x" * 200_000
+    assert len(lines) == 2002 and lines[2] == "x[1] <- not json"
+
+
+def test_a_line_over_the_limit_stops_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line longer than the limit ends the reading (as readline's limit did); what came before
+    it was handed on."""
+    monkeypatch.setattr(providers, "_LINE_LIMIT", 100_000)
+    got, _ = read_lines(tmp_path, [b'{"n": 0}\n' + b"y" * 70_000, b"y" * 70_000, b'\n{"n": 1}\n'])
+    assert got == [{"n": 0}]
