@@ -7,9 +7,10 @@ Real: wall time from `create_threads` to `t3_thread_wait` returning completed, f
 FAST:N0 in the same repetition; the difference removes the fixed cost (agent process start, ACP
 session, run bookkeeping), so N - N0 deltas / (t_N - t_N0) is the marginal ingest rate. Each run's
 full text is checked in the database. The server's CPU time (all threads, from /proc) is taken
-around both runs the same way: CPU per delta is less hurt by other load than the rate. Raw: the ingest commands of one FAST:N run are read back
-(receipt, events, projection upserts) and replayed into a fresh database, one transaction per
-command as the server did; raw rate = N / replay time. Targets: >= 20,000 deltas/s and real rate
+around both runs the same way: CPU per delta is less hurt by other load than the rate. Raw: the
+ingest commands of one FAST:N run are read back (receipt, events, projection upserts) and
+replayed into a fresh database, one transaction per command as the server did; raw rate = N /
+replay time. Targets: >= 20,000 deltas/s and real rate
 >= raw rate / 3.
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,8 @@ def test_rotation_keeps_every_line_in_order(tmp_path: Path) -> None:
     assert all(f.stat().st_size < 2_000 + 200 for f in tmp_path.iterdir())
     kept = logged(path)
     assert kept == [providers.redact(line) for line in lines]
-    assert "s3cret" not in "".join(kept) and kept[150] == "agent[1] stderr using Bearer <redacted> for the call"
+    assert "s3cret" not in "".join(kept)
+    assert kept[150] == "agent[1] stderr using Bearer <redacted> for the call"
 
 
 def test_rotation_drops_the_oldest_beyond_the_backup_count(tmp_path: Path) -> None:
@@ -86,7 +88,8 @@ class _Process:
 
 
 def read_lines(tmp_path: Path, writes: list[bytes]) -> tuple[list[dict], list[str]]:
-    """Feed `writes` as separate reads, then end of file; (messages handed on, lines logged)."""
+    """Feed `writes`, then end of file (the reader hands them out in reads of up to 64 KiB);
+    (messages handed on, lines logged)."""
     async def scenario() -> list[dict]:
         reader = asyncio.StreamReader()
         for data in writes:
@@ -97,7 +100,8 @@ def read_lines(tmp_path: Path, writes: list[bytes]) -> tuple[list[dict], list[st
 
         async def on_message(message: dict) -> None:
             got.append(message)
-        await providers._read_json_lines(_Process(reader), log, "x[1]", on_message)  # type: ignore[arg-type]
+        process: Any = _Process(reader)  # only its stdout is read
+        await providers._read_json_lines(process, log, "x[1]", on_message)
         log.close()
         return got
 
@@ -106,8 +110,8 @@ def read_lines(tmp_path: Path, writes: list[bytes]) -> tuple[list[dict], list[st
 
 
 def test_json_lines_split_across_reads_arrive_whole_and_in_order(tmp_path: Path) -> None:
-    """Lines are cut at newlines wherever the reads end: a line spread over many 64 KiB reads, many
-    lines in one read, blank and non-JSON lines (logged, skipped) and a last line without its
+    """Lines are cut at newlines wherever the reads end: a line spread over several 64 KiB reads,
+    many lines in one read, blank and non-JSON lines (logged, skipped) and a last line without its
     newline all come out as the reader of one line at a time would give them."""
     big = json.dumps({"n": 1, "text": "x" * 200_000}).encode()
     stream = (b'{"n": 0}\n\n' + big + b'\nnot json\n' + b"".join(
