@@ -1812,6 +1812,12 @@ class Orchestrator:
     MAX_CACHED_THREADS = 512
     INTERRUPT_GRACE_S = 10.0
     IDLE_RELEASE_S = 30 * 60.0  # a provider process with no turn for this long is stopped
+    # Every ingest commit rewrites the whole open message (its event payload is the full entity,
+    # and so is its projection row). So the coalescing window grows with the text streamed so
+    # far: about REWRITE_CHARS_PER_S of rewritten text per second, not bytes quadratic in the
+    # stream's length; never longer than COALESCE_MAX_S (what a kill -9 may lose of a stream).
+    REWRITE_CHARS_PER_S = 1_000_000
+    COALESCE_MAX_S = 0.25
 
     def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
@@ -2233,6 +2239,7 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         batch_no = 0
         ended = False
+        streamed = 0  # delta text since the last other event: about the open message's length
         try:
             while not ended:
                 event = await events.get()
@@ -2240,7 +2247,9 @@ class Orchestrator:
                     break
                 batch = [event]
                 if isinstance(event, (TextDelta, ReasoningDelta)):
-                    deadline = loop.time() + self._coalesce_s
+                    window = min(self.COALESCE_MAX_S,
+                                 max(self._coalesce_s, streamed / self.REWRITE_CHARS_PER_S))
+                    deadline = loop.time() + window
                     while isinstance(batch[-1], (TextDelta, ReasoningDelta)):
                         remaining = deadline - loop.time()
                         if remaining <= 0:
@@ -2263,7 +2272,11 @@ class Orchestrator:
                 if turn_ended:
                     _store.crash_point("before-ingest:turn-ended")
                 batch_no += 1
-                await self._ingest(live, run_id, attempt_id, batch_no, _merge_deltas(batch))
+                merged = _merge_deltas(batch)
+                for e in merged:
+                    streamed = streamed + len(e.text) \
+                        if isinstance(e, (TextDelta, ReasoningDelta)) else 0
+                await self._ingest(live, run_id, attempt_id, batch_no, merged)
                 if turn_ended and live.turn == (run_id, attempt_id):
                     live.turn = None
                     live.turn_ended.set()

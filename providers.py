@@ -34,7 +34,6 @@ import hashlib
 import itertools
 import json
 import logging
-import logging.handlers
 import os
 import platform
 import re
@@ -44,6 +43,7 @@ import socket
 import sys
 import tarfile
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -142,39 +142,108 @@ _SECRET = re.compile(r"(Bearer\s+)[A-Za-z0-9._~+/=-]+|(\"(?:value|Authorization|
                      r"token|bearer_token)\"\s*:\s*\")[^\"]*(\")")
 
 
-_SECRET_HINTS = ("Bearer", '"value"', '"Authorization"', '"authorization"', '"token"',
-                 '"bearer_token"')
-
-
 def redact(text: str) -> str:
     """Blank out bearer tokens and Authorization values anywhere in a protocol line."""
-    if not any(hint in text for hint in _SECRET_HINTS):  # most lines: skip the regex scan
+    # Most lines hold none of the keys: skip the regex scan (spelled out, as this runs per line).
+    if "Bearer" not in text and '"value"' not in text and 'uthorization"' not in text \
+            and '"token"' not in text and '"bearer_token"' not in text:
         return text
     return _SECRET.sub(lambda m: (m.group(1) + "<redacted>") if m.group(1)
                        else m.group(2) + "<redacted>" + m.group(3), text)
 
 
-class _ProtocolLogHandler(logging.handlers.RotatingFileHandler):
-    """Rolls over by the stream's position. The stock check stats the file twice and formats
-    every record a second time, which costs more than the write on a stream of text deltas."""
+class _ProtocolLog:
+    """The raw traffic of one provider instance: one redacted, timestamped line per protocol
+    message in ``provider-<id>.log``, rotated by size like ``RotatingFileHandler`` (``.1`` ..
+    ``.3``). A text stream is one line per delta, and a ``logging`` record per line (record,
+    caller lookup, formatting, a flush) cost more than everything else t3 does with the delta
+    (bench/README.md, P2). So lines go to a buffered file that is flushed ``FLUSH_S`` after the
+    first unflushed line, when a session's turn or process ends (``_SessionEvents``), and on
+    ``close()``. A kill -9 may lose the last ``FLUSH_S`` of traffic, never an ended turn's."""
 
-    def shouldRollover(self, record: logging.LogRecord) -> bool:
-        if self.stream is None:
-            self.stream = self._open()
-        return self.maxBytes > 0 and self.stream.tell() >= self.maxBytes
+    FLUSH_S = 0.2
+
+    def __init__(self, path: Path, *, max_bytes: int = 5 * 1024 * 1024,
+                 backup_count: int = 3) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._max_bytes = max_bytes
+        self._backup_count = backup_count
+        self._file = open(path, "ab", buffering=64 * 1024)  # noqa: SIM115 (closed in close())
+        self._size = self._file.tell()
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._second = -1
+        self._stamp = ""
+        self._failed = False  # reported once, not once a line
+
+    def write(self, line: str) -> None:
+        """Append one line, with credentials redacted (dropped once the log is closed)."""
+        if self._file.closed:
+            return
+        now = time.time()
+        second = int(now)
+        if second != self._second:  # strftime once a second, not once a line
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+        data = f"{self._stamp},{int(now * 1000) % 1000:03d} {redact(line)}\n".encode(
+            errors="backslashreplace")
+        try:
+            self._file.write(data)
+            self._size += len(data)
+            if self._size >= self._max_bytes:
+                self._rotate()
+        except OSError as exc:  # the traffic log is not worth failing a session for
+            if not self._failed:
+                log.error("cannot write the protocol log %s: %s", self.path, exc)
+            self._failed = True
+            return
+        if self._flush_timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # outside the event loop: nothing would run a timer
+                self.flush()
+            else:
+                self._flush_timer = loop.call_later(self.FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if not self._file.closed:
+            with contextlib.suppress(OSError):  # write() reports a failing log
+                self._file.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._file.close()
+
+    def _rotate(self) -> None:
+        self.flush()
+        self._file.close()
+        for n in range(self._backup_count - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{n}")
+            if older.exists():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{n + 1}"))
+        if self._backup_count > 0:
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        else:
+            self.path.unlink(missing_ok=True)
+        self._file = open(self.path, "ab", buffering=64 * 1024)  # noqa: SIM115
+        self._size = 0
 
 
-def _protocol_log(log_dir: Path, instance_id: str) -> logging.Logger:
-    logger = logging.getLogger(f"t3.protocol.{instance_id}")
-    if not logger.handlers:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        handler = _ProtocolLogHandler(
-            log_dir / f"provider-{instance_id}.log", maxBytes=5 * 1024 * 1024, backupCount=3)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-    return logger
+class _SessionEvents(asyncio.Queue[Any]):
+    """A session's adapter events. The end of a turn or of the process first flushes the
+    protocol log, so an ended turn's traffic is on disk before t3 records that it ended."""
+
+    def __init__(self, protocol_log: _ProtocolLog) -> None:
+        super().__init__()
+        self._protocol_log = protocol_log
+
+    def put_nowait(self, item: Any) -> None:
+        if item is None or isinstance(item, TurnEnded):
+            self._protocol_log.flush()
+        super().put_nowait(item)
 
 
 # =============================================================================================
@@ -260,7 +329,7 @@ class _Process:
             pass
 
 
-async def _log_stderr(process: _Process, protocol_log: logging.Logger, label: str) -> None:
+async def _log_stderr(process: _Process, protocol_log: _ProtocolLog, label: str) -> None:
     """Drain a provider's stderr into its protocol log (a full pipe would stall the process)."""
     stderr = process.proc.stderr
     assert stderr is not None
@@ -268,7 +337,7 @@ async def _log_stderr(process: _Process, protocol_log: logging.Logger, label: st
         raw = await stderr.readline()
         if not raw:
             return
-        protocol_log.info("%s stderr %s", label, redact(raw.decode(errors="replace").rstrip()))
+        protocol_log.write(f"{label} stderr {raw.decode(errors='replace').rstrip()}")
 
 
 def _exit_reason(closing: bool, returncode: int) -> str | None:
@@ -284,27 +353,48 @@ def _exit_reason(closing: bool, returncode: int) -> str | None:
     return f"The provider process exited unexpectedly (exit code {returncode})."
 
 
-async def _read_json_lines(process: _Process, protocol_log: logging.Logger, label: str,
+async def _read_json_lines(process: _Process, protocol_log: _ProtocolLog, label: str,
                            on_message: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
     """Hand each JSON object the provider writes to stdout (one per line, logged redacted) to
-    ``on_message``, until end of file or a broken stream; other lines are skipped."""
+    ``on_message``, until end of file or a broken stream; other lines are skipped. Stdout is read
+    64 KiB at a time and split here: a ``readline()`` per line cost as much as decoding the line's
+    JSON (bench/README.md, P2)."""
     stdout = process.proc.stdout
     assert stdout is not None
+    pieces: list[bytes] = []  # the start of a line that has not ended yet
+    pending = 0
     try:
-        while raw := await stdout.readline():
-            line = raw.decode(errors="replace").strip()
-            if not line:
+        while chunk := await stdout.read(1 << 16):
+            if b"\n" not in chunk:
+                pieces.append(chunk)
+                pending += len(chunk)
+                if pending > _LINE_LIMIT:
+                    raise ValueError("a protocol line exceeds the size limit")
                 continue
-            protocol_log.info("%s <- %s", label, redact(line))
-            try:
-                message = json.loads(line)
-            except json.JSONDecodeError:
-                log.warning("%s: ignoring a line that is not JSON", label)
-                continue
-            if isinstance(message, dict):
-                await on_message(message)
+            lines = (b"".join(pieces) + chunk if pieces else chunk).split(b"\n")
+            rest = lines.pop()
+            pieces, pending = ([rest], len(rest)) if rest else ([], 0)
+            for raw in lines:
+                await _json_line(raw, protocol_log, label, on_message)
+        if pieces:  # the last line, without its newline
+            await _json_line(b"".join(pieces), protocol_log, label, on_message)
     except (ConnectionError, ValueError) as exc:  # ValueError: a line over the limit
         log.warning("%s: stopped reading: %s", label, exc)
+
+
+async def _json_line(raw: bytes, protocol_log: _ProtocolLog, label: str,
+                     on_message: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    line = raw.decode(errors="replace").strip()
+    if not line:
+        return
+    protocol_log.write(f"{label} <- {line}")
+    try:
+        message = json.loads(line)
+    except json.JSONDecodeError:
+        log.warning("%s: ignoring a line that is not JSON", label)
+        return
+    if isinstance(message, dict):
+        await on_message(message)
 
 
 def kill_orphans(owner: str) -> int:
@@ -338,8 +428,12 @@ class _Adapter:
     def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
         self.config = config
         self.owner = owner
-        self.protocol_log = _protocol_log(log_dir, config.instance_id)
+        self.protocol_log = _ProtocolLog(log_dir / f"provider-{config.instance_id}.log")
         self.info = _info(config, self.CAPABILITIES)
+
+    def close(self) -> None:
+        """Flush and close the protocol log, once the server's sessions are gone."""
+        self.protocol_log.close()
 
     def _check_available(self) -> None:
         if not self.info.available:
@@ -372,7 +466,7 @@ class JsonRpcError(Exception):
 class _JsonRpc:
     """Requests and notifications both ways over a process's stdin/stdout."""
 
-    def __init__(self, process: _Process, *, protocol_log: logging.Logger, label: str,
+    def __init__(self, process: _Process, *, protocol_log: _ProtocolLog, label: str,
                  on_request: Any, on_notification: Any, on_close: Any) -> None:
         self._process = process
         self._log = protocol_log
@@ -415,7 +509,7 @@ class _JsonRpc:
         if self.closed or stdin is None or stdin.is_closing():
             raise ConnectionError(f"{self._label}: the provider process is not running")
         line = json.dumps(message, separators=(",", ":"))
-        self._log.info("%s -> %s", self._label, redact(line))
+        self._log.write(f"{self._label} -> {line}")
         stdin.write(line.encode() + b"\n")
         await stdin.drain()
 
@@ -502,7 +596,7 @@ class AcpSession:
         self._runtime_mode = runtime_mode
         self.pid: int | None = process.pid
         self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
         self.exit_reason: str | None = None
         self.agent_capabilities: Mapping[str, Any] = {}
         self.advertised_models: list[Mapping[str, Any]] = []  # session/new's availableModels
@@ -1013,7 +1107,7 @@ class AcpRegistryAdapter(AcpAdapter):
             await process.stop(grace=0.0)
             raise
         for line in (out + err).decode(errors="replace").splitlines():
-            self.protocol_log.info("install %s", redact(line))
+            self.protocol_log.write(f"install {line}")
         if process.proc.returncode != 0:
             tail = " / ".join(err.decode(errors="replace").strip().splitlines()[-3:])
             raise RegistryError(f"{Path(command[0]).name} {command[1]} {command[-1]} exited with "
@@ -1282,7 +1376,7 @@ class ClaudeSession:
         self._mcp_dir = mcp_dir
         self.pid: int | None = process.pid
         self.native_thread_ref: str | None = session_ref
-        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
         self.exit_reason: str | None = None
         self._label = f"{adapter.info.instance_id}[{process.pid}]"
         self._permissions: dict[str, Mapping[str, Any]] = {}
@@ -1301,7 +1395,7 @@ class ClaudeSession:
         if stdin is None or stdin.is_closing() or not self.alive():
             raise ConnectionError(f"{self._label}: the provider process is not running")
         line = json.dumps(message, separators=(",", ":"))
-        self._adapter.protocol_log.info("%s -> %s", self._label, redact(line))
+        self._adapter.protocol_log.write(f"{self._label} -> {line}")
         stdin.write(line.encode() + b"\n")
         await stdin.drain()
 
@@ -1511,7 +1605,7 @@ class CodexSession:
         self._runtime_mode = runtime_mode
         self.pid: int | None = process.pid
         self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
         self.exit_reason: str | None = None
         self._turn_id: str | None = None
         self._ended_turns: set[str] = set()
@@ -1852,7 +1946,7 @@ class PiSession:
         self._process = process
         self.pid: int | None = process.pid
         self.native_thread_ref: str | None = session_file
-        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
         self.exit_reason: str | None = None
         self._label = f"{adapter.info.instance_id}[{process.pid}]"
         self._ids = itertools.count(1)
@@ -1876,7 +1970,7 @@ class PiSession:
         future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         line = json.dumps({"type": kind, "id": request_id, **fields}, separators=(",", ":"))
-        self._adapter.protocol_log.info("%s -> %s", self._label, redact(line))
+        self._adapter.protocol_log.write(f"{self._label} -> {line}")
         try:
             stdin.write(line.encode() + b"\n")
             await stdin.drain()
@@ -1950,7 +2044,7 @@ class PiSession:
         text = raw.decode(errors="replace")
         if not text.strip():
             return
-        self._adapter.protocol_log.info("%s <- %s", self._label, redact(text))
+        self._adapter.protocol_log.write(f"{self._label} <- {text}")
         try:
             message = json.loads(text)
         except json.JSONDecodeError:
@@ -2148,7 +2242,7 @@ class OpenCodeSession:
         self._runtime_mode = runtime_mode
         self.pid: int | None = process.pid
         self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
         self.exit_reason: str | None = None
         self._label = f"{adapter.info.instance_id}[{process.pid}]"
         self._in_turn = False
@@ -2182,8 +2276,7 @@ class OpenCodeSession:
                        timeout: float = 60) -> Any:
         payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
         target = self._target(path)
-        self._adapter.protocol_log.info("%s -> %s %s %s", self._label, method, target,
-                                        redact(payload.decode()))
+        self._adapter.protocol_log.write(f"{self._label} -> {method} {target} {payload.decode()}")
 
         async def exchange() -> Any:
             reader, writer = await asyncio.open_connection("127.0.0.1", self._port)
@@ -2199,7 +2292,7 @@ class OpenCodeSession:
             finally:
                 writer.close()
             text = data.decode(errors="replace")
-            self._adapter.protocol_log.info("%s <- %s %s", self._label, status, redact(text))
+            self._adapter.protocol_log.write(f"{self._label} <- {status} {text}")
             if status >= 300:
                 raise _HttpError(status, text)
             return json.loads(text) if text.strip() else None
@@ -2294,7 +2387,7 @@ class OpenCodeSession:
             if not raw:
                 return
             line = raw.decode(errors="replace").rstrip()
-            self._adapter.protocol_log.info("%s %s %s", self._label, name, redact(line))
+            self._adapter.protocol_log.write(f"{self._label} {name} {line}")
             if (found := _OPENCODE_LISTENING.search(line)) and not self._listening.done():
                 self._listening.set_result(found.group(1))
 
@@ -2328,7 +2421,7 @@ class OpenCodeSession:
                                      if line.startswith("data:"))
                     if not data:
                         continue
-                    self._adapter.protocol_log.info("%s <- event %s", self._label, redact(data))
+                    self._adapter.protocol_log.write(f"{self._label} <- event {data}")
                     if not self._subscribed.done():
                         self._subscribed.set_result(None)
                     try:
@@ -2494,6 +2587,9 @@ class UnavailableAdapter:
                                  display_name=config.display_name, models=config.models,
                                  capabilities=Capabilities(), available=False,
                                  constraints=(reason,))
+
+    def close(self) -> None:
+        pass
 
     async def open_session(self, **_: Any) -> Any:
         raise RuntimeError(f"provider {self.info.instance_id} cannot run: "

@@ -575,6 +575,8 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
             await server
         stopped.cancel()
         await orch.close()
+        for adapter in adapters.values():
+            adapter.close()  # the provider traffic logs' last buffered lines
     with contextlib.suppress(OSError):  # hypercorn usually closed it already
         sock.close()
     log.info("stopped")

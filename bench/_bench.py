@@ -29,7 +29,7 @@ for _path in (REPO, REPO / "tests"):
 from harness import T3Server, kill_matching, scripted_provider, write_config  # noqa: E402
 
 __all__ = ["REPO", "machine", "median", "percentile", "timed", "parser", "scratch_dir", "t3_server",
-           "report", "rss_kb"]
+           "report", "rss_kb", "cpu_seconds"]
 
 
 def machine() -> str:
@@ -94,6 +94,12 @@ def rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process, all its threads, in seconds (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def report(title: str, rows: Sequence[tuple[str, str]], *, verdict: str) -> None:

@@ -136,12 +136,17 @@ class Turn:
     """Sends the session/update notifications of one prompt and collects its agent text."""
 
     def __init__(self, agent, session_id):
-        self.agent, self.session_id, self.text = agent, session_id, ""
+        self.agent, self.session_id = agent, session_id
+        self.parts = []  # joined on demand: `str +=` on an attribute copies, quadratic for FAST:n
         self.new_line = False  # the next agent text starts a new line
+
+    @property
+    def text(self):
+        return "".join(self.parts)
 
     def line(self, text):
         """Agent text on a line of its own."""
-        self.new_line = bool(self.text)
+        self.new_line = any(self.parts)
         self.chunk(text)
 
     def update(self, update):
@@ -151,7 +156,7 @@ class Turn:
         if kind == "agent_message_chunk":
             if self.new_line:
                 text, self.new_line = "\n" + text, False
-            self.text += text
+            self.parts.append(text)
         self.update({"sessionUpdate": kind, "content": {"type": "text", "text": text}})
 
     def tool_call(self, call_id, title, raw_input):

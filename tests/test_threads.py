@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import (T3_PY, McpClient, T3Server, count_prompts, raw_post, scripted_provider,
-                     wait_until, write_config)
+from harness import (T3_PY, McpClient, T3Server, agent_log, count_prompts, raw_post,
+                     scripted_provider, wait_until, write_config)
 
 
 def event_count(server: T3Server) -> int:
@@ -489,3 +490,55 @@ def test_json_only_clients_get_json(t3: T3Server) -> None:
     assert plain.json()["result"]["structuredContent"]["projectId"] == "proj"
     sse = raw_post(t3.mcp_url, body, {**auth, "Accept": "application/json, text/event-stream"})
     assert sse.status == 200 and sse.headers["content-type"].startswith("text/event-stream")
+
+
+def test_traffic_log_holds_an_ended_turns_every_line_redacted(mcp: McpClient, t3: T3Server,
+                                                              agent_log_path: Path) -> None:
+    """Once a turn is recorded completed, the provider traffic log already holds every line the
+    agent streamed, in order, and the session's bearer token only as <redacted>."""
+    created = create(mcp, "FAST:3000")
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    log = (t3.data_dir / "logs" / "provider-scripted.log").read_text()
+    chunks = re.findall(r'"agent_message_chunk", "content": \{"type": "text", "text": "(\d+) "', log)
+    assert chunks == [str(i) for i in range(3000)]
+    [opened] = [e["msg"] for e in agent_log(agent_log_path)
+                if e["dir"] == "in" and e["msg"].get("method") == "session/new"]
+    [header] = opened["params"]["mcpServers"][0]["headers"]
+    token = header["value"].removeprefix("Bearer ")
+    assert len(token) > 10 and token not in log
+    assert '"name":"Authorization","value":"<redacted>"' in log
+
+
+def test_long_stream_is_stored_whole_once_and_rewritten_less_often(mcp: McpClient,
+                                                                   t3: T3Server) -> None:
+    """A long streamed answer (about 210,000 characters) is stored whole, exactly once, as one
+    assistant message. Each ingest commit rewrites the whole message, so once it is long its
+    commits come further apart: at least its length / REWRITE_CHARS_PER_S (bounded by
+    COALESCE_MAX_S), never the 20 ms base window for a long text."""
+    from datetime import datetime
+
+    from orchestrator import Orchestrator
+    n = 40_000
+    created = create(mcp, f"FAST:{n}")
+    assert wait(mcp, created["threadId"], timeoutMs=120_000)["status"] == "completed"
+    expected = "".join(f"{i} " for i in range(n))
+    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
+        [(message_id, stored)] = db.execute(
+            "SELECT message_id, json_extract(payload_json, '$.text') FROM messages WHERE run_id = ? AND "
+            "json_extract(payload_json, '$.role') = 'assistant'", (created["runId"],)).fetchall()
+        updates = db.execute(
+            "SELECT command_id, occurred_at, json_extract(payload_json, '$.text') FROM events "
+            "WHERE type = 'message.updated' AND json_extract(payload_json, '$.id') = ? "
+            "ORDER BY sequence", (message_id,)).fetchall()
+    assert stored == expected and updates[-1][2] == expected
+    per_command = list({command: (at, text) for command, at, text in updates}.values())
+    assert len(per_command) >= 3
+    seconds = [datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+               for at, _ in per_command]
+    for k in range(len(per_command) - 2):  # the last commit is the turn's end: it does not wait
+        window = min(Orchestrator.COALESCE_MAX_S,
+                     max(0.02, len(per_command[k][1]) / Orchestrator.REWRITE_CHARS_PER_S))
+        assert seconds[k + 1] - seconds[k] >= window - 0.005, (k, len(per_command[k][1]))
+    [item] = [i for i in read(mcp, created["threadId"], afterPosition=-1,
+                              maxCharsPerItem=50_000)["items"] if i["type"] == "assistant_message"]
+    assert item["textTruncated"] and expected.startswith(item["text"].removesuffix("\n…[truncated]"))
