@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -60,6 +61,9 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def parser(description: str) -> argparse.ArgumentParser:
+    # A SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the servers and agents a bench
+    # started are stopped and its scratch directory removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="a short run (fewer repetitions)")
     return p
