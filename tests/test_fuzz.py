@@ -155,7 +155,7 @@ class InProcessTarget(Target):
             credentials = t3.Credentials(client_token="fuzz-client", max_lifetime_s=3600,
                                          idle_s=3600, mcp_url="http://127.0.0.1:9/mcp")
             self.scope = credentials.resolve("fuzz-client")
-            adapters = t3.build_adapters(config, data_dir, providers)
+            self.adapters = adapters = t3.build_adapters(config, data_dir, providers)
             self.orch = Orchestrator(self.store, adapters=adapters, credentials=credentials,
                                      providers=t3._LiveProviderInfo(adapters))
             await self.store.sync_projects(config.projects)
@@ -190,6 +190,8 @@ class InProcessTarget(Target):
         async def stop() -> None:
             self.orch.begin_shutdown()
             await self.orch.close()
+            for adapter in self.adapters.values():
+                adapter.close()
             self.store.close()
         try:
             self._run(stop(), 30)
