@@ -33,7 +33,7 @@ from orchestrator import RUN_BLOCKING, RUN_TERMINAL, RunStatus, ThreadState
 from store import Store, StoreError
 
 __all__ = ["FAILURE_CODES", "Scope", "current_scope", "ToolFailure", "Project", "ServerContext",
-           "Toolkit", "build_mcp_server", "validate"]
+           "Toolkit", "build_mcp_server", "failure_result", "validate"]
 
 log = logging.getLogger("t3.tools")
 
@@ -1129,6 +1129,12 @@ def _result(payload: Mapping[str, Any], *, is_error: bool) -> types.CallToolResu
                                 structured_content=dict(payload), is_error=is_error)
 
 
+def failure_result(code: str, message: str) -> types.CallToolResult:
+    """A typed failure as a tool result: isError, {"_tag": "OrchestratorMcpFailure", ...}."""
+    return _result({"_tag": "OrchestratorMcpFailure", "code": code, "message": message},
+                   is_error=True)
+
+
 def build_mcp_server(toolkit: Toolkit, *, version: str) -> Server:
     async def list_tools(ctx: ServerRequestContext, params: Any) -> types.ListToolsResult:
         return types.ListToolsResult(tools=toolkit.list_tools())
@@ -1143,13 +1149,11 @@ def build_mcp_server(toolkit: Toolkit, *, version: str) -> Server:
         try:
             payload = await toolkit.call(params.name, params.arguments, progress=progress)
         except ToolFailure as failure:
-            return _result({"_tag": "OrchestratorMcpFailure", "code": failure.code,
-                            "message": failure.message}, is_error=True)
+            return failure_result(failure.code, failure.message)
         except Exception:
             log.exception("tool %s failed", params.name)
-            return _result({"_tag": "OrchestratorMcpFailure", "code": "orchestration_error",
-                            "message": "t3 hit an internal error; see the server log."},
-                           is_error=True)
+            return failure_result("orchestration_error",
+                                  "t3 hit an internal error; see the server log.")
         return _result(payload, is_error=False)
 
     server = Server("t3", version=version, on_list_tools=list_tools, on_call_tool=call_tool)

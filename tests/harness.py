@@ -35,7 +35,8 @@ from mcp.client.streamable_http import streamable_http_client
 __all__ = ["REPO", "T3_PY", "ACP_AGENT", "ServerStartError", "T3Server", "Progress", "ToolResult", "McpClient",
            "RawResponse", "raw_request", "raw_post", "wait_until", "agent_log", "count_prompts",
            "scripted_provider", "write_config", "pids_alive", "processes_matching", "kill_matching", "child_pids",
-           "process_group", "start_time", "leaked_processes", "describe_process", "KEPT_MARKERS"]
+           "process_group", "start_time", "leaked_processes", "describe_process", "KEPT_MARKERS",
+           "CountingIds"]
 
 REPO = Path(__file__).resolve().parent.parent
 T3_PY = REPO / "t3.py"
@@ -477,6 +478,17 @@ def child_pids(parent: int | None = None) -> list[int]:
     """Live direct children of `parent` (default: this process)."""
     parent = os.getpid() if parent is None else parent
     return pids_alive(p for p in _all_pids() if (s := _state_and_ppid(p)) is not None and s[1] == parent)
+
+
+class CountingIds:
+    """A deterministic id source for `orchestrator.decide`: ``prefix:1``, ``prefix:2``, ..."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}:{self.n}"
 
 
 # Markers of processes that a module-scoped fixture keeps across its tests on purpose (the agents of

@@ -18,22 +18,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orchestrator as o  # noqa: E402
+from harness import CountingIds  # noqa: E402
 import store  # noqa: E402
 
 NOW = "2030-01-02T03:04:05.678Z"
 THREAD = "thread-1"
 SESSION = "provider-session:1"
-
-
-class CountingIds:
-    """A deterministic id source: ``prefix:1``, ``prefix:2``, ..."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, prefix: str) -> str:
-        self.n += 1
-        return f"{prefix}:{self.n}"
 
 
 def providers(*, active_steering: bool = False) -> dict[str, o.ProviderInfo]:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from conftest import T3Factory
-from harness import (McpClient, ServerStartError, T3Server, agent_log, count_prompts, pids_alive,
+from harness import (CountingIds, McpClient, ServerStartError, T3Server, agent_log, count_prompts, pids_alive,
                      processes_matching, wait_until)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -406,22 +406,11 @@ PROVIDERS = {"scripted": o.ProviderInfo(
     capabilities=o.Capabilities(supports_steering_by_restart=True))}
 
 
-class Counter:
-    """Deterministic ids, ``prefix:1``, ``prefix:2``, ...; also numbers command ids."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, prefix: str) -> str:
-        self.n += 1
-        return f"{prefix}:{self.n}"
-
-
 def in_process(path: Path) -> tuple[o.Orchestrator, store.Store]:
     """An orchestrator on a real store at ``path``; its effect worker is never started."""
     db = store.Store(path / "t3.sqlite", backups_dir=path / "backups")
     return o.Orchestrator(db, adapters={}, providers=PROVIDERS, clock=lambda: NOW,
-                          new_id=Counter()), db
+                          new_id=CountingIds()), db
 
 
 def create_thread(command_id: str = "create", text: str = "hello") -> o.CreateThread:

@@ -173,15 +173,11 @@ class InProcessTarget(Target):
         async def handle() -> ToolResult:
             current_scope.set(self.scope)  # this task's context only
             try:
-                payload, is_error = await self.toolkit.call(tool, args), False
+                shaped = tools._result(await self.toolkit.call(tool, args), is_error=False)
             except ToolFailure as failure:
-                payload, is_error = {"_tag": "OrchestratorMcpFailure", "code": failure.code,
-                                     "message": failure.message}, True
+                shaped = tools.failure_result(failure.code, failure.message)
             except Exception:  # noqa: BLE001 - the MCP handler makes this orchestration_error
-                payload, is_error = {"_tag": "OrchestratorMcpFailure",
-                                     "code": "orchestration_error",
-                                     "message": traceback.format_exc()}, True
-            shaped = tools._result(payload, is_error=is_error)
+                shaped = tools.failure_result("orchestration_error", traceback.format_exc())
             text = shaped.content[0].text
             return ToolResult(json.loads(text), shaped.is_error, text, shaped)
         return self._run(handle(), timeout)
