@@ -113,7 +113,7 @@ class ProviderConfig:
                  env: Mapping[str, str] | None = None, models: Sequence[Any] = (),
                  enabled: bool = True, display_name: str | None = None,
                  agent: str | None = None, registry: str | None = None,
-                 instructions: bool = True) -> None:
+                 instructions: bool = True, allow_unverified: bool = False) -> None:
         if driver not in DRIVERS:
             raise ValueError(f"unknown driver {driver!r}")
         if (driver == "acpRegistry") != (agent is not None and registry is not None):
@@ -128,6 +128,7 @@ class ProviderConfig:
         self.agent = agent  # acpRegistry: the agent's id in the registry
         self.registry = registry  # acpRegistry: the registry's http(s) URL or file path
         self.instructions = instructions  # deliver ORCHESTRATION_INSTRUCTIONS (README)
+        self.allow_unverified = allow_unverified  # acpRegistry: run a binary with no sha256
 
 
 def detect_providers() -> list[ProviderConfig]:

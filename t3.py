@@ -60,12 +60,22 @@ class Config:
     providers: list[dict[str, Any]] | None  # None: detect installed CLIs
     credential_max_lifetime_s: int = 86_400
     credential_idle_s: int = 7_200
+    max_delegation_depth: int = 5
+    max_live_agent_processes: int = 16
+    allowed_origins: tuple[str, ...] = ()  # besides the server's own http://127.0.0.1:<port> etc.
+    allowed_hosts: tuple[str, ...] = ()  # Host header names besides loopback addresses
+    max_connections: int = 512
+    certfile: str | None = None
+    keyfile: str | None = None
 
 
-_SECTIONS = {"server": {"host", "port"}, "projects": {"id", "path", "title"},
+_SECTIONS = {"server": {"host", "port", "allowed_origins", "allowed_hosts", "max_connections",
+                        "certfile", "keyfile"},
+             "projects": {"id", "path", "title"},
              "providers": {"id", "driver", "command", "env", "models", "enabled", "displayName",
-                           "agent", "registry", "instructions"},
-             "limits": {"credential_max_lifetime_s", "credential_idle_s"}}
+                           "agent", "registry", "instructions", "allow_unverified"},
+             "limits": {"credential_max_lifetime_s", "credential_idle_s", "max_delegation_depth",
+                        "max_live_agent_processes"}}
 
 
 def load_config(path: Path, *, cwd: Path) -> Config:
@@ -95,6 +105,24 @@ def load_config(path: Path, *, cwd: Path) -> Config:
         raise fail("server", None, "host", "must be a string")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise fail("server", None, "port", "must be an integer 0-65535")
+    http: dict[str, Any] = {}
+    for key in ("allowed_origins", "allowed_hosts"):
+        value = server.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise fail("server", None, key, "must be a list of non-empty strings")
+        http[key] = tuple(v.rstrip("/") if key == "allowed_origins" else v.lower() for v in value)
+    if "max_connections" in server:
+        if not isinstance(server["max_connections"], int) or server["max_connections"] < 1:
+            raise fail("server", None, "max_connections", "must be a positive integer")
+        http["max_connections"] = server["max_connections"]
+    for key in ("certfile", "keyfile"):
+        if key in server:
+            value = server[key]
+            if not isinstance(value, str) or not (path.parent / value).is_file():
+                raise fail("server", None, key, f"must name an existing file ({value!r})")
+            http[key] = str((path.parent / value).resolve())
+    if ("certfile" in http) != ("keyfile" in http):
+        raise fail("server", None, "certfile", "certfile and keyfile go together")
 
     projects: list[dict[str, str]] = []
     for i, entry in enumerate(data.get("projects", [])):
@@ -152,6 +180,12 @@ def load_config(path: Path, *, cwd: Path) -> Config:
                 raise fail("providers", i, "instructions", "must be true or false")
             if any(p["id"] == pid for p in providers):
                 raise fail("providers", i, "id", f"duplicate provider id {pid!r}")
+            allow_unverified = entry.get("allow_unverified", False)
+            if not isinstance(allow_unverified, bool):
+                raise fail("providers", i, "allow_unverified", "must be true or false")
+            if allow_unverified and driver != "acpRegistry":
+                raise fail("providers", i, "allow_unverified",
+                           "only the acpRegistry driver takes it")
             agent, registry = entry.get("agent"), entry.get("registry")
             for key, value in (("agent", agent), ("registry", registry)):
                 if driver == "acpRegistry" and (not isinstance(value, str) or not value):
@@ -163,17 +197,18 @@ def load_config(path: Path, *, cwd: Path) -> Config:
             providers.append({"id": pid, "driver": driver, "command": command, "env": env,
                               "models": models, "enabled": enabled,
                               "displayName": entry.get("displayName"), "agent": agent,
-                              "registry": registry, "instructions": instructions})
+                              "registry": registry, "instructions": instructions,
+                              "allowUnverified": allow_unverified})
 
     limits = data.get("limits", {})
     values = {}
     for key in limits:
         if key not in _SECTIONS["limits"]:
             raise fail("limits", None, key, "unknown key")
-        if not isinstance(limits[key], int) or limits[key] <= 0:
-            raise fail("limits", None, key, "must be a positive integer (seconds)")
+        if not isinstance(limits[key], int) or isinstance(limits[key], bool) or limits[key] <= 0:
+            raise fail("limits", None, key, "must be a positive integer")
         values[key] = limits[key]
-    return Config(host=host, port=port, projects=projects, providers=providers, **values)
+    return Config(host=host, port=port, projects=projects, providers=providers, **http, **values)
 
 
 def _line_of(text: str, section: str, index: int | None, key: str | None) -> int | None:
@@ -589,7 +624,8 @@ def build_adapters(config: Config, data_dir: Path, prov: Any) -> dict[str, Any]:
     configs = [prov.ProviderConfig(instance_id=p["id"], driver=p["driver"], command=p["command"],
                                    env=p["env"], models=p["models"], enabled=p["enabled"],
                                    display_name=p["displayName"], agent=p["agent"],
-                                   registry=p["registry"], instructions=p["instructions"])
+                                   registry=p["registry"], instructions=p["instructions"],
+                                   allow_unverified=p["allowUnverified"])
                for p in config.providers] if config.providers is not None \
         else prov.detect_providers()
     return {c.instance_id: prov.build_adapter(c, log_dir=data_dir / "logs", owner=str(data_dir),
