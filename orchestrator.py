@@ -45,7 +45,8 @@ __all__ = [
     "ToolUpdate", "PlanUpdate", "RuntimeRequestOpened", "TurnEnded", "ProviderAdapter",
     "ProviderSessionHandle", "Orchestrator", "McpEndpoint", "SessionCredentials", "Subagent",
     "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
-    "task_result", "TASK_TERMINAL", "NotifyTaskQuestion",
+    "task_result", "TASK_TERMINAL", "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS",
+    "result_transfer_id",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -131,6 +132,17 @@ _NODE_STATUSES = frozenset({"pending", "running", "waiting", "completed", "inter
                             "cancelled", "rolled_back"})
 _REQUEST_STATUSES = frozenset({"pending", "resolved", "expired", "cancelled"})
 DECISIONS = ("accept", "acceptForSession", "decline", "cancel")
+MAX_ID_CHARS = 160
+
+
+def bounded_id(text: str) -> str:
+    """An id t3 derives: ``text`` itself, or when longer than MAX_ID_CHARS its head and a hash of
+    the whole. Ids derive from other ids (a delegated child's from its parent's command), so
+    without a bound they would grow with every level of delegation."""
+    if len(text) <= MAX_ID_CHARS:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    return f"{text[:MAX_ID_CHARS - len(digest) - 1]}~{digest}"
 
 
 # =============================================================================================
@@ -562,11 +574,13 @@ class McpEndpoint:
 
 
 class SessionCredentials(Protocol):
-    """Provider-session credentials (t3.py): issued before a session opens, touched per turn."""
+    """Provider-session credentials (t3.py): issued before a session opens, kept alive while it
+    serves a turn, replaced (with the session) when ``renewal_due``, revoked when it ends."""
 
     def issue(self, *, thread_id: str, provider_instance_id: str,
               provider_session_id: str) -> McpEndpoint | None: ...
-    def touch(self, provider_session_id: str) -> None: ...
+    def set_active(self, provider_session_id: str, active: bool) -> None: ...
+    def renewal_due(self, provider_session_id: str) -> bool: ...
     def revoke(self, provider_session_id: str) -> None: ...
 
 
@@ -709,7 +723,7 @@ class DelegateTask:
 
     @property
     def task_id(self) -> str:
-        return f"node:delegated-task:{self.command_id}"
+        return bounded_id(f"node:delegated-task:{self.command_id}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -890,7 +904,7 @@ class Decision:
             command_id=command.command_id, command_type=command.type,
             fingerprint=fingerprint_of(command), thread_id=command.thread_id, events=self.events,
             effects=tuple(_store.NewEffect(
-                effect_id=f"effect:{command.command_id}:{e.effect_type}:{e.key}",
+                effect_id=bounded_id(f"effect:{command.command_id}:{e.effect_type}:{e.key}"),
                 thread_id=e.thread_id, effect_type=e.effect_type, payload=e.payload,
                 replay_safe=e.replay_safe) for e in self.effects),
             result=self.result, cancel_effect_types=self.cancel_effect_types)
@@ -945,7 +959,7 @@ class _Draft:
         else:
             self.changed[(entity.kind, entity.id)] = entity  # type: ignore[attr-defined]
         self.events.append(_store.NewEvent(
-            event_id=f"event:{self.command.command_id}:{len(self.events)}",
+            event_id=bounded_id(f"event:{self.command.command_id}:{len(self.events)}"),
             thread_id=_owning_thread(entity), type=event_type or _EVENT_TYPE[entity.kind],
             occurred_at=self.now, payload=entity.to_json()))
         return entity
@@ -1009,10 +1023,10 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
     thread = d.thread
     assert thread is not None
     ordinal = len(d.runs()) + 1
-    run_id = f"run:{thread.id}:{ordinal}"
-    attempt_id = f"{run_id}:attempt:1"
-    root_id = f"node:{run_id}:root"
-    provider_thread_id = f"provider-thread:{thread.id}:{thread.provider_instance_id}"
+    run_id = bounded_id(f"run:{thread.id}:{ordinal}")
+    attempt_id = bounded_id(f"{run_id}:attempt:1")
+    root_id = bounded_id(f"node:{run_id}:root")
+    provider_thread_id = bounded_id(f"provider-thread:{thread.id}:{thread.provider_instance_id}")
     queue_position = None
     if queued:
         queue_position = max([r.queue_position or 0 for r in d.runs()
@@ -1040,9 +1054,30 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
     return run
 
 
+def _message_item_id(message_id: str) -> str:
+    return bounded_id(f"turn-item:message:{message_id}")
+
+
+def _request_item_id(request_id: str) -> str:
+    return bounded_id(f"turn-item:runtime-request:{request_id}")
+
+
+def _task_item_id(task_id: str) -> str:
+    return bounded_id(f"turn-item:{task_id}")
+
+
+def _question_message_id(request_id: str) -> str:
+    return bounded_id(f"message:task-question:{request_id}")
+
+
+def result_transfer_id(task_id: str) -> str:
+    """The id of the context transfer that carries a delegated task's result to its parent."""
+    return bounded_id(f"context-transfer:subagent_result:{task_id}")
+
+
 def _user_item(d: _Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
     return d.put(TurnItem(
-        id=f"turn-item:message:{message_id}", thread_id=run.thread_id, run_id=run.id,
+        id=_message_item_id(message_id), thread_id=run.thread_id, run_id=run.id,
         node_id=node_id, type="user_message", status="completed", position=d.position(),
         updated_at=d.now, message_id=message_id, input_intent=intent, started_at=d.now,
         completed_at=d.now))
@@ -1104,8 +1139,8 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
     _close_streams(d, attempt)
     _settle_open_work(d, run, "cancelled", "The turn was restarted with a new message.")
     n = attempt.attempt_ordinal + 1
-    new_attempt_id = f"{run.id}:attempt:{n}"
-    new_root = f"node:{run.id}:attempt:{n}:root"
+    new_attempt_id = bounded_id(f"{run.id}:attempt:{n}")
+    new_root = bounded_id(f"node:{run.id}:attempt:{n}:root")
     d.put(replace(attempt, status="superseded", completed_at=d.now))
     old_root = d.get("node", attempt.root_node_id)
     if old_root is not None:
@@ -1142,7 +1177,7 @@ def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]
     attempt = d.get("run-attempt", run.active_attempt_id)
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
     reason = c.reason or "Interrupted on request."
-    d.put(TurnItem(id=f"turn-item:{run.id}:interrupt-request:{c.command_id}",
+    d.put(TurnItem(id=bounded_id(f"turn-item:{run.id}:interrupt-request:{c.command_id}"),
                    thread_id=run.thread_id, run_id=run.id, node_id=run.root_node_id,
                    type="run_interrupt_request", status="completed", position=d.position(),
                    updated_at=d.now, text=reason, started_at=d.now, completed_at=d.now))
@@ -1240,7 +1275,7 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
     node = d.get("node", request.node_id)
     if node is not None:
         d.put(replace(node, status="cancelled" if declined else "completed", completed_at=d.now))
-    item = d.get("turn-item", f"turn-item:runtime-request:{request.id}")
+    item = d.get("turn-item", _request_item_id(request.id))
     if item is not None:
         d.put(replace(item, status="cancelled" if declined else "completed", updated_at=d.now,
                       completed_at=d.now, data={**(item.data or {}), "decision": c.decision,
@@ -1311,7 +1346,7 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
     if thread.active_provider_thread_id != pthread.id:
         d.put(replace(thread, active_provider_thread_id=pthread.id, updated_at=d.now))
     turns = [t for t in d.all("provider-turn") if t.provider_thread_id == pthread.id]
-    turn = d.put(ProviderTurn(id=f"provider-turn:{attempt.id}", thread_id=run.thread_id,
+    turn = d.put(ProviderTurn(id=bounded_id(f"provider-turn:{attempt.id}"), thread_id=run.thread_id,
                               provider_thread_id=pthread.id, node_id=attempt.root_node_id,
                               run_attempt_id=attempt.id, ordinal=len(turns) + 1, status="running",
                               started_at=d.now))
@@ -1347,7 +1382,7 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
         _append_text(d, run, attempt, role, event.text)
     elif isinstance(event, ToolUpdate):
         _close_streams(d, attempt)
-        node_id = f"node:{attempt.id}:tool:{event.native_id}"
+        node_id = bounded_id(f"node:{attempt.id}:tool:{event.native_id}")
         node = d.get("node", node_id)
         status = {"pending": "running", "in_progress": "running"}.get(event.status, event.status)
         if status not in _NODE_STATUSES:
@@ -1359,7 +1394,7 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
                                  started_at=d.now)
         d.put(replace(node, status=status,
                       completed_at=d.now if status in ("completed", "failed") else None))
-        item_id = f"turn-item:{attempt.id}:tool:{event.native_id}"
+        item_id = bounded_id(f"turn-item:{attempt.id}:tool:{event.native_id}")
         item = d.get("turn-item", item_id)
         if item is None:
             item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
@@ -1378,7 +1413,7 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
                       updated_at=d.now,
                       completed_at=d.now if status in ("completed", "failed") else None))
     elif isinstance(event, PlanUpdate):
-        item_id = f"turn-item:{attempt.id}:plan"
+        item_id = bounded_id(f"turn-item:{attempt.id}:plan")
         item = d.get("turn-item", item_id)
         text = "\n".join(f"[{e.get('status', 'pending')}] {e.get('content', '')}"
                          for e in event.entries)
@@ -1389,9 +1424,9 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
         d.put(replace(item, text=text, data={"steps": list(event.entries)}, updated_at=d.now))
     elif isinstance(event, RuntimeRequestOpened):
         _close_streams(d, attempt)
-        request_id = f"runtime-request:{c.provider_session_id}:{event.native_ref}"
+        request_id = bounded_id(f"runtime-request:{c.provider_session_id}:{event.native_ref}")
         if d.get("runtime-request", request_id) is None:
-            node_id = f"node:runtime-request:{request_id}"
+            node_id = bounded_id(f"node:runtime-request:{request_id}")
             node_kind = "user_input_request" if event.request_kind == "user_input" \
                 else "approval_request"
             d.put(ExecutionNode(id=node_id, thread_id=run.thread_id, run_id=run.id,
@@ -1405,7 +1440,7 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
                 detail=event.detail, created_at=d.now, native_request_ref=event.native_ref,
                 provider_turn_id=attempt.provider_turn_id,
                 response_capability={"type": "live", "providerSessionId": c.provider_session_id}))
-            d.put(TurnItem(id=f"turn-item:runtime-request:{request_id}", thread_id=run.thread_id,
+            d.put(TurnItem(id=_request_item_id(request_id), thread_id=run.thread_id,
                            run_id=run.id, node_id=node_id, type=node_kind, status="waiting",
                            position=d.position(), updated_at=d.now, title=event.title,
                            text=event.title, data={"requestId": request_id,
@@ -1427,7 +1462,7 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
         else:
             failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
                        "code": None, "retryable": None}
-            d.put(TurnItem(id=f"turn-item:{attempt.id}:error", thread_id=run.thread_id,
+            d.put(TurnItem(id=bounded_id(f"turn-item:{attempt.id}:error"), thread_id=run.thread_id,
                            run_id=run.id, node_id=root_id, type="error", status="failed",
                            position=d.position(), updated_at=d.now, title="Provider error",
                            text=event.failure, started_at=d.now, completed_at=d.now))
@@ -1452,12 +1487,12 @@ def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str)
         d.put(replace(message, text=message.text + text, updated_at=d.now))
         return
     n = sum(1 for m in d.all("message") if m.run_id == run.id and m.role == role)
-    message_id = f"message:{attempt.id}:{role}:{n}"
+    message_id = bounded_id(f"message:{attempt.id}:{role}:{n}")
     d.put(ConversationMessage(id=message_id, thread_id=run.thread_id, run_id=run.id,
                               node_id=attempt.root_node_id, role=role, text=text, streaming=True,
                               created_by=Actor.AGENT, creation_source=CreationSource.PROVIDER,
                               created_at=d.now, updated_at=d.now))
-    d.put(TurnItem(id=f"turn-item:message:{message_id}", thread_id=run.thread_id, run_id=run.id,
+    d.put(TurnItem(id=_message_item_id(message_id), thread_id=run.thread_id, run_id=run.id,
                    node_id=attempt.root_node_id,
                    type="assistant_message" if role == "assistant" else "reasoning",
                    status="running", position=d.position(), updated_at=d.now,
@@ -1478,7 +1513,7 @@ def _close_streams(d: _Draft, attempt: RunAttempt) -> None:
             continue
         message = d.get("message", open_id)
         d.put(replace(message, streaming=False, updated_at=d.now))
-        item = d.get("turn-item", f"turn-item:message:{open_id}")
+        item = d.get("turn-item", _message_item_id(open_id))
         if item is not None:
             d.put(replace(item, status="completed", updated_at=d.now, completed_at=d.now))
 
@@ -1520,8 +1555,9 @@ def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
         raise CommandRejected("the attempt is no longer current")
     attempt = d.get("run-attempt", run.active_attempt_id)
     if c.status == RunStatus.FAILED:
-        d.put(TurnItem(id=f"turn-item:{run.active_attempt_id}:error", thread_id=run.thread_id,
-                       run_id=run.id, node_id=run.root_node_id, type="error", status="failed",
+        d.put(TurnItem(id=bounded_id(f"turn-item:{run.active_attempt_id}:error"),
+                       thread_id=run.thread_id, run_id=run.id, node_id=run.root_node_id,
+                       type="error", status="failed",
                        position=d.position(), updated_at=d.now, title="Run failed",
                        text=c.reason, started_at=d.now, completed_at=d.now))
     if attempt is not None:
@@ -1552,7 +1588,7 @@ def _expire_requests(d: _Draft, session_id: str | None, reason: str) -> None:
                 == session_id):
             d.put(replace(request, status="expired", resolved_at=d.now, status_reason=reason,
                           response_capability={"type": "not_resumable", "reason": reason}))
-            item = d.get("turn-item", f"turn-item:runtime-request:{request.id}")
+            item = d.get("turn-item", _request_item_id(request.id))
             if item is not None:
                 d.put(replace(item, status="cancelled", updated_at=d.now, completed_at=d.now))
 
@@ -1591,7 +1627,7 @@ def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, Prov
         raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
                               code="provider_unavailable")
     task_id = c.task_id
-    child_id = f"thread:delegated-task:{c.command_id}"
+    child_id = bounded_id(f"thread:delegated-task:{c.command_id}")
     child = _Draft(ThreadState(), c, d.now, sharing=d)
     child.put(AppThread(
         id=child_id, project_id=parent.project_id, title=c.title,
@@ -1603,8 +1639,9 @@ def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, Prov
                                    "rootThreadId": parent.lineage.get("rootThreadId") or parent.id},
         forked_from={"type": "node", "nodeId": task_id}, branch=parent.branch,
         worktree_path=parent.worktree_path, workspace=parent.workspace), "thread.created")
-    child_run = _new_run(child, message_id=f"message:delegated-task:{c.command_id}", text=c.task,
-                         created_by=c.created_by, creation_source=c.creation_source, queued=False)
+    child_run = _new_run(child, message_id=bounded_id(f"message:delegated-task:{c.command_id}"),
+                         text=c.task, created_by=c.created_by,
+                         creation_source=c.creation_source, queued=False)
     d.put(ExecutionNode(id=task_id, thread_id=parent.id, run_id=run.id,
                         parent_node_id=run.root_node_id, root_node_id=run.root_node_id or task_id,
                         kind_="subagent", status="running", counts_for_run=False,
@@ -1616,13 +1653,13 @@ def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, Prov
                    child_run_id=child_run.id, prompt=c.task, title=c.title, model=c.model,
                    completion_wake=c.completion_wake, status="running", started_at=d.now,
                    updated_at=d.now))
-    d.put(TurnItem(id=f"turn-item:{task_id}", thread_id=parent.id, run_id=run.id, node_id=task_id,
+    d.put(TurnItem(id=_task_item_id(task_id), thread_id=parent.id, run_id=run.id, node_id=task_id,
                    type="subagent", status="running", position=d.position(), updated_at=d.now,
                    title=c.title, text=c.task, started_at=d.now,
                    data={"taskId": task_id, "childThreadId": child_id,
                          "providerInstanceId": c.provider_instance_id, "model": c.model}))
-    d.put(ContextTransfer(id=f"context-transfer:subagent_spawn:{task_id}", thread_id=parent.id,
-                          type="subagent_spawn", source_thread_id=parent.id,
+    d.put(ContextTransfer(id=bounded_id(f"context-transfer:subagent_spawn:{task_id}"),
+                          thread_id=parent.id, type="subagent_spawn", source_thread_id=parent.id,
                           target_thread_id=child_id, status="consumed", created_by=c.created_by,
                           created_at=d.now, updated_at=d.now, target_run_id=child_run.id,
                           consumed_at=d.now))
@@ -1664,10 +1701,10 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
     node = d.get("node", task.id)
     if node is not None:
         d.put(replace(node, status=status, completed_at=d.now))
-    item = d.get("turn-item", f"turn-item:{task.id}")
+    item = d.get("turn-item", _task_item_id(task.id))
     if item is not None:
         d.put(replace(item, status=status, text=c.result, updated_at=d.now, completed_at=d.now))
-    d.put(ContextTransfer(id=f"context-transfer:subagent_result:{task.id}", thread_id=task.thread_id,
+    d.put(ContextTransfer(id=result_transfer_id(task.id), thread_id=task.thread_id,
                           type="subagent_result", source_thread_id=task.child_thread_id,
                           target_thread_id=task.thread_id, status="consumed",
                           created_by=Actor.SYSTEM, created_at=d.now, updated_at=d.now,
@@ -1676,7 +1713,7 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
                for r in d.runs())
     if not task.cancel_requested and (task.completion_wake == "always" or not live):
         verb = "completed" if status == "completed" else f"ended with status {status}"
-        _notify_parent(d, f"message:task-wake:{task.id}", providers,
+        _notify_parent(d, bounded_id(f"message:task-wake:{task.id}"), providers,
                        f'Delegated task "{task.title}" {verb}. Use task_status with taskId '
                        f"{task.id} to read the result.")
     _finalize_if_settled(d)
@@ -1725,7 +1762,7 @@ def _decide_task_question(d: _Draft, c: NotifyTaskQuestion, *,
     if task.status in TASK_TERMINAL or task.cancel_requested or (
             task.completion_wake == "settled_only" and live):
         return {"taskId": task.id, "notified": False}
-    _notify_parent(d, f"message:task-question:{c.request_id}", providers,
+    _notify_parent(d, _question_message_id(c.request_id), providers,
                    f'Delegated task "{task.title}" is blocked on a question: {c.question}\n'
                    f"Answer it with t3_pending_request (threadId {c.child_thread_id}, requestId "
                    f"{c.request_id}), or ask the user.")
@@ -2020,7 +2057,8 @@ class Orchestrator:
             pending_starts = {e.payload.get("runId") for e in self._store.pending_effects(thread_id)
                               if e.effect_type == "provider-turn.start" and e.attempt_count == 0}
             result = await self.dispatch(RecoverThread(
-                command_id=f"recover:{thread_id}:{stamp}", thread_id=thread_id, reason=reason,
+                command_id=bounded_id(f"recover:{thread_id}:{stamp}"), thread_id=thread_id,
+                reason=reason,
                 resumable_run_ids=frozenset(r for r in pending_starts if r)))
             if result.result.get("interruptedRunIds"):
                 recovered.append(thread_id)
@@ -2090,7 +2128,8 @@ class Orchestrator:
         if run_id and row.effect_type.startswith("provider-turn."):
             try:
                 await self.dispatch(FailRun(
-                    command_id=f"command:effect-failed:{row.effect_id}", thread_id=row.thread_id,
+                    command_id=bounded_id(f"command:effect-failed:{row.effect_id}"),
+                    thread_id=row.thread_id,
                     run_id=run_id, attempt_id=None, status=RunStatus.FAILED,
                     reason=f"{row.effect_type} failed after {row.attempt_count} attempt(s): "
                            f"{message}"))
@@ -2119,7 +2158,7 @@ class Orchestrator:
         elif row.effect_type == "subagent.question":
             try:
                 await self.dispatch(NotifyTaskQuestion(
-                    command_id=f"command:task-question:{p['requestId']}",
+                    command_id=bounded_id(f"command:task-question:{p['requestId']}"),
                     thread_id=p["parentThreadId"], task_id=p["taskId"],
                     request_id=p["requestId"], child_thread_id=p["childThreadId"],
                     question=p["question"]))
@@ -2129,8 +2168,9 @@ class Orchestrator:
             await self._withdraw_question(p["parentThreadId"], p["requestId"])
         elif row.effect_type == "run.finalize":
             try:
-                await self.dispatch(CompleteRun(command_id=f"command:finalize:{p['runId']}",
-                                                thread_id=row.thread_id, run_id=p["runId"]))
+                await self.dispatch(CompleteRun(
+                    command_id=bounded_id(f"command:finalize:{p['runId']}"),
+                    thread_id=row.thread_id, run_id=p["runId"]))
             except CommandRejected:
                 pass  # already finalized: the effect is idempotent
         else:
@@ -2139,12 +2179,12 @@ class Orchestrator:
     async def _withdraw_question(self, parent_id: str, request_id: str) -> None:
         """The child's question was answered: a notice still queued for the parent is moot."""
         parent = await self.state(parent_id)
-        message_id = f"message:task-question:{request_id}"
+        message_id = _question_message_id(request_id)
         for run in parent.runs if parent else []:
             if run.user_message_id == message_id and run.status == RunStatus.QUEUED:
                 await self.dispatch(CancelQueuedRun(
-                    command_id=f"command:withdraw-question:{request_id}", thread_id=parent_id,
-                    run_id=run.id))
+                    command_id=bounded_id(f"command:withdraw-question:{request_id}"),
+                    thread_id=parent_id, run_id=run.id))
 
     async def _finalize_task(self, parent_id: str, task_id: str, child_id: str,
                              run_id: str) -> None:
@@ -2155,7 +2195,7 @@ class Orchestrator:
         status = RunStatus.CANCELLED if run.status == RunStatus.ROLLED_BACK else run.status
         try:
             await self.dispatch(FinalizeSubagent(
-                command_id=f"command:finalize-task:{task_id}", thread_id=parent_id,
+                command_id=bounded_id(f"command:finalize-task:{task_id}"), thread_id=parent_id,
                 task_id=task_id, status=status, result=task_result(child, run)))
         except CommandRejected as exc:
             log.warning("task %s could not be finalized: %s", task_id, exc)
@@ -2172,14 +2212,14 @@ class Orchestrator:
         message = state.entities["message"].get(run.user_message_id)
         if live.idle_timer is not None:
             live.idle_timer.cancel()
-        if self._credentials:
-            self._credentials.touch(live.session_id)
         live.turn = (run_id, attempt_id)
         live.turn_ended = asyncio.Event()
+        if self._credentials:
+            self._credentials.set_active(live.session_id, True)
         try:
             await self.dispatch(MarkRunStarted(
-                command_id=f"command:start:{attempt_id}", thread_id=thread_id, run_id=run_id,
-                attempt_id=attempt_id, provider_session_id=live.session_id,
+                command_id=bounded_id(f"command:start:{attempt_id}"), thread_id=thread_id,
+                run_id=run_id, attempt_id=attempt_id, provider_session_id=live.session_id,
                 session_created=created, pid=live.handle.pid,
                 native_thread_ref=live.handle.native_thread_ref,
                 cwd=state.thread.workspace or os.getcwd() if state.thread else os.getcwd()))
@@ -2191,7 +2231,7 @@ class Orchestrator:
         except Exception as exc:
             live.turn = None
             await self.dispatch(FailRun(
-                command_id=f"command:start-failed:{attempt_id}", thread_id=thread_id,
+                command_id=bounded_id(f"command:start-failed:{attempt_id}"), thread_id=thread_id,
                 run_id=run_id, attempt_id=attempt_id, status=RunStatus.FAILED,
                 reason=f"The provider did not accept the turn: {exc}"))
 
@@ -2199,12 +2239,14 @@ class Orchestrator:
         thread = state.thread
         assert thread is not None
         live = self._live.get(thread.id)
+        adapter = self._adapters.get(run.provider_instance_id)
         if live is not None and live.handle.alive() and live.instance_id == run.provider_instance_id:
-            return live, False
+            if not self._renewal_due(live, adapter):
+                return live, False
+            live.closing_reason = "Replaced by a session with a new t3 credential."
         if live is not None:
             await live.handle.close()
             await live.pump_done.wait()
-        adapter = self._adapters.get(run.provider_instance_id)
         if adapter is None:
             raise _PermanentEffectError(f"provider instance {run.provider_instance_id!r} is not "
                                         "configured on this server")
@@ -2232,6 +2274,14 @@ class Orchestrator:
         self._live[thread.id] = live
         self._spawn(self._pump(live), f"pump {session_id}")
         return live, True
+
+    def _renewal_due(self, live: _LiveSession, adapter: ProviderAdapter | None) -> bool:
+        """The session's credential ended, or is past half its life: the next turn runs in a
+        resumed session with a new one (as after a restart). An agent that cannot resume keeps
+        its session, and its conversation, until the credential's end."""
+        return self._credentials is not None and adapter is not None and \
+            adapter.info.capabilities.supports_resume and \
+            self._credentials.renewal_due(live.session_id)
 
     async def _pump(self, live: _LiveSession) -> None:
         """Carry one session's events into ingest commands, in order, each after its commit."""
@@ -2280,6 +2330,8 @@ class Orchestrator:
                 if turn_ended and live.turn == (run_id, attempt_id):
                     live.turn = None
                     live.turn_ended.set()
+                    if self._credentials:
+                        self._credentials.set_active(live.session_id, False)
                     live.idle_timer = loop.call_later(self.IDLE_RELEASE_S, self._release, live)
         finally:
             await self._session_gone(live)
@@ -2287,7 +2339,7 @@ class Orchestrator:
     async def _ingest(self, live: _LiveSession, run_id: str, attempt_id: str, batch_no: int,
                       events: tuple[AdapterEvent, ...]) -> None:
         command = IngestProviderEvents(
-            command_id=f"ingest:{attempt_id}:{live.session_id}:{batch_no}",
+            command_id=bounded_id(f"ingest:{attempt_id}:{live.session_id}:{batch_no}"),
             thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
             provider_session_id=live.session_id, events=events)
         delay = 0.05
@@ -2320,15 +2372,15 @@ class Orchestrator:
                 live.turn_ended.set()
                 try:
                     await self.dispatch(FailRun(
-                        command_id=f"command:session-gone:{live.session_id}:{attempt_id}",
+                        command_id=bounded_id(f"command:session-gone:{live.session_id}:{attempt_id}"),
                         thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
                         status=status, reason=reason))
                 except CommandRejected:
                     pass
             try:
                 await self.dispatch(EndProviderSession(
-                    command_id=f"command:session-end:{live.session_id}", thread_id=live.thread_id,
-                    provider_session_id=live.session_id,
+                    command_id=bounded_id(f"command:session-end:{live.session_id}"),
+                    thread_id=live.thread_id, provider_session_id=live.session_id,
                     status="stopped" if live.closing_reason else "error", reason=reason))
             except CommandRejected:
                 pass
@@ -2366,8 +2418,9 @@ class Orchestrator:
             if run is not None and run.status == RunStatus.RUNNING and \
                     run.active_attempt_id == attempt_id:
                 await self.dispatch(FailRun(
-                    command_id=f"command:interrupt-orphan:{attempt_id}", thread_id=thread_id,
-                    run_id=run_id, attempt_id=attempt_id, status=RunStatus.INTERRUPTED,
+                    command_id=bounded_id(f"command:interrupt-orphan:{attempt_id}"),
+                    thread_id=thread_id, run_id=run_id, attempt_id=attempt_id,
+                    status=RunStatus.INTERRUPTED,
                     reason="Interrupted; its provider session was already gone."))
             return
         await self._stop_turn(thread_id, attempt_id)

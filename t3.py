@@ -296,17 +296,24 @@ def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
 
 
 class Credentials:
-    """Bearer tokens: the client token, and provider-session credentials (hashes only, in memory)."""
+    """Bearer tokens: the client token, and provider-session credentials (hashes only, in memory).
+
+    A session credential lives at most ``max_lifetime_s`` and ends after ``idle_s`` without an
+    authenticated call or turn activity, but never while its session serves a turn. Once it has
+    ended (expired or revoked) it is gone for good: nothing revives it, and the orchestrator
+    replaces the session (``renewal_due``) before its next turn."""
 
     def __init__(self, *, client_token: str, max_lifetime_s: int, idle_s: int,
-                 mcp_url: str) -> None:
+                 mcp_url: str, clock: Callable[[], float] = time.monotonic) -> None:
         from tools import Scope
         self._scope_type = Scope
         self._client_hash = _hash(client_token)
-        self._sessions: dict[str, dict[str, Any]] = {}  # token hash -> record
+        self._sessions: dict[str, _SessionCredential] = {}  # token hash -> credential
+        self._by_session: dict[str, str] = {}  # provider session id -> token hash
         self.max_lifetime_s = max_lifetime_s
         self.idle_s = idle_s
         self.mcp_url = mcp_url
+        self._clock = clock
 
     def issue(self, *, thread_id: str, provider_instance_id: str, provider_session_id: str
               ) -> Any:
@@ -314,37 +321,73 @@ class Credentials:
         Only the token's hash is kept; the raw token lives in the returned endpoint alone."""
         from orchestrator import McpEndpoint
         token = secrets.token_urlsafe(32)
-        now = time.monotonic()
-        self._sessions[_hash(token)] = {
-            "scope": self._scope_type(kind="thread", key=f"{thread_id}:{provider_instance_id}",
-                                      thread_id=thread_id,
-                                      provider_instance_id=provider_instance_id,
-                                      capabilities=frozenset({"orchestration", "preview"})),
-            "session": provider_session_id, "issued": now, "touched": now}
+        now = self._clock()
+        # The idempotency key names the caller (thread + instance), not this credential, so a
+        # retry after a re-issue converges; hashed, so the ids derived from it stay short.
+        key = "agent-" + _hash(f"{thread_id}\0{provider_instance_id}")[:32]
+        scope = self._scope_type(kind="thread", key=key, thread_id=thread_id,
+                                 provider_instance_id=provider_instance_id,
+                                 capabilities=frozenset({"orchestration", "preview"}))
+        self.revoke(provider_session_id)
+        digest = _hash(token)
+        self._sessions[digest] = _SessionCredential(scope=scope, session_id=provider_session_id,
+                                                    issued=now, touched=now)
+        self._by_session[provider_session_id] = digest
         return McpEndpoint(name="t3-code", url=self.mcp_url,
                            headers={"Authorization": f"Bearer {token}"})
 
-    def touch(self, provider_session_id: str) -> None:
-        for record in self._sessions.values():
-            if record["session"] == provider_session_id:
-                record["touched"] = time.monotonic()
+    def set_active(self, provider_session_id: str, active: bool) -> None:
+        """The session serves a turn (``active``), or has just finished one."""
+        if (credential := self._live(provider_session_id)) is not None:
+            credential.active = active
+            credential.touched = self._clock()
+
+    def renewal_due(self, provider_session_id: str) -> bool:
+        """True when the session was given a credential that has ended or is past half its
+        maximum lifetime: its next turn should run in a session with a new one."""
+        if provider_session_id not in self._by_session:
+            return False
+        credential = self._live(provider_session_id)
+        return credential is None or \
+            self._clock() - credential.issued > self.max_lifetime_s / 2
 
     def revoke(self, provider_session_id: str) -> None:
-        for digest in [d for d, r in self._sessions.items() if r["session"] == provider_session_id]:
-            del self._sessions[digest]
+        digest = self._by_session.pop(provider_session_id, None)
+        if digest is not None:
+            self._sessions.pop(digest, None)
 
     def resolve(self, token: str) -> Any:
         digest = _hash(token)
         if hmac.compare_digest(digest, self._client_hash):
             return self._scope_type(kind="client", key="client")
-        record = self._sessions.get(digest)
-        if record is None:
+        credential = self._sessions.get(digest)
+        if credential is None or self._live(credential.session_id) is not credential:
             return None
-        now = time.monotonic()
-        if now - record["issued"] > self.max_lifetime_s or now - record["touched"] > self.idle_s:
-            del self._sessions[digest]
+        credential.touched = self._clock()
+        return credential.scope
+
+    def _live(self, provider_session_id: str) -> _SessionCredential | None:
+        """The session's credential if it is still valid; an ended one is dropped for good
+        (its session id stays known, so ``renewal_due`` can tell)."""
+        digest = self._by_session.get(provider_session_id)
+        credential = self._sessions.get(digest) if digest else None
+        if credential is None:
             return None
-        return record["scope"]
+        now = self._clock()
+        if now - credential.issued > self.max_lifetime_s or (
+                not credential.active and now - credential.touched > self.idle_s):
+            del self._sessions[digest]  # type: ignore[arg-type]
+            return None
+        return credential
+
+
+@dataclasses.dataclass(slots=True)
+class _SessionCredential:
+    scope: Any
+    session_id: str
+    issued: float
+    touched: float
+    active: bool = False  # serving a turn: idle expiry does not apply
 
 
 def _hash(token: str) -> str:

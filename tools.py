@@ -373,8 +373,10 @@ class Toolkit:
         return args.get("clientRequestId") or str(uuid.uuid4())
 
     @staticmethod
-    def _id(*parts: str) -> str:
-        return ":".join(urllib.parse.quote(p, safe="") for p in parts)
+    def _id(kind: str, *parts: str) -> str:
+        """An id derived from the caller, the tool and the retry key: the same call maps to the
+        same id, two tools never share one, and none is longer than orch.MAX_ID_CHARS."""
+        return orch.bounded_id(":".join([kind, *(urllib.parse.quote(p, safe="") for p in parts)]))
 
     async def _thread(self, thread_id: str) -> ThreadState:
         state = await self.orch.state(thread_id)
@@ -688,7 +690,7 @@ class Toolkit:
                 "hasPendingChildRuns": any(r.status not in RUN_TERMINAL for r in later),
                 "providerInstanceId": task.provider_instance_id, "model": task.model,
                 "summary": task.result if terminal else None,
-                "resultContextTransferId": f"context-transfer:subagent_result:{task.id}"
+                "resultContextTransferId": orch.result_transfer_id(task.id)
                 if terminal else None,
                 "latestTerminalRunId": latest.id if latest else None,
                 "latestTerminalStatus": latest.status if latest else None,
@@ -761,9 +763,10 @@ class Toolkit:
         key = self._key(args)
         commands = [self._plan_create(
             command_id=self._id("command", "mcp", scope.key, "create-thread", key, str(i)),
-            thread_id=self._id("thread", "mcp", scope.key, key, str(i)), project=project,
-            workspace=project.path, entry=entry,
-            message_id=self._id("message", "mcp", scope.key, key, str(i)), caller=caller)
+            thread_id=self._id("thread", "mcp", scope.key, "create-threads", key, str(i)),
+            project=project, workspace=project.path, entry=entry,
+            message_id=self._id("message", "mcp", scope.key, "create-threads", key, str(i)),
+            caller=caller)
             for i, entry in enumerate(args["threads"])]
         return {"threads": [await self._create(command) for command in commands]}
 
