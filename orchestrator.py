@@ -46,7 +46,7 @@ __all__ = [
     "ProviderSessionHandle", "Orchestrator", "McpEndpoint", "SessionCredentials", "Subagent",
     "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
     "task_result", "TASK_TERMINAL", "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS",
-    "result_transfer_id",
+    "mode_to_answer", "result_transfer_id", "AwaitAgentSlot", "GrantAgentSlot",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -110,6 +110,18 @@ class InteractionMode(enum.StrEnum):
 
 
 INTERACTION_RANK = {m: i for i, m in enumerate(InteractionMode)}
+
+
+def mode_to_answer(request_kind: str) -> RuntimeMode | None:
+    """The narrowest runtime mode whose agent may answer a request of this kind for a
+    descendant: what that mode would have allowed without asking (SPEC 5.1a). Questions need
+    none; file reads and changes need auto-accept-edits; commands, MCP and other permissions
+    need auto."""
+    if request_kind == "user_input":
+        return None
+    if request_kind in ("file-read", "file-change"):
+        return RuntimeMode.AUTO_ACCEPT_EDITS
+    return RuntimeMode.AUTO
 
 
 class Actor(enum.StrEnum):
@@ -224,6 +236,9 @@ class Run(_Entity):
     context_handoff_id: str | None = None
     status_reason: str | None = None  # why it ended as it did, in words a person can act on
     failure: Mapping[str, Any] | None = None
+    # queued only until an agent process slot frees (max_live_agent_processes); it occupies its
+    # thread as a starting run does
+    awaiting_agent_slot: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +352,7 @@ class RuntimeRequest(_Entity):
     answers: Mapping[str, Any] | None = None
     resolved_at: str | None = None
     status_reason: str | None = None
+    answered_by: Mapping[str, Any] | None = None  # {"kind": "client"} | {"kind": "thread", ...}
 
 
 @dataclass(frozen=True, slots=True)
@@ -683,6 +699,7 @@ class RespondRuntimeRequest:
     request_id: str
     decision: str | None = None
     answers: Mapping[str, Any] | None = None
+    answered_by: Mapping[str, Any] | None = None  # who answered: recorded on the request
 
     def __post_init__(self) -> None:
         if (self.decision is None) == (self.answers is None):
@@ -776,6 +793,29 @@ class NotifyTaskQuestion:
 
 
 @dataclass(frozen=True, slots=True)
+class AwaitAgentSlot:
+    """A starting run found every agent process slot taken: it waits ``queued``, saying why."""
+
+    type: ClassVar[str] = "run.await-agent-slot"
+    command_id: str
+    thread_id: str
+    run_id: str
+    attempt_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class GrantAgentSlot:
+    """A slot freed for a run waiting for one: it starts again."""
+
+    type: ClassVar[str] = "run.grant-agent-slot"
+    command_id: str
+    thread_id: str
+    run_id: str
+    attempt_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class MarkRunStarted:
     type: ClassVar[str] = "run.mark-started"
     command_id: str
@@ -848,7 +888,7 @@ class RecoverThread:
 
 Command = (CreateThread | DispatchMessage | InterruptRun | RespondRuntimeRequest | CancelQueuedRun
            | DelegateTask | SetWakePolicy | RequestTaskCancel | FinalizeSubagent
-           | NotifyTaskQuestion | MarkRunStarted
+           | NotifyTaskQuestion | MarkRunStarted | AwaitAgentSlot | GrantAgentSlot
            | IngestProviderEvents | CompleteRun | FailRun | EndProviderSession | RecoverThread)
 
 
@@ -1171,7 +1211,8 @@ def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]
         raise CommandRejected(f"run {c.run_id} was not found", code="run_not_found")
     if run.status in RUN_TERMINAL:
         return {"threadId": run.thread_id, "runId": run.id, "status": run.status}
-    if run.status in (RunStatus.QUEUED, RunStatus.WAITING):
+    if run.status == RunStatus.WAITING or (run.status == RunStatus.QUEUED
+                                           and not run.awaiting_agent_slot):
         raise CommandRejected(f"run {run.id} is {run.status} and has no turn to interrupt",
                               code="thread_not_interruptible")
     attempt = d.get("run-attempt", run.active_attempt_id)
@@ -1214,6 +1255,7 @@ def _end_run(d: _Draft, run: Run, status: str, reason: str | None,
                       else d.now))
     _settle_open_work(d, run, status, f"The run ended ({status}) before an answer.")
     run = d.put(replace(run, status=status, status_reason=reason, failure=failure,
+                        awaiting_agent_slot=False,
                         completed_at=None if status == RunStatus.WAITING else d.now))
     if status == RunStatus.WAITING:
         d.effect("run.finalize", {"runId": run.id}, run.id)
@@ -1248,7 +1290,7 @@ def _settle_open_work(d: _Draft, run: Run, status: str, reason: str) -> None:
 def _promote_queued(d: _Draft) -> None:
     """Start the next queued run when nothing blocks the thread (same transaction)."""
     runs = d.runs()
-    if any(r.status in RUN_BLOCKING for r in runs):
+    if any(r.status in RUN_BLOCKING or r.awaiting_agent_slot for r in runs):
         return
     queued = sorted((r for r in runs if r.status == RunStatus.QUEUED),
                     key=lambda r: (r.queue_position or r.ordinal, r.ordinal))
@@ -1271,7 +1313,7 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
                               code="invalid_request")
     declined = c.decision in ("decline", "cancel")
     d.put(replace(request, status="resolved", decision=c.decision, answers=c.answers,
-                  resolved_at=d.now))
+                  resolved_at=d.now, answered_by=c.answered_by))
     node = d.get("node", request.node_id)
     if node is not None:
         d.put(replace(node, status="cancelled" if declined else "completed", completed_at=d.now))
@@ -1279,7 +1321,8 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
     if item is not None:
         d.put(replace(item, status="cancelled" if declined else "completed", updated_at=d.now,
                       completed_at=d.now, data={**(item.data or {}), "decision": c.decision,
-                                                "answers": c.answers}))
+                                                "answers": c.answers,
+                                                "answeredBy": c.answered_by}))
     task = _parent_task(d)
     if request.kind_ == "user_input" and task is not None:
         d.effect("subagent.question-settled", {**task, "requestId": request.id}, request.id,
@@ -1299,6 +1342,9 @@ def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[st
         raise CommandRejected(f"run {c.run_id} was not found", code="run_not_found")
     if run.status != RunStatus.QUEUED:
         raise CommandRejected(f"run {run.id} is {run.status}, not queued", code="invalid_request")
+    if run.awaiting_agent_slot:  # its start was under way: it ends as a started run would
+        _end_run(d, run, RunStatus.CANCELLED, "The queued run was cancelled.")
+        return {"threadId": run.thread_id, "runId": run.id, "status": RunStatus.CANCELLED}
     attempt = d.get("run-attempt", run.active_attempt_id)
     if attempt is not None:
         d.put(replace(attempt, status="cancelled", completed_at=d.now))
@@ -1316,6 +1362,30 @@ def _current(d: _Draft, run_id: str, attempt_id: str) -> tuple[Run | None, RunAt
     if run is None or attempt is None or run.active_attempt_id != attempt_id:
         return None, attempt
     return run, attempt
+
+
+def _decide_await_slot(d: _Draft, c: AwaitAgentSlot, **_: Any) -> Mapping[str, Any]:
+    run, attempt = _current(d, c.run_id, c.attempt_id)
+    if run is None or attempt is None or run.status != RunStatus.STARTING:
+        raise CommandRejected("the run is no longer waiting to start")
+    d.put(replace(run, status=RunStatus.QUEUED, awaiting_agent_slot=True,
+                  status_reason=c.reason))
+    return {"runId": run.id, "status": RunStatus.QUEUED}
+
+
+def _decide_grant_slot(d: _Draft, c: GrantAgentSlot, **_: Any) -> Mapping[str, Any]:
+    run, attempt = _current(d, c.run_id, c.attempt_id)
+    if run is None or attempt is None or not run.awaiting_agent_slot \
+            or run.status != RunStatus.QUEUED:
+        raise CommandRejected("the run no longer waits for an agent process slot")
+    _restart_waiting(d, run)
+    return {"runId": run.id, "status": RunStatus.STARTING}
+
+
+def _restart_waiting(d: _Draft, run: Run) -> None:
+    d.put(replace(run, status=RunStatus.STARTING, awaiting_agent_slot=False, status_reason=None))
+    d.effect("provider-turn.start", {"runId": run.id, "attemptId": run.active_attempt_id},
+             f"{run.id}:slot")
 
 
 def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str, ProviderInfo],
@@ -1610,6 +1680,8 @@ def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
                 run.id not in c.resumable_run_ids:
             _end_run(d, d.get("run", run.id), RunStatus.INTERRUPTED, c.reason)
             ended.append(run.id)
+        elif run.awaiting_agent_slot:  # the line was in memory: it queues up again
+            _restart_waiting(d, run)
     _promote_queued(d)
     return {"threadId": c.thread_id, "interruptedRunIds": ended}
 
@@ -1794,6 +1866,8 @@ _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
     RespondRuntimeRequest: _decide_respond,
     CancelQueuedRun: _decide_cancel_queued,
     MarkRunStarted: _decide_mark_started,
+    AwaitAgentSlot: _decide_await_slot,
+    GrantAgentSlot: _decide_grant_slot,
     IngestProviderEvents: _decide_ingest,
     CompleteRun: _decide_complete,
     FailRun: _decide_fail_run,
@@ -1840,6 +1914,7 @@ class _LiveSession:
     closing_reason: str | None = None
     pump_done: asyncio.Event = field(default_factory=asyncio.Event)
     idle_timer: asyncio.TimerHandle | None = None
+    last_used: float = 0.0  # monotonic time of its last turn's end: idle ones go LRU first
 
 
 class Orchestrator:
@@ -1860,7 +1935,8 @@ class Orchestrator:
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
                  new_id: Callable[[str], str] = random_id, lease_ms: int = 30_000,
                  coalesce_s: float = 0.02, backoff_base_ms: int = 100,
-                 credentials: SessionCredentials | None = None) -> None:
+                 credentials: SessionCredentials | None = None,
+                 max_live_agent_processes: int = 16) -> None:
         self._store = store
         self._adapters = dict(adapters)
         self.providers = providers  # read live: an instance may become available later
@@ -1875,6 +1951,12 @@ class Orchestrator:
         self._locks: dict[str, asyncio.Lock] = {}
         self._signals: dict[str, asyncio.Event] = {}
         self._live: dict[str, _LiveSession] = {}
+        # Agent process slots: live sessions + sessions opening + slots granted to a run whose
+        # start has not run yet never exceed _max_live; runs without one wait in _line (FIFO).
+        self._max_live = max_live_agent_processes
+        self._opening = 0
+        self._reserved: dict[str, str] = {}  # run id -> thread id
+        self._line: list[tuple[str, str, str]] = []  # (thread id, run id, attempt id)
         self._effect_tasks: dict[str, asyncio.Task[None]] = {}
         self._effect_wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -1928,6 +2010,9 @@ class Orchestrator:
                 state.put(entity)
                 state.sequence = sequence
             touched.add(event.thread_id)
+            if kind == "run" and entity.id in self._reserved and entity.status in RUN_TERMINAL:
+                del self._reserved[entity.id]  # it ended before its start ran: free its slot
+                asyncio.get_running_loop().call_soon(self._rebalance)
         for thread_id in touched:
             self._notify(thread_id)
 
@@ -2203,12 +2288,20 @@ class Orchestrator:
     # -- provider sessions -----------------------------------------------------------------------
 
     async def _start_attempt(self, thread_id: str, run_id: str, attempt_id: str) -> None:
-        state = await self.state(thread_id)
-        run = state.run(run_id) if state else None
-        if state is None or run is None or run.status != RunStatus.STARTING \
-                or run.active_attempt_id != attempt_id:
-            return  # replayed or overtaken: nothing to start
-        live, created = await self._ensure_session(state, run)
+        try:
+            state = await self.state(thread_id)
+            run = state.run(run_id) if state else None
+            if state is None or run is None or run.status != RunStatus.STARTING \
+                    or run.active_attempt_id != attempt_id:
+                return  # replayed or overtaken: nothing to start
+            opened = await self._ensure_session(state, run)
+        finally:
+            if self._reserved.pop(run_id, None) is not None:
+                self._rebalance()  # a slot granted to this run that it did not use
+        if opened is None:
+            await self._wait_in_line(state, run)
+            return
+        live, created = opened
         message = state.entities["message"].get(run.user_message_id)
         if live.idle_timer is not None:
             live.idle_timer.cancel()
@@ -2235,7 +2328,10 @@ class Orchestrator:
                 run_id=run_id, attempt_id=attempt_id, status=RunStatus.FAILED,
                 reason=f"The provider did not accept the turn: {exc}"))
 
-    async def _ensure_session(self, state: ThreadState, run: Run) -> tuple[_LiveSession, bool]:
+    async def _ensure_session(self, state: ThreadState, run: Run
+                              ) -> tuple[_LiveSession, bool] | None:
+        """The thread's live session for this run, opening one if needed; None when that needs
+        an agent process slot and none is free (the run then waits in line)."""
         thread = state.thread
         assert thread is not None
         live = self._live.get(thread.id)
@@ -2244,12 +2340,24 @@ class Orchestrator:
             if not self._renewal_due(live, adapter):
                 return live, False
             live.closing_reason = "Replaced by a session with a new t3 credential."
-        if live is not None:
-            await live.handle.close()
-            await live.pump_done.wait()
         if adapter is None:
             raise _PermanentEffectError(f"provider instance {run.provider_instance_id!r} is not "
                                         "configured on this server")
+        if live is not None:  # replaced: its slot passes to the new session
+            self._opening += 1
+            await live.handle.close()
+            await live.pump_done.wait()
+        elif not await self._claim_slot(run.id):
+            return None
+        try:
+            return await self._open_session(state, run, adapter), True
+        finally:
+            self._opening -= 1
+
+    async def _open_session(self, state: ThreadState, run: Run, adapter: ProviderAdapter
+                            ) -> _LiveSession:
+        thread = state.thread
+        assert thread is not None
         pthread = state.entities["provider-thread"].get(run.provider_thread_id or "")
         session_id = self._new_id("provider-session")
         # The credential exists before the process does; it dies with the session.
@@ -2268,12 +2376,78 @@ class Orchestrator:
                 self._credentials.revoke(session_id)
             raise
         live = _LiveSession(session_id=session_id, thread_id=thread.id,
-                            instance_id=run.provider_instance_id, handle=handle)
+                            instance_id=run.provider_instance_id, handle=handle,
+                            last_used=time.monotonic())
         live.idle_timer = asyncio.get_running_loop().call_later(self.IDLE_RELEASE_S,
                                                                 self._release, live)
         self._live[thread.id] = live
         self._spawn(self._pump(live), f"pump {session_id}")
-        return live, True
+        return live
+
+    # -- agent process slots (max_live_agent_processes) -----------------------------------------
+
+    def _slots_used(self) -> int:
+        return len(self._live) + self._opening + len(self._reserved)
+
+    async def _claim_slot(self, run_id: str) -> bool:
+        """Hold a slot for a new provider process (``_opening`` until it is live). A run that was
+        granted one has it; otherwise runs already in line go first, then a free slot is taken,
+        then the least recently used idle session is stopped to make one."""
+        granted = self._reserved.pop(run_id, None) is not None
+        if not granted and (self._line or self._slots_used() >= self._max_live):
+            idle = None if self._line else self._idle_sessions()[:1]
+            if not idle:
+                return False
+            self._opening += 1
+            idle[0].closing_reason = "Stopped to free an agent process slot."
+            await idle[0].handle.close()
+            await idle[0].pump_done.wait()
+            return True
+        self._opening += 1
+        return True
+
+    def _idle_sessions(self) -> list[_LiveSession]:
+        """Live sessions with no turn that nothing is stopping yet, least recently used first."""
+        idle = [s for s in self._live.values() if s.turn is None and s.closing_reason is None]
+        return sorted(idle, key=lambda s: s.last_used)
+
+    async def _wait_in_line(self, state: ThreadState, run: Run) -> None:
+        """No agent process slot: the run goes back to ``queued``, saying why, until
+        ``_rebalance`` grants it one (in the order runs started waiting)."""
+        try:
+            await self.dispatch(AwaitAgentSlot(
+                command_id=bounded_id(f"command:await-slot:{run.active_attempt_id}:"
+                                      f"{self._new_id('wait')}"),
+                thread_id=run.thread_id, run_id=run.id, attempt_id=run.active_attempt_id or "",
+                reason=f"Waiting for a free agent process: max_live_agent_processes = "
+                       f"{self._max_live} are running; it starts when one frees."))
+        except CommandRejected:
+            return  # interrupted meanwhile
+        self._line.append((run.thread_id, run.id, run.active_attempt_id or ""))
+        self._rebalance()
+
+    def _rebalance(self) -> None:
+        """Give free slots to the runs in line, oldest first; when more runs wait than slots are
+        on their way to freeing, stop idle sessions (least recently used first) to free more."""
+        if self.stopping:
+            return
+        while self._line and self._slots_used() < self._max_live:
+            thread_id, run_id, attempt_id = self._line.pop(0)
+            self._reserved[run_id] = thread_id
+            self._spawn(self._grant_slot(thread_id, run_id, attempt_id), f"slot {run_id}")
+        freeing = sum(1 for s in self._live.values() if s.closing_reason is not None)
+        for idle in self._idle_sessions()[:max(0, len(self._line) - freeing)]:
+            idle.closing_reason = "Stopped to free an agent process slot."
+            self._spawn(idle.handle.close(), f"release {idle.session_id}")
+
+    async def _grant_slot(self, thread_id: str, run_id: str, attempt_id: str) -> None:
+        try:
+            await self.dispatch(GrantAgentSlot(
+                command_id=bounded_id(f"command:grant-slot:{attempt_id}:{self._new_id('grant')}"),
+                thread_id=thread_id, run_id=run_id, attempt_id=attempt_id))
+        except CommandRejected:  # it ended while it waited: the slot goes to the next in line
+            self._reserved.pop(run_id, None)
+            self._rebalance()
 
     def _renewal_due(self, live: _LiveSession, adapter: ProviderAdapter | None) -> bool:
         """The session's credential ended, or is past half its life: the next turn runs in a
@@ -2332,6 +2506,9 @@ class Orchestrator:
                     live.turn_ended.set()
                     if self._credentials:
                         self._credentials.set_active(live.session_id, False)
+                    live.last_used = time.monotonic()
+                    if self._line:
+                        self._rebalance()  # runs wait for a slot: this idle session gives one
                     live.idle_timer = loop.call_later(self.IDLE_RELEASE_S, self._release, live)
         finally:
             await self._session_gone(live)
@@ -2388,6 +2565,7 @@ class Orchestrator:
             if self._live.get(live.thread_id) is live:
                 del self._live[live.thread_id]
             live.pump_done.set()
+            self._rebalance()
 
     def _release(self, live: _LiveSession) -> None:
         if live.turn is None and self._live.get(live.thread_id) is live:

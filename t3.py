@@ -139,6 +139,8 @@ def load_config(path: Path, *, cwd: Path) -> Config:
             raise fail("projects", i, "title", "must be a string")
         if any(p["id"] == pid for p in projects):
             raise fail("projects", i, "id", f"duplicate project id {pid!r}")
+        if pid == "scratch":
+            raise fail("projects", i, "id", "'scratch' is reserved for scratch workspaces")
         projects.append({"id": pid, "path": str(Path(ppath).resolve()), "title": title})
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
@@ -596,7 +598,8 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
             log.info("provider %s unavailable: %s", adapter.info.instance_id,
                      "; ".join(adapter.info.constraints))
     orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
-                            credentials=credentials)
+                            credentials=credentials,
+                            max_live_agent_processes=config.max_live_agent_processes)
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.")
@@ -607,7 +610,8 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
 
     context = context_cls(environment_id=environment_id,
                           projects=[project_cls(p["id"], p["path"], p["title"])
-                                    for p in config.projects], data_dir=data_dir)
+                                    for p in config.projects], data_dir=data_dir,
+                          max_delegation_depth=config.max_delegation_depth)
     toolkit = toolkit_cls(orch, store, context)
     mcp_server = build_mcp_server(toolkit, version=VERSION)
     # Streamable HTTP answers in SSE (progress notifications flow); a client that accepts only

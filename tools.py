@@ -13,6 +13,7 @@ subprocesses or provider calls here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -88,17 +89,24 @@ class ServerContext:
     environment_id: str
     projects: list[Project]
     data_dir: Path
+    max_delegation_depth: int = 5
     scratch_project: Project = field(init=False)
 
     def __post_init__(self) -> None:
         self.scratch_project = Project("scratch", str(self.data_dir / "scratch"), "Scratch")
 
-    def project(self, project_id: str | None) -> Project:
+    def project(self, project_id: str | None, *, listing: bool = False) -> Project:
+        """A configured project (the first by default). ``scratch`` is the folder that holds
+        every scratch workspace: its threads can be listed, but a thread made there would run in
+        all of them (``t3_thread_launch`` with ``scratch: true`` gives each its own folder)."""
         if project_id is None:
             return self.projects[0]
-        for project in [*self.projects, self.scratch_project]:
+        for project in [*self.projects, *([self.scratch_project] if listing else [])]:
             if project.id == project_id:
                 return project
+        if project_id == self.scratch_project.id:
+            raise ToolFailure("invalid_request", "projectId: scratch threads are made by "
+                              "t3_thread_launch with scratch: true, each in its own folder")
         raise ToolFailure("invalid_request", f"projectId: unknown project {project_id!r}")
 
     def link(self, thread_id: str) -> str:
@@ -364,7 +372,7 @@ class Toolkit:
             raise ToolFailure(exc.code if exc.code in FAILURE_CODES else "orchestration_error",
                               str(exc)) from exc
         except StoreError as exc:  # e.g. a full disk: the transaction rolled back, nothing written
-            log.warning("tool %s could not write: %s", name, exc)
+            log.warning("tool %r could not write: %s", name, exc)
             raise ToolFailure("orchestration_error", f"t3 could not record this: {exc}") from exc
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -617,6 +625,11 @@ class Toolkit:
             task_id = receipt.result["taskId"]
         else:
             _, run = await self._agent_caller(scope, "delegate_task")
+            depth = await self._depth(caller.thread) + 1
+            if depth > self.ctx.max_delegation_depth:
+                raise ToolFailure("capability_denied", f"delegate_task: the child would be "
+                                  f"{depth} levels deep, beyond max_delegation_depth = "
+                                  f"{self.ctx.max_delegation_depth} ([limits] in t3.toml)")
             result = await self.orch.dispatch(dataclasses.replace(command, parent_run_id=run.id))
             task_id = result.result["taskId"]
         timed_out = False
@@ -758,8 +771,7 @@ class Toolkit:
                               ) -> dict[str, Any]:
         caller = (await self._agent_caller(scope, "create_threads"))[0] \
             if scope.kind == "thread" else None
-        project = self.ctx.project(args.get("projectId") or (
-            caller.thread.project_id if caller and caller.thread else None))
+        project = self.ctx.project(args.get("projectId") or _home_project(caller))
         key = self._key(args)
         commands = [self._plan_create(
             command_id=self._id("command", "mcp", scope.key, "create-thread", key, str(i)),
@@ -790,8 +802,7 @@ class Toolkit:
             project = self.ctx.scratch_project
             workspace = Path(project.path) / _folder_name(thread_id)
         else:
-            project = self.ctx.project(args.get("projectId") or (
-                caller.thread.project_id if caller and caller.thread else None))
+            project = self.ctx.project(args.get("projectId") or _home_project(caller))
             workspace = Path(project.path)
         entry = {"prompt": args.get("message"), "title": args.get("title"),
                  "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
@@ -800,8 +811,15 @@ class Toolkit:
             command_id=self._id("command", "mcp", scope.key, "launch", key),
             thread_id=thread_id, project=project, workspace=str(workspace), entry=entry,
             message_id=self._id("message", "mcp", scope.key, "launch", key), caller=caller)
-        workspace.mkdir(parents=True, exist_ok=True)
-        created = await self._create(command)
+        made = not workspace.exists()
+        workspace.mkdir(parents=True, exist_ok=True)  # before the agent can start in it
+        try:
+            created = await self._create(command)
+        except BaseException:
+            if made:
+                with contextlib.suppress(OSError):  # only ever an empty folder
+                    workspace.rmdir()
+            raise
         return {**created, "workspaceStrategy": "scratch" if args.get("scratch") else "root",
                 "workspacePath": str(workspace)}
 
@@ -809,7 +827,7 @@ class Toolkit:
                             ) -> dict[str, Any]:
         caller = await self._caller_thread(scope)
         project = self.ctx.project(args.get("projectId") or (
-            caller.thread.project_id if caller and caller.thread else None))
+            caller.thread.project_id if caller and caller.thread else None), listing=True)
         cursor = args.get("cursor", 0)
         total, rows = self.store.list_threads(
             project.id, statuses=args.get("statuses") or (),
@@ -938,7 +956,9 @@ class Toolkit:
                 "messageId": item.message_id, "role": message.role if message else None,
                 "createdBy": created_by, "creationSource": source, "type": item.type,
                 "status": item.status, "title": item.title, "text": text,
-                "textTruncated": truncated, "updatedAt": item.updated_at}
+                "textTruncated": truncated, "updatedAt": item.updated_at,
+                **({"answeredBy": item.data["answeredBy"]}  # who answered a request
+                   if item.data and item.data.get("answeredBy") else {})}
 
     async def _send(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
         state = await self._thread(args["threadId"])
@@ -1023,7 +1043,7 @@ class Toolkit:
         if caller is not None and caller.thread is not None and caller.thread.id != thread_id \
                 and state.thread is not None:
             self._ceiling(caller.thread, state.thread.runtime_mode, state.thread.interaction_mode)
-        active = [r for r in state.runs if r.status in RUN_BLOCKING]
+        active = [r for r in state.runs if r.status in RUN_BLOCKING or r.awaiting_agent_slot]
         if "runId" in args:
             run = state.run(args["runId"])
             if run is None:
@@ -1064,28 +1084,63 @@ class Toolkit:
             return {"threadId": args["threadId"], "request": {
                 **_request_summary(request), "detail": request.detail,
                 "decision": request.decision, "answers": request.answers,
-                "resolvedAt": request.resolved_at, "statusReason": request.status_reason}}
+                "answeredBy": request.answered_by, "resolvedAt": request.resolved_at,
+                "statusReason": request.status_reason}}
         if ("decision" in args) == ("answers" in args):
             raise ToolFailure("invalid_request", "decision: give exactly one of decision or "
                                                  "answers")
-        # Answering changes that thread's run: the same privilege ceiling as send and interrupt.
-        thread = state.thread
-        assert thread is not None
-        caller = await self._require_live_caller(scope, thread.id, "t3_pending_request respond")
-        if caller is not None and caller.thread is not None and caller.thread.id == thread.id:
-            # An approval the agent could grant itself would void approval-required.
-            raise ToolFailure("capability_denied", "a thread's agent cannot answer its own "
-                              "thread's requests; the user or a parent thread answers them")
-        if caller is not None and caller.thread is not None and caller.thread.id != thread.id:
-            self._ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
+        answered_by = {"kind": "client"} if scope.kind == "client" else \
+            {"kind": "thread", "threadId": await self._answering_thread(scope, state, request)}
         key = self._key(args)
         result = await self.orch.dispatch(orch.RespondRuntimeRequest(
             command_id=self._id("command", "mcp", scope.key, "respond", request.id, key),
             thread_id=args["threadId"], request_id=request.id, decision=args.get("decision"),
-            answers=args.get("answers")))
+            answers=args.get("answers"), answered_by=answered_by))
         return {"threadId": args["threadId"], "requestId": request.id,
                 "status": result.result.get("status", "resolved"),
                 "decision": args.get("decision")}
+
+
+    async def _answering_thread(self, scope: Scope, target: ThreadState,
+                                request: orch.RuntimeRequest) -> str:
+        """SPEC 5.1a: an agent answers only requests of its own descendants, with its own live
+        run, and only what its own runtime mode would have done without asking. Anything else
+        (its own thread, ancestors, siblings, unrelated threads) would let an agent approve its
+        own work through another thread, which would void approval-required."""
+        caller = await self._caller_thread(scope)
+        if caller is None or caller.thread is None:
+            raise ToolFailure("parent_not_active", "the calling thread is gone")
+        assert target.thread is not None
+        if not await self._descends_from(target.thread, caller.thread.id):
+            raise ToolFailure("capability_denied", "an agent may answer only the requests of "
+                              "threads it delegated (its descendants); the user answers the rest")
+        if _live_run(caller, scope.provider_instance_id) is None:
+            raise ToolFailure("parent_not_active", "answering a request needs an active run of "
+                              "the calling thread")
+        needed = orch.mode_to_answer(request.kind_)
+        mode = orch.RuntimeMode(caller.thread.runtime_mode)
+        if needed is not None and orch.RUNTIME_RANK[mode] < orch.RUNTIME_RANK[needed]:
+            raise ToolFailure("capability_denied", f"answering a {request.kind_} request needs "
+                              f"runtime mode {needed} or broader; this thread runs in {mode}")
+        return caller.thread.id
+
+    async def _descends_from(self, thread: orch.AppThread, ancestor_id: str) -> bool:
+        return ancestor_id in await self._ancestors(thread)
+
+    async def _depth(self, thread: orch.AppThread) -> int:
+        """How many delegations deep a thread is: 0 for a top-level thread."""
+        return len(await self._ancestors(thread))
+
+    async def _ancestors(self, thread: orch.AppThread) -> list[str]:
+        """The thread's parent, grandparent, ... through delegation lineage."""
+        found: list[str] = []
+        parent_id = thread.lineage.get("parentThreadId")
+        while parent_id and parent_id != thread.id and parent_id not in found:
+            found.append(parent_id)  # (lineage cannot loop; the checks make sure)
+            parent = await self.orch.state(parent_id)
+            parent_id = parent.thread.lineage.get("parentThreadId") \
+                if parent is not None and parent.thread is not None else None
+        return found
 
 
 def _folder_name(thread_id: str) -> str:
@@ -1095,6 +1150,13 @@ def _folder_name(thread_id: str) -> str:
     if len(quoted) <= 128:
         return quoted
     return f"{quoted[:80]}-{hashlib.sha256(thread_id.encode()).hexdigest()[:32]}"
+
+
+def _home_project(caller: ThreadState | None) -> str | None:
+    """The project a calling thread creates threads in by default: its own, unless it is a
+    scratch thread (then the default project)."""
+    project_id = caller.thread.project_id if caller and caller.thread else None
+    return None if project_id == "scratch" else project_id
 
 
 def _live_run(state: ThreadState, instance_id: str | None) -> orch.Run | None:
@@ -1154,7 +1216,7 @@ def build_mcp_server(toolkit: Toolkit, *, version: str) -> Server:
         except ToolFailure as failure:
             return failure_result(failure.code, failure.message)
         except Exception:
-            log.exception("tool %s failed", params.name)
+            log.exception("tool %r failed", params.name)
             return failure_result("orchestration_error",
                                   "t3 hit an internal error; see the server log.")
         return _result(payload, is_error=False)

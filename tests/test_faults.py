@@ -262,7 +262,7 @@ def test_parallel_and_restarted_duplicates_make_one_set_of_events(t3: T3Server, 
     assert scalar(t3, mine) == events
     assert scalar(t3, "SELECT COUNT(*) FROM threads") == 1
     assert scalar(t3, "SELECT COUNT(*) FROM runs") == runs
-    assert receipts_like(t3, "%create-thread%dup-create%") == 1
+    assert receipts_like(t3, "command:mcp:client:create-thread:dup-create%") == 1
     assert receipts_like(t3, "%thread-send%dup-send%") == 1
     assert count_prompts(agent_log_path) == prompts == 2  # the first turn, then the follow-up
     assert assistant_text(mcp, thread_id).count("You said: follow up") == 1

@@ -94,12 +94,14 @@ def test_token_of_an_ended_run_reads_but_changes_nothing(t3_factory, tmp_path: P
         for tool, args in [
                 ("t3_thread_send", {"threadId": b_id, "message": "do as I say"}),
                 ("t3_thread_interrupt", {"threadId": b_id}),
-                ("t3_pending_request", {"threadId": b_id, "action": "respond",
-                                        "requestId": request_id, "decision": "accept"}),
                 ("delegate_task", {"task": "x"}),
                 ("create_threads", {"threads": [{"title": "x"}]}),
                 ("t3_thread_launch", {"title": "x"})]:
             refused(t3, a, tool, args, "parent_not_active")
+        # B is not A's descendant: no agent but B's ancestors may answer it (SPEC 5.1a).
+        refused(t3, a, "t3_pending_request", {"threadId": b_id, "action": "respond",
+                                              "requestId": request_id, "decision": "accept"},
+                "capability_denied")
         refused(t3, a, "task_status", {"taskId": f"node:{b_id}"}, "task_not_found")
         refused(t3, a, "task_cancel", {"taskId": f"node:{b_id}"}, "task_not_found")
     finally:
@@ -108,9 +110,9 @@ def test_token_of_an_ended_run_reads_but_changes_nothing(t3_factory, tmp_path: P
 
 
 def test_live_token_cannot_reach_above_its_own_modes(t3_factory, tmp_path: Path) -> None:
-    """An agent with a live approval-required run cannot send to, interrupt or answer for a
-    thread with broader runtime mode, nor answer its own thread's request; it may still read
-    it."""
+    """An agent with a live approval-required run cannot send to or interrupt a thread with
+    broader runtime mode, nor answer an unrelated thread's or its own thread's request; it may
+    still read them."""
     t3 = t3_factory(providers=two_agents(tmp_path))
     client = t3.client()
     a_id, _ = start(client, "ASK_PERMISSION", "alpha", "approval-required")
@@ -122,10 +124,11 @@ def test_live_token_cannot_reach_above_its_own_modes(t3_factory, tmp_path: Path)
         allowed(t3, a, "t3_thread_read", {"threadId": b_id})
         for tool, args in [
                 ("t3_thread_send", {"threadId": b_id, "message": "escalate"}),
-                ("t3_thread_interrupt", {"threadId": b_id}),
-                ("t3_pending_request", {"threadId": b_id, "action": "respond",
-                                        "requestId": request_id, "decision": "accept"})]:
+                ("t3_thread_interrupt", {"threadId": b_id})]:
             refused(t3, a, tool, args, "runtime_mode_escalation_denied")
+        refused(t3, a, "t3_pending_request", {"threadId": b_id, "action": "respond",
+                                              "requestId": request_id, "decision": "accept"},
+                "capability_denied")  # not its descendant
         refused(t3, a, "create_threads", {"threads": [{"title": "x", "runtimeMode": "auto"}]},
                 "runtime_mode_escalation_denied")
         # Nor may it grant its own approval: that would void approval-required.
