@@ -983,3 +983,49 @@ def test_child_question_is_routed_to_the_parent_and_withdrawn_when_answered() ->
         command_id="cmd-notice", thread_id=THREAD, task_id=TASK_ID, request_id="r",
         child_thread_id="c", question="?"))
     assert quiet.events == () and quiet.result["notified"] is False
+
+
+# =============================================================================================
+# Agent process slots (max_live_agent_processes)
+
+
+def await_slot(sim: Sim, ordinal: int = 1) -> o.Decision:
+    run = sim.run(ordinal)
+    return sim.do(o.AwaitAgentSlot(command_id=sim.cid("await"), thread_id=THREAD, run_id=run.id,
+                                   attempt_id=run.active_attempt_id, reason="no slot"))
+
+
+def test_a_run_waiting_for_a_slot_holds_its_thread_until_granted() -> None:
+    """A starting run with no agent slot waits queued, saying why; a message sent meanwhile
+    queues behind it; the grant starts it again and nothing else."""
+    sim = Sim()
+    sim.create()
+    await_slot(sim)
+    waiting = sim.run(1)
+    assert (waiting.status, waiting.awaiting_agent_slot, waiting.status_reason) == (
+        "queued", True, "no slot")
+    sent = sim.send("meanwhile")
+    assert sim.run(2).status == "queued" and effect_types(sent) == []
+    granted = sim.do(o.GrantAgentSlot(command_id=sim.cid("grant"), thread_id=THREAD,
+                                      run_id=waiting.id, attempt_id=waiting.active_attempt_id))
+    assert sim.run(1).status == "starting" and not sim.run(1).awaiting_agent_slot
+    assert sim.run(1).status_reason is None and sim.run(2).status == "queued"
+    assert effect_types(granted) == ["provider-turn.start"]
+    with pytest.raises(o.CommandRejected):  # granted once only
+        sim.decide(o.GrantAgentSlot(command_id="again", thread_id=THREAD, run_id=waiting.id,
+                                    attempt_id=waiting.active_attempt_id))
+
+
+def test_a_run_waiting_for_a_slot_can_be_interrupted_and_is_restarted_after_a_crash() -> None:
+    """Interrupting a run that waits for a slot ends it and promotes the next queued run;
+    recovery after a restart puts a waiting run back to starting (the line was in memory)."""
+    sim = Sim()
+    sim.create()
+    await_slot(sim)
+    sim.send("next")
+    decision = sim.interrupt(1)
+    assert sim.run(1).status == "interrupted" and not sim.run(1).awaiting_agent_slot
+    assert sim.run(2).status == "starting" and "provider-turn.start" in effect_types(decision)
+    await_slot(sim, 2)
+    decision = sim.recover()
+    assert sim.run(2).status == "starting" and effect_types(decision) == ["provider-turn.start"]
