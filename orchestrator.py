@@ -2288,16 +2288,17 @@ class Orchestrator:
     # -- provider sessions -----------------------------------------------------------------------
 
     async def _start_attempt(self, thread_id: str, run_id: str, attempt_id: str) -> None:
+        state = await self.state(thread_id)
+        run = state.run(run_id) if state else None
+        if state is None or run is None or run.status != RunStatus.STARTING \
+                or run.active_attempt_id != attempt_id:
+            self._started(run_id)
+            return  # replayed or overtaken: nothing to start
         try:
-            state = await self.state(thread_id)
-            run = state.run(run_id) if state else None
-            if state is None or run is None or run.status != RunStatus.STARTING \
-                    or run.active_attempt_id != attempt_id:
-                return  # replayed or overtaken: nothing to start
             opened = await self._ensure_session(state, run)
-        finally:
-            if self._reserved.pop(run_id, None) is not None:
-                self._rebalance()  # a slot granted to this run that it did not use
+        except BaseException:
+            self._started(run_id)
+            raise
         if opened is None:
             await self._wait_in_line(state, run)
             return
@@ -2305,8 +2306,9 @@ class Orchestrator:
         message = state.entities["message"].get(run.user_message_id)
         if live.idle_timer is not None:
             live.idle_timer.cancel()
-        live.turn = (run_id, attempt_id)
+        live.turn = (run_id, attempt_id)  # from here on the session is not idle
         live.turn_ended = asyncio.Event()
+        self._started(run_id)
         if self._credentials:
             self._credentials.set_active(live.session_id, True)
         try:
@@ -2385,6 +2387,12 @@ class Orchestrator:
         return live
 
     # -- agent process slots (max_live_agent_processes) -----------------------------------------
+
+    def _started(self, run_id: str) -> None:
+        """A start is over (or off): a slot granted to it and not used goes to the next run in
+        line, as does one a failed start gave back."""
+        self._reserved.pop(run_id, None)
+        self._rebalance()
 
     def _slots_used(self) -> int:
         return len(self._live) + self._opening + len(self._reserved)

@@ -323,7 +323,10 @@ TOOLS: tuple[_Tool, ...] = (
     _Tool("t3_pending_request",
           "List, read or answer a thread's pending runtime requests (approvals and questions "
           "from its agent). respond takes requestId plus decision (accept, acceptForSession, "
-          "decline, cancel) or answers.",
+          "decline, cancel) or answers. An agent may answer only requests of threads it "
+          "delegated (descendants), while its own run is live, and approvals only when its own "
+          "runtime mode would have allowed the action (auto or full-access for commands; "
+          "auto-accept-edits for file edits).",
           _object({"threadId": THREAD_ID,
                    "action": {"type": "string", "enum": ["list", "read", "respond"]},
                    "requestId": _text(512),
