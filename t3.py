@@ -303,12 +303,12 @@ def _tighten(path: Path, mode: int) -> None:
 
 def check_config_file(path: Path) -> None:
     """Refuse a configuration file another user could have written: it names the commands t3
-    runs."""
+    runs. Root's own files are trusted (root can do anything anyway)."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
         return
-    if info.st_uid != os.geteuid():
+    if info.st_uid not in (os.geteuid(), 0):
         raise DataDirError(f"refusing the configuration {path}: it belongs to uid "
                            f"{info.st_uid}, not to this user (uid {os.geteuid()}), and it "
                            "names the commands t3 runs")
@@ -328,14 +328,12 @@ def warn_readable_secrets(path: Path, config: Config) -> None:
 
 
 def client_token(data_dir: Path) -> str:
-    """Read the client token, creating it (mode 0600) on first use."""
+    """Read the client token, creating it (mode 0600) on first use: whole, so that a reader
+    racing the creation never sees an empty file."""
     path = data_dir / "client-token"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return _read_token(path)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+    if not os.path.lexists(path):
+        with contextlib.suppress(FileExistsError):  # another process made it first
+            _write_private_atomic(path, secrets.token_urlsafe(32) + "\n", replace=False)
     return _read_token(path)
 
 
@@ -344,7 +342,7 @@ def rotate_client_token(data_dir: Path) -> str:
     request on (``ClientToken``)."""
     path = data_dir / "client-token"
     token = secrets.token_urlsafe(32)
-    _write_private_atomic(path, token + "\n")
+    _write_private_atomic(path, token + "\n", replace=True)
     return token
 
 
@@ -426,17 +424,25 @@ def _create_private(path: Path) -> None:
     os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
 
 
-def _write_private_atomic(path: Path, text: str) -> None:
-    """Write a 0600 file by temp file + rename: readers see the old or the new content whole."""
+def _write_private_atomic(path: Path, text: str, *, replace: bool) -> None:
+    """Write a 0600 file through a temp file: readers see no content or all of it. Without
+    ``replace``, an existing ``path`` (even a symlink) raises FileExistsError, untouched."""
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temp)  # left by a killed process that had our pid
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(temp, path)
+        else:
+            os.link(temp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
 
 
 # =============================================================================================
@@ -508,8 +514,12 @@ def bearer_auth(app: ASGIApp, *, credentials: Credentials, client_token: ClientT
     async def middleware(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         header = _header(scope, b"authorization") or ""
         token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        resolved = None if not token else Scope(kind="client", key="client") \
-            if client_token.matches(token) else credentials.resolve(token)
+        if not token:
+            resolved = None
+        elif client_token.matches(token):
+            resolved = Scope(kind="client", key="client")
+        else:
+            resolved = credentials.resolve(token)
         if resolved is None:
             log.warning("rejected an MCP request: %s", "unknown or expired token" if token
                         else "missing bearer token")
@@ -888,7 +898,8 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
             "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp",
             "wsUrl": f"{'wss' if hconfig.ssl_enabled else 'ws'}://{url_host}:{port}/ws",
             "port": port, "environmentId": environment_id,
-            "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+            "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n",
+            replace=True)
         print(f"t3 {VERSION} ready: MCP at {url}/mcp (client token in {data_dir / 'client-token'})",
               file=sys.stderr, flush=True)
         stopped = loop.create_task(stop.wait())
@@ -959,13 +970,16 @@ def _raise_fd_limit(max_connections: int) -> None:
     the database, logs and agent pipes (the soft limit is often 1024)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 4 * max_connections + 1024
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        if new < wanted:
-            log.warning("open files are limited to %d (hard limit): fewer than [server] "
-                        "max_connections = %d may fit", new, max_connections)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ValueError, OSError):
+        new = soft
+    if new < wanted:
+        log.warning("open files are limited to %d: [server] max_connections = %d may not fit",
+                    new, max_connections)
 
 
 def _listen(host: str, port: int, *, cap: int, tls: bool) -> _Listener:
