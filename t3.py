@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VERSION", "main", "Config", "ConfigError", "load_config", "DataDirError",
-           "open_data_dir", "ClientToken", "Credentials", "HttpPolicy", "build_app"]
+           "open_data_dir", "ClientToken", "Credentials", "HttpPolicy", "Route", "build_app"]
 
 VERSION = "0.1.0"
 log = logging.getLogger("t3")
@@ -546,6 +546,8 @@ BODY_TIMEOUT_S = 10.0  # for a whole request body, counted from when it may be r
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Route:
+    """What serves one path, and for which methods (others get 405)."""
+
     methods: tuple[str, ...]
     handler: ASGIApp
     check_origin: bool = True  # webhooks (/hooks/..., to come) opt out: other sites call them
@@ -595,6 +597,7 @@ def _is_loopback(name: str) -> bool:
 
 def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientToken,
               environment_id: str, policy: HttpPolicy) -> ASGIApp:
+    """The routes, each reached only past ``_refusal`` (Host, Origin, path, method)."""
     async def healthz(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         await _send_json(send, 200, {"ok": True, "version": VERSION,
                                      "environmentId": environment_id})
@@ -676,13 +679,11 @@ def _bounded_body(app: ASGIApp) -> ASGIApp:
     """Bound the body of an authenticated request: over ``MAX_BODY_BYTES`` is 413, and a body
     still arriving ``BODY_TIMEOUT_S`` after the request is ``_SlowBody`` (408), so a slow client
     cannot hold a task forever. Only the body is timed: hypercorn's read_timeout would also cut
-    the responses of waits, which stream for up to 600 s."""
+    the responses of waits, which stream for up to 600 s. (The MCP handler reads the body, an
+    empty one too, before it does anything that takes long.)"""
     async def bounded(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         length = _header(scope, b"content-length") or ""
         too_long = length.isdigit() and int(length) > MAX_BODY_BYTES
-        if not (length.isdigit() and int(length) > 0 or _header(scope, b"transfer-encoding")):
-            await app(scope, receive, send)  # no body: nothing to wait for
-            return
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S) as deadline:
                 async def receive_body() -> Any:
