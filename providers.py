@@ -170,7 +170,7 @@ class _ProtocolLog:
         self.path = path
         self._max_bytes = max_bytes
         self._backup_count = backup_count
-        self._file = open(path, "ab", buffering=64 * 1024)  # noqa: SIM115 (closed in close())
+        self._file = self._open()
         self._size = self._file.tell()
         self._flush_timer: asyncio.TimerHandle | None = None
         self._second = -1
@@ -229,8 +229,13 @@ class _ProtocolLog:
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
         else:
             self.path.unlink(missing_ok=True)
-        self._file = open(self.path, "ab", buffering=64 * 1024)  # noqa: SIM115
+        self._file = self._open()
         self._size = 0
+
+    def _open(self) -> Any:
+        """Private to the user (0600), and never through a symlink planted in its place."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        return os.fdopen(fd, "ab", buffering=64 * 1024)  # closed in close()
 
 
 class _SessionEvents(asyncio.Queue[Any]):
@@ -251,7 +256,14 @@ class _SessionEvents(asyncio.Queue[Any]):
 # Processes
 
 
+# t3.py narrows its own umask to keep the data directory private; agents create files in the
+# user's project and get the umask t3 was started with.
+CHILD_UMASK: int | None = None
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if CHILD_UMASK is not None:
+        os.umask(CHILD_UMASK)
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -1,11 +1,14 @@
 """t3.py: the entry point of t3, a small auditable server that orchestrates coding agents.
 
 ``python t3.py [serve]`` runs one local server (hypercorn on 127.0.0.1) with MCP tools at ``/mcp``;
-``python t3.py token`` prints the client token. This file owns configuration (``t3.toml``), the
-data directory (its lock, the client token, ``server.json``), credentials and bearer auth, the
-ASGI app and its routes, and startup/shutdown order. It wires the layers; it decides nothing and
-holds no SQL: ``store.py`` (SQLite) <- ``orchestrator.py`` (domain) <- ``tools.py`` (MCP tools),
-with ``providers.py`` (agent subprocesses) handed to the orchestrator here.
+``python t3.py token [--rotate]`` prints (or replaces) the client token. This file owns
+configuration (``t3.toml``), the data directory (private: 0700 and 0600, no symlink followed; its
+lock, the client token, ``server.json``), credentials and bearer auth, the ASGI app and its routes
+(every request: Host and Origin checked, authenticated before its body is read, the body bounded
+in size and time), the listening socket (connections capped), and startup/shutdown order. It
+wires the layers; it decides nothing and holds no SQL: ``store.py`` (SQLite) <-
+``orchestrator.py`` (domain) <- ``tools.py`` (MCP tools), with ``providers.py`` (agent
+subprocesses) handed to the orchestrator here.
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ import dataclasses
 import fcntl
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
 import re
+import resource
 import secrets
 import signal
 import socket
+import ssl
+import stat
 import sys
 import time
 import tomllib
@@ -32,7 +39,8 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMappi
 from pathlib import Path
 from typing import Any
 
-__all__ = ["VERSION", "main", "Config", "ConfigError", "load_config", "Credentials", "build_app"]
+__all__ = ["VERSION", "main", "Config", "ConfigError", "load_config", "DataDirError",
+           "open_data_dir", "ClientToken", "Credentials", "HttpPolicy", "Route", "build_app"]
 
 VERSION = "0.1.0"
 log = logging.getLogger("t3")
@@ -234,26 +242,151 @@ def _line_of(text: str, section: str, index: int | None, key: str | None) -> int
 
 
 # =============================================================================================
-# Data directory
+# Data directory: private to the user who runs t3 (SPEC 1.2)
 
 
-def data_dir_of(value: str | None) -> Path:
-    raw = value or os.environ.get("T3_HOME") or str(Path.home() / ".t3")
-    path = Path(raw).expanduser().resolve()
-    path.mkdir(parents=True, exist_ok=True)
+class DataDirError(Exception):
+    """The data directory (or the configuration file) is not private to this user, or holds
+    something t3 cannot use: t3 refuses to start."""
+
+
+_OWN_FILES = ("t3.sqlite", "t3.sqlite-wal", "t3.sqlite-shm", "client-token", "server.json",
+              "t3.lock")
+_OWN_DIRS = ("logs", "backups", "scratch", "worktrees", "agents")
+_TIGHTENED_DIRS = ("logs", "backups", "agents")  # their files are t3's; the others hold workspaces
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{32,}")  # what secrets.token_urlsafe(32) makes (43 chars)
+
+
+def open_data_dir(value: str | None) -> Path:
+    """The data directory, created 0700 or checked and tightened to 0700; its own files and
+    folders are checked (never a symlink) and tightened to 0600 / 0700."""
+    path = Path(value or os.environ.get("T3_HOME") or str(Path.home() / ".t3")).expanduser()
+    path = path.resolve()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # the user's umask: not t3's folders
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        info = os.stat(path)
+    except OSError as exc:
+        raise DataDirError(f"cannot create the data directory {path}: {exc.strerror}") from exc
+    if info.st_uid != os.geteuid():
+        raise DataDirError(f"refusing the data directory {path}: it belongs to uid "
+                           f"{info.st_uid}, not to this user (uid {os.geteuid()}); pass a "
+                           "--data-dir of your own")
+    if info.st_mode & 0o022:
+        raise DataDirError(f"refusing the data directory {path}: other users may write to it "
+                           f"(mode {info.st_mode & 0o777:o}); fix: chmod 700 {path}")
+    _tighten(path, info.st_mode)
+    for name in (*_OWN_FILES, *_OWN_DIRS):
+        try:
+            mode = os.lstat(path / name).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            raise DataDirError(f"refusing {path / name}: it is a symlink, and t3 never follows "
+                               "one in its data directory; remove it")
+        if name in _OWN_DIRS and not stat.S_ISDIR(mode):
+            raise DataDirError(f"refusing {path / name}: t3 keeps a folder there; remove it")
+        _tighten(path / name, mode)
+    for name in _OWN_DIRS:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path / name, 0o700)
+    for name in _TIGHTENED_DIRS:  # only the first level: deeper ones sit in a 0700 folder
+        for entry in os.scandir(path / name):
+            if not entry.is_symlink():
+                _tighten(Path(entry.path), entry.stat(follow_symlinks=False).st_mode)
     return path
 
 
-def client_token(data_dir: Path) -> str:
-    """Read the client token, creating it (mode 0600) on first use."""
-    path = data_dir / "client-token"
+def _tighten(path: Path, mode: int) -> None:
+    if mode & 0o077:
+        os.chmod(path, mode & 0o700)
+
+
+def check_config_file(path: Path) -> None:
+    """Refuse a configuration file another user could have written: it names the commands t3
+    runs. Root's own files are trusted (root can do anything anyway)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
-    return path.read_text().strip()
+        info = os.stat(path)
+    except FileNotFoundError:
+        return
+    if info.st_uid not in (os.geteuid(), 0):
+        raise DataDirError(f"refusing the configuration {path}: it belongs to uid "
+                           f"{info.st_uid}, not to this user (uid {os.geteuid()}), and it "
+                           "names the commands t3 runs")
+    if info.st_mode & 0o022:
+        raise DataDirError(f"refusing the configuration {path}: other users may write to it "
+                           f"(mode {info.st_mode & 0o777:o}), and it names the commands t3 "
+                           f"runs; fix: chmod 600 {path}")
+
+
+def warn_readable_secrets(path: Path, config: Config) -> None:
+    """Provider ``env`` values are often API keys: say so when other users may read them."""
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.stat(path).st_mode
+        if mode & 0o044 and any(p["env"] for p in config.providers or ()):
+            log.warning("%s holds provider env values and other users may read it (mode %o); "
+                        "fix: chmod 600 %s", path, mode & 0o777, path)
+
+
+def client_token(data_dir: Path) -> str:
+    """Read the client token, creating it (mode 0600) on first use: whole, so that a reader
+    racing the creation never sees an empty file."""
+    path = data_dir / "client-token"
+    if not os.path.lexists(path):
+        with contextlib.suppress(FileExistsError):  # another process made it first
+            _write_private_atomic(path, secrets.token_urlsafe(32) + "\n", replace=False)
+    return _read_token(path)
+
+
+def rotate_client_token(data_dir: Path) -> str:
+    """Replace the client token atomically; a running server refuses the old one from its next
+    request on (``ClientToken``)."""
+    path = data_dir / "client-token"
+    token = secrets.token_urlsafe(32)
+    _write_private_atomic(path, token + "\n", replace=True)
+    return token
+
+
+def _read_token(path: Path) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise DataDirError(f"cannot read the client token {path}: {exc.strerror}; "
+                           "run `python t3.py token --rotate` to write a new one") from exc
+    with os.fdopen(fd, errors="replace") as f:
+        token = f.read(4096).strip()
+    if not _TOKEN.fullmatch(token):
+        raise DataDirError(f"{path} does not hold a well-formed client token (32 or more of "
+                           "A-Z a-z 0-9 _ -); run `python t3.py token --rotate` to write a "
+                           "new one")
+    return token
+
+
+class ClientToken:
+    """The client token as the file holds it now: ``python t3.py token --rotate`` may replace
+    it while the server runs. Each check stats the file (cheap) and re-reads it only when its
+    inode, mtime or size changed, so the old token stops working at once, without polling."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._signature: tuple[int, int, int] | None = None
+        self._hash: str | None = None  # None: no well-formed token, nothing matches
+
+    def matches(self, token: str) -> bool:
+        try:
+            info = os.lstat(self.path)
+        except OSError:
+            info = None
+        signature = (info.st_ino, info.st_mtime_ns, info.st_size) if info else None
+        if signature != self._signature:
+            self._signature = signature
+            try:
+                self._hash = _hash(_read_token(self.path)) if signature else None
+            except DataDirError as exc:
+                log.error("the client token is unusable, so it is refused: %s", exc)
+                self._hash = None
+        return self._hash is not None and hmac.compare_digest(_hash(token), self._hash)
 
 
 class DataDirLock:
@@ -264,7 +397,7 @@ class DataDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -287,10 +420,31 @@ class DataDirLock:
             self._fd = None
 
 
-def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
+def _create_private(path: Path) -> None:
+    """Create ``path`` empty and 0600 unless it exists (never through a symlink): SQLite then
+    gives its -wal and -shm files the same mode."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+
+
+def _write_private_atomic(path: Path, text: str, *, replace: bool) -> None:
+    """Write a 0600 file through a temp file: readers see no content or all of it. Without
+    ``replace``, an existing ``path`` (even a symlink) raises FileExistsError, untouched."""
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(temp, path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temp)  # left by a killed process that had our pid
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(temp, path)
+        else:
+            os.link(temp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
 
 
 # =============================================================================================
@@ -298,18 +452,17 @@ def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
 
 
 class Credentials:
-    """Bearer tokens: the client token, and provider-session credentials (hashes only, in memory).
+    """Provider-session credentials (hashes only, in memory). The client token is ``ClientToken``.
 
     A session credential lives at most ``max_lifetime_s`` and ends after ``idle_s`` without an
     authenticated call or turn activity, but never while its session serves a turn. Once it has
     ended (expired or revoked) it is gone for good: nothing revives it, and the orchestrator
     replaces the session (``renewal_due``) before its next turn."""
 
-    def __init__(self, *, client_token: str, max_lifetime_s: int, idle_s: int,
-                 mcp_url: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, max_lifetime_s: int, idle_s: int, mcp_url: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         from tools import Scope
         self._scope_type = Scope
-        self._client_hash = _hash(client_token)
         self._sessions: dict[str, _SessionCredential] = {}  # token hash -> credential
         self._by_session: dict[str, str] = {}  # provider session id -> token hash
         self.max_lifetime_s = max_lifetime_s
@@ -359,10 +512,7 @@ class Credentials:
             self._sessions.pop(digest, None)
 
     def resolve(self, token: str) -> Any:
-        digest = _hash(token)
-        if hmac.compare_digest(digest, self._client_hash):
-            return self._scope_type(kind="client", key="client")
-        credential = self._sessions.get(digest)
+        credential = self._sessions.get(_hash(token))
         if credential is None or self._live(credential.session_id) is not credential:
             return None
         credential.touched = self._clock()
@@ -396,42 +546,29 @@ def _hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-async def _send_json(send: Callable[[MutableMapping[str, Any]], Awaitable[None]], status: int,
-                     body: Mapping[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-        *headers]})
-    await send({"type": "http.response.body", "body": payload})
-
-
-async def _drain(receive: Callable[[], Awaitable[Any]], *, limit: int) -> None:
-    """Read and drop a request body so the client sees our answer instead of a reset."""
-    seen = 0
-    while seen <= limit:
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if message["type"] != "http.request" or not message.get("more_body"):
-            return
-
-
-def bearer_auth(app: ASGIApp, credentials: Credentials) -> ASGIApp:
-    """Resolve ``Authorization: Bearer`` to a scope for the tool handlers, or answer 401."""
-    from tools import current_scope
+def bearer_auth(app: ASGIApp, *, credentials: Credentials, client_token: ClientToken) -> ASGIApp:
+    """Resolve ``Authorization: Bearer`` to a scope for the tool handlers, or answer 401 without
+    reading the body. The client token is checked here, against the file as it is now (it may
+    be rotated while the server runs); provider-session credentials by ``Credentials``."""
+    from tools import Scope, current_scope
 
     async def middleware(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        header = _header(scope, b"authorization") or ""
         token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        resolved = credentials.resolve(token) if token else None
+        if not token:
+            resolved = None
+        elif client_token.matches(token):
+            resolved = Scope(kind="client", key="client")
+        else:
+            resolved = credentials.resolve(token)
         if resolved is None:
             log.warning("rejected an MCP request: %s", "unknown or expired token" if token
                         else "missing bearer token")
-            await _send_json(send, 401, {
-                "error": "invalid_mcp_credential",
-                "message": "A valid t3 bearer credential is required (the client token from "
-                           "`python t3.py token`, or a provider-session credential)."},
-                [(b"www-authenticate", b'Bearer error="invalid_token"'),
-                 (b"cache-control", b"no-store")])
+            await _refuse(scope, send, 401, "invalid_mcp_credential",
+                          "A valid t3 bearer credential is required (the client token from "
+                          "`python t3.py token`, or a provider-session credential).",
+                          [(b"www-authenticate", b'Bearer error="invalid_token"'),
+                           (b"cache-control", b"no-store")])
             return
         reset = current_scope.set(resolved)
         try:
@@ -442,7 +579,215 @@ def bearer_auth(app: ASGIApp, credentials: Credentials) -> ASGIApp:
 
 
 # =============================================================================================
-# The ASGI app
+# The ASGI app: routes, and what every request passes before a route runs (SPEC 1.5)
+
+
+BODY_TIMEOUT_S = 10.0  # for a whole request body, counted from when it may be read
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Route:
+    """What serves one path, and for which methods (others get 405)."""
+
+    methods: tuple[str, ...]
+    handler: ASGIApp
+    check_origin: bool = True  # webhooks (/hooks/..., to come) opt out: other sites call them
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HttpPolicy:
+    """Which ``Host`` and ``Origin`` headers may reach the server. The Host rule defeats DNS
+    rebinding (a web page whose name resolves to 127.0.0.1 still sends its own name); the
+    Origin rule keeps pages open in the user's browser from calling the server."""
+
+    hosts: frozenset[str]  # besides loopback addresses and localhost
+    origins: frozenset[str]
+
+    @classmethod
+    def for_server(cls, *, config: Config, host: str, port: int, tls: bool) -> HttpPolicy:
+        """Loopback names, the address the server listens on (unless a wildcard), and the
+        ``[server]`` entries; the server's own origins for each of those names."""
+        bound = [] if host in ("0.0.0.0", "::") else [host.lower()]
+        names = ["127.0.0.1", "localhost", "[::1]", *(f"[{h}]" if ":" in h else h for h in bound)]
+        scheme = "https" if tls else "http"
+        return cls(hosts=frozenset([*bound, *config.allowed_hosts]),
+                   origins=frozenset([*(f"{scheme}://{name}:{port}" for name in names),
+                                      *(o.lower() for o in config.allowed_origins)]))
+
+    def host_allowed(self, value: str) -> bool:
+        value = value.strip().lower()
+        parsed = _HOST.fullmatch(value)
+        if parsed is None:
+            return False
+        name = parsed.group("v6") or parsed.group("name")
+        return _is_loopback(name) or name in self.hosts or value in self.hosts
+
+    def origin_allowed(self, value: str) -> bool:
+        return value.strip().lower().rstrip("/") in self.origins
+
+
+_HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]/@\s]+))(?::\d{1,5})?")
+
+
+def _is_loopback(name: str) -> bool:
+    try:
+        return name == "localhost" or ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientToken,
+              environment_id: str, policy: HttpPolicy) -> ASGIApp:
+    """The routes, each reached only past ``_refusal`` (Host, Origin, path, method)."""
+    async def healthz(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        await _send_json(send, 200, {"ok": True, "version": VERSION,
+                                     "environmentId": environment_id})
+
+    routes = {
+        "/healthz": Route(methods=("GET",), handler=healthz),
+        # GET would open a server-to-client stream, which a stateless server never uses.
+        "/mcp": Route(methods=("POST", "DELETE"), handler=bearer_auth(
+            _bounded_body(mcp), credentials=credentials, client_token=client_token)),
+    }
+
+    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        path, method = scope.get("path", ""), scope.get("method", "GET")
+        started = False
+
+        async def tracked_send(message: MutableMapping[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            route = routes.get(path)
+            refusal = _refusal(scope, route, policy)
+            if refusal is not None:
+                await _refuse(scope, tracked_send, *refusal)
+            elif route is not None:
+                await route.handler(scope, receive, tracked_send)
+        except _SlowBody:
+            log.warning("closed a %r %r request whose body took over %d s", method, path,
+                        BODY_TIMEOUT_S)
+            if not started:
+                await _refuse(scope, send, 408, "request_timeout",
+                              f"the request body did not arrive within {BODY_TIMEOUT_S:g} s")
+        except Exception:
+            log.exception("request %r %r failed", method, path)
+            if not started:
+                await _send_json(send, 500, {"error": "internal_error",
+                                             "message": "t3 hit an internal error; see its log"})
+    return app
+
+
+_Refusal = tuple[int, str, str, Sequence[tuple[bytes, bytes]]]
+
+
+def _refusal(scope: MutableMapping[str, Any], route: Route | None,
+             policy: HttpPolicy) -> _Refusal | None:
+    """Why a request is refused before anything reads its body (logged), or None. Client-made
+    strings are logged with %r: a newline in them cannot forge a log line."""
+    path, method = scope.get("path", ""), scope.get("method", "GET")
+    host, origin = _header(scope, b"host"), _header(scope, b"origin")
+    if host is None or not policy.host_allowed(host):
+        log.warning("refused %r %r: Host %r is not a name of this server", method, path, host)
+        return (403, "host_not_allowed", "The Host header must name a loopback address or an "
+                "entry of [server] allowed_hosts.", ())
+    if origin is not None and (route is None or route.check_origin) \
+            and not policy.origin_allowed(origin):
+        log.warning("refused %r %r: Origin %r is not allowed", method, path, origin)
+        return (403, "origin_not_allowed", "Requests from this Origin are refused; "
+                "[server] allowed_origins lists the ones accepted.", ())
+    if route is None:
+        return 404, "not_found", f"no route for {method} {path}", ()
+    if method not in route.methods:
+        allowed = ", ".join(route.methods)
+        return (405, "method_not_allowed", f"{path} takes {allowed}",
+                [(b"allow", allowed.encode())])
+    return None
+
+
+class _SlowBody(Exception):
+    """The request body did not arrive within ``BODY_TIMEOUT_S``."""
+
+
+def _bounded_body(app: ASGIApp) -> ASGIApp:
+    """Bound the body of an authenticated request: over ``MAX_BODY_BYTES`` is 413, and a body
+    still arriving ``BODY_TIMEOUT_S`` after the request is ``_SlowBody`` (408), so a slow client
+    cannot hold a task forever. Only the body is timed: hypercorn's read_timeout would also cut
+    the responses of waits, which stream for up to 600 s. (The MCP handler reads the body, an
+    empty one too, before it does anything that takes long.)"""
+    async def bounded(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        length = _header(scope, b"content-length") or ""
+        too_long = length.isdigit() and int(length) > MAX_BODY_BYTES
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S) as deadline:
+                async def receive_body() -> Any:
+                    message = await receive()
+                    if message["type"] != "http.request" or not message.get("more_body"):
+                        deadline.reschedule(None)
+                    return message
+                if too_long:  # read, so the client sees the answer rather than a reset
+                    await _drain(receive_body, limit=4 * MAX_BODY_BYTES)
+                    await _refuse(scope, send, 413, "payload_too_large",
+                                  f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+                else:
+                    await app(scope, receive_body, send)
+        except TimeoutError:
+            if deadline.expired():
+                raise _SlowBody from None
+            raise
+    return bounded
+
+
+async def _lifespan(receive: Callable[[], Awaitable[Any]],
+                    send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _header(scope: MutableMapping[str, Any], name: bytes) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope.get("headers") or [] if k == name), None)
+
+
+async def _refuse(scope: MutableMapping[str, Any],
+                  send: Callable[[MutableMapping[str, Any]], Awaitable[None]], status: int,
+                  error: str, message: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """An error answer sent without reading (all of) the body. An HTTP/1 connection then
+    closes: what is left of the body must not be read as the next request. (HTTP/2 forbids the
+    header; there the answer ends only its stream.)"""
+    if str(scope.get("http_version", "1.1")).startswith("1"):
+        headers = [*headers, (b"connection", b"close")]
+    await _send_json(send, status, {"error": error, "message": message}, headers)
+
+
+async def _send_json(send: Callable[[MutableMapping[str, Any]], Awaitable[None]], status: int,
+                     body: Mapping[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+        *headers]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+async def _drain(receive: Callable[[], Awaitable[Any]], *, limit: int) -> None:
+    """Read and drop a request body, up to about ``limit`` bytes."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
 
 
 def _by_accept(sse: ASGIApp, plain: ASGIApp) -> ASGIApp:
@@ -460,79 +805,49 @@ def _by_accept(sse: ASGIApp, plain: ASGIApp) -> ASGIApp:
     return route
 
 
-def build_app(*, mcp: ASGIApp, credentials: Credentials, environment_id: str) -> ASGIApp:
-    authed_mcp = bearer_auth(mcp, credentials)
-
-    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
-            return
-        path = scope.get("path", "")
-        method = scope.get("method", "GET")
-        started = False
-
-        async def tracked_send(message: MutableMapping[str, Any]) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-        try:
-            if path == "/healthz" and method == "GET":
-                await _send_json(tracked_send, 200, {"ok": True, "version": VERSION,
-                                                     "environmentId": environment_id})
-            elif path == "/mcp":
-                length = dict(scope.get("headers") or []).get(b"content-length", b"0")
-                if length.isdigit() and int(length) > MAX_BODY_BYTES:
-                    await _drain(receive, limit=4 * MAX_BODY_BYTES)
-                    await _send_json(tracked_send, 413, {
-                        "error": "payload_too_large",
-                        "message": f"request bodies are limited to {MAX_BODY_BYTES} bytes"})
-                else:
-                    await authed_mcp(scope, receive, tracked_send)
-            else:
-                await _send_json(tracked_send, 404, {"error": "not_found",
-                                                     "message": f"no route for {method} {path}"})
-        except Exception:
-            log.exception("request %s %s failed", method, path)
-            if not started:
-                await _send_json(send, 500, {"error": "internal_error",
-                                             "message": "t3 hit an internal error; see its log"})
-    return app
-
-
 # =============================================================================================
 # Serving
 
 
 async def serve(args: argparse.Namespace) -> int:
-    import hypercorn.asyncio
+    import providers as prov
+    # Whatever t3 creates in its data directory is private, including what SQLite, the logs
+    # and the backups create without asking; agents get the user's own umask back
+    # (providers.CHILD_UMASK), since they write in the user's projects.
+    prov.CHILD_UMASK = os.umask(0o077)
+    try:
+        return await _serve(args, prov)
+    finally:
+        os.umask(prov.CHILD_UMASK)
+
+
+async def _serve(args: argparse.Namespace, prov: Any) -> int:
+    import hypercorn.asyncio.run
     import hypercorn.config
+    import hypercorn.utils
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
-    import providers as prov
     from orchestrator import Orchestrator
     from store import DatabaseTooNew, Store, StoreError
     from tools import Project, ServerContext, Toolkit, build_mcp_server
 
-    data_dir = data_dir_of(args.data_dir)
-    config_path = Path(args.config).expanduser().resolve() if args.config \
-        else data_dir / "t3.toml"
     try:
+        data_dir = open_data_dir(args.data_dir)
+        config_path = Path(args.config).expanduser().resolve() if args.config \
+            else data_dir / "t3.toml"
+        check_config_file(config_path)
         config = load_config(config_path, cwd=Path.cwd())
+        client_token(data_dir)  # created, or refused when malformed, before anything starts
+    except DataDirError as exc:
+        print(f"t3: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"t3: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    warn_readable_secrets(config_path, config)
+    _raise_fd_limit(config.max_connections)
     host = args.host or config.host
     port = config.port if args.port is None else args.port
-    for sub in ("logs", "backups", "scratch", "worktrees", "agents"):
-        (data_dir / sub).mkdir(exist_ok=True)
     lock = DataDirLock(data_dir)
     if not lock.acquire():
         print(f"t3: another t3 server (pid {lock.holder()}) is already using {data_dir}; "
@@ -541,11 +856,12 @@ async def serve(args: argparse.Namespace) -> int:
     server_json = data_dir / "server.json"
     try:
         try:
+            _create_private(data_dir / "t3.sqlite")
             store = Store(data_dir / "t3.sqlite", backups_dir=data_dir / "backups")
         except DatabaseTooNew as exc:
             print(f"t3: {exc}", file=sys.stderr)
             return 1
-        except StoreError as exc:
+        except (StoreError, OSError) as exc:
             print(f"t3: cannot open the database: {exc}", file=sys.stderr)
             return 1
         try:
@@ -567,53 +883,29 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                port: int, server_json: Path, *, prov: Any, orchestrator_cls: Any,
                toolkit_cls: Any, context_cls: Any, project_cls: Any, build_mcp_server: Any,
                hypercorn: Any, manager_cls: Any) -> int:
+    hconfig = _hypercorn_config(config, hypercorn)
+    if hconfig is None:
+        return 2
     # Bind first: provider-session credentials name the MCP URL, and recovery may start agents.
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = _listen(host, port, cap=config.max_connections, tls=hconfig.ssl_enabled)
     except OSError as exc:
         print(f"t3: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
-        sock.close()
         return 1
-    sock.listen(128)
     port = sock.getsockname()[1]
     url_host = f"[{host}]" if ":" in host else host
     local_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, url_host)
-    url = f"http://{url_host}:{port}"
+    scheme = "https" if hconfig.ssl_enabled else "http"
+    url = f"{scheme}://{url_host}:{port}"
 
     environment_id = await store.meta("environmentId", f"env-{uuid.uuid4().hex[:12]}")
-    token = client_token(data_dir)
-    credentials = Credentials(client_token=token, max_lifetime_s=config.credential_max_lifetime_s,
+    credentials = Credentials(max_lifetime_s=config.credential_max_lifetime_s,
                               idle_s=config.credential_idle_s,
-                              mcp_url=f"http://{local_host}:{port}/mcp")
-    owner = str(data_dir)
-    orphans = prov.kill_orphans(owner)
-    if orphans:
-        log.warning("killed %d provider process(es) left by a previous server", orphans)
-
-    adapters = build_adapters(config, data_dir, prov)
-    for adapter in adapters.values():
-        if not adapter.info.available:
-            log.info("provider %s unavailable: %s", adapter.info.instance_id,
-                     "; ".join(adapter.info.constraints))
-    orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
-                            credentials=credentials,
-                            max_live_agent_processes=config.max_live_agent_processes)
-    await store.sync_projects(config.projects)
-    recovered = await orch.recover(
-        reason="The t3 server restarted while this run was active; its provider process is gone.")
-    if recovered:
-        log.warning("interrupted the runs left active by the previous server in %d thread(s)",
-                    len(recovered))
-    orch.start()
-
-    context = context_cls(environment_id=environment_id,
-                          projects=[project_cls(p["id"], p["path"], p["title"])
-                                    for p in config.projects], data_dir=data_dir,
-                          max_delegation_depth=config.max_delegation_depth)
-    toolkit = toolkit_cls(orch, store, context)
-    mcp_server = build_mcp_server(toolkit, version=VERSION)
+                              mcp_url=f"{scheme}://{local_host}:{port}/mcp")
+    orch, adapters, mcp_server = await _start_domain(
+        config, data_dir, store, environment_id, credentials, prov=prov,
+        orchestrator_cls=orchestrator_cls, toolkit_cls=toolkit_cls, context_cls=context_cls,
+        project_cls=project_cls, build_mcp_server=build_mcp_server)
     # Streamable HTTP answers in SSE (progress notifications flow); a client that accepts only
     # JSON gets plain JSON answers from a second manager over the same server instead of a 406.
     sse = manager_cls(app=mcp_server, stateless=True, json_response=False,
@@ -621,13 +913,10 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     plain = manager_cls(app=mcp_server, stateless=True, json_response=True,
                         max_request_body_size=MAX_BODY_BYTES)
     app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request),
-                    credentials=credentials, environment_id=environment_id)
-    hconfig = hypercorn.config.Config()
-    hconfig.bind = [f"fd://{sock.fileno()}"]
-    hconfig.graceful_timeout = 3.0
-    hconfig.accesslog = None
-    hconfig.errorlog = logging.getLogger("hypercorn.error")
-
+                    credentials=credentials, client_token=ClientToken(data_dir / "client-token"),
+                    environment_id=environment_id,
+                    policy=HttpPolicy.for_server(config=config, host=host, port=port,
+                                                 tls=hconfig.ssl_enabled))
     stop = asyncio.Event()
     http_stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -638,12 +927,18 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         # server is up meanwhile and lists them unavailable with "preparing ...".
         preparing = [tasks.create_task(a.prepare(), name=f"prepare-{k}")
                      for k, a in adapters.items() if hasattr(a, "prepare")]
-        server = loop.create_task(hypercorn.asyncio.serve(app, hconfig,
-                                                          shutdown_trigger=http_stop.wait))
-        _write_json_atomic(server_json, {
-            "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp", "wsUrl": f"ws://{url_host}:{port}/ws",
+        server = loop.create_task(hypercorn.asyncio.run.worker_serve(
+            hypercorn.utils.wrap_app(app, hconfig.wsgi_max_body_size, "asgi"), hconfig,
+            sockets=hypercorn.config.Sockets(secure_sockets=[sock] if hconfig.ssl_enabled else [],
+                                             insecure_sockets=[] if hconfig.ssl_enabled else [sock],
+                                             quic_sockets=[]),
+            shutdown_trigger=http_stop.wait))
+        _write_private_atomic(server_json, json.dumps({
+            "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp",
+            "wsUrl": f"{'wss' if hconfig.ssl_enabled else 'ws'}://{url_host}:{port}/ws",
             "port": port, "environmentId": environment_id,
-            "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n",
+            replace=True)
         print(f"t3 {VERSION} ready: MCP at {url}/mcp (client token in {data_dir / 'client-token'})",
               file=sys.stderr, flush=True)
         stopped = loop.create_task(stop.wait())
@@ -663,6 +958,136 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         sock.close()
     log.info("stopped")
     return 0
+
+
+async def _start_domain(config: Config, data_dir: Path, store: Any, environment_id: str,
+                        credentials: Credentials, *, prov: Any, orchestrator_cls: Any,
+                        toolkit_cls: Any, context_cls: Any, project_cls: Any,
+                        build_mcp_server: Any) -> tuple[Any, dict[str, Any], Any]:
+    """Adapters, the orchestrator (recovered and started) and the MCP server over its tools."""
+    orphans = prov.kill_orphans(str(data_dir))
+    if orphans:
+        log.warning("killed %d provider process(es) left by a previous server", orphans)
+    adapters = build_adapters(config, data_dir, prov)
+    for adapter in adapters.values():
+        if not adapter.info.available:
+            log.info("provider %s unavailable: %s", adapter.info.instance_id,
+                     "; ".join(adapter.info.constraints))
+    orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
+                            credentials=credentials,
+                            max_live_agent_processes=config.max_live_agent_processes)
+    await store.sync_projects(config.projects)
+    recovered = await orch.recover(
+        reason="The t3 server restarted while this run was active; its provider process is gone.")
+    if recovered:
+        log.warning("interrupted the runs left active by the previous server in %d thread(s)",
+                    len(recovered))
+    orch.start()
+    context = context_cls(environment_id=environment_id,
+                          projects=[project_cls(p["id"], p["path"], p["title"])
+                                    for p in config.projects], data_dir=data_dir,
+                          max_delegation_depth=config.max_delegation_depth)
+    toolkit = toolkit_cls(orch, store, context)
+    return orch, adapters, build_mcp_server(toolkit, version=VERSION)
+
+
+def _hypercorn_config(config: Config, hypercorn: Any) -> Any:
+    """Hypercorn's settings, or None (said on stderr) when the TLS files cannot be used."""
+    hconfig = hypercorn.config.Config()
+    hconfig.graceful_timeout = 3.0
+    hconfig.accesslog = None
+    hconfig.errorlog = logging.getLogger("hypercorn.error")
+    hconfig.certfile, hconfig.keyfile = config.certfile, config.keyfile
+    try:
+        hconfig.create_ssl_context()  # fail now, not at the first connection
+    except (OSError, ssl.SSLError) as exc:
+        print(f"t3: cannot use [server] certfile/keyfile: {exc}", file=sys.stderr)
+        return None
+    return hconfig
+
+
+def _raise_fd_limit(max_connections: int) -> None:
+    """Each connection is a file descriptor: make room for ``max_connections`` of them besides
+    the database, logs and agent pipes (the soft limit is often 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 4 * max_connections + 1024
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ValueError, OSError):
+        new = soft
+    if new < wanted:
+        log.warning("open files are limited to %d: [server] max_connections = %d may not fit",
+                    new, max_connections)
+
+
+def _listen(host: str, port: int, *, cap: int, tls: bool) -> _Listener:
+    sock = _Listener(socket.AF_INET6 if ":" in host else socket.AF_INET, cap=cap,
+                     refusal=b"" if tls else _Listener.BUSY)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    if not _is_loopback(host) and not tls:
+        log.warning("listening on %s, beyond this machine: bearer tokens travel in clear text "
+                    "unless [server] certfile and keyfile are set", host)
+    return sock
+
+
+class _Listener(socket.socket):
+    """The listening socket, counting the connections it accepted that are still open: beyond
+    ``cap`` a new one is answered 503 (nothing over TLS) and closed at once. Hypercorn has no
+    connection limit, and asyncio's server calls ``accept()`` on the socket it is given, so
+    this is where every connection comes and goes."""
+
+    _BODY = json.dumps({"error": "too_many_connections", "message": "t3 has as many "
+                        "connections open as [server] max_connections allows"}).encode()
+    BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_BODY), _BODY))
+
+    def __init__(self, family: int, *, cap: int, refusal: bytes) -> None:
+        super().__init__(family, socket.SOCK_STREAM)
+        self.cap, self.refusal, self.live, self._full = cap, refusal, 0, False
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        while True:  # until the backlog is empty: then _accept raises BlockingIOError
+            fd, address = self._accept()  # type: ignore[attr-defined]
+            conn = _Connection(self.family, self.type, self.proto, fileno=fd)
+            if self.live < self.cap:
+                self.live += 1
+                conn.listener = self
+                return conn, address
+            if not self._full:  # once per time the cap is reached, not once per connection
+                log.warning("%d connections open ([server] max_connections): new ones are "
+                            "answered 503 until some close", self.live)
+                self._full = True
+            conn.setblocking(False)
+            with contextlib.suppress(OSError):
+                conn.recv(65536)  # closing with unread data would reset: the 503 could be lost
+            with contextlib.suppress(OSError):
+                conn.send(self.refusal)
+            conn.close()
+
+    def release(self) -> None:
+        self.live -= 1
+        self._full = self._full and self.live >= self.cap
+
+
+class _Connection(socket.socket):
+    """An accepted connection that tells its listener, once, that it closed."""
+
+    listener: _Listener | None = None
+
+    def close(self) -> None:
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            listener.release()
+        super().close()
 
 
 def build_adapters(config: Config, data_dir: Path, prov: Any) -> dict[str, Any]:
@@ -720,9 +1145,14 @@ def _parser() -> argparse.ArgumentParser:
     options(sub.add_parser("serve", help="run the server (the default)",
                            description="Run the t3 server: MCP tools at /mcp, health at "
                                        "/healthz."), argparse.SUPPRESS)
-    options(sub.add_parser("token", help="print the client token (creating it)",
+    token = sub.add_parser("token", help="print the client token (creating it); --rotate "
+                                         "replaces it",
                            description="Print the client token of the data directory, "
-                                       "creating it if absent."), argparse.SUPPRESS)
+                                       "creating it if absent.")
+    options(token, argparse.SUPPRESS)
+    token.add_argument("--rotate", action="store_true",
+                       help="write a new token and print it; a running server refuses the old "
+                            "one from then on")
     return parser
 
 
@@ -733,7 +1163,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("mcp").setLevel(logging.WARNING)
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
     if args.command == "token":
-        print(client_token(data_dir_of(args.data_dir)))
+        try:
+            data_dir = open_data_dir(args.data_dir)
+            print(rotate_client_token(data_dir) if args.rotate else client_token(data_dir))
+        except DataDirError as exc:
+            print(f"t3: {exc}", file=sys.stderr)
+            return 2
         return 0
     return asyncio.run(serve(args))
 

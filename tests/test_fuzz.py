@@ -56,6 +56,7 @@ from tools import (
     FAILURE_CODES,
     TOOLS,
     Project,
+    Scope,
     ServerContext,
     ToolFailure,
     Toolkit,
@@ -152,9 +153,9 @@ class InProcessTarget(Target):
 
         async def build() -> None:
             self.store = Store(self.db_path, backups_dir=data_dir / "backups")
-            credentials = t3.Credentials(client_token="fuzz-client", max_lifetime_s=3600,
-                                         idle_s=3600, mcp_url="http://127.0.0.1:9/mcp")
-            self.scope = credentials.resolve("fuzz-client")
+            credentials = t3.Credentials(max_lifetime_s=3600, idle_s=3600,
+                                         mcp_url="http://127.0.0.1:9/mcp")
+            self.scope = Scope(kind="client", key="client")  # what the client token resolves to
             self.adapters = adapters = t3.build_adapters(config, data_dir, providers)
             self.orch = Orchestrator(self.store, adapters=adapters, credentials=credentials,
                                      providers=t3._LiveProviderInfo(adapters))

@@ -1,17 +1,32 @@
 """Security and limits (issue 10), one section per numbered item of the issue. Each test drives a
-real server over real HTTP with the scripted ACP agent; agents' own credentials (read from the
-scripted agent's log, where it records the MCP headers t3 gave it) play the prompt-injected agent.
+real `t3.py` process over real HTTP with the scripted ACP agent: what it creates on disk, what it
+refuses to start with, what it answers over HTTP, and what an agent may do with its own
+credential (read from the scripted agent's log, where it records the MCP headers t3 gave it),
+playing a prompt-injected agent.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
 import sqlite3
+import ssl
+import stat
+import subprocess
+import sys
 import threading
+import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
+import pytest
+
 import orchestrator as orch
-from harness import McpClient, T3Server, agent_log, raw_post, scripted_provider, wait_until
+from harness import (T3_PY, McpClient, RawResponse, ServerStartError, T3Server, agent_log,
+                     raw_post, raw_request, scripted_provider, wait_until)
 
 
 def call_line(tool: str, args: dict) -> str:
@@ -159,6 +174,410 @@ def test_the_mode_an_answer_needs_follows_the_request_kind() -> None:
         == orch.RuntimeMode.AUTO_ACCEPT_EDITS
     for kind in ("command", "permission", "mcp-elicitation", "something-new"):
         assert orch.mode_to_answer(kind) == orch.RuntimeMode.AUTO
+
+
+# ---- item 2: a private data dir
+
+
+OWN_PATHS = ["t3.sqlite", "t3.sqlite-wal", "t3.sqlite-shm", "client-token", "server.json", "t3.lock",
+             "logs", "backups", "scratch", "worktrees", "agents"]
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def modes_under(root: Path) -> dict[str, int]:
+    """`{relative path: mode}` of the root and everything below it (symlinks not followed)."""
+    found = {".": mode_of(root)}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            found[str(path.relative_to(root))] = mode_of(path)
+    return found
+
+
+def not_private(root: Path) -> dict[str, str]:
+    """What under `root` is not 0700 (folders) or 0600 (anything else)."""
+    return {name: oct(mode) for name, mode in modes_under(root).items()
+            if mode != (0o700 if (root / name).is_dir() else 0o600)}
+
+
+def refused_start(server: T3Server) -> str:
+    """Start `server`, which must refuse: exit code 2 before it is ready. Returns its stderr."""
+    with pytest.raises(ServerStartError):
+        server.start()
+    assert server.returncode == 2, server.stderr_text()
+    return server.stderr_text()
+
+
+def tools_list(server: T3Server, token: str) -> int:
+    """The HTTP status of a tools/list call presenting `token`."""
+    return raw_post(server.mcp_url, b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}',
+                    {"Authorization": f"Bearer {token}", "Content-Type": "application/json",
+                     "Accept": "application/json"}).status
+
+
+def test_data_dir_and_everything_in_it_are_private(t3: T3Server) -> None:
+    """A fresh data dir is 0700 and every file t3 makes in it 0600, after startup and after
+    commits, a provider's traffic log and a scratch workspace."""
+    assert not_private(t3.data_dir) == {}
+    mcp = t3.client()
+    launched = mcp.call("t3_thread_launch", {"message": "hello", "scratch": True}).structured
+    done = mcp.call("t3_thread_wait", {"threadId": launched["threadId"], "timeoutMs": 30_000})
+    assert done.structured["status"] == "completed"
+    names = set(modes_under(t3.data_dir))
+    assert {"t3.sqlite-wal", "t3.sqlite-shm", "logs/provider-scripted.log"} <= names, names
+    assert any(name.startswith("scratch/") for name in names), names
+    assert not_private(t3.data_dir) == {}
+
+
+def test_existing_data_dir_is_tightened(t3_factory, tmp_path: Path) -> None:
+    """A data dir left 0755 with 0644 files (an older t3) is tightened at startup, and the
+    backup taken before a schema upgrade is 0600 too."""
+    import store
+    data = tmp_path / "data"
+    (data / "logs").mkdir(parents=True)
+    store.apply_migrations(data / "t3.sqlite", backups_dir=data / "backups", stop_after=1)
+    (data / "client-token").write_text("A" * 43 + "\n")
+    (data / "logs" / "provider-old.log").write_text("old traffic\n")
+    for path in [data, *data.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    t3 = t3_factory()
+    assert list((data / "backups").glob("t3-v1-*.sqlite")), "no backup was taken"
+    assert not_private(data) == {}
+    assert t3.token == "A" * 43
+
+
+def test_group_writable_data_dir_is_refused(t3_factory, tmp_path: Path) -> None:
+    """A data dir others may write to is refused (exit 2, naming it and the fix), untouched."""
+    data = tmp_path / "data"
+    data.mkdir()
+    data.chmod(0o775)
+    err = refused_start(t3_factory(start=False))
+    assert f"refusing the data directory {data}" in err and f"chmod 700 {data}" in err
+    assert mode_of(data) == 0o775 and list(data.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give the data dir to another user")
+def test_data_dir_of_another_user_is_refused(t3_factory, tmp_path: Path) -> None:
+    """A data dir owned by another user (nobody) is refused with exit 2, and left untouched."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    os.chown(data, 65534, 65534)
+    err = refused_start(t3_factory(start=False))
+    assert f"refusing the data directory {data}: it belongs to uid 65534" in err
+    assert list(data.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", OWN_PATHS)
+def test_symlink_in_data_dir_is_refused(t3_factory, tmp_path: Path, name: str) -> None:
+    """A symlink planted for any of t3's own files or folders is refused (exit 2), and what it
+    points at is neither read, written nor tightened."""
+    data, target = tmp_path / "data", tmp_path / "elsewhere"
+    data.mkdir(mode=0o700)
+    if "." in name or name in ("client-token", "t3.lock"):
+        target.write_text("B" * 43 + "\n")
+    else:
+        target.mkdir()
+    target.chmod(0o644 if target.is_file() else 0o755)
+    (data / name).symlink_to(target)
+    before = modes_under(target) if target.is_dir() else {".": mode_of(target)}
+    err = refused_start(t3_factory(start=False))
+    assert f"refusing {data / name}: it is a symlink" in err
+    assert (modes_under(target) if target.is_dir() else {".": mode_of(target)}) == before
+    if target.is_file():
+        assert target.read_text() == "B" * 43 + "\n"
+
+
+@pytest.mark.parametrize("where", ["data-dir", "--config"])
+@pytest.mark.parametrize("problem", ["writable by others", "another user's"])
+def test_unsafe_config_is_refused(tmp_path: Path, where: str, problem: str) -> None:
+    """A t3.toml (in the data dir, or given by --config) that another user wrote or could write
+    is refused with exit 2 before the command it names ever runs."""
+    if problem == "another user's" and os.geteuid() != 0:
+        pytest.skip("only root can give the file to another user")
+    data, ran = tmp_path / "data", tmp_path / "ran"
+    data.mkdir(mode=0o700)
+    config = data / "t3.toml" if where == "data-dir" else tmp_path / "planted.toml"
+    config.write_text(f'[[providers]]\nid = "x"\ndriver = "acp"\ncommand = ["touch", "{ran}"]\n')
+    if problem == "writable by others":
+        config.chmod(0o646)
+    else:
+        os.chown(config, 65534, 65534)
+    args = ["--config", str(config)] if where == "--config" else []
+    out = subprocess.run([sys.executable, str(T3_PY), "--port", "0", "--data-dir", str(data), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"refusing the configuration {config}" in out.stderr
+    assert not ran.exists()
+
+
+def test_config_readable_by_others_with_env_warns(t3: T3Server) -> None:
+    """A config other users may read that holds provider env values gets a startup warning."""
+    assert mode_of(t3.config) & 0o044, "the harness config is expected to be world-readable"
+    assert f"{t3.config} holds provider env values and other users may read it" in t3.stderr_text()
+
+
+@pytest.mark.parametrize("content", ["", "\n", "short-token", "has spaces " * 5, "é" * 43],
+                         ids=["empty", "newline", "short", "spaces", "non-ascii"])
+def test_malformed_client_token_is_refused(t3_factory, tmp_path: Path, content: str) -> None:
+    """A client-token file that does not hold a well-formed token stops startup (exit 2, saying
+    how to fix it), and `t3.py token` prints nothing from it."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / "client-token").write_text(content)
+    (data / "client-token").chmod(0o600)
+    server = t3_factory(start=False)
+    assert "python t3.py token --rotate" in refused_start(server)
+    printed = server.cli("token")
+    assert printed.returncode == 2 and printed.stdout == ""
+    assert "python t3.py token --rotate" in printed.stderr
+
+
+def test_token_rotate_takes_effect_on_the_running_server(t3: T3Server) -> None:
+    """`t3.py token --rotate` prints a new 0600 token; the running server refuses the old one
+    (401) and accepts the new one from the next request on."""
+    old = t3.token
+    assert tools_list(t3, old) == 200
+    rotated = t3.cli("token", "--rotate")
+    assert rotated.returncode == 0, rotated.stderr
+    new = rotated.stdout.strip()
+    assert new != old and len(new) == 43 and t3.token == new
+    assert mode_of(t3.data_dir / "client-token") == 0o600
+    assert tools_list(t3, old) == 401
+    assert tools_list(t3, new) == 200
+    assert t3.cli("token").stdout.strip() == new
+    assert old not in t3.stderr_text() and new not in t3.stderr_text()
+
+
+def test_agents_get_the_users_umask(t3: T3Server, agent_log_path: Path) -> None:
+    """t3 keeps its own files private, but an agent creates files with the umask t3 was started
+    with (here the agent's JSONL log, which it creates 0644 less that umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    if 0o644 & ~umask == 0o600:
+        pytest.skip(f"this test runs under umask {umask:03o}: t3's private one looks the same")
+    assert t3.client().call("create_threads", {"threads": [{"prompt": "hello"}]}).ok
+    wait_until(lambda: agent_log_path.exists(), 30, message="the agent wrote its log")
+    assert mode_of(agent_log_path) == 0o644 & ~umask
+
+
+# ---- item 3: HTTP hardening
+
+
+def assert_refused(response: RawResponse, status: int, error: str) -> None:
+    """A refusal: `status`, a JSON body {"error", "message"}, and the connection closed."""
+    assert response.status == status, response
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert body["error"] == error and isinstance(body["message"], str), body
+    assert b"Traceback" not in response.body
+    assert response.headers.get("connection") == "close", response.headers
+
+
+def connect(server: T3Server, head: str = "") -> socket.socket:
+    """A connection to the server that has sent `head` (request line and headers, CRLF-ended)."""
+    url = urllib.parse.urlsplit(server.url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
+    if head:
+        sock.sendall(head.replace("\n", "\r\n").encode())
+    return sock
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (socket timeout: 30 s)."""
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def held_body_head(server: T3Server, *, token: str | None, length: int) -> str:
+    """A POST /mcp whose `length`-byte body is announced and not sent. One with a token asks
+    `Expect: 100-continue`: its `100 Continue` says the server accepted it and read its headers."""
+    port = urllib.parse.urlsplit(server.url).port
+    auth = f"Authorization: Bearer {token}\nExpect: 100-continue\n" if token else ""
+    return (f"POST /mcp HTTP/1.1\nHost: 127.0.0.1:{port}\n{auth}Content-Type: application/json\n"
+            f"Accept: application/json\nContent-Length: {length}\n\n")
+
+
+def healthz(server: T3Server, **headers: str) -> RawResponse:
+    return raw_request("GET", f"{server.url}/healthz", headers=headers, timeout=10)
+
+
+def serves(server: T3Server) -> bool:
+    """Does /healthz answer 200 (a connection turned away may also be reset: False)?"""
+    try:
+        return healthz(server).status == 200
+    except OSError:
+        return False
+
+
+def mcp_post(server: T3Server, **headers: str) -> RawResponse:
+    return raw_post(server.mcp_url, b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}',
+                    {"Authorization": f"Bearer {server.token}", "Content-Type": "application/json",
+                     "Accept": "application/json", **headers}, timeout=10)
+
+
+@pytest.mark.parametrize("route", ["/healthz", "/mcp", "/nope"])
+def test_foreign_origin_is_refused(t3: T3Server, route: str) -> None:
+    """A request with an Origin that is not the server's own is 403 on every route (an
+    authenticated MCP call included); the server's own origins are accepted."""
+    send = mcp_post if route == "/mcp" else lambda s, **h: raw_request(
+        "GET", f"{s.url}{route}", headers=h, timeout=10)
+    assert_refused(send(t3, Origin="http://evil.example"), 403, "origin_not_allowed")
+    assert_refused(send(t3, Origin="null"), 403, "origin_not_allowed")
+    port = urllib.parse.urlsplit(t3.url).port
+    for own in (f"http://127.0.0.1:{port}", f"http://localhost:{port}", f"http://[::1]:{port}"):
+        assert send(t3, Origin=own).status == (404 if route == "/nope" else 200), own
+    assert "'http://evil.example'" in t3.stderr_text()  # client strings are logged quoted
+
+
+@pytest.mark.parametrize("route", ["/healthz", "/mcp"])
+def test_foreign_host_is_refused(t3: T3Server, route: str) -> None:
+    """A Host header that names neither a loopback address nor an allowed host is 403 (DNS
+    rebinding), on /healthz as on /mcp; loopback names with or without a port pass."""
+    send = mcp_post if route == "/mcp" else healthz
+    for foreign in ("evil.example", "evil.example:80", "127.0.0.1.evil.example", "[::1]x", ""):
+        assert_refused(send(t3, Host=foreign), 403, "host_not_allowed")
+    for own in ("127.0.0.1", "localhost:1", "127.9.9.9:80", "[::1]", "[::1]:3773", "LOCALHOST"):
+        assert send(t3, Host=own).status == 200, own
+
+
+def test_request_without_host_is_refused(t3: T3Server) -> None:
+    """An HTTP/1.0 request with no Host header at all is 403."""
+    sock = connect(t3, "GET /healthz HTTP/1.0\n\n")
+    with sock:
+        answer = read_to_end(sock)
+    assert answer.startswith(b"HTTP/1.1 403") and b'"host_not_allowed"' in answer, answer
+
+
+def test_allowed_origins_and_hosts_admit_what_they_name(t3_factory) -> None:
+    """`[server] allowed_origins` and `allowed_hosts` admit exactly the names they list."""
+    t3 = t3_factory(extra='[server]\nallowed_origins = ["https://app.example/"]\n'
+                          'allowed_hosts = ["t3.internal", "Box.Lan:8080"]\n')
+    assert healthz(t3, Origin="https://app.example").status == 200
+    assert mcp_post(t3, Origin="https://app.example").status == 200
+    assert healthz(t3, Host="t3.internal:1234").status == 200
+    assert healthz(t3, Host="box.lan:8080").status == 200
+    assert_refused(healthz(t3, Host="box.lan:8081"), 403, "host_not_allowed")
+    assert_refused(healthz(t3, Origin="https://app.example.evil"), 403, "origin_not_allowed")
+    assert_refused(healthz(t3, Host="evil.example"), 403, "host_not_allowed")
+
+
+def test_get_mcp_is_405(t3: T3Server) -> None:
+    """GET /mcp answers 405 with `Allow: POST, DELETE` (no idle stream is held), with or
+    without a token; other wrong methods get 405 too."""
+    for headers in ({}, {"Authorization": f"Bearer {t3.token}", "Accept": "text/event-stream"}):
+        response = raw_request("GET", t3.mcp_url, headers=headers, timeout=10)
+        assert_refused(response, 405, "method_not_allowed")
+        assert response.headers["allow"] == "POST, DELETE"
+    assert_refused(raw_request("POST", f"{t3.url}/healthz", b"", timeout=10), 405,
+                   "method_not_allowed")
+    assert_refused(raw_request("GET", f"{t3.url}/nope", timeout=10), 404, "not_found")
+
+
+def test_401_never_waits_for_the_body(t3: T3Server) -> None:
+    """An unauthenticated POST announcing a 10 MB body is answered 401 at once, without one
+    byte of it sent, and the connection is closed."""
+    started = time.monotonic()
+    with connect(t3, held_body_head(t3, token=None, length=10_000_000)) as sock:
+        answer = read_to_end(sock)
+    assert time.monotonic() - started < 5
+    head = answer.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 401") and b"connection: close" in head, answer
+    assert b'"invalid_mcp_credential"' in answer
+
+
+def test_slow_unauthenticated_bodies_do_not_starve_the_server(t3: T3Server) -> None:
+    """300 connections announcing 10 MB bodies that trickle in are each answered 401 and closed
+    at once, and meanwhile /healthz and an authenticated t3_thread_list answer promptly."""
+    head = held_body_head(t3, token=None, length=10_000_000)
+    socks = [connect(t3, head + '{"jsonrpc"') for _ in range(300)]
+    try:
+        answered = [read_to_end(sock) for sock in socks]
+        assert all(a.startswith(b"HTTP/1.1 401") for a in answered), \
+            {a[:40] for a in answered}
+        started = time.monotonic()
+        assert healthz(t3).status == 200
+        assert t3.client().call("t3_thread_list", {}, timeout=10).ok
+        assert time.monotonic() - started < 5
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_slow_authenticated_body_is_cut_but_long_answers_are_not(t3: T3Server,
+                                                                 mcp: McpClient) -> None:
+    """An authenticated body that has not arrived BODY_TIMEOUT_S after its headers gets 408
+    and a closed connection; a wait streaming its answer for longer is not cut."""
+    import t3 as server_module
+    limit = server_module.BODY_TIMEOUT_S
+    created = mcp.call("create_threads", {"threads": [{"prompt": "SLOW:2000 long"}]}).structured
+    thread_id = created["threads"][0]["threadId"]
+    waiting = mcp.submit("t3_thread_wait", {"threadId": thread_id,
+                                            "timeoutMs": int((limit + 3) * 1000)},
+                         timeout=limit + 30)
+    with connect(t3, held_body_head(t3, token=t3.token, length=100)) as sock:
+        assert sock.recv(100).startswith(b"HTTP/1.1 100")
+        started = time.monotonic()
+        sock.sendall(b'{"jsonrpc"')
+        answer = read_to_end(sock)
+    took = time.monotonic() - started
+    assert limit - 1 < took < limit + 5, took
+    assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer, answer
+    waited = waiting.result(timeout=limit + 30)
+    assert waited.ok and waited.structured["timedOut"] is True, waited.structured
+    mcp.call("t3_thread_interrupt", {"threadId": thread_id})
+
+
+def test_connection_cap(t3_factory) -> None:
+    """With `max_connections = 4`, a fifth connection is answered 503 and closed while four are
+    open, and new connections are served again once they close."""
+    t3 = t3_factory(extra="[server]\nmax_connections = 4\n")
+    held = [connect(t3, held_body_head(t3, token=t3.token, length=100)) for _ in range(4)]
+    try:
+        for sock in held:  # each was accepted and counted: the server read its headers
+            assert sock.recv(100).startswith(b"HTTP/1.1 100")
+        for _ in range(3):
+            with connect(t3) as extra:
+                answer = read_to_end(extra)
+            assert answer.startswith(b"HTTP/1.1 503") and b'"too_many_connections"' in answer
+    finally:
+        for sock in held:
+            sock.close()
+    wait_until(lambda: serves(t3), 10, message="served again")
+    assert t3.stderr_text().count("connections open ([server] max_connections)") == 1
+
+
+def test_non_loopback_host_warns_about_clear_text_tokens(t3_factory) -> None:
+    """Listening beyond loopback without certfile/keyfile prints a warning on startup."""
+    t3 = t3_factory(args=["--host", "0.0.0.0"])
+    assert "bearer tokens travel in clear text" in t3.stderr_text()
+
+
+def test_tls(t3_factory, tmp_path: Path) -> None:
+    """With [server] certfile/keyfile, healthz and MCP answer over https and server.json says so."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
+                   check=True, capture_output=True, timeout=60)
+    t3 = t3_factory(extra='[server]\ncertfile = "cert.pem"\nkeyfile = "key.pem"\n')
+    info = json.loads((t3.data_dir / "server.json").read_text())
+    assert info["url"].startswith("https://127.0.0.1:") and info["mcpUrl"].startswith("https://")
+    context = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+    with urllib.request.urlopen(f"{info['url']}/healthz", context=context, timeout=10) as answer:
+        assert answer.status == 200 and json.loads(answer.read())["ok"] is True
+    call = urllib.request.Request(info["mcpUrl"], method="POST", headers={
+        "Authorization": f"Bearer {t3.token}", "Content-Type": "application/json",
+        "Accept": "application/json"}, data=b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}')
+    with urllib.request.urlopen(call, context=context, timeout=10) as answer:
+        assert answer.status == 200 and "tools" in json.loads(answer.read())["result"]
+    with pytest.raises(OSError):  # plain HTTP on the TLS port is not served
+        urllib.request.urlopen(f"http://127.0.0.1:{info['port']}/healthz", timeout=10).read()
 
 
 # ---- item 4: bounded, unambiguous ids at any depth
