@@ -10,6 +10,8 @@ adapter events (``orchestrator.TextDelta``, ``ToolUpdate``, ``RuntimeRequestOpen
 Process rules: every provider process starts in its own process group (``start_new_session``)
 and asks the kernel to kill it if t3 dies (``PR_SET_PDEATHSIG``); it carries ``T3_OWNER`` in its
 environment so a restarted server can find and kill what a killed one left (``kill_orphans``).
+Its environment is the server's minus t3's own variables (``_T3_VARIABLES``: the data dir, test
+hooks, per-session values), plus the instance's ``env``, plus what the driver sets per session.
 Stop = close stdin, wait, SIGTERM the group, wait, SIGKILL the group: no grandchild survives.
 Raw protocol traffic goes to rotating files under ``<data-dir>/logs/`` with credentials redacted;
 never to SQLite.
@@ -259,6 +261,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+# t3's own variables: the ones it reads (T3_HOME, the test hooks) or sets for the processes it
+# starts. None is passed on from the server's environment; the per-session ones are set again
+# explicitly. A named set, not every T3_*: other tools' variables of that shape pass through.
+_T3_VARIABLES = frozenset({"T3_HOME", "T3_CRASH_AT", "T3_MAX_PAGE_COUNT", "T3_TEST_HOOKS",
+                          "T3_MCP_URL", "T3_MCP_BEARER_TOKEN", "T3_OWNER", "T3_SERVER_PID",
+                          "T3_THREAD_ID"})
+
+
 class _Process:
     """A provider subprocess in its own process group."""
 
@@ -268,9 +278,15 @@ class _Process:
         self._reaper = asyncio.get_running_loop().create_task(self._kill_group_on_exit())
 
     @classmethod
-    async def spawn(cls, command: Sequence[str], *, cwd: str, env: Mapping[str, str]) -> _Process:
+    async def spawn(cls, command: Sequence[str], *, cwd: str, owner: str,
+                    env: Mapping[str, str]) -> _Process:
+        """Start ``command``. Its environment is built here and nowhere else: the server's minus
+        ``_T3_VARIABLES``, then ``env``, then the marker ``kill_orphans`` finds it by."""
+        environment = {k: v for k, v in os.environ.items() if k not in _T3_VARIABLES}
+        environment.update(env)
+        environment.update(T3_OWNER=owner, T3_SERVER_PID=str(os.getpid()))
         proc = await asyncio.create_subprocess_exec(
-            *command, cwd=cwd, env=dict(env), stdin=asyncio.subprocess.PIPE,
+            *command, cwd=cwd, env=environment, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, limit=_LINE_LIMIT,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -399,8 +415,11 @@ async def _json_line(raw: bytes, protocol_log: _ProtocolLog, label: str,
 
 
 def kill_orphans(owner: str) -> int:
-    """Kill processes a previous t3 on this data directory started (found by ``T3_OWNER``)."""
-    needle = f"T3_OWNER={owner}".encode() + b"\0"
+    """Kill processes a previous t3 on this data directory started: those whose environment has
+    the entry ``T3_OWNER=<owner>`` (a whole entry: ``FOO=T3_OWNER=<owner>`` is not one)."""
+    # /proc/<pid>/environ is NUL-separated entries; with a NUL in front, every entry is NUL-bounded
+    needle = b"\0T3_OWNER=" + owner.encode() + b"\0"
+    ours = f"\0T3_SERVER_PID={os.getpid()}\0".encode()
     killed = 0
     proc_dir = Path("/proc")
     if not proc_dir.exists():
@@ -409,10 +428,10 @@ def kill_orphans(owner: str) -> int:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            environ = (entry / "environ").read_bytes() + b"\0"
+            environ = b"\0" + (entry / "environ").read_bytes() + b"\0"
         except OSError:
             continue
-        if needle in environ and f"T3_SERVER_PID={os.getpid()}\0".encode() not in environ:
+        if needle in environ and ours not in environ:
             try:
                 os.kill(int(entry.name), signal.SIGKILL)
                 killed += 1
@@ -447,10 +466,9 @@ class _Adapter:
             else None
 
     def _env(self, thread_id: str, **extra: str) -> dict[str, str]:
-        """The process environment: ours, the instance's, and the marker that lets a restarted
-        server find what this one started (kill_orphans)."""
-        return {**os.environ, **self.config.env, **extra, "T3_OWNER": self.owner,
-                "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        """What a session's process gets on top of the server's environment (``_Process.spawn``):
+        the instance's ``env``, then the driver's ``extra``, then the app thread's id."""
+        return {**self.config.env, **extra, "T3_THREAD_ID": thread_id}
 
 
 # =============================================================================================
@@ -831,7 +849,8 @@ class AcpAdapter(_Adapter):
                            mcp: McpEndpoint | None) -> AcpSession:
         self._check_available()
         env = self._env(thread_id)
-        process = await _Process.spawn(self.config.command, cwd=cwd, env=env)
+        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
+                                       env=env)
         session = self.SESSION(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
             await session.open(cwd=cwd, model=model, interaction_mode=interaction_mode,
@@ -1052,7 +1071,7 @@ class AcpRegistryAdapter(AcpAdapter):
             try:
                 await self._run_installer(
                     [npm, "install", "--prefix", str(partial), "--no-audit", "--no-fund",
-                     "--loglevel=error", agent.package], cwd=partial, env=os.environ)
+                     "--loglevel=error", agent.package], cwd=partial, env={})
                 _npm_executable(partial, agent)
                 (partial / _PREPARED).write_text(agent.package + "\n")
                 shutil.rmtree(final, ignore_errors=True)
@@ -1077,8 +1096,7 @@ class AcpRegistryAdapter(AcpAdapter):
             try:
                 await self._run_installer(
                     [uv, "tool", "install", "--force", agent.package], cwd=home,
-                    env={**os.environ, "UV_TOOL_DIR": str(home / "tools"),
-                         "UV_TOOL_BIN_DIR": str(home / "bin")})
+                    env={"UV_TOOL_DIR": str(home / "tools"), "UV_TOOL_BIN_DIR": str(home / "bin")})
                 (home / _PREPARED).write_text(agent.package + "\n")
             except BaseException:
                 shutil.rmtree(home, ignore_errors=True)
@@ -1094,10 +1112,10 @@ class AcpRegistryAdapter(AcpAdapter):
 
     async def _run_installer(self, command: list[str], *, cwd: Path,
                              env: Mapping[str, str]) -> None:
-        """Run npm or uv in its own process group (killed if t3 stops meanwhile); its output
-        goes to the protocol log, the end of its stderr into the error."""
-        process = await _Process.spawn(command, cwd=str(cwd), env={
-            **env, "T3_OWNER": self.owner, "T3_SERVER_PID": str(os.getpid())})
+        """Run npm or uv in its own process group (killed if t3 stops meanwhile) with ``env`` on
+        top of the server's environment; its output goes to the protocol log, the end of its
+        stderr into the error."""
+        process = await _Process.spawn(command, cwd=str(cwd), owner=self.owner, env=env)
         try:
             out, err = await asyncio.wait_for(process.proc.communicate(), _INSTALL_TIMEOUT_S)
         except TimeoutError:
@@ -1118,7 +1136,8 @@ class AcpRegistryAdapter(AcpAdapter):
         """A disposable ``initialize`` + ``session/new``: success proves the agent can run (and
         is authenticated); it yields the models and capabilities the agent advertises."""
         cwd = str(self._cache_dir)
-        process = await _Process.spawn(self.config.command, cwd=cwd, env=self._env(""))
+        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
+                                       env=self._env(""))
         session = AcpSession(adapter=self, process=process, runtime_mode="approval-required")
         try:
             await session.open(cwd=cwd, model=None, interaction_mode="default", resume_ref=None,
@@ -1556,7 +1575,7 @@ class ClaudeAdapter(_Adapter):
         if instructions := self._instructions(mcp):  # the system prompt is per process
             command += ["--append-system-prompt", instructions]
         env = self._env(thread_id)
-        process = await _Process.spawn(command, cwd=cwd, env=env)
+        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
         return ClaudeSession(adapter=self, process=process, session_ref=session_ref,
                              runtime_mode=runtime_mode, mcp_dir=mcp_dir)
 
@@ -1838,7 +1857,8 @@ class CodexAdapter(_Adapter):
                            mcp: McpEndpoint | None) -> CodexSession:
         self._check_available()
         env = self._env(thread_id)
-        process = await _Process.spawn(self.config.command, cwd=cwd, env=env)
+        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
+                                       env=env)
         session = CodexSession(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
             await session.open(cwd=cwd, model=model, resume_ref=resume_ref, mcp=mcp)
@@ -2160,7 +2180,7 @@ class PiAdapter(_Adapter):
             env["T3_MCP_BEARER_TOKEN"] = auth.removeprefix("Bearer ").strip()
         if instructions := self._instructions(mcp):  # the system prompt is per process
             command += ["--append-system-prompt", instructions]
-        process = await _Process.spawn(command, cwd=cwd, env=env)
+        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
         return PiSession(adapter=self, process=process, session_file=str(session_file))
 
 
@@ -2569,7 +2589,7 @@ class OpenCodeAdapter(_Adapter):
         env = {"OPENCODE_DISABLE_AUTOUPDATE": "1", **self._env(
             thread_id, OPENCODE_CONFIG_CONTENT=self._config_content(runtime_mode),
             OPENCODE_SERVER_PASSWORD=password)}
-        process = await _Process.spawn(command, cwd=cwd, env=env)
+        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
         session = OpenCodeSession(adapter=self, process=process, port=port, password=password,
                                   cwd=cwd, model=model, runtime_mode=runtime_mode)
         try:

@@ -1,0 +1,153 @@
+"""Security properties of the server (issue 10), one banner section per item: what reaches an
+agent's environment and which processes a restart kills (7), what the logs redact (8), and where
+acpRegistry downloads from (9). Real servers, agents and processes, as everywhere else."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import providers
+from harness import T3Server, agent_log, pids_alive, scripted_provider, wait_until
+from real_cli import create, text, wait
+from test_registry import ArchiveServer, binary_registry, registry_provider, settled
+
+# ---- item 7: agents' environment
+
+# t3's own variables, as a server started by someone who uses them (or a test) has them.
+T3_OWN = {"T3_HOME": "/t3/home/elsewhere", "T3_TEST_HOOKS": "1", "T3_CRASH_AT": "never:reached",
+          "T3_MAX_PAGE_COUNT": "1000000", "T3_MCP_URL": "http://127.0.0.1:9/not-this-session",
+          "T3_MCP_BEARER_TOKEN": "not-this-session", "T3_OWNER": "/not/this/owner",
+          "T3_SERVER_PID": "1", "T3_THREAD_ID": "not-this-thread"}
+NEVER_PASSED_ON = ("T3_HOME", "T3_TEST_HOOKS", "T3_CRASH_AT", "T3_MAX_PAGE_COUNT", "T3_MCP_URL",
+                   "T3_MCP_BEARER_TOKEN")
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment a process started with, from /proc."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").partition("=")[::2] for e in entries if e)
+
+
+def fake_npm(tmp_path: Path, body: str) -> dict[str, str]:
+    """An `npm` first on PATH that runs the Python `body` (its environment dump goes to the file
+    `dump`); the server environment that makes t3 find it."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir(exist_ok=True)
+    npm = bin_dir / "npm"
+    npm.write_text(f"#!{sys.executable}\nimport json, os, sys\ndump = {str(tmp_path / 'npm-env.json')!r}\n"
+                   + body)
+    npm.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def npx_registry(tmp_path: Path) -> Path:
+    path = tmp_path / "npx-registry.json"
+    path.write_text(json.dumps({"version": "1.0.0", "agents": [
+        {"id": "npx-agent", "name": "Npx agent", "version": "1.0.0", "description": "via npm",
+         "distribution": {"npx": {"package": "@example/npx-agent-acp"}}}]}))
+    return path
+
+
+@pytest.fixture
+def bystanders() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts outside any server (each in its own session); killed and reaped
+    at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_agent_environment_lacks_t3_variables_and_has_the_instance_env(t3_factory: Any,
+                                                                         tmp_path: Path) -> None:
+    """An agent's environment has none of t3's own variables from the server's (data dir, test
+    hooks, another session's MCP bridge) and its own marker, thread id and instance env instead;
+    other T3_* variables (the harness's) pass through."""
+    provider = scripted_provider(tmp_path, env={"INSTANCE_ONLY": "from-config"})
+    t3 = t3_factory(providers=[provider], env=T3_OWN)
+    mcp = t3.client()
+    created = create(mcp, "ECHO_ENV")
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    env = json.loads(text(mcp, created["threadId"]))
+    assert [name for name in NEVER_PASSED_ON if name in env] == []
+    assert env["T3_OWNER"] == str(t3.data_dir.resolve())
+    assert env["T3_SERVER_PID"] == str(t3.pid)
+    assert env["T3_THREAD_ID"] == created["threadId"]
+    assert env["INSTANCE_ONLY"] == "from-config"
+    assert env["T3_TEST_SESSION"] == os.environ["T3_TEST_SESSION"]
+    assert env["T3_TEST_MARKER"] == t3.env["T3_TEST_MARKER"]
+
+
+def test_installer_environment_lacks_t3_variables(t3_factory: Any, tmp_path: Path) -> None:
+    """npm, run by acpRegistry to install an agent, gets the server's environment without t3's
+    own variables, plus the marker a restarted server finds it by."""
+    env = {**T3_OWN, **fake_npm(tmp_path, "open(dump, 'w').write(json.dumps(dict(os.environ)))\n"
+                                          "sys.exit(1)\n")}
+    t3 = t3_factory(providers=[registry_provider(npx_registry(tmp_path), agent="npx-agent")],
+                    env=env)
+    [reason] = settled(t3.client())["constraints"]
+    assert "exited with code 1" in reason, reason
+    installer_env = json.loads((tmp_path / "npm-env.json").read_text())
+    assert [name for name in NEVER_PASSED_ON if name in installer_env] == []
+    assert installer_env["T3_OWNER"] == str(t3.data_dir.resolve())
+    assert installer_env["T3_SERVER_PID"] == str(t3.pid)
+    assert installer_env["T3_TEST_SESSION"] == os.environ["T3_TEST_SESSION"]
+
+
+def test_a_bystander_naming_the_owner_survives_a_restart(t3: T3Server, tmp_path: Path,
+                                                         agent_log_path: Path,
+                                                         bystanders: list[subprocess.Popen[bytes]]) -> None:
+    """A restart kills what the last server's agents left behind (environment entry
+    `T3_OWNER=<data dir>`), and not a process that only mentions it (`FOO=T3_OWNER=<data dir>`)."""
+    mcp = t3.client()
+    created = create(mcp, "DETACH")
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    [orphan] = [e["detachedPid"] for e in agent_log(agent_log_path) if e["dir"] == "detached"]
+    owner = environ_of(orphan)["T3_OWNER"]
+    assert owner == str(t3.data_dir.resolve())
+    bystander = subprocess.Popen(["sleep", "300"], env={**os.environ, "FOO": f"T3_OWNER={owner}"},
+                                 start_new_session=True)
+    bystanders.append(bystander)
+    t3.stop()
+    assert pids_alive([orphan]), "the orphan outlived its server (so only the restart can kill it)"
+    t3.start()
+    wait_until(lambda: not pids_alive([orphan]), 10, message="the restart killed the orphan")
+    assert bystander.poll() is None and pids_alive([bystander.pid])
+
+
+def test_test_hooks_do_nothing_without_the_switch(t3_factory: Any) -> None:
+    """T3_CRASH_AT at a point every commit passes and a T3_MAX_PAGE_COUNT below the database's
+    size change nothing without T3_TEST_HOOKS=1; with it, the same server crashes there."""
+    t3 = t3_factory(env={"T3_CRASH_AT": "commit:after-receipt", "T3_MAX_PAGE_COUNT": "1"},
+                    start=False)
+    t3.env.pop("T3_TEST_HOOKS", None)
+    t3.start()
+    mcp = t3.client()
+    created = create(mcp, "hello")
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    sent = mcp.call("t3_thread_send", {"threadId": created["threadId"], "message": "big " * 25_000})
+    assert sent.ok, sent.structured
+    assert wait(mcp, created["threadId"])["status"] == "completed"
+    assert t3.running
+
+    t3.stop()
+    t3.env["T3_TEST_HOOKS"] = "1"
+    t3.env.pop("T3_MAX_PAGE_COUNT")
+    t3.start()
+    try:
+        mcp.call("create_threads", {"threads": [{"prompt": "never recorded"}]}, timeout=30)
+    except Exception:  # the server died mid-call; what the client sees varies by SDK layer
+        pass
+    wait_until(lambda: not t3.running, 30, message="the armed server crashed at its first commit")
+    assert t3.returncode == -signal.SIGKILL
