@@ -42,6 +42,7 @@ import re
 import shutil
 import signal
 import socket
+import string
 import sys
 import tarfile
 import tempfile
@@ -141,18 +142,57 @@ def detect_providers() -> list[ProviderConfig]:
     return found
 
 
-_SECRET = re.compile(r"(Bearer\s+)[A-Za-z0-9._~+/=-]+|(\"(?:value|Authorization|authorization|"
-                     r"token|bearer_token)\"\s*:\s*\")[^\"]*(\")")
+# What redact() blanks out: a bearer token, an Authorization (or API key) header's value, and the
+# value given to a name that ends in a secret's word (T3_MCP_BEARER_TOKEN, apiKey, x-api-key,
+# client_secret, password...): as a JSON string, a header object's value or an assignment. It is
+# matched against the line with ASCII letters lower-cased, so in any letter case. Every match
+# starts with one of the words, which keeps the scan of a line fast; the named group that ends
+# last in a match (lastgroup) ends the text kept, and the secret follows it. A quote may be
+# escaped (a JSON text inside a JSON string quotes with \"), and a quoted value also ends where
+# a line was cut short.
+_QUOTE = r"\\*[\"']"
+_SPACE = r"(?:\s|%20|\+|\\u0020)+"  # also URL-encoded or JSON-escaped
+_SECRET = re.compile(
+    r"(?:bearer|token|secret|passw(?:or)?d|api[_-]?key|authorization)(?:"
+    # Bearer X, bearer%20X (a word of its own: not cupbearer)
+    rf"(?P<bearer>(?<=bearer)(?<![\w-]bearer){_SPACE})[\w.~+/=%-]+"
+    # a header line: Authorization: Basic X, Proxy-Authorization: X, X-Api-Key: X
+    rf"|(?P<header>(?:(?<=authorization)|(?<=key))\s*:\s*(?:[a-z][\w-]*{_SPACE})?)[^\s\"'\\,;]+"
+    # a key with a string value: "token": "X", 'apiKey': 'X', \"password\": \"X\"
+    rf"|(?P<key>(?P<kq>{_QUOTE})\s*:\s*(?P=kq))(?:\\.|[^\\])*?(?=(?P=kq)|$)"
+    # a header object: {"name": "Authorization", "value": "X"} (ACP's mcpServers)
+    rf"|(?P<pair>(?P<pq>{_QUOTE})\s*,\s*(?P=pq)value(?P=pq)\s*:\s*(?P=pq))(?:\\.|[^\\])*?"
+    r"(?=(?P=pq)|$)"
+    # an assignment: T3_MCP_BEARER_TOKEN=X, ?access_token=X&, --api-key="X"
+    rf"|(?P<assign>\s*=(?!=)\s*(?:{_QUOTE})?)[^\s\"'\\&,;]+)")
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
 def redact(text: str) -> str:
-    """Blank out bearer tokens and Authorization values anywhere in a protocol line."""
-    # Most lines hold none of the keys: skip the regex scan (spelled out, as this runs per line).
-    if "Bearer" not in text and '"value"' not in text and 'uthorization"' not in text \
-            and '"token"' not in text and '"bearer_token"' not in text:
+    """Blank out credentials anywhere in a protocol line (``_SECRET``), in any letter case."""
+    lowered = text.lower()
+    # Most lines hold no secret's word: skip the scan (spelled out, as this runs per line).
+    if "bearer" not in lowered and "token" not in lowered and "key" not in lowered and \
+            "authoriz" not in lowered and "secret" not in lowered and "passw" not in lowered:
         return text
-    return _SECRET.sub(lambda m: (m.group(1) + "<redacted>") if m.group(1)
-                       else m.group(2) + "<redacted>" + m.group(3), text)
+    if not text.isascii():  # str.lower() may change the length, and the offsets with it
+        lowered = text.translate(_ASCII_LOWER)
+    parts: list[str] = []
+    kept = 0
+    for match in _SECRET.finditer(lowered):  # each alternative has a named group (lastgroup)
+        parts += (text[kept:match.end(match.lastgroup or 0)], "<redacted>")
+        kept = match.end()
+    return "".join(parts) + text[kept:]
+
+
+def _redact_record(record: logging.LogRecord) -> bool:
+    """A filter on this module's logger: what it logs often quotes a provider (an error message,
+    an exit reason, an installer's output), so every message is redacted as the traffic is."""
+    record.msg, record.args = redact(record.getMessage()), None
+    return True
+
+
+log.addFilter(_redact_record)
 
 
 class _ProtocolLog:
@@ -1013,8 +1053,9 @@ class AcpRegistryAdapter(AcpAdapter):
                 agent = await self._install()
                 models, capabilities = await self._probe()
             except Exception as exc:  # noqa: BLE001  # any failure is this instance's reason
-                reason = str(exc) if isinstance(exc, RegistryError) else \
-                    f"preparing ACP registry agent {self.config.agent} failed: {exc}"
+                # shown to MCP callers; it may quote an installer's output
+                reason = redact(str(exc) if isinstance(exc, RegistryError) else
+                                f"preparing ACP registry agent {self.config.agent} failed: {exc}")
                 log.warning("provider %s unavailable: %s", self.info.instance_id, reason)
                 self.info = replace(self.info, constraints=(reason,))
             else:
@@ -1330,7 +1371,7 @@ class GrokSession(AcpSession):
     async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
         if method in _GROK_BACKGROUNDED:
             log.info("%s: a task went to the background: %s", self._adapter.info.instance_id,
-                     redact(json.dumps(params)[:500]))
+                     json.dumps(params)[:500])
             return
         await super()._on_notification(method, params)
 

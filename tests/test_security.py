@@ -151,3 +151,94 @@ def test_test_hooks_do_nothing_without_the_switch(t3_factory: Any) -> None:
         pass
     wait_until(lambda: not t3.running, 30, message="the armed server crashed at its first commit")
     assert t3.returncode == -signal.SIGKILL
+
+
+# ---- item 8: redaction
+
+SECRET = "sk-9f8e7d6c5b4a"
+R = "<redacted>"
+# (a line as a provider, an installer or t3 itself may write it, the line redacted); None: the
+# line with only SECRET replaced, so everything around it is kept as it was.
+REDACTED_FORMS = [
+    (f"stderr: using Bearer {SECRET} for the call", None),
+    (f"bearer {SECRET}", None),
+    (f"BEARER {SECRET}, then more", None),
+    (f"GET /mcp?auth=Bearer%20{SECRET} HTTP/1.1", None),
+    (f"GET /mcp?auth=Bearer+{SECRET}&x=1 HTTP/1.1", None),
+    (f'{{"text":"Bearer\\u0020{SECRET}"}}', None),
+    (f"Authorization: Basic {SECRET}", None),
+    (f"authorization: bearer {SECRET}", None),
+    (f"AUTHORIZATION: Digest {SECRET}", None),
+    (f"Proxy-Authorization: {SECRET}", None),
+    (f"X-Api-Key: {SECRET}", None),
+    (f"T3_MCP_BEARER_TOKEN={SECRET} pi --mode rpc", None),
+    (f'export T3_MCP_BEARER_TOKEN="{SECRET}"', None),
+    (f"npm ERR! //registry.example/:_authToken={SECRET}", None),
+    (f"https://example.test/cb?access_token={SECRET}&state=1", None),
+    (f'{{"env":{{"T3_MCP_BEARER_TOKEN":"{SECRET}","HOME":"/h"}}}}', None),
+    (f'{{"token":"{SECRET}"}}', None),
+    (f'{{"bearer_token": "{SECRET}"}}', None),
+    (f'{{"apiKey":"{SECRET}","model":"m"}}', None),
+    (f'{{"api_key":"{SECRET}"}}', None),
+    (f'{{"X-API-KEY":"{SECRET}"}}', None),
+    (f'{{"password":"{SECRET}","user":"u"}}', None),
+    (f'{{"client_secret" : "{SECRET}"}}', None),
+    (f"{{'api_key': '{SECRET}'}}", None),
+    (f'{{"headers":{{"Authorization":"Bearer {SECRET}"}}}}', f'{{"headers":{{"Authorization":"{R}"}}}}'),
+    (f'{{"authorization":"Basic {SECRET}"}}', f'{{"authorization":"{R}"}}'),
+    (f'{{"headers":[{{"name":"Authorization","value":"Basic {SECRET}"}}]}}',
+     f'{{"headers":[{{"name":"Authorization","value":"{R}"}}]}}'),
+    (f'{{"headers":[{{"name":"x-api-key","value":"{SECRET}"}}]}}', None),
+    (f'{{"rawInput":"{{\\"Authorization\\": \\"Basic {SECRET}\\"}}"}}',
+     f'{{"rawInput":"{{\\"Authorization\\": \\"{R}\\"}}"}}'),
+    (f'{{"rawInput":"{{\\"token\\":\\"{SECRET}\\"}}"}}', None),
+    (f'{{"text":"curl -H \\"Authorization: Bearer {SECRET}\\" http://x"}}', None),
+    (f'{{"password":"{SECRET}', None),  # a line cut short inside the value
+    (f"İİ ünïcode before Bearer {SECRET} and after", None),  # lower() would change the length
+]
+KEPT = ['{"max_tokens": 100, "input_tokens": 5, "tokenizer": "bpe"}', "max_tokens=100",
+        "if token == expected:", '{"token_type":"Bearer","expires_in":3600}',
+        "the cupbearer keeps bearer_tokens", '{"name":"color","value":"red"}',
+        '{"passwordless":"yes","keyboard":"us"}', "a key point about secrets and passwords",
+        '{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"1 "}}']
+
+
+@pytest.mark.parametrize("line, redacted", REDACTED_FORMS, ids=range(len(REDACTED_FORMS)))
+def test_redact_blanks_every_form_of_a_secret_and_keeps_the_rest(line: str, redacted: str | None) -> None:
+    """Each form of a credential (any letter case, URL-encoded, JSON-escaped, nested JSON) is
+    blanked out and the text around it is kept exactly."""
+    assert providers.redact(line) == (redacted or line.replace(SECRET, R))
+    assert SECRET not in providers.redact(line)
+
+
+@pytest.mark.parametrize("line", KEPT)
+def test_redact_keeps_lines_without_a_secret(line: str) -> None:
+    """Lines that only mention secret-like words (token counts, a token type, a header named
+    color) come out unchanged."""
+    assert providers.redact(line) == line
+
+
+def test_what_providers_logs_is_redacted(caplog: pytest.LogCaptureFixture) -> None:
+    """A message of providers.py's logger that quotes a provider (an agent's error) is redacted
+    before any handler sees it."""
+    with caplog.at_level(logging.INFO, logger="t3.providers"):
+        providers.log.warning("session/load of %s failed (%s)", "s-1",
+                              f"rejected header Authorization: Bearer {SECRET}")
+    assert "rejected header Authorization: Bearer <redacted>" in caplog.text
+    assert SECRET not in caplog.text
+
+
+def test_an_installers_secret_is_redacted_in_the_reason_and_the_logs(t3_factory: Any,
+                                                                     tmp_path: Path) -> None:
+    """npm's output quoting credentials reaches the instance's reason (shown over MCP), the
+    server's log and the traffic log with the credentials blanked out."""
+    body = (f"print('npm ERR! //registry.example/:_authToken={SECRET}', file=sys.stderr)\n"
+            f"print('npm ERR! Authorization: Bearer {SECRET}', file=sys.stderr)\nsys.exit(1)\n")
+    t3 = t3_factory(providers=[registry_provider(npx_registry(tmp_path), agent="npx-agent")],
+                    env=fake_npm(tmp_path, body))
+    [reason] = settled(t3.client())["constraints"]
+    assert "_authToken=<redacted>" in reason and "Authorization: Bearer <redacted>" in reason
+    traffic = t3.data_dir / "logs" / "provider-reg.log"
+    wait_until(lambda: "Bearer <redacted>" in traffic.read_text(), 10, message="traffic logged")
+    wait_until(lambda: "provider reg unavailable" in t3.stderr_text(), 10, message="logged")
+    assert SECRET not in reason + traffic.read_text() + t3.stderr_text()
