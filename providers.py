@@ -1055,7 +1055,8 @@ class AcpRegistryAdapter(AcpAdapter):
             except Exception as exc:  # noqa: BLE001  # any failure is this instance's reason
                 # shown to MCP callers; it may quote an installer's output
                 reason = redact(str(exc) if isinstance(exc, RegistryError) else
-                                f"preparing ACP registry agent {self.config.agent} failed: {exc}")
+                                f"ACP registry agent {self.config.agent} could not be prepared: "
+                                f"{exc}")  # not "preparing ...": that is the in-progress state
                 log.warning("provider %s unavailable: %s", self.info.instance_id, reason)
                 self.info = replace(self.info, constraints=(reason,))
             else:
@@ -1176,6 +1177,7 @@ class AcpRegistryAdapter(AcpAdapter):
     async def _probe(self) -> tuple[list[dict[str, Any]], Capabilities]:
         """A disposable ``initialize`` + ``session/new``: success proves the agent can run (and
         is authenticated); it yields the models and capabilities the agent advertises."""
+        self._cache_dir.mkdir(parents=True, exist_ok=True)  # also with a configured command
         cwd = str(self._cache_dir)
         process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
                                        env=self._env(""))
