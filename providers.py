@@ -33,6 +33,7 @@ import base64
 import contextlib
 import ctypes
 import hashlib
+import ipaddress
 import itertools
 import json
 import logging
@@ -948,10 +949,11 @@ def registry_platform() -> str:
 
 
 def read_registry(source: str) -> Mapping[str, Any]:
-    """The registry JSON from an http(s) URL or a file path. Blocking: run it in a thread."""
+    """The registry JSON from an https URL (``_open_url``) or a file path. Blocking: run it in
+    a thread."""
     try:
         if source.startswith(("http://", "https://")):
-            with urllib.request.urlopen(source, timeout=_NETWORK_TIMEOUT_S) as response:
+            with _open_url(source, "the ACP registry") as response:
                 raw = response.read(_REGISTRY_MAX_BYTES + 1)
         else:
             with open(source, "rb") as f:
@@ -969,10 +971,11 @@ def read_registry(source: str) -> Mapping[str, Any]:
     return data
 
 
-def select_agent(registry: Mapping[str, Any], agent_id: str, *,
-                 platform_key: str) -> RegistryAgent:
+def select_agent(registry: Mapping[str, Any], agent_id: str, *, platform_key: str,
+                 allow_unverified: bool = False) -> RegistryAgent:
     """Validate ``agent_id``'s entry and choose its distribution: the binary for
-    ``platform_key`` if declared, else npx, else uvx. Never starts a process."""
+    ``platform_key`` if declared, else npx, else uvx. A binary needs an https archive and a
+    declared sha256 (without one only if ``allow_unverified``). Never starts a process."""
     entries = [a for a in registry["agents"] if isinstance(a, dict)]
     entry = next((a for a in entries if a.get("id") == agent_id), None)
     if entry is None:
@@ -999,13 +1002,17 @@ def select_agent(registry: Mapping[str, Any], agent_id: str, *,
         if not isinstance(target, dict):
             raise bad(where, "must be an object")
         archive, cmd, sha256 = target.get("archive"), target.get("cmd"), target.get("sha256")
-        if not isinstance(archive, str) or not archive.startswith(("https://", "http://")):
-            raise bad(f"{where}.archive", "must be an http(s) URL")
+        if not isinstance(archive, str) or _insecure(archive):
+            raise bad(f"{where}.archive", f"{archive!r} is refused: {_HTTPS_ONLY}")
         if not isinstance(cmd, str) or not _inside(cmd) or PurePosixPath(cmd).name in ("", "."):
             raise bad(f"{where}.cmd", "must be a relative path to a file inside the archive")
         if sha256 is not None and not (isinstance(sha256, str)
                                        and re.fullmatch(r"[0-9a-fA-F]{64}", sha256)):
             raise bad(f"{where}.sha256", "must be 64 hex digits")
+        if sha256 is None and not allow_unverified:
+            raise bad(f"{where}.sha256", "is not declared: t3 runs a downloaded binary only "
+                      "when its checksum is known (allow_unverified = true on the instance runs "
+                      "it anyway)")
         args, env = _args_env(target, where, bad)
         return RegistryAgent(id=agent_id, name=display, version=version, kind="binary",
                              platform=platform_key, args=args, env=env, archive=archive, cmd=cmd,
@@ -1080,7 +1087,10 @@ class AcpRegistryAdapter(AcpAdapter):
         """Read the catalog, prepare the distribution, and set the command the sessions run."""
         assert self.config.agent is not None and self.config.registry is not None
         registry = await asyncio.to_thread(read_registry, self.config.registry)
-        agent = select_agent(registry, self.config.agent, platform_key=registry_platform())
+        agent = select_agent(registry, self.config.agent, platform_key=registry_platform(),
+                             # a configured command: nothing is downloaded, nothing to verify
+                             allow_unverified=self.config.allow_unverified
+                             or bool(self._command_override))
         self.info = replace(self.info, constraints=(f"preparing {agent.id} {agent.version}",))
         if self._command_override:
             executable = self._command_override
@@ -1261,7 +1271,11 @@ def _prepare_binary(agent: RegistryAgent, cache_dir: Path) -> Path:
     partial.mkdir(parents=True)
     try:
         digest = _download(agent.archive, download, agent.id)
-        if agent.sha256 is not None and digest != agent.sha256:
+        if agent.sha256 is None:  # select_agent let it through: allow_unverified
+            log.warning("ACP registry agent %s: installing %s (sha256 %s) unverified: the "
+                        "registry declares no sha256 and the instance allows that",
+                        agent.id, agent.archive, digest)
+        elif digest != agent.sha256:
             raise RegistryError(
                 f"ACP registry agent {agent.id}: the archive {agent.archive} failed its checksum: "
                 f"expected sha256 {agent.sha256}, got {digest}; nothing was installed")
@@ -1288,10 +1302,10 @@ def _prepare_binary(agent: RegistryAgent, cache_dir: Path) -> Path:
 
 
 def _download(url: str, into: Path, agent_id: str) -> str:
-    """Stream ``url`` into a file; returns its sha256 (hex)."""
+    """Stream ``url`` (``_open_url``) into a file; returns its sha256 (hex)."""
     digest = hashlib.sha256()
     try:
-        with urllib.request.urlopen(url, timeout=_NETWORK_TIMEOUT_S) as response, \
+        with _open_url(url, f"ACP registry agent {agent_id}: the archive") as response, \
                 open(into, "wb") as f:
             while chunk := response.read(1 << 16):
                 digest.update(chunk)
@@ -1300,6 +1314,47 @@ def _download(url: str, into: Path, agent_id: str) -> str:
         raise RegistryError(f"ACP registry agent {agent_id}: cannot download {url}: {exc}") \
             from exc
     return digest.hexdigest()
+
+
+_HTTPS_ONLY = "t3 downloads over https only; plain http only from this machine's loopback " \
+    "(127.0.0.0/8, ::1, localhost)"
+
+
+def _insecure(url: str) -> bool:
+    """Not an https URL, nor an http one to this machine's loopback (tests, a local mirror)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "https":
+        return not parts.hostname
+    if parts.scheme != "http" or not parts.hostname:
+        return True
+    if parts.hostname == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(parts.hostname).is_loopback
+    except ValueError:  # a host name
+        return True
+
+
+class _RedirectGuard(urllib.request.HTTPRedirectHandler):
+    """A redirect is followed only to where t3 would download from anyway, and never from https
+    down to http."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> urllib.request.Request | None:
+        if _insecure(newurl) or (req.full_url.startswith("https:")
+                                 and not newurl.startswith("https:")):
+            raise RegistryError(f"{req.full_url} redirects to {newurl}, refused: {_HTTPS_ONLY}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_RedirectGuard)
+
+
+def _open_url(url: str, what: str) -> Any:
+    """Open ``url`` for reading under t3's rule for downloads (``_insecure``, redirects too)."""
+    if _insecure(url):
+        raise RegistryError(f"{what} {url} is refused: {_HTTPS_ONLY}")
+    return _OPENER.open(url, timeout=_NETWORK_TIMEOUT_S)
 
 
 def _unpack(archive: Path, into: Path, agent: RegistryAgent) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import providers
-from harness import T3Server, agent_log, pids_alive, scripted_provider, wait_until
+from harness import ACP_AGENT, T3Server, agent_log, pids_alive, scripted_provider, wait_until
 from real_cli import create, text, wait
 from test_registry import ArchiveServer, binary_registry, registry_provider, settled
 
@@ -242,3 +242,112 @@ def test_an_installers_secret_is_redacted_in_the_reason_and_the_logs(t3_factory:
     wait_until(lambda: "Bearer <redacted>" in traffic.read_text(), 10, message="traffic logged")
     wait_until(lambda: "provider reg unavailable" in t3.stderr_text(), 10, message="logged")
     assert SECRET not in reason + traffic.read_text() + t3.stderr_text()
+
+
+# ---- item 9: acpRegistry
+
+ELSEWHERE = "http://192.0.2.1"  # TEST-NET-1: not this machine; refused before any connection
+
+
+@pytest.fixture
+def archive_server() -> Iterator[ArchiveServer]:
+    server = ArchiveServer()
+    yield server
+    server.close()
+
+
+def constraints_once_prepared(mcp: Any, instance_id: str) -> list[str]:
+    """An instance's constraints once its preparation ended ([] when it is ready)."""
+    def ended() -> tuple[list[str]] | None:
+        found = next(p for p in mcp.call("orchestrator_capabilities", {}).structured["providers"]
+                     if p["providerInstanceId"] == instance_id)
+        done = not any(c.startswith("preparing") for c in found["constraints"])
+        return (found["constraints"],) if done else None
+    return wait_until(ended, 120, interval=0.2, message=f"{instance_id} prepared")[0]
+
+
+@pytest.mark.parametrize("url, refused", [
+    ("https://cdn.example/registry.json", False), ("http://127.0.0.1:8080/r.json", False),
+    ("http://127.3.4.5/a.tar.gz", False), ("http://[::1]:8080/a.zip", False),
+    ("http://localhost:8080/r.json", False), (f"{ELSEWHERE}/r.json", True),
+    ("http://example.com/r.json", True), ("http://127.0.0.1.example.com/r.json", True),
+    ("http://user@127.0.0.1@example.com/r.json", True), ("http://[::ffff:127.0.0.1]/r.json", True),
+    ("http://0.0.0.0/r.json", True), ("ftp://127.0.0.1/r.json", True), ("file:///etc/hosts", True),
+    ("https:///no-host", True)])
+def test_downloads_need_https_or_loopback_http(url: str, refused: bool) -> None:
+    """The download rule: https anywhere, plain http only to 127.0.0.0/8, ::1 or localhost."""
+    assert providers._insecure(url) is refused
+
+
+def test_a_registry_over_http_from_another_host_is_refused(t3_factory: Any) -> None:
+    """A registry URL with plain http to another host leaves the instance unavailable with the
+    reason, without fetching it."""
+    mcp = t3_factory(providers=[registry_provider(f"{ELSEWHERE}/registry.json")]).client()
+    [reason] = settled(mcp)["constraints"]
+    assert reason.startswith(f"the ACP registry {ELSEWHERE}/registry.json is refused: t3 "
+                             "downloads over https only"), reason
+
+
+def test_an_archive_over_http_from_another_host_is_refused(t3_factory: Any, tmp_path: Path,
+                                                           archive_server: ArchiveServer) -> None:
+    """A binary archive declared with plain http to another host is refused naming the field;
+    nothing is downloaded or installed."""
+    url = f"{ELSEWHERE}/scripted.tar.gz"
+    registry = binary_registry(tmp_path, archive_server, archive_url=url)
+    t3 = t3_factory(providers=[registry_provider(registry)])
+    [reason] = settled(t3.client())["constraints"]
+    assert f".archive: '{url}' is refused: t3 downloads over https only" in reason, reason
+    assert archive_server.requests == {}
+    assert not (t3.data_dir / "agents/registry/bin").exists()
+
+
+def test_a_redirect_to_plain_http_elsewhere_is_refused(t3_factory: Any, tmp_path: Path,
+                                                       archive_server: ArchiveServer) -> None:
+    """An archive on loopback that redirects to plain http on another host is refused, while a
+    redirect that stays on loopback is followed (a second instance in the same server)."""
+    away, home = tmp_path / "away", tmp_path / "home"
+    away.mkdir()
+    home.mkdir()
+    archive_server.redirects["/away.tar.gz"] = f"{ELSEWHERE}/scripted.tar.gz"
+    archive_server.redirects["/home.tar.gz"] = archive_server.url("/scripted.tar.gz")
+    refused = binary_registry(away, archive_server, archive_url=archive_server.url("/away.tar.gz"))
+    followed = binary_registry(home, archive_server, archive_url=archive_server.url("/home.tar.gz"))
+    mcp = t3_factory(providers=[registry_provider(refused),
+                                {**registry_provider(followed), "id": "reg2"}]).client()
+    [reason] = constraints_once_prepared(mcp, "reg")
+    assert f"redirects to {ELSEWHERE}/scripted.tar.gz, refused: t3 downloads over https only" \
+        in reason, reason
+    assert constraints_once_prepared(mcp, "reg2") == []
+
+
+def test_a_binary_without_sha256_is_refused(t3_factory: Any, tmp_path: Path,
+                                            archive_server: ArchiveServer) -> None:
+    """A binary distribution that declares no sha256 is refused, naming allow_unverified, and
+    is not downloaded."""
+    registry = binary_registry(tmp_path, archive_server, with_sha256=False)
+    [reason] = settled(t3_factory(providers=[registry_provider(registry)]).client())["constraints"]
+    assert ".sha256: is not declared" in reason and "allow_unverified = true" in reason, reason
+    assert archive_server.requests == {}
+
+
+def test_allow_unverified_admits_a_binary_without_sha256(t3_factory: Any, tmp_path: Path,
+                                                         archive_server: ArchiveServer) -> None:
+    """With allow_unverified = true the same distribution is installed (logged as unverified)
+    and the instance can run."""
+    registry = binary_registry(tmp_path, archive_server, with_sha256=False)
+    t3 = t3_factory(providers=[registry_provider(registry, allow_unverified=True)])
+    ready = settled(t3.client())
+    assert ready["canRunChildTask"] and ready["constraints"] == [], ready
+    assert archive_server.requests == {"/scripted.tar.gz": 1}
+    wait_until(lambda: "unverified" in t3.stderr_text(), 10, message="the install was logged")
+
+
+def test_a_local_command_needs_no_sha256(t3_factory: Any, tmp_path: Path,
+                                         archive_server: ArchiveServer) -> None:
+    """An instance that runs its own `command` downloads nothing, so an entry without a sha256
+    does not stop it."""
+    registry = binary_registry(tmp_path, archive_server, with_sha256=False)
+    provider = registry_provider(registry, command=[sys.executable, str(ACP_AGENT)])
+    ready = settled(t3_factory(providers=[provider]).client())
+    assert ready["canRunChildTask"] and ready["constraints"] == [], ready
+    assert archive_server.requests == {}
