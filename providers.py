@@ -1341,8 +1341,8 @@ class _RedirectGuard(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
                          headers: Any, newurl: str) -> urllib.request.Request | None:
-        if _insecure(newurl) or (req.full_url.startswith("https:")
-                                 and not newurl.startswith("https:")):
+        from_https = urllib.parse.urlsplit(req.full_url).scheme == "https"
+        if _insecure(newurl) or (from_https and urllib.parse.urlsplit(newurl).scheme != "https"):
             raise RegistryError(f"{req.full_url} redirects to {newurl}, refused: {_HTTPS_ONLY}")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 

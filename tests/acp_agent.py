@@ -47,8 +47,8 @@ in its text (case-sensitive tokens; see below for their order and combinations):
 A prompt runs these steps in the order listed: CRASH/KILL_SELF/HALF_LINE/ORPHAN/HANG/FAIL end it;
 THINK/PLAN/BACKGROUND add updates; DETACH; then the DELAYED_CALL lines (scheduled), the CALL_TOOL
 lines, the ECHO_PROMPT line; then at most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, ECHO_CWD,
-ECHO_MCP, ECHO_ENV (first found), and the hello reply only when nothing else replied. Outputs of different
-steps are separated by "\n". Trigger words are looked for
+ECHO_MCP, ECHO_ENV (first found), and the hello reply only when nothing else replied. Outputs of
+different steps are separated by "\n". Trigger words are looked for
 outside the CALL_TOOL / DELAYED_CALL lines, so a call's JSON arguments (e.g. a prompt for another
 agent) never trigger anything here. A prompt's text blocks are joined by "\n"; a block that is
 t3's orchestration instructions (it starts with `<t3_code_orchestration_instructions>`) is left out

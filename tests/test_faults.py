@@ -2,8 +2,8 @@
 a second process on the database, a full disk, and SIGTERM with work in flight.
 
 Exact crash points come from the test hook `T3_CRASH_AT=<point>`, armed by `T3_TEST_HOOKS=1`
-(store.crash_point: the server SIGKILLs itself there). Each test states what "nothing lost" means for its fault and checks the
-database directly afterwards with `assert_consistent`.
+(store.crash_point: the server SIGKILLs itself there). Each test states what "nothing lost" means
+for its fault and checks the database directly afterwards with `assert_consistent`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -318,6 +319,16 @@ def test_a_redirect_to_plain_http_elsewhere_is_refused(t3_factory: Any, tmp_path
     assert f"redirects to {ELSEWHERE}/scripted.tar.gz, refused: t3 downloads over https only" \
         in reason, reason
     assert constraints_once_prepared(mcp, "reg2") == []
+
+
+def test_a_redirect_never_goes_from_https_down_to_http() -> None:
+    """From https, a redirect to plain http is refused even to loopback; to https it is
+    followed."""
+    guard, request = providers._RedirectGuard(), urllib.request.Request("https://cdn.example/r")
+    with pytest.raises(providers.RegistryError, match="redirects to http://127.0.0.1/r, refused"):
+        guard.redirect_request(request, None, 302, "Found", {}, "http://127.0.0.1/r")
+    followed = guard.redirect_request(request, None, 302, "Found", {}, "https://mirror.example/r")
+    assert followed is not None and followed.full_url == "https://mirror.example/r"
 
 
 def test_a_binary_without_sha256_is_refused(t3_factory: Any, tmp_path: Path,
