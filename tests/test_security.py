@@ -72,9 +72,7 @@ def bystanders() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 def test_agent_environment_lacks_t3_variables_and_has_the_instance_env(t3_factory: Any,
                                                                          tmp_path: Path) -> None:
-    """An agent's environment has none of t3's own variables from the server's (data dir, test
-    hooks, another session's MCP bridge) and its own marker, thread id and instance env instead;
-    other T3_* variables (the harness's) pass through."""
+    """An agent gets none of t3's variables from the server's environment, and its instance env and session marker."""
     provider = scripted_provider(tmp_path, env={"INSTANCE_ONLY": "from-config"})
     t3 = t3_factory(providers=[provider], env=T3_OWN)
     mcp = t3.client()
@@ -91,8 +89,7 @@ def test_agent_environment_lacks_t3_variables_and_has_the_instance_env(t3_factor
 
 
 def test_installer_environment_lacks_t3_variables(t3_factory: Any, tmp_path: Path) -> None:
-    """npm, run by acpRegistry to install an agent, gets the server's environment without t3's
-    own variables, plus the marker a restarted server finds it by."""
+    """npm, run by acpRegistry, gets none of t3's variables from the server's environment, and the owner marker."""
     env = {**T3_OWN, **fake_npm(tmp_path, "open(dump, 'w').write(json.dumps(dict(os.environ)))\n"
                                           "sys.exit(1)\n")}
     t3 = t3_factory(providers=[registry_provider(npx_registry(tmp_path), agent="npx-agent")],
@@ -106,11 +103,9 @@ def test_installer_environment_lacks_t3_variables(t3_factory: Any, tmp_path: Pat
     assert installer_env["T3_TEST_SESSION"] == os.environ["T3_TEST_SESSION"]
 
 
-def test_a_bystander_naming_the_owner_survives_a_restart(t3: T3Server, tmp_path: Path,
-                                                         agent_log_path: Path,
+def test_a_bystander_naming_the_owner_survives_a_restart(t3: T3Server, agent_log_path: Path,
                                                          bystanders: list[subprocess.Popen[bytes]]) -> None:
-    """A restart kills what the last server's agents left behind (environment entry
-    `T3_OWNER=<data dir>`), and not a process that only mentions it (`FOO=T3_OWNER=<data dir>`)."""
+    """A restart kills an orphan with the entry T3_OWNER=<dir>, not a bystander with FOO=T3_OWNER=<dir>."""
     mcp = t3.client()
     created = create(mcp, "DETACH")
     assert wait(mcp, created["threadId"])["status"] == "completed"
@@ -128,8 +123,7 @@ def test_a_bystander_naming_the_owner_survives_a_restart(t3: T3Server, tmp_path:
 
 
 def test_test_hooks_do_nothing_without_the_switch(t3_factory: Any) -> None:
-    """T3_CRASH_AT at a point every commit passes and a T3_MAX_PAGE_COUNT below the database's
-    size change nothing without T3_TEST_HOOKS=1; with it, the same server crashes there."""
+    """T3_CRASH_AT and T3_MAX_PAGE_COUNT do nothing without T3_TEST_HOOKS=1; with it the crash happens."""
     t3 = t3_factory(env={"T3_CRASH_AT": "commit:after-receipt", "T3_MAX_PAGE_COUNT": "1"},
                     start=False)
     t3.env.pop("T3_TEST_HOOKS", None)
@@ -206,22 +200,19 @@ KEPT = ['{"max_tokens": 100, "input_tokens": 5, "tokenizer": "bpe"}', "max_token
 
 @pytest.mark.parametrize("line, redacted", REDACTED_FORMS, ids=range(len(REDACTED_FORMS)))
 def test_redact_blanks_every_form_of_a_secret_and_keeps_the_rest(line: str, redacted: str | None) -> None:
-    """Each form of a credential (any letter case, URL-encoded, JSON-escaped, nested JSON) is
-    blanked out and the text around it is kept exactly."""
+    """Each form of a credential is blanked out and the text around it is kept exactly."""
     assert providers.redact(line) == (redacted or line.replace(SECRET, R))
     assert SECRET not in providers.redact(line)
 
 
 @pytest.mark.parametrize("line", KEPT)
 def test_redact_keeps_lines_without_a_secret(line: str) -> None:
-    """Lines that only mention secret-like words (token counts, a token type, a header named
-    color) come out unchanged."""
+    """Lines that only mention secret-like words (token counts, a token type) come out unchanged."""
     assert providers.redact(line) == line
 
 
 def test_what_providers_logs_is_redacted(caplog: pytest.LogCaptureFixture) -> None:
-    """A message of providers.py's logger that quotes a provider (an agent's error) is redacted
-    before any handler sees it."""
+    """What providers.py's logger logs (an agent's error text) is redacted before any handler sees it."""
     with caplog.at_level(logging.INFO, logger="t3.providers"):
         providers.log.warning("session/load of %s failed (%s)", "s-1",
                               f"rejected header Authorization: Bearer {SECRET}")
@@ -231,8 +222,7 @@ def test_what_providers_logs_is_redacted(caplog: pytest.LogCaptureFixture) -> No
 
 def test_an_installers_secret_is_redacted_in_the_reason_and_the_logs(t3_factory: Any,
                                                                      tmp_path: Path) -> None:
-    """npm's output quoting credentials reaches the instance's reason (shown over MCP), the
-    server's log and the traffic log with the credentials blanked out."""
+    """Credentials in npm's output are blanked in the instance's reason, the server log and the traffic log."""
     body = (f"print('npm ERR! //registry.example/:_authToken={SECRET}', file=sys.stderr)\n"
             f"print('npm ERR! Authorization: Bearer {SECRET}', file=sys.stderr)\nsys.exit(1)\n")
     t3 = t3_factory(providers=[registry_provider(npx_registry(tmp_path), agent="npx-agent")],
@@ -281,8 +271,7 @@ def test_downloads_need_https_or_loopback_http(url: str, refused: bool) -> None:
 
 
 def test_a_registry_over_http_from_another_host_is_refused(t3_factory: Any) -> None:
-    """A registry URL with plain http to another host leaves the instance unavailable with the
-    reason, without fetching it."""
+    """A registry URL with plain http to another host is refused, unfetched, as the instance's reason."""
     mcp = t3_factory(providers=[registry_provider(f"{ELSEWHERE}/registry.json")]).client()
     [reason] = settled(mcp)["constraints"]
     assert reason.startswith(f"the ACP registry {ELSEWHERE}/registry.json is refused: t3 "
@@ -291,8 +280,7 @@ def test_a_registry_over_http_from_another_host_is_refused(t3_factory: Any) -> N
 
 def test_an_archive_over_http_from_another_host_is_refused(t3_factory: Any, tmp_path: Path,
                                                            archive_server: ArchiveServer) -> None:
-    """A binary archive declared with plain http to another host is refused naming the field;
-    nothing is downloaded or installed."""
+    """An archive with plain http to another host is refused naming the field; nothing is downloaded."""
     url = f"{ELSEWHERE}/scripted.tar.gz"
     registry = binary_registry(tmp_path, archive_server, archive_url=url)
     t3 = t3_factory(providers=[registry_provider(registry)])
@@ -304,8 +292,7 @@ def test_an_archive_over_http_from_another_host_is_refused(t3_factory: Any, tmp_
 
 def test_a_redirect_to_plain_http_elsewhere_is_refused(t3_factory: Any, tmp_path: Path,
                                                        archive_server: ArchiveServer) -> None:
-    """An archive on loopback that redirects to plain http on another host is refused, while a
-    redirect that stays on loopback is followed (a second instance in the same server)."""
+    """A redirect from loopback to plain http elsewhere is refused; one staying on loopback is followed."""
     away, home = tmp_path / "away", tmp_path / "home"
     away.mkdir()
     home.mkdir()
@@ -322,8 +309,7 @@ def test_a_redirect_to_plain_http_elsewhere_is_refused(t3_factory: Any, tmp_path
 
 
 def test_a_redirect_never_goes_from_https_down_to_http() -> None:
-    """From https, a redirect to plain http is refused even to loopback; to https it is
-    followed."""
+    """From https, a redirect to plain http is refused even to loopback; to https it is followed."""
     guard, request = providers._RedirectGuard(), urllib.request.Request("https://cdn.example/r")
     with pytest.raises(providers.RegistryError, match="redirects to http://127.0.0.1/r, refused"):
         guard.redirect_request(request, None, 302, "Found", {}, "http://127.0.0.1/r")
@@ -333,8 +319,7 @@ def test_a_redirect_never_goes_from_https_down_to_http() -> None:
 
 def test_a_binary_without_sha256_is_refused(t3_factory: Any, tmp_path: Path,
                                             archive_server: ArchiveServer) -> None:
-    """A binary distribution that declares no sha256 is refused, naming allow_unverified, and
-    is not downloaded."""
+    """A binary distribution without a declared sha256 is refused, naming allow_unverified, undownloaded."""
     registry = binary_registry(tmp_path, archive_server, with_sha256=False)
     [reason] = settled(t3_factory(providers=[registry_provider(registry)]).client())["constraints"]
     assert ".sha256: is not declared" in reason and "allow_unverified = true" in reason, reason
@@ -343,8 +328,7 @@ def test_a_binary_without_sha256_is_refused(t3_factory: Any, tmp_path: Path,
 
 def test_allow_unverified_admits_a_binary_without_sha256(t3_factory: Any, tmp_path: Path,
                                                          archive_server: ArchiveServer) -> None:
-    """With allow_unverified = true the same distribution is installed (logged as unverified)
-    and the instance can run."""
+    """With allow_unverified = true a binary without sha256 is installed (logged) and the instance runs."""
     registry = binary_registry(tmp_path, archive_server, with_sha256=False)
     t3 = t3_factory(providers=[registry_provider(registry, allow_unverified=True)])
     ready = settled(t3.client())
@@ -355,8 +339,7 @@ def test_allow_unverified_admits_a_binary_without_sha256(t3_factory: Any, tmp_pa
 
 def test_a_local_command_needs_no_sha256(t3_factory: Any, tmp_path: Path,
                                          archive_server: ArchiveServer) -> None:
-    """An instance that runs its own `command` downloads nothing, so an entry without a sha256
-    does not stop it."""
+    """An instance with its own command downloads nothing, so a missing sha256 does not stop it."""
     registry = binary_registry(tmp_path, archive_server, with_sha256=False)
     provider = registry_provider(registry, command=[sys.executable, str(ACP_AGENT)])
     ready = settled(t3_factory(providers=[provider]).client())
