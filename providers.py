@@ -10,6 +10,8 @@ adapter events (``orchestrator.TextDelta``, ``ToolUpdate``, ``RuntimeRequestOpen
 Process rules: every provider process starts in its own process group (``start_new_session``)
 and asks the kernel to kill it if t3 dies (``PR_SET_PDEATHSIG``); it carries ``T3_OWNER`` in its
 environment so a restarted server can find and kill what a killed one left (``kill_orphans``).
+Its environment is the server's minus t3's own variables (``_T3_VARIABLES``: the data dir, test
+hooks, per-session values), plus the instance's ``env``, plus what the driver sets per session.
 Stop = close stdin, wait, SIGTERM the group, wait, SIGKILL the group: no grandchild survives.
 Raw protocol traffic goes to rotating files under ``<data-dir>/logs/`` with credentials redacted;
 never to SQLite.
@@ -31,6 +33,7 @@ import base64
 import contextlib
 import ctypes
 import hashlib
+import ipaddress
 import itertools
 import json
 import logging
@@ -40,6 +43,7 @@ import re
 import shutil
 import signal
 import socket
+import string
 import sys
 import tarfile
 import tempfile
@@ -139,18 +143,57 @@ def detect_providers() -> list[ProviderConfig]:
     return found
 
 
-_SECRET = re.compile(r"(Bearer\s+)[A-Za-z0-9._~+/=-]+|(\"(?:value|Authorization|authorization|"
-                     r"token|bearer_token)\"\s*:\s*\")[^\"]*(\")")
+# What redact() blanks out: a bearer token, an Authorization (or API key) header's value, and the
+# value given to a name that ends in a secret's word (T3_MCP_BEARER_TOKEN, apiKey, x-api-key,
+# client_secret, password...): as a JSON string, a header object's value or an assignment. It is
+# matched against the line with ASCII letters lower-cased, so in any letter case. Every match
+# starts with one of the words, which keeps the scan of a line fast; the named group that ends
+# last in a match (lastgroup) ends the text kept, and the secret follows it. A quote may be
+# escaped (a JSON text inside a JSON string quotes with \"), and a quoted value also ends where
+# a line was cut short.
+_QUOTE = r"\\*[\"']"
+_SPACE = r"(?:\s|%20|\+|\\u0020)+"  # also URL-encoded or JSON-escaped
+_SECRET = re.compile(
+    r"(?:bearer|token|secret|passw(?:or)?d|api[_-]?key|authorization)(?:"
+    # Bearer X, bearer%20X (a word of its own: not cupbearer)
+    rf"(?P<bearer>(?<=bearer)(?<![\w-]bearer){_SPACE})[\w.~+/=%-]+"
+    # a header line: Authorization: Basic X, Proxy-Authorization: X, X-Api-Key: X
+    rf"|(?P<header>(?:(?<=authorization)|(?<=key))\s*:\s*(?:[a-z][\w-]*{_SPACE})?)[^\s\"'\\,;]+"
+    # a key with a string value: "token": "X", 'apiKey': 'X', \"password\": \"X\"
+    rf"|(?P<key>(?P<kq>{_QUOTE})\s*:\s*(?P=kq))(?:\\.|[^\\])*?(?=(?P=kq)|$)"
+    # a header object: {"name": "Authorization", "value": "X"} (ACP's mcpServers)
+    rf"|(?P<pair>(?P<pq>{_QUOTE})\s*,\s*(?P=pq)value(?P=pq)\s*:\s*(?P=pq))(?:\\.|[^\\])*?"
+    r"(?=(?P=pq)|$)"
+    # an assignment: T3_MCP_BEARER_TOKEN=X, ?access_token=X&, --api-key="X"
+    rf"|(?P<assign>\s*=(?!=)\s*(?:{_QUOTE})?)[^\s\"'\\&,;]+)")
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
 def redact(text: str) -> str:
-    """Blank out bearer tokens and Authorization values anywhere in a protocol line."""
-    # Most lines hold none of the keys: skip the regex scan (spelled out, as this runs per line).
-    if "Bearer" not in text and '"value"' not in text and 'uthorization"' not in text \
-            and '"token"' not in text and '"bearer_token"' not in text:
+    """Blank out credentials anywhere in a protocol line (``_SECRET``), in any letter case."""
+    lowered = text.lower()
+    # Most lines hold no secret's word: skip the scan (spelled out, as this runs per line).
+    if "bearer" not in lowered and "token" not in lowered and "key" not in lowered and \
+            "authoriz" not in lowered and "secret" not in lowered and "passw" not in lowered:
         return text
-    return _SECRET.sub(lambda m: (m.group(1) + "<redacted>") if m.group(1)
-                       else m.group(2) + "<redacted>" + m.group(3), text)
+    if not text.isascii():  # str.lower() may change the length, and the offsets with it
+        lowered = text.translate(_ASCII_LOWER)
+    parts: list[str] = []
+    kept = 0
+    for match in _SECRET.finditer(lowered):  # each alternative has a named group (lastgroup)
+        parts += (text[kept:match.end(match.lastgroup or 0)], "<redacted>")
+        kept = match.end()
+    return "".join(parts) + text[kept:]
+
+
+def _redact_record(record: logging.LogRecord) -> bool:
+    """A filter on this module's logger: what it logs often quotes a provider (an error message,
+    an exit reason, an installer's output), so every message is redacted as the traffic is."""
+    record.msg, record.args = redact(record.getMessage()), None
+    return True
+
+
+log.addFilter(_redact_record)
 
 
 class _ProtocolLog:
@@ -271,6 +314,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+# t3's own variables: the ones it reads (T3_HOME, the test hooks) or sets for the processes it
+# starts. None is passed on from the server's environment; the per-session ones are set again
+# explicitly. A named set, not every T3_*: other tools' variables of that shape pass through.
+_T3_VARIABLES = frozenset({"T3_HOME", "T3_CRASH_AT", "T3_MAX_PAGE_COUNT", "T3_TEST_HOOKS",
+                          "T3_MCP_URL", "T3_MCP_BEARER_TOKEN", "T3_OWNER", "T3_SERVER_PID",
+                          "T3_THREAD_ID"})
+
+
 class _Process:
     """A provider subprocess in its own process group."""
 
@@ -280,9 +331,15 @@ class _Process:
         self._reaper = asyncio.get_running_loop().create_task(self._kill_group_on_exit())
 
     @classmethod
-    async def spawn(cls, command: Sequence[str], *, cwd: str, env: Mapping[str, str]) -> _Process:
+    async def spawn(cls, command: Sequence[str], *, cwd: str, owner: str,
+                    env: Mapping[str, str]) -> _Process:
+        """Start ``command``. Its environment is built here and nowhere else: the server's minus
+        ``_T3_VARIABLES``, then ``env``, then the marker ``kill_orphans`` finds it by."""
+        environment = {k: v for k, v in os.environ.items() if k not in _T3_VARIABLES}
+        environment.update(env)
+        environment.update(T3_OWNER=owner, T3_SERVER_PID=str(os.getpid()))
         proc = await asyncio.create_subprocess_exec(
-            *command, cwd=cwd, env=dict(env), stdin=asyncio.subprocess.PIPE,
+            *command, cwd=cwd, env=environment, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, limit=_LINE_LIMIT,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -411,8 +468,11 @@ async def _json_line(raw: bytes, protocol_log: _ProtocolLog, label: str,
 
 
 def kill_orphans(owner: str) -> int:
-    """Kill processes a previous t3 on this data directory started (found by ``T3_OWNER``)."""
-    needle = f"T3_OWNER={owner}".encode() + b"\0"
+    """Kill processes a previous t3 on this data directory started: those whose environment has
+    the entry ``T3_OWNER=<owner>`` (a whole entry: ``FOO=T3_OWNER=<owner>`` is not one)."""
+    # /proc/<pid>/environ is NUL-separated entries; with a NUL in front, every entry is NUL-bounded
+    needle = b"\0T3_OWNER=" + owner.encode() + b"\0"
+    ours = f"\0T3_SERVER_PID={os.getpid()}\0".encode()
     killed = 0
     proc_dir = Path("/proc")
     if not proc_dir.exists():
@@ -421,10 +481,10 @@ def kill_orphans(owner: str) -> int:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            environ = (entry / "environ").read_bytes() + b"\0"
+            environ = b"\0" + (entry / "environ").read_bytes() + b"\0"
         except OSError:
             continue
-        if needle in environ and f"T3_SERVER_PID={os.getpid()}\0".encode() not in environ:
+        if needle in environ and ours not in environ:
             try:
                 os.kill(int(entry.name), signal.SIGKILL)
                 killed += 1
@@ -459,10 +519,9 @@ class _Adapter:
             else None
 
     def _env(self, thread_id: str, **extra: str) -> dict[str, str]:
-        """The process environment: ours, the instance's, and the marker that lets a restarted
-        server find what this one started (kill_orphans)."""
-        return {**os.environ, **self.config.env, **extra, "T3_OWNER": self.owner,
-                "T3_SERVER_PID": str(os.getpid()), "T3_THREAD_ID": thread_id}
+        """What a session's process gets on top of the server's environment (``_Process.spawn``):
+        the instance's ``env``, then the driver's ``extra``, then the app thread's id."""
+        return {**self.config.env, **extra, "T3_THREAD_ID": thread_id}
 
 
 # =============================================================================================
@@ -843,7 +902,8 @@ class AcpAdapter(_Adapter):
                            mcp: McpEndpoint | None) -> AcpSession:
         self._check_available()
         env = self._env(thread_id)
-        process = await _Process.spawn(self.config.command, cwd=cwd, env=env)
+        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
+                                       env=env)
         session = self.SESSION(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
             await session.open(cwd=cwd, model=model, interaction_mode=interaction_mode,
@@ -901,10 +961,11 @@ def registry_platform() -> str:
 
 
 def read_registry(source: str) -> Mapping[str, Any]:
-    """The registry JSON from an http(s) URL or a file path. Blocking: run it in a thread."""
+    """The registry JSON from an https URL (``_open_url``) or a file path. Blocking: run it in
+    a thread."""
     try:
         if source.startswith(("http://", "https://")):
-            with urllib.request.urlopen(source, timeout=_NETWORK_TIMEOUT_S) as response:
+            with _open_url(source, "the ACP registry") as response:
                 raw = response.read(_REGISTRY_MAX_BYTES + 1)
         else:
             with open(source, "rb") as f:
@@ -922,10 +983,11 @@ def read_registry(source: str) -> Mapping[str, Any]:
     return data
 
 
-def select_agent(registry: Mapping[str, Any], agent_id: str, *,
-                 platform_key: str) -> RegistryAgent:
+def select_agent(registry: Mapping[str, Any], agent_id: str, *, platform_key: str,
+                 allow_unverified: bool = False) -> RegistryAgent:
     """Validate ``agent_id``'s entry and choose its distribution: the binary for
-    ``platform_key`` if declared, else npx, else uvx. Never starts a process."""
+    ``platform_key`` if declared, else npx, else uvx. A binary needs an https archive and a
+    declared sha256 (without one only if ``allow_unverified``). Never starts a process."""
     entries = [a for a in registry["agents"] if isinstance(a, dict)]
     entry = next((a for a in entries if a.get("id") == agent_id), None)
     if entry is None:
@@ -952,13 +1014,17 @@ def select_agent(registry: Mapping[str, Any], agent_id: str, *,
         if not isinstance(target, dict):
             raise bad(where, "must be an object")
         archive, cmd, sha256 = target.get("archive"), target.get("cmd"), target.get("sha256")
-        if not isinstance(archive, str) or not archive.startswith(("https://", "http://")):
-            raise bad(f"{where}.archive", "must be an http(s) URL")
+        if not isinstance(archive, str) or _insecure(archive):
+            raise bad(f"{where}.archive", f"{archive!r} is refused: {_HTTPS_ONLY}")
         if not isinstance(cmd, str) or not _inside(cmd) or PurePosixPath(cmd).name in ("", "."):
             raise bad(f"{where}.cmd", "must be a relative path to a file inside the archive")
         if sha256 is not None and not (isinstance(sha256, str)
                                        and re.fullmatch(r"[0-9a-fA-F]{64}", sha256)):
             raise bad(f"{where}.sha256", "must be 64 hex digits")
+        if sha256 is None and not allow_unverified:
+            raise bad(f"{where}.sha256", "is not declared: t3 runs a downloaded binary only "
+                      "when its checksum is known (allow_unverified = true on the instance runs "
+                      "it anyway)")
         args, env = _args_env(target, where, bad)
         return RegistryAgent(id=agent_id, name=display, version=version, kind="binary",
                              platform=platform_key, args=args, env=env, archive=archive, cmd=cmd,
@@ -1006,8 +1072,10 @@ class AcpRegistryAdapter(AcpAdapter):
                 agent = await self._install()
                 models, capabilities = await self._probe()
             except Exception as exc:  # noqa: BLE001  # any failure is this instance's reason
-                reason = str(exc) if isinstance(exc, RegistryError) else \
-                    f"preparing ACP registry agent {self.config.agent} failed: {exc}"
+                # shown to MCP callers; it may quote an installer's output
+                reason = redact(str(exc) if isinstance(exc, RegistryError) else
+                                f"ACP registry agent {self.config.agent} could not be prepared: "
+                                f"{exc}")  # not "preparing ...": that is the in-progress state
                 log.warning("provider %s unavailable: %s", self.info.instance_id, reason)
                 self.info = replace(self.info, constraints=(reason,))
             else:
@@ -1031,7 +1099,10 @@ class AcpRegistryAdapter(AcpAdapter):
         """Read the catalog, prepare the distribution, and set the command the sessions run."""
         assert self.config.agent is not None and self.config.registry is not None
         registry = await asyncio.to_thread(read_registry, self.config.registry)
-        agent = select_agent(registry, self.config.agent, platform_key=registry_platform())
+        agent = select_agent(registry, self.config.agent, platform_key=registry_platform(),
+                             # a configured command: nothing is downloaded, nothing to verify
+                             allow_unverified=self.config.allow_unverified
+                             or bool(self._command_override))
         self.info = replace(self.info, constraints=(f"preparing {agent.id} {agent.version}",))
         if self._command_override:
             executable = self._command_override
@@ -1064,7 +1135,7 @@ class AcpRegistryAdapter(AcpAdapter):
             try:
                 await self._run_installer(
                     [npm, "install", "--prefix", str(partial), "--no-audit", "--no-fund",
-                     "--loglevel=error", agent.package], cwd=partial, env=os.environ)
+                     "--loglevel=error", agent.package], cwd=partial, env={})
                 _npm_executable(partial, agent)
                 (partial / _PREPARED).write_text(agent.package + "\n")
                 shutil.rmtree(final, ignore_errors=True)
@@ -1089,8 +1160,7 @@ class AcpRegistryAdapter(AcpAdapter):
             try:
                 await self._run_installer(
                     [uv, "tool", "install", "--force", agent.package], cwd=home,
-                    env={**os.environ, "UV_TOOL_DIR": str(home / "tools"),
-                         "UV_TOOL_BIN_DIR": str(home / "bin")})
+                    env={"UV_TOOL_DIR": str(home / "tools"), "UV_TOOL_BIN_DIR": str(home / "bin")})
                 (home / _PREPARED).write_text(agent.package + "\n")
             except BaseException:
                 shutil.rmtree(home, ignore_errors=True)
@@ -1106,10 +1176,10 @@ class AcpRegistryAdapter(AcpAdapter):
 
     async def _run_installer(self, command: list[str], *, cwd: Path,
                              env: Mapping[str, str]) -> None:
-        """Run npm or uv in its own process group (killed if t3 stops meanwhile); its output
-        goes to the protocol log, the end of its stderr into the error."""
-        process = await _Process.spawn(command, cwd=str(cwd), env={
-            **env, "T3_OWNER": self.owner, "T3_SERVER_PID": str(os.getpid())})
+        """Run npm or uv in its own process group (killed if t3 stops meanwhile) with ``env`` on
+        top of the server's environment; its output goes to the protocol log, the end of its
+        stderr into the error."""
+        process = await _Process.spawn(command, cwd=str(cwd), owner=self.owner, env=env)
         try:
             out, err = await asyncio.wait_for(process.proc.communicate(), _INSTALL_TIMEOUT_S)
         except TimeoutError:
@@ -1129,8 +1199,10 @@ class AcpRegistryAdapter(AcpAdapter):
     async def _probe(self) -> tuple[list[dict[str, Any]], Capabilities]:
         """A disposable ``initialize`` + ``session/new``: success proves the agent can run (and
         is authenticated); it yields the models and capabilities the agent advertises."""
+        self._cache_dir.mkdir(parents=True, exist_ok=True)  # also with a configured command
         cwd = str(self._cache_dir)
-        process = await _Process.spawn(self.config.command, cwd=cwd, env=self._env(""))
+        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
+                                       env=self._env(""))
         session = AcpSession(adapter=self, process=process, runtime_mode="approval-required")
         try:
             await session.open(cwd=cwd, model=None, interaction_mode="default", resume_ref=None,
@@ -1211,7 +1283,11 @@ def _prepare_binary(agent: RegistryAgent, cache_dir: Path) -> Path:
     partial.mkdir(parents=True)
     try:
         digest = _download(agent.archive, download, agent.id)
-        if agent.sha256 is not None and digest != agent.sha256:
+        if agent.sha256 is None:  # select_agent let it through: allow_unverified
+            log.warning("ACP registry agent %s: installing %s (sha256 %s) unverified: the "
+                        "registry declares no sha256 and the instance allows that",
+                        agent.id, agent.archive, digest)
+        elif digest != agent.sha256:
             raise RegistryError(
                 f"ACP registry agent {agent.id}: the archive {agent.archive} failed its checksum: "
                 f"expected sha256 {agent.sha256}, got {digest}; nothing was installed")
@@ -1238,10 +1314,10 @@ def _prepare_binary(agent: RegistryAgent, cache_dir: Path) -> Path:
 
 
 def _download(url: str, into: Path, agent_id: str) -> str:
-    """Stream ``url`` into a file; returns its sha256 (hex)."""
+    """Stream ``url`` (``_open_url``) into a file; returns its sha256 (hex)."""
     digest = hashlib.sha256()
     try:
-        with urllib.request.urlopen(url, timeout=_NETWORK_TIMEOUT_S) as response, \
+        with _open_url(url, f"ACP registry agent {agent_id}: the archive") as response, \
                 open(into, "wb") as f:
             while chunk := response.read(1 << 16):
                 digest.update(chunk)
@@ -1250,6 +1326,47 @@ def _download(url: str, into: Path, agent_id: str) -> str:
         raise RegistryError(f"ACP registry agent {agent_id}: cannot download {url}: {exc}") \
             from exc
     return digest.hexdigest()
+
+
+_HTTPS_ONLY = "t3 downloads over https only; plain http only from this machine's loopback " \
+    "(127.0.0.0/8, ::1, localhost)"
+
+
+def _insecure(url: str) -> bool:
+    """Not an https URL, nor an http one to this machine's loopback (tests, a local mirror)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "https":
+        return not parts.hostname
+    if parts.scheme != "http" or not parts.hostname:
+        return True
+    if parts.hostname == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(parts.hostname).is_loopback
+    except ValueError:  # a host name
+        return True
+
+
+class _RedirectGuard(urllib.request.HTTPRedirectHandler):
+    """A redirect is followed only to where t3 would download from anyway, and never from https
+    down to http."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> urllib.request.Request | None:
+        from_https = urllib.parse.urlsplit(req.full_url).scheme == "https"
+        if _insecure(newurl) or (from_https and urllib.parse.urlsplit(newurl).scheme != "https"):
+            raise RegistryError(f"{req.full_url} redirects to {newurl}, refused: {_HTTPS_ONLY}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_RedirectGuard)
+
+
+def _open_url(url: str, what: str) -> Any:
+    """Open ``url`` for reading under t3's rule for downloads (``_insecure``, redirects too)."""
+    if _insecure(url):
+        raise RegistryError(f"{what} {url} is refused: {_HTTPS_ONLY}")
+    return _OPENER.open(url, timeout=_NETWORK_TIMEOUT_S)
 
 
 def _unpack(archive: Path, into: Path, agent: RegistryAgent) -> None:
@@ -1323,7 +1440,7 @@ class GrokSession(AcpSession):
     async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
         if method in _GROK_BACKGROUNDED:
             log.info("%s: a task went to the background: %s", self._adapter.info.instance_id,
-                     redact(json.dumps(params)[:500]))
+                     json.dumps(params)[:500])
             return
         await super()._on_notification(method, params)
 
@@ -1568,7 +1685,7 @@ class ClaudeAdapter(_Adapter):
         if instructions := self._instructions(mcp):  # the system prompt is per process
             command += ["--append-system-prompt", instructions]
         env = self._env(thread_id)
-        process = await _Process.spawn(command, cwd=cwd, env=env)
+        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
         return ClaudeSession(adapter=self, process=process, session_ref=session_ref,
                              runtime_mode=runtime_mode, mcp_dir=mcp_dir)
 
@@ -1850,7 +1967,8 @@ class CodexAdapter(_Adapter):
                            mcp: McpEndpoint | None) -> CodexSession:
         self._check_available()
         env = self._env(thread_id)
-        process = await _Process.spawn(self.config.command, cwd=cwd, env=env)
+        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
+                                       env=env)
         session = CodexSession(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
             await session.open(cwd=cwd, model=model, resume_ref=resume_ref, mcp=mcp)
@@ -2172,7 +2290,7 @@ class PiAdapter(_Adapter):
             env["T3_MCP_BEARER_TOKEN"] = auth.removeprefix("Bearer ").strip()
         if instructions := self._instructions(mcp):  # the system prompt is per process
             command += ["--append-system-prompt", instructions]
-        process = await _Process.spawn(command, cwd=cwd, env=env)
+        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
         return PiSession(adapter=self, process=process, session_file=str(session_file))
 
 
@@ -2581,7 +2699,7 @@ class OpenCodeAdapter(_Adapter):
         env = {"OPENCODE_DISABLE_AUTOUPDATE": "1", **self._env(
             thread_id, OPENCODE_CONFIG_CONTENT=self._config_content(runtime_mode),
             OPENCODE_SERVER_PASSWORD=password)}
-        process = await _Process.spawn(command, cwd=cwd, env=env)
+        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
         session = OpenCodeSession(adapter=self, process=process, port=port, password=password,
                                   cwd=cwd, model=model, runtime_mode=runtime_mode)
         try:

@@ -74,9 +74,13 @@ class FingerprintMismatch(StoreError):
     """This command id was already used for a different command payload."""
 
 
-# Test hook (README "Fault injection"): the process SIGKILLs itself at the one named point, so a
-# test can crash it at an exact place. Read once at import; unset, every crash_point is a no-op.
-_CRASH_AT = os.environ.get("T3_CRASH_AT") or None
+# Test hooks (README "Fault injection"), read once at import. They act only together with the
+# switch T3_TEST_HOOKS=1, so a stray variable cannot crash or cap a real server. T3_CRASH_AT: the
+# process SIGKILLs itself at the one named point (unset, every crash_point is a no-op).
+# T3_MAX_PAGE_COUNT: the writer connection's max_page_count, a full disk on demand.
+_TEST_HOOKS = os.environ.get("T3_TEST_HOOKS") == "1"
+_CRASH_AT = (os.environ.get("T3_CRASH_AT") or None) if _TEST_HOOKS else None
+_MAX_PAGE_COUNT = (os.environ.get("T3_MAX_PAGE_COUNT") or None) if _TEST_HOOKS else None
 
 
 def crash_point(name: str) -> None:
@@ -518,8 +522,8 @@ class Store:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="t3-store-writer", daemon=True)
         self._write_conn = connect(path)
-        if cap := os.environ.get("T3_MAX_PAGE_COUNT"):  # test hook: a full disk (README)
-            self._write_conn.execute(f"PRAGMA max_page_count = {int(cap):d}")
+        if _MAX_PAGE_COUNT is not None:  # test hook: a full disk
+            self._write_conn.execute(f"PRAGMA max_page_count = {int(_MAX_PAGE_COUNT):d}")
         self._closed = False
         self._writer.start()
 

@@ -32,18 +32,23 @@ in its text (case-sensitive tokens; see below for their order and combinations):
                        replied as "answered: <compact JSON of its answers, keys sorted>", a
                        cancelled one as "question cancelled" with stopReason "cancelled"
   BACKGROUND           modifier: a grok `x.ai/task_backgrounded` notification first
+  DETACH               start a grandchild in a session of its own (out of the agent's process group,
+                       so stopping the agent does not reach it) that sleeps 600 s with the agent's
+                       environment (pid logged as {"pid", "dir": "detached", "detachedPid"}); line
+                       "left a detached process"
   SLOW[:n]             n chunks "chunk <i> " (default 40), SCRIPTED_AGENT_CHUNK_DELAY seconds
                        apart (default 0.05), then "done"; session/cancel stops it at once
   FAST:n               n tiny chunks as fast as possible (throughput benchmarks)
   ECHO_CWD             reply with the session cwd
   ECHO_MCP             reply with the session's mcpServers, header values redacted
+  ECHO_ENV             reply with the agent's environment as JSON (keys sorted)
   (none of the above)  "Hello from scripted agent. You said: <text>" in 3 chunks
 
 A prompt runs these steps in the order listed: CRASH/KILL_SELF/HALF_LINE/ORPHAN/HANG/FAIL end it;
-THINK/PLAN/BACKGROUND add updates; then the DELAYED_CALL lines (scheduled), the CALL_TOOL lines,
-the ECHO_PROMPT line; then at most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, ECHO_CWD,
-ECHO_MCP (first found), and the hello reply only when nothing else replied. Outputs of different
-steps are separated by "\n". Trigger words are looked for
+THINK/PLAN/BACKGROUND add updates; DETACH; then the DELAYED_CALL lines (scheduled), the CALL_TOOL
+lines, the ECHO_PROMPT line; then at most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, ECHO_CWD,
+ECHO_MCP, ECHO_ENV (first found), and the hello reply only when nothing else replied. Outputs of
+different steps are separated by "\n". Trigger words are looked for
 outside the CALL_TOOL / DELAYED_CALL lines, so a call's JSON arguments (e.g. a prompt for another
 agent) never trigger anything here. A prompt's text blocks are joined by "\n"; a block that is
 t3's orchestration instructions (it starts with `<t3_code_orchestration_instructions>`) is left out
@@ -402,6 +407,11 @@ class Agent:
                 {"content": "Answer it", "priority": "medium", "status": "pending"}]})
         if has_word(rest, "BACKGROUND"):
             self.notify("x.ai/task_backgrounded", {"sessionId": t.session_id, "taskId": "task-1"})
+        if has_word(rest, "DETACH"):
+            child = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+            self.write_log({"pid": os.getpid(), "dir": "detached", "detachedPid": child.pid})
+            t.line("left a detached process")
         for delay, name, raw_args in delayed:
             self.spawn(self.delayed_call(t.session_id, s, delay, name, raw_args))
         if delayed:
@@ -430,6 +440,8 @@ class Agent:
             t.chunk(s.cwd)
         elif has_word(rest, "ECHO_MCP"):
             t.chunk(json.dumps(redact_servers(s.mcp_servers)))
+        elif has_word(rest, "ECHO_ENV"):
+            t.chunk(json.dumps(dict(os.environ), sort_keys=True))
         elif not t.text:
             reply = f"Hello from scripted agent. You said: {text}"
             n = -(-len(reply) // 3)

@@ -1,9 +1,9 @@
 """Fault injection against the real server: kill -9 at exact points of a turn, duplicate commands,
 a second process on the database, a full disk, and SIGTERM with work in flight.
 
-Exact crash points come from the test hook `T3_CRASH_AT=<point>` (store.crash_point: the server
-SIGKILLs itself there). Each test states what "nothing lost" means for its fault and checks the
-database directly afterwards with `assert_consistent`.
+Exact crash points come from the test hook `T3_CRASH_AT=<point>`, armed by `T3_TEST_HOOKS=1`
+(store.crash_point: the server SIGKILLs itself there). Each test states what "nothing lost" means
+for its fault and checks the database directly afterwards with `assert_consistent`.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_kill9_before_a_send_commits_leaves_no_trace(t3_factory: T3Factory, agen
                                                      test_marker: str) -> None:
     """Crash before t3_thread_send commits: the unanswered send left nothing; earlier work is
     whole; the same clientRequestId then starts exactly one turn."""
-    t3 = t3_factory(env={"T3_CRASH_AT": "before-commit:message.dispatch"})
+    t3 = t3_factory(env={"T3_TEST_HOOKS": "1", "T3_CRASH_AT": "before-commit:message.dispatch"})
     mcp = t3.client()
     thread_id, first_run = create(mcp, "first")
     assert wait_run(mcp, thread_id, first_run)["status"] == "completed"
@@ -165,7 +165,7 @@ def test_kill9_after_a_send_commits_resumes_it_once(t3_factory: T3Factory,
                                                     agent_log_path: Path) -> None:
     """Crash after t3_thread_send committed, before its effect was claimed: the command is there
     in full, its run starts after the restart and completes, and a retry returns the same run."""
-    t3 = t3_factory(env={"T3_CRASH_AT": "after-commit:message.dispatch"})
+    t3 = t3_factory(env={"T3_TEST_HOOKS": "1", "T3_CRASH_AT": "after-commit:message.dispatch"})
     mcp = t3.client()
     thread_id, first_run = create(mcp, "first")
     wait_run(mcp, thread_id, first_run)
@@ -197,7 +197,7 @@ def test_kill9_during_a_turn(t3_factory: T3Factory, agent_log_path: Path, test_m
                              point: str, prompt: str, status: str, kept: str) -> None:
     """Crash mid-turn: committed output survives, the run ends as designed (interrupted with a
     reason, or finalized), no outbox row or run is stuck, the old agent is gone, the thread works."""
-    t3 = t3_factory(env={"T3_CRASH_AT": point})
+    t3 = t3_factory(env={"T3_TEST_HOOKS": "1", "T3_CRASH_AT": point})
     mcp = t3.client()
     thread_id, run_id = create(mcp, prompt)  # acknowledged before the turn reaches the point
     wait_until(lambda: not t3.running, LONG, message="server reached its crash point")
@@ -327,7 +327,8 @@ def test_a_full_disk_fails_a_command_cleanly_and_recovers(t3: T3Server, mcp: Mcp
     thread_id, run_id = create(mcp, "before the disk fills")
     wait_run(mcp, thread_id, run_id)
     t3.stop()
-    t3.env["T3_MAX_PAGE_COUNT"] = "1"  # below the current size: SQLite keeps the current size
+    # a cap below the current size: SQLite keeps the current size
+    t3.env.update(T3_TEST_HOOKS="1", T3_MAX_PAGE_COUNT="1")
     t3.start()
     events = scalar(t3, "SELECT MAX(sequence) FROM events")
     send = {"threadId": thread_id, "message": "big " * 25_000, "clientRequestId": "big"}

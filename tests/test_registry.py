@@ -29,10 +29,12 @@ LAUNCHER = "scripted-agent/bin/launch"
 
 class ArchiveServer:
     """Serves files over HTTP on 127.0.0.1, counting requests per path; a path can be held
-    (the response waits until `release()`) to observe an instance while it is preparing."""
+    (the response waits while `gate` is clear) to observe an instance while it is preparing, or
+    redirect (302) to another URL (`redirects`)."""
 
     def __init__(self) -> None:
         self.files: dict[str, bytes] = {}
+        self.redirects: dict[str, str] = {}
         self.requests: dict[str, int] = {}
         self.gate = threading.Event()
         self.gate.set()
@@ -42,6 +44,12 @@ class ArchiveServer:
             def do_GET(self) -> None:  # noqa: N802 (the http.server name)
                 owner.requests[self.path] = owner.requests.get(self.path, 0) + 1
                 owner.gate.wait(60)
+                if self.path in owner.redirects:
+                    self.send_response(302)
+                    self.send_header("Location", owner.redirects[self.path])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 body = owner.files.get(self.path)
                 self.send_response(200 if body is not None else 404)
                 self.send_header("Content-Length", str(len(body or b"")))
@@ -89,15 +97,18 @@ def launcher_archive() -> bytes:
 
 
 def binary_registry(tmp_path: Path, archives: ArchiveServer, *, sha256: str | None = None,
-                    archive: bytes | None = None) -> Path:
+                    archive: bytes | None = None, archive_url: str | None = None,
+                    with_sha256: bool = True) -> Path:
     """A registry file declaring the scripted agent (or `archive`) as this platform's binary
-    distribution, with the archive's true checksum unless `sha256` says otherwise."""
+    distribution, served at `/scripted.tar.gz` (declared at `archive_url` if given), with the
+    archive's true checksum unless `sha256` says otherwise, or none without `with_sha256`."""
     archive = archive or launcher_archive()
     archives.files["/scripted.tar.gz"] = archive
-    target = {"archive": archives.url("/scripted.tar.gz"), "cmd": f"./{LAUNCHER}",
+    target = {"archive": archive_url or archives.url("/scripted.tar.gz"), "cmd": f"./{LAUNCHER}",
               "args": ["--state-dir", str(tmp_path / "agent-state")],
-              "env": {"SCRIPTED_AGENT_LOG": str(tmp_path / "agent.log")},
-              "sha256": sha256 or hashlib.sha256(archive).hexdigest()}
+              "env": {"SCRIPTED_AGENT_LOG": str(tmp_path / "agent.log")}}
+    if with_sha256:
+        target["sha256"] = sha256 or hashlib.sha256(archive).hexdigest()
     registry = {"version": "1.0.0", "agents": [
         {"id": "other", "name": "Other", "version": "0.1.0", "description": "not this one",
          "distribution": {"npx": {"package": "@example/other-acp"}}},
@@ -109,8 +120,9 @@ def binary_registry(tmp_path: Path, archives: ArchiveServer, *, sha256: str | No
     return path
 
 
-def registry_provider(registry: Path | str, agent: str = AGENT_ID) -> dict[str, Any]:
-    return {"id": "reg", "driver": "acpRegistry", "agent": agent, "registry": str(registry)}
+def registry_provider(registry: Path | str, agent: str = AGENT_ID, **extra: Any) -> dict[str, Any]:
+    return {"id": "reg", "driver": "acpRegistry", "agent": agent, "registry": str(registry),
+            **extra}
 
 
 def instance(mcp: McpClient, instance_id: str = "reg") -> dict[str, Any]:

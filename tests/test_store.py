@@ -752,8 +752,9 @@ def test_a_process_killed_inside_a_commit_leaves_none_of_it(tmp_path: Path, poin
     before = {t: _count(first, t) for t in ("command_receipts", "events", "effect_outbox",
                                             *PROJECTION_TABLES)}
     first.close()
+    hooks = {"T3_TEST_HOOKS": "1", "T3_CRASH_AT": point}
     child = subprocess.run([sys.executable, "-c", _CRASHING_COMMIT, str(_ROOT), str(path),
-                            str(tmp_path / "backups")], env={**os.environ, "T3_CRASH_AT": point},
+                            str(tmp_path / "backups")], env={**os.environ, **hooks},
                            capture_output=True, text=True, timeout=60)
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert "committed" not in child.stdout
