@@ -1026,12 +1026,14 @@ def test_a_redirect_to_plain_http_elsewhere_is_refused(t3_factory: Any, tmp_path
     archive_server.redirects["/home.tar.gz"] = archive_server.url("/scripted.tar.gz")
     refused = binary_registry(away, archive_server, archive_url=archive_server.url("/away.tar.gz"))
     followed = binary_registry(home, archive_server, archive_url=archive_server.url("/home.tar.gz"))
-    mcp = t3_factory(providers=[registry_provider(refused),
-                                {**registry_provider(followed), "id": "reg2"}]).client()
+    # Two servers on two data dirs: instances of one agent version share its cache, so one
+    # server's install would be reused by the other instance.
+    mcp = t3_factory(providers=[registry_provider(refused)]).client()
     [reason] = constraints_once_prepared(mcp, "reg")
     assert f"redirects to {ELSEWHERE}/scripted.tar.gz, refused: t3 downloads over https only" \
         in reason, reason
-    assert constraints_once_prepared(mcp, "reg2") == []
+    mcp = t3_factory(providers=[registry_provider(followed)], data_dir=tmp_path / "data2").client()
+    assert constraints_once_prepared(mcp, "reg") == []
 
 
 def test_a_redirect_never_goes_from_https_down_to_http() -> None:
