@@ -1098,3 +1098,15 @@ def test_a_failed_scratch_launch_leaves_no_folder(t3: T3Server, mcp: McpClient) 
     failed = mcp.call("t3_thread_launch", {"scratch": True, "message": "big " * 25_000})
     assert failed.failure_code == "orchestration_error", failed.structured
     assert list((t3.data_dir / "scratch").iterdir()) == []
+
+
+def test_client_strings_cannot_forge_a_log_line(t3: T3Server) -> None:
+    """A request path carrying a newline is logged quoted (repr), so it cannot start a line of
+    its own in the server's log."""
+    forged = "FORGED-LINE t3: everything is fine"
+    url = t3.url + "/x%0A" + urllib.parse.quote(forged)
+    assert raw_request("GET", url, headers={"Origin": "http://evil.example"}).status == 403
+    wait_until(lambda: "FORGED-LINE" in t3.stderr_text(), 10, message="the refusal logged")
+    lines = t3.stderr_text().splitlines()
+    assert not any(line.startswith("FORGED-LINE") for line in lines)
+    assert any("/x\\nFORGED-LINE" in line for line in lines)
