@@ -86,6 +86,9 @@ _SECTIONS = {"server": {"host", "port", "allowed_origins", "allowed_hosts", "max
                         "max_live_agent_processes"}}
 
 
+_Fail = Callable[[str, "int | None", "str | None", str], ConfigError]
+
+
 def load_config(path: Path, *, cwd: Path) -> Config:
     """Read ``t3.toml``; a missing file is an empty configuration."""
     text = path.read_text() if path.exists() else ""
@@ -103,37 +106,59 @@ def load_config(path: Path, *, cwd: Path) -> Config:
     for section in data:
         if section not in _SECTIONS:
             raise fail(section, None, None, "unknown section")
-    server = data.get("server", {})
+    providers: list[dict[str, Any]] | None = None
+    if "providers" in data:
+        providers = []
+        for i, entry in enumerate(data["providers"]):
+            providers.append(_provider_entry(i, entry, fail, base=path.parent))
+            if any(p["id"] == providers[-1]["id"] for p in providers[:-1]):
+                raise fail("providers", i, "id", f"duplicate provider id {providers[-1]['id']!r}")
+    limits = data.get("limits", {})
+    for key in limits:
+        if key not in _SECTIONS["limits"]:
+            raise fail("limits", None, key, "unknown key")
+        if not isinstance(limits[key], int) or isinstance(limits[key], bool) or limits[key] <= 0:
+            raise fail("limits", None, key, "must be a positive integer")
+    return Config(**_server_section(data.get("server", {}), fail, base=path.parent),
+                  projects=_project_entries(data.get("projects", []), fail, cwd=cwd),
+                  providers=providers, **limits)
+
+
+def _server_section(server: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
     for key in server:
         if key not in _SECTIONS["server"]:
             raise fail("server", None, key, "unknown key")
-    host = server.get("host", "127.0.0.1")
-    port = server.get("port", 3773)
+    host, port = server.get("host", "127.0.0.1"), server.get("port", 3773)
     if not isinstance(host, str):
         raise fail("server", None, "host", "must be a string")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise fail("server", None, "port", "must be an integer 0-65535")
-    http: dict[str, Any] = {}
+    values: dict[str, Any] = {"host": host, "port": port}
     for key in ("allowed_origins", "allowed_hosts"):
-        value = server.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        listed = server.get(key, [])
+        if not isinstance(listed, list) or not all(isinstance(v, str) and v for v in listed):
             raise fail("server", None, key, "must be a list of non-empty strings")
-        http[key] = tuple(v.rstrip("/") if key == "allowed_origins" else v.lower() for v in value)
+        values[key] = tuple(v.rstrip("/") if key == "allowed_origins" else v.lower()
+                            for v in listed)
     if "max_connections" in server:
         if not isinstance(server["max_connections"], int) or server["max_connections"] < 1:
             raise fail("server", None, "max_connections", "must be a positive integer")
-        http["max_connections"] = server["max_connections"]
+        values["max_connections"] = server["max_connections"]
     for key in ("certfile", "keyfile"):
         if key in server:
-            value = server[key]
-            if not isinstance(value, str) or not (path.parent / value).is_file():
-                raise fail("server", None, key, f"must name an existing file ({value!r})")
-            http[key] = str((path.parent / value).resolve())
-    if ("certfile" in http) != ("keyfile" in http):
+            name = server[key]
+            if not isinstance(name, str) or not (base / name).is_file():
+                raise fail("server", None, key, f"must name an existing file ({name!r})")
+            values[key] = str((base / name).resolve())
+    if ("certfile" in values) != ("keyfile" in values):
         raise fail("server", None, "certfile", "certfile and keyfile go together")
+    return values
 
+
+def _project_entries(entries: Sequence[Mapping[str, Any]], fail: _Fail, *, cwd: Path
+                     ) -> list[dict[str, str]]:
     projects: list[dict[str, str]] = []
-    for i, entry in enumerate(data.get("projects", [])):
+    for i, entry in enumerate(entries):
         for key in entry:
             if key not in _SECTIONS["projects"]:
                 raise fail("projects", i, key, "unknown key")
@@ -152,73 +177,55 @@ def load_config(path: Path, *, cwd: Path) -> Config:
         projects.append({"id": pid, "path": str(Path(ppath).resolve()), "title": title})
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
+    return projects
 
-    providers: list[dict[str, Any]] | None = None
-    if "providers" in data:
-        from providers import DRIVERS
-        providers = []
-        for i, entry in enumerate(data["providers"]):
-            for key in entry:
-                if key not in _SECTIONS["providers"]:
-                    raise fail("providers", i, key, "unknown key")
-            pid, driver = entry.get("id"), entry.get("driver")
-            if not isinstance(pid, str) or not _ID.match(pid):
-                raise fail("providers", i, "id", "must match ^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
-            if driver not in DRIVERS:
-                raise fail("providers", i, "driver", f"must be one of {', '.join(DRIVERS)}")
-            command = entry.get("command")
-            if command is not None and (not isinstance(command, list) or not command
-                                        or not all(isinstance(c, str) for c in command)):
-                raise fail("providers", i, "command", "must be a non-empty list of strings")
-            if command and "/" in command[0] and not Path(command[0]).is_absolute():
-                # Agents run in their project's directory: a relative executable path means
-                # relative to this file.
-                command = [str((path.parent / command[0]).resolve()), *command[1:]]
-            env = entry.get("env", {})
-            if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-                raise fail("providers", i, "env", "must be a table of strings")
-            models = entry.get("models", [])
-            if not isinstance(models, list) or not all(
-                    isinstance(m, str) or (isinstance(m, dict) and isinstance(m.get("id"), str))
-                    for m in models):
-                raise fail("providers", i, "models", "must be a list of ids or {id=...} tables")
-            enabled = entry.get("enabled", True)
-            if not isinstance(enabled, bool):
-                raise fail("providers", i, "enabled", "must be true or false")
-            instructions = entry.get("instructions", True)
-            if not isinstance(instructions, bool):
-                raise fail("providers", i, "instructions", "must be true or false")
-            if any(p["id"] == pid for p in providers):
-                raise fail("providers", i, "id", f"duplicate provider id {pid!r}")
-            allow_unverified = entry.get("allow_unverified", False)
-            if not isinstance(allow_unverified, bool):
-                raise fail("providers", i, "allow_unverified", "must be true or false")
-            if allow_unverified and driver != "acpRegistry":
-                raise fail("providers", i, "allow_unverified",
-                           "only the acpRegistry driver takes it")
-            agent, registry = entry.get("agent"), entry.get("registry")
-            for key, value in (("agent", agent), ("registry", registry)):
-                if driver == "acpRegistry" and (not isinstance(value, str) or not value):
-                    raise fail("providers", i, key, "the acpRegistry driver needs it (a string)")
-                if driver != "acpRegistry" and value is not None:
-                    raise fail("providers", i, key, "only the acpRegistry driver takes it")
-            if registry and not registry.startswith(("http://", "https://")):
-                registry = str((path.parent / registry).resolve())  # relative to this file
-            providers.append({"id": pid, "driver": driver, "command": command, "env": env,
-                              "models": models, "enabled": enabled,
-                              "displayName": entry.get("displayName"), "agent": agent,
-                              "registry": registry, "instructions": instructions,
-                              "allowUnverified": allow_unverified})
 
-    limits = data.get("limits", {})
-    values = {}
-    for key in limits:
-        if key not in _SECTIONS["limits"]:
-            raise fail("limits", None, key, "unknown key")
-        if not isinstance(limits[key], int) or isinstance(limits[key], bool) or limits[key] <= 0:
-            raise fail("limits", None, key, "must be a positive integer")
-        values[key] = limits[key]
-    return Config(host=host, port=port, projects=projects, providers=providers, **http, **values)
+def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path
+                    ) -> dict[str, Any]:
+    from providers import DRIVERS
+    for key in entry:
+        if key not in _SECTIONS["providers"]:
+            raise fail("providers", i, key, "unknown key")
+    pid, driver = entry.get("id"), entry.get("driver")
+    if not isinstance(pid, str) or not _ID.match(pid):
+        raise fail("providers", i, "id", "must match ^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
+    if driver not in DRIVERS:
+        raise fail("providers", i, "driver", f"must be one of {', '.join(DRIVERS)}")
+    command = entry.get("command")
+    if command is not None and (not isinstance(command, list) or not command
+                                or not all(isinstance(c, str) for c in command)):
+        raise fail("providers", i, "command", "must be a non-empty list of strings")
+    if command and "/" in command[0] and not Path(command[0]).is_absolute():
+        # Agents run in their project's directory: a relative executable path means relative
+        # to this file.
+        command = [str((base / command[0]).resolve()), *command[1:]]
+    env = entry.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise fail("providers", i, "env", "must be a table of strings")
+    models = entry.get("models", [])
+    if not isinstance(models, list) or not all(
+            isinstance(m, str) or (isinstance(m, dict) and isinstance(m.get("id"), str))
+            for m in models):
+        raise fail("providers", i, "models", "must be a list of ids or {id=...} tables")
+    flags = {key: entry.get(key, default) for key, default in (
+        ("enabled", True), ("instructions", True), ("allow_unverified", False))}
+    for key, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise fail("providers", i, key, "must be true or false")
+    if flags["allow_unverified"] and driver != "acpRegistry":
+        raise fail("providers", i, "allow_unverified", "only the acpRegistry driver takes it")
+    agent, registry = entry.get("agent"), entry.get("registry")
+    for key, value in (("agent", agent), ("registry", registry)):
+        if driver == "acpRegistry" and (not isinstance(value, str) or not value):
+            raise fail("providers", i, key, "the acpRegistry driver needs it (a string)")
+        if driver != "acpRegistry" and value is not None:
+            raise fail("providers", i, key, "only the acpRegistry driver takes it")
+    if registry and not registry.startswith(("http://", "https://")):
+        registry = str((base / registry).resolve())  # relative to this file
+    return {"id": pid, "driver": driver, "command": command, "env": env, "models": models,
+            "enabled": flags["enabled"], "displayName": entry.get("displayName"),
+            "agent": agent, "registry": registry, "instructions": flags["instructions"],
+            "allowUnverified": flags["allow_unverified"]}
 
 
 def _line_of(text: str, section: str, index: int | None, key: str | None) -> int | None:
