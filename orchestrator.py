@@ -29,7 +29,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -46,7 +46,8 @@ __all__ = [
     "ProviderSessionHandle", "Orchestrator", "McpEndpoint", "SessionCredentials", "Subagent",
     "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
     "task_result", "TASK_TERMINAL", "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS",
-    "mode_to_answer", "result_transfer_id", "AwaitAgentSlot", "GrantAgentSlot",
+    "mode_to_answer", "result_transfer_id", "AwaitAgentSlot", "GrantAgentSlot", "ThreadService",
+    "steerable_run",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -2618,6 +2619,146 @@ class Orchestrator:
         if live is None or live.turn != (run_id, attempt_id) or message is None:
             raise _PermanentEffectError("the turn to steer is no longer live")
         await live.handle.steer_turn(message.text)
+
+
+# =============================================================================================
+# Thread management: one service for /mcp and /ws (the seed's ThreadManagementService)
+
+
+class ThreadService:
+    """What the MCP thread tools and the /ws API both do with a thread: find it, send to it
+    (choosing how the message is delivered), wait for a run, choose the run to interrupt, answer
+    a request. The transports authenticate, check the caller's scope, parse and shape; the rules
+    of these operations live here, once."""
+
+    PROGRESS_EVERY_S = 5.0
+
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orch = orchestrator
+
+    async def thread(self, thread_id: str) -> ThreadState:
+        state = await self.orch.state(thread_id)
+        if state is None or state.thread is None or state.thread.deleted_at is not None:
+            raise T3Error(f"thread {thread_id} was not found", code="thread_not_found")
+        return state
+
+    async def send(self, thread_id: str, *, text: str, mode: str, command_id: str,
+                   message_id: str, created_by: str, creation_source: str) -> dict[str, Any]:
+        """``mode`` auto: steer the active provider turn if there is one, else start (or queue
+        behind a run that cannot be steered yet); queue: a separate follow-up run; steer and
+        restart: the active provider turn, which must exist."""
+        state = await self.thread(thread_id)
+        if state.thread is not None and state.thread.archived_at is not None:
+            raise T3Error(f"thread {thread_id} is archived", code="thread_not_sendable")
+        steerable = steerable_run(state)
+        if mode in ("steer", "restart") and steerable is None:
+            raise T3Error(f"thread {thread_id} has no active provider turn to {mode}",
+                          code="thread_not_sendable")
+        dispatch_mode, target = {
+            "auto": ("steer_active", steerable.id) if steerable else ("start_immediately", None),
+            "queue": ("queue_after_active", None),
+            "steer": ("steer_active", steerable.id if steerable else None),
+            "restart": ("restart_active", steerable.id if steerable else None),
+        }[mode]
+        result = await self.orch.dispatch(DispatchMessage(
+            command_id=command_id, thread_id=thread_id, message_id=message_id, text=text,
+            created_by=created_by, creation_source=creation_source, mode=dispatch_mode,
+            target_run_id=target))
+        run = (await self.thread(thread_id)).run(result.result["runId"])
+        return {"threadId": thread_id, "messageId": result.result["messageId"],
+                "runId": result.result["runId"], "status": run.status if run else None,
+                "delivery": result.result.get("delivery")}
+
+    async def wait(self, thread_id: str, *, run_id: str | None, timeout_s: float,
+                   progress: Callable[[float, str], Awaitable[None]] | None = None
+                   ) -> dict[str, Any]:
+        """Until the run (``run_id``, else the latest) is terminal or one of its requests needs
+        an answer, or the timeout; woken by commits, with ``progress`` every PROGRESS_EVERY_S.
+        A timeout never cancels the work; shutdown ends the wait with the state as it is."""
+        state = await self.thread(thread_id)
+        if run_id is not None and state.run(run_id) is None:
+            raise T3Error(f"run {run_id} was not found in {thread_id}", code="run_not_found")
+        run = state.run(run_id) if run_id else state.latest_run()
+        if run is None:
+            return {"threadId": thread_id, "runId": None, "status": "idle", "timedOut": False,
+                    "hasPendingQuestion": False, "pendingApproval": None}
+        pinned = run.id
+
+        def settled(s: ThreadState) -> bool:
+            r = s.run(pinned)
+            return r is None or r.status in RUN_TERMINAL or any(
+                q.run_id == pinned for q in s.pending_requests())
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        done = settled(state)
+        while not done and not self.orch.stopping:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            done = await self.orch.wait_until([thread_id], lambda s: settled(s[thread_id]),
+                                              min(remaining, self.PROGRESS_EVERY_S))
+            if not done and progress is not None and not self.orch.stopping:
+                await progress(timeout_s - max(0.0, deadline - loop.time()),
+                               "waiting for the run to finish")
+        state = await self.thread(thread_id)
+        current = state.run(pinned)
+        pending = [q for q in state.pending_requests() if q.run_id == pinned]
+        question = next((q for q in pending if q.kind_ == "user_input"), None)
+        approval = next((q for q in pending if q.kind_ != "user_input"), None)
+        status = current.status if current else "idle"
+        return {"threadId": thread_id, "runId": pinned, "status": status,
+                "statusReason": current.status_reason if current else None,
+                "timedOut": not done and status not in RUN_TERMINAL and not pending,
+                "hasPendingQuestion": question is not None,
+                "pendingApproval": {"requestId": approval.id, "kind": approval.kind_,
+                                    "runId": approval.run_id} if approval else None}
+
+    async def interrupt(self, thread_id: str, *, run_id: str | None, reason: str | None,
+                        command_id: str) -> dict[str, Any]:
+        """Interrupt ``run_id``, else the newest active run. A terminal run is returned as it
+        is; with nothing active the status is ``no_active_run``."""
+        state = await self.thread(thread_id)
+        active = [r for r in state.runs if r.status in RUN_BLOCKING or r.awaiting_agent_slot]
+        if run_id is not None:
+            run = state.run(run_id)
+            if run is None:
+                raise T3Error(f"run {run_id} was not found", code="run_not_found")
+            if run.status in RUN_TERMINAL:
+                return {"threadId": thread_id, "runId": run.id, "status": run.status}
+            if not active or active[-1].id != run.id:
+                raise T3Error(f"run {run.id} is {run.status}; only the newest active run can be "
+                              "interrupted", code="thread_not_interruptible")
+        elif not active:
+            return {"threadId": thread_id, "runId": None, "status": "no_active_run"}
+        else:
+            run = active[-1]
+        result = await self.orch.dispatch(InterruptRun(
+            command_id=command_id, thread_id=thread_id, run_id=run.id, reason=reason))
+        status = result.result.get("status", "interrupt_requested")
+        return {"threadId": thread_id, "runId": run.id,
+                "status": status if status in RUN_TERMINAL else "interrupt_requested"}
+
+    async def respond(self, thread_id: str, *, request_id: str, decision: str | None,
+                      answers: Mapping[str, Any] | None, answered_by: Mapping[str, Any],
+                      command_id: str) -> dict[str, Any]:
+        result = await self.orch.dispatch(RespondRuntimeRequest(
+            command_id=command_id, thread_id=thread_id, request_id=request_id,
+            decision=decision, answers=answers, answered_by=answered_by))
+        return {"threadId": thread_id, "requestId": request_id,
+                "status": result.result.get("status", "resolved"), "decision": decision}
+
+
+def steerable_run(state: ThreadState) -> Run | None:
+    """The newest running run whose provider turn is running: what steering would reach."""
+    for run in reversed(state.runs):
+        if run.status != RunStatus.RUNNING:
+            continue
+        attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
+        turn = state.entities["provider-turn"].get(attempt.provider_turn_id) if attempt else None
+        if turn is not None and turn.status == "running":
+            return run
+    return None
 
 
 def _ms() -> int:

@@ -30,7 +30,7 @@ import mcp_types as types
 from mcp.server import Server, ServerRequestContext
 
 import orchestrator as orch
-from orchestrator import RUN_BLOCKING, RUN_TERMINAL, RunStatus, ThreadState
+from orchestrator import RUN_TERMINAL, RunStatus, ThreadState
 from store import Store, StoreError
 
 __all__ = ["FAILURE_CODES", "Scope", "current_scope", "ToolFailure", "Project", "ServerContext",
@@ -47,7 +47,7 @@ FAILURE_CODES = frozenset({
 
 DEFAULT_WAIT_MS = 30_000
 MAX_WAIT_MS = 600_000
-PROGRESS_EVERY_S = 5.0
+PROGRESS_EVERY_S = orch.ThreadService.PROGRESS_EVERY_S
 READ_BUDGET_CHARS = 30_000
 DEFAULT_ITEM_CHARS = 20_000
 TRUNCATION_MARK = "\n…[truncated]"
@@ -346,6 +346,7 @@ class Toolkit:
     def __init__(self, orchestrator: orch.Orchestrator, store: Store, context: ServerContext
                  ) -> None:
         self.orch = orchestrator
+        self.threads = orch.ThreadService(orchestrator)
         self.store = store
         self.ctx = context
 
@@ -390,10 +391,7 @@ class Toolkit:
         return orch.bounded_id(":".join([kind, *(urllib.parse.quote(p, safe="") for p in parts)]))
 
     async def _thread(self, thread_id: str) -> ThreadState:
-        state = await self.orch.state(thread_id)
-        if state is None or state.thread is None or state.thread.deleted_at is not None:
-            raise ToolFailure("thread_not_found", f"thread {thread_id} was not found")
-        return state
+        return await self.threads.thread(thread_id)
 
     async def _caller_thread(self, scope: Scope) -> ThreadState | None:
         return await self.orch.state(scope.thread_id) if scope.thread_id else None
@@ -970,74 +968,18 @@ class Toolkit:
         caller = await self._require_live_caller(scope, thread.id, "t3_thread_send")
         if caller is not None and caller.thread is not None and caller.thread.id != thread.id:
             self._ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
-        if thread.archived_at is not None:
-            raise ToolFailure("thread_not_sendable", f"thread {thread.id} is archived")
-        mode = args.get("mode", "auto")
-        steerable = _steerable_run(state)
-        dispatch_mode, target = {
-            "auto": ("steer_active", steerable.id) if steerable else ("start_immediately", None),
-            "queue": ("queue_after_active", None),
-            "steer": ("steer_active", steerable.id if steerable else None),
-            "restart": ("restart_active", steerable.id if steerable else None),
-        }[mode]
-        if mode in ("steer", "restart") and steerable is None:
-            raise ToolFailure("thread_not_sendable",
-                              f"thread {thread.id} has no active provider turn to {mode}")
         key = self._key(args)
-        message_id = self._id("message", "mcp", scope.key, "thread-send", thread.id, key)
-        result = await self.orch.dispatch(orch.DispatchMessage(
+        return await self.threads.send(
+            thread.id, text=args["message"], mode=args.get("mode", "auto"),
             command_id=self._id("command", "mcp", scope.key, "thread-send", thread.id, key),
-            thread_id=thread.id, message_id=message_id, text=args["message"],
-            created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP,
-            mode=dispatch_mode, target_run_id=target))
-        run = state.run(result.result["runId"])
-        return {"threadId": thread.id, "messageId": result.result["messageId"],
-                "runId": result.result["runId"], "status": run.status if run else None,
-                "delivery": result.result.get("delivery")}
+            message_id=self._id("message", "mcp", scope.key, "thread-send", thread.id, key),
+            created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP)
 
     async def _wait(self, scope: Scope, args: Mapping[str, Any],
                     progress: Callable[[float, str], Awaitable[None]] | None) -> dict[str, Any]:
-        state = await self._thread(args["threadId"])
-        run_id = args.get("runId")
-        if run_id is not None and state.run(run_id) is None:
-            raise ToolFailure("run_not_found", f"run {run_id} was not found in {args['threadId']}")
-        run = state.run(run_id) if run_id else state.latest_run()
-        if run is None:
-            return {"threadId": args["threadId"], "runId": None, "status": "idle",
-                    "timedOut": False, "hasPendingQuestion": False, "pendingApproval": None}
-        pinned = run.id
-
-        def settled(s: ThreadState) -> bool:
-            r = s.run(pinned)
-            return r is None or r.status in RUN_TERMINAL or any(
-                q.run_id == pinned for q in s.pending_requests())
-
-        timeout_s = args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        done = settled(state)
-        while not done and not self.orch.stopping:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            done = await self.orch.wait_until([args["threadId"]],
-                                              lambda s: settled(s[args["threadId"]]),
-                                              min(remaining, PROGRESS_EVERY_S))
-            if not done and progress is not None and not self.orch.stopping:
-                elapsed = timeout_s - max(0.0, deadline - loop.time())
-                await progress(elapsed, "waiting for the run to finish")
-        state = await self._thread(args["threadId"])
-        current = state.run(pinned)
-        pending = [q for q in state.pending_requests() if q.run_id == pinned]
-        question = next((q for q in pending if q.kind_ == "user_input"), None)
-        approval = next((q for q in pending if q.kind_ != "user_input"), None)
-        status = current.status if current else "idle"
-        return {"threadId": args["threadId"], "runId": pinned, "status": status,
-                "statusReason": current.status_reason if current else None,
-                "timedOut": not done and status not in RUN_TERMINAL and not pending,
-                "hasPendingQuestion": question is not None,
-                "pendingApproval": {"requestId": approval.id, "kind": approval.kind_,
-                                    "runId": approval.run_id} if approval else None}
+        return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
+                                       timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000,
+                                       progress=progress)
 
     async def _interrupt(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
         state = await self._thread(args["threadId"])
@@ -1046,29 +988,10 @@ class Toolkit:
         if caller is not None and caller.thread is not None and caller.thread.id != thread_id \
                 and state.thread is not None:
             self._ceiling(caller.thread, state.thread.runtime_mode, state.thread.interaction_mode)
-        active = [r for r in state.runs if r.status in RUN_BLOCKING or r.awaiting_agent_slot]
-        if "runId" in args:
-            run = state.run(args["runId"])
-            if run is None:
-                raise ToolFailure("run_not_found", f"run {args['runId']} was not found")
-            if run.status in RUN_TERMINAL:
-                return {"threadId": thread_id, "runId": run.id, "status": run.status}
-            if not active or active[-1].id != run.id:
-                raise ToolFailure("thread_not_interruptible",
-                                  f"run {run.id} is {run.status}; only the newest active run "
-                                  "can be interrupted")
-        elif not active:
-            return {"threadId": thread_id, "runId": None, "status": "no_active_run"}
-        else:
-            run = active[-1]
-        key = self._key(args)
-        result = await self.orch.dispatch(orch.InterruptRun(
-            command_id=self._id("command", "mcp", scope.key, "thread-interrupt", thread_id, key),
-            thread_id=thread_id, run_id=run.id, reason=args.get("reason")))
-        status = result.result.get("status", "interrupt_requested")
-        if status not in RUN_TERMINAL:
-            status = "interrupt_requested"
-        return {"threadId": thread_id, "runId": run.id, "status": status}
+        return await self.threads.interrupt(
+            thread_id, run_id=args.get("runId"), reason=args.get("reason"),
+            command_id=self._id("command", "mcp", scope.key, "thread-interrupt", thread_id,
+                                self._key(args)))
 
     async def _pending_request(self, scope: Scope, args: Mapping[str, Any], _: Any
                                ) -> dict[str, Any]:
@@ -1094,14 +1017,11 @@ class Toolkit:
                                                  "answers")
         answered_by = {"kind": "client"} if scope.kind == "client" else \
             {"kind": "thread", "threadId": await self._answering_thread(scope, state, request)}
-        key = self._key(args)
-        result = await self.orch.dispatch(orch.RespondRuntimeRequest(
-            command_id=self._id("command", "mcp", scope.key, "respond", request.id, key),
-            thread_id=args["threadId"], request_id=request.id, decision=args.get("decision"),
-            answers=args.get("answers"), answered_by=answered_by))
-        return {"threadId": args["threadId"], "requestId": request.id,
-                "status": result.result.get("status", "resolved"),
-                "decision": args.get("decision")}
+        return await self.threads.respond(
+            args["threadId"], request_id=request.id, decision=args.get("decision"),
+            answers=args.get("answers"), answered_by=answered_by,
+            command_id=self._id("command", "mcp", scope.key, "respond", request.id,
+                                self._key(args)))
 
 
     async def _answering_thread(self, scope: Scope, target: ThreadState,
@@ -1168,17 +1088,6 @@ def _live_run(state: ThreadState, instance_id: str | None) -> orch.Run | None:
     if run is None or (instance_id is not None and run.provider_instance_id != instance_id):
         return None
     return run
-
-
-def _steerable_run(state: ThreadState) -> orch.Run | None:
-    for run in reversed(state.runs):
-        if run.status != RunStatus.RUNNING:
-            continue
-        attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
-        turn = state.entities["provider-turn"].get(attempt.provider_turn_id) if attempt else None
-        if turn is not None and turn.status == "running":
-            return run
-    return None
 
 
 def _request_summary(request: orch.RuntimeRequest) -> dict[str, Any]:
