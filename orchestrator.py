@@ -2748,6 +2748,122 @@ class ThreadService:
         return {"threadId": thread_id, "requestId": request_id,
                 "status": result.result.get("status", "resolved"), "decision": decision}
 
+    # -- planning new threads: provider, model and modes ---------------------------------------
+
+    def resolve_target(self, target: Mapping[str, Any] | None, caller: ThreadState | None
+                       ) -> tuple[ProviderInfo, str | None]:
+        """The provider instance and model a new thread runs on: the target's, else the
+        caller's, else the first available instance; refused when it cannot run."""
+        target = target or {}
+        providers = self.orch.providers
+        instance_id = target.get("providerInstanceId")
+        driver = target.get("driverKind")
+        if instance_id is None and driver is not None:
+            candidates = [p for p in providers.values() if p.driver == driver]
+            if not candidates:
+                raise T3Error(f"no provider instance of driver {driver!r} is registered",
+                              code="provider_unavailable")
+            own = caller.thread.provider_instance_id if caller and caller.thread else None
+            chosen = next((p for p in candidates if p.instance_id == own), None) or next(
+                (p for p in candidates if p.available), candidates[0])
+            instance_id = chosen.instance_id
+        if instance_id is None:
+            if caller is not None and caller.thread is not None:
+                instance_id = caller.thread.provider_instance_id
+            else:
+                available = [p for p in providers.values() if p.available]
+                if not available:
+                    raise T3Error("no provider instance can run on this server",
+                                  code="provider_unavailable")
+                instance_id = available[0].instance_id
+        info = providers.get(instance_id)
+        if info is None:
+            raise T3Error(f"provider instance {instance_id!r} is not registered",
+                          code="provider_unavailable")
+        if driver is not None and info.driver != driver:
+            raise T3Error(f"target.driverKind: instance {instance_id} is driver {info.driver}, "
+                          f"not {driver}", code="invalid_request")
+        if not info.available:
+            raise T3Error(f"provider instance {instance_id} cannot run: "
+                          f"{'; '.join(info.constraints)}", code="provider_unavailable")
+        model = target.get("model")
+        advertised = [m["id"] for m in info.models]
+        if model is None:
+            if caller is not None and caller.thread is not None and \
+                    caller.thread.provider_instance_id == instance_id:
+                model = caller.thread.model_selection.get("model")
+            else:
+                model = info.first_model()
+        elif advertised and model not in advertised:
+            raise T3Error(f"model {model!r} is not offered by {instance_id} "
+                          f"({', '.join(advertised)})", code="model_unavailable")
+        return info, model
+
+    def modes(self, args: Mapping[str, Any], caller: ThreadState | None) -> tuple[str, str]:
+        """``runtimeMode`` / ``interactionMode`` with ``inherit`` resolved (the caller's, else
+        full-access and default), never broader than the caller's."""
+        parent = caller.thread if caller is not None else None
+        runtime = args.get("runtimeMode", "inherit")
+        interaction = args.get("interactionMode", "inherit")
+        if runtime == "inherit":
+            runtime = parent.runtime_mode if parent else RuntimeMode.FULL_ACCESS
+        if interaction == "inherit":
+            interaction = parent.interaction_mode if parent else InteractionMode.DEFAULT
+        if parent is not None:
+            self.ceiling(parent, runtime, interaction)
+        return runtime, interaction
+
+    @staticmethod
+    def ceiling(caller: AppThread, runtime: str, interaction: str) -> None:
+        if RUNTIME_RANK[RuntimeMode(runtime)] > RUNTIME_RANK[RuntimeMode(caller.runtime_mode)]:
+            raise T3Error(f"runtime mode {runtime} is broader than the caller's "
+                          f"{caller.runtime_mode}", code="runtime_mode_escalation_denied")
+        if INTERACTION_RANK[InteractionMode(interaction)] > \
+                INTERACTION_RANK[InteractionMode(caller.interaction_mode)]:
+            raise T3Error(f"interaction mode {interaction} is broader than the caller's "
+                          f"{caller.interaction_mode}", code="interaction_mode_escalation_denied")
+
+    @staticmethod
+    def title(title: str | None, prompt: str | None, fallback: str) -> str:
+        if title:
+            return title
+        if prompt:
+            line = " ".join(prompt.split())
+            return line if len(line) <= 80 else line[:77] + "..."
+        return fallback
+
+    def plan_create(self, *, command_id: str, thread_id: str, project_id: str, workspace: str,
+                    entry: Mapping[str, Any], message_id: str, caller: ThreadState | None,
+                    created_by: str, creation_source: str) -> CreateThread:
+        """One new thread's command with provider, model and modes resolved (``entry``: prompt,
+        title, target, runtimeMode, interactionMode); refuses before anything is written."""
+        info, model = self.resolve_target(entry.get("target"), caller)
+        runtime, interaction = self.modes(entry, caller)
+        prompt = entry.get("prompt")
+        return CreateThread(
+            command_id=command_id, thread_id=thread_id, project_id=project_id,
+            title=self.title(entry.get("title"), prompt, "New thread"),
+            provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
+            interaction_mode=interaction, workspace=workspace, created_by=created_by,
+            creation_source=creation_source,
+            initial_message=InitialMessage(message_id, prompt) if prompt else None)
+
+    @staticmethod
+    def step_down(info: ProviderInfo, runtime: str, explicit: bool) -> str:
+        """A provider that offers only some runtime modes: explicit ones must be offered;
+        inherited ones step down to the broadest it offers."""
+        if info.runtime_modes is None or runtime in info.runtime_modes:
+            return runtime
+        if explicit:
+            raise T3Error(f"runtimeMode: {info.instance_id} offers only "
+                          f"{', '.join(info.runtime_modes)}", code="invalid_request")
+        rank = RUNTIME_RANK[RuntimeMode(runtime)]
+        offered = [m for m in info.runtime_modes if RUNTIME_RANK[RuntimeMode(m)] <= rank]
+        if not offered:
+            raise T3Error(f"{info.instance_id} offers no runtime mode as narrow as {runtime}",
+                          code="runtime_mode_escalation_denied")
+        return max(offered, key=lambda m: RUNTIME_RANK[RuntimeMode(m)])
+
 
 def steerable_run(state: ThreadState) -> Run | None:
     """The newest running run whose provider turn is running: what steering would reach."""

@@ -48,6 +48,8 @@ FAILURE_CODES = frozenset({
 DEFAULT_WAIT_MS = 30_000
 MAX_WAIT_MS = 600_000
 PROGRESS_EVERY_S = orch.ThreadService.PROGRESS_EVERY_S
+# Threads and messages made through MCP: by an agent (or a client acting as one), over MCP.
+_AGENT_MADE = {"created_by": orch.Actor.AGENT, "creation_source": orch.CreationSource.MCP}
 READ_BUDGET_CHARS = 30_000
 DEFAULT_ITEM_CHARS = 20_000
 TRUNCATION_MARK = "\n…[truncated]"
@@ -396,78 +398,6 @@ class Toolkit:
     async def _caller_thread(self, scope: Scope) -> ThreadState | None:
         return await self.orch.state(scope.thread_id) if scope.thread_id else None
 
-    def _resolve_target(self, target: Mapping[str, Any] | None, caller: ThreadState | None
-                        ) -> tuple[orch.ProviderInfo, str | None]:
-        target = target or {}
-        providers = self.orch.providers
-        instance_id = target.get("providerInstanceId")
-        driver = target.get("driverKind")
-        if instance_id is None and driver is not None:
-            candidates = [p for p in providers.values() if p.driver == driver]
-            if not candidates:
-                raise ToolFailure("provider_unavailable", f"no provider instance of driver "
-                                                          f"{driver!r} is registered")
-            own = caller.thread.provider_instance_id if caller and caller.thread else None
-            chosen = next((p for p in candidates if p.instance_id == own), None) or next(
-                (p for p in candidates if p.available), candidates[0])
-            instance_id = chosen.instance_id
-        if instance_id is None:
-            if caller is not None and caller.thread is not None:
-                instance_id = caller.thread.provider_instance_id
-            else:
-                available = [p for p in providers.values() if p.available]
-                if not available:
-                    raise ToolFailure("provider_unavailable",
-                                      "no provider instance can run on this server")
-                instance_id = available[0].instance_id
-        info = providers.get(instance_id)
-        if info is None:
-            raise ToolFailure("provider_unavailable",
-                              f"provider instance {instance_id!r} is not registered")
-        if driver is not None and info.driver != driver:
-            raise ToolFailure("invalid_request", f"target.driverKind: instance {instance_id} is "
-                                                 f"driver {info.driver}, not {driver}")
-        if not info.available:
-            raise ToolFailure("provider_unavailable", f"provider instance {instance_id} cannot "
-                                                      f"run: {'; '.join(info.constraints)}")
-        model = target.get("model")
-        advertised = [m["id"] for m in info.models]
-        if model is None:
-            if caller is not None and caller.thread is not None and \
-                    caller.thread.provider_instance_id == instance_id:
-                model = caller.thread.model_selection.get("model")
-            else:
-                model = info.first_model()
-        elif advertised and model not in advertised:
-            raise ToolFailure("model_unavailable", f"model {model!r} is not offered by "
-                                                   f"{instance_id} ({', '.join(advertised)})")
-        return info, model
-
-    def _modes(self, args: Mapping[str, Any], caller: ThreadState | None) -> tuple[str, str]:
-        parent = caller.thread if caller is not None else None
-        runtime = args.get("runtimeMode", "inherit")
-        interaction = args.get("interactionMode", "inherit")
-        if runtime == "inherit":
-            runtime = parent.runtime_mode if parent else orch.RuntimeMode.FULL_ACCESS
-        if interaction == "inherit":
-            interaction = parent.interaction_mode if parent else orch.InteractionMode.DEFAULT
-        if parent is not None:
-            self._ceiling(parent, runtime, interaction)
-        return runtime, interaction
-
-    @staticmethod
-    def _ceiling(caller: orch.AppThread, runtime: str, interaction: str) -> None:
-        if orch.RUNTIME_RANK[orch.RuntimeMode(runtime)] > \
-                orch.RUNTIME_RANK[orch.RuntimeMode(caller.runtime_mode)]:
-            raise ToolFailure("runtime_mode_escalation_denied",
-                              f"runtime mode {runtime} is broader than the caller's "
-                              f"{caller.runtime_mode}")
-        if orch.INTERACTION_RANK[orch.InteractionMode(interaction)] > \
-                orch.INTERACTION_RANK[orch.InteractionMode(caller.interaction_mode)]:
-            raise ToolFailure("interaction_mode_escalation_denied",
-                              f"interaction mode {interaction} is broader than the caller's "
-                              f"{caller.interaction_mode}")
-
     def _created(self, state: ThreadState, run_id: str | None) -> dict[str, Any]:
         thread = state.thread
         assert thread is not None
@@ -478,30 +408,6 @@ class Toolkit:
                 "providerInstanceId": thread.provider_instance_id,
                 "model": thread.model_selection.get("model"), "projectId": thread.project_id,
                 "link": self.ctx.link(thread.id)}
-
-    @staticmethod
-    def _title(title: str | None, prompt: str | None, fallback: str) -> str:
-        if title:
-            return title
-        if prompt:
-            line = " ".join(prompt.split())
-            return line if len(line) <= 80 else line[:77] + "..."
-        return fallback
-
-    def _plan_create(self, *, command_id: str, thread_id: str, project: Project,
-                     workspace: str, entry: Mapping[str, Any], message_id: str,
-                     caller: ThreadState | None) -> orch.CreateThread:
-        """Resolve one new thread's provider, model and modes; refuses before anything is written."""
-        info, model = self._resolve_target(entry.get("target"), caller)
-        runtime, interaction = self._modes(entry, caller)
-        prompt = entry.get("prompt")
-        return orch.CreateThread(
-            command_id=command_id, thread_id=thread_id, project_id=project.id,
-            title=self._title(entry.get("title"), prompt, "New thread"),
-            provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
-            interaction_mode=interaction, workspace=workspace, created_by=orch.Actor.AGENT,
-            creation_source=orch.CreationSource.MCP,
-            initial_message=orch.InitialMessage(message_id, prompt) if prompt else None)
 
     async def _create(self, command: orch.CreateThread) -> dict[str, Any]:
         result = await self.orch.dispatch(command)
@@ -536,21 +442,6 @@ class Toolkit:
             raise ToolFailure("parent_not_active", f"{what} on another thread needs an active "
                               "run of the calling thread")
         return caller
-
-    def _step_down(self, info: orch.ProviderInfo, runtime: str, explicit: bool) -> str:
-        """A provider that offers only some runtime modes: explicit ones must be offered;
-        inherited ones step down to the broadest it offers."""
-        if info.runtime_modes is None or runtime in info.runtime_modes:
-            return runtime
-        if explicit:
-            raise ToolFailure("invalid_request", f"runtimeMode: {info.instance_id} offers only "
-                              f"{', '.join(info.runtime_modes)}")
-        rank = orch.RUNTIME_RANK[orch.RuntimeMode(runtime)]
-        offered = [m for m in info.runtime_modes if orch.RUNTIME_RANK[orch.RuntimeMode(m)] <= rank]
-        if not offered:
-            raise ToolFailure("runtime_mode_escalation_denied", f"{info.instance_id} offers no "
-                              f"runtime mode as narrow as {runtime}")
-        return max(offered, key=lambda m: orch.RUNTIME_RANK[orch.RuntimeMode(m)])
 
     # -- delegation ------------------------------------------------------------------------------
 
@@ -602,9 +493,9 @@ class Toolkit:
         caller = await self._caller_thread(scope)
         if caller is None or caller.thread is None:
             raise ToolFailure("parent_not_active", "the calling thread is gone")
-        info, model = self._resolve_target(args.get("target"), caller)
-        runtime, interaction = self._modes(args, caller)
-        runtime = self._step_down(info, runtime, "runtimeMode" in args
+        info, model = self.threads.resolve_target(args.get("target"), caller)
+        runtime, interaction = self.threads.modes(args, caller)
+        runtime = self.threads.step_down(info, runtime, "runtimeMode" in args
                                   and args["runtimeMode"] != "inherit")
         role = args.get("role")
         task = args["task"] if role in (None, "general") else \
@@ -612,7 +503,7 @@ class Toolkit:
         command = orch.DelegateTask(
             command_id=self._id("command", "mcp", scope.key, "delegate-task", key),
             thread_id=caller.thread.id, parent_run_id="", task=task,
-            title=self._title(args.get("title"), args["task"], "Delegated task"),
+            title=self.threads.title(args.get("title"), args["task"], "Delegated task"),
             provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
             interaction_mode=interaction,
             completion_wake="settled_only" if args.get("mode") == "wait" else "always",
@@ -774,12 +665,12 @@ class Toolkit:
             if scope.kind == "thread" else None
         project = self.ctx.project(args.get("projectId") or _home_project(caller))
         key = self._key(args)
-        commands = [self._plan_create(
+        commands = [self.threads.plan_create(
             command_id=self._id("command", "mcp", scope.key, "create-thread", key, str(i)),
             thread_id=self._id("thread", "mcp", scope.key, "create-threads", key, str(i)),
-            project=project, workspace=project.path, entry=entry,
+            project_id=project.id, workspace=project.path, entry=entry,
             message_id=self._id("message", "mcp", scope.key, "create-threads", key, str(i)),
-            caller=caller)
+            caller=caller, **_AGENT_MADE)
             for i, entry in enumerate(args["threads"])]
         return {"threads": [await self._create(command) for command in commands]}
 
@@ -808,10 +699,11 @@ class Toolkit:
         entry = {"prompt": args.get("message"), "title": args.get("title"),
                  "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
                  "interactionMode": args.get("interactionMode", "inherit")}
-        command = self._plan_create(
+        command = self.threads.plan_create(
             command_id=self._id("command", "mcp", scope.key, "launch", key),
-            thread_id=thread_id, project=project, workspace=str(workspace), entry=entry,
-            message_id=self._id("message", "mcp", scope.key, "launch", key), caller=caller)
+            thread_id=thread_id, project_id=project.id, workspace=str(workspace), entry=entry,
+            message_id=self._id("message", "mcp", scope.key, "launch", key), caller=caller,
+            **_AGENT_MADE)
         made = not workspace.exists()
         workspace.mkdir(parents=True, exist_ok=True)  # before the agent can start in it
         try:
@@ -967,7 +859,7 @@ class Toolkit:
         assert thread is not None
         caller = await self._require_live_caller(scope, thread.id, "t3_thread_send")
         if caller is not None and caller.thread is not None and caller.thread.id != thread.id:
-            self._ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
+            self.threads.ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
         key = self._key(args)
         return await self.threads.send(
             thread.id, text=args["message"], mode=args.get("mode", "auto"),
@@ -987,7 +879,7 @@ class Toolkit:
         caller = await self._require_live_caller(scope, thread_id, "t3_thread_interrupt")
         if caller is not None and caller.thread is not None and caller.thread.id != thread_id \
                 and state.thread is not None:
-            self._ceiling(caller.thread, state.thread.runtime_mode, state.thread.interaction_mode)
+            self.threads.ceiling(caller.thread, state.thread.runtime_mode, state.thread.interaction_mode)
         return await self.threads.interrupt(
             thread_id, run_id=args.get("runId"), reason=args.get("reason"),
             command_id=self._id("command", "mcp", scope.key, "thread-interrupt", thread_id,
