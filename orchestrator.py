@@ -21,6 +21,7 @@ Rules that hold everywhere below:
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import functools
 import hashlib
@@ -47,7 +48,7 @@ __all__ = [
     "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
     "task_result", "TASK_TERMINAL", "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS",
     "mode_to_answer", "result_transfer_id", "AwaitAgentSlot", "GrantAgentSlot", "ThreadService",
-    "steerable_run",
+    "steerable_run", "Subscription", "CLIENT_COMMANDS",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -886,6 +887,13 @@ class RecoverThread:
     reason: str
     resumable_run_ids: frozenset[str] = frozenset()
 
+
+# What clients may send (MCP tools build these too; /ws takes them in their wire form). The
+# others are the server's own: a client forging provider output or recovery would falsify the
+# record.
+CLIENT_COMMANDS = ("thread.create", "message.dispatch", "run.interrupt",
+                   "runtime-request.respond", "queued-run.cancel", "delegated_task.request",
+                   "delegated_task.wake-policy", "delegated_task.cancel")
 
 Command = (CreateThread | DispatchMessage | InterruptRun | RespondRuntimeRequest | CancelQueuedRun
            | DelegateTask | SetWakePolicy | RequestTaskCancel | FinalizeSubagent
@@ -1918,6 +1926,39 @@ class _LiveSession:
     last_used: float = 0.0  # monotonic time of its last turn's end: idle ones go LRU first
 
 
+class Subscription:
+    """Events committed after it began, for one thread (or all), in commit order, as JSON text.
+    Bounded: a reader more than ``max_bytes`` of events behind is cut off (``overflowed``) and
+    resubscribes from the last sequence it got, so a slow reader never grows the server."""
+
+    def __init__(self, *, thread_id: str | None, max_bytes: int) -> None:
+        self.thread_id = thread_id
+        self.max_bytes = max_bytes
+        self.overflowed = False
+        self._items: collections.deque[tuple[int, str, str]] = collections.deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
+
+    def offer(self, sequence: int, thread_id: str, text: str) -> None:
+        if self.overflowed:
+            return
+        self._bytes += len(text) + 64
+        if self._bytes > self.max_bytes:
+            self.overflowed = True
+            self._items.clear()
+        else:
+            self._items.append((sequence, thread_id, text))
+        self._ready.set()
+
+    async def take(self) -> list[tuple[int, str, str]]:
+        """(sequence, thread id, event JSON) of what arrived since the last take, waiting for at
+        least one; [] once overflowed."""
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._items, self._bytes = list(self._items), collections.deque(), 0
+        return items
+
+
 class Orchestrator:
     """Serializes commands per thread and runs their effects. Start with ``start(task_group)``."""
 
@@ -1952,6 +1993,7 @@ class Orchestrator:
         self._locks: dict[str, asyncio.Lock] = {}
         self._signals: dict[str, asyncio.Event] = {}
         self._live: dict[str, _LiveSession] = {}
+        self._subscriptions: set[Subscription] = set()
         # Agent process slots: live sessions + sessions opening + slots granted to a run whose
         # start has not run yet never exceed _max_live; runs without one wait in _line (FIFO).
         self._max_live = max_live_agent_processes
@@ -1985,6 +2027,8 @@ class Orchestrator:
                 return self._replay(command, outcome.receipt)
             _store.crash_point(f"after-commit:{command.type}")
             self._apply(decision.events, outcome.sequences)
+            if self._subscriptions:
+                self._publish(command.command_id, decision.events, outcome)
         for effect_id in outcome.cancelled_effect_ids:
             task = self._effect_tasks.get(effect_id)
             if task is not None:
@@ -2016,6 +2060,38 @@ class Orchestrator:
                 asyncio.get_running_loop().call_soon(self._rebalance)
         for thread_id in touched:
             self._notify(thread_id)
+
+    # -- subscriptions (the /ws streams) ---------------------------------------------------------
+
+    def subscribe(self, *, thread_id: str | None = None,
+                  max_bytes: int = 8 * 1024 * 1024) -> Subscription:
+        """Every event committed from now on for ``thread_id`` (None: for every thread)."""
+        subscription = Subscription(thread_id=thread_id, max_bytes=max_bytes)
+        self._subscriptions.add(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self._subscriptions.discard(subscription)
+
+    def _publish(self, command_id: str, events: Sequence[_store.NewEvent],
+                 outcome: _store.CommitResult) -> None:
+        """Hand committed events to subscribers, in commit order (``_apply`` runs in the order
+        the single writer committed). Each event's JSON is built once, from the stored payload."""
+        texts: dict[int, str] = {}
+        for index, event in enumerate(events):
+            for subscription in list(self._subscriptions):
+                if subscription.thread_id not in (None, event.thread_id):
+                    continue
+                if index not in texts:
+                    texts[index] = (
+                        f'{{"sequence":{outcome.sequences[index]},'
+                        f'"eventId":{json.dumps(event.event_id)},'
+                        f'"threadId":{json.dumps(event.thread_id)},'
+                        f'"streamVersion":{outcome.stream_versions[index]},'
+                        f'"commandId":{json.dumps(command_id)},"type":{json.dumps(event.type)},'
+                        f'"occurredAt":{json.dumps(event.occurred_at)},'
+                        f'"payload":{outcome.payloads_json[index]}}}')
+                subscription.offer(outcome.sequences[index], event.thread_id, texts[index])
 
     def _lock(self, thread_id: str) -> asyncio.Lock:
         lock = self._locks.get(thread_id)

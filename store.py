@@ -143,6 +143,8 @@ class CommitResult:
     receipt: Receipt
     sequences: Sequence[int] = ()
     cancelled_effect_ids: Sequence[str] = ()
+    stream_versions: Sequence[int] = ()  # per event, as sequences
+    payloads_json: Sequence[str] = ()  # per event: the payload as stored (for subscribers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +363,15 @@ LEFT JOIN runs lr ON lr.run_id = (SELECT r.run_id FROM runs r WHERE r.thread_id 
                                   ORDER BY r.ordinal DESC LIMIT 1)
 ORDER BY t.activity_at DESC, t.thread_id DESC
 """
+_PENDING_REQUESTS = """
+SELECT payload_json FROM runtime_requests WHERE status = 'pending'
+ORDER BY json_extract(payload_json, '$.createdAt'), runtime_request_id
+"""
+_THREADS_TOUCHED_AFTER = """
+SELECT thread_id FROM events WHERE sequence > ? GROUP BY thread_id ORDER BY MAX(sequence) DESC
+LIMIT ?
+"""
+
 _THREADS_NEEDING_RECOVERY = """
 SELECT thread_id FROM runs WHERE status IN ('preparing', 'starting', 'running', 'queued')
 UNION SELECT thread_id FROM provider_sessions WHERE status NOT IN ('stopped', 'error')
@@ -640,6 +651,14 @@ class Store:
                  "type": r["type"], "occurredAt": r["occurred_at"],
                  "payload": json.loads(r["payload_json"])} for r in rows]
 
+    def pending_requests(self) -> list[dict[str, Any]]:
+        """Every pending runtime request (its entity), oldest first."""
+        return [json.loads(r[0]) for r in self.read(_PENDING_REQUESTS)]
+
+    def threads_touched_after(self, sequence: int, *, limit: int) -> list[str]:
+        """Threads with events after ``sequence``, most recently touched first."""
+        return [r[0] for r in self.read(_THREADS_TOUCHED_AFTER, (sequence, limit))]
+
     # -- server facts and projects (configuration, not events) -----------------------------------
 
     async def meta(self, key: str, default: str) -> str:
@@ -764,6 +783,8 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
         return CommitResult(committed=False, receipt=existing)
     crash_point("commit:after-receipt")
     sequences: list[int] = []
+    stream_versions: list[int] = []
+    payloads_json: list[str] = []
     versions: dict[str, int] = {}
     for event in commit.events:
         if event.thread_id not in versions:
@@ -773,6 +794,8 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
         sequence = conn.execute(_INSERT_EVENT, (
             event.event_id, event.thread_id, versions[event.thread_id], commit.command_id,
             event.type, event.occurred_at, payload_json)).fetchone()[0]
+        stream_versions.append(versions[event.thread_id])
+        payloads_json.append(payload_json)
         versions[event.thread_id] += 1
         sequences.append(sequence)
         _project(conn, event.type, event.payload, payload_json)
@@ -793,7 +816,8 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
     receipt = Receipt(commit.command_id, commit.command_type, commit.fingerprint, commit.thread_id,
                       "accepted", result_sequence, commit.result)
     return CommitResult(committed=True, receipt=receipt, sequences=sequences,
-                        cancelled_effect_ids=cancelled)
+                        cancelled_effect_ids=cancelled, stream_versions=stream_versions,
+                        payloads_json=payloads_json)
 
 
 def _project(conn: sqlite3.Connection, event_type: str, payload: Mapping[str, Any],

@@ -34,8 +34,10 @@ import stat
 import sys
 import time
 import tomllib
+import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import (AsyncIterator, Awaitable, Callable, Iterator, Mapping,
+                             MutableMapping, Sequence)
 from pathlib import Path
 from typing import Any
 
@@ -599,6 +601,7 @@ class Route:
     methods: tuple[str, ...]
     handler: ASGIApp
     check_origin: bool = True  # webhooks (/hooks/..., to come) opt out: other sites call them
+    websocket: ASGIApp | None = None  # what serves a WebSocket upgrade of this path
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -644,17 +647,24 @@ def _is_loopback(name: str) -> bool:
 
 
 def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientToken,
-              environment_id: str, policy: HttpPolicy) -> ASGIApp:
+              environment_id: str, policy: HttpPolicy, ws: ASGIApp | None = None) -> ASGIApp:
     """The routes, each reached only past ``_refusal`` (Host, Origin, path, method)."""
     async def healthz(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         await _send_json(send, 200, {"ok": True, "version": VERSION,
                                      "environmentId": environment_id})
+
+    async def ws_without_upgrade(scope: MutableMapping[str, Any], receive: Any,
+                                 send: Any) -> None:
+        await _refuse(scope, send, 426, "websocket_required",
+                      "/ws speaks WebSocket (orchestration protocol 2)",
+                      [(b"upgrade", b"websocket")])
 
     routes = {
         "/healthz": Route(methods=("GET",), handler=healthz),
         # GET would open a server-to-client stream, which a stateless server never uses.
         "/mcp": Route(methods=("POST", "DELETE"), handler=bearer_auth(
             _bounded_body(mcp), credentials=credentials, client_token=client_token)),
+        "/ws": Route(methods=("GET",), handler=ws_without_upgrade, websocket=ws),
     }
 
     async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
@@ -662,7 +672,7 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
             await _lifespan(receive, send)
             return
         if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
+            await _websocket(scope, receive, send, routes.get(scope.get("path", "")), policy)
             return
         path, method = scope.get("path", ""), scope.get("method", "GET")
         started = False
@@ -690,6 +700,25 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
                 await _send_json(send, 500, {"error": "internal_error",
                                              "message": "t3 hit an internal error; see its log"})
     return app
+
+
+async def _websocket(scope: MutableMapping[str, Any], receive: Any, send: Any,
+                     route: Route | None, policy: HttpPolicy) -> None:
+    """A WebSocket upgrade passes the same checks as any request; a refusal is an HTTP answer
+    to the upgrade (ASGI's websocket.http.response), and so is a path without a WebSocket."""
+    refusal = _refusal(scope, route, policy)
+    if refusal is None and (route is None or route.websocket is None):
+        refusal = (404, "not_found", f"no WebSocket at {scope.get('path', '')}", ())
+    if refusal is not None:
+        await receive()  # websocket.connect
+        status, error, message, headers = refusal
+        await _send_json(_denial(send), status, {"error": error, "message": message}, headers)
+        return
+    assert route is not None and route.websocket is not None
+    try:
+        await route.websocket(scope, receive, send)
+    except Exception:
+        log.exception("a /ws connection failed")
 
 
 _Refusal = tuple[int, str, str, Sequence[tuple[bytes, bytes]]]
@@ -813,6 +842,538 @@ def _by_accept(sse: ASGIApp, plain: ASGIApp) -> ASGIApp:
 
 
 # =============================================================================================
+# The /ws client API (SPEC 8): JSON frames over one WebSocket, for people's clients (the CLI
+# and the web view). Requests {"id", "method", "params"} get {"id", "result"} or {"id", "error":
+# {"code", "message"}}; a stream (subscribeThread, subscribeShell) sends {"id", "item"} until it
+# is unsubscribed or falls too far behind. The rules live in orchestrator.ThreadService and in
+# the tools' planning, which MCP uses too: this section parses and shapes.
+
+
+PROTOCOL_VERSION = 2
+_PROTOCOL_REFUSAL = {"code": "orchestration_protocol_incompatible",
+                     "message": "Update this client to one that supports orchestration "
+                                "protocol 2.", "orchestrationProtocolVersion": PROTOCOL_VERSION}
+_SUBSCRIBER_BYTES = 4 * 1024 * 1024  # a stream this far behind its reader is cut off
+
+
+class WsFailure(Exception):
+    """A /ws request failed; ``body`` is its error object."""
+
+    def __init__(self, code: str, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.body = {"code": code, "message": message, **detail}
+
+
+Emit = Callable[[Any], Awaitable[None]]  # a stream item: a dict, or prebuilt JSON text
+
+
+class ClientApi:
+    """The /ws methods. A person holding the client token is the caller: commands are recorded
+    ``createdBy: "user"`` with ``creationSource`` web (default) or cli."""
+
+    def __init__(self, *, orch: Any, toolkit: Any, store: Any) -> None:
+        from tools import Scope
+        self.orch, self.toolkit, self.store = orch, toolkit, store
+        self.threads = toolkit.threads
+        self.scope = Scope(kind="client", key="client")
+        self._methods: dict[str, Callable[[Mapping[str, Any]], Awaitable[Any]]] = {
+            "dispatchCommand": self.dispatch_command, "launchThread": self.launch_thread,
+            "sendToThread": self.send_to_thread, "waitForThread": self.wait_for_thread,
+            "interruptThread": self.interrupt_thread, "listThreads": self.list_threads,
+            "readThread": self.read_thread, "getThreadProjection": self.get_thread_projection,
+            "listPendingRequests": self.list_pending_requests}
+        self._streams: dict[str, Callable[[Mapping[str, Any], Emit], Awaitable[None]]] = {
+            "subscribeThread": self.subscribe_thread, "subscribeShell": self.subscribe_shell}
+
+    async def call(self, method: str, params: Mapping[str, Any], emit: Emit) -> Any:
+        """One method (``orchestration.`` prefix optional); a stream returns when it ends."""
+        name = method.removeprefix("orchestration.")
+        if name in self._streams:
+            return await self._streams[name](params, emit)
+        if name in self._methods:
+            return await self._methods[name](params)
+        raise WsFailure("invalid_request", f"unknown method {method!r}; the methods are "
+                        f"{', '.join([*self._methods, *self._streams, 'unsubscribe'])}")
+
+    def _source(self, params: Mapping[str, Any]) -> str:
+        source = params.get("creationSource", "web")
+        if source not in ("web", "cli"):
+            raise WsFailure("invalid_request", "creationSource: must be web or cli")
+        return str(source)
+
+    # -- commands and the thread service ---------------------------------------------------------
+
+    async def dispatch_command(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Any client command (``orchestrator.CLIENT_COMMANDS``) in its wire form."""
+        import orchestrator as orch
+        from tools import validate
+        kind = params.get("type")
+        if kind not in orch.CLIENT_COMMANDS:
+            raise WsFailure("invalid_request", f"type: must be one of "
+                            f"{', '.join(orch.CLIENT_COMMANDS)} (the server's own commands, such "
+                            "as provider ingest, are not sent by clients)")
+        args = validate(_WIRE_COMMANDS[kind], dict(params))
+        made = {"created_by": orch.Actor.USER, "creation_source": self._source(args)}
+        try:
+            command = await _build_command(self, args, made)
+        except ValueError as exc:  # a contradiction the command itself refuses
+            raise WsFailure("invalid_request", str(exc)) from exc
+        result = await self.orch.dispatch(command)
+        return {"sequence": result.sequence, "result": dict(result.result),
+                "commandType": command.type}
+
+    async def send_to_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        import orchestrator as orch
+        from tools import validate
+        args = validate(_WS_SEND, dict(params))
+        key = args.get("clientRequestId") or uuid.uuid4().hex
+        ids = ("ws", "client", "thread-send", args["threadId"], key)
+        return await self.threads.send(
+            args["threadId"], text=args["message"], mode=args.get("mode", "auto"),
+            command_id=self.toolkit._id("command", *ids),
+            message_id=self.toolkit._id("message", *ids), created_by=orch.Actor.USER,
+            creation_source=self._source(args))
+
+    async def wait_for_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        from tools import DEFAULT_WAIT_MS, validate
+        args = validate(_WS_WAIT, dict(params))
+        return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
+                                       timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000)
+
+    async def interrupt_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        from tools import validate
+        args = validate(_WS_INTERRUPT, dict(params))
+        key = args.get("clientRequestId") or uuid.uuid4().hex
+        return await self.threads.interrupt(
+            args["threadId"], run_id=args.get("runId"), reason=args.get("reason"),
+            command_id=self.toolkit._id("command", "ws", "client", "thread-interrupt",
+                                        args["threadId"], key))
+
+    async def launch_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        from tools import validate
+        args = validate(_WS_LAUNCH, dict(params))
+        selection = args.get("modelSelection") or {}
+        tool_args = {k: v for k, v in {
+            "projectId": args.get("projectId"), "title": args.get("title"),
+            "message": (args.get("initialMessage") or {}).get("text"),
+            "target": {k: v for k, v in (("providerInstanceId", selection.get("instanceId")),
+                                         ("model", selection.get("model"))) if v} or None,
+            "runtimeMode": args.get("runtimeMode"), "interactionMode": args.get(
+                "interactionMode"), "workspaceStrategy": args.get("workspaceStrategy"),
+            "scratch": args.get("scratch"), "clientRequestId": args["commandId"]}.items()
+            if v is not None}
+        existed = self.store.receipt(self.toolkit._id(
+            "command", self._source(args), "client", "launch", args["commandId"])) is not None
+        launched = await self.toolkit.launch(self.scope, tool_args, transport=self._source(args))
+        sequence, projection = self._projection(launched["threadId"])
+        return {"threadId": launched["threadId"], "runId": launched["runId"],
+                "resumed": existed, "snapshotSequence": sequence, "projection": projection}
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    async def get_thread_projection(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        thread_id = _thread_id(params)
+        await self.threads.thread(thread_id)
+        sequence, projection = self._projection(thread_id)
+        return {"snapshotSequence": sequence, "projection": projection}
+
+    def _projection(self, thread_id: str) -> tuple[int, dict[str, Any]]:
+        """The thread's entities and the sequence they reflect, read in one snapshot."""
+        sequence, rows = self.store.thread_entities(thread_id)
+        projection: dict[str, Any] = {key: rows[kind] for kind, key in _PROJECTION_KEYS.items()}
+        projection["thread"] = rows["thread"][0] if rows["thread"] else None
+        return sequence, projection
+
+    async def list_threads(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.toolkit.call_as(self.scope, "t3_thread_list", params)
+
+    async def read_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.toolkit.call_as(self.scope, "t3_thread_read", params)
+
+    async def list_pending_requests(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        import orchestrator as orch
+        from tools import _request_summary
+        wanted = params.get("threadId")
+        requests = [orch.RuntimeRequest.from_json(r) for r in self.store.pending_requests()]
+        return {"requests": [{**_request_summary(r), "threadId": r.thread_id}
+                             for r in requests if wanted in (None, r.thread_id)]}
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    async def subscribe_thread(self, params: Mapping[str, Any], emit: Emit) -> None:
+        """A snapshot at N (or, with ``afterSequence`` N, the stored events after N), a
+        ``synchronized`` marker, then each event as it commits: gap-free, none twice."""
+        thread_id = _thread_id(params)
+        after = params.get("afterSequence")
+        if after is not None and (not isinstance(after, int) or isinstance(after, bool)
+                                  or after < 0):
+            raise WsFailure("invalid_request", "afterSequence: must be an integer >= 0")
+        await self.threads.thread(thread_id)
+        subscription = self.orch.subscribe(thread_id=thread_id, max_bytes=_SUBSCRIBER_BYTES)
+        try:  # subscribed before reading: what commits meanwhile is in one or both, never lost
+            if after is None:
+                last, projection = self._projection(thread_id)
+                await emit({"kind": "snapshot", "snapshotSequence": last,
+                            "projection": projection})
+            else:
+                last = after
+                while rows := self.store.events_after(last, thread_id=thread_id, limit=500):
+                    for row in rows:
+                        await emit({"kind": "event", "sequence": row["sequence"], "event": row})
+                        last = row["sequence"]
+            await emit({"kind": "synchronized", "sequence": last})
+            while True:
+                items = await subscription.take()
+                if subscription.overflowed:
+                    raise _resubscribe(last)
+                for sequence, _, text in items:
+                    if sequence > last:
+                        await emit(f'{{"kind":"event","sequence":{sequence},"event":{text}}}')
+                        last = sequence
+        finally:
+            self.orch.unsubscribe(subscription)
+
+    async def subscribe_shell(self, params: Mapping[str, Any], emit: Emit) -> None:
+        """The projects and threads (a snapshot, or the threads changed after
+        ``afterSequence``), ``synchronized``, then a thread's shell each time it changes."""
+        after = params.get("afterSequence")
+        subscription = self.orch.subscribe(max_bytes=_SUBSCRIBER_BYTES // 64)
+        try:
+            last = self.store.max_sequence()
+            if after is None:
+                await emit({"kind": "snapshot", "snapshot": self._shell_snapshot(last)})
+            else:
+                for thread_id in self.store.threads_touched_after(int(after), limit=1000):
+                    await self._emit_shell(thread_id, last, emit)
+            await emit({"kind": "synchronized", "sequence": last})
+            while True:
+                items = await subscription.take()
+                if subscription.overflowed:
+                    raise _resubscribe(last)
+                changed = {thread_id: sequence for sequence, thread_id, _ in items}
+                for thread_id, sequence in changed.items():
+                    await self._emit_shell(thread_id, sequence, emit)
+                    last = max(last, sequence)
+        finally:
+            self.orch.unsubscribe(subscription)
+
+    async def _emit_shell(self, thread_id: str, sequence: int, emit: Emit) -> None:
+        state = await self.orch.state(thread_id)
+        if state is None or state.thread is None:
+            return
+        if state.thread.deleted_at is not None:
+            await emit({"kind": "thread.removed", "sequence": sequence, "threadId": thread_id})
+        else:
+            await emit({"kind": "thread.updated", "sequence": sequence,
+                        "thread": self.toolkit.shell_of(state)})
+
+    def _shell_snapshot(self, sequence: int) -> dict[str, Any]:
+        ctx = self.toolkit.ctx
+        projects = [*ctx.projects, ctx.scratch_project]
+        threads = []
+        for project in projects:
+            _, rows = self.store.list_threads(project.id, limit=500)
+            threads += [{**self.toolkit._shell(row), "projectId": project.id} for row in rows]
+        return {"snapshotSequence": sequence, "threads": threads,
+                "projects": [{"projectId": p.id, "title": p.title, "path": p.path}
+                             for p in projects]}
+
+
+_PROJECTION_KEYS = {"run": "runs", "run-attempt": "attempts", "node": "nodes",
+                    "subagent": "subagents", "provider-session": "providerSessions",
+                    "provider-thread": "providerThreads", "provider-turn": "providerTurns",
+                    "runtime-request": "runtimeRequests", "message": "messages",
+                    "turn-item": "turnItems", "context-transfer": "contextTransfers"}
+
+
+def _thread_id(params: Mapping[str, Any]) -> str:
+    thread_id = params.get("threadId")
+    if not isinstance(thread_id, str) or not thread_id:
+        raise WsFailure("invalid_request", "threadId: required (a string)")
+    return thread_id
+
+
+def _resubscribe(last: int) -> WsFailure:
+    return WsFailure("resubscribe", f"this stream fell too far behind its reader and was ended; "
+                     f"subscribe again with afterSequence = {last}", lastSequence=last)
+
+
+class _WsConnection:
+    """One /ws connection: each request runs in its own task (a wait or a stream does not hold
+    up the others); frames go out one at a time, and a reader that does not read holds up only
+    its own connection (the writes wait), while its streams are cut off when they fall behind."""
+
+    MAX_IN_FLIGHT = 64
+
+    def __init__(self, api: ClientApi, send: Callable[[MutableMapping[str, Any]],
+                                                       Awaitable[None]]) -> None:
+        self.api = api
+        self._send = send
+        self._lock = asyncio.Lock()
+        self._tasks: dict[Any, asyncio.Task[None]] = {}
+
+    async def serve(self, receive: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                if message["type"] == "websocket.receive":
+                    self._start(message.get("text") or
+                                (message.get("bytes") or b"").decode(errors="replace"))
+        finally:
+            for task in list(self._tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def _start(self, text: str) -> None:
+        try:
+            frame = json.loads(text)
+        except ValueError:
+            frame = None
+        request_id = frame.get("id") if isinstance(frame, dict) else None
+        failure = None
+        if not isinstance(frame, dict) or not isinstance(frame.get("method"), str) or \
+                not isinstance(frame.get("params", {}), dict) or \
+                not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            failure = WsFailure("invalid_request", 'a frame is {"id": string or integer, '
+                                '"method": string, "params": object}')
+        elif request_id in self._tasks:
+            failure = WsFailure("invalid_request", f"request id {request_id!r} is in use")
+        elif len(self._tasks) >= self.MAX_IN_FLIGHT:
+            failure = WsFailure("too_many_requests", f"at most {self.MAX_IN_FLIGHT} requests "
+                                "and streams at once on one connection")
+        if failure is not None:
+            task = asyncio.create_task(self._reply(request_id, error=failure.body))
+        elif frame["method"] in ("unsubscribe", "orchestration.unsubscribe"):
+            task = asyncio.create_task(self._unsubscribe(request_id, frame.get("params", {})))
+        else:
+            task = asyncio.create_task(self._run(request_id, frame["method"],
+                                                 frame.get("params", {})))
+        key = request_id if failure is None else object()
+        self._tasks[key] = task
+        task.add_done_callback(lambda _: self._tasks.pop(key, None))
+
+    async def _run(self, request_id: Any, method: str, params: Mapping[str, Any]) -> None:
+        from store import StoreError
+        from tools import ToolFailure
+        import orchestrator as orch
+
+        async def emit(item: Any) -> None:
+            prefix = f'{{"id":{json.dumps(request_id)},"item":'
+            await self._write(prefix + (item if isinstance(item, str) else
+                                        json.dumps(item, ensure_ascii=False)) + "}")
+        try:
+            result = await self.api.call(method, params, emit)
+        except WsFailure as failure:
+            await self._reply(request_id, error=failure.body)
+        except ToolFailure as failure:
+            await self._reply(request_id, error={"code": failure.code,
+                                                 "message": failure.message})
+        except orch.T3Error as exc:
+            await self._reply(request_id, error={"code": exc.code, "message": str(exc)})
+        except StoreError as exc:
+            await self._reply(request_id, error={"code": "orchestration_error",
+                                                 "message": f"t3 could not record this: {exc}"})
+        except Exception:
+            log.exception("/ws method %r failed", method)
+            await self._reply(request_id, error={"code": "orchestration_error", "message":
+                                                 "t3 hit an internal error; see its log"})
+        else:
+            await self._reply(request_id, result=result)
+
+    async def _unsubscribe(self, request_id: Any, params: Mapping[str, Any]) -> None:
+        stream = self._tasks.get(params.get("id"))
+        if stream is not None:
+            stream.cancel()
+        await self._reply(request_id, result={"unsubscribed": stream is not None})
+
+    async def _reply(self, request_id: Any, **outcome: Any) -> None:
+        await self._write(json.dumps({"id": request_id, **outcome}, ensure_ascii=False))
+
+    async def _write(self, text: str) -> None:
+        async with self._lock:
+            await self._send({"type": "websocket.send", "text": text})
+
+
+def ws_endpoint(api: ClientApi, client_token: ClientToken) -> ASGIApp:
+    """``GET /ws`` upgraded: the protocol gate (426, before any credential is looked at), then
+    the client token (header, or ``?token=`` for browsers; never logged), then the frames."""
+    async def endpoint(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        await receive()  # websocket.connect
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        version = (query.get("orchestrationProtocol") or [None])[0] or \
+            _header(scope, b"x-t3-orchestration-protocol")
+        header = _header(scope, b"authorization") or ""
+        token = header[7:].strip() if header[:7].lower() == "bearer " else \
+            (query.get("token") or [""])[0]
+        if version != str(PROTOCOL_VERSION):
+            await _send_json(_denial(send), 426, _PROTOCOL_REFUSAL)
+        elif not token or not client_token.matches(token):
+            log.warning("rejected a /ws connection: %s", "unknown token" if token
+                        else "missing token")
+            await _send_json(_denial(send), 401, {
+                "error": "invalid_mcp_credential",
+                "message": "/ws takes the client token (`python t3.py token`): an "
+                           "Authorization: Bearer header, or ?token= from a browser."})
+        else:
+            await send({"type": "websocket.accept"})
+            await _WsConnection(api, send).serve(receive)
+    return endpoint
+
+
+def _denial(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]
+            ) -> Callable[[MutableMapping[str, Any]], Awaitable[None]]:
+    """``send`` for an HTTP answer to a WebSocket upgrade (ASGI's websocket.http.response)."""
+    async def deny(message: MutableMapping[str, Any]) -> None:
+        await send({**message, "type": "websocket." + message["type"]})
+    return deny
+
+
+# Client commands on the wire: the seed's camelCase shapes (research/t3code.md 2.6), each checked
+# against its schema (tools.validate: invalid_request naming the field) and then built.
+
+
+def _wire(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "required": [
+        "type", "commandId", *required], "properties": {
+        "type": {"type": "string"}, "commandId": _WIRE_ID,
+        "creationSource": {"type": "string", "enum": ["web", "cli"]}, **properties}}
+
+
+_WIRE_ID = {"type": "string", "minLength": 1, "maxLength": 256}
+_WIRE_REF = {"type": "string", "minLength": 1, "maxLength": 512}
+_WIRE_TEXT = {"type": "string", "minLength": 1, "maxLength": 120_000}
+_WIRE_SELECTION = {"type": "object", "additionalProperties": False,
+                   "properties": {"instanceId": _WIRE_REF, "model": _WIRE_REF}}
+_WIRE_MODES = {"runtimeMode": {"type": "string", "enum": [
+    "inherit", "approval-required", "auto-accept-edits", "auto", "full-access"]},
+    "interactionMode": {"type": "string", "enum": ["inherit", "plan", "default"]}}
+_WIRE_WAKE = {"type": "string", "enum": ["always", "settled_only"]}
+_WIRE_COMMANDS = {
+    "thread.create": _wire({
+        "threadId": _WIRE_ID, "projectId": _WIRE_REF,
+        "title": {"type": "string", "maxLength": 512}, "modelSelection": _WIRE_SELECTION,
+        **_WIRE_MODES, "initialMessage": {"type": "object", "additionalProperties": False,
+                                          "required": ["text"], "properties": {
+                                              "messageId": _WIRE_ID, "text": _WIRE_TEXT}}}),
+    "message.dispatch": _wire({
+        "threadId": _WIRE_REF, "messageId": _WIRE_ID, "text": _WIRE_TEXT,
+        "dispatchMode": {"type": "object", "additionalProperties": False, "required": ["type"],
+                         "properties": {"type": {"type": "string", "enum": [
+                             "start_immediately", "queue_after_active", "steer_active",
+                             "restart_active"]}, "targetRunId": _WIRE_REF}}},
+        ["threadId", "text"]),
+    "run.interrupt": _wire({"threadId": _WIRE_REF, "runId": _WIRE_REF,
+                            "reason": {"type": "string", "maxLength": 2000}},
+                           ["threadId", "runId"]),
+    "runtime-request.respond": _wire({
+        "threadId": _WIRE_REF, "requestId": _WIRE_REF,
+        "decision": {"type": "string", "enum": ["accept", "acceptForSession", "decline",
+                                                "cancel"]},
+        "answers": {"type": "object"}}, ["threadId", "requestId"]),
+    "queued-run.cancel": _wire({"threadId": _WIRE_REF, "runId": _WIRE_REF},
+                               ["threadId", "runId"]),
+    "delegated_task.request": _wire({
+        "parentThreadId": _WIRE_REF, "parentRunId": _WIRE_REF, "task": _WIRE_TEXT,
+        "title": {"type": "string", "maxLength": 512}, "modelSelection": _WIRE_SELECTION,
+        **_WIRE_MODES, "completionWake": _WIRE_WAKE}, ["parentThreadId", "parentRunId", "task"]),
+    "delegated_task.wake-policy": _wire({"parentThreadId": _WIRE_REF, "taskId": _WIRE_REF,
+                                         "completionWake": _WIRE_WAKE},
+                                        ["parentThreadId", "taskId", "completionWake"]),
+    "delegated_task.cancel": _wire({"parentThreadId": _WIRE_REF, "taskId": _WIRE_REF,
+                                    "reason": {"type": "string", "maxLength": 2000}},
+                                   ["parentThreadId", "taskId"]),
+}
+
+
+async def _build_command(api: ClientApi, a: Mapping[str, Any], made: Mapping[str, str]) -> Any:
+    """The orchestrator command for a checked wire command. Its id is the client's commandId
+    in a namespace of its own, so a client never meets the server's internal command ids."""
+    import orchestrator as orch
+    kind, toolkit = a["type"], api.toolkit
+    command_id = toolkit._id("command", "ws", "client", a["commandId"])
+
+    def derived(kind: str) -> str:  # an id the client left out
+        return toolkit._id(kind, "ws", "client", a["commandId"])
+    if kind == "thread.create":
+        project = toolkit.ctx.project(a.get("projectId"))
+        initial = a.get("initialMessage") or {}
+        return api.threads.plan_create(
+            command_id=command_id, thread_id=a.get("threadId") or derived("thread"),
+            project_id=project.id, workspace=project.path, caller=None,
+            message_id=initial.get("messageId") or derived("message"),
+            entry={**_wire_modes(a), "title": a.get("title"), "prompt": initial.get("text"),
+                   "target": _wire_target(a)}, **made)
+    if kind == "message.dispatch":
+        mode = a.get("dispatchMode") or {"type": "start_immediately"}
+        return orch.DispatchMessage(
+            command_id=command_id, thread_id=a["threadId"], text=a["text"],
+            message_id=a.get("messageId") or derived("message"), mode=mode["type"],
+            target_run_id=mode.get("targetRunId"), **made)
+    if kind == "run.interrupt":
+        return orch.InterruptRun(command_id=command_id, thread_id=a["threadId"],
+                                 run_id=a["runId"], reason=a.get("reason"))
+    if kind == "runtime-request.respond":
+        return orch.RespondRuntimeRequest(
+            command_id=command_id, thread_id=a["threadId"], request_id=a["requestId"],
+            decision=a.get("decision"), answers=a.get("answers"), answered_by={"kind": "client"})
+    if kind == "queued-run.cancel":
+        return orch.CancelQueuedRun(command_id=command_id, thread_id=a["threadId"],
+                                    run_id=a["runId"])
+    if kind == "delegated_task.request":
+        parent = await api.threads.thread(a["parentThreadId"])
+        info, model = api.threads.resolve_target(_wire_target(a), parent)
+        runtime, interaction = api.threads.modes(_wire_modes(a), parent)
+        return orch.DelegateTask(
+            command_id=command_id, thread_id=a["parentThreadId"], parent_run_id=a["parentRunId"],
+            task=a["task"], title=api.threads.title(a.get("title"), a["task"], "Delegated task"),
+            provider_instance_id=info.instance_id, model=model,
+            runtime_mode=api.threads.step_down(info, runtime, "runtimeMode" in a),
+            interaction_mode=interaction,
+            completion_wake=a.get("completionWake", "settled_only"), **made)
+    if kind == "delegated_task.wake-policy":
+        return orch.SetWakePolicy(command_id=command_id, thread_id=a["parentThreadId"],
+                                  task_id=a["taskId"], completion_wake=a["completionWake"])
+    return orch.RequestTaskCancel(command_id=command_id, thread_id=a["parentThreadId"],
+                                  task_id=a["taskId"], reason=a.get("reason"))
+
+
+def _wire_target(a: Mapping[str, Any]) -> dict[str, Any]:
+    selection = a.get("modelSelection") or {}
+    return {key: selection[wire] for key, wire in (("providerInstanceId", "instanceId"),
+                                                   ("model", "model")) if wire in selection}
+
+
+def _wire_modes(a: Mapping[str, Any]) -> dict[str, Any]:
+    return {"runtimeMode": a.get("runtimeMode", "inherit"),
+            "interactionMode": a.get("interactionMode", "inherit")}
+
+
+_WS_SEND = {"type": "object", "additionalProperties": False, "required": ["threadId", "message"],
+            "properties": {"threadId": _WIRE_REF, "message": _WIRE_TEXT, "mode": {
+                "type": "string", "enum": ["auto", "queue", "steer", "restart"]},
+                "clientRequestId": _WIRE_ID, "creationSource": {"type": "string"}}}
+_WS_WAIT = {"type": "object", "additionalProperties": False, "required": ["threadId"],
+            "properties": {"threadId": _WIRE_REF, "runId": _WIRE_REF, "timeoutMs": {
+                "type": "integer", "minimum": 0, "maximum": 600_000}}}
+_WS_INTERRUPT = {"type": "object", "additionalProperties": False, "required": ["threadId"],
+                 "properties": {"threadId": _WIRE_REF, "runId": _WIRE_REF,
+                                "reason": {"type": "string", "maxLength": 2000},
+                                "clientRequestId": _WIRE_ID}}
+_WS_LAUNCH = {"type": "object", "additionalProperties": False, "required": ["commandId"],
+              "properties": {
+                  "commandId": _WIRE_ID, "projectId": _WIRE_REF,
+                  "title": {"type": "string", "maxLength": 512},
+                  "modelSelection": _WIRE_SELECTION, **_WIRE_MODES,
+                  "workspaceStrategy": {},  # root or scratch (t3_thread_launch checks it)
+                  "scratch": {"type": "boolean"}, "creationSource": {"type": "string"},
+                  "initialMessage": {"type": "object", "additionalProperties": False,
+                                     "required": ["text"], "properties": {
+                                         "messageId": _WIRE_ID, "text": _WIRE_TEXT}}}}
+
+
+# =============================================================================================
 # Serving
 
 
@@ -909,19 +1470,22 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     credentials = Credentials(max_lifetime_s=config.credential_max_lifetime_s,
                               idle_s=config.credential_idle_s,
                               mcp_url=f"{scheme}://{local_host}:{port}/mcp")
-    orch, adapters, mcp_server = await _start_domain(
+    orch, adapters, toolkit = await _start_domain(
         config, data_dir, store, environment_id, credentials, prov=prov,
         orchestrator_cls=orchestrator_cls, toolkit_cls=toolkit_cls, context_cls=context_cls,
-        project_cls=project_cls, build_mcp_server=build_mcp_server)
+        project_cls=project_cls)
+    mcp_server = build_mcp_server(toolkit, version=VERSION)
     # Streamable HTTP answers in SSE (progress notifications flow); a client that accepts only
     # JSON gets plain JSON answers from a second manager over the same server instead of a 406.
     sse = manager_cls(app=mcp_server, stateless=True, json_response=False,
                       max_request_body_size=MAX_BODY_BYTES)
     plain = manager_cls(app=mcp_server, stateless=True, json_response=True,
                         max_request_body_size=MAX_BODY_BYTES)
+    client_token = ClientToken(data_dir / "client-token")
     app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request),
-                    credentials=credentials, client_token=ClientToken(data_dir / "client-token"),
-                    environment_id=environment_id,
+                    credentials=credentials, client_token=client_token,
+                    ws=ws_endpoint(ClientApi(orch=orch, toolkit=toolkit, store=store),
+                                   client_token), environment_id=environment_id,
                     policy=HttpPolicy.for_server(config=config, host=host, port=port,
                                                  tls=hconfig.ssl_enabled))
     stop = asyncio.Event()
@@ -969,9 +1533,9 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
 
 async def _start_domain(config: Config, data_dir: Path, store: Any, environment_id: str,
                         credentials: Credentials, *, prov: Any, orchestrator_cls: Any,
-                        toolkit_cls: Any, context_cls: Any, project_cls: Any,
-                        build_mcp_server: Any) -> tuple[Any, dict[str, Any], Any]:
-    """Adapters, the orchestrator (recovered and started) and the MCP server over its tools."""
+                        toolkit_cls: Any, context_cls: Any, project_cls: Any
+                        ) -> tuple[Any, dict[str, Any], Any]:
+    """Adapters, the orchestrator (recovered and started) and the toolkit over it."""
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
@@ -995,14 +1559,15 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
                                     for p in config.projects], data_dir=data_dir,
                           max_delegation_depth=config.max_delegation_depth)
     toolkit = toolkit_cls(orch, store, context)
-    return orch, adapters, build_mcp_server(toolkit, version=VERSION)
+    return orch, adapters, toolkit
 
 
 def _hypercorn_config(config: Config, hypercorn: Any) -> Any:
     """Hypercorn's settings, or None (said on stderr) when the TLS files cannot be used."""
     hconfig = hypercorn.config.Config()
     hconfig.graceful_timeout = 3.0
-    hconfig.accesslog = None
+    hconfig.websocket_max_message_size = MAX_BODY_BYTES  # a /ws frame: one request
+    hconfig.accesslog = None  # never: a browser's /ws URL carries ?token=
     hconfig.errorlog = logging.getLogger("hypercorn.error")
     hconfig.certfile, hconfig.keyfile = config.certfile, config.keyfile
     try:
@@ -1127,6 +1692,142 @@ class _LiveProviderInfo(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._adapters)
+
+
+# =============================================================================================
+# A /ws client (what the commands for people use): wsproto, which hypercorn brings
+
+
+class WsError(Exception):
+    """A /ws request failed (``code`` is a typed failure), or the connection could not open
+    (``status`` is the HTTP answer to the upgrade)."""
+
+    def __init__(self, code: str, message: str, *, status: int | None = None,
+                 detail: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code, self.status, self.detail = code, status, dict(detail or {})
+
+
+class WsClient:
+    """One connection to a t3 server's /ws: ``request`` awaits a result, ``stream`` yields a
+    subscription's items. Frames are read by one task and handed to the request they answer."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url = urllib.parse.urlsplit(url)
+        self.token = token
+        self._ids = iter(range(1, 1 << 62))
+        self._waiting: dict[int, asyncio.Queue[dict[str, Any] | None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def __aenter__(self) -> WsClient:
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import Request
+        tls = ssl.create_default_context() if self.url.scheme in ("wss", "https") else None
+        reader, self._writer = await asyncio.open_connection(
+            self.url.hostname, self.url.port or (443 if tls else 80), ssl=tls)
+        self._ws = WSConnection(ConnectionType.CLIENT)
+        target = f"{self.url.path or '/ws'}?orchestrationProtocol={PROTOCOL_VERSION}"
+        self._writer.write(self._ws.send(Request(
+            host=self.url.netloc, target=target,
+            extra_headers=[(b"authorization", f"Bearer {self.token}".encode())])))
+        await self._handshake(reader)
+        self._reader = asyncio.create_task(self._read(reader))
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+
+    async def _handshake(self, reader: asyncio.StreamReader) -> None:
+        from wsproto.events import AcceptConnection, RejectConnection, RejectData
+        status, body = None, b""
+        while True:
+            chunk = await reader.read(65536)
+            if not chunk:
+                raise WsError("connection_closed", "the server closed the connection",
+                              status=status)
+            self._ws.receive_data(chunk)
+            for event in self._ws.events():
+                if isinstance(event, AcceptConnection):
+                    return
+                if isinstance(event, RejectConnection):
+                    status = event.status_code
+                if isinstance(event, RejectData):
+                    body += event.data
+                    if event.body_finished:
+                        detail = json.loads(body or b"{}")
+                        raise WsError(detail.get("error") or detail.get("code") or "refused",
+                                      detail.get("message", f"HTTP {status}"), status=status,
+                                      detail=detail)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        from wsproto.events import CloseConnection, Ping, TextMessage
+        text: list[str] = []
+        try:
+            while chunk := await reader.read(65536):
+                self._ws.receive_data(chunk)
+                for event in self._ws.events():
+                    if isinstance(event, Ping):
+                        self._send(event.response())
+                    elif isinstance(event, TextMessage):
+                        text.append(event.data)
+                        if event.message_finished:
+                            frame = json.loads("".join(text))
+                            text.clear()
+                            queue = self._waiting.get(frame.get("id"))
+                            if queue is not None:
+                                queue.put_nowait(frame)
+                    elif isinstance(event, CloseConnection):
+                        return
+        finally:
+            for queue in self._waiting.values():
+                queue.put_nowait(None)  # the connection is gone
+
+    def _send(self, event: Any) -> None:
+        assert self._writer is not None
+        self._writer.write(self._ws.send(event))
+
+    def _open(self, method: str, params: Mapping[str, Any]) -> tuple[int, asyncio.Queue[Any]]:
+        from wsproto.events import TextMessage
+        request_id = next(self._ids)
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._waiting[request_id] = queue
+        self._send(TextMessage(data=json.dumps({"id": request_id, "method": method,
+                                                "params": dict(params)})))
+        return request_id, queue
+
+    async def request(self, method: str, params: Mapping[str, Any] | None = None) -> Any:
+        request_id, queue = self._open(method, params or {})
+        try:
+            return _outcome(await queue.get())
+        finally:
+            del self._waiting[request_id]
+
+    async def stream(self, method: str, params: Mapping[str, Any] | None = None
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """The items of a subscription, until it ends (an error is raised)."""
+        request_id, queue = self._open(method, params or {})
+        try:
+            while (frame := await queue.get()) is not None and "item" in frame:
+                yield frame["item"]
+            _outcome(frame)
+        finally:
+            del self._waiting[request_id]
+
+
+def _outcome(frame: Mapping[str, Any] | None) -> Any:
+    if frame is None:
+        raise WsError("connection_closed", "the server closed the connection")
+    if "error" in frame:
+        error = frame["error"]
+        raise WsError(error.get("code", "orchestration_error"), error.get("message", ""),
+                      detail=error)
+    return frame.get("result")
 
 
 # =============================================================================================

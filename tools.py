@@ -381,6 +381,15 @@ class Toolkit:
             log.warning("tool %r could not write: %s", name, exc)
             raise ToolFailure("orchestration_error", f"t3 could not record this: {exc}") from exc
 
+    async def call_as(self, scope: Scope, name: str, arguments: Mapping[str, Any] | None
+                      ) -> dict[str, Any]:
+        """``call`` for a caller other transports authenticated (the /ws client)."""
+        reset = current_scope.set(scope)
+        try:
+            return await self.call(name, arguments)
+        finally:
+            current_scope.reset(reset)
+
     # -- helpers ---------------------------------------------------------------------------------
 
     def _key(self, args: Mapping[str, Any]) -> str:
@@ -675,6 +684,14 @@ class Toolkit:
         return {"threads": [await self._create(command) for command in commands]}
 
     async def _launch(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
+        return await self.launch(scope, args, transport="mcp")
+
+    async def launch(self, scope: Scope, args: Mapping[str, Any], *, transport: str
+                     ) -> dict[str, Any]:
+        """t3_thread_launch (``transport`` mcp), and /ws ``launchThread`` for a person
+        (``transport`` web or cli, which the thread records as its creation source)."""
+        made_by = _AGENT_MADE if transport == "mcp" else {
+            "created_by": orch.Actor.USER, "creation_source": orch.CreationSource(transport)}
         strategy = args.get("workspaceStrategy", "root")
         if isinstance(strategy, dict):
             strategy = strategy.get("type", "root")
@@ -687,7 +704,7 @@ class Toolkit:
         caller = (await self._agent_caller(scope, "t3_thread_launch"))[0] \
             if scope.kind == "thread" else None
         key = self._key(args)
-        thread_id = self._id("thread", "mcp", scope.key, "launch", key)
+        thread_id = self._id("thread", transport, scope.key, "launch", key)
         if args.get("scratch"):
             if args.get("projectId"):
                 raise ToolFailure("invalid_request", "scratch: cannot be combined with projectId")
@@ -700,10 +717,10 @@ class Toolkit:
                  "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
                  "interactionMode": args.get("interactionMode", "inherit")}
         command = self.threads.plan_create(
-            command_id=self._id("command", "mcp", scope.key, "launch", key),
+            command_id=self._id("command", transport, scope.key, "launch", key),
             thread_id=thread_id, project_id=project.id, workspace=str(workspace), entry=entry,
-            message_id=self._id("message", "mcp", scope.key, "launch", key), caller=caller,
-            **_AGENT_MADE)
+            message_id=self._id("message", transport, scope.key, "launch", key), caller=caller,
+            **made_by)
         made = not workspace.exists()
         workspace.mkdir(parents=True, exist_ok=True)  # before the agent can start in it
         try:
@@ -731,6 +748,15 @@ class Toolkit:
         more = cursor + len(page) < total
         return {"projectId": project.id, "currentThreadId": scope.thread_id, "threads": page,
                 "nextCursor": cursor + len(page) if more else None, "total": total}
+
+    def shell_of(self, state: ThreadState) -> dict[str, Any]:
+        """A thread's shell as ``t3_thread_list`` shows it, from its live state, plus its
+        project (the /ws shell stream spans projects)."""
+        assert state.thread is not None
+        detail = self._detail(state)
+        return {**self._shell({"thread": state.thread.to_json(), **{
+            k: detail[k] for k in ("latestRunId", "status", "updatedAt", "itemCount",
+                                   "pendingRequestCount")}}), "projectId": state.thread.project_id}
 
     def _shell(self, row: Mapping[str, Any]) -> dict[str, Any]:
         thread = row["thread"]
@@ -879,7 +905,8 @@ class Toolkit:
         caller = await self._require_live_caller(scope, thread_id, "t3_thread_interrupt")
         if caller is not None and caller.thread is not None and caller.thread.id != thread_id \
                 and state.thread is not None:
-            self.threads.ceiling(caller.thread, state.thread.runtime_mode, state.thread.interaction_mode)
+            self.threads.ceiling(caller.thread, state.thread.runtime_mode,
+                                 state.thread.interaction_mode)
         return await self.threads.interrupt(
             thread_id, run_id=args.get("runId"), reason=args.get("reason"),
             command_id=self._id("command", "mcp", scope.key, "thread-interrupt", thread_id,
