@@ -1793,13 +1793,16 @@ class WsClient:
         self._writer.write(self._ws.send(event))
 
     def _open(self, method: str, params: Mapping[str, Any]) -> tuple[int, asyncio.Queue[Any]]:
-        from wsproto.events import TextMessage
         request_id = next(self._ids)
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._waiting[request_id] = queue
+        self._frame(request_id, method, params)
+        return request_id, queue
+
+    def _frame(self, request_id: int, method: str, params: Mapping[str, Any]) -> None:
+        from wsproto.events import TextMessage
         self._send(TextMessage(data=json.dumps({"id": request_id, "method": method,
                                                 "params": dict(params)})))
-        return request_id, queue
 
     async def request(self, method: str, params: Mapping[str, Any] | None = None) -> Any:
         request_id, queue = self._open(method, params or {})
@@ -1812,12 +1815,18 @@ class WsClient:
                      ) -> AsyncIterator[dict[str, Any]]:
         """The items of a subscription, until it ends (an error is raised)."""
         request_id, queue = self._open(method, params or {})
+        ended = False
         try:
             while (frame := await queue.get()) is not None and "item" in frame:
                 yield frame["item"]
+            ended = True
             _outcome(frame)
         finally:
             del self._waiting[request_id]
+            if not ended and self._writer is not None and not self._writer.is_closing():
+                # left early (closed or cancelled): end it on the server too; the answer to
+                # the unsubscribe is not awaited (no one is waiting for its id)
+                self._frame(next(self._ids), "unsubscribe", {"id": request_id})
 
 
 def _outcome(frame: Mapping[str, Any] | None) -> Any:
