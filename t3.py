@@ -1,7 +1,9 @@
 """t3.py: the entry point of t3, a small auditable server that orchestrates coding agents.
 
 ``python t3.py [serve]`` runs one local server (hypercorn on 127.0.0.1) with MCP tools at ``/mcp``;
-``python t3.py token [--rotate]`` prints (or replaces) the client token. This file owns
+``python t3.py token [--rotate]`` prints (or replaces) the client token; ``threads``, ``show``,
+``new``, ``send``, ``wait``, ``interrupt``, ``requests``, ``answer`` and ``tasks`` are commands for
+people that talk to a running server only through its ``/ws`` API. This file owns
 configuration (``t3.toml``), the data directory (private: 0700 and 0600, no symlink followed; its
 lock, the client token, ``server.json``), credentials and bearer auth, the ASGI app and its routes
 (every request: Host and Origin checked, authenticated before its body is read, the body bounded
@@ -21,6 +23,7 @@ import fcntl
 import hashlib
 import hmac
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -1793,13 +1796,16 @@ class WsClient:
         self._writer.write(self._ws.send(event))
 
     def _open(self, method: str, params: Mapping[str, Any]) -> tuple[int, asyncio.Queue[Any]]:
-        from wsproto.events import TextMessage
         request_id = next(self._ids)
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._waiting[request_id] = queue
+        self._frame(request_id, method, params)
+        return request_id, queue
+
+    def _frame(self, request_id: int, method: str, params: Mapping[str, Any]) -> None:
+        from wsproto.events import TextMessage
         self._send(TextMessage(data=json.dumps({"id": request_id, "method": method,
                                                 "params": dict(params)})))
-        return request_id, queue
 
     async def request(self, method: str, params: Mapping[str, Any] | None = None) -> Any:
         request_id, queue = self._open(method, params or {})
@@ -1812,12 +1818,18 @@ class WsClient:
                      ) -> AsyncIterator[dict[str, Any]]:
         """The items of a subscription, until it ends (an error is raised)."""
         request_id, queue = self._open(method, params or {})
+        ended = False
         try:
             while (frame := await queue.get()) is not None and "item" in frame:
                 yield frame["item"]
+            ended = True
             _outcome(frame)
         finally:
             del self._waiting[request_id]
+            if not ended and self._writer is not None and not self._writer.is_closing():
+                # left early (closed or cancelled): end it on the server too; the answer to
+                # the unsubscribe is not awaited (no one is waiting for its id)
+                self._frame(next(self._ids), "unsubscribe", {"id": request_id})
 
 
 def _outcome(frame: Mapping[str, Any] | None) -> Any:
@@ -1828,6 +1840,596 @@ def _outcome(frame: Mapping[str, Any] | None) -> Any:
         raise WsError(error.get("code", "orchestration_error"), error.get("message", ""),
                       detail=error)
     return frame.get("result")
+
+
+# =============================================================================================
+# Commands for people (SPEC 1.1): threads, show, new, send, wait, interrupt, requests, answer,
+# tasks. Each finds the running server through <data-dir>/server.json and talks to it only
+# through /ws (WsClient, with the client token); it prints for people, or for scripts one JSON
+# document with --json. Its exit code (CLI_EXIT_CODES) is stable: scripts may rely on it.
+
+
+EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER, EXIT_UNFINISHED, EXIT_NOT_COMPLETED = 1, 2, 3, 4, 5
+CLI_EXIT_CODES = """\
+THREAD is a thread id or any part of one that only one thread has (`threads --all` lists them);
+REQUEST likewise among the pending requests. TEXT `-` reads standard input.
+
+exit codes of the commands for people:
+  0    success; for wait and show --until-done: the run completed (or the thread has none)
+  1    the server refused or failed the operation (`t3: <code>: <message>` on stderr), or
+       THREAD / REQUEST matches no thread or request, or more than one
+  2    usage error (options, or an answer that does not fit the request)
+  3    no server: none is running for the data directory (no or stale server.json), or it
+       cannot be reached, refuses the client token or closed the connection
+  4    wait or show --until-done ended before the run did: --timeout passed, or a request of
+       the run needs an answer (`requests`, `answer`)
+  5    the run ended without completing: failed, interrupted, cancelled or rolled back
+  130  stopped with Ctrl-C (show --follow then exits 0)"""
+_CONNECT_TIMEOUT_S = 10.0
+_WAIT_SLICE_S = 600.0  # the longest wait /ws takes in one request
+_SPIN = "|/-\\"
+
+
+class CliError(Exception):
+    """A command could not do its work: the message is one line, ``exit`` its exit code."""
+
+    def __init__(self, message: str, *, exit: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit = exit
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """One command for people: connect, run, print. Every failure is one line on stderr and an
+    exit code; nothing but the command's output goes to stdout."""
+    with contextlib.suppress(AttributeError, ValueError):  # text an ASCII terminal cannot show
+        sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+    try:
+        return asyncio.run(_connected(args))
+    except CliError as exc:
+        print(f"t3: {exc}", file=sys.stderr)
+        return exc.exit
+    except KeyboardInterrupt:
+        if getattr(args, "follow", False):  # Ctrl-C is how a follow ends
+            return 0
+        return 130
+
+
+async def _connected(args: argparse.Namespace) -> int:
+    data_dir, server, token = _server_of(args.data_dir)
+    client = WsClient(server["wsUrl"], token)
+    try:
+        try:
+            async with asyncio.timeout(_CONNECT_TIMEOUT_S):
+                await client.__aenter__()
+        except (OSError, TimeoutError) as exc:
+            raise _unreachable(data_dir, server, exc) from exc
+        except WsError as exc:
+            raise CliError(f"the server at {server['wsUrl']} refused the connection (HTTP "
+                           f"{exc.status}): {exc}", exit=EXIT_NO_SERVER) from exc
+        try:
+            return await _COMMANDS[args.command](client, args)
+        except WsError as exc:
+            if exc.code == "connection_closed":
+                raise CliError("the server closed the connection (did it stop?)",
+                               exit=EXIT_NO_SERVER) from exc
+            raise CliError(f"{exc.code}: {exc}") from exc
+    finally:
+        await client.__aexit__(None, None, None)
+
+
+def _server_of(value: str | None) -> tuple[Path, dict[str, Any], str]:
+    """The data directory, its server.json and the client token. server.json says where the
+    token is sent, so it is trusted only in a directory private to this user; nothing here is
+    created (no server, no data directory)."""
+    path = Path(value or os.environ.get("T3_HOME") or str(Path.home() / ".t3")).expanduser()
+    path = path.resolve()
+    start = f"start one with `python t3.py --data-dir {path}`"
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise CliError(f"no server is running for {path} (no such directory); {start}",
+                       exit=EXIT_NO_SERVER) from None
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise CliError(f"refusing the data directory {path}: it is not private to this user, "
+                       "so its server.json is not trusted with the client token",
+                       exit=EXIT_NO_SERVER)
+    try:
+        with os.fdopen(os.open(path / "server.json", os.O_RDONLY | os.O_NOFOLLOW)) as f:
+            server = json.loads(f.read(65536))
+    except FileNotFoundError:
+        raise CliError(f"no server is running for {path} (no server.json); {start}",
+                       exit=EXIT_NO_SERVER) from None
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read {path / 'server.json'}: {exc}", exit=EXIT_NO_SERVER) from exc
+    url = server.get("wsUrl") if isinstance(server, dict) else None
+    if not isinstance(url, str) or not url.startswith(("ws://", "wss://")):
+        raise CliError(f"{path / 'server.json'} names no wsUrl; restart the server",
+                       exit=EXIT_NO_SERVER)
+    try:
+        return path, server, _read_token(path / "client-token")
+    except DataDirError as exc:
+        raise CliError(str(exc), exit=EXIT_NO_SERVER) from exc
+
+
+def _unreachable(data_dir: Path, server: Mapping[str, Any], exc: BaseException) -> CliError:
+    if isinstance(exc, ConnectionRefusedError):  # a running server listens before server.json
+        return CliError(f"no server is running for {data_dir}: its server.json is stale (nothing "
+                        f"listens at {server['wsUrl']}; the server, pid {server.get('pid')}, did "
+                        f"not shut down cleanly); start one with `python t3.py --data-dir "
+                        f"{data_dir}`", exit=EXIT_NO_SERVER)
+    why = str(exc) or f"no answer in {_CONNECT_TIMEOUT_S:.0f} s"
+    return CliError(f"cannot connect to the server at {server['wsUrl']} (pid "
+                    f"{server.get('pid')}): {why}", exit=EXIT_NO_SERVER)
+
+
+def _out(args: argparse.Namespace, document: Any, text: str) -> None:
+    """With --json the document (one line), else the text for people."""
+    print(json.dumps(document, ensure_ascii=False) if args.json else text, flush=True)
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _text_arg(text: str) -> str:
+    text = sys.stdin.read() if text == "-" else text
+    if not text.strip():
+        raise CliError("TEXT is empty", exit=EXIT_USAGE)
+    return text
+
+
+def _pick(rows: Sequence[Mapping[str, Any]], text: str, *, key: str, what: str
+          ) -> Mapping[str, Any] | None:
+    """The row whose ``key`` is ``text``, else the only one whose ``key`` contains it."""
+    found = [r for r in rows if r[key] == text] or [r for r in rows if text in r[key]]
+    if len(found) > 1:
+        raise CliError(f"ambiguous_reference: {text!r} is part of {len(found)} {what} ids ("
+                       f"{', '.join(r[key] for r in found[:3])}{', ...' if len(found) > 3 else ''}"
+                       "); give more of the id")
+    return found[0] if found else None
+
+
+async def _thread_ref(client: WsClient, text: str) -> str:
+    """THREAD as a thread id: among every project's threads (the shell snapshot); an id the
+    snapshot does not hold goes to the server as it is (which may know it, or says
+    thread_not_found)."""
+    async with contextlib.aclosing(client.stream("subscribeShell")) as shell:
+        snapshot = (await anext(shell))["snapshot"]
+    found = _pick(snapshot["threads"], text, key="threadId", what="thread")
+    return str(found["threadId"]) if found else text
+
+
+# -- the commands ----------------------------------------------------------------------------
+
+
+async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
+    listed = await client.request("listThreads", {
+        "includeSubagents": args.all, "limit": args.limit, **_given(
+            projectId=args.project, statuses=args.status, titleContains=args.title)})
+    rows = [f"{t['status']:<11} {t['threadId']}  {t['title']}"
+            + (f"  [{t['pendingRequestCount']} pending]" if t["pendingRequestCount"] else "")
+            + (f"  (task of {t['parentThreadId']})" if t["parentThreadId"] else "")
+            for t in listed["threads"]]
+    if listed["total"] > len(rows):
+        rows.append(f"({listed['total'] - len(rows)} more; --limit shows up to 100)")
+    _out(args, listed, "\n".join(rows) or f"no threads in project {listed['projectId']}")
+    return 0
+
+
+async def _cmd_new(client: WsClient, args: argparse.Namespace) -> int:
+    selection = _given(instanceId=args.provider, model=args.model)
+    launched = await client.request("launchThread", {
+        "commandId": uuid.uuid4().hex[:12], "creationSource": "cli", **_given(
+            initialMessage={"text": _text_arg(args.text)} if args.text is not None else None,
+            projectId=args.project, title=args.title, runtimeMode=args.runtime_mode,
+            interactionMode=args.interaction_mode, modelSelection=selection or None,
+            scratch=args.scratch or None)})
+    thread = launched["projection"]["thread"]
+    _out(args, {"threadId": launched["threadId"], "runId": launched["runId"],
+                "title": thread["title"], "projectId": thread["projectId"],
+                "providerInstanceId": thread["providerInstanceId"],
+                "model": thread["modelSelection"].get("model"),
+                "runtimeMode": thread["runtimeMode"]}, launched["threadId"])
+    if not args.json and sys.stdout.isatty():
+        print(f"follow it: python t3.py show {launched['threadId'].rsplit(':', 1)[-1]} --follow",
+              file=sys.stderr)
+    return 0
+
+
+async def _cmd_send(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    sent = await client.request("sendToThread", {
+        "threadId": thread_id, "message": _text_arg(args.text), "mode": args.mode,
+        "creationSource": "cli"})
+    _out(args, sent, f"{sent.get('delivery') or 'sent'}: {sent['runId']} ({sent['status']})")
+    return 0
+
+
+async def _cmd_wait(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    async with _spinner(args, f"waiting for {thread_id}"):
+        result = await _wait_for(client, thread_id, run_id=args.run, timeout_s=args.timeout)
+    code, text = _wait_outcome(result)
+    _out(args, result, text)
+    return code
+
+
+async def _wait_for(client: WsClient, thread_id: str, *, run_id: str | None,
+                    timeout_s: float | None) -> dict[str, Any]:
+    """waitForThread in slices of at most 600 s, on the run the first slice chose, until the
+    run ends, a request of it needs an answer, or ``timeout_s`` (None: no limit)."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    while True:
+        remaining = _WAIT_SLICE_S if deadline is None else max(0.0, deadline - loop.time())
+        slice_s = min(_WAIT_SLICE_S, remaining)
+        started = loop.time()
+        result: dict[str, Any] = await client.request("waitForThread", {
+            "threadId": thread_id, "timeoutMs": int(slice_s * 1000), **_given(runId=run_id)})
+        run_id = result["runId"]
+        if not result["timedOut"] or (deadline is not None and loop.time() >= deadline):
+            return result
+        if loop.time() - started + 1.0 < slice_s:  # only a stopping server ends a wait early
+            raise CliError("the server ended the wait early (is it shutting down?)",
+                           exit=EXIT_NO_SERVER)
+
+
+def _wait_outcome(result: Mapping[str, Any]) -> tuple[int, str]:
+    """The exit code and the line for people that a wait's result makes."""
+    run, status, approval = result["runId"], result["status"], result.get("pendingApproval")
+    if run is None:
+        return 0, f"idle: {result['threadId']} has no run"
+    if approval:
+        return EXIT_UNFINISHED, (f"needs an answer: {approval['kind']} request "
+                                 f"{approval['requestId']} of {run} (`python t3.py answer`)")
+    if result.get("hasPendingQuestion"):
+        return EXIT_UNFINISHED, f"needs an answer: {run} asks a question (`python t3.py requests`)"
+    if result["timedOut"]:
+        return EXIT_UNFINISHED, f"timed out: {run} is still {status}"
+    reason = f" ({result['statusReason']})" if result.get("statusReason") else ""
+    return 0 if status == "completed" else EXIT_NOT_COMPLETED, f"{status}: {run}{reason}"
+
+
+@contextlib.asynccontextmanager
+async def _spinner(args: argparse.Namespace, label: str) -> AsyncIterator[None]:
+    """A progress line on stderr while waiting, only when stdout is a terminal."""
+    if args.json or not sys.stdout.isatty() or not sys.stderr.isatty():
+        yield
+        return
+
+    async def spin() -> None:
+        started = time.monotonic()
+        for turn in itertools.count():
+            sys.stderr.write(f"\r{_SPIN[turn % 4]} {label} "
+                             f"({time.monotonic() - started:.0f} s)\033[K")
+            sys.stderr.flush()
+            await asyncio.sleep(0.2)  # animation, not synchronisation
+    task = asyncio.create_task(spin())
+    try:
+        yield
+    finally:
+        task.cancel()
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
+
+
+async def _cmd_interrupt(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    result = await client.request("interruptThread", {"threadId": thread_id, **_given(
+        runId=args.run, reason=args.reason)})
+    _out(args, result, {
+        "no_active_run": f"nothing to interrupt: {thread_id} has no active run",
+        "interrupt_requested": f"interrupt requested: {result['runId']}"}.get(
+        result["status"], f"already {result['status']}: {result['runId']}"))
+    return 0
+
+
+async def _cmd_requests(client: WsClient, args: argparse.Namespace) -> int:
+    params = {"threadId": await _thread_ref(client, args.thread)} if args.thread else {}
+    listed = await client.request("listPendingRequests", params)
+    rows = [f"{r['requestId']}  {r['kind']}: {r['title']}\n    thread {r['threadId']}; answer "
+            + ("TEXT, decline or cancel" if r["kind"] == "user_input"
+               else "accept, acceptForSession, decline or cancel") for r in listed["requests"]]
+    _out(args, listed, "\n".join(rows) or "no pending requests")
+    return 0
+
+
+async def _cmd_answer(client: WsClient, args: argparse.Namespace) -> int:
+    pending = (await client.request("listPendingRequests"))["requests"]
+    request = _pick(pending, args.request, key="requestId", what="pending request")
+    if request is None:
+        raise CliError(f"request_not_found: no pending request matches {args.request!r} "
+                       "(`python t3.py requests` lists them)")
+    result = await client.request("dispatchCommand", {
+        "type": "runtime-request.respond", "commandId": uuid.uuid4().hex,
+        "creationSource": "cli", "threadId": request["threadId"],
+        "requestId": request["requestId"], **await _response(client, request, args.answer)})
+    _out(args, result, f"answered {request['requestId']}: "
+                       f"{result['result'].get('status', 'resolved')}")
+    return 0
+
+
+async def _response(client: WsClient, request: Mapping[str, Any], texts: Sequence[str]
+                    ) -> dict[str, Any]:
+    """``decision`` for a decision word (a question takes only decline and cancel), else
+    ``answers``: a JSON object as given, or one TEXT per question of the request, in order
+    (for a multi-select question, labels separated by commas)."""
+    from orchestrator import DECISIONS
+    question = request["kind"] == "user_input"
+    if len(texts) == 1 and texts[0] in DECISIONS and (
+            not question or texts[0] in ("decline", "cancel")):
+        return {"decision": texts[0]}
+    if not question:
+        raise CliError(f"a {request['kind']} request takes one of {', '.join(DECISIONS)}",
+                       exit=EXIT_USAGE)
+    if len(texts) == 1 and texts[0].lstrip().startswith("{"):
+        with contextlib.suppress(ValueError):
+            if isinstance(answers := json.loads(texts[0]), dict):
+                return {"answers": answers}
+        raise CliError("the answers are not a JSON object", exit=EXIT_USAGE)
+    got = await client.request("getThreadProjection", {"threadId": request["threadId"]})
+    entity = next((r for r in got["projection"]["runtimeRequests"]
+                   if r["id"] == request["requestId"]), {})
+    questions = (entity.get("detail") or {}).get("questions") or []
+    if len(questions) != len(texts):
+        asked = "".join(f"; {i + 1}. {q.get('question')}" for i, q in enumerate(questions))
+        raise CliError(f"this request asks {len(questions)} question(s){asked}: give one TEXT "
+                       "per question, in order, or a JSON object of answers", exit=EXIT_USAGE)
+    return {"answers": {str(q.get("id") or q.get("question") or f"q{i}"): _answer_value(q, text)
+                        for i, (q, text) in enumerate(zip(questions, texts))}}
+
+
+def _answer_value(question: Mapping[str, Any], text: str) -> str | list[str]:
+    labels = {o.get("label") for o in question.get("options") or [] if isinstance(o, dict)}
+    parts = [p.strip() for p in text.split(",")]
+    return parts if question.get("multiSelect") and set(parts) <= labels else text
+
+
+async def _cmd_tasks(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    tree = await _task_tree(client, thread_id, {thread_id})
+    lines = [f"{tree['threadId']}  {tree['title']} ({tree['status']})"]
+
+    def walk(tasks: Sequence[Mapping[str, Any]], indent: str) -> None:
+        for i, task in enumerate(tasks):
+            last = i == len(tasks) - 1
+            lines.append(f"{indent}{'`-- ' if last else '|-- '}{task['title']} ({task['status']})"
+                         f"  {task['threadId']}  {task['providerInstanceId']}")
+            walk(task["tasks"], indent + ("    " if last else "|   "))
+    walk(tree["tasks"], "")
+    _out(args, tree, "\n".join(lines if tree["tasks"] else [*lines, "(no delegated tasks)"]))
+    return 0
+
+
+async def _task_tree(client: WsClient, thread_id: str, seen: set[str]) -> dict[str, Any]:
+    """The thread and its delegated tasks, each with its child thread's own tasks."""
+    projection = (await client.request("getThreadProjection", {"threadId": thread_id}))[
+        "projection"]
+    latest = max(projection["runs"], key=lambda r: r["ordinal"], default=None)
+    tasks = []
+    for task in sorted(projection["subagents"], key=lambda s: (s["startedAt"], s["id"])):
+        child = task["childThreadId"]
+        tasks.append({"taskId": task["id"], "title": task["title"], "status": task["status"],
+                      "threadId": child, "providerInstanceId": task["providerInstanceId"],
+                      "model": task["model"], "result": task["result"], "tasks": []})
+        if child not in seen:
+            seen.add(child)
+            with contextlib.suppress(WsError):  # a child thread deleted since
+                tasks[-1]["tasks"] = (await _task_tree(client, child, seen))["tasks"]
+    return {"threadId": thread_id, "title": (projection["thread"] or {}).get("title"),
+            "status": latest["status"] if latest else "idle", "tasks": tasks}
+
+
+async def _cmd_show(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    view = _Timeline(json_lines=args.json)
+    if not (args.follow or args.until_done):
+        got = await client.request("getThreadProjection", {"threadId": thread_id})
+        view.load(got["projection"])
+        if args.json:
+            _out(args, view.document(), "")
+        else:
+            view.print_all()
+            view.end_line()
+        return 0
+    try:
+        return await _follow(client, thread_id, view, until_done=args.until_done)
+    finally:  # Ctrl-C, or the server gone
+        view.end_line()
+
+
+async def _follow(client: WsClient, thread_id: str, view: _Timeline, *, until_done: bool
+                  ) -> int:
+    params: dict[str, Any] = {"threadId": thread_id}
+    while True:  # again from the last sequence seen when the stream fell behind
+        try:
+            async with contextlib.aclosing(client.stream("subscribeThread", params)) as stream:
+                async for item in stream:
+                    if item["kind"] == "snapshot":
+                        view.load(item["projection"])
+                        view.print_all()
+                        continue
+                    if item["kind"] == "event":
+                        view.apply(item["event"])
+                    params["afterSequence"] = item["sequence"]
+                    if until_done and (code := view.finished()) is not None:
+                        return code
+        except WsError as exc:
+            if exc.code != "resubscribe":
+                raise
+
+
+class _Timeline:
+    """A thread's timeline for people: items in position order, a line where the run changes.
+    Followed, a new item prints whole, a growing message only its new text, a changed item
+    again, and a run that ends a line. With ``json_lines``: each new or changed item or run is
+    one JSON line instead (``{"kind": "thread" | "run" | "item", ...}``)."""
+
+    def __init__(self, *, json_lines: bool) -> None:
+        self.json_lines = json_lines
+        self.thread: dict[str, Any] = {}
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.items: dict[str, dict[str, Any]] = {}
+        self.messages: dict[str, dict[str, Any]] = {}
+        self._item_of: dict[str, str] = {}  # message id -> its item's id
+        self._shown: dict[str, Any] = {}  # item id -> what of it was printed
+        self._open: str | None = None  # the item whose message is printing, its line open
+        self._run: str | None = None  # the run of the item printed last
+
+    def load(self, projection: Mapping[str, Any]) -> None:
+        self.thread = projection["thread"] or {}
+        for kind, key in (("run", "runs"), ("message", "messages"), ("turn-item", "turnItems")):
+            for entity in projection[key]:
+                self._put(kind, entity)
+
+    def _put(self, kind: str, entity: dict[str, Any]) -> None:
+        {"run": self.runs, "message": self.messages, "turn-item": self.items}[kind][
+            entity["id"]] = entity
+        if kind == "turn-item" and entity.get("messageId"):
+            self._item_of[entity["messageId"]] = entity["id"]
+
+    def document(self) -> dict[str, Any]:
+        return {"thread": self.thread, "runs": sorted(self.runs.values(), key=lambda r: r[
+            "ordinal"]), "items": [self._shape(i) for i in self._ordered()]}
+
+    def print_all(self) -> None:
+        if self.json_lines:
+            self._line({"kind": "thread", **self.thread})
+            for run in sorted(self.runs.values(), key=lambda r: r["ordinal"]):
+                self._line({"kind": "run", **run})
+        else:
+            t, latest = self.thread, self._latest()
+            print(f"{t.get('title')}  {t.get('id')}\n"
+                  f"{latest['status'] if latest else 'idle'} | {t.get('providerInstanceId')}/"
+                  f"{(t.get('modelSelection') or {}).get('model')} | {t.get('runtimeMode')}")
+        for item in self._ordered():
+            self._show(item)
+        sys.stdout.flush()  # followed, a message still streaming keeps its line open
+
+    def apply(self, event: Mapping[str, Any]) -> None:
+        kind, payload = event["type"].removesuffix(".updated"), event["payload"]
+        if kind == "thread":
+            self.thread = payload
+        elif kind == "run":
+            before = self.runs.get(payload["id"])
+            self._put(kind, payload)
+            if before is None or before["status"] != payload["status"]:
+                self._run_changed(payload)
+        elif kind in ("message", "turn-item"):
+            self._put(kind, payload)
+            item_id = payload["id"] if kind == "turn-item" else self._item_of.get(payload["id"])
+            if item_id in self.items:
+                self._show(self.items[item_id])
+        sys.stdout.flush()
+
+    def finished(self) -> int | None:
+        """None while the latest run goes on; else the exit code `wait` would give."""
+        from orchestrator import RUN_TERMINAL
+        latest = self._latest()
+        if latest is None or latest["status"] == "completed":
+            return 0
+        return EXIT_NOT_COMPLETED if latest["status"] in RUN_TERMINAL else None
+
+    def _latest(self) -> dict[str, Any] | None:
+        return max(self.runs.values(), key=lambda r: r["ordinal"], default=None)
+
+    def _ordered(self) -> list[dict[str, Any]]:
+        return sorted(self.items.values(), key=lambda i: i["position"])
+
+    def _text(self, item: Mapping[str, Any]) -> str:
+        if item.get("messageId"):
+            return str((self.messages.get(item["messageId"]) or {}).get("text") or "")
+        return str(item.get("text") or "")
+
+    def _shape(self, item: Mapping[str, Any]) -> dict[str, Any]:
+        message = self.messages.get(item.get("messageId") or "") or {}
+        return {"position": item["position"], "itemId": item["id"], "runId": item["runId"],
+                "type": item["type"], "status": item["status"], "title": item.get("title"),
+                "text": self._text(item), "role": message.get("role"),
+                "data": item.get("data")}
+
+    def _show(self, item: Mapping[str, Any]) -> None:
+        text = self._text(item)
+        now = (item["status"], item.get("title"), text)
+        before = self._shown.get(item["id"])
+        if before == now:
+            return
+        self._shown[item["id"]] = now
+        if self.json_lines:
+            self._line({"kind": "item", **self._shape(item)})
+            return
+        if item.get("messageId") and before is not None and text.startswith(before[2]):
+            if text != before[2]:  # the message grew: only its new text
+                if self._open != item["id"]:
+                    self.end_line()
+                    self._open = item["id"]
+                sys.stdout.write(text[len(before[2]):])
+            return
+        self.end_line()
+        if item["runId"] != self._run and item["runId"] in self.runs:
+            self._run = item["runId"]
+            run = self.runs[item["runId"]]
+            print(f"--- run {run['ordinal']} ({run['status']})")
+        if item["type"] in ("assistant_message", "reasoning"):
+            sys.stdout.write(_rendered(item, text))  # the line stays open: more may stream
+            self._open = item["id"]
+        else:
+            print(_rendered(item, text))
+
+    def _run_changed(self, run: Mapping[str, Any]) -> None:
+        from orchestrator import RUN_TERMINAL
+        if self.json_lines:
+            self._line({"kind": "run", **run})
+        elif run["status"] in RUN_TERMINAL:
+            self.end_line()
+            reason = f": {run['statusReason']}" if run.get("statusReason") else ""
+            print(f"--- run {run['ordinal']} {run['status']}{reason}")
+
+    def end_line(self) -> None:
+        if self._open is not None:
+            print()
+            self._open = None
+
+    @staticmethod
+    def _line(document: Mapping[str, Any]) -> None:
+        print(json.dumps(document, ensure_ascii=False), flush=True)
+
+
+_LABELS = {"tool_call": "tool", "approval_request": "approval", "user_input_request": "question",
+           "todo_list": "plan", "subagent": "task", "run_interrupt_request": "interrupt"}
+
+
+def _rendered(item: Mapping[str, Any], text: str) -> str:
+    """One timeline item for people (a message's text, or a labelled line with its details)."""
+    kind, data = item["type"], item.get("data") or {}
+    if kind == "user_message":
+        return "> " + text.replace("\n", "\n> ")
+    if kind == "assistant_message":
+        return text
+    if kind == "reasoning":
+        return "(thinking) " + text
+    title = item.get("title") or ""
+    if kind == "user_input_request":  # each question with its choices
+        text = "\n".join(f"{q.get('question')} [" + " / ".join(
+            str(o.get("label")) for o in q.get("options") or []) + "]"
+            for q in data.get("questions") or []) or text
+    if not title and "\n" not in text:  # e.g. an interrupt's reason
+        title, text = text, ""
+    head = f"[{_LABELS.get(kind, kind)}] {title} ({item['status']})"
+    if kind in ("approval_request", "user_input_request"):
+        head += f" request {data.get('requestId')}"
+    elif kind == "subagent":
+        head += f" thread {data.get('childThreadId')}"
+    if text and text != title:
+        body = text if len(text) <= 600 else text[:600] + " [...]"
+        head += "\n" + "\n".join("    " + line for line in body.splitlines())
+    return head
+
+
+_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
+    "threads": _cmd_threads, "show": _cmd_show, "new": _cmd_new, "send": _cmd_send,
+    "wait": _cmd_wait, "interrupt": _cmd_interrupt, "requests": _cmd_requests,
+    "answer": _cmd_answer, "tasks": _cmd_tasks}
 
 
 # =============================================================================================
@@ -1847,9 +2449,11 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--port", type=int, default=default,
                             help="port to listen on (default 3773; 0 picks a free port)")
     parser = argparse.ArgumentParser(
-        prog="t3", description="t3: a local server that orchestrates coding agents over MCP.")
+        prog="t3", description="t3: a local server that orchestrates coding agents over MCP. "
+        "The commands after serve and token are for people: they talk to a running server "
+        "over /ws.", epilog=CLI_EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     options(parser, None)
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     options(sub.add_parser("serve", help="run the server (the default)",
                            description="Run the t3 server: MCP tools at /mcp, health at "
                                        "/healthz."), argparse.SUPPRESS)
@@ -1861,11 +2465,92 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--rotate", action="store_true",
                        help="write a new token and print it; a running server refuses the old "
                             "one from then on")
+    _cli_parsers(sub)
     return parser
+
+
+def _cli_parsers(sub: Any) -> None:
+    """The commands for people, each with --data-dir and --json."""
+    from orchestrator import InteractionMode, RunStatus, RuntimeMode
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = sub.add_parser(
+            name, help=summary, description=description, epilog=CLI_EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--data-dir", default=argparse.SUPPRESS,
+                            help="the server's data directory (default: $T3_HOME, else ~/.t3)")
+        parser.add_argument("--json", action="store_true",
+                            help="print one JSON document (for scripts) instead of text")
+        return parser
+    threads = command("threads", "list threads with their status",
+                      "List a project's threads, newest activity first: the status of the "
+                      "latest run, the id, the title.")
+    threads.add_argument("--project", help="project id (default: the first configured)")
+    threads.add_argument("--all", action="store_true", help="include delegated (task) threads")
+    threads.add_argument("--status", action="append", choices=["idle", *RunStatus],
+                         help="only threads whose latest run has this status (repeatable)")
+    threads.add_argument("--title", help="only threads whose title contains this")
+    threads.add_argument("--limit", type=int, default=50, help="at most this many (1-100; 50)")
+    show = command("show", "a thread's timeline, or follow it live",
+                   "Print a thread's timeline: user and assistant messages, tool calls, "
+                   "approvals, questions, tasks and errors, in order. With --json, one JSON "
+                   "document {thread, runs, items}; followed, one JSON object per line.")
+    show.add_argument("thread", metavar="THREAD")
+    show.add_argument("--follow", "-f", action="store_true",
+                      help="keep printing what happens until Ctrl-C")
+    show.add_argument("--until-done", action="store_true",
+                      help="follow until the latest run ends (exit codes as for wait)")
+    new = command("new", "start a thread", "Start a thread (and its first run, given TEXT); "
+                  "print its id.")
+    new.add_argument("text", metavar="TEXT", nargs="?", help="the first message")
+    new.add_argument("--provider", help="provider instance id (default: the first available)")
+    new.add_argument("--model", help="model (default: the provider's first)")
+    new.add_argument("--project", help="project id (default: the first configured)")
+    new.add_argument("--scratch", action="store_true",
+                     help="run in a fresh folder of its own instead of a project")
+    new.add_argument("--title", help="title (default: from TEXT)")
+    new.add_argument("--runtime-mode", choices=list(RuntimeMode),
+                     help="what the agent may do without asking (default full-access)")
+    new.add_argument("--interaction-mode", choices=list(InteractionMode))
+    send = command("send", "send a message to a thread",
+                   "Send TEXT to a thread: auto starts an idle thread or steers its active "
+                   "turn; queue runs it after; steer and restart need an active turn.")
+    send.add_argument("thread", metavar="THREAD")
+    send.add_argument("text", metavar="TEXT")
+    send.add_argument("--mode", choices=["auto", "queue", "steer", "restart"], default="auto")
+    wait = command("wait", "wait for a thread's run to end",
+                   "Wait until the thread's latest run (or --run) ends, or one of its requests "
+                   "needs an answer; the exit code says which.")
+    wait.add_argument("thread", metavar="THREAD")
+    wait.add_argument("--run", help="this run instead of the latest")
+    wait.add_argument("--timeout", type=float, metavar="SECONDS",
+                      help="give up after this long (default: no limit); the run goes on")
+    interrupt = command("interrupt", "interrupt a thread's active run",
+                        "Interrupt the thread's newest active run (or --run).")
+    interrupt.add_argument("thread", metavar="THREAD")
+    interrupt.add_argument("--run", help="this run (it must be the newest active one)")
+    interrupt.add_argument("--reason", help="recorded in the timeline")
+    requests = command("requests", "list pending approvals and questions",
+                       "List the pending requests (approvals and questions) of every thread, "
+                       "or of THREAD.")
+    requests.add_argument("thread", metavar="THREAD", nargs="?")
+    answer = command("answer", "answer a pending request",
+                     "Answer a pending request. An approval: accept, acceptForSession, decline "
+                     "or cancel. A question: decline, cancel, a JSON object of answers, or one "
+                     "TEXT per question in order (a multi-select question takes labels "
+                     "separated by commas).")
+    answer.add_argument("request", metavar="REQUEST")
+    answer.add_argument("answer", metavar="accept|decline|TEXT", nargs="+")
+    tasks = command("tasks", "a thread's delegated tasks, as a tree",
+                    "Print the tasks the thread delegated, each with its status and child "
+                    "thread, and their own tasks below them.")
+    tasks.add_argument("thread", metavar="THREAD")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in _COMMANDS:
+        return run_command(args)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mcp").setLevel(logging.WARNING)

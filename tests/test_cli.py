@@ -1,0 +1,240 @@
+"""The commands for people (`python t3.py threads|show|new|send|wait|interrupt|requests|answer|
+tasks`) run as real subprocesses against a real server, which they reach only through
+`<data-dir>/server.json` and /ws: what they print, what `--json` prints, and their exit codes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import t3 as server
+from harness import T3_PY, T3Server, scripted_provider
+
+
+def cli(t3: T3Server, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python t3.py ARGS --data-dir <the server's>`."""
+    return t3.cli(*args)
+
+
+def ok_json(t3: T3Server, *args: str) -> Any:
+    """The one JSON document a successful `ARGS --json` prints."""
+    done = cli(t3, *args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def new(t3: T3Server, *args: str) -> str:
+    done = cli(t3, "new", *args)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    return done.stdout.strip()
+
+
+def short(thread_id: str) -> str:
+    """The part of a CLI-made thread id a person types: it is unique."""
+    return thread_id.rsplit(":", 1)[-1]
+
+
+def test_new_and_show_until_done_print_the_streamed_answer(t3: T3Server) -> None:
+    """`new` prints the id of a thread made by the CLI; `show --until-done` follows it to the end
+    of its run and prints the conversation, then the run's end, and exits 0."""
+    thread_id = new(t3, "SLOW:20 stream please")
+    assert thread_id.startswith("thread:") and "\n" not in thread_id
+    shown = cli(t3, "show", short(thread_id), "--until-done")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"SLOW:20 stream please  {thread_id}"
+    assert "> SLOW:20 stream please" in lines
+    assert "".join(f"chunk {i} " for i in range(20)) + "done" in lines
+    assert lines[-1] == "--- run 1 completed"
+    made = ok_json(t3, "show", thread_id)["thread"]
+    assert (made["createdBy"], made["creationSource"]) == ("user", "cli")
+
+
+def test_show_follow_json_sees_the_answer_grow_and_ctrl_c_ends_it(t3: T3Server) -> None:
+    """A follower subscribed before the run starts gets one JSON object per line: the assistant
+    message growing chunk by chunk, then the run completed; Ctrl-C ends it with exit 0."""
+    thread_id = new(t3)  # idle: nothing happens before the follower is subscribed
+    follower = subprocess.Popen(
+        [sys.executable, str(T3_PY), "show", thread_id, "--follow", "--json", "--data-dir",
+         str(t3.data_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=t3.env)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in follower.stdout],
+                              daemon=True)
+    reader.start()
+    try:
+        first = json.loads(lines.get(timeout=30))
+        assert first["kind"] == "thread" and first["id"] == thread_id  # the snapshot: subscribed
+        assert cli(t3, "send", thread_id, "SLOW:20").returncode == 0
+        texts: list[str] = []
+        while True:
+            entry = json.loads(lines.get(timeout=30))
+            if entry["kind"] == "item" and entry["type"] == "assistant_message":
+                texts.append(entry["text"])
+            if entry["kind"] == "run" and entry["status"] == "completed":
+                break
+        follower.send_signal(signal.SIGINT)
+        assert follower.wait(30) == 0, follower.stderr.read() if follower.stderr else ""
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    grown = [t for i, t in enumerate(texts) if i == 0 or t != texts[i - 1]]
+    assert len(grown) >= 3 and all(b.startswith(a) for a, b in itertools.pairwise(grown))
+    assert grown[-1] == "".join(f"chunk {i} " for i in range(20)) + "done"
+
+
+def test_send_wait_interrupt_and_their_exit_codes(t3: T3Server) -> None:
+    """`wait` exits 0 for a completed run (or none), 4 when its --timeout passes, 5 for an
+    interrupted run; `send` starts a run; `interrupt` stops it, or says nothing runs."""
+    thread_id = new(t3)
+    idle = cli(t3, "wait", thread_id)
+    assert (idle.returncode, idle.stdout.strip()) == (0, f"idle: {thread_id} has no run")
+    sent = ok_json(t3, "send", short(thread_id), "hello there")
+    assert sent["threadId"] == thread_id and sent["runId"]
+    waited = cli(t3, "wait", short(thread_id), "--json")
+    assert waited.returncode == 0, waited.stderr
+    assert json.loads(waited.stdout)["status"] == "completed"
+    shown = cli(t3, "show", thread_id).stdout
+    assert "> hello there" in shown and "You said: hello there" in shown
+    slow = ok_json(t3, "send", thread_id, "SLOW:400")
+    early = cli(t3, "wait", thread_id, "--timeout", "0.2", "--json")
+    assert early.returncode == 4 and json.loads(early.stdout)["timedOut"] is True
+    interrupted = ok_json(t3, "interrupt", thread_id, "--reason", "enough")
+    assert (interrupted["runId"], interrupted["status"]) == (slow["runId"], "interrupt_requested")
+    ended = cli(t3, "wait", thread_id)
+    assert ended.returncode == 5 and ended.stdout.startswith("interrupted: "), ended.stdout
+    assert ended.stderr == ""  # piped: no progress line
+    assert "(enough)" in ended.stdout
+    again = cli(t3, "interrupt", thread_id)
+    assert again.returncode == 0 and again.stdout.startswith("nothing to interrupt")
+
+
+def test_requests_and_answer_an_approval(t3: T3Server) -> None:
+    """On an approval-required thread, `wait` exits 4 naming the request, `requests` lists it,
+    `answer` refuses free text for an approval (exit 2) and accepts `accept` given a unique
+    part of the request id; the run then completes with the permission granted."""
+    thread_id = new(t3, "--runtime-mode", "approval-required", "ASK_PERMISSION please")
+    blocked = cli(t3, "wait", thread_id)
+    assert blocked.returncode == 4 and blocked.stdout.startswith("needs an answer: command")
+    [request] = ok_json(t3, "requests")["requests"]
+    assert (request["threadId"], request["kind"]) == (thread_id, "command")
+    assert request["requestId"] in blocked.stdout
+    assert request["requestId"] in cli(t3, "requests", short(thread_id)).stdout
+    refused = cli(t3, "answer", request["requestId"], "yes please")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert len(refused.stderr.splitlines()) == 1
+    part = request["requestId"].split(":")[2]  # the provider session's uuid
+    answered = ok_json(t3, "answer", part, "accept")
+    assert answered["result"]["status"] == "resolved"
+    assert cli(t3, "wait", thread_id).returncode == 0
+    assert ok_json(t3, "requests") == {"requests": []}
+    items = ok_json(t3, "show", thread_id)["items"]
+    [approval] = [i for i in items if i["type"] == "approval_request"]
+    assert approval["data"]["requestId"] == request["requestId"]
+    assert any("permission granted" in i["text"] for i in items
+               if i["type"] == "assistant_message")
+
+
+def test_answer_a_question_with_one_text_per_question(t3_factory, tmp_path: Path) -> None:
+    """A question's answers are given as TEXTs in question order, labels separated by commas
+    for a multi-select one; the agent gets them keyed by question."""
+    t3 = t3_factory(providers=[scripted_provider(tmp_path, id="grok", driver="grok")])
+    thread_id = new(t3, "ASK_QUESTION")
+    blocked = cli(t3, "wait", thread_id)
+    assert blocked.returncode == 4 and "asks a question" in blocked.stdout
+    [request] = ok_json(t3, "requests", thread_id)["requests"]
+    wrong = cli(t3, "answer", request["requestId"], "red")
+    assert wrong.returncode == 2 and "asks 2 question(s); 1. Which color?" in wrong.stderr
+    assert cli(t3, "answer", request["requestId"], "red", "S,L").returncode == 0
+    assert cli(t3, "wait", thread_id).returncode == 0
+    expected = {"Which color?": "red", "Which sizes?": ["S", "L"]}
+    assert "answered: " + json.dumps(expected, sort_keys=True, separators=(",", ":")) in \
+        cli(t3, "show", thread_id).stdout
+
+
+def test_tasks_prints_the_delegation_tree_and_threads_lists(t3: T3Server) -> None:
+    """`tasks` shows a thread's delegated task and the task its child delegated in turn, with
+    statuses and child thread ids; `threads` lists top-level threads, `--all` the children too,
+    and a part of an id shared by several threads is refused as ambiguous (exit 1)."""
+    inner = json.dumps({"task": "hi there", "title": "Inner", "mode": "wait"})
+    outer = {"task": f"CALL_TOOL delegate_task {inner}", "title": "Outer", "mode": "wait"}
+    thread_id = new(t3, f"CALL_TOOL delegate_task {json.dumps(outer)}")
+    assert cli(t3, "wait", thread_id).returncode == 0
+    tree = ok_json(t3, "tasks", short(thread_id))
+    assert (tree["threadId"], tree["status"]) == (thread_id, "completed")
+    [task] = tree["tasks"]
+    assert (task["title"], task["status"]) == ("Outer", "completed")
+    [nested] = task["tasks"]
+    assert (nested["title"], nested["status"], nested["tasks"]) == ("Inner", "completed", [])
+    printed = cli(t3, "tasks", thread_id).stdout.splitlines()
+    assert printed[1] == f"`-- Outer (completed)  {task['threadId']}  scripted"
+    assert printed[2] == f"    `-- Inner (completed)  {nested['threadId']}  scripted"
+    listed = ok_json(t3, "threads")
+    assert [t["threadId"] for t in listed["threads"]] == [thread_id]
+    everything = {t["threadId"]: t for t in ok_json(t3, "threads", "--all")["threads"]}
+    assert set(everything) == {thread_id, task["threadId"], nested["threadId"]}
+    assert everything[nested["threadId"]]["parentThreadId"] == task["threadId"]
+    row = cli(t3, "threads").stdout.strip()
+    assert row.startswith("completed") and thread_id in row
+    ambiguous = cli(t3, "show", "thread:")
+    assert ambiguous.returncode == 1 and ambiguous.stdout == ""
+    assert ambiguous.stderr.startswith("t3: ambiguous_reference: ")
+
+
+def test_no_server_is_one_clear_line_and_exit_3(t3_factory, tmp_path: Path) -> None:
+    """With no data directory, no server.json, or a server.json left by a killed server, every
+    command prints one line on stderr, nothing on stdout, and exits 3; a typed failure from a
+    live server is `t3: <code>: <message>` and exit 1."""
+    def refused(data_dir: Path, *args: str) -> str:
+        done = subprocess.run([sys.executable, str(T3_PY), *args, "--data-dir", str(data_dir)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert (done.returncode, done.stdout) == (3, ""), done
+        [line] = done.stderr.splitlines()
+        return line
+    assert "no such directory" in refused(tmp_path / "absent", "threads")
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    assert refused(empty, "wait", "x", "--json") == (
+        f"t3: no server is running for {empty} (no server.json); start one with "
+        f"`python t3.py --data-dir {empty}`")
+    t3 = t3_factory()
+    missing = cli(t3, "show", "no-such-thread")
+    assert missing.returncode == 1 and missing.stderr.startswith("t3: thread_not_found: ")
+    t3.kill9()
+    assert (t3.data_dir / "server.json").exists()
+    assert "server.json is stale" in refused(t3.data_dir, "requests")
+
+
+def test_help_documents_every_command_and_the_exit_codes(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`python t3.py --help` names every command and the exit codes; each command's --help
+    documents its own options and the exit codes too."""
+    done = subprocess.run([sys.executable, str(T3_PY), "--help"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "100"}, check=False)
+    assert done.returncode == 0, done.stderr
+    commands = ["threads", "show", "new", "send", "wait", "interrupt", "requests", "answer",
+                "tasks"]
+    for name in ["serve", "token", *commands]:
+        assert f"\n    {name} " in done.stdout, name
+    assert "exit codes" in done.stdout and "\n  4 " in done.stdout
+
+    def help_of(name: str) -> str:  # in process: the same parser, without 9 more interpreters
+        with pytest.raises(SystemExit) as exited:
+            server.main([name, "--help"])
+        assert exited.value.code == 0
+        return capsys.readouterr().out
+    for name in commands:
+        text = help_of(name)
+        assert "--json" in text and "--data-dir" in text and "\n  3 " in text, name
+    assert "--follow" in help_of("show") and "--timeout" in help_of("wait")
