@@ -998,7 +998,8 @@ class ClientApi:
         from tools import _request_summary
         wanted = params.get("threadId")
         requests = [orch.RuntimeRequest.from_json(r) for r in self.store.pending_requests()]
-        return {"requests": [{**_request_summary(r), "threadId": r.thread_id}
+        return {"requests": [{**_request_summary(r), "threadId": r.thread_id,
+                              "detail": r.detail}
                              for r in requests if wanted in (None, r.thread_id)]}
 
     # -- streams ---------------------------------------------------------------------------------
