@@ -338,7 +338,11 @@ class McpClient:
         return self._portal.start_task_soon(self._call, self._ensure(), tool, args, timeout, on_progress)
 
     def list_tools(self) -> list[str]:
-        return [t.name for t in self._portal.call(self._ensure().list_tools).tools]
+        return [t.name for t in self.tools()]
+
+    def tools(self) -> list[mcp_types.Tool]:
+        """tools/list: the tools with their schemas, as the server publishes them."""
+        return list(self._portal.call(self._ensure().list_tools).tools)
 
 
 # ---------------------------------------------------------------- raw HTTP, waiting, logs

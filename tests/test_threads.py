@@ -98,8 +98,8 @@ def test_idle_thread_without_prompt(mcp: McpClient) -> None:
     created = create(mcp, title="Idle")
     assert (created["runId"], created["status"]) == (None, "idle")
     assert wait(mcp, created["threadId"]) == {
-        "threadId": created["threadId"], "runId": None, "status": "idle", "timedOut": False,
-        "hasPendingQuestion": False, "pendingApproval": None}
+        "threadId": created["threadId"], "runId": None, "status": "idle", "statusReason": None,
+        "timedOut": False, "hasPendingQuestion": False, "pendingApproval": None}
 
 
 def test_send_auto_steers_by_restart(mcp: McpClient, agent_log_path: Path) -> None:
