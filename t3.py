@@ -203,10 +203,10 @@ def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise fail("providers", i, "env", "must be a table of strings")
     models = entry.get("models", [])
-    if not isinstance(models, list) or not all(
-            isinstance(m, str) or (isinstance(m, dict) and isinstance(m.get("id"), str))
-            for m in models):
-        raise fail("providers", i, "models", "must be a list of ids or {id=...} tables")
+    if not isinstance(models, list) or not all(isinstance(m, str) or _model_table(m)
+                                               for m in models):
+        raise fail("providers", i, "models", "must be a list of ids or {id=...} tables "
+                                             "(label a string, options a list of tables)")
     flags = {key: entry.get(key, default) for key, default in (
         ("enabled", True), ("instructions", True), ("allow_unverified", False))}
     for key, flag in flags.items():
@@ -226,6 +226,15 @@ def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path
             "enabled": flags["enabled"], "displayName": entry.get("displayName"),
             "agent": agent, "registry": registry, "instructions": flags["instructions"],
             "allowUnverified": flags["allow_unverified"]}
+
+
+def _model_table(m: Any) -> bool:
+    """``{id = "...", label = "...", options = [{...}]}``: what orchestrator_capabilities
+    publishes under its outputSchema."""
+    options = m.get("options", []) if isinstance(m, dict) else None
+    return isinstance(m, dict) and isinstance(m.get("id"), str) \
+        and isinstance(m.get("label", ""), str) and isinstance(options, list) \
+        and all(isinstance(o, dict) for o in options)
 
 
 def _line_of(text: str, section: str, index: int | None, key: str | None) -> int | None:

@@ -391,6 +391,20 @@ def test_token_command_and_invalid_config(tmp_path: Path) -> None:
     assert f"{config}:{line}: providers[0].driver" in bad.stderr
 
 
+@pytest.mark.parametrize("model", [{"id": "m", "label": 3}, {"id": "m", "options": "fast"},
+                                   {"id": "m", "options": ["fast"]}])
+def test_model_tables_are_checked(tmp_path: Path, model: dict) -> None:
+    """A configured model whose label is not a string, or whose options are not a list of
+    tables, is refused at load: orchestrator_capabilities publishes them under its outputSchema."""
+    import t3 as server_module
+    config = write_config(tmp_path, providers=[scripted_provider(tmp_path, models=[model])])
+    with pytest.raises(server_module.ConfigError, match=r"providers\[0\]\.models"):
+        server_module.load_config(config, cwd=tmp_path)
+    good = write_config(tmp_path, providers=[scripted_provider(tmp_path, models=[
+        {"id": "m", "label": "M", "options": [{"id": "effort", "type": "select"}]}])])
+    assert server_module.load_config(good, cwd=tmp_path).providers[0]["models"][0]["label"] == "M"
+
+
 def test_wait_reports_progress(mcp: McpClient) -> None:
     """A wait longer than 5 s sends MCP progress notifications to a client that asked for them."""
     created = create(mcp, "SLOW:130 take a while")
