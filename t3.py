@@ -985,10 +985,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
     adapters = build_adapters(config, data_dir, prov)
-    for adapter in adapters.values():
-        if not adapter.info.available:
-            log.info("provider %s unavailable: %s", adapter.info.instance_id,
-                     "; ".join(adapter.info.constraints))
+    _report_providers(adapters, detected=config.providers is None, detectable=prov.DETECTABLE)
     orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                             credentials=credentials,
                             max_live_agent_processes=config.max_live_agent_processes)
@@ -1005,6 +1002,29 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
                           max_delegation_depth=config.max_delegation_depth)
     toolkit = toolkit_cls(orch, store, context)
     return orch, adapters, build_mcp_server(toolkit, version=VERSION)
+
+
+def _report_providers(adapters: Mapping[str, Any], *, detected: bool,
+                      detectable: Sequence[str]) -> None:
+    """One stderr line per provider instance: its driver, whether it can run, and why not. (An
+    acpRegistry instance is still preparing here; it logs again once it is ready or failed.)"""
+    how = "detected on PATH" if detected else "configured"
+    for adapter in adapters.values():
+        info = adapter.info
+        state = "ready" if info.available else "unavailable: " + "; ".join(info.constraints)
+        print(f"t3: provider {info.instance_id} ({info.driver}, {how}): {state}",
+              file=sys.stderr)
+    if any(adapter.info.available for adapter in adapters.values()):
+        return
+    if detected and not adapters:
+        hint = (f"no agent CLI on PATH ({', '.join(detectable)}) and no [[providers]] in the "
+                "configuration; install one, or configure one (README: Configuration)")
+    elif any(hasattr(adapter, "prepare") for adapter in adapters.values()):
+        hint = "wait for the instances being prepared, or fix the reasons above"
+    else:
+        hint = "fix the reasons above in the configuration's [[providers]]"
+    print(f"t3: no provider instance can run yet: {hint}. Until one can, new threads and "
+          "tasks are refused (provider_unavailable).", file=sys.stderr)
 
 
 def _hypercorn_config(config: Config, hypercorn: Any) -> Any:

@@ -492,6 +492,27 @@ def test_provider_that_cannot_start_fails_the_run_after_retries(t3_factory, tmp_
     assert (status, attempts) == ("failed", 5)
 
 
+def test_startup_names_each_provider_and_why_it_cannot_run(t3_factory, tmp_path: Path) -> None:
+    """Startup prints one stderr line per provider instance (its driver, ready or the reason it
+    cannot run) before the ready line, and a hint when no instance can run."""
+    missing = {"id": "gone", "driver": "acp", "command": [str(tmp_path / "no-such-agent")]}
+    off = {**scripted_provider(tmp_path, id="off"), "enabled": False}
+    err = t3_factory(providers=[scripted_provider(tmp_path), missing, off]).stderr_text()
+    assert "t3: provider scripted (acp, configured): ready\n" in err
+    assert ("t3: provider gone (acp, configured): unavailable: executable not found: "
+            f"{tmp_path / 'no-such-agent'}\n") in err
+    assert "t3: provider off (acp, configured): unavailable: disabled in the configuration" in err
+    assert err.index("provider scripted") < err.index("ready: MCP at")
+    assert "no provider instance can run" not in err
+    (tmp_path / "empty").mkdir()
+    bare = t3_factory(config=write_config(tmp_path, providers=[], name="bare.toml"),
+                      data_dir=tmp_path / "bare", env={"PATH": str(tmp_path / "empty")})
+    assert "t3: no provider instance can run yet: no agent CLI on PATH (codex, claude, " \
+        in bare.stderr_text()
+    refused = bare.client().call("create_threads", {"threads": [{"title": "x"}]})
+    assert refused.failure_code == "provider_unavailable"
+
+
 def test_json_only_clients_get_json(t3: T3Server) -> None:
     """A client that accepts only application/json gets a JSON answer, not a 406; one that
     accepts both gets SSE."""
