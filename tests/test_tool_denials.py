@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orchestrator as o  # noqa: E402
 from store import Store  # noqa: E402
+from harness import output_problems  # noqa: E402
 from tools import Project, Scope, ServerContext, Toolkit, ToolFailure, current_scope  # noqa: E402
 
 CLIENT = Scope(kind="client", key="client")
@@ -41,9 +42,11 @@ class World:
     async def call(self, scope: Scope, tool: str, args: dict[str, Any]) -> dict[str, Any]:
         reset = current_scope.set(scope)
         try:
-            return await self.tools.call(tool, args)
+            result = await self.tools.call(tool, args)
         finally:
             current_scope.reset(reset)
+        assert not output_problems(tool, result, is_error=False)  # its declared shape
+        return result
 
     async def thread(self, thread_id: str, *, prompt: str | None = "work",
                      runtime: str = "full-access", interaction: str = "default") -> None:
