@@ -1,8 +1,9 @@
 """tools.py: the MCP tool surface of t3 (server key ``t3-code``, server name ``t3``).
 
-Each tool has a hand-written JSON Schema; arguments are validated against it here (the MCP SDK's
-low-level server does not), unknown fields are refused, and a violation is the typed failure
-``invalid_request`` naming the field. Handlers check the caller's scope (set by ``t3.py``'s auth
+Each tool has a hand-written JSON Schema (``anyOf``, never a ``type`` array, so every client takes
+it); arguments are validated against it here (the MCP SDK's low-level server does not), unknown
+fields are refused, and a violation is the typed failure ``invalid_request`` naming the field.
+Each tool also declares the exact shape of its result, published as its ``outputSchema``. Handlers check the caller's scope (set by ``t3.py``'s auth
 middleware in ``current_scope``), turn the request into orchestrator commands with ids derived
 from ``clientRequestId`` and the caller's identity, and shape results. Expected denials are typed
 failures: ``isError: true`` with ``structuredContent = {"_tag": "OrchestratorMcpFailure", code,
@@ -473,7 +474,9 @@ TOOLS: tuple[_Tool, ...] = (
     _Tool("t3_thread_wait",
           "Wait until a run (runId, else the thread's latest run) is completed, failed, "
           f"cancelled, interrupted or rolled_back, or a request of that run needs an answer. "
-          f"timeoutMs default {DEFAULT_WAIT_MS}, max {MAX_WAIT_MS}; a timeout never cancels work.",
+          f"timeoutMs default {DEFAULT_WAIT_MS}, max {MAX_WAIT_MS}; a timeout never cancels work. "
+          "Keep timeoutMs under your MCP client's tool-call limit (often 60 s) and call again "
+          "while timedOut is true.",
           _object({"threadId": THREAD_ID, "runId": _text(512),
                    "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS}},
                   ["threadId"]),
