@@ -129,13 +129,13 @@ def test_inspector_calls_and_loops_a_wait(clients: Clients) -> None:
     thread is created, waited on in short waits until its run ends (each under the Inspector's
     60 s cut-off), and a typed failure arrives with isError and its structuredContent."""
     code, made = inspector_call(clients, "create_threads",
-                                {"threads": [{"prompt": "SLOW:80 through the inspector"}]})
+                                {"threads": [{"prompt": "SLOW:200 through the inspector"}]})
     assert code == 0 and not made["isError"], made
     thread_id = made["structuredContent"]["threads"][0]["threadId"]
     waits = []
     while not waits or waits[-1]["timedOut"]:
         code, waited = inspector_call(clients, "t3_thread_wait",
-                                      {"threadId": thread_id, "timeoutMs": 1_000})
+                                      {"threadId": thread_id, "timeoutMs": 2_000})
         assert code == 0, waited
         waits.append(waited["structuredContent"])
         assert len(waits) < 60, waits
