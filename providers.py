@@ -65,8 +65,7 @@ __all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "AcpAdapte
            "AcpRegistryAdapter", "GrokAdapter", "ClaudeAdapter", "CodexAdapter", "PiAdapter",
            "OpenCodeAdapter", "UnavailableAdapter", "RegistryAgent", "RegistryError",
            "DETECTABLE", "build_adapter", "detect_providers", "kill_orphans", "read_registry",
-           "redact",
-           "registry_platform", "select_agent"]
+           "redact", "registry_platform", "select_agent"]
 
 log = logging.getLogger("t3.providers")
 

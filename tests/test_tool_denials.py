@@ -203,6 +203,32 @@ def test_invalid_requests(tmp_path: Path) -> None:
     run(tmp_path, scenario)
 
 
+def test_workspace_strategy_forms(tmp_path: Path) -> None:
+    """workspaceStrategy takes "root" or {type: root}; the worktree objects are checked against
+    their own branch (the error names the field) and then refused as not available yet."""
+    async def scenario(w: World) -> None:
+        for strategy, message in [
+                ({"type": "worktree"}, "workspaceStrategy.baseRef: required"),
+                ({"type": "existing_worktree", "worktreePath": "/x", "baseRef": "main"},
+                 "workspaceStrategy.baseRef: unknown field"),
+                ({"type": "later"}, "workspaceStrategy.type: must be one of root, worktree, "
+                                    "existing_worktree"),
+                ({}, "workspaceStrategy.type: required"),
+                ("worktree", "workspaceStrategy: must be one of root"),
+                (7, "workspaceStrategy: expected string or object"),
+                ({"type": "worktree", "baseRef": "main", "startFromOrigin": False},
+                 "workspaceStrategy: worktree is not available in this version"),
+                ({"type": "existing_worktree", "worktreePath": "/x"},
+                 "workspaceStrategy: existing_worktree is not available in this version")]:
+            denied = await w.denied(CLIENT, "t3_thread_launch", {"workspaceStrategy": strategy},
+                                    "invalid_request")
+            assert denied.startswith(message), (strategy, denied)
+        for strategy in ("root", {"type": "root"}):
+            made = await w.call(CLIENT, "t3_thread_launch", {"workspaceStrategy": strategy})
+            assert made["workspaceStrategy"] == "root" and made["workspacePath"] == str(tmp_path)
+    run(tmp_path, scenario)
+
+
 def test_delegate_retry_returns_the_same_task(tmp_path: Path) -> None:
     """The same delegate_task with the same clientRequestId, even from a later turn, returns the
     same task and writes nothing more."""
