@@ -2756,8 +2756,8 @@ class ThreadService:
             raise T3Error(f"run {run_id} was not found in {thread_id}", code="run_not_found")
         run = state.run(run_id) if run_id else state.latest_run()
         if run is None:
-            return {"threadId": thread_id, "runId": None, "status": "idle", "timedOut": False,
-                    "hasPendingQuestion": False, "pendingApproval": None}
+            return {"threadId": thread_id, "runId": None, "status": "idle", "statusReason": None,
+                    "timedOut": False, "hasPendingQuestion": False, "pendingApproval": None}
         pinned = run.id
 
         def settled(s: ThreadState) -> bool:

@@ -64,8 +64,8 @@ from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderInfo, R
 __all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "AcpAdapter",
            "AcpRegistryAdapter", "GrokAdapter", "ClaudeAdapter", "CodexAdapter", "PiAdapter",
            "OpenCodeAdapter", "UnavailableAdapter", "RegistryAgent", "RegistryError",
-           "build_adapter", "detect_providers", "kill_orphans", "read_registry", "redact",
-           "registry_platform", "select_agent"]
+           "DETECTABLE", "build_adapter", "detect_providers", "kill_orphans", "read_registry",
+           "redact", "registry_platform", "select_agent"]
 
 log = logging.getLogger("t3.providers")
 
@@ -84,6 +84,7 @@ _DETECTABLE = (("codex", "codex", ["codex", "app-server"]),
                ("codex-acp", "acp", ["codex-acp"]),
                ("pi", "pi", ["pi", "--mode", "rpc"]),
                ("opencode", "opencode", ["opencode", "serve"]))
+DETECTABLE = tuple(command[0] for _, _, command in _DETECTABLE)  # executables looked for
 
 _LINE_LIMIT = 64 * 1024 * 1024
 

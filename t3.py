@@ -208,10 +208,10 @@ def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise fail("providers", i, "env", "must be a table of strings")
     models = entry.get("models", [])
-    if not isinstance(models, list) or not all(
-            isinstance(m, str) or (isinstance(m, dict) and isinstance(m.get("id"), str))
-            for m in models):
-        raise fail("providers", i, "models", "must be a list of ids or {id=...} tables")
+    if not isinstance(models, list) or not all(isinstance(m, str) or _model_table(m)
+                                               for m in models):
+        raise fail("providers", i, "models", "must be a list of ids or {id=...} tables "
+                                             "(label a string, options a list of tables)")
     flags = {key: entry.get(key, default) for key, default in (
         ("enabled", True), ("instructions", True), ("allow_unverified", False))}
     for key, flag in flags.items():
@@ -231,6 +231,15 @@ def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path
             "enabled": flags["enabled"], "displayName": entry.get("displayName"),
             "agent": agent, "registry": registry, "instructions": flags["instructions"],
             "allowUnverified": flags["allow_unverified"]}
+
+
+def _model_table(m: Any) -> bool:
+    """``{id = "...", label = "...", options = [{...}]}``: what orchestrator_capabilities
+    publishes under its outputSchema."""
+    options = m.get("options", []) if isinstance(m, dict) else None
+    return isinstance(m, dict) and isinstance(m.get("id"), str) \
+        and isinstance(m.get("label", ""), str) and isinstance(options, list) \
+        and all(isinstance(o, dict) for o in options)
 
 
 def _line_of(text: str, section: str, index: int | None, key: str | None) -> int | None:
@@ -1544,10 +1553,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
     adapters = build_adapters(config, data_dir, prov)
-    for adapter in adapters.values():
-        if not adapter.info.available:
-            log.info("provider %s unavailable: %s", adapter.info.instance_id,
-                     "; ".join(adapter.info.constraints))
+    _report_providers(adapters, detected=config.providers is None, detectable=prov.DETECTABLE)
     orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                             credentials=credentials,
                             max_live_agent_processes=config.max_live_agent_processes)
@@ -1564,6 +1570,29 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
                           max_delegation_depth=config.max_delegation_depth)
     toolkit = toolkit_cls(orch, store, context)
     return orch, adapters, toolkit
+
+
+def _report_providers(adapters: Mapping[str, Any], *, detected: bool,
+                      detectable: Sequence[str]) -> None:
+    """One stderr line per provider instance: its driver, whether it can run, and why not. (An
+    acpRegistry instance is still preparing here; it logs again once it is ready or failed.)"""
+    how = "detected on PATH" if detected else "configured"
+    for adapter in adapters.values():
+        info = adapter.info
+        state = "ready" if info.available else "unavailable: " + "; ".join(info.constraints)
+        print(f"t3: provider {info.instance_id} ({info.driver}, {how}): {state}",
+              file=sys.stderr)
+    if any(adapter.info.available for adapter in adapters.values()):
+        return
+    if detected and not adapters:
+        hint = (f"no agent CLI on PATH ({', '.join(detectable)}) and no [[providers]] in the "
+                "configuration; install one, or configure one (README: Configuration)")
+    elif any(hasattr(adapter, "prepare") for adapter in adapters.values()):
+        hint = "wait for the instances being prepared, or fix the reasons above"
+    else:
+        hint = "fix the reasons above in the configuration's [[providers]]"
+    print(f"t3: no provider instance can run yet: {hint}. Until one can, new threads and "
+          "tasks are refused (provider_unavailable).", file=sys.stderr)
 
 
 def _hypercorn_config(config: Config, hypercorn: Any) -> Any:

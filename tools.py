@@ -1,8 +1,9 @@
 """tools.py: the MCP tool surface of t3 (server key ``t3-code``, server name ``t3``).
 
-Each tool has a hand-written JSON Schema; arguments are validated against it here (the MCP SDK's
-low-level server does not), unknown fields are refused, and a violation is the typed failure
-``invalid_request`` naming the field. Handlers check the caller's scope (set by ``t3.py``'s auth
+Each tool has a hand-written JSON Schema (``anyOf``, never a ``type`` array, so every client takes
+it); arguments are validated against it here (the MCP SDK's low-level server does not), unknown
+fields are refused, and a violation is the typed failure ``invalid_request`` naming the field.
+Each tool also declares the exact shape of its result, published as its ``outputSchema``. Handlers check the caller's scope (set by ``t3.py``'s auth
 middleware in ``current_scope``), turn the request into orchestrator commands with ids derived
 from ``clientRequestId`` and the caller's identity, and shape results. Expected denials are typed
 failures: ``isError: true`` with ``structuredContent = {"_tag": "OrchestratorMcpFailure", code,
@@ -33,8 +34,9 @@ import orchestrator as orch
 from orchestrator import RUN_TERMINAL, RunStatus, ThreadState
 from store import Store, StoreError
 
-__all__ = ["FAILURE_CODES", "Scope", "current_scope", "ToolFailure", "Project", "ServerContext",
-           "Toolkit", "build_mcp_server", "failure_result", "validate"]
+__all__ = ["FAILURE_CODES", "FAILURE_OUTPUT", "Scope", "current_scope", "ToolFailure", "Project",
+           "ServerContext", "Toolkit", "TOOLS", "build_mcp_server", "failure_result",
+           "published_output", "validate"]
 
 log = logging.getLogger("t3.tools")
 
@@ -127,10 +129,22 @@ RUNTIME_INPUT = {"type": "string", "enum": ["inherit", *orch.RuntimeMode]}
 INTERACTION_INPUT = {"type": "string", "enum": ["inherit", *orch.InteractionMode]}
 TARGET = {"type": "object", "additionalProperties": False, "properties": {
     "providerInstanceId": _text(64), "driverKind": _text(64), "model": _text(256),
-    "options": {"type": ["array", "object"]}}}
+    "options": {"anyOf": [{"type": "array"}, {"type": "object"}]}}}
 CLIENT_REQUEST_ID = _text(256)
 THREAD_ID = _text(512)
 RUN_STATUSES = ["idle", *RunStatus]
+BRANCH = _text(256)
+# The seed's forms; worktree and existing_worktree are refused until t3 builds worktrees.
+WORKSPACE_STRATEGY = {"anyOf": [
+    {"type": "string", "enum": ["root"]},
+    {"type": "object", "additionalProperties": False, "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["root"]}}},
+    {"type": "object", "additionalProperties": False, "required": ["type", "baseRef"],
+     "properties": {"type": {"type": "string", "enum": ["worktree"]}, "baseRef": BRANCH,
+                    "branch": BRANCH, "startFromOrigin": {"type": "boolean"}}},
+    {"type": "object", "additionalProperties": False, "required": ["type", "worktreePath"],
+     "properties": {"type": {"type": "string", "enum": ["existing_worktree"]},
+                    "worktreePath": _text(4096), "branch": BRANCH}}]}
 
 
 def _object(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
@@ -141,10 +155,11 @@ def _object(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict
 def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
     """Check ``value`` against the subset of JSON Schema our tools use; return it normalized."""
     name = path or "arguments"
-    expected = schema.get("type")
-    kinds = expected if isinstance(expected, list) else [expected] if expected else []
-    if kinds and not any(_is_type(value, k) for k in kinds):
-        raise ToolFailure("invalid_request", f"{name}: expected {' or '.join(kinds)}")
+    if "anyOf" in schema:
+        return validate(_branch(schema["anyOf"], value, name), value, path)
+    kind = schema.get("type")
+    if kind and not _is_type(value, kind):
+        raise ToolFailure("invalid_request", f"{name}: expected {kind}")
     if isinstance(value, str):
         if schema.get("trim"):
             value = value.strip()
@@ -183,6 +198,25 @@ def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
     return value
 
 
+def _branch(branches: Sequence[Mapping[str, Any]], value: Any, name: str) -> Mapping[str, Any]:
+    """The ``anyOf`` branch ``value`` is checked against: the one of its JSON type, and among
+    objects the one whose ``type`` property names it (``{"type": "worktree", ...}``), so that
+    an error names the field that is wrong rather than every branch."""
+    fitting = [b for b in branches if "type" not in b or _is_type(value, b["type"])]
+    if not fitting:
+        kinds = dict.fromkeys(str(b["type"]) for b in branches)
+        raise ToolFailure("invalid_request", f"{name}: expected {' or '.join(kinds)}")
+    tags = [b.get("properties", {}).get("type", {}).get("enum") for b in fitting]
+    if len(fitting) == 1 or not isinstance(value, dict) or not all(tags):
+        return fitting[0]
+    for branch, tag in zip(fitting, tags):
+        if value.get("type") in tag:
+            return branch
+    kinds = ", ".join(str(t) for tag in tags for t in tag)
+    problem = "required" if value.get("type") is None else f"must be one of {kinds}"
+    raise ToolFailure("invalid_request", f"{name}.type: {problem}")
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -205,6 +239,136 @@ def _public_schema(schema: Any) -> Any:
 
 
 # =============================================================================================
+# Output schemas: each tool's success structuredContent exactly (every key the handler returns,
+# all required unless the handler may leave one out; a value that may be missing is anyOf with
+# null), and the typed failure's. Published as each tool's outputSchema (see published_output).
+
+
+def _nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [dict(schema), {"type": "null"}]}
+
+
+def _list(items: Mapping[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": dict(items)}
+
+
+def _shape(properties: Mapping[str, Any], optional: Sequence[str] = ()) -> dict[str, Any]:
+    """An object with exactly these keys."""
+    return _object(properties, [k for k in properties if k not in optional])
+
+
+def _enum(values: Sequence[str]) -> dict[str, Any]:
+    return {"type": "string", "enum": [str(v) for v in values]}
+
+
+STRING: Mapping[str, Any] = {"type": "string"}
+INTEGER: Mapping[str, Any] = {"type": "integer"}
+BOOLEAN: Mapping[str, Any] = {"type": "boolean"}
+OPT_STRING = _nullable(STRING)
+OPT_INTEGER = _nullable(INTEGER)
+THREAD_STATUS = _enum(RUN_STATUSES)
+ACTOR, SOURCE = _enum(list(orch.Actor)), _enum(list(orch.CreationSource))
+RUNTIME, INTERACTION = _enum(list(orch.RuntimeMode)), _enum(list(orch.InteractionMode))
+FEATURES = {"appOwnedSubagents": True, "asyncPolling": True, "cancellation": True,
+            "batchThreadCreation": True, "threadManagement": True,
+            "incrementalThreadRead": True, "scheduledTasks": False, "maxBatchThreads": 20}
+PENDING_APPROVAL = _nullable(_shape({"requestId": STRING, "kind": STRING, "runId": STRING}))
+ANSWERED_BY = {"anyOf": [_shape({"kind": _enum(["client"])}),
+                         _shape({"kind": _enum(["thread"]), "threadId": STRING})]}
+FAILURE_OUTPUT = _shape({"_tag": _enum(["OrchestratorMcpFailure"]),
+                         "code": _enum(sorted(FAILURE_CODES)), "message": STRING})
+
+_CREATED = {"threadId": STRING, "runId": OPT_STRING, "status": THREAD_STATUS, "title": STRING,
+            "createdBy": ACTOR, "creationSource": SOURCE, "providerInstanceId": STRING,
+            "model": OPT_STRING, "projectId": STRING, "link": STRING}
+_LINEAGE = {"parentThreadId": OPT_STRING, "relationshipToParent": OPT_STRING}
+_THREAD_SHELL = _shape({
+    "threadId": STRING, "title": STRING, "createdBy": ACTOR, "creationSource": SOURCE,
+    "status": THREAD_STATUS, "latestRunId": OPT_STRING, "providerInstanceId": STRING,
+    "model": OPT_STRING, "runtimeMode": RUNTIME, "interactionMode": INTERACTION, **_LINEAGE,
+    "itemCount": INTEGER, "pendingRequestCount": INTEGER, "createdAt": STRING,
+    "updatedAt": STRING, "link": STRING})
+_THREAD_DETAIL = _shape({
+    "threadId": STRING, "projectId": STRING, "title": STRING, "createdBy": ACTOR,
+    "creationSource": SOURCE, "status": THREAD_STATUS, "latestRunId": OPT_STRING,
+    "activeRunId": OPT_STRING, "providerInstanceId": STRING, "model": OPT_STRING,
+    "runtimeMode": RUNTIME, "interactionMode": INTERACTION, "branch": OPT_STRING,
+    "worktreePath": OPT_STRING, "workspacePath": OPT_STRING, **_LINEAGE, "runCount": INTEGER,
+    "itemCount": INTEGER, "pendingRequestCount": INTEGER, "archived": BOOLEAN,
+    "createdAt": STRING, "updatedAt": STRING, "link": STRING})
+_RUN_SUMMARY = _shape({
+    "runId": STRING, "ordinal": INTEGER, "status": _enum(list(RunStatus)),
+    "statusReason": OPT_STRING, "providerInstanceId": STRING, "model": OPT_STRING,
+    "requestedAt": STRING, "startedAt": OPT_STRING, "completedAt": OPT_STRING,
+    "attemptCount": INTEGER, "queuePosition": OPT_INTEGER})
+_TRANSFER = _shape({
+    "id": STRING, "type": STRING, "sourceThreadId": STRING, "targetThreadId": STRING,
+    "status": STRING, "createdBy": STRING, "createdAt": STRING, "updatedAt": STRING,
+    "targetRunId": OPT_STRING, "summary": OPT_STRING, "consumedAt": OPT_STRING})
+_TIMELINE_ITEM = _shape({
+    "position": INTEGER, "visibility": _enum(["local"]), "sourceThreadId": STRING,
+    "itemId": STRING, "runId": OPT_STRING, "messageId": OPT_STRING, "role": OPT_STRING,
+    "createdBy": ACTOR, "creationSource": SOURCE, "type": STRING, "status": STRING,
+    "title": OPT_STRING, "text": OPT_STRING, "textTruncated": BOOLEAN, "updatedAt": STRING,
+    "answeredBy": ANSWERED_BY}, optional=["answeredBy"])
+_TASK = _shape({
+    "taskId": STRING, "childThreadId": STRING, "childRunId": STRING, "childNodeId": STRING,
+    "status": _enum([*sorted(orch.TASK_TERMINAL), "running", "queued", "waiting"]),
+    "workState": _enum(["working", "waiting_for_children", "result_available"]),
+    "hasPendingChildRuns": BOOLEAN, "providerInstanceId": STRING, "model": OPT_STRING,
+    "summary": OPT_STRING, "resultContextTransferId": OPT_STRING,
+    "latestTerminalRunId": OPT_STRING, "latestTerminalStatus": _nullable(_enum(
+        sorted(RUN_TERMINAL))), "latestTerminalSummary": OPT_STRING,
+    "latestTerminalResultContextTransferId": OPT_STRING, "hasPendingQuestion": BOOLEAN,
+    "pendingApproval": PENDING_APPROVAL, "waitTimedOut": BOOLEAN, "childThreadLink": STRING})
+_REQUEST = {"requestId": STRING, "kind": STRING, "title": STRING, "status": STRING,
+            "runId": STRING, "createdAt": STRING, "options": {"type": "array"}}
+
+CAPABILITIES_OUTPUT = _shape({
+    "parentThreadId": OPT_STRING, "inheritedProviderInstanceId": OPT_STRING,
+    "inheritedModel": OPT_STRING, "runtimeMode": _nullable(RUNTIME),
+    "interactionMode": _nullable(INTERACTION),
+    "providers": _list(_shape({
+        "providerInstanceId": STRING, "driverKind": STRING, "displayName": OPT_STRING,
+        "models": _list(_shape({"id": STRING, "label": OPT_STRING,
+                                "options": _list({"type": "object"})}, optional=["options"])),
+        "omittedModels": INTEGER, "canRunChildTask": BOOLEAN,
+        "canRunCrossProviderChildTask": BOOLEAN, "constraints": _list(STRING),
+        "runtimeModes": _list(RUNTIME)}, optional=["runtimeModes"])),
+    "features": _shape({k: BOOLEAN if isinstance(v, bool) else INTEGER
+                        for k, v in FEATURES.items()})})
+TASK_CANCEL_OUTPUT = _shape({"taskId": STRING, "status": _enum(
+    [*sorted(orch.TASK_TERMINAL), "cancel_requested"])})
+CREATE_OUTPUT = _shape({"threads": _list(_shape(_CREATED))})
+LAUNCH_OUTPUT = _shape({**_CREATED, "workspaceStrategy": _enum(["root", "scratch"]),
+                        "workspacePath": STRING})
+LIST_OUTPUT = _shape({"projectId": STRING, "currentThreadId": OPT_STRING,
+                      "threads": _list(_THREAD_SHELL), "nextCursor": OPT_INTEGER,
+                      "total": INTEGER})
+READ_OUTPUT = _shape({"thread": _THREAD_DETAIL, "transfers": _list(_TRANSFER),
+                      "recentRuns": _list(_RUN_SUMMARY), "items": _list(_TIMELINE_ITEM),
+                      "nextPosition": OPT_INTEGER, "hasMore": BOOLEAN,
+                      "earlierPosition": OPT_INTEGER, "link": STRING})
+SEND_OUTPUT = _shape({"threadId": STRING, "messageId": STRING, "runId": STRING,
+                      "status": _nullable(_enum(list(RunStatus))),
+                      "delivery": _nullable(_enum(["started", "queued", "steered",
+                                                   "restarted"]))})
+WAIT_OUTPUT = _shape({"threadId": STRING, "runId": OPT_STRING, "status": THREAD_STATUS,
+                      "statusReason": OPT_STRING, "timedOut": BOOLEAN,
+                      "hasPendingQuestion": BOOLEAN, "pendingApproval": PENDING_APPROVAL})
+INTERRUPT_OUTPUT = _shape({"threadId": STRING, "runId": OPT_STRING, "status": _enum(
+    [*sorted(RUN_TERMINAL), "interrupt_requested", "no_active_run"])})
+PENDING_REQUEST_OUTPUT = {"type": "object", "anyOf": [  # one shape per action
+    _shape({"threadId": STRING, "requests": _list(_shape(_REQUEST))}),
+    _shape({"threadId": STRING, "request": _shape({
+        **_REQUEST, "detail": {"type": "object"}, "decision": OPT_STRING,
+        "answers": _nullable({"type": "object"}), "answeredBy": _nullable(ANSWERED_BY),
+        "resolvedAt": OPT_STRING, "statusReason": OPT_STRING})}),
+    _shape({"threadId": STRING, "requestId": STRING, "status": STRING,
+            "decision": OPT_STRING})]}
+
+
+# =============================================================================================
 # Tool table
 
 
@@ -214,6 +378,7 @@ class _Tool:
     description: str
     input_schema: Mapping[str, Any]
     handler: str
+    output_schema: Mapping[str, Any]  # of a success; published_output adds the failure
     read_only: bool = False
     destructive: bool = False
 
@@ -229,7 +394,7 @@ TOOLS: tuple[_Tool, ...] = (
           "model and modes, and the orchestration features. Model lists are short; pass search "
           "to find omitted models.",
           _object({"search": {"type": "string", "maxLength": 256}}), "capabilities",
-          read_only=True),
+          CAPABILITIES_OUTPUT, read_only=True),
     _Tool("delegate_task",
           "Delegate ONE task to a t3-owned child agent of THIS thread, on any provider, using only "
           "the given task text (no parent history). Use it whenever work should go to another "
@@ -245,16 +410,16 @@ TOOLS: tuple[_Tool, ...] = (
                    "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS},
                    "clientRequestId": CLIENT_REQUEST_ID, "runtimeMode": RUNTIME_INPUT,
                    "interactionMode": INTERACTION_INPUT}, ["task"]),
-          "delegate", destructive=True),
+          "delegate", _TASK, destructive=True),
     _Tool("task_status",
           "The latest durable state and result of a task this thread delegated.",
-          _object({"taskId": _text(1024)}, ["taskId"]), "task_status", read_only=True),
+          _object({"taskId": _text(1024)}, ["taskId"]), "task_status", _TASK, read_only=True),
     _Tool("task_cancel",
           "Cancel a task this thread delegated: its own delegated tasks first, then its child "
           "thread. A finished task is returned unchanged (its child thread is still stopped).",
           _object({"taskId": _text(1024), "reason": {"type": "string", "maxLength": 2000},
                    "clientRequestId": CLIENT_REQUEST_ID}, ["taskId"]),
-          "task_cancel", destructive=True),
+          "task_cancel", TASK_CANCEL_OUTPUT, destructive=True),
     _Tool("create_threads",
           "Create 1-20 ORDINARY top-level t3 threads (not delegation). Entries with a prompt start "
           "a run at once; entries without stay idle. Each entry may pick its provider instance, "
@@ -262,17 +427,18 @@ TOOLS: tuple[_Tool, ...] = (
           _object({"threads": {"type": "array", "minItems": 1, "maxItems": 20,
                                "items": _CREATE_ENTRY},
                    "clientRequestId": CLIENT_REQUEST_ID, "projectId": _text(256)}, ["threads"]),
-          "create_threads", destructive=True),
+          "create_threads", CREATE_OUTPUT, destructive=True),
     _Tool("t3_thread_launch",
           "Launch one ordinary top-level thread bound to a workspace: workspaceStrategy 'root' "
           "(the project root, default) or scratch: true (a fresh folder outside any project). "
-          "Pass the task in message. Worktree strategies are not available in this version.",
+          "Pass the task in message. The worktree strategies ({type: 'worktree', baseRef} and "
+          "{type: 'existing_worktree', worktreePath}) are not available in this version.",
           _object({"projectId": _text(256), "title": _text(512), "message": _text(120_000),
                    "target": TARGET, "runtimeMode": RUNTIME_INPUT,
                    "interactionMode": INTERACTION_INPUT,
-                   "workspaceStrategy": {"type": ["string", "object"]},
+                   "workspaceStrategy": WORKSPACE_STRATEGY,
                    "scratch": {"type": "boolean"}, "clientRequestId": CLIENT_REQUEST_ID}),
-          "launch", destructive=True),
+          "launch", LAUNCH_OUTPUT, destructive=True),
     _Tool("t3_thread_list",
           "List thread shells of one project, newest first (projectId, else the caller's or the "
           "default project). Filter by run status and title; offset pagination with cursor.",
@@ -283,7 +449,7 @@ TOOLS: tuple[_Tool, ...] = (
                    "includeSubagents": {"type": "boolean"},
                    "cursor": {"type": "integer", "minimum": 0},
                    "limit": {"type": "integer", "minimum": 1, "maximum": 100}}),
-          "list_threads", read_only=True),
+          "list_threads", LIST_OUTPUT, read_only=True),
     _Tool("t3_thread_read",
           "Read a thread's durable state, recent runs and timeline. view 'messages' (default: "
           "user and assistant messages, plans) or 'activity' (also tools, reasoning, requests). "
@@ -297,7 +463,7 @@ TOOLS: tuple[_Tool, ...] = (
                    "runLimit": {"type": "integer", "minimum": 1, "maximum": 50},
                    "maxCharsPerItem": {"type": "integer", "minimum": 1, "maximum": 50_000}},
                   ["threadId"]),
-          "read_thread", read_only=True),
+          "read_thread", READ_OUTPUT, read_only=True),
     _Tool("t3_thread_send",
           "Send a message to a thread. mode 'auto' (default) starts an idle thread, steers an "
           "active turn, or queues behind a turn that cannot be steered yet; 'queue' makes a "
@@ -306,22 +472,24 @@ TOOLS: tuple[_Tool, ...] = (
           _object({"threadId": THREAD_ID, "message": _text(120_000),
                    "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
                    "clientRequestId": CLIENT_REQUEST_ID}, ["threadId", "message"]),
-          "send", destructive=True),
+          "send", SEND_OUTPUT, destructive=True),
     _Tool("t3_thread_wait",
           "Wait until a run (runId, else the thread's latest run) is completed, failed, "
           f"cancelled, interrupted or rolled_back, or a request of that run needs an answer. "
-          f"timeoutMs default {DEFAULT_WAIT_MS}, max {MAX_WAIT_MS}; a timeout never cancels work.",
+          f"timeoutMs default {DEFAULT_WAIT_MS}, max {MAX_WAIT_MS}; a timeout never cancels work. "
+          "Keep timeoutMs under your MCP client's tool-call limit (often 60 s) and call again "
+          "while timedOut is true.",
           _object({"threadId": THREAD_ID, "runId": _text(512),
                    "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS}},
                   ["threadId"]),
-          "wait", read_only=True),
+          "wait", WAIT_OUTPUT, read_only=True),
     _Tool("t3_thread_interrupt",
           "Interrupt a run (runId, else the newest interruptible one). A terminal run is returned "
           "unchanged; a thread with nothing running returns status no_active_run.",
           _object({"threadId": THREAD_ID, "runId": _text(512), "reason": {
               "type": "string", "maxLength": 2000}, "clientRequestId": CLIENT_REQUEST_ID},
                   ["threadId"]),
-          "interrupt", destructive=True),
+          "interrupt", INTERRUPT_OUTPUT, destructive=True),
     _Tool("t3_pending_request",
           "List, read or answer a thread's pending runtime requests (approvals and questions "
           "from its agent). respond takes requestId plus decision (accept, acceptForSession, "
@@ -335,9 +503,19 @@ TOOLS: tuple[_Tool, ...] = (
                    "decision": {"type": "string", "enum": list(orch.DECISIONS)},
                    "answers": {"type": "object"}, "clientRequestId": CLIENT_REQUEST_ID},
                   ["threadId", "action"]),
-          "pending_request", destructive=True),
+          "pending_request", PENDING_REQUEST_OUTPUT, destructive=True),
 )
 _BY_NAME = {tool.name: tool for tool in TOOLS}
+
+
+def published_output(tool: _Tool) -> dict[str, Any]:
+    """The tool's outputSchema as listed: its success shape or the typed failure. MCP does not
+    ask an error result to fit the outputSchema, but some clients check it anyway (gemini-cli
+    0.61 and opencode 1.18 would hand the model a schema complaint instead of the failure's
+    code and message)."""
+    success = tool.output_schema
+    return {"type": "object",
+            "anyOf": [*success.get("anyOf", [success]), FAILURE_OUTPUT]}
 
 
 # =============================================================================================
@@ -355,6 +533,7 @@ class Toolkit:
     def list_tools(self) -> list[types.Tool]:
         return [types.Tool(name=t.name, description=t.description,
                            input_schema=_public_schema(t.input_schema),
+                           output_schema=published_output(t),
                            annotations=types.ToolAnnotations(
                                read_only_hint=t.read_only, destructive_hint=t.destructive,
                                open_world_hint=False))
@@ -489,10 +668,7 @@ class Toolkit:
                 "runtimeMode": thread.runtime_mode if thread else None,
                 "interactionMode": thread.interaction_mode if thread else None,
                 "providers": providers,
-                "features": {"appOwnedSubagents": True, "asyncPolling": True,
-                             "cancellation": True, "batchThreadCreation": True,
-                             "threadManagement": True, "incrementalThreadRead": True,
-                             "scheduledTasks": False, "maxBatchThreads": 20}}
+                "features": dict(FEATURES)}
 
     async def _delegate(self, scope: Scope, args: Mapping[str, Any],
                         progress: Callable[[float, str], Awaitable[None]] | None
@@ -693,14 +869,10 @@ class Toolkit:
         made_by = _AGENT_MADE if transport == "mcp" else {
             "created_by": orch.Actor.USER, "creation_source": orch.CreationSource(transport)}
         strategy = args.get("workspaceStrategy", "root")
-        if isinstance(strategy, dict):
-            strategy = strategy.get("type", "root")
-        if strategy in ("worktree", "existing_worktree"):
-            raise ToolFailure("invalid_request", f"workspaceStrategy: {strategy} is not available "
-                                                 "in this version of t3; use root or scratch")
-        if strategy != "root":
-            raise ToolFailure("invalid_request",
-                              "workspaceStrategy: must be root, worktree or existing_worktree")
+        if isinstance(strategy, dict) and strategy["type"] != "root":
+            raise ToolFailure("invalid_request", f"workspaceStrategy: {strategy['type']} is not "
+                                                 "available in this version of t3; use root or "
+                                                 "scratch")
         caller = (await self._agent_caller(scope, "t3_thread_launch"))[0] \
             if scope.kind == "thread" else None
         key = self._key(args)

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from harness import
 
 from fake_model import FakeModelServer  # noqa: E402
 from harness import (KEPT_MARKERS, McpClient, T3Server, child_pids, describe_process, kill_matching, leaked_processes,  # noqa: E402
-                     pids_alive, process_group, processes_matching, start_time, wait_until, write_config)
+                     mcp_results, output_problems, pids_alive, process_group, processes_matching, start_time,
+                     wait_until, write_config)
 from real_cli import Send, registry_hosts, strace_command, violations  # noqa: E402
 
 SESSION_ENV = "T3_TEST_SESSION"
@@ -122,6 +123,22 @@ def _no_leaked_children() -> Iterator[None]:
             with contextlib.suppress(ChildProcessError):  # an asyncio child watcher reaped it
                 os.waitpid(pid, 0)
         pytest.fail(f"test left child processes alive: {leaked}")
+
+
+@pytest.fixture(autouse=True)
+def _agents_got_declared_results(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test (its servers stopped), every answer of t3's tools that a scripted agent
+    logged under its tmp_path fits the tool's output schema, or the typed failure's. (The SDK
+    client checks the client token's calls itself; the agents' calls are checked here.)"""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    tmp_path = request.getfixturevalue("tmp_path")
+    yield
+    problems = [p for e in mcp_results(tmp_path)
+                for p in output_problems(e["tool"], e["result"], is_error=e["isError"])]
+    if problems:
+        pytest.fail("t3 answered an agent outside the tool's output schema:\n" + "\n".join(problems))
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ sleeps as synchronisation: a condition with no event to wait on goes through `wa
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -34,6 +35,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 __all__ = ["REPO", "T3_PY", "ACP_AGENT", "ServerStartError", "T3Server", "Progress", "ToolResult", "McpClient",
            "RawResponse", "raw_request", "raw_post", "wait_until", "agent_log", "count_prompts",
+           "output_problems", "mcp_results",
            "scripted_provider", "write_config", "pids_alive", "processes_matching", "kill_matching", "child_pids",
            "process_group", "start_time", "leaked_processes", "describe_process", "KEPT_MARKERS",
            "CountingIds"]
@@ -338,7 +340,11 @@ class McpClient:
         return self._portal.start_task_soon(self._call, self._ensure(), tool, args, timeout, on_progress)
 
     def list_tools(self) -> list[str]:
-        return [t.name for t in self._portal.call(self._ensure().list_tools).tools]
+        return [t.name for t in self.tools()]
+
+    def tools(self) -> list[mcp_types.Tool]:
+        """tools/list: the tools with their schemas, as the server publishes them."""
+        return list(self._portal.call(self._ensure().list_tools).tools)
 
 
 # ---------------------------------------------------------------- raw HTTP, waiting, logs
@@ -386,6 +392,31 @@ def agent_log(path: Path) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in lines if line.endswith("\n") and line.strip()]
+
+
+def output_problems(tool: str, structured: Any, *, is_error: bool) -> list[str]:
+    """How a tool's structuredContent departs from what tools.py declares for it: the tool's
+    success shape, or for an error the typed failure's (and either way the published
+    outputSchema); [] when it fits exactly. An unknown tool has only the failure shape."""
+    return [f"{tool}: {e.message} at /{'/'.join(map(str, e.absolute_path))}"
+            for validator in _output_validators(tool, is_error)
+            for e in validator.iter_errors(structured)]
+
+
+@functools.cache
+def _output_validators(tool: str, is_error: bool) -> tuple[Any, ...]:
+    import jsonschema
+    import tools  # the repository's module (tests run from its root)
+    declared = next((t for t in tools.TOOLS if t.name == tool), None)
+    exact = tools.FAILURE_OUTPUT if is_error or declared is None else declared.output_schema
+    schemas = [exact] if declared is None else [exact, tools.published_output(declared)]
+    return tuple(jsonschema.Draft202012Validator(s) for s in schemas)
+
+
+def mcp_results(tmp_path: Path) -> list[dict[str, Any]]:
+    """Every MCP call the scripted agents logged under `tmp_path` that got an answer."""
+    return [e for log in sorted(Path(tmp_path).glob("agent*.log")) for e in agent_log(log)
+            if e.get("dir") == "mcp" and e.get("error") is None]
 
 
 def count_prompts(path: Path) -> int:

@@ -195,6 +195,18 @@ def test_mcp_injection(driver: Driver) -> None:
     assert driver.script.call_done in answer and created["threadId"] in answer, answer
 
 
+def test_mcp_typed_failure(driver: Driver) -> None:
+    """A t3 tool's typed failure (isError, structuredContent {"_tag", code, message}) reaches the
+    agent whole: its code and message, not a client's complaint that the result does not fit
+    the tool's outputSchema (some clients validate error results too)."""
+    created = create(driver.mcp, driver.call("t3_thread_read", {"threadId": "thread:none"}))
+    assert wait(driver.mcp, created["threadId"])["status"] == "completed"
+    answer = text(driver.mcp, created["threadId"])
+    assert driver.script.call_done in answer, answer
+    assert "thread_not_found" in answer and "thread:none was not found" in answer, answer
+    assert "output schema" not in answer.lower(), answer
+
+
 def test_resume_after_restart(driver: Driver) -> None:
     """After a server restart, a follow-up continues the provider's own conversation: what the
     provider holds with the new message also holds the first one."""

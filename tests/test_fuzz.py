@@ -5,7 +5,10 @@ wrong methods, content types and headers, oversized bodies).
 
 Properties: the server never crashes, never answers 5xx or a traceback; a call either succeeds or
 is a typed failure with a known code; a failed call writes nothing (the event log does not grow);
-an invalid argument is `invalid_request` naming the field.
+an invalid argument is `invalid_request` naming the field; every answer's structuredContent
+validates (jsonschema, the validator the SDK client uses) against the tool's success output
+schema or the failure schema, and against the outputSchema tools/list publishes; no published
+schema uses a JSON-Schema `type` array.
 
 Speed: one server per module (per xdist worker); the seed is fixed (derandomize). CI runs
 FUZZ_EXAMPLES cases per tool and variant over HTTP. The soak mode,
@@ -33,12 +36,14 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from harness import (
     KEPT_MARKERS,
     T3Server,
     ToolResult,
     kill_matching,
+    output_problems,
     raw_request,
     wait_until,
     write_config,
@@ -232,8 +237,9 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 # ---------------------------------------------------------------- strategies from the schemas
 
 def _kinds(schema: Mapping[str, Any]) -> list[str]:
-    kind = schema.get("type")
-    return kind if isinstance(kind, list) else [kind] if kind else list(JSON_TYPES)
+    if "anyOf" in schema:
+        return [kind for branch in schema["anyOf"] for kind in _kinds(branch)]
+    return [schema["type"]] if "type" in schema else list(JSON_TYPES)
 
 
 # Strategies are built once and reused: building one per draw (its filters' lambdas are described
@@ -269,6 +275,8 @@ def _valid_value(schema: Mapping[str, Any], name: str, target: Target, tool: str
                          st.text(min_size=1, max_size=min(plain, 40)).filter(str.strip))
     if name == "timeoutMs":  # the schema allows 600 s; a fuzz case must not wait that long
         return st.integers(0, 2_000)
+    if "anyOf" in schema:
+        return st.one_of([valid_value(b, name, target, tool) for b in schema["anyOf"]])
     if "enum" in schema:
         return st.sampled_from(list(schema["enum"]))
     return st.one_of([_valid_of_kind(kind, schema, target, tool) for kind in _kinds(schema)])
@@ -423,6 +431,7 @@ def call_and_check(target: Target, tool: str, args: Mapping[str, Any]) -> ToolRe
     before = target.events()
     result = target.call(tool, dict(args))
     assert "Traceback" not in (result.text or "")
+    check_output(tool, result)
     if result.ok:
         assert isinstance(result.structured, dict) and json.loads(result.text) == result.structured
         if tool in STARTS_WORK and args.get("threadId") in target.thread_ids:
@@ -434,6 +443,13 @@ def call_and_check(target: Target, tool: str, args: Mapping[str, Any]) -> ToolRe
     assert result.failure_code != "orchestration_error", (tool, args, result.structured)
     assert target.events() == before, (tool, args, result.structured)
     return result
+
+
+def check_output(tool: str, result: ToolResult) -> None:
+    """The answer's structuredContent is exactly the tool's success shape or the failure shape,
+    and fits the outputSchema tools/list publishes."""
+    problems = output_problems(tool, result.structured, is_error=result.is_error)
+    assert not problems, (tool, result.structured, problems)
 
 
 @pytest.mark.parametrize("tool", sorted(SCHEMAS))
@@ -467,6 +483,32 @@ def test_unknown_tools(target: Target, name: str, args: dict[str, Any]) -> None:
         return
     result = call_and_check(target, name, args)
     assert result.failure_code == "invalid_request"
+
+
+def _type_arrays(schema: Any, path: str = "") -> Iterator[str]:
+    """Where a schema uses a `type` array (`{"type": ["string", "object"]}`)."""
+    if isinstance(schema, dict):
+        if isinstance(schema.get("type"), list):
+            yield path or "(root)"
+        for key, sub in schema.items():
+            yield from _type_arrays(sub, f"{path}.{key}" if path else key)
+    elif isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            yield from _type_arrays(sub, f"{path}[{i}]")
+
+
+def test_published_schemas_are_portable(http_target: HttpTarget) -> None:
+    """tools/list gives every tool an inputSchema and an outputSchema, both object-rooted, and
+    neither uses a `type` array anywhere (clients that map schemas onto a one-type dialect
+    refuse or mangle those; `anyOf` says the same to every client)."""
+    listed = {t.name: t for t in http_target.mcp.tools()}
+    assert sorted(listed) == sorted(SCHEMAS)
+    for name, tool in listed.items():
+        for kind, schema in (("inputSchema", tool.input_schema),
+                             ("outputSchema", tool.output_schema)):
+            assert isinstance(schema, dict) and schema.get("type") == "object", (name, kind)
+            jsonschema.Draft202012Validator.check_schema(schema)
+            assert not list(_type_arrays(schema)), (name, kind, list(_type_arrays(schema)))
 
 
 def test_scratch_launch_with_the_longest_client_request_id(target: Target) -> None:

@@ -98,8 +98,8 @@ def test_idle_thread_without_prompt(mcp: McpClient) -> None:
     created = create(mcp, title="Idle")
     assert (created["runId"], created["status"]) == (None, "idle")
     assert wait(mcp, created["threadId"]) == {
-        "threadId": created["threadId"], "runId": None, "status": "idle", "timedOut": False,
-        "hasPendingQuestion": False, "pendingApproval": None}
+        "threadId": created["threadId"], "runId": None, "status": "idle", "statusReason": None,
+        "timedOut": False, "hasPendingQuestion": False, "pendingApproval": None}
 
 
 def test_send_auto_steers_by_restart(mcp: McpClient, agent_log_path: Path) -> None:
@@ -391,6 +391,20 @@ def test_token_command_and_invalid_config(tmp_path: Path) -> None:
     assert f"{config}:{line}: providers[0].driver" in bad.stderr
 
 
+@pytest.mark.parametrize("model", [{"id": "m", "label": 3}, {"id": "m", "options": "fast"},
+                                   {"id": "m", "options": ["fast"]}])
+def test_model_tables_are_checked(tmp_path: Path, model: dict) -> None:
+    """A configured model whose label is not a string, or whose options are not a list of
+    tables, is refused at load: orchestrator_capabilities publishes them under its outputSchema."""
+    import t3 as server_module
+    config = write_config(tmp_path, providers=[scripted_provider(tmp_path, models=[model])])
+    with pytest.raises(server_module.ConfigError, match=r"providers\[0\]\.models"):
+        server_module.load_config(config, cwd=tmp_path)
+    good = write_config(tmp_path, providers=[scripted_provider(tmp_path, models=[
+        {"id": "m", "label": "M", "options": [{"id": "effort", "type": "select"}]}])])
+    assert server_module.load_config(good, cwd=tmp_path).providers[0]["models"][0]["label"] == "M"
+
+
 def test_wait_reports_progress(mcp: McpClient) -> None:
     """A wait longer than 5 s sends MCP progress notifications to a client that asked for them."""
     created = create(mcp, "SLOW:130 take a while")
@@ -476,6 +490,27 @@ def test_provider_that_cannot_start_fails_the_run_after_retries(t3_factory, tmp_
         status, attempts = db.execute("SELECT status, attempt_count FROM effect_outbox "
                                       "WHERE effect_type = 'provider-turn.start'").fetchone()
     assert (status, attempts) == ("failed", 5)
+
+
+def test_startup_names_each_provider_and_why_it_cannot_run(t3_factory, tmp_path: Path) -> None:
+    """Startup prints one stderr line per provider instance (its driver, ready or the reason it
+    cannot run) before the ready line, and a hint when no instance can run."""
+    missing = {"id": "gone", "driver": "acp", "command": [str(tmp_path / "no-such-agent")]}
+    off = {**scripted_provider(tmp_path, id="off"), "enabled": False}
+    err = t3_factory(providers=[scripted_provider(tmp_path), missing, off]).stderr_text()
+    assert "t3: provider scripted (acp, configured): ready\n" in err
+    assert ("t3: provider gone (acp, configured): unavailable: executable not found: "
+            f"{tmp_path / 'no-such-agent'}\n") in err
+    assert "t3: provider off (acp, configured): unavailable: disabled in the configuration" in err
+    assert err.index("provider scripted") < err.index("ready: MCP at")
+    assert "no provider instance can run" not in err
+    (tmp_path / "empty").mkdir()
+    bare = t3_factory(config=write_config(tmp_path, providers=[], name="bare.toml"),
+                      data_dir=tmp_path / "bare", env={"PATH": str(tmp_path / "empty")})
+    assert "t3: no provider instance can run yet: no agent CLI on PATH (codex, claude, " \
+        in bare.stderr_text()
+    refused = bare.client().call("create_threads", {"threads": [{"title": "x"}]})
+    assert refused.failure_code == "provider_unavailable"
 
 
 def test_json_only_clients_get_json(t3: T3Server) -> None:

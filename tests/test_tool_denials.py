@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orchestrator as o  # noqa: E402
 from store import Store  # noqa: E402
+from harness import output_problems  # noqa: E402
 from tools import Project, Scope, ServerContext, Toolkit, ToolFailure, current_scope  # noqa: E402
 
 CLIENT = Scope(kind="client", key="client")
@@ -41,9 +42,11 @@ class World:
     async def call(self, scope: Scope, tool: str, args: dict[str, Any]) -> dict[str, Any]:
         reset = current_scope.set(scope)
         try:
-            return await self.tools.call(tool, args)
+            result = await self.tools.call(tool, args)
         finally:
             current_scope.reset(reset)
+        assert not output_problems(tool, result, is_error=False)  # its declared shape
+        return result
 
     async def thread(self, thread_id: str, *, prompt: str | None = "work",
                      runtime: str = "full-access", interaction: str = "default") -> None:
@@ -197,6 +200,32 @@ def test_invalid_requests(tmp_path: Path) -> None:
         await w.call(me, "delegate_task", {"task": "one", "clientRequestId": "k"})
         await w.denied(me, "delegate_task", {"task": "two", "clientRequestId": "k"},
                        "invalid_request")
+    run(tmp_path, scenario)
+
+
+def test_workspace_strategy_forms(tmp_path: Path) -> None:
+    """workspaceStrategy takes "root" or {type: root}; the worktree objects are checked against
+    their own branch (the error names the field) and then refused as not available yet."""
+    async def scenario(w: World) -> None:
+        for strategy, message in [
+                ({"type": "worktree"}, "workspaceStrategy.baseRef: required"),
+                ({"type": "existing_worktree", "worktreePath": "/x", "baseRef": "main"},
+                 "workspaceStrategy.baseRef: unknown field"),
+                ({"type": "later"}, "workspaceStrategy.type: must be one of root, worktree, "
+                                    "existing_worktree"),
+                ({}, "workspaceStrategy.type: required"),
+                ("worktree", "workspaceStrategy: must be one of root"),
+                (7, "workspaceStrategy: expected string or object"),
+                ({"type": "worktree", "baseRef": "main", "startFromOrigin": False},
+                 "workspaceStrategy: worktree is not available in this version"),
+                ({"type": "existing_worktree", "worktreePath": "/x"},
+                 "workspaceStrategy: existing_worktree is not available in this version")]:
+            denied = await w.denied(CLIENT, "t3_thread_launch", {"workspaceStrategy": strategy},
+                                    "invalid_request")
+            assert denied.startswith(message), (strategy, denied)
+        for strategy in ("root", {"type": "root"}):
+            made = await w.call(CLIENT, "t3_thread_launch", {"workspaceStrategy": strategy})
+            assert made["workspaceStrategy"] == "root" and made["workspacePath"] == str(tmp_path)
     run(tmp_path, scenario)
 
 
