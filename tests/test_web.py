@@ -208,14 +208,21 @@ def free_port() -> int:
 
 def test_web_view_reconnects_after_a_restart_and_resumes_from_its_last_sequence(
         t3_factory, tmp_path: Path, browser: Browser) -> None:
-    """The server restarts (same port) under an open page: the page says it is reconnecting,
-    reconnects on its own, subscribes again after the last sequence it applied (no new
-    snapshot, no reload), and shows what happens next live."""
+    """A wrong token gets the login form back with a reason (and is forgotten). Then the server
+    restarts (same port) under an open page: the page says it is reconnecting, reconnects on
+    its own, subscribes again after the last sequence it applied (no new snapshot, no reload),
+    and shows what happens next live."""
     t3 = t3_factory(args=["--port", str(free_port())])
     mcp = t3.client()
     page = browser.new_page()
     steps = Steps(page, tmp_path)
     page.navigate(t3.url + "/")
+    wrong = "not-the-token-" + "x" * 32
+    page.type_into("#token", wrong)
+    page.click("#login button", text="Log in")
+    page.wait_for(lines_with("Could not connect"))
+    steps.shot("wrong-token", ("Could not connect", "check the token"), ("Log in",))
+    assert page.evaluate("sessionStorage.length") == 0
     page.type_into("#token", t3.token)
     page.click("#login button", text="Log in")
     create(mcp, prompt="before the restart", title="resumed")
@@ -240,3 +247,4 @@ def test_web_view_reconnects_after_a_restart_and_resumes_from_its_last_sequence(
     assert [(f["method"], sorted(f["params"])) for f in frames] == [
         ("subscribeShell", ["afterSequence"]), ("subscribeThread", ["afterSequence", "threadId"])]
     mcp.close()
+    assert wrong not in t3.stderr_text() and "rejected a /ws connection" in t3.stderr_text()
