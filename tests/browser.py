@@ -3,7 +3,8 @@ tests: no Playwright, no driver binary. Chromium starts in its own session with
 `--remote-debugging-port=0` and a fresh profile under the test's tmp dir; the port is read from
 `<profile>/DevToolsActivePort`, and CDP JSON goes over one WebSocket (wsproto, which hypercorn
 brings) to the browser endpoint, with a flat session per page. `close()` ends Chromium and kills
-its whole process group, so no renderer or helper outlives the test.
+its whole process group and whatever names its profile or home (the crash handler, which starts
+a session of its own), so no renderer or helper outlives the test.
 
 The flags keep Chromium off the network (this machine's network is closed; without them it
 hangs or retries): no background networking, component updates, sync or QUIC.
