@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import fcntl
@@ -45,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VERSION", "main", "Config", "ConfigError", "load_config", "DataDirError",
-           "open_data_dir", "ClientToken", "Credentials", "HttpPolicy", "Route", "build_app"]
+           "open_data_dir", "ClientToken", "Credentials", "HttpPolicy", "Route", "WebView",
+           "build_app"]
 
 VERSION = "0.1.0"
 log = logging.getLogger("t3")
@@ -658,8 +660,51 @@ def _is_loopback(name: str) -> bool:
         return False
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class WebView:
+    """The web view served at ``GET /``: ``ui.html``, one static page that holds no data and so
+    needs no auth (it gets everything over /ws once the user gives it the client token). Its
+    policy lets only its own inline script and style run (by hash), lets it connect only to this
+    server, and refuses HTML sinks (Trusted Types), form submissions, framing and referrers."""
+
+    body: bytes
+    csp: str
+
+    @classmethod
+    def load(cls) -> WebView | None:
+        """``ui.html`` beside this file (a checkout, an editable install) or in
+        ``<prefix>/share/t3`` (where an installed wheel puts it); None when absent."""
+        for path in (Path(__file__).resolve().parent / "ui.html",
+                     Path(sys.prefix) / "share" / "t3" / "ui.html"):
+            with contextlib.suppress(FileNotFoundError):
+                return cls.of(path.read_text(encoding="utf-8"))
+        return None
+
+    @classmethod
+    def of(cls, html: str) -> WebView:
+        def hashes(tag: str) -> str:
+            found = re.findall(rf"<{tag}>(.*?)</{tag}>", html, re.DOTALL)
+            return " ".join("'sha256-" + base64.b64encode(hashlib.sha256(
+                text.encode()).digest()).decode() + "'" for text in found) or "'none'"
+        # connect-src 'self' covers ws: and wss: to this origin (CSP level 3).
+        return cls(body=html.encode(), csp=(
+            f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+            "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'; require-trusted-types-for 'script'; trusted-types 'none'"))
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/html; charset=utf-8"),
+            (b"content-length", str(len(self.body)).encode()), (b"cache-control", b"no-store"),
+            (b"content-security-policy", self.csp.encode()), (b"x-frame-options", b"DENY"),
+            (b"referrer-policy", b"no-referrer"), (b"x-content-type-options", b"nosniff")]})
+        await send({"type": "http.response.body",
+                    "body": b"" if scope.get("method") == "HEAD" else self.body})
+
+
 def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientToken,
-              environment_id: str, policy: HttpPolicy, ws: ASGIApp | None = None) -> ASGIApp:
+              environment_id: str, policy: HttpPolicy, ws: ASGIApp | None = None,
+              web_view: WebView | None = None) -> ASGIApp:
     """The routes, each reached only past ``_refusal`` (Host, Origin, path, method)."""
     async def healthz(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         await _send_json(send, 200, {"ok": True, "version": VERSION,
@@ -678,6 +723,8 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
             _bounded_body(mcp), credentials=credentials, client_token=client_token)),
         "/ws": Route(methods=("GET",), handler=ws_without_upgrade, websocket=ws),
     }
+    if web_view is not None:
+        routes["/"] = Route(methods=("GET", "HEAD"), handler=web_view)
 
     async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -1495,7 +1542,10 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     plain = manager_cls(app=mcp_server, stateless=True, json_response=True,
                         max_request_body_size=MAX_BODY_BYTES)
     client_token = ClientToken(data_dir / "client-token")
-    app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request),
+    web_view = WebView.load()
+    if web_view is None:
+        log.warning("ui.html is not installed beside t3.py: GET / (the web view) answers 404")
+    app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request), web_view=web_view,
                     credentials=credentials, client_token=client_token,
                     ws=ws_endpoint(ClientApi(orch=orch, toolkit=toolkit, store=store),
                                    client_token), environment_id=environment_id,
