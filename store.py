@@ -29,6 +29,7 @@ import queue
 import re
 import signal
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,7 +55,10 @@ __all__ = [
     "crash_point",
 ]
 
-SQL_DIR = Path(__file__).resolve().parent / "sql"
+# Beside store.py in a checkout; in <prefix>/share/t3/sql where an installed wheel puts it.
+SQL_DIR = next((d for d in (Path(__file__).resolve().parent / "sql",
+                            Path(sys.prefix) / "share" / "t3" / "sql") if d.is_dir()),
+               Path(__file__).resolve().parent / "sql")
 log = logging.getLogger("t3.store")
 T = TypeVar("T")
 

@@ -933,6 +933,7 @@ class ClientApi:
     def __init__(self, *, orch: Any, toolkit: Any, store: Any) -> None:
         from tools import Scope
         self.orch, self.toolkit, self.store = orch, toolkit, store
+        self.connections: set[_WsConnection] = set()
         self.threads = toolkit.threads
         self.scope = Scope(kind="client", key="client")
         self._methods: dict[str, Callable[[Mapping[str, Any]], Awaitable[Any]]] = {
@@ -1173,6 +1174,7 @@ class _WsConnection:
         self._tasks: dict[Any, asyncio.Task[None]] = {}
 
     async def serve(self, receive: Callable[[], Awaitable[Any]]) -> None:
+        self.api.connections.add(self)
         try:
             while True:
                 message = await receive()
@@ -1182,9 +1184,20 @@ class _WsConnection:
                     self._start(message.get("text") or
                                 (message.get("bytes") or b"").decode(errors="replace"))
         finally:
+            self.api.connections.discard(self)
             for task in list(self._tasks.values()):
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def close(self) -> None:
+        """The server is stopping: end the requests and streams, and say so (1001, going
+        away), so that shutdown does not wait for clients to leave."""
+        for task in list(self._tasks.values()):
+            task.cancel()
+        with contextlib.suppress(Exception):  # a reader that reads nothing gets no goodbye
+            async with asyncio.timeout(1.0):
+                async with self._lock:
+                    await self._send({"type": "websocket.close", "code": 1001})
 
     def _start(self, text: str) -> None:
         try:
@@ -1545,10 +1558,10 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     web_view = WebView.load()
     if web_view is None:
         log.warning("ui.html is not installed beside t3.py: GET / (the web view) answers 404")
+    clients = ClientApi(orch=orch, toolkit=toolkit, store=store)
     app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request), web_view=web_view,
                     credentials=credentials, client_token=client_token,
-                    ws=ws_endpoint(ClientApi(orch=orch, toolkit=toolkit, store=store),
-                                   client_token), environment_id=environment_id,
+                    ws=ws_endpoint(clients, client_token), environment_id=environment_id,
                     policy=HttpPolicy.for_server(config=config, host=host, port=port,
                                                  tls=hconfig.ssl_enabled))
     stop = asyncio.Event()
@@ -1581,6 +1594,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         for task in preparing:
             task.cancel()  # an install in progress is killed; its partial directory is removed
         orch.begin_shutdown()  # waits return their current state before HTTP closes
+        await asyncio.gather(*(c.close() for c in list(clients.connections)))
         http_stop.set()
         with contextlib.suppress(Exception):
             await server
