@@ -1596,6 +1596,11 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         orch.begin_shutdown()  # waits return their current state before HTTP closes
         await asyncio.gather(*(c.close() for c in list(clients.connections)))
         http_stop.set()
+        await asyncio.wait({server}, timeout=hconfig.graceful_timeout + 1.0)
+        if not server.done():
+            # Hypercorn waits, without end, to flush what a client that reads nothing was
+            # sent; cutting the connections ends that wait.
+            sock.abort_connections()
         with contextlib.suppress(Exception):
             await server
         stopped.cancel()
@@ -1721,14 +1726,19 @@ class _Listener(socket.socket):
 
     def __init__(self, family: int, *, cap: int, refusal: bytes) -> None:
         super().__init__(family, socket.SOCK_STREAM)
-        self.cap, self.refusal, self.live, self._full = cap, refusal, 0, False
+        self.cap, self.refusal, self._full = cap, refusal, False
+        self.open: set[_Connection] = set()
+
+    @property
+    def live(self) -> int:
+        return len(self.open)
 
     def accept(self) -> tuple[socket.socket, Any]:
         while True:  # until the backlog is empty: then _accept raises BlockingIOError
             fd, address = self._accept()  # type: ignore[attr-defined]
             conn = _Connection(self.family, self.type, self.proto, fileno=fd)
             if self.live < self.cap:
-                self.live += 1
+                self.open.add(conn)
                 conn.listener = self
                 return conn, address
             if not self._full:  # once per time the cap is reached, not once per connection
@@ -1742,9 +1752,15 @@ class _Listener(socket.socket):
                 conn.send(self.refusal)
             conn.close()
 
-    def release(self) -> None:
-        self.live -= 1
+    def release(self, conn: _Connection) -> None:
+        self.open.discard(conn)
         self._full = self._full and self.live >= self.cap
+
+    def abort_connections(self) -> None:
+        """Cut every open connection (shutdown): what is unsent is dropped."""
+        for conn in list(self.open):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
 
 class _Connection(socket.socket):
@@ -1755,7 +1771,7 @@ class _Connection(socket.socket):
     def close(self) -> None:
         listener, self.listener = self.listener, None
         if listener is not None:
-            listener.release()
+            listener.release(self)
         super().close()
 
 
