@@ -1,13 +1,15 @@
 """t3.py: the entry point of t3, a small auditable server that orchestrates coding agents.
 
-``python t3.py [serve]`` runs one local server (hypercorn on 127.0.0.1) with MCP tools at ``/mcp``;
-``python t3.py token [--rotate]`` prints (or replaces) the client token; ``threads``, ``show``,
-``new``, ``send``, ``wait``, ``interrupt``, ``requests``, ``answer`` and ``tasks`` are commands for
-people that talk to a running server only through its ``/ws`` API. This file owns
-configuration (``t3.toml``), the data directory (private: 0700 and 0600, no symlink followed; its
-lock, the client token, ``server.json``), credentials and bearer auth, the ASGI app and its routes
-(every request: Host and Origin checked, authenticated before its body is read, the body bounded
-in size and time), the listening socket (connections capped), and startup/shutdown order. It
+``python t3.py [serve]`` runs one local server (hypercorn on 127.0.0.1) with MCP tools at ``/mcp``,
+the client API at ``/ws`` and the web view (``ui.html``) at ``/``; ``python t3.py token
+[--rotate]`` prints (or replaces) the client token; ``threads``, ``show``, ``new``, ``send``,
+``wait``, ``interrupt``, ``requests``, ``answer`` and ``tasks`` are commands for people that talk
+to a running server only through ``/ws``. This file owns configuration (``t3.toml``), the data
+directory (private: 0700 and 0600, no symlink followed; its lock, the client token,
+``server.json``), credentials and bearer auth, the ASGI app and its routes (every request: Host
+and Origin checked, authenticated before its body is read, the body bounded in size and time),
+the /ws protocol (parsing and shaping only: the rules are ``orchestrator.ThreadService``'s, as
+for MCP), the listening socket (connections capped), and startup/shutdown order. It
 wires the layers; it decides nothing and holds no SQL: ``store.py`` (SQLite) <-
 ``orchestrator.py`` (domain) <- ``tools.py`` (MCP tools), with ``providers.py`` (agent
 subprocesses) handed to the orchestrator here.
