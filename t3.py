@@ -1595,24 +1595,31 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         log.info("shutting down")
         for task in preparing:
             task.cancel()  # an install in progress is killed; its partial directory is removed
-        orch.begin_shutdown()  # waits return their current state before HTTP closes
-        await asyncio.gather(*(c.close() for c in list(clients.connections)))
-        http_stop.set()
-        await asyncio.wait({server}, timeout=hconfig.graceful_timeout + 1.0)
-        if not server.done():
-            # Hypercorn waits, without end, to flush what a client that reads nothing was
-            # sent; cutting the connections ends that wait.
-            sock.abort_connections()
-        with contextlib.suppress(Exception):
-            await server
         stopped.cancel()
-        await orch.close()
+        await _shut_down(orch=orch, clients=clients, server=server, http_stop=http_stop,
+                         sock=sock, grace_s=hconfig.graceful_timeout)
         for adapter in adapters.values():
             adapter.close()  # the provider traffic logs' last buffered lines
     with contextlib.suppress(OSError):  # hypercorn usually closed it already
         sock.close()
     log.info("stopped")
     return 0
+
+
+async def _shut_down(*, orch: Any, clients: ClientApi, server: asyncio.Task[Any],
+                     http_stop: asyncio.Event, sock: _Listener, grace_s: float) -> None:
+    """Stop taking work, end waits and /ws connections, stop HTTP, then the agents."""
+    orch.begin_shutdown()  # waits return their current state before HTTP closes
+    await asyncio.gather(*(c.close() for c in list(clients.connections)))
+    http_stop.set()
+    await asyncio.wait({server}, timeout=grace_s + 1.0)
+    if not server.done():
+        # Hypercorn waits, without end, to flush what a client that reads nothing was sent;
+        # cutting the connections ends that wait.
+        sock.abort_connections()
+    with contextlib.suppress(Exception):
+        await server
+    await orch.close()
 
 
 async def _start_domain(config: Config, data_dir: Path, store: Any, environment_id: str,
