@@ -21,6 +21,7 @@ Rules that hold everywhere below:
 from __future__ import annotations
 
 import asyncio
+import calendar
 import collections
 import enum
 import functools
@@ -28,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -447,10 +449,71 @@ class ContextTransfer(_Entity):
     consumed_at: str | None = None
 
 
+SCHEDULE_RUN_STATUSES = frozenset({"never", "running", "succeeded", "failed"})
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledTask(_Entity):
+    """Recurring work (SPEC 7): its prompt runs on a schedule, in its bound thread or in a fresh
+    thread each time. A task is an event stream of its own, keyed by its id."""
+
+    kind: ClassVar[str] = "scheduled-task"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"last_run_status": SCHEDULE_RUN_STATUSES}
+    id: str
+    title: str
+    prompt: str
+    enabled: bool
+    schedule: Mapping[str, Any]  # interval | fixed_time | webhook (validate_schedule)
+    project_id: str
+    workspace: str  # where an unbound run's fresh thread works
+    model_selection: Mapping[str, Any]  # {instanceId, model}
+    runtime_mode: str
+    interaction_mode: str
+    created_by: str
+    creation_source: str
+    created_at: str
+    updated_at: str
+    bound_thread_id: str | None = None  # runs post into this thread; None: a fresh one each
+    creator_thread_id: str | None = None  # the agent's thread that made it (None: the client)
+    next_run_at: str | None = None
+    last_run_at: str | None = None
+    last_run_status: str = "never"
+    last_run_error: str | None = None
+    last_fire_key: str | None = None
+    last_run_thread_id: str | None = None
+    last_run_id: str | None = None
+    run_count: int = 0
+    hook_token_sha256: str | None = None  # a webhook's token, hashed: the token is shown once
+    deleted_at: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookDelivery(_Entity):
+    """One request to a webhook task's URL, as its log shows it (secrets redacted)."""
+
+    kind: ClassVar[str] = "webhook-delivery"
+    id: str
+    task_id: str
+    received_at: str
+    outcome: str  # queued | running | succeeded | failed | skipped | duplicate | expired
+    method: str
+    headers: Mapping[str, str]
+    body_excerpt: str
+    body_truncated: bool
+    query: Mapping[str, Any]
+    delivery_key: str | None = None
+    fire_key: str | None = None
+    error: str | None = None
+    run_thread_id: str | None = None  # the thread its run went to
+    run_id: str | None = None
+    updated_at: str | None = None
+
+
 _ENTITY_TYPES: dict[str, type[_Entity]] = {
     cls.kind: cls for cls in (AppThread, Run, RunAttempt, ExecutionNode, ProviderSession,
                               ProviderThread, ProviderTurn, RuntimeRequest, ConversationMessage,
-                              TurnItem, Subagent, ContextTransfer)}
+                              TurnItem, Subagent, ContextTransfer, ScheduledTask,
+                              WebhookDelivery)}
 _EVENT_TYPE = {kind: f"{kind}.updated" for kind in _ENTITY_TYPES}
 
 
@@ -934,7 +997,8 @@ class EffectRequest:
     key: str  # makes the effect id deterministic within its command
 
     REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({
-        "run.finalize", "subagent.finalize", "subagent.question", "subagent.question-settled"})
+        "run.finalize", "subagent.finalize", "subagent.question", "subagent.question-settled",
+        "scheduled-task.run"})  # its thread and message ids derive from the fire key
 
     @property
     def replay_safe(self) -> bool:
@@ -967,8 +1031,11 @@ _E = TypeVar("_E", bound="_Entity")
 
 
 def _owning_thread(entity: Any) -> str:
-    if isinstance(entity, AppThread):
+    """The stream an entity's events belong to: its thread's, or a scheduled task's."""
+    if isinstance(entity, (AppThread, ScheduledTask)):
         return entity.id
+    if isinstance(entity, WebhookDelivery):
+        return entity.task_id
     if isinstance(entity, ProviderThread):
         return entity.app_thread_id
     return entity.thread_id  # type: ignore[no-any-return]
@@ -1033,8 +1100,8 @@ class _Draft:
 def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
            providers: Mapping[str, ProviderInfo]) -> Decision:
     """State + command -> events + effect requests. Raises CommandRejected; never does I/O."""
-    if not isinstance(command, CreateThread) and (state.thread is None
-                                                  or state.thread.deleted_at is not None):
+    if not isinstance(command, (CreateThread, *_TASK_COMMANDS)) and (
+            state.thread is None or state.thread.deleted_at is not None):
         raise CommandRejected(f"thread {command.thread_id} was not found", code="thread_not_found")
     draft = _Draft(state, command, now)
     handler = _HANDLERS[type(command)]
@@ -1863,6 +1930,230 @@ def _finalize_if_settled(d: _Draft) -> None:
              thread_id=task["parentThreadId"])
 
 
+# =============================================================================================
+# Scheduled tasks (SPEC 7): schedules, their commands, and their decisions. A fire is a command
+# whose id is its fire key (task, due time, trigger), so it happens at most once, crash or not;
+# its run is an effect that is safe to replay (its own ids derive from the fire key).
+
+
+MIN_INTERVAL_MS = 60_000
+MISSED_FIXED_TIME_GRACE_S = 600.0  # a fixed-time fire later than this is skipped, not run late
+SCHEDULED_PROMPT = "[Triggered by schedule task: {title}]\n\n{prompt}"
+_TIME_OF_DAY = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)")
+
+
+def validate_schedule(schedule: Any) -> dict[str, Any]:
+    """A schedule, checked and normalized: ``{"type": "interval", "everyMs"}`` (>= 60,000),
+    ``{"type": "fixed_time", "timeOfDay": "HH:MM", "weekdays"?: [0..6, 0 = Sunday]}`` in the
+    server's local time zone, or ``{"type": "webhook", ...}`` (its options are the webhook's)."""
+    if not isinstance(schedule, Mapping):
+        raise T3Error("schedule: must be an object", code="invalid_request")
+    kind = schedule.get("type")
+    if kind == "interval":
+        every = schedule.get("everyMs")
+        if set(schedule) - {"type", "everyMs"} or not isinstance(every, int) or \
+                isinstance(every, bool) or every < MIN_INTERVAL_MS:
+            raise T3Error(f"schedule: an interval is {{type, everyMs}} with everyMs >= "
+                          f"{MIN_INTERVAL_MS}", code="invalid_request")
+        return {"type": "interval", "everyMs": every}
+    if kind == "fixed_time":
+        at, days = schedule.get("timeOfDay"), schedule.get("weekdays")
+        if set(schedule) - {"type", "timeOfDay", "weekdays"} or not isinstance(at, str) or \
+                not _TIME_OF_DAY.fullmatch(at) or (days is not None and not (
+                    isinstance(days, list) and all(isinstance(d, int) and not isinstance(d, bool)
+                                                   and 0 <= d <= 6 for d in days))):
+            raise T3Error("schedule: a fixed time is {type, timeOfDay: \"HH:MM\", weekdays?: "
+                          "[0-6, 0 = Sunday]}", code="invalid_request")
+        hours, minutes = _TIME_OF_DAY.fullmatch(at).groups()  # type: ignore[union-attr]
+        return {"type": "fixed_time", "timeOfDay": f"{int(hours):02d}:{minutes}",
+                **({"weekdays": sorted(set(days))} if days else {})}
+    if kind == "webhook":
+        return dict(schedule)  # the webhook's own options are checked where they are used
+    raise T3Error("schedule.type: must be interval, fixed_time or webhook",
+                  code="invalid_request")
+
+
+def next_run_after(schedule: Mapping[str, Any], after: float) -> float | None:
+    """The first time (epoch seconds) the schedule is due strictly after ``after``; None for a
+    webhook. Fixed times are wall-clock times of the server's local time zone: each day's slot
+    is converted with the zone's rules for that day, so DST changes move it correctly."""
+    if schedule["type"] == "interval":
+        return after + max(schedule["everyMs"], MIN_INTERVAL_MS) / 1000
+    if schedule["type"] != "fixed_time":
+        return None
+    hour, minute = map(int, schedule["timeOfDay"].split(":"))
+    weekdays = set(schedule.get("weekdays") or range(7))
+    day = time.localtime(after)
+    for offset in range(9):
+        # mktime normalizes the day overflow and, with tm_isdst -1, applies that day's DST.
+        slot = time.mktime((day.tm_year, day.tm_mon, day.tm_mday + offset, hour, minute, 0, 0,
+                            0, -1))
+        local = time.localtime(slot)
+        if slot > after and (local.tm_wday + 1) % 7 in weekdays:  # tm_wday 0 = Monday
+            return slot
+    return None
+
+
+def iso_time(epoch: float) -> str:
+    """An epoch time as t3 writes times: UTC, milliseconds, ``Z``."""
+    ms = int(round(epoch * 1000))
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
+
+
+def epoch_of(iso: str) -> float:
+    """The epoch time of a time t3 wrote (``iso_time``)."""
+    seconds, _, fraction = iso.rstrip("Z").partition(".")
+    return calendar.timegm(time.strptime(seconds, "%Y-%m-%dT%H:%M:%S")) + \
+        int((fraction or "0")[:3].ljust(3, "0")) / 1000
+
+
+@dataclass(frozen=True, slots=True)
+class UpsertScheduledTask:
+    """Create a task, or change one (fields left None stay as they are)."""
+
+    type: ClassVar[str] = "scheduled-task.upsert"
+    command_id: str
+    thread_id: str  # the task's id: its stream
+    title: str | None = None
+    prompt: str | None = None
+    enabled: bool | None = None
+    schedule: Mapping[str, Any] | None = None
+    project_id: str | None = None
+    workspace: str | None = None
+    bound_thread_id: str | None = None
+    bind: bool | None = None  # None: keep the binding; False: unbind
+    model_selection: Mapping[str, Any] | None = None
+    runtime_mode: str | None = None
+    interaction_mode: str | None = None
+    created_by: str = Actor.USER
+    creation_source: str = CreationSource.MCP
+    creator_thread_id: str | None = None
+    hook_token_sha256: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteScheduledTask:
+    type: ClassVar[str] = "scheduled-task.delete"
+    command_id: str
+    thread_id: str  # the task's id
+
+
+@dataclass(frozen=True, slots=True)
+class FireScheduledTask:
+    """A task is due (trigger scheduled), asked to run now (manual), or a webhook delivery came
+    (webhook, with its filled prompt). The command id is the fire key."""
+
+    type: ClassVar[str] = "scheduled-task.fire"
+    command_id: str
+    thread_id: str  # the task's id
+    trigger: str  # scheduled | manual | webhook
+    due_at: str | None = None  # scheduled: the next_run_at this fire is for
+    prompt: str | None = None  # webhook: the filled prompt
+
+    def __post_init__(self) -> None:
+        if self.trigger not in ("scheduled", "manual", "webhook"):
+            raise ValueError(f"unknown trigger {self.trigger!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SettleScheduledRun:
+    """What became of a fire: its run started (``run_id``), or ended (succeeded / failed)."""
+
+    type: ClassVar[str] = "scheduled-task.settle"
+    command_id: str
+    thread_id: str  # the task's id
+    fire_key: str
+    status: str  # running | succeeded | failed
+    error: str | None = None
+    run_thread_id: str | None = None
+    run_id: str | None = None
+
+
+def _scheduled_task(d: _Draft, task_id: str) -> ScheduledTask:
+    task = d.get("scheduled-task", task_id)
+    if task is None or task.deleted_at is not None:
+        raise CommandRejected(f"scheduled task {task_id} was not found", code="task_not_found")
+    return task  # type: ignore[no-any-return]
+
+
+def _decide_upsert_task(d: _Draft, c: UpsertScheduledTask, **_: Any) -> Mapping[str, Any]:
+    task = d.get("scheduled-task", c.thread_id)
+    changes = {k: v for k, v in (
+        ("title", c.title), ("prompt", c.prompt), ("enabled", c.enabled),
+        ("schedule", c.schedule), ("model_selection", c.model_selection),
+        ("runtime_mode", c.runtime_mode), ("interaction_mode", c.interaction_mode),
+        ("hook_token_sha256", c.hook_token_sha256)) if v is not None}
+    if c.bind is not None:
+        changes["bound_thread_id"] = c.bound_thread_id if c.bind else None
+    if task is None:
+        if c.title is None or c.prompt is None or c.schedule is None or c.project_id is None \
+                or c.workspace is None or c.model_selection is None:
+            raise CommandRejected("a new scheduled task needs a title, prompt, schedule, "
+                                  "project and provider", code="invalid_request")
+        task = ScheduledTask(
+            id=c.thread_id, title=c.title, prompt=c.prompt, enabled=True, schedule=c.schedule,
+            project_id=c.project_id, workspace=c.workspace, model_selection=c.model_selection,
+            runtime_mode=c.runtime_mode or RuntimeMode.APPROVAL_REQUIRED,
+            interaction_mode=c.interaction_mode or InteractionMode.DEFAULT,
+            created_by=c.created_by, creation_source=c.creation_source, created_at=d.now,
+            updated_at=d.now, creator_thread_id=c.creator_thread_id)
+    elif task.deleted_at is not None:
+        raise CommandRejected(f"scheduled task {task.id} was deleted", code="task_not_found")
+    updated = replace(task, **changes, updated_at=d.now)
+    if task.next_run_at is None or updated.schedule != task.schedule or \
+            updated.enabled != task.enabled or d.state.entities["scheduled-task"].get(
+                task.id) is None:  # a new or changed timing is aimed again from now
+        due = next_run_after(updated.schedule, epoch_of(d.now)) if updated.enabled else None
+        updated = replace(updated, next_run_at=iso_time(due) if due is not None else None)
+    d.put(updated)
+    return {"scheduledTaskId": task.id, "nextRunAt": updated.next_run_at}
+
+
+def _decide_delete_task(d: _Draft, c: DeleteScheduledTask, **_: Any) -> Mapping[str, Any]:
+    task = _scheduled_task(d, c.thread_id)
+    d.put(replace(task, deleted_at=d.now, enabled=False, next_run_at=None, updated_at=d.now))
+    return {"scheduledTaskId": task.id, "deleted": True}
+
+
+def _decide_fire(d: _Draft, c: FireScheduledTask, **_: Any) -> Mapping[str, Any]:
+    task = _scheduled_task(d, c.thread_id)
+    now = epoch_of(d.now)
+    if task.last_run_status == "running":
+        raise CommandRejected(f"scheduled task {task.id} is running; it never runs twice at "
+                              "once", code="invalid_request")
+    next_at = task.next_run_at
+    if c.trigger == "scheduled":
+        if not task.enabled or task.next_run_at != c.due_at or c.due_at is None:
+            raise CommandRejected("the fire is stale: the task changed meanwhile")
+        due = next_run_after(task.schedule, now)
+        next_at = iso_time(due) if due is not None else None
+        if task.schedule["type"] == "fixed_time" and \
+                now - epoch_of(c.due_at) > MISSED_FIXED_TIME_GRACE_S:
+            d.put(replace(task, next_run_at=next_at, updated_at=d.now))  # skipped, re-aimed
+            return {"scheduledTaskId": task.id, "fired": False, "nextRunAt": next_at}
+    prompt = SCHEDULED_PROMPT.format(title=task.title, prompt=c.prompt or task.prompt)
+    d.put(replace(task, last_run_status="running", last_run_at=d.now, last_run_error=None,
+                  last_fire_key=c.command_id, last_run_thread_id=None, last_run_id=None,
+                  run_count=task.run_count + 1, next_run_at=next_at, updated_at=d.now))
+    d.effect("scheduled-task.run", {"taskId": task.id, "fireKey": c.command_id,
+                                    "prompt": prompt}, c.command_id)
+    return {"scheduledTaskId": task.id, "fired": True, "fireKey": c.command_id,
+            "nextRunAt": next_at}
+
+
+def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[str, Any]:
+    task = d.get("scheduled-task", c.thread_id)
+    if task is None or task.last_fire_key != c.fire_key or task.last_run_status != "running":
+        raise CommandRejected("that fire is not the task's running one")
+    if c.status == "running":
+        d.put(replace(task, last_run_thread_id=c.run_thread_id, last_run_id=c.run_id,
+                      updated_at=d.now))
+    else:
+        d.put(replace(task, last_run_status=c.status, last_run_error=c.error,
+                      updated_at=d.now))
+    return {"scheduledTaskId": task.id, "status": c.status}
+
+
 _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
     DelegateTask: _decide_delegate,
     SetWakePolicy: _decide_wake_policy,
@@ -1882,7 +2173,12 @@ _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
     FailRun: _decide_fail_run,
     EndProviderSession: _decide_end_session,
     RecoverThread: _decide_recover,
+    UpsertScheduledTask: _decide_upsert_task,
+    DeleteScheduledTask: _decide_delete_task,
+    FireScheduledTask: _decide_fire,
+    SettleScheduledRun: _decide_settle_run,
 }
+_TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, SettleScheduledRun)
 
 
 # =============================================================================================
@@ -1976,6 +2272,7 @@ class Orchestrator:
     def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
                  new_id: Callable[[str], str] = random_id, lease_ms: int = 30_000,
+                 wall: Callable[[], float] = time.time,
                  coalesce_s: float = 0.02, backoff_base_ms: int = 100,
                  credentials: SessionCredentials | None = None,
                  max_live_agent_processes: int = 16) -> None:
@@ -1988,6 +2285,11 @@ class Orchestrator:
         self._coalesce_s = coalesce_s
         self._backoff_base_ms = backoff_base_ms
         self._credentials = credentials
+        self._wall = wall  # epoch seconds, from the same clock as ``clock`` (tests move both)
+        self.threads = ThreadService(self)
+        self._schedule_wake = asyncio.Event()
+        self._pass_waiters: list[asyncio.Future[None]] = []
+        self._scheduled_runs: dict[str, tuple[str, str]] = {}  # run id -> (task id, fire key)
         self._worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._states: dict[str, ThreadState] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -2049,7 +2351,7 @@ class Orchestrator:
             kind = _store.event_kind(event.type)
             entity = _ENTITY_TYPES[kind].from_json(event.payload)
             state = self._states.get(event.thread_id)
-            if state is None and kind == "thread":
+            if state is None and kind in ("thread", "scheduled-task"):  # a new stream
                 state = self._states[event.thread_id] = ThreadState()
             if state is not None:
                 state.put(entity)
@@ -2058,6 +2360,11 @@ class Orchestrator:
             if kind == "run" and entity.id in self._reserved and entity.status in RUN_TERMINAL:
                 del self._reserved[entity.id]  # it ended before its start ran: free its slot
                 asyncio.get_running_loop().call_soon(self._rebalance)
+            if kind == "run" and entity.id in self._scheduled_runs and \
+                    entity.status in RUN_TERMINAL:
+                self._spawn(self._settle_scheduled(entity), f"settle {entity.id}")
+            if kind == "scheduled-task":
+                self._schedule_wake.set()  # its timing or state changed: aim again
         for thread_id in touched:
             self._notify(thread_id)
 
@@ -2106,7 +2413,7 @@ class Orchestrator:
         state = self._states.pop(thread_id, None)
         if state is None:
             sequence, rows = self._store.thread_entities(thread_id)
-            if not rows["thread"]:
+            if not rows["thread"] and not rows["scheduled-task"]:
                 return None
             state = ThreadState.load(sequence, rows)
             self._evict()
@@ -2168,6 +2475,7 @@ class Orchestrator:
 
     def start(self) -> None:
         self._spawn(self._effect_loop(), "effect-worker")
+        self._spawn(self._scheduler_loop(), "scheduler")
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -2225,6 +2533,124 @@ class Orchestrator:
             if result.result.get("interruptedRunIds"):
                 recovered.append(thread_id)
         return recovered
+
+    # -- the scheduler ---------------------------------------------------------------------------
+
+    def reschedule(self) -> None:
+        """Look at what is due again now (the clock moved, or a task changed)."""
+        self._schedule_wake.set()
+
+    async def scheduler_pass(self) -> None:
+        """Wake the scheduler and return once a whole pass has fired what was due (tests that
+        move the clock use it to know what did, and did not, fire)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._pass_waiters.append(waiter)
+        self.reschedule()
+        await waiter
+
+    async def _scheduler_loop(self) -> None:
+        """Fire every due task, then sleep until the next due time or a change: no polling."""
+        await self._resume_scheduled()
+        while not self.stopping:
+            self._schedule_wake.clear()
+            waiters, self._pass_waiters = self._pass_waiters, []
+            for task in self._store.due_tasks(iso_time(self._wall())):
+                try:
+                    await self.fire(task["id"], trigger="scheduled", due_at=task["nextRunAt"])
+                except CommandRejected as exc:  # changed meanwhile: the next pass sees how
+                    log.debug("scheduled task %s not fired: %s", task["id"], exc)
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            due = self._store.next_due_at()
+            timeout = None if due is None else max(0.0, epoch_of(due) - self._wall())
+            try:
+                await asyncio.wait_for(self._schedule_wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def fire(self, task_id: str, *, trigger: str, due_at: str | None = None,
+                   prompt: str | None = None, key: str | None = None) -> DispatchResult:
+        """Fire a task once: the command id is the fire key (the task, the due time or ``key``,
+        and the trigger), so a fire is recorded at most once, however often it is asked for."""
+        stamp = key or str(int(epoch_of(due_at or iso_time(self._wall())) * 1000))
+        return await self.dispatch(FireScheduledTask(
+            command_id=bounded_id(f"scheduled-task:{task_id}:{stamp}:{trigger}"),
+            thread_id=task_id, trigger=trigger, due_at=due_at, prompt=prompt))
+
+    async def _run_scheduled(self, task_id: str, fire_key: str, prompt: str) -> None:
+        """A fire's run: posted into the bound thread (mode auto), or a fresh thread with the
+        task's provider and modes. Every id derives from the fire key, so a replay after a crash
+        finds what it already did."""
+        state = await self.state(task_id)
+        task = state.entities["scheduled-task"].get(task_id) if state else None
+        if task is None or task.last_fire_key != fire_key:
+            return  # deleted, or a later fire replaced it
+        made = {"created_by": Actor.SYSTEM, "creation_source": CreationSource.SERVER}
+        try:
+            if task.bound_thread_id:
+                sent = await self.threads.send(
+                    task.bound_thread_id, text=prompt, mode="auto",
+                    command_id=bounded_id(f"command:{fire_key}"),
+                    message_id=bounded_id(f"message:{fire_key}"), **made)
+                thread_id, run_id = task.bound_thread_id, sent["runId"]
+            else:
+                thread_id = bounded_id(f"thread:{fire_key}")
+                created = await self.dispatch(self.threads.plan_create(
+                    command_id=bounded_id(f"command:{fire_key}"), thread_id=thread_id,
+                    project_id=task.project_id, workspace=task.workspace, caller=None,
+                    message_id=bounded_id(f"message:{fire_key}"), entry={
+                        "prompt": prompt, "title": task.title, "target": {
+                            "providerInstanceId": task.model_selection.get("instanceId"),
+                            **({"model": task.model_selection["model"]}
+                               if task.model_selection.get("model") else {})},
+                        "runtimeMode": task.runtime_mode,
+                        "interactionMode": task.interaction_mode}, **made))
+                run_id = created.result["runId"]
+        except T3Error as exc:
+            await self._settle(task_id, fire_key, "failed", error=str(exc))
+            return
+        await self._settle(task_id, fire_key, "running", run_thread_id=thread_id, run_id=run_id)
+        self._scheduled_runs[run_id] = (task_id, fire_key)
+        run = (await self.threads.thread(thread_id)).run(run_id)
+        if run is not None and run.status in RUN_TERMINAL:  # it ended before we watched
+            await self._settle_scheduled(run)
+
+    async def _settle_scheduled(self, run: Run, *, restarted: bool = False) -> None:
+        """A fired run ended: the task's last run succeeded or failed, with its reason."""
+        task_id, fire_key = self._scheduled_runs.pop(run.id, (None, None))
+        if task_id is None or fire_key is None:
+            return
+        reason = "Run was interrupted by a server restart." if restarted else \
+            run.status_reason or f"The run ended {run.status}."
+        await self._settle(task_id, fire_key,
+                           "succeeded" if run.status == RunStatus.COMPLETED else "failed",
+                           error=None if run.status == RunStatus.COMPLETED else reason)
+
+    async def _settle(self, task_id: str, fire_key: str, status: str, **fields: Any) -> None:
+        try:
+            await self.dispatch(SettleScheduledRun(
+                command_id=bounded_id(f"command:settle:{fire_key}:{status}"), thread_id=task_id,
+                fire_key=fire_key, status=status, **fields))
+        except CommandRejected as exc:
+            log.info("scheduled task %s: %s", task_id, exc)
+
+    async def _resume_scheduled(self) -> None:
+        """After a restart: a task whose fired run ended meanwhile (it was interrupted by the
+        restart) records how; one still running is watched; a fire whose run had not started
+        yet finishes through its outbox row (replay-safe)."""
+        for task in self._store.scheduled_tasks():
+            if task["lastRunStatus"] != "running" or not task.get("lastRunId"):
+                continue
+            thread = await self.state(task["lastRunThreadId"])
+            run = thread.run(task["lastRunId"]) if thread else None
+            if run is None:
+                await self._settle(task["id"], task["lastFireKey"], "failed",
+                                   error="Run was interrupted by a server restart.")
+                continue
+            self._scheduled_runs[run.id] = (task["id"], task["lastFireKey"])
+            if run.status in RUN_TERMINAL:
+                await self._settle_scheduled(run, restarted=run.status != RunStatus.COMPLETED)
 
     # -- the effect worker -----------------------------------------------------------------------
 
@@ -2328,6 +2754,8 @@ class Orchestrator:
                 log.info("question of task %s not routed: %s", p["taskId"], exc)
         elif row.effect_type == "subagent.question-settled":
             await self._withdraw_question(p["parentThreadId"], p["requestId"])
+        elif row.effect_type == "scheduled-task.run":
+            await self._run_scheduled(row.thread_id, p["fireKey"], p["prompt"])
         elif row.effect_type == "run.finalize":
             try:
                 await self.dispatch(CompleteRun(

@@ -319,6 +319,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 # starts. None is passed on from the server's environment; the per-session ones are set again
 # explicitly. A named set, not every T3_*: other tools' variables of that shape pass through.
 _T3_VARIABLES = frozenset({"T3_HOME", "T3_CRASH_AT", "T3_MAX_PAGE_COUNT", "T3_TEST_HOOKS",
+                          "T3_TEST_CLOCK",
                           "T3_MCP_URL", "T3_MCP_BEARER_TOKEN", "T3_OWNER", "T3_SERVER_PID",
                           "T3_THREAD_ID"})
 

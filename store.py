@@ -233,6 +233,13 @@ _PROJECTIONS: dict[str, tuple[str, str, dict[str, str]]] = {
     "context-transfer": ("context_transfers", "context_transfer_id", {
         "context_transfer_id": "id", "thread_id": "threadId", "type": "type",
         "source_thread_id": "sourceThreadId", "target_thread_id": "targetThreadId"}),
+    # A scheduled task is a stream of its own: its id is its stream key.
+    "scheduled-task": ("scheduled_tasks", "scheduled_task_id", {
+        "scheduled_task_id": "id", "thread_id": "id", "project_id": "projectId",
+        "enabled": "enabled", "next_run_at": "nextRunAt", "deleted_at": "deletedAt"}),
+    "webhook-delivery": ("webhook_deliveries", "webhook_delivery_id", {
+        "webhook_delivery_id": "id", "thread_id": "taskId", "received_at": "receivedAt",
+        "delivery_key": "deliveryKey", "outcome": "outcome"}),
 }
 PROJECTION_KINDS = tuple(_PROJECTIONS)
 
@@ -367,6 +374,32 @@ LEFT JOIN runs lr ON lr.run_id = (SELECT r.run_id FROM runs r WHERE r.thread_id 
                                   ORDER BY r.ordinal DESC LIMIT 1)
 ORDER BY t.activity_at DESC, t.thread_id DESC
 """
+DELIVERIES_KEPT = 50
+_PRUNE_DELIVERIES = f"""
+DELETE FROM webhook_deliveries WHERE thread_id = ? AND webhook_delivery_id NOT IN (
+    SELECT webhook_delivery_id FROM webhook_deliveries WHERE thread_id = ?
+    ORDER BY received_at DESC, webhook_delivery_id DESC LIMIT {DELIVERIES_KEPT})
+"""
+# A task whose run is still running is not due: it never runs twice at once.
+_DUE_TASKS = """
+SELECT payload_json FROM scheduled_tasks
+WHERE enabled = 1 AND deleted_at IS NULL AND next_run_at IS NOT NULL AND next_run_at <= ?
+  AND json_extract(payload_json, '$.lastRunStatus') != 'running'
+ORDER BY next_run_at
+"""
+_NEXT_DUE_TASK = """
+SELECT MIN(next_run_at) FROM scheduled_tasks
+WHERE enabled = 1 AND deleted_at IS NULL AND next_run_at IS NOT NULL
+  AND json_extract(payload_json, '$.lastRunStatus') != 'running'
+"""
+_SCHEDULED_TASKS = """
+SELECT payload_json FROM scheduled_tasks WHERE deleted_at IS NULL ORDER BY scheduled_task_id
+"""
+_DELIVERIES = """
+SELECT payload_json FROM webhook_deliveries WHERE thread_id = ?
+ORDER BY received_at DESC, webhook_delivery_id DESC
+"""
+
 _PENDING_REQUESTS = """
 SELECT payload_json FROM runtime_requests WHERE status = 'pending'
 ORDER BY json_extract(payload_json, '$.createdAt'), runtime_request_id
@@ -659,6 +692,22 @@ class Store:
         """Every pending runtime request (its entity), oldest first."""
         return [json.loads(r[0]) for r in self.read(_PENDING_REQUESTS)]
 
+    def scheduled_tasks(self) -> list[dict[str, Any]]:
+        """Every scheduled task that is not deleted (its entity)."""
+        return [json.loads(r[0]) for r in self.read(_SCHEDULED_TASKS)]
+
+    def due_tasks(self, now_iso: str) -> list[dict[str, Any]]:
+        """Enabled tasks whose next run is due at ``now_iso``, soonest first."""
+        return [json.loads(r[0]) for r in self.read(_DUE_TASKS, (now_iso,))]
+
+    def next_due_at(self) -> str | None:
+        """When the next enabled task is due (an ISO time), if any."""
+        return self.read(_NEXT_DUE_TASK)[0][0]
+
+    def deliveries(self, task_id: str) -> list[dict[str, Any]]:
+        """A webhook task's kept deliveries, newest first."""
+        return [json.loads(r[0]) for r in self.read(_DELIVERIES, (task_id,))]
+
     def threads_touched_after(self, sequence: int, *, limit: int) -> list[str]:
         """Threads with events after ``sequence``, most recently touched first."""
         return [r[0] for r in self.read(_THREADS_TOUCHED_AFTER, (sequence, limit))]
@@ -843,6 +892,8 @@ def projection_writes(event_type: str, payload: Mapping[str, Any], payload_json:
     writes: list[tuple[str, tuple[Any, ...]]] = [(_UPSERTS[kind], (*values, payload_json))]
     if kind in ("thread", "run"):
         writes.append((_REFRESH_ACTIVITY, (values[list(columns).index("thread_id")],)))
+    if kind == "webhook-delivery":  # a hook's log keeps its newest deliveries only
+        writes.append((_PRUNE_DELIVERIES, (payload["taskId"], payload["taskId"])))
     return writes
 
 

@@ -932,9 +932,11 @@ class ClientApi:
     """The /ws methods. A person holding the client token is the caller: commands are recorded
     ``createdBy: "user"`` with ``creationSource`` web (default) or cli."""
 
-    def __init__(self, *, orch: Any, toolkit: Any, store: Any) -> None:
+    def __init__(self, *, orch: Any, toolkit: Any, store: Any,
+                 test_clock: TestClock | None = None) -> None:
         from tools import Scope
         self.orch, self.toolkit, self.store = orch, toolkit, store
+        self.test_clock = test_clock
         self.connections: set[_WsConnection] = set()
         self.threads = toolkit.threads
         self.scope = Scope(kind="client", key="client")
@@ -943,7 +945,8 @@ class ClientApi:
             "sendToThread": self.send_to_thread, "waitForThread": self.wait_for_thread,
             "interruptThread": self.interrupt_thread, "listThreads": self.list_threads,
             "readThread": self.read_thread, "getThreadProjection": self.get_thread_projection,
-            "listPendingRequests": self.list_pending_requests}
+            "listPendingRequests": self.list_pending_requests,
+            **({"advanceTestClock": self.advance_test_clock} if test_clock else {})}
         self._streams: dict[str, Callable[[Mapping[str, Any], Emit], Awaitable[None]]] = {
             "subscribeThread": self.subscribe_thread, "subscribeShell": self.subscribe_shell}
 
@@ -1030,6 +1033,17 @@ class ClientApi:
         sequence, projection = self._projection(launched["threadId"])
         return {"threadId": launched["threadId"], "runId": launched["runId"],
                 "resumed": existed, "snapshotSequence": sequence, "projection": projection}
+
+    async def advance_test_clock(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Tests only (T3_TEST_CLOCK): move the clock forward, and return once the scheduler
+        has fired what that made due."""
+        seconds = params.get("seconds")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+            raise WsFailure("invalid_request", "seconds: a number >= 0")
+        assert self.test_clock is not None
+        self.test_clock.advance(float(seconds))
+        await self.orch.scheduler_pass()
+        return {"now": self.test_clock.iso()}
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -1545,10 +1559,11 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     credentials = Credentials(max_lifetime_s=config.credential_max_lifetime_s,
                               idle_s=config.credential_idle_s,
                               mcp_url=f"{scheme}://{local_host}:{port}/mcp")
+    clock = TestClock.from_environment()
     orch, adapters, toolkit = await _start_domain(
         config, data_dir, store, environment_id, credentials, prov=prov,
         orchestrator_cls=orchestrator_cls, toolkit_cls=toolkit_cls, context_cls=context_cls,
-        project_cls=project_cls)
+        project_cls=project_cls, base_url=url, clock=clock)
     mcp_server = build_mcp_server(toolkit, version=VERSION)
     # Streamable HTTP answers in SSE (progress notifications flow); a client that accepts only
     # JSON gets plain JSON answers from a second manager over the same server instead of a 406.
@@ -1560,7 +1575,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     web_view = WebView.load()
     if web_view is None:
         log.warning("ui.html is not installed beside t3.py: GET / (the web view) answers 404")
-    clients = ClientApi(orch=orch, toolkit=toolkit, store=store)
+    clients = ClientApi(orch=orch, toolkit=toolkit, store=store, test_clock=clock)
     app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request), web_view=web_view,
                     credentials=credentials, client_token=client_token,
                     ws=ws_endpoint(clients, client_token), environment_id=environment_id,
@@ -1624,8 +1639,8 @@ async def _shut_down(*, orch: Any, clients: ClientApi, server: asyncio.Task[Any]
 
 async def _start_domain(config: Config, data_dir: Path, store: Any, environment_id: str,
                         credentials: Credentials, *, prov: Any, orchestrator_cls: Any,
-                        toolkit_cls: Any, context_cls: Any, project_cls: Any
-                        ) -> tuple[Any, dict[str, Any], Any]:
+                        toolkit_cls: Any, context_cls: Any, project_cls: Any, base_url: str,
+                        clock: TestClock | None) -> tuple[Any, dict[str, Any], Any]:
     """Adapters, the orchestrator (recovered and started) and the toolkit over it."""
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
@@ -1634,7 +1649,8 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     _report_providers(adapters, detected=config.providers is None, detectable=prov.DETECTABLE)
     orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                             credentials=credentials,
-                            max_live_agent_processes=config.max_live_agent_processes)
+                            max_live_agent_processes=config.max_live_agent_processes,
+                            **({"clock": clock.iso, "wall": clock.now} if clock else {}))
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.")
@@ -1645,7 +1661,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     context = context_cls(environment_id=environment_id,
                           projects=[project_cls(p["id"], p["path"], p["title"])
                                     for p in config.projects], data_dir=data_dir,
-                          max_delegation_depth=config.max_delegation_depth)
+                          max_delegation_depth=config.max_delegation_depth, base_url=base_url)
     toolkit = toolkit_cls(orch, store, context)
     return orch, adapters, toolkit
 
@@ -1782,6 +1798,35 @@ class _Connection(socket.socket):
         if listener is not None:
             listener.release(self)
         super().close()
+
+
+class TestClock:
+    """The server's clock when tests move it: it reads ``T3_TEST_CLOCK`` (epoch seconds; only
+    with the test switch ``T3_TEST_HOOKS=1``, else inert) and stands still but for ``advance``
+    (/ws ``advanceTestClock``), so schedule tests never wait real minutes and see exact times.
+    (Durations t3 measures, such as leases and grace periods, keep the real clock.)"""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.advanced = 0.0
+
+    @classmethod
+    def from_environment(cls) -> TestClock | None:
+        start = os.environ.get("T3_TEST_CLOCK")
+        if os.environ.get("T3_TEST_HOOKS") != "1" or not start:
+            return None
+        log.warning("test hook: the clock starts at %s and moves when tests say", start)
+        return cls(float(start))
+
+    def now(self) -> float:
+        return self.start + self.advanced
+
+    def iso(self) -> str:
+        from orchestrator import iso_time
+        return iso_time(self.now())
+
+    def advance(self, seconds: float) -> None:
+        self.advanced += seconds
 
 
 def build_adapters(config: Config, data_dir: Path, prov: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import secrets
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -94,6 +95,7 @@ class ServerContext:
     projects: list[Project]
     data_dir: Path
     max_delegation_depth: int = 5
+    base_url: str = "http://127.0.0.1"  # the server's own URL (webhook URLs name it)
     scratch_project: Project = field(init=False)
 
     def __post_init__(self) -> None:
@@ -271,7 +273,7 @@ ACTOR, SOURCE = _enum(list(orch.Actor)), _enum(list(orch.CreationSource))
 RUNTIME, INTERACTION = _enum(list(orch.RuntimeMode)), _enum(list(orch.InteractionMode))
 FEATURES = {"appOwnedSubagents": True, "asyncPolling": True, "cancellation": True,
             "batchThreadCreation": True, "threadManagement": True,
-            "incrementalThreadRead": True, "scheduledTasks": False, "maxBatchThreads": 20}
+            "incrementalThreadRead": True, "scheduledTasks": True, "maxBatchThreads": 20}
 PENDING_APPROVAL = _nullable(_shape({"requestId": STRING, "kind": STRING, "runId": STRING}))
 ANSWERED_BY = {"anyOf": [_shape({"kind": _enum(["client"])}),
                          _shape({"kind": _enum(["thread"]), "threadId": STRING})]}
@@ -387,6 +389,19 @@ _CREATE_ENTRY = _object({"prompt": _text(120_000), "title": _text(512), "target"
                          "runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT})
 
 ROLES = ["implementation", "research", "review", "design", "test", "general"]
+_SCHEDULE_RESULT = {
+    "scheduledTaskId": STRING, "title": STRING, "prompt": STRING, "enabled": BOOLEAN,
+    "projectId": STRING, "boundThreadId": OPT_STRING, "schedule": {"type": "object"},
+    "nextRunAt": OPT_STRING, "lastRunAt": OPT_STRING,
+    "lastRunStatus": _enum(sorted(orch.SCHEDULE_RUN_STATUSES)), "lastRunError": OPT_STRING,
+    "lastRunThreadId": OPT_STRING, "lastRunId": OPT_STRING, "runCount": INTEGER,
+    "providerInstanceId": OPT_STRING, "model": OPT_STRING, "runtimeMode": RUNTIME,
+    "interactionMode": INTERACTION, "createdBy": ACTOR, "creationSource": SOURCE,
+    "createdAt": STRING, "updatedAt": STRING, "hookUrl": STRING,
+    "deliveries": _list({"type": "object"})}
+SCHEDULE_OUTPUT = _shape(_SCHEDULE_RESULT, optional=["hookUrl", "deliveries"])
+LIST_SCHEDULES_OUTPUT = _shape({"tasks": _list(SCHEDULE_OUTPUT)})
+DELETE_SCHEDULE_OUTPUT = _shape({"scheduledTaskId": STRING, "deleted": BOOLEAN})
 
 TOOLS: tuple[_Tool, ...] = (
     _Tool("orchestrator_capabilities",
@@ -504,6 +519,34 @@ TOOLS: tuple[_Tool, ...] = (
                    "answers": {"type": "object"}, "clientRequestId": CLIENT_REQUEST_ID},
                   ["threadId", "action"]),
           "pending_request", PENDING_REQUEST_OUTPUT, destructive=True),
+    _Tool("schedule_task",
+          "Schedule recurring work that runs without an active turn, or change a scheduled task "
+          "(pass scheduledTaskId; fields left out stay). schedule is an object: {type: "
+          "'interval', everyMs} (at least 60000), {type: 'fixed_time', timeOfDay: 'HH:MM', "
+          "weekdays?: [0-6, 0 = Sunday]} in the server's local time, or {type: 'webhook', "
+          "signature?: {header, secret, prefix?}, filters?: [{path, equals}], "
+          "maxDeliveryAgeMinutes?} (the result's hookUrl, shown once, triggers it). By default "
+          "each run posts into this thread; bindToCurrentThread false launches a fresh thread "
+          "per run. Provider, model and modes inherit (never broader than yours). enabled "
+          "false pauses; runNow fires once now.",
+          _object({"scheduledTaskId": _text(512), "prompt": _text(120_000),
+                   "schedule": {"anyOf": [{"type": "object"}, {"type": "string"}]},
+                   "title": _text(512), "enabled": {"type": "boolean"},
+                   "bindToCurrentThread": {"type": "boolean"}, "projectId": _text(256),
+                   "target": TARGET, "runtimeMode": RUNTIME_INPUT,
+                   "interactionMode": INTERACTION_INPUT, "runNow": {"type": "boolean"},
+                   "rotateHookToken": {"type": "boolean"},
+                   "clientRequestId": CLIENT_REQUEST_ID}),
+          "schedule_task", SCHEDULE_OUTPUT, destructive=True),
+    _Tool("list_scheduled_tasks",
+          "List scheduled tasks (an agent sees its project's), with their next and last runs; "
+          "includeDeliveries adds a webhook task's newest deliveries.",
+          _object({"scheduledTaskId": _text(512), "projectId": _text(256),
+                   "includeDeliveries": {"type": "boolean"}}),
+          "list_schedules", LIST_SCHEDULES_OUTPUT, read_only=True),
+    _Tool("delete_scheduled_task", "Delete a scheduled task for good.",
+          _object({"scheduledTaskId": _text(512)}, ["scheduledTaskId"]),
+          "delete_schedule", DELETE_SCHEDULE_OUTPUT, destructive=True),
 )
 _BY_NAME = {tool.name: tool for tool in TOOLS}
 
@@ -1115,6 +1158,137 @@ class Toolkit:
                                 self._key(args)))
 
 
+    # -- scheduled tasks -------------------------------------------------------------------------
+
+    async def _schedule_task(self, scope: Scope, args: Mapping[str, Any], _: Any
+                             ) -> dict[str, Any]:
+        caller = (await self._agent_caller(scope, "schedule_task"))[0] \
+            if scope.kind == "thread" else None
+        schedule = _parse_schedule(args["schedule"]) if "schedule" in args else None
+        if "scheduledTaskId" in args:
+            task = await self._visible_task(scope, caller, args["scheduledTaskId"])
+            command, token = self._task_update(scope, caller, task, args, schedule)
+        else:
+            command, token = self._task_create(scope, caller, args, schedule)
+        await self.orch.dispatch(command)
+        if args.get("runNow"):
+            await self.orch.fire(command.thread_id, trigger="manual")
+        task = await self._visible_task(scope, caller, command.thread_id)
+        return self._task_summary(task, hook_token=token)
+
+    def _task_create(self, scope: Scope, caller: ThreadState | None, args: Mapping[str, Any],
+                     schedule: dict[str, Any] | None
+                     ) -> tuple[orch.UpsertScheduledTask, str | None]:
+        if schedule is None or "prompt" not in args:
+            raise ToolFailure("invalid_request", "prompt: a new scheduled task needs a prompt "
+                              "and a schedule (or give scheduledTaskId to change one)")
+        project = self.ctx.project(args.get("projectId") or _home_project(caller))
+        here = caller is not None and caller.thread is not None and \
+            caller.thread.project_id == project.id
+        bind = args.get("bindToCurrentThread", here)
+        if bind and not here:
+            raise ToolFailure("invalid_request", "bindToCurrentThread: needs a calling thread "
+                              f"in project {project.id} (the client token has none)")
+        info, model = self.threads.resolve_target(args.get("target"), caller)
+        runtime, interaction = self.threads.modes(args, caller)
+        token = secrets.token_urlsafe(32) if schedule["type"] == "webhook" else None
+        key = self._key(args)
+        return orch.UpsertScheduledTask(
+            command_id=self._id("command", "mcp", scope.key, "schedule-task", key),
+            thread_id=self._id("scheduled-task", "mcp", scope.key, "schedule-task", key),
+            title=self.threads.title(args.get("title"), args["prompt"], "Scheduled task"),
+            prompt=args["prompt"], schedule=schedule, project_id=project.id,
+            workspace=project.path, bind=bool(bind),
+            bound_thread_id=caller.thread.id if bind and caller and caller.thread else None,
+            model_selection={"instanceId": info.instance_id, "model": model},
+            runtime_mode=runtime, interaction_mode=interaction,
+            enabled=args.get("enabled", True), hook_token_sha256=_sha256(token),
+            creator_thread_id=scope.thread_id, **_AGENT_MADE), token
+
+    def _task_update(self, scope: Scope, caller: ThreadState | None, task: orch.ScheduledTask,
+                     args: Mapping[str, Any], schedule: dict[str, Any] | None
+                     ) -> tuple[orch.UpsertScheduledTask, str | None]:
+        bind = args.get("bindToCurrentThread")
+        if bind and (caller is None or caller.thread is None
+                     or caller.thread.project_id != task.project_id):
+            raise ToolFailure("invalid_request", "bindToCurrentThread: needs a calling thread "
+                              f"in project {task.project_id}")
+        selection, runtime, interaction = task.model_selection, None, None
+        if "target" in args:
+            info, model = self.threads.resolve_target(args["target"], caller)
+            selection = {"instanceId": info.instance_id, "model": model}
+        if "runtimeMode" in args or "interactionMode" in args:
+            runtime, interaction = self.threads.modes(
+                {"runtimeMode": task.runtime_mode, "interactionMode": task.interaction_mode,
+                 **args}, caller)
+        rotate = args.get("rotateHookToken") or (
+            schedule is not None and schedule["type"] == "webhook"
+            and task.hook_token_sha256 is None)
+        token = secrets.token_urlsafe(32) if rotate else None
+        return orch.UpsertScheduledTask(
+            command_id=self._id("command", "mcp", scope.key, "schedule-task-update", task.id,
+                                self._key(args)), thread_id=task.id, title=args.get("title"),
+            prompt=args.get("prompt"), enabled=args.get("enabled"), schedule=schedule,
+            bind=bind, bound_thread_id=caller.thread.id if bind and caller and caller.thread
+            else None, model_selection=selection, runtime_mode=runtime,
+            interaction_mode=interaction, hook_token_sha256=_sha256(token)), token
+
+    async def _visible_task(self, scope: Scope, caller: ThreadState | None, task_id: str
+                            ) -> orch.ScheduledTask:
+        """A task the caller may see: the client sees all; an agent its project's."""
+        state = await self.orch.state(task_id)
+        task = state.entities["scheduled-task"].get(task_id) if state else None
+        if task is None or task.deleted_at is not None or (
+                scope.kind == "thread" and (caller is None or caller.thread is None
+                                            or caller.thread.project_id != task.project_id)):
+            raise ToolFailure("task_not_found", f"no scheduled task {task_id} in your project")
+        return task  # type: ignore[no-any-return]
+
+    async def _list_schedules(self, scope: Scope, args: Mapping[str, Any], _: Any
+                              ) -> dict[str, Any]:
+        caller = await self._caller_thread(scope)
+        wanted = args.get("projectId") or (caller.thread.project_id
+                                           if caller and caller.thread else None)
+        tasks = [orch.ScheduledTask.from_json(t) for t in self.store.scheduled_tasks()]
+        return {"tasks": [self._task_summary(t, deliveries=args.get("includeDeliveries"))
+                          for t in tasks if wanted in (None, t.project_id)
+                          and args.get("scheduledTaskId") in (None, t.id)]}
+
+    async def _delete_schedule(self, scope: Scope, args: Mapping[str, Any], _: Any
+                               ) -> dict[str, Any]:
+        caller = (await self._agent_caller(scope, "delete_scheduled_task"))[0] \
+            if scope.kind == "thread" else None
+        task = await self._visible_task(scope, caller, args["scheduledTaskId"])
+        await self.orch.dispatch(orch.DeleteScheduledTask(
+            command_id=self._id("command", "mcp", scope.key, "delete-scheduled-task", task.id),
+            thread_id=task.id))
+        return {"scheduledTaskId": task.id, "deleted": True}
+
+    def _task_summary(self, task: orch.ScheduledTask, *, hook_token: str | None = None,
+                      deliveries: bool = False) -> dict[str, Any]:
+        schedule = dict(task.schedule)
+        if isinstance(schedule.get("signature"), Mapping):  # the secret is write-only
+            schedule["signature"] = {k: v for k, v in schedule["signature"].items()
+                                     if k != "secret"}
+        summary = {
+            "scheduledTaskId": task.id, "title": task.title, "prompt": task.prompt,
+            "enabled": task.enabled, "projectId": task.project_id,
+            "boundThreadId": task.bound_thread_id, "schedule": schedule,
+            "nextRunAt": task.next_run_at, "lastRunAt": task.last_run_at,
+            "lastRunStatus": task.last_run_status, "lastRunError": task.last_run_error,
+            "lastRunThreadId": task.last_run_thread_id, "lastRunId": task.last_run_id,
+            "runCount": task.run_count,
+            "providerInstanceId": task.model_selection.get("instanceId"),
+            "model": task.model_selection.get("model"), "runtimeMode": task.runtime_mode,
+            "interactionMode": task.interaction_mode, "createdBy": task.created_by,
+            "creationSource": task.creation_source, "createdAt": task.created_at,
+            "updatedAt": task.updated_at}
+        if hook_token is not None:  # shown once: only its hash is kept
+            summary["hookUrl"] = f"{self.ctx.base_url}/hooks/{task.id}/{hook_token}"
+        if deliveries and task.schedule.get("type") == "webhook":
+            summary["deliveries"] = self.store.deliveries(task.id)
+        return summary
+
     async def _answering_thread(self, scope: Scope, target: ThreadState,
                                 request: orch.RuntimeRequest) -> str:
         """SPEC 5.1a: an agent answers only requests of its own descendants, with its own live
@@ -1164,6 +1338,21 @@ def _folder_name(thread_id: str) -> str:
     if len(quoted) <= 128:
         return quoted
     return f"{quoted[:80]}-{hashlib.sha256(thread_id.encode()).hexdigest()[:32]}"
+
+
+def _parse_schedule(schedule: Any) -> dict[str, Any]:
+    """A schedule object, or the same as a JSON string (models often send one)."""
+    if isinstance(schedule, str):
+        try:
+            schedule = json.loads(schedule)
+        except ValueError:
+            raise ToolFailure("invalid_request", "schedule: not an object, nor JSON of "
+                              "one") from None
+    return orch.validate_schedule(schedule)
+
+
+def _sha256(token: str | None) -> str | None:
+    return hashlib.sha256(token.encode()).hexdigest() if token is not None else None
 
 
 def _home_project(caller: ThreadState | None) -> str | None:

@@ -765,7 +765,23 @@ def sample_entities() -> dict[str, list[Any]]:
     world.delegate()
     entities = {kind: list(by_id.values()) for kind, by_id in sim.state.entities.items()}
     entities["thread"] = [sim.state.thread]
+    task = Sim()
+    task.do(upsert_task("task-1", {"type": "interval", "everyMs": 60_000}))
+    task.do(o.FireScheduledTask(command_id="fire-1", thread_id="task-1", trigger="manual"))
+    entities["scheduled-task"] = list(task.state.entities["scheduled-task"].values())
+    entities["webhook-delivery"] = [o.WebhookDelivery(
+        id="d1", task_id="task-1", received_at=NOW, outcome="skipped", method="POST",
+        headers={"x-github-event": "push"}, body_excerpt="{}", body_truncated=False,
+        query={"a": ["1"]}, delivery_key="abc")]
     return entities
+
+
+def upsert_task(task_id: str, schedule: dict[str, Any], **fields: Any) -> o.UpsertScheduledTask:
+    return o.UpsertScheduledTask(
+        command_id=f"upsert-{task_id}-{len(fields)}", thread_id=task_id, title="Nightly",
+        prompt="run the tests", schedule=o.validate_schedule(schedule), project_id="default",
+        workspace="/work/ws", model_selection={"instanceId": "scripted", "model": "m1"},
+        runtime_mode="auto", interaction_mode="default", **fields)
 
 
 # ---------------------------------------------------------------------------------------------

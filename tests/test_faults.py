@@ -658,11 +658,13 @@ def test_golden_history_rebuilds_to_its_captured_projections(tmp_path: Path, nam
                 [tuple(e[c] for c in EVENT_COLUMNS) for e in events])
             store.rebuild_projections(conn)
             return {t: sorted([list(r) for r in conn.execute(f"SELECT * FROM {t}")], key=repr)
-                    for t in expected}
+                    for t in tables}
 
+        # A table added after the capture (scheduled tasks, webhook deliveries) was empty there.
+        tables = {table for table, _, _ in store._PROJECTIONS.values()}
+        assert set(expected) <= tables
         rebuilt = asyncio.run(_write(db, load_and_rebuild))
     finally:
         db.close()
-    assert set(expected) == {table for table, _, _ in store._PROJECTIONS.values()}
-    for table in expected:
-        assert rebuilt[table] == expected[table], table
+    for table in tables:
+        assert rebuilt[table] == expected.get(table, []), table

@@ -1,0 +1,210 @@
+"""Scheduled tasks (SPEC 7) against a real server whose clock the tests move (T3_TEST_CLOCK with
+T3_TEST_HOOKS=1; /ws advanceTestClock returns once the scheduler has fired what became due), so
+nothing waits real minutes: intervals, fixed times across a DST change, a missed fire skipped,
+pause / update / runNow / delete, bound and unbound runs, the creator's mode ceiling, and kill -9
+at the fire's commit and while its run streams: each due fire happens exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import json
+from pathlib import Path
+from typing import Any
+
+import t3 as server
+from orchestrator import iso_time as iso
+from harness import McpClient, T3Server, agent_log, scripted_provider, wait_until
+
+# Fri 2026-03-06 17:00 UTC = 12:00 in New York (EST); DST starts there on Sun 2026-03-08.
+START = calendar.timegm((2026, 3, 6, 17, 0, 0))
+CLOCK = {"T3_TEST_HOOKS": "1", "T3_TEST_CLOCK": str(START), "TZ": "America/New_York"}
+
+
+def advance(t3: T3Server, seconds: float) -> None:
+    """Move the server's clock; returns once the scheduler has fired what became due."""
+    async def run() -> None:
+        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+            await client.request("advanceTestClock", {"seconds": seconds})
+    asyncio.run(run())
+
+
+def task(mcp: McpClient, task_id: str) -> dict[str, Any]:
+    listed = mcp.call("list_scheduled_tasks", {"scheduledTaskId": task_id})
+    assert listed.ok, listed.structured
+    [found] = listed.structured["tasks"]
+    return found
+
+
+def schedule(mcp: McpClient, **args: Any) -> dict[str, Any]:
+    made = mcp.call("schedule_task", args)
+    assert made.ok, made.structured
+    return made.structured
+
+
+def settled(mcp: McpClient, task_id: str, runs: int) -> dict[str, Any]:
+    """The task once its ``runs``-th run has ended."""
+    return wait_until(lambda: (t := task(mcp, task_id))["runCount"] == runs
+                      and t["lastRunStatus"] in ("succeeded", "failed") and t, 30)
+
+
+def prompts(log: Path) -> list[str]:
+    return [e["msg"]["params"]["prompt"][-1]["text"] for e in agent_log(log)
+            if e["dir"] == "in" and e["msg"].get("method") == "session/prompt"]
+
+
+def test_an_interval_task_fires_at_each_due_time_and_not_between(t3_factory,
+                                                                  agent_log_path: Path) -> None:
+    """Every 60 s: nothing at 59 s, one run at 60 s (a fresh thread with the prefixed prompt),
+    the next at 120 s."""
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    made = schedule(mcp, prompt="hello", title="Ping",
+                    schedule={"type": "interval", "everyMs": 60_000})
+    assert made["boundThreadId"] is None and made["nextRunAt"] == iso(START + 60)
+    advance(t3, 59)
+    assert task(mcp, made["scheduledTaskId"])["runCount"] == 0
+    advance(t3, 1)
+    first = settled(mcp, made["scheduledTaskId"], 1)
+    assert first["lastRunStatus"] == "succeeded" and first["nextRunAt"] >= iso(START + 120)
+    advance(t3, 60)
+    settled(mcp, made["scheduledTaskId"], 2)
+    assert prompts(agent_log_path) == ["[Triggered by schedule task: Ping]\n\nhello"] * 2
+
+
+def test_a_fixed_time_fires_on_its_weekdays_across_a_dst_change(t3_factory) -> None:
+    """09:00 on weekdays in New York, made on a Friday noon: nothing over the weekend, then Monday
+    09:00 EDT (13:00 UTC, no longer 14:00) after the clocks went forward, then Tuesday."""
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    made = schedule(mcp, prompt="standup", schedule={
+        "type": "fixed_time", "timeOfDay": "09:00", "weekdays": [1, 2, 3, 4, 5]})
+    monday = calendar.timegm((2026, 3, 9, 13, 0, 0))
+    assert made["nextRunAt"] == iso(monday)
+    advance(t3, calendar.timegm((2026, 3, 8, 14, 0, 0)) - START)  # Sunday 10:00 EDT
+    assert task(mcp, made["scheduledTaskId"])["runCount"] == 0
+    advance(t3, monday - calendar.timegm((2026, 3, 8, 14, 0, 0)))
+    after = settled(mcp, made["scheduledTaskId"], 1)
+    assert after["nextRunAt"] == iso(monday + 86_400)
+
+
+def test_a_fixed_time_missed_by_11_minutes_is_skipped(t3_factory) -> None:
+    """A daily 12:30 the clock jumps past by 11 minutes: no run, and the next is tomorrow's."""
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    made = schedule(mcp, prompt="late", schedule={"type": "fixed_time", "timeOfDay": "12:30"})
+    due = START + 30 * 60
+    assert made["nextRunAt"] == iso(due)
+    advance(t3, 30 * 60 + 11 * 60)
+    after = task(mcp, made["scheduledTaskId"])
+    assert after["runCount"] == 0 and after["nextRunAt"] == iso(due + 86_400)
+
+
+def test_pause_update_run_now_and_delete(t3_factory) -> None:
+    """enabled false pauses (no next run, nothing fires); re-enabled with a new interval it is
+    aimed from now; runNow fires at once; delete removes it and nothing fires after."""
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    task_id = schedule(mcp, prompt="p", schedule={"type": "interval", "everyMs": 60_000})[
+        "scheduledTaskId"]
+    paused = schedule(mcp, scheduledTaskId=task_id, enabled=False)
+    assert paused["enabled"] is False and paused["nextRunAt"] is None
+    advance(t3, 120)
+    assert task(mcp, task_id)["runCount"] == 0
+    resumed = schedule(mcp, scheduledTaskId=task_id, enabled=True,
+                       schedule=json.dumps({"type": "interval", "everyMs": 300_000}))
+    assert resumed["nextRunAt"] == iso(START + 120 + 300)
+    assert resumed["schedule"] == {"type": "interval", "everyMs": 300_000}
+    schedule(mcp, scheduledTaskId=task_id, runNow=True)
+    settled(mcp, task_id, 1)
+    deleted = mcp.call("delete_scheduled_task", {"scheduledTaskId": task_id})
+    assert deleted.structured == {"scheduledTaskId": task_id, "deleted": True}
+    advance(t3, 600)
+    assert mcp.call("list_scheduled_tasks", {}).structured["tasks"] == []
+    assert mcp.call("delete_scheduled_task", {"scheduledTaskId": task_id}).failure_code == \
+        "task_not_found"
+
+
+def call_line(tool: str, args: dict[str, Any]) -> str:
+    return f"CALL_TOOL {tool} {json.dumps(args)}"
+
+
+def test_bound_runs_post_into_the_thread_and_unbound_ones_launch_with_the_tasks_modes(
+        t3_factory, tmp_path: Path) -> None:
+    """An agent's task posts into its own thread by default; one it unbinds, on another
+    provider in a narrower mode, launches a fresh thread there; one broader than the agent's
+    approval-required mode is refused."""
+    t3 = t3_factory(env=CLOCK, providers=[scripted_provider(tmp_path, id="alpha"),
+                                          scripted_provider(tmp_path, id="beta")])
+    mcp = t3.client()
+    every = {"type": "interval", "everyMs": 60_000}
+    lines = [call_line("schedule_task", {"prompt": "bound work", "schedule": every,
+                                         "title": "bound"}),
+             call_line("schedule_task", {"prompt": "free work", "schedule": every,
+                                         "title": "free", "bindToCurrentThread": False,
+                                         "target": {"providerInstanceId": "beta"}}),
+             call_line("schedule_task", {"prompt": "x", "schedule": every,
+                                         "bindToCurrentThread": False,
+                                         "runtimeMode": "full-access"})]
+    made = mcp.call("create_threads", {"threads": [{
+        "prompt": "\n".join(lines), "runtimeMode": "approval-required",
+        "target": {"providerInstanceId": "alpha"}}]}).structured["threads"][0]
+    calls = wait_until(lambda: len(c := [e for e in agent_log(tmp_path / "agent-alpha.log")
+                                         if e["dir"] == "mcp"]) == 3 and c, 30)
+    assert calls[2]["result"]["code"] == "runtime_mode_escalation_denied", calls[2]
+    bound, free = calls[0]["result"], calls[1]["result"]
+    assert bound["boundThreadId"] == made["threadId"] and free["boundThreadId"] is None
+    assert free["runtimeMode"] == "approval-required" and free["providerInstanceId"] == "beta"
+    advance(t3, 60)
+    fired = {t["title"]: t for t in (settled(mcp, bound["scheduledTaskId"], 1),
+                                     settled(mcp, free["scheduledTaskId"], 1))}
+    assert fired["bound"]["lastRunThreadId"] == made["threadId"]
+    fresh = mcp.call("t3_thread_read", {"threadId": fired["free"]["lastRunThreadId"]}).structured
+    assert fresh["thread"]["providerInstanceId"] == "beta"
+    assert fresh["thread"]["runtimeMode"] == "approval-required"
+    assert prompts(tmp_path / "agent-beta.log") == [
+        "[Triggered by schedule task: free]\n\nfree work"]
+    assert "[Triggered by schedule task: bound]\n\nbound work" in prompts(
+        tmp_path / "agent-alpha.log")
+
+
+def test_kill9_at_the_fire_commit_runs_it_once(t3_factory, agent_log_path: Path) -> None:
+    """The server dies right after a fire committed: after the restart its run happens once
+    (one prompt, one run), and the next fire is scheduled."""
+    t3 = t3_factory(env={**CLOCK, "T3_CRASH_AT": "after-commit:scheduled-task.fire"})
+    mcp = t3.client()
+    task_id = schedule(mcp, prompt="once", schedule={"type": "interval", "everyMs": 60_000})[
+        "scheduledTaskId"]
+    try:
+        advance(t3, 60)
+    except Exception:  # the server died in the middle of the call  # noqa: BLE001
+        pass
+    wait_until(lambda: not t3.running, 10)
+    t3.env.pop("T3_CRASH_AT")
+    t3.env["T3_TEST_CLOCK"] = str(START + 61)
+    t3.start()
+    after = settled(mcp, task_id, 1)
+    assert after["lastRunStatus"] == "succeeded" and after["nextRunAt"] >= iso(START + 120)
+    assert prompts(agent_log_path) == ["[Triggered by schedule task: once]\n\nonce"]
+
+
+def test_kill9_while_the_fired_run_streams_fails_it_and_schedules_the_next(
+        t3_factory, agent_log_path: Path) -> None:
+    """The server dies while a fired run streams: after the restart the task's last run failed
+    ("Run was interrupted by a server restart."), it was prompted once, and the next fire is
+    scheduled and happens."""
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    task_id = schedule(mcp, prompt="SLOW:400", title="long",
+                       schedule={"type": "interval", "everyMs": 60_000})["scheduledTaskId"]
+    advance(t3, 60)
+    wait_until(lambda: any(e["dir"] == "out" and "chunk 3 " in json.dumps(e["msg"])
+                           for e in agent_log(agent_log_path)), 30)
+    t3.kill9()
+    t3.env["T3_TEST_CLOCK"] = str(START + 70)
+    t3.start()
+    after = settled(mcp, task_id, 1)
+    assert (after["lastRunStatus"], after["lastRunError"]) == (
+        "failed", "Run was interrupted by a server restart.")
+    assert after["nextRunAt"] == iso(START + 120)
+    assert len(prompts(agent_log_path)) == 1
