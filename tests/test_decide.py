@@ -72,13 +72,14 @@ class Sim:
         self.state = o.ThreadState()
         self.providers = providers(active_steering=active_steering)
         self.count = 0
+        self.now = NOW
 
     def cid(self, label: str) -> str:
         self.count += 1
         return f"cmd-{self.count}-{label}"
 
     def decide(self, command: Any) -> o.Decision:
-        return o.decide(self.state, command, now=NOW, new_id=CountingIds(),
+        return o.decide(self.state, command, now=self.now, new_id=CountingIds(),
                         providers=self.providers)
 
     def do(self, command: Any) -> o.Decision:
@@ -1045,3 +1046,64 @@ def test_a_run_waiting_for_a_slot_can_be_interrupted_and_is_restarted_after_a_cr
     await_slot(sim, 2)
     decision = sim.recover()
     assert sim.run(2).status == "starting" and effect_types(decision) == ["provider-turn.start"]
+
+
+# =============================================================================================
+# Scheduled tasks
+
+
+def task_sim(schedule: dict[str, Any]) -> Sim:
+    sim = Sim()
+    sim.do(upsert_task("task-1", schedule))
+    return sim
+
+
+def the_task(sim: Sim) -> o.ScheduledTask:
+    return sim.state.entities["scheduled-task"]["task-1"]
+
+
+def test_a_fire_is_once_and_a_task_never_runs_twice_at_once() -> None:
+    """A scheduled fire for the task's due time marks it running, emits one replay-safe run
+    effect and aims the next run; a second fire for the same time, or any fire while it runs,
+    is refused; settling ends the run."""
+    sim = task_sim({"type": "interval", "everyMs": 60_000})
+    due = the_task(sim).next_run_at
+    assert due == o.iso_time(o.epoch_of(NOW) + 60)
+    later = sim.now = o.iso_time(o.epoch_of(NOW) + 61)
+    fired = sim.do(o.FireScheduledTask(command_id="fire-1", thread_id="task-1",
+                                       trigger="scheduled", due_at=due))
+    [effect] = fired.effects
+    assert effect.effect_type == "scheduled-task.run" and effect.replay_safe
+    assert effect.payload["prompt"] == "[Triggered by schedule task: Nightly]\n\nrun the tests"
+    task = the_task(sim)
+    assert (task.last_run_status, task.run_count, task.next_run_at) == (
+        "running", 1, o.iso_time(o.epoch_of(later) + 60))
+    for trigger, due_at in (("scheduled", due), ("manual", None)):
+        with pytest.raises(o.CommandRejected):
+            sim.decide(o.FireScheduledTask(command_id="fire-2", thread_id="task-1",
+                                           trigger=trigger, due_at=due_at))
+    sim.do(o.SettleScheduledRun(command_id="s", thread_id="task-1", fire_key="fire-1",
+                                status="failed", error="boom"))
+    assert (the_task(sim).last_run_status, the_task(sim).last_run_error) == ("failed", "boom")
+
+
+def test_a_late_fixed_time_fire_is_skipped_and_aimed_again() -> None:
+    """A fixed-time fire more than 10 minutes late runs nothing and aims at the next slot."""
+    sim = task_sim({"type": "fixed_time", "timeOfDay": "03:30"})
+    due = the_task(sim).next_run_at
+    late = sim.now = o.iso_time(o.epoch_of(due) + 11 * 60)
+    decision = sim.decide(o.FireScheduledTask(command_id="f", thread_id="task-1",
+                                              trigger="scheduled", due_at=due))
+    assert decision.effects == () and decision.result["fired"] is False
+    assert o.epoch_of(final(decision, "scheduled-task", "task-1").next_run_at) > o.epoch_of(late)
+
+
+@pytest.mark.parametrize("schedule", [
+    {"type": "interval", "everyMs": 59_999}, {"type": "interval"},
+    {"type": "fixed_time", "timeOfDay": "24:00"}, {"type": "fixed_time", "timeOfDay": "9"},
+    {"type": "fixed_time", "timeOfDay": "09:00", "weekdays": [7]}, {"type": "cron"}, []])
+def test_a_bad_schedule_is_refused(schedule: Any) -> None:
+    """Intervals under a minute, malformed times and weekdays, and unknown types are refused."""
+    with pytest.raises(o.T3Error) as refused:
+        o.validate_schedule(schedule)
+    assert refused.value.code == "invalid_request"

@@ -88,6 +88,18 @@ def test_a_fixed_time_fires_on_its_weekdays_across_a_dst_change(t3_factory) -> N
     assert after["nextRunAt"] == iso(monday + 86_400)
 
 
+def test_an_interval_task_catches_up_with_a_single_run(t3_factory, agent_log_path: Path) -> None:
+    """Five intervals pass at once (the server was down, say): one run, then the next is one
+    interval after it."""
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    task_id = schedule(mcp, prompt="catch up", schedule={"type": "interval",
+                                                          "everyMs": 60_000})["scheduledTaskId"]
+    advance(t3, 300)
+    after = settled(mcp, task_id, 1)
+    assert after["nextRunAt"] == iso(START + 360) and len(prompts(agent_log_path)) == 1
+
+
 def test_a_fixed_time_missed_by_11_minutes_is_skipped(t3_factory) -> None:
     """A daily 12:30 the clock jumps past by 11 minutes: no run, and the next is tomorrow's."""
     t3 = t3_factory(env=CLOCK)
@@ -184,8 +196,10 @@ def test_kill9_at_the_fire_commit_runs_it_once(t3_factory, agent_log_path: Path)
     t3.env["T3_TEST_CLOCK"] = str(START + 61)
     t3.start()
     after = settled(mcp, task_id, 1)
-    assert after["lastRunStatus"] == "succeeded" and after["nextRunAt"] >= iso(START + 120)
+    assert after["lastRunStatus"] == "succeeded" and after["nextRunAt"] == iso(START + 120)
     assert prompts(agent_log_path) == ["[Triggered by schedule task: once]\n\nonce"]
+    runs = mcp.call("t3_thread_read", {"threadId": after["lastRunThreadId"]}).structured
+    assert len(runs["recentRuns"]) == 1
 
 
 def test_kill9_while_the_fired_run_streams_fails_it_and_schedules_the_next(
