@@ -287,9 +287,10 @@ def test_a_subscriber_that_never_reads_is_cut_off_and_resumes_without_gaps(
     after_first = event_bytes(t3, thread_id)
     last = [asyncio.run(answer()) for _ in range(4)][-1]
     more = event_bytes(t3, thread_id) - after_first
-    # Held events would grow the server by `more` (30 MB or so); what it keeps of four answers
-    # in its state, and the noise of a loaded machine, stay far below half of that.
-    assert more > 24 * 1024 * 1024 and last - first < more / 2048, (first, last, more)  # KiB
+    # Held events would grow the server by `more` (25 to 30 MB: how deltas are batched depends on
+    # timing); what it keeps of four answers in its state, and the noise of a loaded machine, stay
+    # far below half of that.
+    assert more > 16 * 1024 * 1024 and last - first < more / 2048, (first, last, more)  # KiB
     reader.read_until(lambda: "error" in reader.frames[-1])
     reader.sock.close()
     error = reader.frames[-1]["error"]
