@@ -23,11 +23,15 @@ from __future__ import annotations
 import asyncio
 import calendar
 import collections
+import datetime
+import email.utils
 import enum
 import functools
 import hashlib
+import hmac
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -50,7 +54,9 @@ __all__ = [
     "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
     "task_result", "TASK_TERMINAL", "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS",
     "mode_to_answer", "result_transfer_id", "AwaitAgentSlot", "GrantAgentSlot", "ThreadService",
-    "steerable_run", "Subscription", "CLIENT_COMMANDS",
+    "steerable_run", "Subscription", "CLIENT_COMMANDS", "ScheduledTask", "WebhookDelivery",
+    "validate_schedule", "UpsertScheduledTask", "DeleteScheduledTask", "FireScheduledTask",
+    "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "RateLimited",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -73,6 +79,16 @@ class T3Error(Exception):
 
 class CommandRejected(T3Error):
     """The command does not apply to the current state."""
+
+
+class RateLimited(T3Error):
+    """Too many requests; try again later."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str | None = None, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 # =============================================================================================
@@ -484,7 +500,13 @@ class ScheduledTask(_Entity):
     last_run_id: str | None = None
     run_count: int = 0
     hook_token_sha256: str | None = None  # a webhook's token, hashed: the token is shown once
+    delivery_count: int = 0  # webhook deliveries recorded: the next one's ordinal
     deleted_at: str | None = None
+
+
+DELIVERY_OUTCOMES = frozenset({"queued", "running", "succeeded", "failed", "skipped",
+                               "duplicate", "expired"})
+DELIVERY_WAITING = frozenset({"queued", "running"})  # the task's waiting line
 
 
 @dataclass(frozen=True, slots=True)
@@ -492,6 +514,7 @@ class WebhookDelivery(_Entity):
     """One request to a webhook task's URL, as its log shows it (secrets redacted)."""
 
     kind: ClassVar[str] = "webhook-delivery"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"outcome": DELIVERY_OUTCOMES}
     id: str
     task_id: str
     received_at: str
@@ -507,6 +530,9 @@ class WebhookDelivery(_Entity):
     run_thread_id: str | None = None  # the thread its run went to
     run_id: str | None = None
     updated_at: str | None = None
+    ordinal: int = 0  # its place among the task's deliveries: the waiting line's order
+    reason: str | None = None  # why it was skipped, expired or a duplicate
+    prompt: str | None = None  # the filled-in prompt while it waits (dropped once it runs)
 
 
 _ENTITY_TYPES: dict[str, type[_Entity]] = {
@@ -538,6 +564,11 @@ class ThreadState:
     def put(self, entity: Any) -> None:
         if isinstance(entity, AppThread):
             self.thread = entity
+            return
+        if isinstance(entity, WebhookDelivery) and entity.outcome not in DELIVERY_WAITING:
+            # decide needs only the waiting line; the log lives in the store (newest 50), so a
+            # busy hook's task does not grow in memory.
+            self.entities[entity.kind].pop(entity.id, None)
             return
         self.entities[entity.kind][entity.id] = entity
         if isinstance(entity, TurnItem):
@@ -1968,7 +1999,7 @@ def validate_schedule(schedule: Any) -> dict[str, Any]:
         return {"type": "fixed_time", "timeOfDay": f"{int(hours):02d}:{minutes}",
                 **({"weekdays": sorted(set(days))} if days else {})}
     if kind == "webhook":
-        return dict(schedule)  # the webhook's own options are checked where they are used
+        return _validate_webhook(schedule)
     raise T3Error("schedule.type: must be interval, fixed_time or webhook",
                   code="invalid_request")
 
@@ -2040,18 +2071,18 @@ class DeleteScheduledTask:
 
 @dataclass(frozen=True, slots=True)
 class FireScheduledTask:
-    """A task is due (trigger scheduled), asked to run now (manual), or a webhook delivery came
-    (webhook, with its filled prompt). The command id is the fire key."""
+    """A task is due (trigger scheduled) or asked to run now (manual). The command id is the
+    fire key. (A webhook delivery fires in the command that records it, or in the one that
+    settles the run before it: ``_fire_next_delivery``.)"""
 
     type: ClassVar[str] = "scheduled-task.fire"
     command_id: str
     thread_id: str  # the task's id
-    trigger: str  # scheduled | manual | webhook
+    trigger: str  # scheduled | manual
     due_at: str | None = None  # scheduled: the next_run_at this fire is for
-    prompt: str | None = None  # webhook: the filled prompt
 
     def __post_init__(self) -> None:
-        if self.trigger not in ("scheduled", "manual", "webhook"):
+        if self.trigger not in ("scheduled", "manual"):
             raise ValueError(f"unknown trigger {self.trigger!r}")
 
 
@@ -2105,13 +2136,17 @@ def _decide_upsert_task(d: _Draft, c: UpsertScheduledTask, **_: Any) -> Mapping[
                 task.id) is None:  # a new or changed timing is aimed again from now
         due = next_run_after(updated.schedule, epoch_of(d.now)) if updated.enabled else None
         updated = replace(updated, next_run_at=iso_time(due) if due is not None else None)
-    d.put(updated)
+    d.put(_fire_next_delivery(d, updated))  # deliveries that waited while it was paused
     return {"scheduledTaskId": task.id, "nextRunAt": updated.next_run_at}
 
 
 def _decide_delete_task(d: _Draft, c: DeleteScheduledTask, **_: Any) -> Mapping[str, Any]:
     task = _scheduled_task(d, c.thread_id)
     d.put(replace(task, deleted_at=d.now, enabled=False, next_run_at=None, updated_at=d.now))
+    for delivery in d.all("webhook-delivery"):
+        if delivery.outcome == "queued":
+            d.put(replace(delivery, outcome="failed", prompt=None, updated_at=d.now,
+                          error="The scheduled task was deleted before this delivery ran."))
     return {"scheduledTaskId": task.id, "deleted": True}
 
 
@@ -2131,27 +2166,350 @@ def _decide_fire(d: _Draft, c: FireScheduledTask, **_: Any) -> Mapping[str, Any]
                 now - epoch_of(c.due_at) > MISSED_FIXED_TIME_GRACE_S:
             d.put(replace(task, next_run_at=next_at, updated_at=d.now))  # skipped, re-aimed
             return {"scheduledTaskId": task.id, "fired": False, "nextRunAt": next_at}
-    prompt = SCHEDULED_PROMPT.format(title=task.title, prompt=c.prompt or task.prompt)
-    d.put(replace(task, last_run_status="running", last_run_at=d.now, last_run_error=None,
-                  last_fire_key=c.command_id, last_run_thread_id=None, last_run_id=None,
-                  run_count=task.run_count + 1, next_run_at=next_at, updated_at=d.now))
-    d.effect("scheduled-task.run", {"taskId": task.id, "fireKey": c.command_id,
-                                    "prompt": prompt}, c.command_id)
+    d.put(replace(_fired(d, task, c.command_id, task.prompt), next_run_at=next_at))
     return {"scheduledTaskId": task.id, "fired": True, "fireKey": c.command_id,
             "nextRunAt": next_at}
+
+
+def _fired(d: _Draft, task: ScheduledTask, fire_key: str, prompt: str) -> ScheduledTask:
+    """The task once a fire started: its run requested (an effect safe to replay: its ids derive
+    from the fire key), the task running. The caller puts it."""
+    d.effect("scheduled-task.run", {
+        "taskId": task.id, "fireKey": fire_key,
+        "prompt": SCHEDULED_PROMPT.format(title=task.title, prompt=prompt)}, fire_key)
+    return replace(task, last_run_status="running", last_run_at=d.now, last_run_error=None,
+                   last_fire_key=fire_key, last_run_thread_id=None, last_run_id=None,
+                   run_count=task.run_count + 1, updated_at=d.now)
 
 
 def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[str, Any]:
     task = d.get("scheduled-task", c.thread_id)
     if task is None or task.last_fire_key != c.fire_key or task.last_run_status != "running":
         raise CommandRejected("that fire is not the task's running one")
+    delivery = next((x for x in d.all("webhook-delivery") if x.fire_key == c.fire_key), None)
     if c.status == "running":
-        d.put(replace(task, last_run_thread_id=c.run_thread_id, last_run_id=c.run_id,
-                      updated_at=d.now))
+        task = replace(task, last_run_thread_id=c.run_thread_id, last_run_id=c.run_id,
+                       updated_at=d.now)
+        if delivery is not None:
+            d.put(replace(delivery, run_thread_id=c.run_thread_id, run_id=c.run_id,
+                          updated_at=d.now))
     else:
-        d.put(replace(task, last_run_status=c.status, last_run_error=c.error,
-                      updated_at=d.now))
+        task = replace(task, last_run_status=c.status, last_run_error=c.error, updated_at=d.now)
+        if delivery is not None:
+            d.put(replace(delivery, outcome=c.status, error=c.error, updated_at=d.now))
+        task = _fire_next_delivery(d, task)  # in this same commit: the line never stalls
+    d.put(task)
     return {"scheduledTaskId": task.id, "status": c.status}
+
+
+# =============================================================================================
+# Webhooks (SPEC 7): a webhook task runs once per delivery to its URL. t3.py checks the hook
+# token and bounds the body; the runtime checks the signature and the hook's rate; then one
+# command records the delivery with its outcome (duplicate, expired, skipped, failed, queued)
+# and, when the task is idle, fires it in that same commit. Deliveries wait in line, one run at
+# a time per task: settling a run fires the next one, also in one commit. A delivery that names
+# itself (a delivery id header) is recorded under a command id made of the task and that id,
+# so it is recorded once, crash or not: a second copy finds the receipt and is a duplicate.
+
+
+HOOK_BODY_MAX_BYTES = 1024 * 1024  # t3.py refuses a longer body (413) before reading it
+HOOK_DELIVERIES_PER_MINUTE = 60
+MAX_WAITING_DELIVERIES = 20  # queued + running, per task
+DELIVERY_EXCERPT_BYTES = 64 * 1024
+MAX_FILLED_PROMPT_CHARS = 120_000
+MAX_HOOK_FILTERS = 20
+DELIVERY_ID_HEADERS = ("x-github-delivery", "x-request-id")
+TIMESTAMP_HEADERS = ("webhook-timestamp", "x-webhook-timestamp")
+REDACTED = "<redacted>"
+_WEBHOOK_KEYS = ("type", "signature", "filters", "maxDeliveryAgeMinutes", "deliveryIdHeader",
+                 "timestampHeader")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")
+_FILTER_PATH = re.compile(r"[^.\s]{1,128}(\.[^.\s]{1,128}){0,31}")
+# Header and query names whose values the log never keeps, and templates and filters never see.
+_SECRET_NAME = re.compile(r"auth|cookie|token|secret|signature|passw|api[-_]?key|credential|"
+                          r"session", re.IGNORECASE)
+_PLACEHOLDER = re.compile(r"\{\{\s*(body|headers|query)(?:\.([^{}\s]+))?\s*\}\}")
+_MISSING = object()
+
+
+def _validate_webhook(schedule: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"type": "webhook", "signature"?: {header, secret, prefix?}, "filters"?: [{path,
+    equals}], "maxDeliveryAgeMinutes"?, "deliveryIdHeader"?, "timestampHeader"?}``, checked."""
+    def fail(name: str, problem: str) -> T3Error:
+        return T3Error(f"schedule.{name}: {problem}", code="invalid_request")
+
+    def header(value: Any, name: str) -> str:
+        if not isinstance(value, str) or not _HEADER_NAME.fullmatch(value):
+            raise fail(name, "an HTTP header name (letters, digits and -, at most 128)")
+        return value
+    unknown = sorted(set(schedule) - set(_WEBHOOK_KEYS))
+    if unknown:
+        raise fail(unknown[0], f"unknown field; a webhook takes {', '.join(_WEBHOOK_KEYS[1:])}")
+    checked: dict[str, Any] = {"type": "webhook"}
+    if (sig := schedule.get("signature")) is not None:
+        if not isinstance(sig, Mapping) or set(sig) - {"header", "secret", "prefix"}:
+            raise fail("signature", "an object {header, secret, prefix?}")
+        secret, prefix = sig.get("secret"), sig.get("prefix", "")
+        if not isinstance(secret, str) or not 1 <= len(secret) <= 1024:
+            raise fail("signature.secret", "a string of 1 to 1,024 characters")
+        if not isinstance(prefix, str) or len(prefix) > 64:
+            raise fail("signature.prefix", "a string of at most 64 characters (e.g. sha256=)")
+        checked["signature"] = {"header": header(sig.get("header"), "signature.header"),
+                                "secret": secret, **({"prefix": prefix} if prefix else {})}
+    if (filters := schedule.get("filters")) is not None:
+        if not isinstance(filters, list) or len(filters) > MAX_HOOK_FILTERS:
+            raise fail("filters", f"a list of at most {MAX_HOOK_FILTERS} {{path, equals}}")
+        for i, f in enumerate(filters):
+            if not isinstance(f, Mapping) or set(f) != {"path", "equals"}:
+                raise fail(f"filters[{i}]", "an object {path, equals}")
+            if not isinstance(f["path"], str) or not _FILTER_PATH.fullmatch(f["path"]):
+                raise fail(f"filters[{i}].path", "a dotted path (e.g. pull_request.base.ref, "
+                           "commits.0.id, headers.x-github-event, query.name)")
+            if not (f["equals"] is None or isinstance(f["equals"], (str, bool, int, float))):
+                raise fail(f"filters[{i}].equals", "a string, number, boolean or null")
+        checked["filters"] = [{"path": f["path"], "equals": f["equals"]} for f in filters]
+    if (age := schedule.get("maxDeliveryAgeMinutes")) is not None:
+        if not isinstance(age, int) or isinstance(age, bool) or not 1 <= age <= 10_080:
+            raise fail("maxDeliveryAgeMinutes", "an integer from 1 to 10080 (a week)")
+        checked["maxDeliveryAgeMinutes"] = age
+    for name in ("deliveryIdHeader", "timestampHeader"):
+        if schedule.get(name) is not None:
+            checked[name] = header(schedule[name], name)
+    return checked
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookRequest:
+    """A request to a hook's URL as HTTP carried it (t3.py parses it; nothing in it is trusted)."""
+
+    method: str
+    headers: tuple[tuple[str, str], ...]  # names lower-cased, in the order sent
+    query: tuple[tuple[str, str], ...]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        return next((value for key, value in self.headers if key == name), None)
+
+
+def signature_valid(schedule: Mapping[str, Any], request: WebhookRequest) -> bool:
+    """No signature asked for, or the header holds prefix + HMAC-SHA256(secret, raw body) in hex
+    (GitHub: ``X-Hub-Signature-256: sha256=<hex>``), compared in constant time."""
+    sig = schedule.get("signature")
+    if not sig:
+        return True
+    given = (request.header(sig["header"]) or "").strip()
+    prefix = sig.get("prefix", "")
+    expected = hmac.new(sig["secret"].encode(), request.body, hashlib.sha256).hexdigest()
+    # compare_digest takes only ASCII text: a value with other characters matches nothing.
+    return given.isascii() and given.startswith(prefix) and \
+        hmac.compare_digest(given[len(prefix):].lower(), expected)
+
+
+def delivery_key(schedule: Mapping[str, Any], request: WebhookRequest) -> str | None:
+    """What names the delivery for dedupe: the task's ``deliveryIdHeader``, else
+    ``X-GitHub-Delivery`` or ``X-Request-Id``; None when absent (then it is never a duplicate)."""
+    names = [schedule["deliveryIdHeader"]] if schedule.get("deliveryIdHeader") \
+        else DELIVERY_ID_HEADERS
+    value = next((v.strip() for n in names if (v := request.header(n)) and v.strip()), None)
+    return bounded_id(value) if value else None
+
+
+def delivery_excerpt(schedule: Mapping[str, Any], body: bytes,
+                     redact: Callable[[str], str] | None) -> str:
+    """What the log keeps of a body: its first 64 KiB as text through ``redact`` (t3.py hands
+    in providers.redact; without one nothing is kept), the signature's secret blanked too."""
+    if redact is None:
+        return ""
+    return _blank_secret(schedule, redact(body[:DELIVERY_EXCERPT_BYTES].decode("utf-8",
+                                                                               "replace")))
+
+
+def _blank_secret(schedule: Mapping[str, Any], text: str) -> str:
+    secret = (schedule.get("signature") or {}).get("secret")
+    return text.replace(secret, REDACTED) if secret and secret in text else text
+
+
+class _Delivery:
+    """A request as the rules see it: headers and query with secrets blanked (the log keeps
+    these, and templates and filters see only these), the body as text and as JSON."""
+
+    def __init__(self, schedule: Mapping[str, Any], request: WebhookRequest) -> None:
+        self.schedule, self.request = schedule, request
+        signed = ((schedule.get("signature") or {}).get("header") or "").lower()
+        self.headers: dict[str, str] = {}
+        for name, value in request.headers:
+            shown = REDACTED if _SECRET_NAME.search(name) or name == signed else \
+                _blank_secret(schedule, value)
+            self.headers[name] = f"{self.headers[name]}, {shown}" if name in self.headers \
+                else shown
+        self.query: dict[str, list[str]] = {}
+        for name, value in request.query:
+            self.query.setdefault(name, []).append(
+                REDACTED if _SECRET_NAME.search(name) else _blank_secret(schedule, value))
+        self.text = request.body.decode("utf-8", "replace")
+        try:
+            self.json: Any = json.loads(self.text)
+        except ValueError:
+            self.json = _MISSING
+
+    def value(self, path: str) -> Any:
+        """``headers.<name>``, ``query.<name>``, or a dotted path into the JSON body (``body.``
+        optional; a list index is a number); _MISSING when there is none."""
+        head, _, rest = path.partition(".")
+        if head == "headers":
+            return self.headers.get(rest.lower(), _MISSING)
+        if head == "query":
+            return self.query[rest][0] if self.query.get(rest) else _MISSING
+        found = self.json
+        for part in (rest.split(".") if rest else []) if head == "body" else path.split("."):
+            if isinstance(found, dict) and part in found:
+                found = found[part]
+            elif isinstance(found, list) and part.isdigit() and int(part) < len(found):
+                found = found[int(part)]
+            else:
+                return _MISSING
+        return found
+
+    def fill(self, template: str) -> str:
+        """The prompt template with ``{{body}}`` (the raw body), ``{{body.a.b}}``,
+        ``{{headers.name}}`` and ``{{query.name}}`` filled in (missing: empty), in one pass: a
+        placeholder inside a filled-in value stays as it is."""
+        def filled(match: re.Match[str]) -> str:
+            source, path = match.groups()
+            if path is None:
+                return self.text if source == "body" else match.group(0)
+            value = self.value(f"{source}.{path}")
+            if value is _MISSING or value is None:
+                return ""
+            return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return _PLACEHOLDER.sub(filled, template).strip()
+
+    def unmatched_filter(self) -> str | None:
+        """Why the delivery is skipped: the first filter it does not match, or None."""
+        for i, f in enumerate(self.schedule.get("filters") or ()):
+            if not _same_json(self.value(f["path"]), f["equals"]):
+                return f"filters[{i}] ({f['path']} equals {json.dumps(f['equals'])}) did not match"
+        return None
+
+    def too_old(self, now: float) -> str | None:
+        """Why the delivery is expired: its timestamp header is older than
+        ``maxDeliveryAgeMinutes``, or unreadable; None without a limit or a timestamp."""
+        limit = self.schedule.get("maxDeliveryAgeMinutes")
+        names = [self.schedule["timestampHeader"]] if self.schedule.get("timestampHeader") \
+            else TIMESTAMP_HEADERS
+        name, value = next(((n, v) for n in names if (v := self.request.header(n))), ("", None))
+        if limit is None or value is None:
+            return None
+        sent = _timestamp(value)
+        if sent is None:
+            return f"its {name} header is not a time (epoch seconds or milliseconds, ISO 8601, " \
+                "or an HTTP date)"
+        if now - sent > limit * 60:
+            return f"sent {now - sent:.0f} s ago, more than maxDeliveryAgeMinutes ({limit})"
+        return None
+
+
+def _same_json(found: Any, wanted: Any) -> bool:
+    """JSON equality: true is not 1, 1 is 1.0."""
+    if found is _MISSING or isinstance(found, bool) != isinstance(wanted, bool):
+        return False
+    return bool(found == wanted)
+
+
+def _timestamp(value: str) -> float | None:
+    """Epoch seconds from epoch seconds or milliseconds, ISO 8601 (naive: UTC) or an HTTP date."""
+    value = value.strip()
+    if re.fullmatch(r"\d{1,16}(\.\d{1,9})?", value):
+        number = float(value)
+        return number / 1000 if number > 1e11 else number  # 1e11 s is the year 5138
+    try:
+        parsed = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        try:
+            parsed = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.UTC)
+    return parsed.timestamp()
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveWebhookDelivery:
+    """A delivery passed its hook's token, signature and rate limit: record it, with its
+    outcome, and queue its run unless it is a duplicate, expired, skipped or failed."""
+
+    type: ClassVar[str] = "webhook-delivery.receive"
+    # The same delivery (task + delivery id header) is one command, however its copy differs.
+    fingerprint_fields: ClassVar[tuple[str, ...]] = ("thread_id", "delivery_key")
+    command_id: str  # webhook:<task>:<delivery key> when it has one, else random
+    thread_id: str  # the task's id
+    delivery_id: str
+    request: WebhookRequest
+    body_excerpt: str  # the log's copy: ``delivery_excerpt``
+    delivery_key: str | None = None
+    duplicate_of: str | None = None  # the delivery first recorded under this key
+
+
+def _decide_receive_delivery(d: _Draft, c: ReceiveWebhookDelivery, **_: Any
+                             ) -> Mapping[str, Any]:
+    task = d.get("scheduled-task", c.thread_id)
+    if task is None or task.deleted_at is not None or task.schedule.get("type") != "webhook":
+        raise CommandRejected("No webhook at this address.", code="hook_not_found")
+    if not task.enabled:
+        raise CommandRejected(f"Scheduled task {task.id} is paused (enabled: false).",
+                              code="hook_disabled")
+    view = _Delivery(task.schedule, c.request)
+    task = replace(task, delivery_count=task.delivery_count + 1, updated_at=d.now)
+    delivery = WebhookDelivery(
+        id=c.delivery_id, task_id=task.id, received_at=d.now, outcome="queued",
+        method=c.request.method, headers=view.headers, body_excerpt=c.body_excerpt,
+        body_truncated=len(c.request.body) > DELIVERY_EXCERPT_BYTES, query=view.query,
+        delivery_key=c.delivery_key, updated_at=d.now, ordinal=task.delivery_count)
+    if c.duplicate_of is not None:
+        delivery = replace(delivery, outcome="duplicate",
+                           reason=f"delivery {c.delivery_key} came before: {c.duplicate_of}")
+    elif (why := view.too_old(epoch_of(d.now))) is not None:
+        delivery = replace(delivery, outcome="expired", reason=why)
+    elif (why := view.unmatched_filter()) is not None:
+        delivery = replace(delivery, outcome="skipped", reason=why)
+    else:
+        waiting = sum(1 for x in d.all("webhook-delivery") if x.outcome in DELIVERY_WAITING)
+        if waiting >= MAX_WAITING_DELIVERIES:
+            raise CommandRejected(f"{waiting} deliveries to this hook are waiting or running "
+                                  f"(at most {MAX_WAITING_DELIVERIES}); send it again later",
+                                  code="queue_full")
+        prompt = view.fill(task.prompt)
+        delivery = replace(delivery, prompt=prompt) if len(prompt) <= MAX_FILLED_PROMPT_CHARS \
+            else replace(delivery, outcome="failed", error="The filled-in prompt is too long.")
+    if delivery.outcome == "queued":
+        task = _fire_next_delivery(d, task, arriving=delivery)
+    else:
+        d.put(delivery)
+    d.put(task)
+    return {"deliveryId": delivery.id,
+            "outcome": d.get("webhook-delivery", delivery.id).outcome}
+
+
+def _fire_next_delivery(d: _Draft, task: ScheduledTask, *,
+                        arriving: WebhookDelivery | None = None) -> ScheduledTask:
+    """Fire the task's oldest queued delivery when the task is idle, enabled and not deleted;
+    put the deliveries this changes (and ``arriving``, which joins the line). Returns the task
+    for the caller to put."""
+    line = sorted([x for x in d.all("webhook-delivery") if x.outcome == "queued"]
+                  + ([arriving] if arriving else []), key=lambda x: x.ordinal)
+    if not line or not task.enabled or task.deleted_at is not None or \
+            task.last_run_status == "running":
+        if arriving is not None:
+            d.put(arriving)
+        return task
+    first = line[0]
+    if arriving is not None and arriving is not first:
+        d.put(arriving)
+    fire_key = bounded_id(f"scheduled-task:{task.id}:{first.id}:webhook")
+    d.put(replace(first, outcome="running", fire_key=fire_key, prompt=None, updated_at=d.now))
+    return _fired(d, task, fire_key, first.prompt or "")
 
 
 _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
@@ -2177,8 +2535,10 @@ _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
     DeleteScheduledTask: _decide_delete_task,
     FireScheduledTask: _decide_fire,
     SettleScheduledRun: _decide_settle_run,
+    ReceiveWebhookDelivery: _decide_receive_delivery,
 }
-_TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, SettleScheduledRun)
+_TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, SettleScheduledRun,
+                  ReceiveWebhookDelivery)
 
 
 # =============================================================================================
@@ -2275,7 +2635,8 @@ class Orchestrator:
                  wall: Callable[[], float] = time.time,
                  coalesce_s: float = 0.02, backoff_base_ms: int = 100,
                  credentials: SessionCredentials | None = None,
-                 max_live_agent_processes: int = 16) -> None:
+                 max_live_agent_processes: int = 16,
+                 redact: Callable[[str], str] | None = None) -> None:
         self._store = store
         self._adapters = dict(adapters)
         self.providers = providers  # read live: an instance may become available later
@@ -2290,6 +2651,8 @@ class Orchestrator:
         self._schedule_wake = asyncio.Event()
         self._pass_waiters: list[asyncio.Future[None]] = []
         self._scheduled_runs: dict[str, tuple[str, str]] = {}  # run id -> (task id, fire key)
+        self._redact = redact  # what webhook delivery logs keep of a body goes through it
+        self._hook_hits: dict[str, collections.deque[float]] = {}  # task id -> admitted at
         self._worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._states: dict[str, ThreadState] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -2569,14 +2932,14 @@ class Orchestrator:
             except TimeoutError:
                 pass
 
-    async def fire(self, task_id: str, *, trigger: str, due_at: str | None = None,
-                   prompt: str | None = None, key: str | None = None) -> DispatchResult:
-        """Fire a task once: the command id is the fire key (the task, the due time or ``key``,
-        and the trigger), so a fire is recorded at most once, however often it is asked for."""
-        stamp = key or str(int(epoch_of(due_at or iso_time(self._wall())) * 1000))
+    async def fire(self, task_id: str, *, trigger: str,
+                   due_at: str | None = None) -> DispatchResult:
+        """Fire a task once: the command id is the fire key (the task, the due time and the
+        trigger), so a fire is recorded at most once, however often it is asked for."""
+        stamp = str(int(epoch_of(due_at or iso_time(self._wall())) * 1000))
         return await self.dispatch(FireScheduledTask(
             command_id=bounded_id(f"scheduled-task:{task_id}:{stamp}:{trigger}"),
-            thread_id=task_id, trigger=trigger, due_at=due_at, prompt=prompt))
+            thread_id=task_id, trigger=trigger, due_at=due_at))
 
     async def _run_scheduled(self, task_id: str, fire_key: str, prompt: str) -> None:
         """A fire's run: posted into the bound thread (mode auto), or a fresh thread with the
@@ -2651,6 +3014,56 @@ class Orchestrator:
             self._scheduled_runs[run.id] = (task["id"], task["lastFireKey"])
             if run.status in RUN_TERMINAL:
                 await self._settle_scheduled(run, restarted=run.status != RunStatus.COMPLETED)
+
+    # -- webhooks --------------------------------------------------------------------------------
+
+    async def webhook_task(self, task_id: str) -> ScheduledTask | None:
+        """The webhook task with this id, unless deleted (t3.py checks the hook token on it)."""
+        state = await self.state(task_id)
+        task = state.entities["scheduled-task"].get(task_id) if state else None
+        if task is None or task.deleted_at is not None or task.schedule.get("type") != "webhook":
+            return None
+        return task  # type: ignore[no-any-return]
+
+    async def receive_webhook(self, task_id: str, request: WebhookRequest) -> Mapping[str, Any]:
+        """A delivery to a hook whose token t3.py checked: its signature (``invalid_signature``),
+        the hook's rate (``RateLimited``), then its record (``_decide_receive_delivery``:
+        ``hook_disabled``, ``queue_full`` or an outcome). Answered once committed: a queued
+        delivery is durable and runs once, crash or not. Refusals write nothing."""
+        task = await self.webhook_task(task_id)
+        if task is None:
+            raise T3Error("No webhook at this address.", code="hook_not_found")
+        if not signature_valid(task.schedule, request):
+            raise T3Error("The signature header does not hold the body's HMAC-SHA256.",
+                          code="invalid_signature")
+        self._admit_delivery(task_id)
+        key = delivery_key(task.schedule, request)
+        command = ReceiveWebhookDelivery(
+            command_id=bounded_id(f"webhook:{task_id}:{key}") if key else
+            self._new_id("webhook"), thread_id=task_id,
+            delivery_id=self._new_id("webhook-delivery"), request=request, delivery_key=key,
+            body_excerpt=delivery_excerpt(task.schedule, request.body, self._redact))
+        result = await self.dispatch(command)
+        if result.replayed:  # this delivery came before: log the copy as its duplicate
+            result = await self.dispatch(replace(
+                command, command_id=self._new_id("webhook"),
+                duplicate_of=result.result["deliveryId"]))
+        log.info("webhook delivery %s to scheduled task %s: %s", result.result["deliveryId"],
+                 task_id, result.result["outcome"])
+        return result.result
+
+    def _admit_delivery(self, task_id: str) -> None:
+        """At most HOOK_DELIVERIES_PER_MINUTE deliveries per hook in any 60 s of the server's
+        clock. The window is kept in memory: a restart forgets it (it errs towards admitting),
+        and refused requests do not count, so a sender that backs off gets through."""
+        now = self._wall()
+        hits = self._hook_hits.setdefault(task_id, collections.deque())
+        while hits and hits[0] <= now - 60:
+            hits.popleft()
+        if len(hits) >= HOOK_DELIVERIES_PER_MINUTE:
+            raise RateLimited(f"This hook takes at most {HOOK_DELIVERIES_PER_MINUTE} deliveries "
+                              "a minute.", retry_after_s=max(1, math.ceil(hits[0] + 60 - now)))
+        hits.append(now)
 
     # -- the effect worker -----------------------------------------------------------------------
 

@@ -375,10 +375,14 @@ LEFT JOIN runs lr ON lr.run_id = (SELECT r.run_id FROM runs r WHERE r.thread_id 
 ORDER BY t.activity_at DESC, t.thread_id DESC
 """
 DELIVERIES_KEPT = 50
+# Newest first by the task's own count (received_at ties under a coarse or test clock). A
+# delivery that waits or runs is never pruned: it is the task's waiting line.
+_NEWEST_DELIVERIES = "ORDER BY json_extract(payload_json, '$.ordinal') DESC, received_at DESC"
 _PRUNE_DELIVERIES = f"""
-DELETE FROM webhook_deliveries WHERE thread_id = ? AND webhook_delivery_id NOT IN (
+DELETE FROM webhook_deliveries WHERE thread_id = ? AND outcome NOT IN ('queued', 'running')
+  AND webhook_delivery_id NOT IN (
     SELECT webhook_delivery_id FROM webhook_deliveries WHERE thread_id = ?
-    ORDER BY received_at DESC, webhook_delivery_id DESC LIMIT {DELIVERIES_KEPT})
+    {_NEWEST_DELIVERIES} LIMIT {DELIVERIES_KEPT})
 """
 # A task whose run is still running is not due: it never runs twice at once.
 _DUE_TASKS = """
@@ -395,9 +399,8 @@ WHERE enabled = 1 AND deleted_at IS NULL AND next_run_at IS NOT NULL
 _SCHEDULED_TASKS = """
 SELECT payload_json FROM scheduled_tasks WHERE deleted_at IS NULL ORDER BY scheduled_task_id
 """
-_DELIVERIES = """
-SELECT payload_json FROM webhook_deliveries WHERE thread_id = ?
-ORDER BY received_at DESC, webhook_delivery_id DESC
+_DELIVERIES = f"""
+SELECT payload_json FROM webhook_deliveries WHERE thread_id = ? {_NEWEST_DELIVERIES}
 """
 
 _PENDING_REQUESTS = """

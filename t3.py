@@ -616,7 +616,7 @@ class Route:
 
     methods: tuple[str, ...]
     handler: ASGIApp
-    check_origin: bool = True  # webhooks (/hooks/..., to come) opt out: other sites call them
+    check_origin: bool = True  # webhooks (/hooks/...) opt out: other sites' servers call them
     websocket: ASGIApp | None = None  # what serves a WebSocket upgrade of this path
 
 
@@ -706,8 +706,9 @@ class WebView:
 
 def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientToken,
               environment_id: str, policy: HttpPolicy, ws: ASGIApp | None = None,
-              web_view: WebView | None = None) -> ASGIApp:
-    """The routes, each reached only past ``_refusal`` (Host, Origin, path, method)."""
+              web_view: WebView | None = None, hooks: ASGIApp | None = None) -> ASGIApp:
+    """The routes, each reached only past ``_refusal`` (Host, Origin, path, method). Paths are
+    exact, but for the webhooks' ``/hooks/{scheduledTaskId}/{hookToken}``."""
     async def healthz(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         await _send_json(send, 200, {"ok": True, "version": VERSION,
                                      "environmentId": environment_id})
@@ -727,15 +728,20 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
     }
     if web_view is not None:
         routes["/"] = Route(methods=("GET", "HEAD"), handler=web_view)
+    hook_route = None if hooks is None else Route(
+        methods=("POST", "PUT", "PATCH"), handler=hooks, check_origin=False)
+
+    def route_of(path: str) -> Route | None:
+        return hook_route if path.startswith("/hooks/") else routes.get(path)
 
     async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
         if scope["type"] == "websocket":
-            await _websocket(scope, receive, send, routes.get(scope.get("path", "")), policy)
+            await _websocket(scope, receive, send, route_of(scope.get("path", "")), policy)
             return
-        path, method = scope.get("path", ""), scope.get("method", "GET")
+        path, method = _shown_path(scope.get("path", "")), scope.get("method", "GET")
         started = False
 
         async def tracked_send(message: MutableMapping[str, Any]) -> None:
@@ -743,7 +749,7 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
             started = started or message["type"] == "http.response.start"
             await send(message)
         try:
-            route = routes.get(path)
+            route = route_of(scope.get("path", ""))
             refusal = _refusal(scope, route, policy)
             if refusal is not None:
                 await _refuse(scope, tracked_send, *refusal)
@@ -789,7 +795,7 @@ def _refusal(scope: MutableMapping[str, Any], route: Route | None,
              policy: HttpPolicy) -> _Refusal | None:
     """Why a request is refused before anything reads its body (logged), or None. Client-made
     strings are logged with %r: a newline in them cannot forge a log line."""
-    path, method = scope.get("path", ""), scope.get("method", "GET")
+    path, method = _shown_path(scope.get("path", "")), scope.get("method", "GET")
     host, origin = _header(scope, b"host"), _header(scope, b"origin")
     if host is None or not policy.host_allowed(host):
         log.warning("refused %r %r: Host %r is not a name of this server", method, path, host)
@@ -807,6 +813,13 @@ def _refusal(scope: MutableMapping[str, Any], route: Route | None,
         return (405, "method_not_allowed", f"{path} takes {allowed}",
                 [(b"allow", allowed.encode())])
     return None
+
+
+def _shown_path(path: str) -> str:
+    """A path as logs and answers show it: a webhook's token is left out (it is its password)."""
+    if not path.startswith("/hooks/"):
+        return path
+    return "/hooks/" + path[len("/hooks/"):].split("/", 1)[0] + "/<token>"
 
 
 class _SlowBody(Exception):
@@ -840,6 +853,95 @@ def _bounded_body(app: ASGIApp) -> ASGIApp:
                 raise _SlowBody from None
             raise
     return bounded
+
+
+# A delivery refused after its body was read: the status for each of the orchestrator's codes.
+_HOOK_STATUS = {"hook_not_found": 404, "hook_disabled": 409, "invalid_signature": 401,
+                "rate_limited": 429, "queue_full": 429}
+
+
+def webhook_endpoint(orch: Any) -> ASGIApp:
+    """``POST/PUT/PATCH /hooks/{scheduledTaskId}/{hookToken}`` (SPEC 7), the HTTP part: the hook
+    token is compared with the task's hash in constant time (a wrong one is the same 404 as an
+    unknown hook), a paused hook is 409 and a declared body over 1 MiB 413, all before any of
+    the body is read; the body is read whole (at most 1 MiB, within ``BODY_TIMEOUT_S``), then
+    ``Orchestrator.receive_webhook`` applies the delivery's rules. 202 ``{deliveryId, outcome}``
+    once the delivery is recorded."""
+    from orchestrator import HOOK_BODY_MAX_BYTES, T3Error, WebhookRequest
+
+    async def hook(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        task_id, token = _hook_address(scope)
+        presented = _hash(token)  # hashed for an unknown hook too: the same work either way
+        task = await orch.webhook_task(task_id) if task_id else None
+        if task is None or not hmac.compare_digest(presented, task.hook_token_sha256 or ""):
+            log.warning("refused a webhook request: no hook %r with that token", task_id)
+            await _refuse(scope, send, 404, "hook_not_found", "No webhook at this address.")
+            return
+        if not task.enabled:
+            await _refuse(scope, send, 409, "hook_disabled",
+                          f"Scheduled task {task_id} is paused (enabled: false).")
+            return
+        length = _header(scope, b"content-length") or ""
+        try:
+            body = None if length.isdigit() and int(length) > HOOK_BODY_MAX_BYTES else \
+                await _read_body(receive, limit=HOOK_BODY_MAX_BYTES)
+        except ConnectionResetError:
+            log.info("a webhook sender for hook %r went away before its body ended", task_id)
+            return
+        if body is None:
+            await _refuse(scope, send, 413, "payload_too_large",
+                          f"webhook bodies are limited to {HOOK_BODY_MAX_BYTES} bytes")
+            return
+        request = WebhookRequest(
+            method=scope["method"], body=body,
+            headers=tuple((k.decode("latin-1").lower(), v.decode("latin-1"))
+                          for k, v in scope.get("headers") or []),
+            query=tuple(urllib.parse.parse_qsl(scope.get("query_string", b"").decode("latin-1"),
+                                               keep_blank_values=True)))
+        try:
+            result = await orch.receive_webhook(task_id, request)
+        except T3Error as exc:
+            if exc.code not in _HOOK_STATUS:
+                raise
+            log.warning("refused a delivery to hook %r: %s", task_id, exc.code)
+            retry = getattr(exc, "retry_after_s", None)
+            await _send_json(send, _HOOK_STATUS[exc.code], {"error": exc.code, "message": str(
+                exc)}, [(b"retry-after", str(retry).encode())] if retry else [])
+            return
+        await _send_json(send, 202, dict(result))
+    return hook
+
+
+def _hook_address(scope: MutableMapping[str, Any]) -> tuple[str, str]:
+    """(task id, token) of ``/hooks/<id>/<token>``, each percent-decoded once (a task id may
+    hold a %); ("", "") for any other shape."""
+    raw = scope.get("raw_path") or scope.get("path", "").encode()
+    parts = raw.split(b"?", 1)[0].split(b"/")
+    if len(parts) != 4 or parts[1] != b"hooks" or not parts[2] or not parts[3]:
+        return "", ""
+    return (urllib.parse.unquote(parts[2].decode("latin-1")),
+            urllib.parse.unquote(parts[3].decode("latin-1")))
+
+
+async def _read_body(receive: Callable[[], Awaitable[Any]], *, limit: int) -> bytes | None:
+    """The whole request body; None as soon as it exceeds ``limit`` (the rest is left unread).
+    A body still arriving ``BODY_TIMEOUT_S`` after the request is ``_SlowBody`` (408)."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # http.disconnect
+                    raise ConnectionResetError
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > limit:
+                    return None
+                if not message.get("more_body"):
+                    return b"".join(chunks)
+    except TimeoutError:
+        raise _SlowBody from None
 
 
 async def _lifespan(receive: Callable[[], Awaitable[Any]],
@@ -946,6 +1048,7 @@ class ClientApi:
             "interruptThread": self.interrupt_thread, "listThreads": self.list_threads,
             "readThread": self.read_thread, "getThreadProjection": self.get_thread_projection,
             "listPendingRequests": self.list_pending_requests,
+            "listWebhookDeliveries": self.list_webhook_deliveries,
             **({"advanceTestClock": self.advance_test_clock} if test_clock else {})}
         self._streams: dict[str, Callable[[Mapping[str, Any], Emit], Awaitable[None]]] = {
             "subscribeThread": self.subscribe_thread, "subscribeShell": self.subscribe_shell}
@@ -1074,6 +1177,15 @@ class ClientApi:
         return {"requests": [{**_request_summary(r), "threadId": r.thread_id,
                               "detail": r.detail}
                              for r in requests if wanted in (None, r.thread_id)]}
+
+    async def list_webhook_deliveries(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """A webhook task's kept deliveries, newest first, as recorded (secrets redacted)."""
+        task_id = params.get("scheduledTaskId")
+        if not isinstance(task_id, str) or not task_id or set(params) - {"scheduledTaskId"}:
+            raise WsFailure("invalid_request", "params: {scheduledTaskId} (a string)")
+        if await self.orch.webhook_task(task_id) is None:
+            raise WsFailure("task_not_found", f"no webhook task {task_id}")
+        return {"scheduledTaskId": task_id, "deliveries": self.store.deliveries(task_id)}
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -1579,6 +1691,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request), web_view=web_view,
                     credentials=credentials, client_token=client_token,
                     ws=ws_endpoint(clients, client_token), environment_id=environment_id,
+                    hooks=webhook_endpoint(orch),
                     policy=HttpPolicy.for_server(config=config, host=host, port=port,
                                                  tls=hconfig.ssl_enabled))
     stop = asyncio.Event()
@@ -1650,6 +1763,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                             credentials=credentials,
                             max_live_agent_processes=config.max_live_agent_processes,
+                            redact=prov.redact,
                             **({"clock": clock.iso, "wall": clock.now} if clock else {}))
     await store.sync_projects(config.projects)
     recovered = await orch.recover(

@@ -525,7 +525,9 @@ TOOLS: tuple[_Tool, ...] = (
           "'interval', everyMs} (at least 60000), {type: 'fixed_time', timeOfDay: 'HH:MM', "
           "weekdays?: [0-6, 0 = Sunday]} in the server's local time, or {type: 'webhook', "
           "signature?: {header, secret, prefix?}, filters?: [{path, equals}], "
-          "maxDeliveryAgeMinutes?} (the result's hookUrl, shown once, triggers it). By default "
+          "maxDeliveryAgeMinutes?, deliveryIdHeader?, timestampHeader?} (the result's hookUrl, "
+          "shown once, triggers it; the prompt is then a template filled from each delivery: "
+          "{{body.a.b}}, {{headers.name}}, {{query.name}}, {{body}}). By default "
           "each run posts into this thread; bindToCurrentThread false launches a fresh thread "
           "per run. Provider, model and modes inherit (never broader than yours). enabled "
           "false pauses; runNow fires once now.",
@@ -1284,7 +1286,9 @@ class Toolkit:
             "creationSource": task.creation_source, "createdAt": task.created_at,
             "updatedAt": task.updated_at}
         if hook_token is not None:  # shown once: only its hash is kept
-            summary["hookUrl"] = f"{self.ctx.base_url}/hooks/{task.id}/{hook_token}"
+            # The id may hold a % (clientRequestId is quoted into it): quote it once more.
+            summary["hookUrl"] = (f"{self.ctx.base_url}/hooks/"
+                                  f"{urllib.parse.quote(task.id, safe=':~')}/{hook_token}")
         if deliveries and task.schedule.get("type") == "webhook":
             summary["deliveries"] = self.store.deliveries(task.id)
         return summary

@@ -780,9 +780,9 @@ def sample_entities() -> dict[str, list[Any]]:
 def upsert_task(task_id: str, schedule: dict[str, Any], **fields: Any) -> o.UpsertScheduledTask:
     return o.UpsertScheduledTask(
         command_id=f"upsert-{task_id}-{len(fields)}", thread_id=task_id, title="Nightly",
-        prompt="run the tests", schedule=o.validate_schedule(schedule), project_id="default",
+        schedule=o.validate_schedule(schedule), project_id="default",
         workspace="/work/ws", model_selection={"instanceId": "scripted", "model": "m1"},
-        runtime_mode="auto", interaction_mode="default", **fields)
+        runtime_mode="auto", interaction_mode="default", **{"prompt": "run the tests", **fields})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1107,3 +1107,145 @@ def test_a_bad_schedule_is_refused(schedule: Any) -> None:
     with pytest.raises(o.T3Error) as refused:
         o.validate_schedule(schedule)
     assert refused.value.code == "invalid_request"
+
+# ---------------------------------------------------------------------------------------------
+# Webhooks: schedules, the delivery's view (templates, filters, age), and the waiting line
+
+
+def test_webhook_schedules_are_checked_field_by_field() -> None:
+    """Every webhook option is checked and a mistake names its field; a valid one comes back
+    normalized (an empty prefix dropped)."""
+    good = {"type": "webhook", "signature": {"header": "X-Hub-Signature-256", "secret": "s",
+                                             "prefix": ""},
+            "filters": [{"path": "commits.0.id", "equals": None}], "maxDeliveryAgeMinutes": 5,
+            "deliveryIdHeader": "X-Id", "timestampHeader": "X-At"}
+    assert o.validate_schedule(good) == {**good, "signature": {
+        "header": "X-Hub-Signature-256", "secret": "s"}}
+    bad = [({"everyMs": 1}, "schedule.everyMs:"),
+           ({"signature": "s"}, "schedule.signature:"),
+           ({"signature": {"header": "X: y", "secret": "s"}}, "schedule.signature.header:"),
+           ({"signature": {"header": "X", "secret": ""}}, "schedule.signature.secret:"),
+           ({"signature": {"header": "X", "secret": "s", "algo": "md5"}}, "schedule.signature:"),
+           ({"filters": {"path": "a"}}, "schedule.filters:"),
+           ({"filters": [{"path": "a"}]}, "schedule.filters[0]:"),
+           ({"filters": [{"path": "a..b", "equals": 1}]}, "schedule.filters[0].path:"),
+           ({"filters": [{"path": "a", "equals": [1]}]}, "schedule.filters[0].equals:"),
+           ({"maxDeliveryAgeMinutes": True}, "schedule.maxDeliveryAgeMinutes:"),
+           ({"maxDeliveryAgeMinutes": 0}, "schedule.maxDeliveryAgeMinutes:"),
+           ({"timestampHeader": ""}, "schedule.timestampHeader:")]
+    for options, field in bad:
+        with pytest.raises(o.T3Error) as caught:
+            o.validate_schedule({"type": "webhook", **options})
+        assert caught.value.code == "invalid_request" and str(caught.value).startswith(field)
+
+
+def request(body: Any, **headers: str) -> o.WebhookRequest:
+    text = body if isinstance(body, bytes) else o.json.dumps(body).encode()
+    return o.WebhookRequest(method="POST", headers=tuple((k.lower().replace("_", "-"), v)
+                                                         for k, v in headers.items()),
+                            query=(("tag", "v1"), ("tag", "v2"), ("api_key", "k")), body=text)
+
+
+def test_a_template_is_filled_once_from_what_the_log_shows() -> None:
+    """Body paths, headers (any case) and query fill in; missing or null is empty, other values
+    JSON; a secret-looking header or parameter reads <redacted>; a placeholder inside a
+    delivered value stays as sent; {{body}} is the raw text; the result is trimmed."""
+    view = o._Delivery({"type": "webhook"}, request(
+        {"a": {"b": "{{headers.authorization}}"}, "n": [1, 2.5], "z": None},
+        X_Event="push", Authorization="Bearer t0ken"))
+    filled = view.fill(" {{body.a.b}}|{{ headers.X-EVENT }}|{{headers.authorization}}|"
+                       "{{query.tag}}|{{query.api_key}}|{{body.n}}|{{body.n.1}}|{{body.z}}|"
+                       "{{body.none}}|{{headers}}|{{other.x}} ")
+    assert filled == ("{{headers.authorization}}|push|<redacted>|v1|<redacted>|[1, 2.5]|2.5|||"
+                      "{{headers}}|{{other.x}}")
+    assert view.fill("{{body}}") == o.json.dumps(view.json)
+    assert view.query == {"tag": ["v1", "v2"], "api_key": ["<redacted>"]}
+
+
+def test_filters_compare_as_json_and_a_secret_is_blanked_wherever_it_appears() -> None:
+    """true is not 1, 1 is 1.0, a missing path or a non-JSON body matches nothing; a header
+    value holding the signature's secret is blanked, as is the signature header."""
+    def skipped(filters: list[dict[str, Any]], body: Any) -> str | None:
+        return o._Delivery({"type": "webhook", "filters": filters}, request(body)) \
+            .unmatched_filter()
+    assert skipped([{"path": "a", "equals": True}], {"a": 1}) is not None
+    assert skipped([{"path": "a", "equals": 1}], {"a": 1.0}) is None
+    assert skipped([{"path": "body.a.0", "equals": "x"}], {"a": ["x"]}) is None
+    assert skipped([{"path": "a", "equals": None}], {}) == 'filters[0] (a equals null) did ' \
+        'not match'
+    assert skipped([{"path": "a", "equals": "x"}], b"a=x") is not None
+    schedule = {"type": "webhook", "signature": {"header": "X-Sig", "secret": "hush-hush"}}
+    view = o._Delivery(schedule, request({}, X_Sig="abc", X_Echo="the hush-hush word"))
+    assert view.headers == {"x-sig": "<redacted>", "x-echo": "the <redacted> word"}
+    assert o.delivery_excerpt(schedule, b'{"note": "hush-hush", "token": "t"}', lambda t: t) \
+        == '{"note": "<redacted>", "token": "t"}'
+    assert o.delivery_excerpt(schedule, b"{}", None) == ""
+
+
+def receive(sim: Sim, n: int, *, key: str | None = None, **headers: str) -> o.Decision:
+    return sim.do(o.ReceiveWebhookDelivery(
+        command_id=f"webhook:{n}", thread_id="hook", delivery_id=f"d{n}",
+        request=request({"n": n}, **headers), body_excerpt="{}", delivery_key=key))
+
+
+def test_deliveries_fire_one_at_a_time_in_arrival_order() -> None:
+    """The first delivery fires in the commit that records it; the next ones queue (the 21st
+    waiting or running is queue_full); the end of a run fires the next in that same commit;
+    deleting the task fails the queued ones."""
+    sim = Sim()
+    sim.do(upsert_task("hook", {"type": "webhook"}, prompt="n={{body.n}}"))
+    first = receive(sim, 1)
+    assert first.result == {"deliveryId": "d1", "outcome": "running"}
+    fire_key = "scheduled-task:hook:d1:webhook"
+    assert [(e.effect_type, e.payload["fireKey"], e.payload["prompt"]) for e in first.effects] \
+        == [("scheduled-task.run", fire_key, "[Triggered by schedule task: Nightly]\n\nn=1")]
+    assert [d.outcome for d in changed(first, "webhook-delivery")] == ["running"]
+    for n in range(2, 21):
+        assert receive(sim, n).result["outcome"] == "queued"
+    with pytest.raises(o.CommandRejected) as full:
+        sim.decide(o.ReceiveWebhookDelivery(command_id="w21", thread_id="hook", delivery_id="d21",
+                                            request=request({}), body_excerpt=""))
+    assert full.value.code == "queue_full"
+    sim.do(o.SettleScheduledRun(command_id="s1", thread_id="hook", fire_key=fire_key,
+                                status="running", run_thread_id="t1", run_id="r1"))
+    assert sim.get("webhook-delivery", "d1").run_id == "r1"
+    ended = sim.do(o.SettleScheduledRun(command_id="s2", thread_id="hook", fire_key=fire_key,
+                                        status="failed", error="boom"))
+    assert final(ended, "webhook-delivery", "d1").outcome == "failed"
+    assert sim.get("webhook-delivery", "d1") is None  # settled: the store keeps the log
+    assert sim.get("webhook-delivery", "d2").outcome == "running"
+    assert [e.payload["prompt"][-3:] for e in ended.effects] == ["n=2"]
+    deleted = sim.do(o.DeleteScheduledTask(command_id="del", thread_id="hook"))
+    assert {d.outcome for d in changed(deleted, "webhook-delivery")} == {"failed"}
+    assert len(changed(deleted, "webhook-delivery")) == 18 and deleted.effects == ()
+
+
+def test_a_delivery_is_recorded_as_duplicate_expired_skipped_or_failed_without_a_run() -> None:
+    """A duplicate, a delivery older than maxDeliveryAgeMinutes (or with an unreadable stamp),
+    one a filter skips, one whose prompt is too long: each recorded, none fired; a paused
+    task refuses (hook_disabled) and writes nothing."""
+    sim = Sim()
+    sim.do(upsert_task("hook", {"type": "webhook", "maxDeliveryAgeMinutes": 5,
+                                "filters": [{"path": "n", "equals": 1}]}, prompt="{{body}}"))
+    now = o.epoch_of(NOW)
+    stale = receive(sim, 1, Webhook_Timestamp=f"{now - 301:.3f}")
+    assert changed(stale, "webhook-delivery")[0].reason == \
+        "sent 301 s ago, more than maxDeliveryAgeMinutes (5)"
+    assert receive(sim, 1, Webhook_Timestamp="later").result["outcome"] == "expired"
+    assert receive(sim, 2).result["outcome"] == "skipped"
+    dup = sim.do(o.ReceiveWebhookDelivery(command_id="x", thread_id="hook", delivery_id="dx",
+                                          request=request({"n": 1}), body_excerpt="",
+                                          delivery_key="k", duplicate_of="d0"))
+    assert dup.result["outcome"] == "duplicate" and dup.effects == ()
+    big = o.WebhookRequest(method="POST", headers=(), query=(),
+                           body=o.json.dumps({"n": 1, "pad": "x" * 120_000}).encode())
+    long = sim.do(o.ReceiveWebhookDelivery(command_id="y", thread_id="hook", delivery_id="dy",
+                                           request=big, body_excerpt=""))
+    assert (long.result["outcome"], long.effects) == ("failed", ())
+    assert changed(long, "webhook-delivery")[0].error == "The filled-in prompt is too long."
+    assert receive(sim, 1, Webhook_Timestamp=str(int(now))).result["outcome"] == "running"
+    sim.do(upsert_task("hook", {"type": "webhook"}, enabled=False))
+    with pytest.raises(o.CommandRejected) as paused:
+        sim.decide(o.ReceiveWebhookDelivery(command_id="z", thread_id="hook", delivery_id="dz",
+                                            request=request({}), body_excerpt=""))
+    assert paused.value.code == "hook_disabled"

@@ -467,6 +467,23 @@ def test_cancel_effect_types_cancels_unsettled_rows_of_the_thread(st: Store) -> 
     assert _effect_row(st, "T-x1").status == "cancelled"
 
 
+def test_a_hooks_log_keeps_its_newest_50_deliveries_and_every_waiting_one(st: Store) -> None:
+    """Each delivery commit prunes the task's log to its 50 newest (by the task's count: the
+    times tie), but never a queued or running delivery however old; once that one settles it
+    goes too. deliveries() lists newest first."""
+    def deliver(n: int, outcome: str) -> None:
+        _run(st.commit(_commit(f"c{n}-{outcome}", "task-1", [_event(
+            f"e{n}-{outcome}", "task-1", "webhook-delivery.updated",
+            {"id": f"d{n}", "taskId": "task-1", "receivedAt": STAMP, "outcome": outcome,
+             "ordinal": n})])))
+    for n, outcome in enumerate(["queued", "running"] + ["skipped"] * 58, 1):
+        deliver(n, outcome)
+    assert [d["id"] for d in st.deliveries("task-1")] == \
+        [f"d{n}" for n in range(60, 10, -1)] + ["d2", "d1"]
+    deliver(1, "succeeded")
+    assert [d["id"] for d in st.deliveries("task-1")][-2:] == ["d11", "d2"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The effect outbox
 
