@@ -946,6 +946,8 @@ class ClientApi:
             "interruptThread": self.interrupt_thread, "listThreads": self.list_threads,
             "readThread": self.read_thread, "getThreadProjection": self.get_thread_projection,
             "listPendingRequests": self.list_pending_requests,
+            "listScheduledTasks": self.list_scheduled_tasks, "scheduleTask": self.schedule_task,
+            "deleteScheduledTask": self.delete_scheduled_task,
             **({"advanceTestClock": self.advance_test_clock} if test_clock else {})}
         self._streams: dict[str, Callable[[Mapping[str, Any], Emit], Awaitable[None]]] = {
             "subscribeThread": self.subscribe_thread, "subscribeShell": self.subscribe_shell}
@@ -1034,6 +1036,19 @@ class ClientApi:
         return {"threadId": launched["threadId"], "runId": launched["runId"],
                 "resumed": existed, "snapshotSequence": sequence, "projection": projection}
 
+    async def schedule_task(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """schedule_task's own code (create, or change given scheduledTaskId), as a person: the
+        task records ``createdBy: "user"`` and ``creationSource`` web or cli."""
+        from tools import tool_input
+        args = tool_input("schedule_task", _without_source(params))
+        return await self.toolkit.schedule(self.scope, args, transport=self._source(params))
+
+    async def delete_scheduled_task(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        from tools import tool_input
+        args = tool_input("delete_scheduled_task", _without_source(params))
+        return await self.toolkit.delete_schedule(self.scope, args,
+                                                  transport=self._source(params))
+
     async def advance_test_clock(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Tests only (T3_TEST_CLOCK): move the clock forward, and return once the scheduler
         has fired what that made due."""
@@ -1065,6 +1080,9 @@ class ClientApi:
 
     async def read_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
         return await self.toolkit.call_as(self.scope, "t3_thread_read", params)
+
+    async def list_scheduled_tasks(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.toolkit.call_as(self.scope, "list_scheduled_tasks", params)
 
     async def list_pending_requests(self, params: Mapping[str, Any]) -> dict[str, Any]:
         import orchestrator as orch
@@ -1111,14 +1129,17 @@ class ClientApi:
             self.orch.unsubscribe(subscription)
 
     async def subscribe_shell(self, params: Mapping[str, Any], emit: Emit) -> None:
-        """The projects and threads (a snapshot, or the threads changed after
-        ``afterSequence``), ``synchronized``, then a thread's shell each time it changes."""
+        """The projects, threads and scheduled tasks (a snapshot, or those changed after
+        ``afterSequence``), ``synchronized``, then a thread's shell, or a scheduled task as
+        ``list_scheduled_tasks`` shows it, each time it changes."""
         after = params.get("afterSequence")
         subscription = self.orch.subscribe(max_bytes=_SUBSCRIBER_BYTES // 64)
         try:
             last = self.store.max_sequence()
             if after is None:
-                await emit({"kind": "snapshot", "snapshot": self._shell_snapshot(last)})
+                schedules = (await self.list_scheduled_tasks({}))["tasks"]
+                await emit({"kind": "snapshot",
+                            "snapshot": {**self._shell_snapshot(last), "schedules": schedules}})
             else:
                 for thread_id in self.store.threads_touched_after(int(after), limit=1000):
                     await self._emit_shell(thread_id, last, emit)
@@ -1136,9 +1157,17 @@ class ClientApi:
 
     async def _emit_shell(self, thread_id: str, sequence: int, emit: Emit) -> None:
         state = await self.orch.state(thread_id)
-        if state is None or state.thread is None:
+        if state is None:
             return
-        if state.thread.deleted_at is not None:
+        if state.thread is None:  # a scheduled task's stream
+            task = state.entities["scheduled-task"].get(thread_id)
+            if task is not None and task.deleted_at is not None:
+                await emit({"kind": "schedule.removed", "sequence": sequence,
+                            "scheduledTaskId": thread_id})
+            elif task is not None:
+                await emit({"kind": "schedule.updated", "sequence": sequence,
+                            "task": self.toolkit.schedule_of(task)})
+        elif state.thread.deleted_at is not None:
             await emit({"kind": "thread.removed", "sequence": sequence, "threadId": thread_id})
         else:
             await emit({"kind": "thread.updated", "sequence": sequence,
@@ -1161,6 +1190,11 @@ _PROJECTION_KEYS = {"run": "runs", "run-attempt": "attempts", "node": "nodes",
                     "provider-thread": "providerThreads", "provider-turn": "providerTurns",
                     "runtime-request": "runtimeRequests", "message": "messages",
                     "turn-item": "turnItems", "context-transfer": "contextTransfers"}
+
+
+def _without_source(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool's arguments from /ws params, less the client's ``creationSource``."""
+    return {k: v for k, v in params.items() if k != "creationSource"}
 
 
 def _thread_id(params: Mapping[str, Any]) -> str:
