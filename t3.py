@@ -2424,7 +2424,7 @@ async def _cmd_schedules(client: WsClient, args: argparse.Namespace) -> int:
     tasks = [t for t in listed["tasks"] if args.all or t["enabled"]]
     paused = len(listed["tasks"]) - len(tasks)
     rows = [["ID", "TITLE", "SCHEDULE", "ENABLED", "NEXT RUN", "LAST RUN", "RUNS"]] + [[
-        t["scheduledTaskId"], _clip(t["title"], 40), schedule_words(t["schedule"]),
+        t["scheduledTaskId"], _clip(t["title"], 40), _schedule_words(t["schedule"]),
         "yes" if t["enabled"] else "paused", _local_time(t["nextRunAt"]),
         t["lastRunStatus"] + (f" {_local_time(t['lastRunAt'])}" if t["lastRunAt"] else ""),
         str(t["runCount"])] for t in tasks]
@@ -2484,10 +2484,13 @@ def _schedule_params(args: argparse.Namespace) -> dict[str, Any]:
         raise refuse("--secret-header, --secret and --prefix go with --webhook")
     if signature and not ("header" in signature and "secret" in signature):
         raise refuse("a webhook signature needs both --secret-header and --secret")
-    schedule = {"type": "interval", "everyMs": args.every} if args.every else {
-        "type": "fixed_time", "timeOfDay": args.at, **_given(weekdays=args.weekdays)} \
-        if args.at else {"type": "webhook", **_given(signature=signature or None)} \
-        if args.webhook else None
+    schedule: dict[str, Any] | None = None
+    if args.every is not None:
+        schedule = {"type": "interval", "everyMs": args.every}
+    elif args.at is not None:
+        schedule = {"type": "fixed_time", "timeOfDay": args.at, **_given(weekdays=args.weekdays)}
+    elif args.webhook:
+        schedule = {"type": "webhook", **_given(signature=signature or None)}
     if args.id is None and (prompt is None or schedule is None):
         raise refuse("a new scheduled task needs PROMPT and one of --every, --at or --webhook "
                      "(or --id ID to change a task)")
@@ -2506,7 +2509,7 @@ def _schedule_params(args: argparse.Namespace) -> dict[str, Any]:
 _WEEKDAYS = ["sunday", "monday", "tuesday", "wednesday", "thursday", "friday", "saturday"]
 
 
-def schedule_words(schedule: Mapping[str, Any]) -> str:
+def _schedule_words(schedule: Mapping[str, Any]) -> str:
     """A schedule for people: "every 15 min", "09:00 Mon-Fri", "09:00 daily", "webhook"."""
     if schedule.get("type") == "interval":
         every = schedule["everyMs"]
@@ -2560,8 +2563,8 @@ def _weekdays(text: str) -> list[int]:
     for part in text.split(","):
         first, _, last = part.partition("-")
         start = day(first)
-        days.update((start + i) % 7 for i in range(((day(last) if last else start) - start) % 7
-                                                    + 1))
+        end = day(last) if last else start
+        days.update((start + i) % 7 for i in range((end - start) % 7 + 1))
     return sorted(days)
 
 
