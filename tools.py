@@ -1282,10 +1282,6 @@ class Toolkit:
             thread_id=task.id))
         return {"scheduledTaskId": task.id, "deleted": True}
 
-    def schedule_of(self, task: orch.ScheduledTask) -> dict[str, Any]:
-        """A task as ``list_scheduled_tasks`` shows it (the /ws shell stream carries it)."""
-        return self._task_summary(task)
-
     def _task_summary(self, task: orch.ScheduledTask, *, hook_token: str | None = None,
                       deliveries: bool = False) -> dict[str, Any]:
         schedule = dict(task.schedule)
@@ -1363,8 +1359,7 @@ def _folder_name(thread_id: str) -> str:
 
 
 def _made_by(transport: str) -> dict[str, str]:
-    """Who made a thing: over MCP an agent (or a client acting as one); over /ws a person, with
-    the client (web or cli) as its creation source."""
+    """Who made a thing: over MCP an agent (or a client acting as one); over /ws a person."""
     return _AGENT_MADE if transport == "mcp" else {
         "created_by": orch.Actor.USER, "creation_source": orch.CreationSource(transport)}
 
