@@ -1049,6 +1049,10 @@ class ClientApi:
             "readThread": self.read_thread, "getThreadProjection": self.get_thread_projection,
             "listPendingRequests": self.list_pending_requests,
             "listWebhookDeliveries": self.list_webhook_deliveries,
+            "listScheduledTasks": self.list_scheduled_tasks,
+            "scheduleTask": lambda p: self._as_person("schedule_task", p, toolkit.schedule),
+            "deleteScheduledTask": lambda p: self._as_person("delete_scheduled_task", p,
+                                                             toolkit.delete_schedule),
             **({"advanceTestClock": self.advance_test_clock} if test_clock else {})}
         self._streams: dict[str, Callable[[Mapping[str, Any], Emit], Awaitable[None]]] = {
             "subscribeThread": self.subscribe_thread, "subscribeShell": self.subscribe_shell}
@@ -1137,6 +1141,14 @@ class ClientApi:
         return {"threadId": launched["threadId"], "runId": launched["runId"],
                 "resumed": existed, "snapshotSequence": sequence, "projection": projection}
 
+    async def _as_person(self, tool: str, params: Mapping[str, Any],
+                         handler: Callable[..., Awaitable[Any]]) -> Any:
+        """A tool's own code (scheduleTask, deleteScheduledTask) run for a person: what it makes
+        records ``createdBy: "user"`` and ``creationSource`` web or cli."""
+        from tools import tool_input
+        args = tool_input(tool, {k: v for k, v in params.items() if k != "creationSource"})
+        return await handler(self.scope, args, transport=self._source(params))
+
     async def advance_test_clock(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Tests only (T3_TEST_CLOCK): move the clock forward, and return once the scheduler
         has fired what that made due."""
@@ -1168,6 +1180,9 @@ class ClientApi:
 
     async def read_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
         return await self.toolkit.call_as(self.scope, "t3_thread_read", params)
+
+    async def list_scheduled_tasks(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.toolkit.call_as(self.scope, "list_scheduled_tasks", params)
 
     async def list_pending_requests(self, params: Mapping[str, Any]) -> dict[str, Any]:
         import orchestrator as orch
@@ -1223,14 +1238,17 @@ class ClientApi:
             self.orch.unsubscribe(subscription)
 
     async def subscribe_shell(self, params: Mapping[str, Any], emit: Emit) -> None:
-        """The projects and threads (a snapshot, or the threads changed after
-        ``afterSequence``), ``synchronized``, then a thread's shell each time it changes."""
+        """The projects, threads and scheduled tasks (a snapshot, or those changed after
+        ``afterSequence``), ``synchronized``, then a thread's shell, or a scheduled task as
+        ``list_scheduled_tasks`` shows it, each time it changes."""
         after = params.get("afterSequence")
         subscription = self.orch.subscribe(max_bytes=_SUBSCRIBER_BYTES // 64)
         try:
             last = self.store.max_sequence()
             if after is None:
-                await emit({"kind": "snapshot", "snapshot": self._shell_snapshot(last)})
+                schedules = (await self.list_scheduled_tasks({}))["tasks"]
+                await emit({"kind": "snapshot",
+                            "snapshot": {**self._shell_snapshot(last), "schedules": schedules}})
             else:
                 for thread_id in self.store.threads_touched_after(int(after), limit=1000):
                     await self._emit_shell(thread_id, last, emit)
@@ -1248,9 +1266,17 @@ class ClientApi:
 
     async def _emit_shell(self, thread_id: str, sequence: int, emit: Emit) -> None:
         state = await self.orch.state(thread_id)
-        if state is None or state.thread is None:
+        if state is None:
             return
-        if state.thread.deleted_at is not None:
+        if state.thread is None:  # a scheduled task's stream
+            task = state.entities["scheduled-task"].get(thread_id)
+            if task is not None and task.deleted_at is not None:
+                await emit({"kind": "schedule.removed", "sequence": sequence,
+                            "scheduledTaskId": thread_id})
+            elif task is not None:
+                await emit({"kind": "schedule.updated", "sequence": sequence,
+                            "task": self.toolkit._task_summary(task)})
+        elif state.thread.deleted_at is not None:
             await emit({"kind": "thread.removed", "sequence": sequence, "threadId": thread_id})
         else:
             await emit({"kind": "thread.updated", "sequence": sequence,
@@ -2130,12 +2156,13 @@ def _outcome(frame: Mapping[str, Any] | None) -> Any:
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER, EXIT_UNFINISHED, EXIT_NOT_COMPLETED = 1, 2, 3, 4, 5
 CLI_EXIT_CODES = """\
 THREAD is a thread id or any part of one that only one thread has (`threads --all` lists them);
-REQUEST likewise among the pending requests. TEXT `-` reads standard input.
+REQUEST likewise among the pending requests, ID among the scheduled tasks. TEXT `-` reads
+standard input.
 
 exit codes of the commands for people:
   0    success; for wait and show --until-done: the run completed (or the thread has none)
   1    the server refused or failed the operation (`t3: <code>: <message>` on stderr), or
-       THREAD / REQUEST matches no thread or request, or more than one
+       THREAD / REQUEST / ID matches nothing, or more than one
   2    usage error (options, or an answer that does not fit the request)
   3    no server: none is running for the data directory (no or stale server.json), or it
        cannot be reached, refuses the client token or closed the connection
@@ -2704,14 +2731,144 @@ def _rendered(item: Mapping[str, Any], text: str) -> str:
     return head
 
 
-_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
-    "threads": _cmd_threads, "show": _cmd_show, "new": _cmd_new, "send": _cmd_send,
-    "wait": _cmd_wait, "interrupt": _cmd_interrupt, "requests": _cmd_requests,
-    "answer": _cmd_answer, "tasks": _cmd_tasks}
+# =============================================================================================
+# Commands for people: scheduled tasks (schedules, schedule, unschedule), over the /ws methods
+# that run the schedule tools' own code. ID is matched like THREAD, among the scheduled tasks.
+
+
+async def _cmd_schedules(client: WsClient, args: argparse.Namespace) -> int:
+    listed = await client.request("listScheduledTasks", _given(projectId=args.project))
+    tasks = [t for t in listed["tasks"] if args.all or t["enabled"]]
+    rows = [["ID", "TITLE", "SCHEDULE", "ENABLED", "NEXT RUN", "LAST RUN", "RUNS"]] + [[
+        t["scheduledTaskId"], t["title"], _schedule_words(t["schedule"]),
+        "yes" if t["enabled"] else "paused", _local_time(t["nextRunAt"]),
+        f"{t['lastRunStatus']} {_local_time(t['lastRunAt'])}".removesuffix(" -"),
+        str(t["runCount"])] for t in tasks]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [] if tasks else ["no scheduled tasks"]
+    for row, task in zip(rows if tasks else [], [{}, *tasks]):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if task.get("lastRunError"):
+            lines.append(f"    last error: {' '.join(task['lastRunError'].split())[:200]}")
+    if paused := len(listed["tasks"]) - len(tasks):
+        lines.append(f"({paused} paused; --all shows them)")
+    _out(args, {"tasks": tasks}, "\n".join(lines))
+    return 0
+
+
+async def _cmd_schedule(client: WsClient, args: argparse.Namespace) -> int:
+    params = _schedule_params(args)
+    if args.id is not None:
+        params["scheduledTaskId"] = await _schedule_ref(client, args.id)
+    made = await client.request("scheduleTask", {
+        "clientRequestId": uuid.uuid4().hex[:12], **params, "creationSource": "cli"})
+    hook = made.get("hookUrl")  # minted now, and never shown again
+    _out(args, made, made["scheduledTaskId"] + (
+        f"\nwebhook URL (shown only now; it is the task's secret): {hook}" if hook else ""))
+    return 0
+
+
+async def _cmd_unschedule(client: WsClient, args: argparse.Namespace) -> int:
+    deleted = await client.request("deleteScheduledTask", {
+        "scheduledTaskId": await _schedule_ref(client, args.id), "creationSource": "cli"})
+    _out(args, deleted, f"deleted {deleted['scheduledTaskId']}")
+    return 0
+
+
+async def _schedule_ref(client: WsClient, text: str) -> str:
+    found = _pick((await client.request("listScheduledTasks"))["tasks"], text,
+                  key="scheduledTaskId", what="scheduled task")
+    return str(found["scheduledTaskId"]) if found else text
+
+
+def _schedule_params(args: argparse.Namespace) -> dict[str, Any]:
+    """schedule_task's arguments from the options; what is not given is left out (a change
+    keeps it). The server checks the values; this checks what only options can get wrong."""
+    def refuse(message: str) -> CliError:
+        return CliError(message, exit=EXIT_USAGE)
+    prompt = args.prompt_option if args.prompt_option is not None else args.prompt
+    signature = _given(header=args.secret_header, prefix=args.prefix, secret=(
+        sys.stdin.read().rstrip("\n") if args.secret == "-" else args.secret))
+    if signature and not (args.webhook and {"header", "secret"} <= set(signature)):
+        raise refuse("--secret-header and --secret (and --prefix) go together, with --webhook")
+    if args.weekdays is not None and args.at is None:
+        raise refuse("--weekdays goes with --at")
+    schedule: dict[str, Any] | None = None
+    if args.every is not None:
+        schedule = {"type": "interval", "everyMs": args.every}
+    elif args.at is not None:
+        schedule = {"type": "fixed_time", "timeOfDay": args.at, **_given(weekdays=args.weekdays)}
+    elif args.webhook:
+        schedule = {"type": "webhook", **_given(signature=signature or None)}
+    if args.id is None and (prompt is None or schedule is None):
+        raise refuse("a new scheduled task needs PROMPT and one of --every, --at or --webhook "
+                     "(or --id ID to change a task)")
+    if args.id is not None and args.project is not None:
+        raise refuse("--project: a task stays in the project it was made in")
+    return _given(prompt=None if prompt is None else _text_arg(prompt), schedule=schedule,
+                  title=args.title, projectId=args.project, runtimeMode=args.runtime_mode,
+                  target=_given(providerInstanceId=args.provider) or None, enabled=args.enabled,
+                  runNow=args.run_now or None, rotateHookToken=args.rotate_hook_token or None)
+
+
+_DAYS = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"]  # as schedules count: 0 = Sunday
+
+
+def _schedule_words(schedule: Mapping[str, Any]) -> str:
+    """A schedule for people, as the web view words it too: "every 15 min", "every 90 s",
+    "09:00 Mon-Fri", "09:00 Sat,Sun", "09:00 Mon,Wed", "09:00 daily", "webhook"."""
+    if schedule["type"] == "interval":
+        every = schedule["everyMs"]
+        return f"every {every // 60_000} min" if every % 60_000 == 0 else \
+            f"every {every / 1000:g} s"
+    if schedule["type"] != "fixed_time":
+        return str(schedule["type"])
+    days = sorted(schedule.get("weekdays") or range(7), key=lambda d: (d + 6) % 7)  # Mon first
+    named = {(1, 2, 3, 4, 5): "Mon-Fri", (6, 0): "Sat,Sun", (1, 2, 3, 4, 5, 6, 0): "daily"}
+    return f"{schedule['timeOfDay']} " + (named.get(tuple(days)) or ",".join(
+        _DAYS[d].title() for d in days))
+
+
+def _every_ms(text: str) -> int:
+    """--every: 90s, 15m (a bare number is minutes), 2h, 1d."""
+    match = re.fullmatch(r"(\d+)\s*(s|m|min|h|d)?", text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration such as 15m, 90s, 2h or 1d")
+    return int(match[1]) * {"s": 1000, "h": 3_600_000, "d": 86_400_000}.get(
+        match[2] or "m", 60_000)
+
+
+def _weekdays(text: str) -> list[int]:
+    """--weekdays: days (mon, monday, 0-6 with 0 = Sunday) and ranges (mon-fri, 1-5), by commas."""
+    def day(part: str) -> int:
+        part = part.strip().lower()[:3]
+        if part in _DAYS or part.isdigit() and int(part) < 7:
+            return _DAYS.index(part) if part in _DAYS else int(part)
+        raise argparse.ArgumentTypeError(f"{part!r}: a day is mon..sun or 0..6 (0 = Sunday)")
+    days: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        start = day(first)
+        end = day(last) if last else start
+        days.update((start + i) % 7 for i in range((end - start) % 7 + 1))
+    return sorted(days)
+
+
+def _local_time(iso: str | None) -> str:
+    """A time t3 wrote, in this machine's time zone, to the minute; "-" for none."""
+    from orchestrator import epoch_of
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch_of(iso))) if iso else "-"
 
 
 # =============================================================================================
 # Command line
+
+
+_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
+    "threads": _cmd_threads, "show": _cmd_show, "new": _cmd_new, "send": _cmd_send,
+    "wait": _cmd_wait, "interrupt": _cmd_interrupt, "requests": _cmd_requests,
+    "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
+    "schedule": _cmd_schedule, "unschedule": _cmd_unschedule}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -2823,6 +2980,53 @@ def _cli_parsers(sub: Any) -> None:
                     "Print the tasks the thread delegated, each with its status and child "
                     "thread, and their own tasks below them.")
     tasks.add_argument("thread", metavar="THREAD")
+    schedules = command("schedules", "list scheduled tasks, with their next and last runs",
+                        "List the scheduled tasks: id, title, schedule, enabled, next run, the "
+                        "last run's status and time (its error below when it failed), the number "
+                        "of runs; times in this machine's time zone.")
+    schedules.add_argument("--all", action="store_true", help="include paused tasks")
+    schedules.add_argument("--project", help="only this project's tasks")
+    _schedule_parser(command("schedule", "create or change a scheduled task", (
+        "Create a scheduled task: PROMPT runs on a schedule (--every, --at, or --webhook), each "
+        "time in a fresh thread of the project; print its id, and a webhook task's URL (shown "
+        "only then). With --id ID, change a task instead: only what is given changes.")),
+        RuntimeMode)
+    unschedule = command("unschedule", "delete a scheduled task",
+                         "Delete a scheduled task for good (the threads of its past runs stay).")
+    unschedule.add_argument("id", metavar="ID")
+
+
+def _schedule_parser(parser: argparse.ArgumentParser, runtime_modes: Any) -> None:
+    add = parser.add_argument
+    add("prompt", metavar="PROMPT", nargs="?", help="what each run is asked (`-`: standard input)")
+    add("--id", metavar="ID", help="change this task instead of creating one")
+    add("--prompt", dest="prompt_option", metavar="PROMPT", help="the new prompt (as PROMPT)")
+    when = parser.add_mutually_exclusive_group()
+    when.add_argument("--every", type=_every_ms, metavar="DURATION",
+                      help="run every 15m, 90s, 2h, 1d, ... (a bare number is minutes; at least "
+                           "1 minute)")
+    when.add_argument("--at", metavar="HH:MM", help="run daily at this time (the server's zone)")
+    when.add_argument("--webhook", action="store_true",
+                      help="run when the task's webhook URL is called (printed once)")
+    add("--weekdays", type=_weekdays, metavar="DAYS",
+        help="with --at, only on these days: mon-fri, sat,sun, 1,3,5 (0 = Sunday)")
+    add("--secret-header", metavar="H", help="with --webhook: the header that carries the "
+                                             "HMAC-SHA256 signature")
+    add("--secret", metavar="S", help="with --webhook: the signing secret (`-`: standard input)")
+    add("--prefix", metavar="P", help="with --webhook: the signature's prefix, e.g. sha256=")
+    add("--title", help="title (default: from PROMPT)")
+    add("--provider", help="provider instance id (default: the first available)")
+    add("--project", help="project id (default: the first configured)")
+    add("--runtime-mode", choices=list(runtime_modes),
+        help="what each run's agent may do without asking")
+    enabled = parser.add_mutually_exclusive_group()
+    enabled.add_argument("--enable", dest="enabled", action="store_const", const=True,
+                         help="resume a paused task (its next run is aimed from now)")
+    enabled.add_argument("--disable", "--disabled", dest="enabled", action="store_const",
+                         const=False, help="pause: no runs until --enable")
+    add("--run-now", action="store_true", help="also run it once now")
+    add("--rotate-hook-token", action="store_true",
+        help="give a webhook task a new URL (printed once); the old one stops working")
 
 
 def main(argv: list[str] | None = None) -> int:

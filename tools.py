@@ -37,7 +37,7 @@ from store import Store, StoreError
 
 __all__ = ["FAILURE_CODES", "FAILURE_OUTPUT", "Scope", "current_scope", "ToolFailure", "Project",
            "ServerContext", "Toolkit", "TOOLS", "build_mcp_server", "failure_result",
-           "published_output", "validate"]
+           "published_output", "tool_input", "validate"]
 
 log = logging.getLogger("t3.tools")
 
@@ -553,6 +553,12 @@ TOOLS: tuple[_Tool, ...] = (
 _BY_NAME = {tool.name: tool for tool in TOOLS}
 
 
+def tool_input(name: str, arguments: Mapping[str, Any]) -> Any:
+    """A tool's arguments checked against its input schema, for another transport (/ws) that
+    calls the tool's code directly."""
+    return validate(_BY_NAME[name].input_schema, dict(arguments))
+
+
 def published_output(tool: _Tool) -> dict[str, Any]:
     """The tool's outputSchema as listed: its success shape or the typed failure. MCP does not
     ask an error result to fit the outputSchema, but some clients check it anyway (gemini-cli
@@ -911,8 +917,7 @@ class Toolkit:
                      ) -> dict[str, Any]:
         """t3_thread_launch (``transport`` mcp), and /ws ``launchThread`` for a person
         (``transport`` web or cli, which the thread records as its creation source)."""
-        made_by = _AGENT_MADE if transport == "mcp" else {
-            "created_by": orch.Actor.USER, "creation_source": orch.CreationSource(transport)}
+        made_by = _made_by(transport)
         strategy = args.get("workspaceStrategy", "root")
         if isinstance(strategy, dict) and strategy["type"] != "root":
             raise ToolFailure("invalid_request", f"workspaceStrategy: {strategy['type']} is not "
@@ -1164,14 +1169,20 @@ class Toolkit:
 
     async def _schedule_task(self, scope: Scope, args: Mapping[str, Any], _: Any
                              ) -> dict[str, Any]:
+        return await self.schedule(scope, args, transport="mcp")
+
+    async def schedule(self, scope: Scope, args: Mapping[str, Any], *, transport: str
+                       ) -> dict[str, Any]:
+        """schedule_task (``transport`` mcp), and /ws ``scheduleTask`` for a person (``transport``
+        web or cli: a task made so records ``createdBy: "user"`` and that creation source)."""
         caller = (await self._agent_caller(scope, "schedule_task"))[0] \
             if scope.kind == "thread" else None
         schedule = _parse_schedule(args["schedule"]) if "schedule" in args else None
         if "scheduledTaskId" in args:
             task = await self._visible_task(scope, caller, args["scheduledTaskId"])
-            command, token = self._task_update(scope, caller, task, args, schedule)
+            command, token = self._task_update(scope, caller, task, args, schedule, transport)
         else:
-            command, token = self._task_create(scope, caller, args, schedule)
+            command, token = self._task_create(scope, caller, args, schedule, transport)
         await self.orch.dispatch(command)
         if args.get("runNow"):
             await self.orch.fire(command.thread_id, trigger="manual")
@@ -1179,7 +1190,7 @@ class Toolkit:
         return self._task_summary(task, hook_token=token)
 
     def _task_create(self, scope: Scope, caller: ThreadState | None, args: Mapping[str, Any],
-                     schedule: dict[str, Any] | None
+                     schedule: dict[str, Any] | None, transport: str
                      ) -> tuple[orch.UpsertScheduledTask, str | None]:
         if schedule is None or "prompt" not in args:
             raise ToolFailure("invalid_request", "prompt: a new scheduled task needs a prompt "
@@ -1196,8 +1207,8 @@ class Toolkit:
         token = secrets.token_urlsafe(32) if schedule["type"] == "webhook" else None
         key = self._key(args)
         return orch.UpsertScheduledTask(
-            command_id=self._id("command", "mcp", scope.key, "schedule-task", key),
-            thread_id=self._id("scheduled-task", "mcp", scope.key, "schedule-task", key),
+            command_id=self._id("command", transport, scope.key, "schedule-task", key),
+            thread_id=self._id("scheduled-task", transport, scope.key, "schedule-task", key),
             title=self.threads.title(args.get("title"), args["prompt"], "Scheduled task"),
             prompt=args["prompt"], schedule=schedule, project_id=project.id,
             workspace=project.path, bind=bool(bind),
@@ -1205,10 +1216,10 @@ class Toolkit:
             model_selection={"instanceId": info.instance_id, "model": model},
             runtime_mode=runtime, interaction_mode=interaction,
             enabled=args.get("enabled", True), hook_token_sha256=_sha256(token),
-            creator_thread_id=scope.thread_id, **_AGENT_MADE), token
+            creator_thread_id=scope.thread_id, **_made_by(transport)), token
 
     def _task_update(self, scope: Scope, caller: ThreadState | None, task: orch.ScheduledTask,
-                     args: Mapping[str, Any], schedule: dict[str, Any] | None
+                     args: Mapping[str, Any], schedule: dict[str, Any] | None, transport: str
                      ) -> tuple[orch.UpsertScheduledTask, str | None]:
         bind = args.get("bindToCurrentThread")
         if bind and (caller is None or caller.thread is None
@@ -1228,12 +1239,13 @@ class Toolkit:
             and task.hook_token_sha256 is None)
         token = secrets.token_urlsafe(32) if rotate else None
         return orch.UpsertScheduledTask(
-            command_id=self._id("command", "mcp", scope.key, "schedule-task-update", task.id,
-                                self._key(args)), thread_id=task.id, title=args.get("title"),
-            prompt=args.get("prompt"), enabled=args.get("enabled"), schedule=schedule,
-            bind=bind, bound_thread_id=caller.thread.id if bind and caller and caller.thread
-            else None, model_selection=selection, runtime_mode=runtime,
-            interaction_mode=interaction, hook_token_sha256=_sha256(token)), token
+            command_id=self._id("command", transport, scope.key, "schedule-task-update",
+                                task.id, self._key(args)),
+            thread_id=task.id, title=args.get("title"), prompt=args.get("prompt"),
+            enabled=args.get("enabled"), schedule=schedule, bind=bind,
+            bound_thread_id=caller.thread.id if bind and caller and caller.thread else None,
+            model_selection=selection, runtime_mode=runtime, interaction_mode=interaction,
+            hook_token_sha256=_sha256(token)), token
 
     async def _visible_task(self, scope: Scope, caller: ThreadState | None, task_id: str
                             ) -> orch.ScheduledTask:
@@ -1258,11 +1270,17 @@ class Toolkit:
 
     async def _delete_schedule(self, scope: Scope, args: Mapping[str, Any], _: Any
                                ) -> dict[str, Any]:
+        return await self.delete_schedule(scope, args, transport="mcp")
+
+    async def delete_schedule(self, scope: Scope, args: Mapping[str, Any], *, transport: str
+                              ) -> dict[str, Any]:
+        """delete_scheduled_task (``transport`` mcp), and /ws ``deleteScheduledTask``."""
         caller = (await self._agent_caller(scope, "delete_scheduled_task"))[0] \
             if scope.kind == "thread" else None
         task = await self._visible_task(scope, caller, args["scheduledTaskId"])
         await self.orch.dispatch(orch.DeleteScheduledTask(
-            command_id=self._id("command", "mcp", scope.key, "delete-scheduled-task", task.id),
+            command_id=self._id("command", transport, scope.key, "delete-scheduled-task",
+                                task.id),
             thread_id=task.id))
         return {"scheduledTaskId": task.id, "deleted": True}
 
@@ -1342,6 +1360,12 @@ def _folder_name(thread_id: str) -> str:
     if len(quoted) <= 128:
         return quoted
     return f"{quoted[:80]}-{hashlib.sha256(thread_id.encode()).hexdigest()[:32]}"
+
+
+def _made_by(transport: str) -> dict[str, str]:
+    """Who made a thing: over MCP an agent (or a client acting as one); over /ws a person."""
+    return _AGENT_MADE if transport == "mcp" else {
+        "created_by": orch.Actor.USER, "creation_source": orch.CreationSource(transport)}
 
 
 def _parse_schedule(schedule: Any) -> dict[str, Any]:

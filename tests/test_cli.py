@@ -1,13 +1,17 @@
 """The commands for people (`python t3.py threads|show|new|send|wait|interrupt|requests|answer|
-tasks`) run as real subprocesses against a real server, which they reach only through
-`<data-dir>/server.json` and /ws: what they print, what `--json` prints, and their exit codes."""
+tasks|schedules|schedule|unschedule`) run as real subprocesses against a real server, which they
+reach only through `<data-dir>/server.json` and /ws: what they print, what `--json` prints, and
+their exit codes."""
 
 from __future__ import annotations
 
+import asyncio
+import calendar
 import itertools
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -192,6 +196,94 @@ def test_tasks_prints_the_delegation_tree_and_threads_lists(t3: T3Server) -> Non
     assert ambiguous.stderr.startswith("t3: ambiguous_reference: ")
 
 
+# Fri 2026-03-06 12:00 in New York; the server and the commands share its time zone.
+START = calendar.timegm((2026, 3, 6, 17, 0, 0))
+CLOCK = {"T3_TEST_HOOKS": "1", "T3_TEST_CLOCK": str(START), "TZ": "America/New_York"}
+
+
+def advance_until_run(t3: T3Server, seconds: float, task_id: str, runs: int) -> None:
+    """Move the server's clock over /ws, then follow the shell stream (no polling) until the
+    task's ``runs``-th run has ended."""
+    async def run() -> None:
+        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+            stream = client.stream("subscribeShell", {})
+            tasks = (await anext(stream))["snapshot"]["schedules"]
+            await client.request("advanceTestClock", {"seconds": seconds})
+            async for item in stream:
+                tasks = [item["task"]] if item["kind"] == "schedule.updated" else tasks
+                if any(t["scheduledTaskId"] == task_id and t["runCount"] == runs
+                       and t["lastRunStatus"] in ("succeeded", "failed") for t in tasks):
+                    break
+            await stream.aclose()
+    asyncio.run(run())
+
+
+def row_of(listing: str, task_id: str) -> list[str]:
+    """The cells of a task's row in `schedules` (two or more spaces apart)."""
+    [line] = [line for line in listing.splitlines() if line.startswith(task_id)]
+    return re.split(r"\s{2,}", line.strip())
+
+
+def test_schedule_schedules_and_unschedule_follow_the_clock(t3_factory) -> None:
+    """`schedule` makes tasks the user's (creationSource cli) and prints their id; `schedules`
+    lists them in words with next run, last run and run count (paused ones with --all), and
+    shows the run count and next run move after the clock does; `--id` by a unique part
+    changes and runs one now; a webhook task prints its URL once; usage errors exit 2, a
+    refused schedule 1; `unschedule` deletes."""
+    t3 = t3_factory(env=CLOCK)
+    made = cli(t3, "schedule", "check the build", "--every", "15m", "--title", "nightly")
+    assert made.returncode == 0 and made.stderr == "", made.stderr
+    nightly = made.stdout.strip()
+    assert nightly.startswith("scheduled-task:cli:") and "\n" not in nightly
+    standup = ok_json(t3, "schedule", "standup", "--at", "9:00", "--weekdays", "mon-fri",
+                      "--disabled")
+    assert standup["schedule"] == {"type": "fixed_time", "timeOfDay": "09:00",
+                                   "weekdays": [1, 2, 3, 4, 5]}
+    assert (standup["enabled"], standup["createdBy"], standup["creationSource"]) == (
+        False, "user", "cli")
+    listing = cli(t3, "schedules").stdout
+    assert listing.splitlines()[0].split() == ["ID", "TITLE", "SCHEDULE", "ENABLED", "NEXT",
+                                               "RUN", "LAST", "RUN", "RUNS"]
+    assert row_of(listing, nightly) == [nightly, "nightly", "every 15 min", "yes",
+                                        "2026-03-06 12:15", "never", "0"]
+    assert standup["scheduledTaskId"] not in listing
+    assert listing.splitlines()[-1] == "(1 paused; --all shows them)"
+    assert row_of(cli(t3, "schedules", "--all").stdout, standup["scheduledTaskId"])[2:5] == [
+        "09:00 Mon-Fri", "paused", "-"]
+
+    advance_until_run(t3, 15 * 60, nightly, 1)
+    assert row_of(cli(t3, "schedules").stdout, nightly)[4:] == [
+        "2026-03-06 12:30", "succeeded 2026-03-06 12:15", "1"]
+    changed = ok_json(t3, "schedule", "--id", nightly[-12:], "--every", "1h", "--run-now")
+    assert changed["schedule"] == {"type": "interval", "everyMs": 3_600_000}
+    assert (changed["runCount"], changed["nextRunAt"]) == (2, "2026-03-06T18:15:00.000Z")
+
+    hooked = cli(t3, "schedule", "on push", "--webhook", "--secret-header", "X-Sig",
+                 "--secret", "s3cret-value", "--prefix", "sha256=")
+    hook_id, url_line = hooked.stdout.splitlines()
+    assert url_line.startswith("webhook URL (shown only now") and f"/hooks/{hook_id}/" in url_line
+    everything = cli(t3, "schedules", "--all", "--json").stdout
+    assert "s3cret-value" not in everything and "hookUrl" not in everything
+    assert {t["scheduledTaskId"] for t in json.loads(everything)["tasks"]} == {
+        nightly, standup["scheduledTaskId"], hook_id}
+    assert row_of(cli(t3, "schedules").stdout, hook_id)[2] == "webhook"
+
+    for usage in (["schedule", "no schedule"], ["schedule", "x", "--every", "15m", "--at", "9:00"],
+                  ["schedule", "x", "--every", "15m", "--weekdays", "mon"],
+                  ["schedule", "x", "--every", "soon"], ["schedule", "x", "--secret", "s"]):
+        assert cli(t3, *usage).returncode == 2, usage
+    for refused in (["--every", "30s"], ["--at", "25:00"]):  # the server checks values
+        done = cli(t3, "schedule", "x", *refused)
+        assert done.returncode == 1 and done.stderr.startswith("t3: invalid_request: "), done
+    ambiguous = cli(t3, "unschedule", "schedule-task")
+    assert ambiguous.returncode == 1 and "ambiguous_reference" in ambiguous.stderr
+    gone = cli(t3, "unschedule", nightly[-12:])
+    assert (gone.returncode, gone.stdout.strip()) == (0, f"deleted {nightly}")
+    again = cli(t3, "unschedule", nightly)
+    assert again.returncode == 1 and again.stderr.startswith("t3: task_not_found: ")
+    assert nightly not in cli(t3, "schedules", "--all").stdout
+
+
 def test_no_server_is_one_clear_line_and_exit_3(t3_factory, tmp_path: Path) -> None:
     """With no data directory, no server.json, or a server.json left by a killed server, every
     command prints one line on stderr, nothing on stdout, and exits 3; a typed failure from a
@@ -224,7 +316,7 @@ def test_help_documents_every_command_and_the_exit_codes(
                           text=True, timeout=60, env={**os.environ, "COLUMNS": "100"}, check=False)
     assert done.returncode == 0, done.stderr
     commands = ["threads", "show", "new", "send", "wait", "interrupt", "requests", "answer",
-                "tasks"]
+                "tasks", "schedules", "schedule", "unschedule"]
     for name in ["serve", "token", *commands]:
         assert f"\n    {name} " in done.stdout, name
     assert "exit codes" in done.stdout and "\n  4 " in done.stdout
@@ -238,3 +330,6 @@ def test_help_documents_every_command_and_the_exit_codes(
         text = help_of(name)
         assert "--json" in text and "--data-dir" in text and "\n  3 " in text, name
     assert "--follow" in help_of("show") and "--timeout" in help_of("wait")
+    assert all(option in help_of("schedule") for option in (
+        "--every", "--at", "--weekdays", "--webhook", "--secret", "--id", "--run-now",
+        "--rotate-hook-token", "--disable"))

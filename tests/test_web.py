@@ -5,20 +5,25 @@ finish live, answer a pending approval from the page; and a server restart under
 which reconnects and resumes its streams. Each step is a screenshot (under the test's tmp dir)
 whose page text, read from the DOM at that moment, is checked. The page never polls (no request
 or frame it sends while it only watches) and the token reaches no URL but the WebSocket's and no
-line of t3's log. Without Debian's chromium the browser tests skip, saying so."""
+line of t3's log. The scheduled tasks are listed live, with their next and last runs, as the
+server's test clock moves. Without Debian's chromium the browser tests skip, saying so."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import calendar
 import hashlib
 import json
 import re
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import t3 as server
 from browser import Browser, Page, find_chromium
 from harness import REPO, McpClient, T3Server, raw_request, scripted_provider
 
@@ -248,3 +253,60 @@ def test_web_view_reconnects_after_a_restart_and_resumes_from_its_last_sequence(
         ("subscribeShell", ["afterSequence"]), ("subscribeThread", ["afterSequence", "threadId"])]
     mcp.close()
     assert wrong not in t3.stderr_text() and "rejected a /ws connection" in t3.stderr_text()
+
+
+def local_minute(epoch: float) -> str:
+    """A time as the page shows it: this machine's time zone (the browser's too), to the minute."""
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch))
+
+
+def test_web_view_lists_schedules_and_follows_their_runs_live(t3_factory, tmp_path: Path,
+                                                               browser: Browser) -> None:
+    """The sidebar's Schedules lists each task in words with its next and last run; when the
+    server's clock passes a task's due time, its run count, last run and next run change on the
+    page without it sending anything; its title then opens the run's thread; a deleted task
+    leaves the list."""
+    start = calendar.timegm((2026, 3, 6, 17, 0, 0))
+    t3 = t3_factory(env={"T3_TEST_HOOKS": "1", "T3_TEST_CLOCK": str(start)})
+    mcp = t3.client()
+
+    def ws(method: str, params: dict[str, Any]) -> Any:
+        async def run() -> Any:
+            async with server.WsClient(t3.url + "/ws", t3.token) as client:
+                return await client.request(method, params)
+        return asyncio.run(run())
+    nightly = ws("scheduleTask", {"prompt": "check the build", "title": "nightly",
+                                  "schedule": {"type": "interval", "everyMs": 900_000}})
+    assert mcp.call("schedule_task", {"prompt": "notes", "title": "standup", "enabled": False,
+                                      "schedule": {"type": "fixed_time", "timeOfDay": "09:00",
+                                                   "weekdays": [1, 2, 3, 4, 5]}}).ok
+    page = browser.new_page()
+    page.call("Runtime.enable")
+    page.call("Log.enable")
+    steps = Steps(page, tmp_path)
+    page.navigate(t3.url + "/")
+    page.type_into("#token", t3.token)
+    page.click("#login button", text="Log in")
+    page.wait_for(lines_with("nightly", within="#schedules"))
+    steps.shot("schedules", ("SCHEDULES",), ("every 15 min", "enabled"),
+               ("next run", local_minute(start + 900)), ("never run", "0 runs"),
+               ("09:00 Mon-Fri", "paused"), ("no next run",), within="#schedules")
+    assert page.evaluate("document.querySelector('#schedules time').getAttribute('datetime')") \
+        == nightly["nextRunAt"]
+
+    watching = len(browser.events)
+    ws("advanceTestClock", {"seconds": 900})
+    page.wait_for(lines_with("last run", "succeeded", "1 run", within="#schedules"))
+    steps.shot("ran-once", ("next run", local_minute(start + 1800)),
+               ("last run", "succeeded", local_minute(start + 900), "1 run"), within="#schedules")
+    assert sent_by_page(browser.events[watching:]) == []  # it only listened: no polling
+
+    page.click("#schedules a", text="nightly")
+    page.wait_for(lines_with("[Triggered by schedule task: nightly]", within="main"))
+    steps.shot("its-run", ("nightly", "completed"), ("check the build",), within="main")
+    ws("deleteScheduledTask", {"scheduledTaskId": nightly["scheduledTaskId"]})
+    page.wait_for("() => !document.querySelector('#schedules').innerText.includes('nightly')")
+    steps.shot("deleted", ("standup",), within="#schedules")
+    assert [e for e in browser.events if e["method"] == "Runtime.exceptionThrown" or (
+        e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")] == []
+    mcp.close()

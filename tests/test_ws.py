@@ -214,6 +214,80 @@ def test_shell_stream_shows_threads_as_they_change(t3: T3Server) -> None:
     assert statuses[-1] == "completed" and "running" in statuses
 
 
+def test_schedules_over_ws_are_the_users_and_stream_in_the_shell(t3_factory) -> None:
+    """scheduleTask over /ws records createdBy user and its creationSource (cli; web by
+    default), and a retry gives the same task; listScheduledTasks equals MCP's list; the shell
+    stream carries the tasks in its snapshot, then each change as it commits (a fire after the
+    clock moves, a pause, a delete), and again after a given sequence."""
+    t3 = t3_factory(env={"T3_TEST_HOOKS": "1", "T3_TEST_CLOCK": "1772816400"})
+    mcp = t3.client()
+    every = {"type": "interval", "everyMs": 60_000}
+    create = {"prompt": "check the build", "title": "nightly", "schedule": every,
+              "clientRequestId": "c1", "creationSource": "cli"}
+
+    async def body(client: server.WsClient) -> dict[str, Any]:
+        out: dict[str, Any] = {"seen": [], "refusals": []}
+        stream = client.stream("subscribeShell", {})
+        out["snapshot"] = (await anext(stream))["snapshot"]
+        assert (await anext(stream))["kind"] == "synchronized"
+        out["made"] = await client.request("scheduleTask", create)
+        out["retried"] = await client.request("scheduleTask", create)
+        task_id = out["made"]["scheduledTaskId"]
+        await client.request("advanceTestClock", {"seconds": 60})
+        out["listed"] = await client.request("listScheduledTasks", {})
+        out["mcp_listed"] = mcp.call("list_scheduled_tasks", {}).structured
+        out["paused"] = await client.request("scheduleTask", {"scheduledTaskId": task_id,
+                                                              "enabled": False})
+        out["deleted"] = await client.request("deleteScheduledTask", {"scheduledTaskId": task_id})
+        async for item in stream:
+            out["seen"].append(item)
+            if item["kind"] == "schedule.removed":
+                break
+        await stream.aclose()
+        for params in ({**create, "creationSource": "mcp"}, {**create, "everyMs": 1},
+                       {**create, "schedule": {"type": "interval", "everyMs": 1000}},
+                       {"scheduledTaskId": task_id}):
+            try:
+                await client.request("scheduleTask", params)
+            except server.WsError as exc:
+                out["refusals"].append(exc.code)
+        again = client.stream("subscribeShell", {"afterSequence": out["seen"][-1]["sequence"] - 1})
+        out["replayed"] = []
+        async for item in again:
+            if item["kind"] == "synchronized":
+                break
+            out["replayed"].append(item)
+        await again.aclose()
+        return out
+    out = ws(t3, body)
+    made, task_id = out["made"], out["made"]["scheduledTaskId"]
+    assert out["snapshot"]["schedules"] == [] and out["retried"] == made
+    assert task_id == "scheduled-task:cli:client:schedule-task:c1"
+    assert (made["createdBy"], made["creationSource"], made["runCount"]) == ("user", "cli", 0)
+    [listed] = out["listed"]["tasks"]
+    # The fired run may end between the two reads: compare what it does not change.
+    settling = {"lastRunStatus", "lastRunError", "lastRunThreadId", "lastRunId", "updatedAt"}
+    assert [{k: v for k, v in t.items() if k not in settling} for t in out["listed"]["tasks"]] \
+        == [{k: v for k, v in t.items() if k not in settling} for t in out["mcp_listed"]["tasks"]]
+    assert listed["runCount"] == 1
+    assert (out["paused"]["enabled"], out["paused"]["nextRunAt"]) == (False, None)
+    assert out["paused"]["creationSource"] == "cli"  # a change keeps who made it
+    assert out["deleted"] == {"scheduledTaskId": task_id, "deleted": True}
+    updates = [i["task"] for i in out["seen"] if i["kind"] == "schedule.updated"]
+    assert (updates[0]["runCount"], updates[0]["enabled"]) == (0, True)
+    assert any(u["runCount"] == 1 for u in updates)  # the fire, live
+    assert updates[-1]["enabled"] is False
+    assert {"kind": "schedule.removed", "scheduledTaskId": task_id}.items() <= \
+        out["seen"][-1].items()
+    assert [i["scheduledTaskId"] for i in out["replayed"] if i["kind"] == "schedule.removed"] \
+        == [task_id]
+    assert out["refusals"] == ["invalid_request"] * 3 + ["task_not_found"]
+    by_mcp = mcp.call("schedule_task", {"prompt": "p", "schedule": every}).structured
+    assert (by_mcp["createdBy"], by_mcp["creationSource"]) == ("agent", "mcp")
+    web = ws(t3, lambda c: c.request("scheduleTask", {"prompt": "p", "schedule": every}))
+    assert (web["createdBy"], web["creationSource"]) == ("user", "web")
+
+
 def rss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
