@@ -1179,7 +1179,8 @@ class Toolkit:
             if scope.kind == "thread" else None
         schedule = _parse_schedule(args["schedule"]) if "schedule" in args else None
         if "scheduledTaskId" in args:
-            task = await self._visible_task(scope, caller, args["scheduledTaskId"])
+            task = await self._visible_task(scope, caller, args["scheduledTaskId"],
+                                            changing=True)
             command, token = self._task_update(scope, caller, task, args, schedule, transport)
         else:
             command, token = self._task_create(scope, caller, args, schedule, transport)
@@ -1247,15 +1248,32 @@ class Toolkit:
             model_selection=selection, runtime_mode=runtime, interaction_mode=interaction,
             hook_token_sha256=_sha256(token)), token
 
-    async def _visible_task(self, scope: Scope, caller: ThreadState | None, task_id: str
-                            ) -> orch.ScheduledTask:
-        """A task the caller may see: the client sees all; an agent its project's."""
+    async def _visible_task(self, scope: Scope, caller: ThreadState | None, task_id: str, *,
+                            changing: bool = False) -> orch.ScheduledTask:
+        """A task the caller may see: the client sees all; an agent its project's. To change,
+        run or delete one, an agent's own modes must cover the task's runs (a bound task's: its
+        thread's): else an approval-required agent could rewrite the prompt of a full-access
+        task and run it now."""
         state = await self.orch.state(task_id)
         task = state.entities["scheduled-task"].get(task_id) if state else None
         if task is None or task.deleted_at is not None or (
                 scope.kind == "thread" and (caller is None or caller.thread is None
                                             or caller.thread.project_id != task.project_id)):
             raise ToolFailure("task_not_found", f"no scheduled task {task_id} in your project")
+        if changing and caller is not None and caller.thread is not None:
+            runs_in = await self.orch.state(task.bound_thread_id) if task.bound_thread_id \
+                else None
+            runtime, interaction = (runs_in.thread.runtime_mode, runs_in.thread.interaction_mode) \
+                if runs_in is not None and runs_in.thread is not None else \
+                (task.runtime_mode, task.interaction_mode)
+            try:
+                self.threads.ceiling(caller.thread, runtime, interaction)
+            except orch.T3Error as exc:
+                raise ToolFailure("capability_denied", f"scheduled task {task_id} runs in "
+                                  f"{runtime}/{interaction}, broader than your "
+                                  f"{caller.thread.runtime_mode}/"
+                                  f"{caller.thread.interaction_mode}: only a caller with "
+                                  "those modes (or the client) may change it") from exc
         return task  # type: ignore[no-any-return]
 
     async def _list_schedules(self, scope: Scope, args: Mapping[str, Any], _: Any
@@ -1277,7 +1295,7 @@ class Toolkit:
         """delete_scheduled_task (``transport`` mcp), and /ws ``deleteScheduledTask``."""
         caller = (await self._agent_caller(scope, "delete_scheduled_task"))[0] \
             if scope.kind == "thread" else None
-        task = await self._visible_task(scope, caller, args["scheduledTaskId"])
+        task = await self._visible_task(scope, caller, args["scheduledTaskId"], changing=True)
         await self.orch.dispatch(orch.DeleteScheduledTask(
             command_id=self._id("command", transport, scope.key, "delete-scheduled-task",
                                 task.id),

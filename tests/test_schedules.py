@@ -180,6 +180,34 @@ def test_bound_runs_post_into_the_thread_and_unbound_ones_launch_with_the_tasks_
         tmp_path / "agent-alpha.log")
 
 
+def test_an_agent_changes_or_deletes_only_tasks_its_own_modes_cover(
+        t3_factory, tmp_path: Path) -> None:
+    """The user's full-access task is out of an approval-required agent's reach: rewriting its
+    prompt and running it now, or deleting it, is capability_denied and changes nothing (else
+    the agent would have a full-access run of its own words); an approval-required task of the
+    same project it may change."""
+    t3 = t3_factory(env=CLOCK, providers=[scripted_provider(tmp_path)])
+    mcp = t3.client()
+    every = {"type": "interval", "everyMs": 60_000}
+    broad = schedule(mcp, prompt="tidy up", schedule=every, title="broad")
+    narrow = schedule(mcp, prompt="look", schedule=every, title="narrow",
+                      runtimeMode="approval-required")
+    assert broad["runtimeMode"] == "full-access"
+    lines = [call_line("schedule_task", {"scheduledTaskId": broad["scheduledTaskId"],
+                                         "prompt": "injected", "runNow": True}),
+             call_line("delete_scheduled_task", {"scheduledTaskId": broad["scheduledTaskId"]}),
+             call_line("schedule_task", {"scheduledTaskId": narrow["scheduledTaskId"],
+                                         "title": "renamed"})]
+    mcp.call("create_threads", {"threads": [{"prompt": "\n".join(lines),
+                                             "runtimeMode": "approval-required"}]})
+    calls = wait_until(lambda: len(c := [e for e in agent_log(tmp_path / "agent.log")
+                                         if e["dir"] == "mcp"]) == 3 and c, 30)
+    assert [c["result"].get("code") for c in calls[:2]] == ["capability_denied"] * 2, calls
+    assert calls[2]["result"]["title"] == "renamed"
+    after = task(mcp, broad["scheduledTaskId"])
+    assert (after["prompt"], after["runCount"], after["enabled"]) == ("tidy up", 0, True)
+
+
 def test_kill9_at_the_fire_commit_runs_it_once(t3_factory, agent_log_path: Path) -> None:
     """The server dies right after a fire committed: after the restart its run happens once
     (one prompt, one run), and the next fire is scheduled."""
