@@ -446,6 +446,11 @@ class Subagent(_Entity):
     result: str | None = None
     completed_at: str | None = None
     cancel_requested: bool = False
+    result_run_id: str | None = None  # the child run whose result was published
+    # the child's questions, by request id: {"state": "held", "question", "childThreadId"} while
+    # the parent's wait should report it (a catch-up wake if it does not), {"state": "settled"}
+    # once delivered, answered or withdrawn
+    questions: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -861,7 +866,9 @@ class RequestTaskCancel:
 
 @dataclass(frozen=True, slots=True)
 class FinalizeSubagent:
-    """The child's original run ended: publish its result to the parent, and wake the parent."""
+    """The child's known work finished (``publish``): publish the result of its final work run
+    ``run_id`` and wake the parent. Else ``run_id`` is later work: its result is recorded beside
+    the published one, never replacing it."""
 
     type: ClassVar[str] = "subagent.finalize"
     command_id: str
@@ -869,6 +876,8 @@ class FinalizeSubagent:
     task_id: str
     status: str
     result: str
+    run_id: str = ""
+    publish: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -883,6 +892,19 @@ class NotifyTaskQuestion:
     request_id: str
     child_thread_id: str
     question: str
+    blocking: bool = True  # False: an async question, the child keeps working
+
+
+@dataclass(frozen=True, slots=True)
+class SettleTaskQuestion:
+    """A child's question no longer needs a notice: a wait delivered it, or it was answered,
+    dismissed or expired. A notice still queued for the parent is cancelled."""
+
+    type: ClassVar[str] = "subagent.question-settled"
+    command_id: str
+    thread_id: str  # the parent
+    task_id: str
+    request_id: str
 
 
 # Internal commands: the effect worker, the run executor and recovery speak these.
@@ -1364,10 +1386,11 @@ def _end_run(d: _Draft, run: Run, status: str, reason: str | None,
     run = d.put(replace(run, status=status, status_reason=reason, failure=failure,
                         awaiting_agent_slot=False,
                         completed_at=None if status == RunStatus.WAITING else d.now))
+    _catch_up_questions(d, run)
     if status == RunStatus.WAITING:
         d.effect("run.finalize", {"runId": run.id}, run.id)
     elif status in RUN_TERMINAL:
-        _finalize_if_settled(d)
+        _finalize_if_settled(d, run)
         _promote_queued(d)
     return run
 
@@ -1379,6 +1402,7 @@ def _settle_open_work(d: _Draft, run: Run, status: str, reason: str) -> None:
         if request.run_id == run.id and request.status == "pending":
             d.put(replace(request, status="cancelled", resolved_at=d.now, status_reason=reason,
                           response_capability={"type": "not_resumable", "reason": reason}))
+            _question_closed(d, request)
     for node in d.all("node"):
         if node.run_id == run.id and node.kind_ not in ("root_turn", "subagent") and \
                 node.status in ("pending", "running", "waiting"):
@@ -1430,10 +1454,7 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
                       completed_at=d.now, data={**(item.data or {}), "decision": c.decision,
                                                 "answers": c.answers,
                                                 "answeredBy": c.answered_by}))
-    task = _parent_task(d)
-    if request.kind_ == "user_input" and task is not None:
-        d.effect("subagent.question-settled", {**task, "requestId": request.id}, request.id,
-                 thread_id=task["parentThreadId"])
+    _question_closed(d, request)
     d.effect("runtime-request.respond", {
         "requestId": request.id, "runId": request.run_id,
         "providerSessionId": request.response_capability.get("providerSessionId"),
@@ -1449,9 +1470,14 @@ def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[st
         raise CommandRejected(f"run {c.run_id} was not found", code="run_not_found")
     if run.status != RunStatus.QUEUED:
         raise CommandRejected(f"run {run.id} is {run.status}, not queued", code="invalid_request")
+    _cancel_queued(d, run)
+    return {"threadId": run.thread_id, "runId": run.id, "status": RunStatus.CANCELLED}
+
+
+def _cancel_queued(d: _Draft, run: Run) -> None:
     if run.awaiting_agent_slot:  # its start was under way: it ends as a started run would
         _end_run(d, run, RunStatus.CANCELLED, "The queued run was cancelled.")
-        return {"threadId": run.thread_id, "runId": run.id, "status": RunStatus.CANCELLED}
+        return
     attempt = d.get("run-attempt", run.active_attempt_id)
     if attempt is not None:
         d.put(replace(attempt, status="cancelled", completed_at=d.now))
@@ -1460,7 +1486,6 @@ def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[st
         d.put(replace(root, status="cancelled", completed_at=d.now))
     d.put(replace(run, status=RunStatus.CANCELLED, queue_position=None, completed_at=d.now,
                   status_reason="The queued run was cancelled."))
-    return {"threadId": run.thread_id, "runId": run.id, "status": RunStatus.CANCELLED}
 
 
 def _current(d: _Draft, run_id: str, attempt_id: str) -> tuple[Run | None, RunAttempt | None]:
@@ -1627,9 +1652,10 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
             task = _parent_task(d)
             if event.request_kind == "user_input" and task is not None:
                 # Users rarely watch child threads: the parent's agent hears about the question.
-                d.effect("subagent.question", {**task, "requestId": request_id,
-                                               "question": event.title}, request_id,
-                         thread_id=task["parentThreadId"])
+                d.effect("subagent.question", {
+                    **task, "requestId": request_id, "question": event.title,
+                    "blocking": event.detail.get("isBlocking") is not False}, request_id,
+                    thread_id=task["parentThreadId"])
     elif isinstance(event, TurnEnded):
         _close_streams(d, attempt)
         if event.status == "completed":
@@ -1719,7 +1745,7 @@ def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     if root is not None:
         d.put(replace(root, status="completed", completed_at=d.now))
     run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now))
-    _finalize_if_settled(d)
+    _finalize_if_settled(d, run)
     _promote_queued(d)
     return {"runId": run.id, "status": run.status}
 
@@ -1765,6 +1791,7 @@ def _expire_requests(d: _Draft, session_id: str | None, reason: str) -> None:
                 == session_id):
             d.put(replace(request, status="expired", resolved_at=d.now, status_reason=reason,
                           response_capability={"type": "not_resumable", "reason": reason}))
+            _question_closed(d, request)
             item = d.get("turn-item", _request_item_id(request.id))
             if item is not None:
                 d.put(replace(item, status="cancelled", updated_at=d.now, completed_at=d.now))
@@ -1870,13 +1897,22 @@ def _decide_task_cancel(d: _Draft, c: RequestTaskCancel, **_: Any) -> Mapping[st
 def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
-    if task.status in TASK_TERMINAL:
-        return {"taskId": task.id, "status": task.status}  # already published: idempotent
+    if not c.publish or task.status in TASK_TERMINAL:
+        # Later work (or already published: idempotent): recorded beside the published result.
+        transfer_id = later_transfer_id(task.id, c.run_id)
+        if c.run_id and c.run_id != task.result_run_id and \
+                d.get("context-transfer", transfer_id) is None:
+            d.put(ContextTransfer(id=transfer_id, thread_id=task.thread_id,
+                                  type="subagent_result", source_thread_id=task.child_thread_id,
+                                  target_thread_id=task.thread_id, status="consumed",
+                                  created_by=Actor.SYSTEM, created_at=d.now, updated_at=d.now,
+                                  summary=c.result, consumed_at=d.now))
+        return {"taskId": task.id, "status": task.status}
     status = c.status
     if task.cancel_requested and status == "completed":
         status = "interrupted"  # a cancelled task's late success does not count as one
     task = d.put(replace(task, status=status, result=c.result, completed_at=d.now,
-                         updated_at=d.now))
+                         updated_at=d.now, result_run_id=c.run_id or task.child_run_id))
     node = d.get("node", task.id)
     if node is not None:
         d.put(replace(node, status=status, completed_at=d.now))
@@ -1938,27 +1974,131 @@ def _decide_task_question(d: _Draft, c: NotifyTaskQuestion, *,
     task = _task(d, c.task_id)
     live = any(r.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)
                for r in d.runs())
-    if task.status in TASK_TERMINAL or task.cancel_requested or (
-            task.completion_wake == "settled_only" and live):
+    if task.status in TASK_TERMINAL or task.cancel_requested or \
+            c.request_id in (task.questions or {}):
+        return {"taskId": task.id, "notified": False}
+    if c.blocking and task.completion_wake == "settled_only" and live:
+        # The parent is blocked in a wait on this task: the wait reports the question. Held
+        # until then; if the wait is cut short, the launching run's end catches up.
+        d.put(replace(task, updated_at=d.now, questions={**(task.questions or {}), c.request_id: {
+            "state": "held", "question": c.question, "childThreadId": c.child_thread_id}}))
         return {"taskId": task.id, "notified": False}
     _notify_parent(d, _question_message_id(c.request_id), providers,
-                   f'Delegated task "{task.title}" is blocked on a question: {c.question}\n'
-                   f"Answer it with t3_pending_request (threadId {c.child_thread_id}, requestId "
-                   f"{c.request_id}), or ask the user.")
+                   _question_notice(task, c.request_id, c.child_thread_id, c.question, c.blocking))
     return {"taskId": task.id, "notified": True}
 
 
-def _finalize_if_settled(d: _Draft) -> None:
-    """A delegated child thread whose original run ended and whose own tasks all ended asks its
-    parent to publish the result (through the outbox, so a crash cannot lose it)."""
+def _question_notice(task: Subagent, request_id: str, child_id: str, question: str,
+                     blocking: bool) -> str:
+    state = "is blocked on a question" if blocking else "asked a question and is still working"
+    return (f'Delegated task "{task.title}" {state}: {question}\nAnswer it with '
+            f"t3_pending_request (threadId {child_id}, requestId {request_id}), or ask the user.")
+
+
+def _decide_settle_question(d: _Draft, c: SettleTaskQuestion, **_: Any) -> Mapping[str, Any]:
+    task = _task(d, c.task_id)
+    if (task.questions or {}).get(c.request_id) != {"state": "settled"}:
+        d.put(replace(task, updated_at=d.now, questions={
+            **(task.questions or {}), c.request_id: {"state": "settled"}}))
+    for run in d.runs():
+        if run.user_message_id == _question_message_id(c.request_id) and \
+                run.status == RunStatus.QUEUED:
+            _cancel_queued(d, run)
+    return {"taskId": task.id, "requestId": c.request_id}
+
+
+def _question_closed(d: _Draft, request: RuntimeRequest) -> None:
+    """A delegated child's question was answered, dismissed or expired: its parent's notice
+    is withdrawn (through the outbox)."""
     task = _parent_task(d)
-    runs = d.runs()
-    if task is None or not runs or runs[0].status not in RUN_TERMINAL:
+    if request.kind_ == "user_input" and task is not None:
+        d.effect("subagent.question-settled", {**task, "requestId": request.id}, request.id,
+                 thread_id=task["parentThreadId"])
+
+
+def _catch_up_questions(d: _Draft, run: Run) -> None:
+    """A wait cut short never showed the parent's agent a held question: when the launching run
+    completes, fails or waits for post-turn work, a still-pending one wakes the parent. A
+    stopped or interrupted run drops the catch-up."""
+    for task in d.all("subagent"):
+        held = {k: v for k, v in (task.questions or {}).items() if v.get("state") == "held"}
+        if task.run_id != run.id or not held:
+            continue
+        d.put(replace(task, updated_at=d.now, questions={
+            **task.questions, **{k: {"state": "settled"} for k in held}}))
+        if run.status in (RunStatus.WAITING, RunStatus.COMPLETED, RunStatus.FAILED) and \
+                task.status not in TASK_TERMINAL and not task.cancel_requested:
+            for request_id, q in held.items():
+                _notify_parent(d, _question_message_id(request_id), {}, _question_notice(
+                    task, request_id, q["childThreadId"], q["question"], True))
+
+
+# Known work of a delegated task (seed task_status): its child's original run and the completion
+# follow-ups t3 itself started there (task wakes, question notices). Other runs are later work.
+_FOLLOW_UP_MESSAGES = ("message:task-wake:", "message:task-question:")
+
+
+def task_work(runs: Sequence[Run]) -> list[Run]:
+    return [r for r in runs if r.ordinal == 1 or r.user_message_id.startswith(_FOLLOW_UP_MESSAGES)]
+
+
+def ran(run: Run) -> bool:
+    """A terminal run that ran (a queued run cancelled before it started did not)."""
+    return run.status in RUN_TERMINAL and (run.started_at is not None
+                                           or run.status != RunStatus.CANCELLED)
+
+
+def task_final_run(runs: Sequence[Run]) -> Run | None:
+    """The run whose result a delegated task publishes: the last work run that ran, once none
+    is active and a completed one has no follow-up queued. None while the work goes on."""
+    work = task_work(runs)
+    if any(r.status in RUN_BLOCKING or r.awaiting_agent_slot for r in work):
+        return None
+    done = [r for r in work if ran(r)]
+    if not done or (done[-1].status == RunStatus.COMPLETED and
+                    any(r.status == RunStatus.QUEUED for r in work)):
+        return None
+    return done[-1]
+
+
+def later_transfer_id(task_id: str, run_id: str) -> str:
+    """The context transfer of a later child run's result (task_status latestTerminal*)."""
+    return bounded_id(f"context-transfer:subagent_result:{task_id}:{run_id}")
+
+
+def blocking_question(request: RuntimeRequest) -> bool:
+    """A question the child waits on (codex ``isBlocking: false`` asks without waiting)."""
+    return request.kind_ == "user_input" and (request.detail or {}).get("isBlocking") is not False
+
+
+def task_attention(child: ThreadState, task: Subagent
+                   ) -> tuple[RuntimeRequest | None, RuntimeRequest | None]:
+    """What a wait on a task ends for: a pending blocking question in its child thread, and a
+    pending live approval of the task's own unfinished work. Async questions end nothing."""
+    work = set() if task.status in TASK_TERMINAL else {r.id for r in task_work(child.runs)}
+    pending = child.pending_requests()
+    return (next((r for r in pending if blocking_question(r)), None),
+            next((r for r in pending if r.kind_ != "user_input" and r.run_id in work
+                  and r.response_capability.get("type") == "live"), None))
+
+
+def _finalize_if_settled(d: _Draft, ended: Run | None = None) -> None:
+    """A delegated child reports to its parent through the outbox (a crash cannot lose it): its
+    task's result once the task's known work and the child's own tasks have all finished, and
+    the result of a later run that ran (``ended``, not the task's work)."""
+    task = _parent_task(d)
+    if task is None:
         return
-    if any(t.status not in TASK_TERMINAL for t in d.all("subagent")):
-        return  # waiting for its own children
-    d.effect("subagent.finalize", {**task, "runId": runs[0].id}, runs[0].id,
-             thread_id=task["parentThreadId"])
+    runs = d.runs()
+    work = {r.id for r in task_work(runs)}
+    final = task_final_run(runs)
+    if final is not None and all(t.status in TASK_TERMINAL for t in d.all("subagent")) and (
+            ended is None or ended.id in work):
+        d.effect("subagent.finalize", {**task, "runId": final.id, "publish": True}, final.id,
+                 thread_id=task["parentThreadId"])
+    if ended is not None and ended.id not in work and ran(ended):
+        d.effect("subagent.finalize", {**task, "runId": ended.id, "publish": False}, ended.id,
+                 thread_id=task["parentThreadId"])
 
 
 # =============================================================================================
@@ -2518,6 +2658,7 @@ _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
     RequestTaskCancel: _decide_task_cancel,
     FinalizeSubagent: _decide_finalize,
     NotifyTaskQuestion: _decide_task_question,
+    SettleTaskQuestion: _decide_settle_question,
     CreateThread: _decide_create_thread,
     DispatchMessage: _decide_dispatch,
     InterruptRun: _decide_interrupt,
@@ -3155,18 +3296,24 @@ class Orchestrator:
             await live.handle.respond(p["nativeRequestRef"], p.get("decision"), p.get("answers"))
         elif row.effect_type == "subagent.finalize":
             await self._finalize_task(p["parentThreadId"], p["taskId"], p["childThreadId"],
-                                      p["runId"])
+                                      p["runId"], p.get("publish", True))
         elif row.effect_type == "subagent.question":
             try:
                 await self.dispatch(NotifyTaskQuestion(
                     command_id=bounded_id(f"command:task-question:{p['requestId']}"),
                     thread_id=p["parentThreadId"], task_id=p["taskId"],
                     request_id=p["requestId"], child_thread_id=p["childThreadId"],
-                    question=p["question"]))
+                    question=p["question"], blocking=p.get("blocking", True)))
             except CommandRejected as exc:
                 log.info("question of task %s not routed: %s", p["taskId"], exc)
         elif row.effect_type == "subagent.question-settled":
-            await self._withdraw_question(p["parentThreadId"], p["requestId"])
+            try:
+                await self.dispatch(SettleTaskQuestion(
+                    command_id=bounded_id(f"command:withdraw-question:{p['requestId']}"),
+                    thread_id=p["parentThreadId"], task_id=p["taskId"],
+                    request_id=p["requestId"]))
+            except CommandRejected as exc:
+                log.info("question of task %s not withdrawn: %s", p["taskId"], exc)
         elif row.effect_type == "scheduled-task.run":
             await self._run_scheduled(row.thread_id, p["fireKey"], p["prompt"])
         elif row.effect_type == "run.finalize":
@@ -3179,18 +3326,8 @@ class Orchestrator:
         else:
             raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
 
-    async def _withdraw_question(self, parent_id: str, request_id: str) -> None:
-        """The child's question was answered: a notice still queued for the parent is moot."""
-        parent = await self.state(parent_id)
-        message_id = _question_message_id(request_id)
-        for run in parent.runs if parent else []:
-            if run.user_message_id == message_id and run.status == RunStatus.QUEUED:
-                await self.dispatch(CancelQueuedRun(
-                    command_id=bounded_id(f"command:withdraw-question:{request_id}"),
-                    thread_id=parent_id, run_id=run.id))
-
     async def _finalize_task(self, parent_id: str, task_id: str, child_id: str,
-                             run_id: str) -> None:
+                             run_id: str, publish: bool) -> None:
         child = await self.state(child_id)
         run = child.run(run_id) if child else None
         if child is None or run is None:
@@ -3198,8 +3335,9 @@ class Orchestrator:
         status = RunStatus.CANCELLED if run.status == RunStatus.ROLLED_BACK else run.status
         try:
             await self.dispatch(FinalizeSubagent(
-                command_id=bounded_id(f"command:finalize-task:{task_id}"), thread_id=parent_id,
-                task_id=task_id, status=status, result=task_result(child, run)))
+                command_id=bounded_id(f"command:finalize-task:{task_id}:{run_id}"),
+                thread_id=parent_id, task_id=task_id, status=status,
+                result=task_result(child, run), run_id=run_id, publish=publish))
         except CommandRejected as exc:
             log.warning("task %s could not be finalized: %s", task_id, exc)
 

@@ -771,7 +771,18 @@ class Toolkit:
                     completion_wake="always"))
         shaped = await self._task_result(parent_id, task_id)
         shaped["waitTimedOut"] = timed_out and shaped["status"] not in orch.TASK_TERMINAL
+        if args.get("mode") == "wait" and shaped["hasPendingQuestion"]:
+            await self._question_delivered(parent_id, task_id)
         return shaped
+
+    async def _question_delivered(self, parent_id: str, task_id: str) -> None:
+        """The wait showed the agent its child's question: no catch-up wake for it."""
+        task = (await self._thread(parent_id)).entities["subagent"][task_id]
+        question, _ = orch.task_attention(await self._thread(task.child_thread_id), task)
+        if question is not None:
+            await self.orch.dispatch(orch.SettleTaskQuestion(
+                command_id=self._id("command", "question-delivered", question.id),
+                thread_id=parent_id, task_id=task_id, request_id=question.id))
 
     async def _wait_task(self, parent_id: str, task_id: str, args: Mapping[str, Any],
                          progress: Callable[[float, str], Awaitable[None]] | None) -> bool:
@@ -783,7 +794,7 @@ class Toolkit:
             current = states[parent_id].entities["subagent"][task_id]
             child = states.get(child_id)
             return current.status in orch.TASK_TERMINAL or bool(
-                child and child.pending_requests())
+                child and any(orch.task_attention(child, current)))
 
         timeout_s = args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000
         loop = asyncio.get_running_loop()
@@ -806,28 +817,30 @@ class Toolkit:
         if task is None:
             raise ToolFailure("task_not_found", f"no task {task_id} was delegated by this thread")
         child = await self._thread(task.child_thread_id)
-        original = child.run(task.child_run_id)
         terminal = task.status in orch.TASK_TERMINAL
         children_open = any(s.status not in orch.TASK_TERMINAL
                             for s in child.entities["subagent"].values())
+        # The task's known work: its original run and t3's completion follow-ups, up to the
+        # published run once there is one. Every other run is later work.
+        published = child.run(task.result_run_id or task.child_run_id)
+        work = [r for r in orch.task_work(child.runs)
+                if not terminal or published is None or r.ordinal <= published.ordinal]
+        busy = [r for r in work if r.status not in RUN_TERMINAL and r.status != RunStatus.WAITING]
         if terminal:
-            status, work = task.status, "result_available"
-        elif original is None:
-            status, work = "running", "working"
+            status, state = task.status, "result_available"
+        elif not work or busy:
+            state = "working"
+            status = "queued" if busy and all(r.status == RunStatus.QUEUED for r in busy) \
+                else "running"
         else:
-            status = {"queued": "queued", "waiting": "waiting"}.get(original.status, "running")
-            settled = original.status in RUN_TERMINAL or original.status == RunStatus.WAITING
-            work = "waiting_for_children" if settled and children_open else "working"
-            if settled:
-                status = "waiting"
-        later = [r for r in child.runs if original is not None and r.ordinal > original.ordinal]
-        latest = next((r for r in reversed(later) if r.status in RUN_TERMINAL), None)
-        pending = child.pending_requests()
-        question = next((q for q in pending if q.kind_ == "user_input"), None)
-        approval = next((q for q in pending if q.kind_ != "user_input"), None)
+            status, state = "waiting", "waiting_for_children" if children_open else "working"
+        later = [r for r in child.runs if r.ordinal > 1 and r not in work]
+        latest = next((r for r in reversed(later) if orch.ran(r)), None)
+        later_transfer = orch.later_transfer_id(task.id, latest.id) if latest else None
+        question, approval = orch.task_attention(child, task)
         return {"taskId": task.id, "childThreadId": task.child_thread_id,
                 "childRunId": task.child_run_id, "childNodeId": task.id, "status": status,
-                "workState": work,
+                "workState": state,
                 "hasPendingChildRuns": any(r.status not in RUN_TERMINAL for r in later),
                 "providerInstanceId": task.provider_instance_id, "model": task.model,
                 "summary": task.result if terminal else None,
@@ -836,7 +849,8 @@ class Toolkit:
                 "latestTerminalRunId": latest.id if latest else None,
                 "latestTerminalStatus": latest.status if latest else None,
                 "latestTerminalSummary": orch.task_result(child, latest) if latest else None,
-                "latestTerminalResultContextTransferId": None,
+                "latestTerminalResultContextTransferId": later_transfer
+                if later_transfer in parent.entities["context-transfer"] else None,
                 "hasPendingQuestion": question is not None,
                 "pendingApproval": {"requestId": approval.id, "kind": approval.kind_,
                                     "runId": approval.run_id} if approval else None,

@@ -974,7 +974,8 @@ def child_running(world: World) -> o.Run:
 
 def test_child_question_is_routed_to_the_parent_and_withdrawn_when_answered() -> None:
     """A child's question emits a notice for the parent (queued behind its turn); answering it
-    emits the withdrawal; a parent waiting on the task is not notified (its wait reports it)."""
+    emits the withdrawal; a parent waiting on the task is not notified (its wait reports it):
+    the question is held for a catch-up."""
     world = World(running_sim())
     world.delegate(wake="always")
     run = child_running(world)
@@ -999,7 +1000,8 @@ def test_child_question_is_routed_to_the_parent_and_withdrawn_when_answered() ->
     quiet = waiting.do(o.NotifyTaskQuestion(
         command_id="cmd-notice", thread_id=THREAD, task_id=TASK_ID, request_id="r",
         child_thread_id="c", question="?"))
-    assert quiet.events == () and quiet.result["notified"] is False
+    assert quiet.result["notified"] is False and len(waiting.states[THREAD].runs) == 1
+    assert waiting.states[THREAD].entities["subagent"][TASK_ID].questions["r"]["state"] == "held"
 
 
 # =============================================================================================
