@@ -1004,6 +1004,172 @@ def test_child_question_is_routed_to_the_parent_and_withdrawn_when_answered() ->
     assert waiting.states[THREAD].entities["subagent"][TASK_ID].questions["r"]["state"] == "held"
 
 
+def child_turn(world: World, run: o.Run, *events: Any, end: str | None = "completed",
+               started: bool = False) -> list[o.Decision]:
+    """Start one of the child's runs (unless ``started``) and end its turn (``end``),
+    finalizing a completed one."""
+    decisions = [] if started else [world.do(o.MarkRunStarted(
+        command_id=f"cmd-start-{run.id}", thread_id=run.thread_id, run_id=run.id,
+        attempt_id=run.active_attempt_id, provider_session_id="s2", session_created=True, pid=1,
+        native_thread_ref="n2", cwd="/w"))]
+    if end is not None:
+        decisions.append(world.do(o.IngestProviderEvents(
+            command_id=f"cmd-end-{run.id}", thread_id=run.thread_id, run_id=run.id,
+            attempt_id=run.active_attempt_id, provider_session_id="s2",
+            events=(*events, o.TurnEnded(end)))))
+    if end == "completed":
+        decisions.append(world.do(o.CompleteRun(command_id=f"cmd-complete-{run.id}",
+                                                thread_id=run.thread_id, run_id=run.id)))
+    return decisions
+
+
+def finalize_effects(decisions: list[o.Decision]) -> list[o.EffectRequest]:
+    return [e for d in decisions for e in d.effects if e.effect_type == "subagent.finalize"]
+
+
+def test_task_result_waits_for_the_completion_follow_up() -> None:
+    """A child whose own task ends after its first turn publishes nothing until the follow-up
+    that wake started has run: the published run is that final work turn."""
+    world = World(running_sim())
+    world.delegate()
+    child_id = world.child().thread.id
+    first = world.child().runs[0]
+    child_turn(world, first, end=None)
+    world.do(o.DelegateTask(
+        command_id="cmd-grand", thread_id=child_id, parent_run_id=first.id, task="grand",
+        title="Grandchild", provider_instance_id="scripted", model="m1",
+        runtime_mode="full-access", interaction_mode="default", completion_wake="always",
+        created_by="agent", creation_source="mcp"))
+    ended = child_turn(world, world.child().runs[0], o.TextDelta("first turn"), started=True)
+    assert finalize_effects(ended) == []  # its own task is still open
+    grand_task = "node:delegated-task:cmd-grand"
+    woke = world.do(o.FinalizeSubagent(command_id="cmd-grand-done", thread_id=child_id,
+                                       task_id=grand_task, status="completed", result="g"))
+    assert finalize_effects([woke]) == []  # the wake is the task's known work
+    follow_up = world.child().runs[-1]
+    assert follow_up.user_message_id.startswith("message:task-wake:")
+    assert o.task_final_run(world.child().runs) is None
+    [publish] = finalize_effects(child_turn(world, follow_up, o.TextDelta("final")))
+    assert publish.payload["runId"] == follow_up.id and publish.payload["publish"] is True
+    assert o.task_result(world.child(), world.child().run(follow_up.id)) == "final"
+
+
+def test_later_work_is_recorded_beside_the_published_result() -> None:
+    """After publication, a later run's result (or a re-settled work run's) gets its own result
+    transfer; the task's status, summary and result transfer stay as published."""
+    world = World(running_sim())
+    world.delegate()
+    run_id = world.child().runs[0].id
+    world.do(o.FinalizeSubagent(command_id="f1", thread_id=THREAD, task_id=TASK_ID,
+                                status="completed", result="first", run_id=run_id))
+    for command_id, later, publish in (("f2", "r2", False), ("f3", "r3", True)):
+        world.do(o.FinalizeSubagent(command_id=command_id, thread_id=THREAD, task_id=TASK_ID,
+                                    status="failed", result=f"later {later}", run_id=later,
+                                    publish=publish))
+        transfer = world.states[THREAD].entities["context-transfer"][
+            o.later_transfer_id(TASK_ID, later)]
+        assert transfer.summary == f"later {later}" and transfer.type == "subagent_result"
+    task = world.states[THREAD].entities["subagent"][TASK_ID]
+    assert (task.status, task.result, task.result_run_id) == ("completed", "first", run_id)
+    assert world.states[THREAD].entities["context-transfer"][
+        o.result_transfer_id(TASK_ID)].summary == "first"
+
+
+def notice(world: World, *, blocking: bool = True, request_id: str = "q-1") -> o.Decision:
+    return world.do(o.NotifyTaskQuestion(
+        command_id=f"cmd-notice-{request_id}", thread_id=THREAD, task_id=TASK_ID,
+        request_id=request_id, child_thread_id=world.child().thread.id, question="Which branch?",
+        blocking=blocking))
+
+
+def test_async_question_notice_says_still_working_even_to_a_waiting_parent() -> None:
+    """An async question does not end the parent's wait, so its notice is delivered at once,
+    saying the child is still working; a blocking one says it is blocked."""
+    world = World(running_sim())
+    world.delegate(wake="settled_only")
+    assert notice(world, blocking=False).result["notified"] is True
+    text = world.states[THREAD].entities["message"][world.states[THREAD].runs[-1].user_message_id]
+    assert "is still working: Which branch?" in text.text and "blocked" not in text.text
+    idle = World(running_sim())
+    idle.delegate(wake="always")
+    notice(idle)
+    last = idle.states[THREAD].runs[-1]
+    assert "is blocked on a question" in idle.states[THREAD].entities["message"][
+        last.user_message_id].text
+
+
+@pytest.mark.parametrize("end, delivered, woken", [
+    ("completed", False, True), ("failed", False, True), ("interrupted", False, False),
+    ("completed", True, False)])
+def test_question_held_for_a_cut_short_wait_catches_up(end: str, delivered: bool,
+                                                       woken: bool) -> None:
+    """A blocking question arriving while the parent waits on the task is held for the wait; if
+    the wait never delivered it, the launching run's completion or failure wakes the parent with
+    it; an interrupted run (or a delivered question) gets no catch-up."""
+    world = World(running_sim())
+    world.delegate(wake="settled_only")
+    assert notice(world).result["notified"] is False and len(world.states[THREAD].runs) == 1
+    if delivered:
+        world.do(o.SettleTaskQuestion(command_id="cmd-delivered", thread_id=THREAD,
+                                      task_id=TASK_ID, request_id="q-1"))
+    world.parent.ingest(o.TurnEnded(end, failure="boom" if end == "failed" else None))
+    parent = world.states[THREAD]
+    woke = [r for r in parent.runs if r.user_message_id == "message:task-question:q-1"]
+    assert bool(woke) is woken
+    if woken:
+        assert "is blocked on a question: Which branch?" in parent.entities["message"][
+            woke[0].user_message_id].text
+    assert parent.entities["subagent"][TASK_ID].questions["q-1"] == {"state": "settled"}
+    assert notice(world).result["notified"] is False  # a replayed notice stays settled
+
+
+def test_expired_or_dismissed_child_question_withdraws_the_notice() -> None:
+    """A child's question that expires (its session ends) or is dismissed (its run ends) asks
+    the parent to withdraw the notice; settling cancels the notice still queued there."""
+    for end in ("session", "run"):
+        world = World(running_sim())
+        world.delegate(wake="always")
+        run = child_running(world)
+        world.do(o.IngestProviderEvents(
+            command_id="cmd-q", thread_id=run.thread_id, run_id=run.id,
+            attempt_id=run.active_attempt_id, provider_session_id="s2", events=(QUESTION,)))
+        closed = world.do(o.EndProviderSession(
+            command_id="cmd-end", thread_id=run.thread_id, provider_session_id="s2",
+            status="error", reason="gone") if end == "session" else o.InterruptRun(
+            command_id="cmd-int", thread_id=run.thread_id, run_id=run.id) and o.FailRun(
+            command_id="cmd-fail", thread_id=run.thread_id, run_id=run.id, attempt_id=None,
+            status="interrupted", reason="stopped"))
+        [settled] = [e for e in closed.effects if e.effect_type == "subagent.question-settled"]
+        notice(world, request_id=settled.payload["requestId"])
+        queued = world.states[THREAD].runs[-1]
+        assert queued.status == "queued"
+        world.do(o.SettleTaskQuestion(command_id="cmd-settle", thread_id=THREAD, task_id=TASK_ID,
+                                      request_id=settled.payload["requestId"]))
+        assert world.states[THREAD].run(queued.id).status == "cancelled"
+
+
+def test_wait_attention_is_blocking_questions_and_the_tasks_own_approvals() -> None:
+    """task_attention: an async question ends no wait, a blocking one does; an approval counts
+    only while it belongs to the task's own work."""
+    world = World(running_sim())
+    world.delegate()
+    run = child_running(world)
+    task = world.states[THREAD].entities["subagent"][TASK_ID]
+    world.do(o.IngestProviderEvents(
+        command_id="cmd-q", thread_id=run.thread_id, run_id=run.id,
+        attempt_id=run.active_attempt_id, provider_session_id="s2",
+        events=(dataclasses.replace(QUESTION, detail={"isBlocking": False}),)))
+    assert o.task_attention(world.child(), task) == (None, None)
+    world.do(o.IngestProviderEvents(
+        command_id="cmd-p", thread_id=run.thread_id, run_id=run.id,
+        attempt_id=run.active_attempt_id, provider_session_id="s2",
+        events=(dataclasses.replace(QUESTION, native_ref="q2"), PERMISSION)))
+    question, approval = o.task_attention(world.child(), task)
+    assert question.detail == QUESTION.detail and approval.kind_ == "permission"
+    done = dataclasses.replace(task, status="completed")
+    assert o.task_attention(world.child(), done)[1] is None
+
+
 # =============================================================================================
 # Agent process slots (max_live_agent_processes)
 
