@@ -830,7 +830,7 @@ class Toolkit:
             status, state = task.status, "result_available"
         elif not work or busy:
             state = "working"
-            status = "queued" if busy and all(r.status == RunStatus.QUEUED for r in busy) \
+            status = "queued" if busy == [work[0]] and busy[0].status == RunStatus.QUEUED \
                 else "running"
         else:
             status, state = "waiting", "waiting_for_children" if children_open else "working"
