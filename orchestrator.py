@@ -2148,13 +2148,14 @@ def ran(run: Run) -> bool:
 
 def task_final_run(runs: Sequence[Run]) -> Run | None:
     """The run whose result a delegated task publishes: the last work run that ran, once none
-    is active and a completed one has no follow-up queued. None while the work goes on."""
+    is active and a completed one has no follow-up queued (one a Stop holds does not count: it
+    runs after Resume as later work). None while the work goes on."""
     work = task_work(runs)
     if any(r.status in RUN_BLOCKING or r.awaiting_agent_slot for r in work):
         return None
     done = [r for r in work if ran(r)]
     if not done or (done[-1].status == RunStatus.COMPLETED and
-                    any(r.status == RunStatus.QUEUED for r in work)):
+                    any(r.status == RunStatus.QUEUED and not r.queue_held for r in work)):
         return None
     return done[-1]
 

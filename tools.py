@@ -830,8 +830,8 @@ class Toolkit:
             status, state = task.status, "result_available"
         elif not work or busy:
             state = "working"
-            status = "queued" if busy == [work[0]] and busy[0].status == RunStatus.QUEUED \
-                else "running"
+            status = "queued" if busy and busy == work[:1] and \
+                busy[0].status == RunStatus.QUEUED else "running"
         else:
             status, state = "waiting", "waiting_for_children" if children_open else "working"
         later = [r for r in child.runs if r.ordinal > 1 and r not in work]
