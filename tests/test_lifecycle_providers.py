@@ -4,11 +4,16 @@ by the provider session."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import tools
+from fake_model import FakeModelServer
 from harness import McpClient, scripted_provider
+from real_cli import codex_provider, ensure_installed, npm_available
 from test_decide import SESSION, Sim
 from test_delegation import call_line, create, items, wait
 
@@ -118,3 +123,43 @@ def test_delegation_ownership_is_the_provider_session() -> None:
                         provider_instance_id="scripted", provider_session_id="provider-session:0")
     assert tools._live_run(sim.state, mine) == sim.run()
     assert tools._live_run(sim.state, stale) is None
+
+
+# ---------------------------------------------------------------- real CLIs (fake model)
+
+@pytest.mark.real_cli
+@pytest.mark.skipif(not npm_available(), reason="npm is not installed")
+def test_detected_codex_lists_its_models_from_the_cli(t3_factory, tmp_path: Path,
+                                                      model: FakeModelServer) -> None:
+    """With only `codex` on PATH and no t3.toml, orchestrator_capabilities lists the models
+    codex's model/list gives (default first; hidden ones only through search), and the
+    instance is available: codex's provider (the fake model) needs no OpenAI login."""
+    binary = ensure_installed("codex")
+    path = tmp_path / "bin"
+    path.mkdir()
+    (path / "codex").symlink_to(binary)
+    env = codex_provider(tmp_path, model.url)["env"]
+    t3 = t3_factory(config=tmp_path / "absent.toml", env={
+        **env, "PATH": f"{path}:{Path(shutil.which('node') or '/usr/bin/node').parent}"})
+    [codex] = providers_of(t3.client()).values()
+    assert (codex["providerInstanceId"], codex["canRunChildTask"]) == ("codex", True), codex
+    assert len(codex["models"]) >= 2 and all(m["id"] and m["label"] for m in codex["models"])
+    assert not any(m["id"] == "fake-model" for m in codex["models"])  # codex's, not t3.toml's
+
+
+@pytest.mark.real_cli
+@pytest.mark.skipif(not npm_available(), reason="npm is not installed")
+def test_logged_out_claude_is_listed_not_logged_in(t3_factory, tmp_path: Path) -> None:
+    """claude with an empty config dir and no API key: `claude auth status` says loggedIn
+    false, so the instance is unavailable "not logged in"; it still lists its aliases."""
+    home = tmp_path / "claude-home"
+    home.mkdir()
+    t3 = t3_factory(providers=[{"id": "claude", "driver": "claudeAgent", "env": {
+        "HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / "claude"),
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1"},
+        "command": [str(ensure_installed("claude")), "-p"]}],
+        env={"ANTHROPIC_API_KEY": "", "ANTHROPIC_AUTH_TOKEN": ""})
+    [claude] = providers_of(t3.client()).values()
+    assert not claude["canRunChildTask"] and claude["constraints"][0].startswith("not logged in")
+    assert [m["id"] for m in claude["models"]][:3] == ["sonnet", "opus", "haiku"]
