@@ -1416,9 +1416,11 @@ def _home_project(caller: ThreadState | None) -> str | None:
 
 def _live_run(state: ThreadState, scope: Scope) -> orch.Run | None:
     """The caller's active run, if the calling provider session owns it: the run's turn runs in
-    that session (not merely on the same provider instance). A client scope has no session."""
+    that session (not merely on the same provider instance). A client scope has neither."""
     run = state.blocking_run()
-    if run is None or scope.provider_session_id is None:
+    if run is None or scope.provider_instance_id not in (None, run.provider_instance_id):
+        return None
+    if scope.provider_session_id is None:
         return run
     attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
     pthread = state.entities["provider-thread"].get(run.provider_thread_id or "")
