@@ -637,6 +637,7 @@ class ProviderInfo:
     available: bool = True
     constraints: Sequence[str] = ()
     runtime_modes: Sequence[str] | None = None  # None: every runtime mode is offered
+    interaction_modes: Sequence[str] | None = None  # None: plan and default
 
     def first_model(self) -> str | None:
         return self.models[0]["id"] if self.models else None
@@ -2912,6 +2913,11 @@ class Orchestrator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
 
+    async def probe_providers(self) -> None:
+        """Let every adapter that can ask its CLI for models and login state do so; each one
+        bounds and caches its own probe (providers.py), so this is cheap after the first."""
+        await asyncio.gather(*(a.probe() for a in self._adapters.values() if hasattr(a, "probe")))
+
     # -- commands --------------------------------------------------------------------------------
 
     async def dispatch(self, command: Any) -> DispatchResult:
@@ -3923,8 +3929,8 @@ class ThreadService:
                 raise T3Error(f"no provider instance of driver {driver!r} is registered",
                               code="provider_unavailable")
             own = caller.thread.provider_instance_id if caller and caller.thread else None
-            chosen = next((p for p in candidates if p.instance_id == own), None) or next(
-                (p for p in candidates if p.available), candidates[0])
+            chosen = next((p for p in candidates if p.instance_id == own and p.available),
+                          None) or next((p for p in candidates if p.available), candidates[0])
             instance_id = chosen.instance_id
         if instance_id is None:
             if caller is not None and caller.thread is not None:
@@ -3998,6 +4004,8 @@ class ThreadService:
         title, target, runtimeMode, interactionMode); refuses before anything is written."""
         info, model = self.resolve_target(entry.get("target"), caller)
         runtime, interaction = self.modes(entry, caller)
+        runtime = self.step_down(info, runtime, entry.get("runtimeMode", "inherit") != "inherit",
+                                 interaction)
         prompt = entry.get("prompt")
         return CreateThread(
             command_id=command_id, thread_id=thread_id, project_id=project_id,
@@ -4008,9 +4016,16 @@ class ThreadService:
             initial_message=InitialMessage(message_id, prompt) if prompt else None)
 
     @staticmethod
-    def step_down(info: ProviderInfo, runtime: str, explicit: bool) -> str:
+    def step_down(info: ProviderInfo, runtime: str, explicit: bool,
+                  interaction: str | None = None) -> str:
         """A provider that offers only some runtime modes: explicit ones must be offered;
-        inherited ones step down to the broadest it offers."""
+        inherited ones step down to the broadest it offers that is no broader. An interaction
+        mode it cannot enforce (plan) has nothing narrower to step down to: refused."""
+        if interaction is not None and info.interaction_modes is not None and \
+                interaction not in info.interaction_modes:
+            raise T3Error(f"interactionMode: {info.instance_id} cannot enforce {interaction} "
+                          f"(it offers {', '.join(info.interaction_modes)})",
+                          code="invalid_request")
         if info.runtime_modes is None or runtime in info.runtime_modes:
             return runtime
         if explicit:

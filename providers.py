@@ -69,7 +69,14 @@ __all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "AcpAdapte
 
 log = logging.getLogger("t3.providers")
 
-DRIVERS = ("codex", "claudeAgent", "acp", "acpRegistry", "grok", "pi", "opencode")
+# Drivers of the seed that cannot run here: configured, they are listed unavailable with this.
+_UNRUNNABLE = {
+    "cursor": "Cursor runs only through its TypeScript SDK (@cursor/sdk); t3 has no Cursor CLI "
+              "driver",
+    "antigravity": "Antigravity has no agent CLI or protocol that t3 can drive",
+    "opencode2": "OpenCode 2's server API is not supported by this t3 (driver opencode runs "
+                 "opencode serve)"}
+DRIVERS = ("codex", "claudeAgent", "acp", "acpRegistry", "grok", "pi", "opencode", *_UNRUNNABLE)
 _DEFAULT_COMMANDS = {"codex": ["codex", "app-server"],
                      "claudeAgent": ["claude", "-p", "--input-format", "stream-json",
                                      "--output-format", "stream-json", "--verbose",
@@ -496,19 +503,67 @@ def kill_orphans(owner: str) -> int:
 
 
 class _Adapter:
-    """What every driver's adapter shares: its configuration, protocol log and availability."""
+    """What every driver's adapter shares: its configuration, protocol log and availability.
+
+    ``RUNTIME_MODES`` / ``INTERACTION_MODES``: the modes t3 can enforce on this driver (None: all
+    of them). ``probe()`` asks the CLI itself, lazily and at most once per ``PROBE_TTL_S``, for
+    its models and whether it is logged in (``_probe_cli``), and folds the answer into ``info``:
+    configured models win over probed ones; "not logged in" makes the instance unavailable."""
 
     CAPABILITIES = Capabilities()
+    RUNTIME_MODES: tuple[str, ...] | None = None
+    INTERACTION_MODES: tuple[str, ...] | None = None
+    PROBE_TTL_S = 300.0
+    PROBE_TIMEOUT_S = 20.0
 
     def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
         self.config = config
         self.owner = owner
         self.protocol_log = _ProtocolLog(log_dir / f"provider-{config.instance_id}.log")
-        self.info = _info(config, self.CAPABILITIES)
+        self.info = _info(config, self.CAPABILITIES, self.RUNTIME_MODES, self.INTERACTION_MODES)
+        self._static_info = self.info
+        self._probe_lock = asyncio.Lock()
+        self._probed_at: float | None = None
 
     def close(self) -> None:
         """Flush and close the protocol log, once the server's sessions are gone."""
         self.protocol_log.close()
+
+    async def probe(self) -> None:
+        """Refresh ``info`` from the CLI when the last probe is older than ``PROBE_TTL_S`` (a
+        second caller waits for the first). A probe that fails or times out changes nothing
+        but is logged: the CLI may still run."""
+        async with self._probe_lock:
+            now = time.monotonic()
+            if not self._static_info.available or (
+                    self._probed_at is not None and now - self._probed_at < self.PROBE_TTL_S):
+                return
+            self._probed_at = now
+            try:
+                models, problem = await asyncio.wait_for(self._probe_cli(), self.PROBE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001  # a probe is advice, never fatal
+                log.info("provider %s: probe failed: %s", self.info.instance_id,
+                         redact(str(exc) or type(exc).__name__))
+                return
+            self.info = replace(self._static_info, models=self.config.models or models,
+                                available=problem is None,
+                                constraints=(problem,) if problem else ())
+
+    async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
+        """The CLI's models and, if it says so, why it cannot run ("not logged in ...")."""
+        return [], None
+
+    async def _cli_output(self, *args: str) -> tuple[int, str]:
+        """Run the instance's executable with ``args`` (a cheap query such as a model list) in a
+        scratch directory: its exit code and stdout."""
+        with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
+            process = await _Process.spawn([self.config.command[0], *args], cwd=cwd,
+                                           owner=self.owner, env=self._env(""))
+            try:
+                out, _ = await process.proc.communicate()
+            finally:
+                await process.stop(grace=1.0)
+        return process.proc.returncode or 0, out.decode(errors="replace")
 
     def _check_available(self) -> None:
         if not self.info.available:
@@ -899,6 +954,36 @@ class AcpAdapter(_Adapter):
                                 supports_resume=True, supports_mcp=True)
     SESSION: type[AcpSession] = AcpSession
 
+    async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
+        """session/new's models; an agent that refuses it for want of authentication (ACP's
+        auth_required, -32000) is not logged in."""
+        with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
+            try:
+                models, _ = await self._open_probe(cwd)
+            except JsonRpcError as exc:
+                if exc.code == -32000 or "auth" in str(exc).lower():
+                    return [], f"not logged in: the agent answered session/new with {exc}"
+                raise
+        return models, None
+
+    async def _open_probe(self, cwd: str) -> tuple[list[dict[str, Any]], Capabilities]:
+        """A disposable ``initialize`` + ``session/new``: success proves the agent can run (and
+        is authenticated); it yields the models and capabilities the agent advertises."""
+        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
+                                       env=self._env(""))
+        session = AcpSession(adapter=self, process=process, runtime_mode="approval-required")
+        try:
+            await session.open(cwd=cwd, model=None, interaction_mode="default", resume_ref=None,
+                               mcp=None)
+        finally:
+            await session.close(grace=1.0)
+        models = [{"id": m["modelId"], "label": m.get("name")} for m in session.advertised_models
+                  if isinstance(m, Mapping) and isinstance(m.get("modelId"), str)]
+        advertised = session.agent_capabilities
+        return models, replace(
+            self.CAPABILITIES, supports_resume=bool(advertised.get("loadSession")),
+            supports_mcp=bool((advertised.get("mcpCapabilities") or {}).get("http")))
+
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
                            mcp: McpEndpoint | None) -> AcpSession:
@@ -1198,28 +1283,16 @@ class AcpRegistryAdapter(AcpAdapter):
             raise RegistryError(f"{Path(command[0]).name} {command[1]} {command[-1]} exited with "
                                 f"code {process.proc.returncode}: {tail}")
 
+    async def probe(self) -> None:
+        """Nothing: preparing (started with the server) probes; an install is not waited for."""
+
     async def _probe(self) -> tuple[list[dict[str, Any]], Capabilities]:
-        """A disposable ``initialize`` + ``session/new``: success proves the agent can run (and
-        is authenticated); it yields the models and capabilities the agent advertises."""
         self._cache_dir.mkdir(parents=True, exist_ok=True)  # also with a configured command
-        cwd = str(self._cache_dir)
-        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
-                                       env=self._env(""))
-        session = AcpSession(adapter=self, process=process, runtime_mode="approval-required")
         try:
-            await session.open(cwd=cwd, model=None, interaction_mode="default", resume_ref=None,
-                               mcp=None)
+            return await self._open_probe(str(self._cache_dir))
         except (JsonRpcError, ConnectionError, TimeoutError) as exc:
             raise RegistryError(f"ACP registry agent {self.config.agent} did not open a session "
                                 f"(readiness check): {exc or type(exc).__name__}") from exc
-        finally:
-            await session.close(grace=1.0)
-        models = [{"id": m["modelId"], "label": m.get("name")} for m in session.advertised_models
-                  if isinstance(m, Mapping) and isinstance(m.get("modelId"), str)]
-        advertised = session.agent_capabilities
-        return models, replace(
-            self.CAPABILITIES, supports_resume=bool(advertised.get("loadSession")),
-            supports_mcp=bool((advertised.get("mcpCapabilities") or {}).get("http")))
 
 
 def _args_env(spec: Mapping[str, Any], where: str, bad: Any
@@ -1657,6 +1730,23 @@ class ClaudeAdapter(_Adapter):
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True)
+    # Claude Code's model aliases: they follow Anthropic's current models, so they stay valid.
+    MODELS = ({"id": "sonnet", "label": "Claude Sonnet (latest)"},
+              {"id": "opus", "label": "Claude Opus (latest)"},
+              {"id": "haiku", "label": "Claude Haiku (latest)"},
+              {"id": "opusplan", "label": "Opus to plan, Sonnet to execute"})
+
+    async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
+        """The aliases, and ``claude auth status --json``'s ``loggedIn`` (an API key in the
+        environment counts)."""
+        _, out = await self._cli_output("auth", "status", "--json")
+        try:
+            status = json.loads(out)
+        except json.JSONDecodeError:
+            status = {}
+        logged_in = status.get("loggedIn") is not False if isinstance(status, dict) else True
+        return [dict(m) for m in self.MODELS], None if logged_in else \
+            "not logged in: claude auth status says loggedIn false (claude auth login)"
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
@@ -1958,11 +2048,47 @@ def _codex_tool_update(item: Mapping[str, Any]) -> ToolUpdate:
 
 
 class CodexAdapter(_Adapter):
-    """``codex app-server``, one process per session."""
+    """``codex app-server``, one process per session. Its probe is a disposable app-server:
+    ``model/list`` (hidden models are legacy: found by search only; the default first) and
+    ``account/read`` (no account while codex's provider needs an OpenAI login: not logged in)."""
 
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True)
+
+    async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
+        with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
+            process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
+                                           env=self._env(""))
+
+            async def ignore(*_: Any) -> None:
+                return None
+            rpc = _JsonRpc(process, protocol_log=self.protocol_log,
+                           label=f"{self.info.instance_id}[probe {process.pid}]",
+                           on_request=ignore, on_notification=ignore, on_close=ignore)
+            try:
+                await rpc.request("initialize", {
+                    "clientInfo": {"name": "t3", "title": "t3", "version": "0.1.0"},
+                    "capabilities": {"experimentalApi": True}})
+                await rpc.notify("initialized", {})
+                listed: list[Mapping[str, Any]] = []
+                cursor = None
+                for _ in range(10):
+                    page = await rpc.request("model/list", {"cursor": cursor} if cursor else {})
+                    listed += (page or {}).get("data") or []
+                    if not (cursor := (page or {}).get("nextCursor")):
+                        break
+                account = await rpc.request("account/read", {"refreshToken": False}) or {}
+            finally:
+                rpc.cancel()
+                await process.stop(grace=1.0)
+        listed.sort(key=lambda m: not m.get("isDefault"))
+        models = [{"id": m["id"], "label": m.get("displayName"),
+                   **({"legacy": True} if m.get("hidden") else {})}
+                  for m in listed if isinstance(m.get("id"), str)]
+        logged_out = account.get("requiresOpenaiAuth") and account.get("account") is None
+        return models, "not logged in: codex needs an OpenAI login (codex login)" \
+            if logged_out else None
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
@@ -2246,8 +2372,9 @@ def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
 
 class PiAdapter(_Adapter):
     """``pi --mode rpc``, one process per session. pi has no permission prompts: its tools just
-    run, so runtime requests never arise and the runtime mode does not change what it may do.
-    Steering is native (``steer``: delivered before pi's next model call, same turn).
+    run, so runtime requests never arise and t3 cannot enforce any runtime mode but full-access
+    or the plan interaction mode: it offers only those (``RUNTIME_MODES``), so a narrower child
+    is refused rather than run unrestricted. Its models: ``pi --list-models``. Steering is native (``steer``: delivered before pi's next model call, same turn).
     Conversations persist in ``--session <file>`` under ``<data-dir>/agents/pi-sessions/``, one
     file per app thread, which is the native thread ref. pi has no MCP client: t3's MCP server
     reaches it through a t3-owned extension (``<data-dir>/agents/pi-t3-mcp-extension.ts``) that
@@ -2256,10 +2383,21 @@ class PiAdapter(_Adapter):
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True)
+    RUNTIME_MODES = ("full-access",)
+    INTERACTION_MODES = ("default",)
 
     def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str) -> None:
         super().__init__(config, log_dir=log_dir, owner=owner)
         self.agents_dir = log_dir.parent / "agents"
+
+    async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
+        """``pi --list-models``: a table (provider, model, ...) after a header line, or "No
+        models available. Use /login ..." when no provider is logged in."""
+        _, out = await self._cli_output("--list-models")
+        if out.startswith("No models available"):
+            return [], "not logged in: pi has no models (pi: /login, or a models.json)"
+        rows = [line.split() for line in out.splitlines()[1:]]
+        return [{"id": f"{row[0]}/{row[1]}"} for row in rows if len(row) >= 2], None
 
     def session_file(self, thread_id: str) -> Path:
         digest = hashlib.sha256(thread_id.encode()).hexdigest()[:32]
@@ -2678,6 +2816,13 @@ class OpenCodeAdapter(_Adapter):
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True)
 
+    async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
+        """``opencode models``: one ``provider/model`` per line, in opencode's order. opencode
+        runs free models without a login, so it is never reported as not logged in."""
+        _, out = await self._cli_output("models")
+        return [{"id": line.strip()} for line in out.splitlines()
+                if re.fullmatch(r"[\w.@-]+/\S+", line.strip())], None
+
     def _config_content(self, runtime_mode: str) -> str:
         """The instance's own OPENCODE_CONFIG_CONTENT (providers, model) plus t3's settings."""
         try:
@@ -2729,7 +2874,9 @@ class UnavailableAdapter:
                            + "; ".join(self.info.constraints))
 
 
-def _info(config: ProviderConfig, capabilities: Capabilities) -> ProviderInfo:
+def _info(config: ProviderConfig, capabilities: Capabilities,
+          runtime_modes: Sequence[str] | None = None,
+          interaction_modes: Sequence[str] | None = None) -> ProviderInfo:
     """What an instance offers, and why it cannot run if it cannot."""
     constraints = []
     if not config.enabled:
@@ -2741,7 +2888,8 @@ def _info(config: ProviderConfig, capabilities: Capabilities) -> ProviderInfo:
     return ProviderInfo(instance_id=config.instance_id, driver=config.driver,
                         display_name=config.display_name, models=config.models,
                         capabilities=capabilities, available=not constraints,
-                        constraints=tuple(constraints))
+                        constraints=tuple(constraints), runtime_modes=runtime_modes,
+                        interaction_modes=interaction_modes)
 
 
 def _resolvable(executable: str) -> bool:
@@ -2768,5 +2916,4 @@ def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str,
         return PiAdapter(config, log_dir=log_dir, owner=owner)
     if config.driver == "opencode":
         return OpenCodeAdapter(config, log_dir=log_dir, owner=owner)
-    return UnavailableAdapter(config, f"the {config.driver} driver is not built into this "
-                                      "version of t3 yet")
+    return UnavailableAdapter(config, _UNRUNNABLE[config.driver])

@@ -507,6 +507,7 @@ class Credentials:
         key = "agent-" + _hash(f"{thread_id}\0{provider_instance_id}")[:32]
         scope = self._scope_type(kind="thread", key=key, thread_id=thread_id,
                                  provider_instance_id=provider_instance_id,
+                                 provider_session_id=provider_session_id,
                                  capabilities=frozenset({"orchestration", "preview"}))
         self.revoke(provider_session_id)
         digest = _hash(token)
@@ -1559,7 +1560,7 @@ async def _build_command(api: ClientApi, a: Mapping[str, Any], made: Mapping[str
             command_id=command_id, thread_id=a["parentThreadId"], parent_run_id=a["parentRunId"],
             task=a["task"], title=api.threads.title(a.get("title"), a["task"], "Delegated task"),
             provider_instance_id=info.instance_id, model=model,
-            runtime_mode=api.threads.step_down(info, runtime, "runtimeMode" in a),
+            runtime_mode=api.threads.step_down(info, runtime, "runtimeMode" in a, interaction),
             interaction_mode=interaction,
             completion_wake=a.get("completionWake", "settled_only"), **made)
     if kind == "thread.stop":

@@ -66,6 +66,7 @@ class Scope:
     key: str  # stable caller identity for idempotency keys
     thread_id: str | None = None
     provider_instance_id: str | None = None
+    provider_session_id: str | None = None  # the session whose agent holds the credential
     capabilities: frozenset[str] = frozenset({"orchestration"})
 
 
@@ -336,7 +337,8 @@ CAPABILITIES_OUTPUT = _shape({
                                 "options": _list({"type": "object"})}, optional=["options"])),
         "omittedModels": INTEGER, "canRunChildTask": BOOLEAN,
         "canRunCrossProviderChildTask": BOOLEAN, "constraints": _list(STRING),
-        "runtimeModes": _list(RUNTIME)}, optional=["runtimeModes"])),
+        "runtimeModes": _list(RUNTIME), "interactionModes": _list(INTERACTION)},
+        optional=["runtimeModes", "interactionModes"])),
     "features": _shape({k: BOOLEAN if isinstance(v, bool) else INTEGER
                         for k, v in FEATURES.items()})})
 TASK_CANCEL_OUTPUT = _shape({"taskId": STRING, "status": _enum(
@@ -665,7 +667,7 @@ class Toolkit:
         """The calling thread and its active run, for tools that act on behalf of an agent."""
         self._thread_caller(scope, what)
         caller = await self._caller_thread(scope)
-        run = _live_run(caller, scope.provider_instance_id) if caller else None
+        run = _live_run(caller, scope) if caller else None
         if caller is None or run is None:
             raise ToolFailure("parent_not_active", f"{what} needs an active run of the calling "
                               "thread owned by this provider session")
@@ -677,7 +679,7 @@ class Toolkit:
         caller = await self._caller_thread(scope)
         if caller is None or caller.thread is None or caller.thread.id == target_thread_id:
             return caller
-        if _live_run(caller, scope.provider_instance_id) is None:
+        if _live_run(caller, scope) is None:
             raise ToolFailure("parent_not_active", f"{what} on another thread needs an active "
                               "run of the calling thread")
         return caller
@@ -689,18 +691,20 @@ class Toolkit:
         caller = await self._caller_thread(scope)
         thread = caller.thread if caller else None
         search = (args.get("search") or "").lower()
+        await self.orch.probe_providers()
         providers = []
         for info in self.orch.providers.values():
             models = [dict(m) for m in info.models]
             own = thread.model_selection.get("model") if thread and \
                 thread.provider_instance_id == info.instance_id else None
+            current = [m for m in models if not m.get("legacy") or m["id"] == own]
             if search:
                 shown = [m for m in models if search in m["id"].lower()
                          or search in str(m.get("label") or "").lower()]
             elif info.driver in ("codex", "claudeAgent", "grok"):
-                shown = models
+                shown = current
             else:
-                shown = models[:8] + [m for m in models[8:] if m["id"] == own]
+                shown = current[:8] + [m for m in current[8:] if m["id"] == own]
             entry: dict[str, Any] = {
                 "providerInstanceId": info.instance_id, "driverKind": info.driver,
                 "displayName": info.display_name,
@@ -712,6 +716,8 @@ class Toolkit:
                 "constraints": list(info.constraints)}
             if info.runtime_modes is not None:
                 entry["runtimeModes"] = list(info.runtime_modes)
+            if info.interaction_modes is not None:
+                entry["interactionModes"] = list(info.interaction_modes)
             providers.append(entry)
         return {"parentThreadId": thread.id if thread else None,
                 "inheritedProviderInstanceId": thread.provider_instance_id if thread else None,
@@ -732,7 +738,7 @@ class Toolkit:
         info, model = self.threads.resolve_target(args.get("target"), caller)
         runtime, interaction = self.threads.modes(args, caller)
         runtime = self.threads.step_down(info, runtime, "runtimeMode" in args
-                                  and args["runtimeMode"] != "inherit")
+                                         and args["runtimeMode"] != "inherit", interaction)
         role = args.get("role")
         task = args["task"] if role in (None, "general") else \
             f"Act as the {role} sub-agent for this task.\n\n{args['task']}"
@@ -1367,7 +1373,7 @@ class Toolkit:
         if not await self._descends_from(target.thread, caller.thread.id):
             raise ToolFailure("capability_denied", "an agent may answer only the requests of "
                               "threads it delegated (its descendants); the user answers the rest")
-        if _live_run(caller, scope.provider_instance_id) is None:
+        if _live_run(caller, scope) is None:
             raise ToolFailure("parent_not_active", "answering a request needs an active run of "
                               "the calling thread")
         needed = orch.mode_to_answer(request.kind_)
@@ -1433,10 +1439,18 @@ def _home_project(caller: ThreadState | None) -> str | None:
     return None if project_id == "scratch" else project_id
 
 
-def _live_run(state: ThreadState, instance_id: str | None) -> orch.Run | None:
-    """The caller's active run, if the calling provider instance owns it."""
+def _live_run(state: ThreadState, scope: Scope) -> orch.Run | None:
+    """The caller's active run, if the calling provider session owns it: the run's turn runs in
+    that session (not merely on the same provider instance). A client scope has neither."""
     run = state.blocking_run()
-    if run is None or (instance_id is not None and run.provider_instance_id != instance_id):
+    if run is None or scope.provider_instance_id not in (None, run.provider_instance_id):
+        return None
+    if scope.provider_session_id is None:
+        return run
+    attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
+    pthread = state.entities["provider-thread"].get(run.provider_thread_id or "")
+    if attempt is None or attempt.provider_turn_id is None or pthread is None \
+            or pthread.provider_session_id != scope.provider_session_id:
         return None
     return run
 

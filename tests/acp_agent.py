@@ -57,6 +57,9 @@ of the prompt text (the log keeps every block). A call line is `[spaces]CALL_TOO
 
 Env SCRIPTED_AGENT_FAIL_STARTS=FILE:N makes the first N processes sharing FILE (a counter) exit
 with code 7 on `initialize` (a provider that fails to start, then recovers).
+Env SCRIPTED_AGENT_AUTH=mcp-only refuses a session/new without MCP servers with ACP's
+auth_required (-32000 "Authentication required"): what a logged-out agent says to t3's probe,
+while t3's own sessions (which carry its MCP server) still open.
 Options: --state-dir DIR (default $SCRIPTED_AGENT_STATE, else /tmp/scripted-acp-agent) holds one
 history file per session for session/load; --no-load hides loadSession and refuses session/load.
 Env SCRIPTED_AGENT_LOG=FILE appends one JSON line per message received/sent, {"pid", "dir":
@@ -321,6 +324,8 @@ class Agent:
                 "authMethods": [], "agentInfo": {"name": "scripted-acp-agent", "version": "1.0"}}
 
     async def new_session(self, params):
+        if os.environ.get("SCRIPTED_AGENT_AUTH") == "mcp-only" and not params.get("mcpServers"):
+            raise RpcError(-32000, "Authentication required")
         sid = str(uuid.uuid4())
         self.sessions[sid] = Session(params.get("cwd", ""), params.get("mcpServers") or [])
         self.save(sid)

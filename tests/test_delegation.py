@@ -239,9 +239,11 @@ def mcp_calls(log_path: Path) -> list[dict]:
 
 
 def session_token(log_path: Path) -> str:
-    """The raw bearer token t3 gave the agent's latest session (the agent logs what it got)."""
+    """The raw bearer token t3 gave the agent's latest session (the agent logs what it got;
+    orchestrator_capabilities' probe opens sessions without MCP servers)."""
     opened = [e["msg"] for e in agent_log(log_path) if e["dir"] == "in"
-              and e["msg"].get("method") in ("session/new", "session/load")]
+              and e["msg"].get("method") in ("session/new", "session/load")
+              and e["msg"]["params"].get("mcpServers")]
     [server] = opened[-1]["params"]["mcpServers"]
     assert (server["type"], server["name"]) == ("http", "t3-code")
     [header] = server["headers"]

@@ -67,7 +67,8 @@ def session_tokens(log_path: Path) -> list[str]:
     """The bearer tokens t3 gave the scripted agent logging to `log_path`, oldest first."""
     tokens = []
     for entry in agent_log(log_path):
-        if entry["dir"] == "in" and entry["msg"].get("method") in ("session/new", "session/load"):
+        if entry["dir"] == "in" and entry["msg"].get("method") in ("session/new", "session/load") \
+                and entry["msg"]["params"].get("mcpServers"):  # not a capabilities probe
             [header] = entry["msg"]["params"]["mcpServers"][0]["headers"]
             tokens.append(header["value"].removeprefix("Bearer "))
     return tokens
