@@ -57,6 +57,7 @@ __all__ = [
     "steerable_run", "Subscription", "CLIENT_COMMANDS", "ScheduledTask", "WebhookDelivery",
     "validate_schedule", "UpsertScheduledTask", "DeleteScheduledTask", "FireScheduledTask",
     "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "RateLimited",
+    "StopThread", "ResumeThread", "RUN_LIVE",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -112,6 +113,7 @@ RUN_TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.INTERRUPTED, RunStatus.
                           RunStatus.CANCELLED, RunStatus.ROLLED_BACK})
 RUN_BLOCKING = frozenset({RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING,
                           RunStatus.WAITING})
+RUN_LIVE = frozenset({RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING})
 
 
 class RuntimeMode(enum.StrEnum):
@@ -264,6 +266,7 @@ class Run(_Entity):
     # queued only until an agent process slot frees (max_live_agent_processes); it occupies its
     # thread as a starting run does
     awaiting_agent_slot: bool = False
+    queue_held: bool = False  # queued, held by a thread Stop until Resume releases it
 
 
 @dataclass(frozen=True, slots=True)
@@ -832,6 +835,26 @@ class CancelQueuedRun:
 
 
 @dataclass(frozen=True, slots=True)
+class StopThread:
+    """thread.stop (a person's Stop, and task_cancel on the child): interrupt the active turn and
+    hold every queued turn, so nothing starts until ``thread.resume``."""
+
+    type: ClassVar[str] = "thread.stop"
+    command_id: str
+    thread_id: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeThread:
+    """thread.resume: release the held turns, in their queue order."""
+
+    type: ClassVar[str] = "thread.resume"
+    command_id: str
+    thread_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class DelegateTask:
     """delegated_task.request: a child thread runs ``task`` (only it) for the parent's agent."""
 
@@ -1006,9 +1029,11 @@ class RecoverThread:
 # record.
 CLIENT_COMMANDS = ("thread.create", "message.dispatch", "run.interrupt",
                    "runtime-request.respond", "queued-run.cancel", "delegated_task.request",
-                   "delegated_task.wake-policy", "delegated_task.cancel")
+                   "delegated_task.wake-policy", "delegated_task.cancel", "thread.stop",
+                   "thread.resume")
 
 Command = (CreateThread | DispatchMessage | InterruptRun | RespondRuntimeRequest | CancelQueuedRun
+           | StopThread | ResumeThread
            | DelegateTask | SetWakePolicy | RequestTaskCancel | FinalizeSubagent
            | NotifyTaskQuestion | MarkRunStarted | AwaitAgentSlot | GrantAgentSlot
            | IngestProviderEvents | CompleteRun | FailRun | EndProviderSession | RecoverThread)
@@ -1261,7 +1286,7 @@ def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, P
     if c.mode in ("steer_active", "restart_active"):
         return _decide_steer(d, c, providers)
     blocking = next((r for r in reversed(d.runs()) if r.status in RUN_BLOCKING), None)
-    queued_exists = any(r.status == RunStatus.QUEUED for r in d.runs())
+    queued_exists = any(r.status == RunStatus.QUEUED and not r.queue_held for r in d.runs())
     queued = blocking is not None or queued_exists
     run = _new_run(d, message_id=c.message_id, text=c.text, created_by=c.created_by,
                    creation_source=c.creation_source, queued=queued)
@@ -1280,6 +1305,9 @@ def _steerable_run(d: _Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
     if run.status != RunStatus.RUNNING or turn is None or turn.status != "running":
         raise CommandRejected(f"run {run.id} has no active provider turn to steer",
                               code="thread_not_sendable")
+    if _stop_reached(d, run):
+        raise CommandRejected(f"a Stop already reached the turn of run {run.id}; send again "
+                              "once it ended", code="thread_not_sendable")
     return run, attempt
 
 
@@ -1299,9 +1327,16 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
         d.effect("provider-turn.steer", {"runId": run.id, "attemptId": attempt.id,
                                          "messageId": c.message_id}, c.message_id)
         return {**result, "delivery": "steered"}
+    turn_message = d.get("message", run.user_message_id)
+    for text in (c.text, turn_message.text if turn_message else ""):
+        if _SESSION_COMMAND.match(text):
+            raise CommandRejected(f"{text.split()[0]} cannot be interrupted or cut into: send "
+                                  "once the turn ended", code="thread_not_sendable")
     if not (caps.supports_interrupt and caps.supports_steering_by_restart):
-        raise CommandRejected("the provider can neither steer nor restart a turn",
-                              code="thread_not_sendable")
+        if not (caps.supports_interrupt and caps.supports_queued_messages):
+            raise CommandRejected("the provider can neither steer, restart nor stop a turn",
+                                  code="thread_not_sendable")
+        return {**result, **_stop_and_queue_ahead(d, c, run)}
     # Steering by interrupt-and-restart: the same run gets a new attempt with a new root node.
     _close_streams(d, attempt)
     _settle_open_work(d, run, "cancelled", "The turn was restarted with a new message.")
@@ -1332,6 +1367,27 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
     return {**result, "delivery": delivery}
 
 
+# A turn or message that is a session command: interrupting it or cutting into it is unsafe.
+_SESSION_COMMAND = re.compile(r"\s*/(compact|logout)(\s|$)")
+
+
+def _stop_and_queue_ahead(d: _Draft, c: DispatchMessage, run: Run) -> Mapping[str, Any]:
+    """A provider that can stop a turn but not restart it with new input: the turn stops and
+    the message runs next, behind only the unheld delegated-task results already queued."""
+    _interrupt(d, run, "Stopped to deliver a new message.")
+    new = _new_run(d, message_id=c.message_id, text=c.text, created_by=c.created_by,
+                   creation_source=c.creation_source, queued=True)
+    queue = [r for r in _queue(d) if r.id != new.id]
+    ahead = [r for r in queue if not r.queue_held
+             and r.user_message_id.startswith("message:task-wake:")]
+    order = ahead + [new] + [r for r in queue if r not in ahead]
+    for position, queued in enumerate(order, 1):
+        current = d.get("run", queued.id)
+        if current.queue_position != position:
+            d.put(replace(current, queue_position=position))
+    return {"runId": new.id, "delivery": "queued"}
+
+
 def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None:
@@ -1342,27 +1398,39 @@ def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]
                                            and not run.awaiting_agent_slot):
         raise CommandRejected(f"run {run.id} is {run.status} and has no turn to interrupt",
                               code="thread_not_interruptible")
+    return {"threadId": run.thread_id, "runId": run.id, "status": _interrupt(d, run, c.reason)}
+
+
+def _interrupt(d: _Draft, run: Run, reason: str | None) -> str:
+    """Stop a live run's turn: ``interrupted`` at once when nothing reached the provider yet,
+    else ``interrupt_requested`` (the provider's turn end terminalizes it)."""
     attempt = d.get("run-attempt", run.active_attempt_id)
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
-    reason = c.reason or "Interrupted on request."
-    d.put(TurnItem(id=bounded_id(f"turn-item:{run.id}:interrupt-request:{c.command_id}"),
+    why = reason or "Interrupted on request."
+    d.put(TurnItem(id=bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
                    thread_id=run.thread_id, run_id=run.id, node_id=run.root_node_id,
                    type="run_interrupt_request", status="completed", position=d.position(),
-                   updated_at=d.now, text=reason, started_at=d.now, completed_at=d.now))
+                   updated_at=d.now, text=why, started_at=d.now, completed_at=d.now))
     if turn is None or turn.status != "running":
         # Nothing reached the provider yet: the run ends here and its start is called off.
         _end_run(d, run, RunStatus.INTERRUPTED,
-                 c.reason or "Interrupted before the provider started.")
+                 reason or "Interrupted before the provider started.")
         d.cancel_effect_types += ["provider-turn.start", "provider-turn.restart"]
         for old in d.all("run-attempt"):  # a restart was cut short: stop the turn it replaced
             old_turn = d.get("provider-turn", old.provider_turn_id)
             if old.run_id == run.id and old_turn is not None and old_turn.status == "running":
                 d.effect("provider-turn.interrupt", {"runId": run.id, "attemptId": old.id,
-                                                     "reason": reason}, old.id)
-        return {"threadId": run.thread_id, "runId": run.id, "status": RunStatus.INTERRUPTED}
+                                                     "reason": why}, old.id)
+        return RunStatus.INTERRUPTED
     d.effect("provider-turn.interrupt", {"runId": run.id, "attemptId": attempt.id,
-                                         "reason": reason}, attempt.id)
-    return {"threadId": run.thread_id, "runId": run.id, "status": "interrupt_requested"}
+                                         "reason": why}, attempt.id)
+    return "interrupt_requested"
+
+
+def _stop_reached(d: _Draft, run: Run) -> bool:
+    """A Stop or interrupt already asked for this run's current turn to end."""
+    return any(i.run_id == run.id and i.node_id == run.root_node_id
+               and i.type == "run_interrupt_request" for i in d.all("turn-item"))
 
 
 def _end_run(d: _Draft, run: Run, status: str, reason: str | None,
@@ -1416,16 +1484,45 @@ def _settle_open_work(d: _Draft, run: Run, status: str, reason: str) -> None:
 
 def _promote_queued(d: _Draft) -> None:
     """Start the next queued run when nothing blocks the thread (same transaction)."""
-    runs = d.runs()
-    if any(r.status in RUN_BLOCKING or r.awaiting_agent_slot for r in runs):
+    if any(r.status in RUN_BLOCKING or r.awaiting_agent_slot for r in d.runs()):
         return
-    queued = sorted((r for r in runs if r.status == RunStatus.QUEUED),
-                    key=lambda r: (r.queue_position or r.ordinal, r.ordinal))
+    queued = [r for r in _queue(d) if not r.queue_held]
     if not queued or (d.thread and (d.thread.archived_at or d.thread.deleted_at)):
         return
     run = d.put(replace(queued[0], status=RunStatus.STARTING, queue_position=None))
     _user_item(d, run, run.user_message_id, run.root_node_id or "", "queued_turn")
     d.effect("provider-turn.start", {"runId": run.id, "attemptId": run.active_attempt_id}, run.id)
+
+
+def _queue(d: _Draft) -> list[Run]:
+    """The queued turns in the order they start (not the runs waiting for an agent slot)."""
+    return sorted((r for r in d.runs() if r.status == RunStatus.QUEUED
+                   and not r.awaiting_agent_slot),
+                  key=lambda r: (r.queue_position or r.ordinal, r.ordinal))
+
+
+def _decide_stop(d: _Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
+    """Hold the queue first, so that the turn this ends promotes nothing; a turn a Stop or an
+    interrupt already reached is not asked again. A ``waiting`` run finishes its finalization."""
+    held = []
+    for run in _queue(d):
+        if not run.queue_held:
+            d.put(replace(run, queue_held=True))
+        held.append(run.id)
+    stopped = []
+    for run in d.runs():
+        if (run.status in RUN_LIVE or run.awaiting_agent_slot) and not _stop_reached(d, run):
+            _interrupt(d, run, c.reason or "Stopped on request.")
+            stopped.append(run.id)
+    return {"threadId": c.thread_id, "interruptedRunIds": stopped, "heldRunIds": held}
+
+
+def _decide_resume(d: _Draft, c: ResumeThread, **_: Any) -> Mapping[str, Any]:
+    released = [r.id for r in _queue(d) if r.queue_held]
+    for run_id in released:
+        d.put(replace(d.get("run", run_id), queue_held=False))
+    _promote_queued(d)
+    return {"threadId": c.thread_id, "releasedRunIds": released}
 
 
 def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[str, Any]:
@@ -1938,7 +2035,8 @@ def _notify_parent(d: _Draft, message_id: str, providers: Mapping[str, ProviderI
                                              "messageId": message_id}, message_id)
             return
         break
-    blocked = any(r.status in RUN_BLOCKING or r.status == RunStatus.QUEUED for r in d.runs())
+    blocked = any(r.status in RUN_BLOCKING or (r.status == RunStatus.QUEUED and not r.queue_held)
+                  for r in d.runs())
     _new_run(d, message_id=message_id, text=text, created_by=Actor.AGENT,
              creation_source=CreationSource.SERVER, queued=blocked)
 
@@ -2543,6 +2641,8 @@ _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
     InterruptRun: _decide_interrupt,
     RespondRuntimeRequest: _decide_respond,
     CancelQueuedRun: _decide_cancel_queued,
+    StopThread: _decide_stop,
+    ResumeThread: _decide_resume,
     MarkRunStarted: _decide_mark_started,
     AwaitAgentSlot: _decide_await_slot,
     GrantAgentSlot: _decide_grant_slot,
@@ -3864,15 +3964,18 @@ class ThreadService:
     async def interrupt(self, thread_id: str, *, run_id: str | None, reason: str | None,
                         command_id: str) -> dict[str, Any]:
         """Interrupt ``run_id``, else the newest active run. A terminal run is returned as it
-        is; with nothing active the status is ``no_active_run``."""
+        is; with no active provider turn (nothing active, or a ``waiting`` run: its turn ended)
+        the status is ``no_active_run``."""
         state = await self.thread(thread_id)
-        active = [r for r in state.runs if r.status in RUN_BLOCKING or r.awaiting_agent_slot]
+        active = [r for r in state.runs if r.status in RUN_LIVE or r.awaiting_agent_slot]
         if run_id is not None:
             run = state.run(run_id)
             if run is None:
                 raise T3Error(f"run {run_id} was not found", code="run_not_found")
             if run.status in RUN_TERMINAL:
                 return {"threadId": thread_id, "runId": run.id, "status": run.status}
+            if run.status == RunStatus.WAITING:
+                return {"threadId": thread_id, "runId": run.id, "status": "no_active_run"}
             if not active or active[-1].id != run.id:
                 raise T3Error(f"run {run.id} is {run.status}; only the newest active run can be "
                               "interrupted", code="thread_not_interruptible")

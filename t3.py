@@ -3,8 +3,9 @@
 ``python t3.py [serve]`` runs one local server (hypercorn on 127.0.0.1) with MCP tools at ``/mcp``,
 the client API at ``/ws`` and the web view (``ui.html``) at ``/``; ``python t3.py token
 [--rotate]`` prints (or replaces) the client token; ``threads``, ``show``, ``new``, ``send``,
-``wait``, ``interrupt``, ``requests``, ``answer`` and ``tasks`` are commands for people that talk
-to a running server only through ``/ws``. This file owns configuration (``t3.toml``), the data
+``wait``, ``interrupt``, ``stop``, ``resume``, ``requests``, ``answer``, ``tasks`` and those of
+schedules and of a thread's metadata (``rename``, ``link-pr``, ``archive``, ``snooze``...) are commands
+for people that talk to a running server only through ``/ws``. This file owns configuration (``t3.toml``), the data
 directory (private: 0700 and 0600, no symlink followed; its lock, the client token,
 ``server.json``), credentials and bearer auth, the ASGI app and its routes (every request: Host
 and Origin checked, authenticated before its body is read, the body bounded in size and time),
@@ -1517,6 +1518,9 @@ _WIRE_COMMANDS = {
     "delegated_task.cancel": _wire({"parentThreadId": _WIRE_REF, "taskId": _WIRE_REF,
                                     "reason": {"type": "string", "maxLength": 2000}},
                                    ["parentThreadId", "taskId"]),
+    "thread.stop": _wire({"threadId": _WIRE_REF, "reason": {"type": "string",
+                                                            "maxLength": 2000}}, ["threadId"]),
+    "thread.resume": _wire({"threadId": _WIRE_REF}, ["threadId"]),
 }
 
 
@@ -1578,6 +1582,11 @@ async def _build_command(api: ClientApi, a: Mapping[str, Any], made: Mapping[str
             runtime_mode=api.threads.step_down(info, runtime, "runtimeMode" in a),
             interaction_mode=interaction,
             completion_wake=a.get("completionWake", "settled_only"), **made)
+    if kind == "thread.stop":
+        return orch.StopThread(command_id=command_id, thread_id=a["threadId"],
+                               reason=a.get("reason"))
+    if kind == "thread.resume":
+        return orch.ResumeThread(command_id=command_id, thread_id=a["threadId"])
     if kind == "delegated_task.wake-policy":
         return orch.SetWakePolicy(command_id=command_id, thread_id=a["parentThreadId"],
                                   task_id=a["taskId"], completion_wake=a["completionWake"])
@@ -2166,8 +2175,8 @@ def _outcome(frame: Mapping[str, Any] | None) -> Any:
 
 
 # =============================================================================================
-# Commands for people (SPEC 1.1): threads, show, new, send, wait, interrupt, requests, answer,
-# tasks. Each finds the running server through <data-dir>/server.json and talks to it only
+# Commands for people (SPEC 1.1): threads, show, new, send, wait, interrupt, stop, resume,
+# requests, answer, tasks. Each finds the running server through <data-dir>/server.json and talks to it only
 # through /ws (WsClient, with the client token); it prints for people, or for scripts one JSON
 # document with --json. Its exit code (CLI_EXIT_CODES) is stable: scripts may rely on it.
 
@@ -2448,6 +2457,22 @@ async def _cmd_interrupt(client: WsClient, args: argparse.Namespace) -> int:
         "no_active_run": f"nothing to interrupt: {thread_id} has no active run",
         "interrupt_requested": f"interrupt requested: {result['runId']}"}.get(
         result["status"], f"already {result['status']}: {result['runId']}"))
+    return 0
+
+
+async def _cmd_stop(client: WsClient, args: argparse.Namespace) -> int:
+    """stop (thread.stop) and resume (thread.resume), over dispatchCommand."""
+    thread_id = await _thread_ref(client, args.thread)
+    result = (await client.request("dispatchCommand", {
+        "type": f"thread.{args.command}", "commandId": uuid.uuid4().hex,
+        "creationSource": "cli", "threadId": thread_id, **_given(
+            reason=getattr(args, "reason", None))}))["result"]
+    if args.command == "resume":
+        text = f"resumed {thread_id}: {len(result['releasedRunIds'])} queued run(s) released"
+    else:
+        text = (f"stopped {thread_id}: {len(result['interruptedRunIds'])} run(s) interrupted, "
+                f"{len(result['heldRunIds'])} queued run(s) held (`resume` releases them)")
+    _out(args, result, text)
     return 0
 
 
@@ -2964,7 +2989,8 @@ _THREAD_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[i
 
 _COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
     "threads": _cmd_threads, "show": _cmd_show, "new": _cmd_new, "send": _cmd_send,
-    "wait": _cmd_wait, "interrupt": _cmd_interrupt, "requests": _cmd_requests,
+    "wait": _cmd_wait, "interrupt": _cmd_interrupt, "stop": _cmd_stop, "resume": _cmd_stop,
+    "requests": _cmd_requests,
     "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
     "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, **_THREAD_COMMANDS}
 
@@ -3066,6 +3092,14 @@ def _cli_parsers(sub: Any) -> None:
     interrupt.add_argument("thread", metavar="THREAD")
     interrupt.add_argument("--run", help="this run (it must be the newest active one)")
     interrupt.add_argument("--reason", help="recorded in the timeline")
+    stop = command("stop", "stop a thread: interrupt its turn, hold its queue",
+                   "Stop a thread: interrupt its running turn and hold its queued turns "
+                   "until `resume` (held turns survive a server restart).")
+    stop.add_argument("thread", metavar="THREAD")
+    stop.add_argument("--reason", help="recorded in the timeline")
+    resume = command("resume", "release a stopped thread's held turns",
+                     "Release the turns a Stop held, in their queue order.")
+    resume.add_argument("thread", metavar="THREAD")
     requests = command("requests", "list pending approvals and questions",
                        "List the pending requests (approvals and questions) of every thread, "
                        "or of THREAD.")

@@ -310,7 +310,7 @@ _RUN_SUMMARY = _shape({
     "runId": STRING, "ordinal": INTEGER, "status": _enum(list(RunStatus)),
     "statusReason": OPT_STRING, "providerInstanceId": STRING, "model": OPT_STRING,
     "requestedAt": STRING, "startedAt": OPT_STRING, "completedAt": OPT_STRING,
-    "attemptCount": INTEGER, "queuePosition": OPT_INTEGER})
+    "attemptCount": INTEGER, "queuePosition": OPT_INTEGER, "queueHeld": BOOLEAN})
 _TRANSFER = _shape({
     "id": STRING, "type": STRING, "sourceThreadId": STRING, "targetThreadId": STRING,
     "status": STRING, "createdBy": STRING, "createdAt": STRING, "updatedAt": STRING,
@@ -885,22 +885,26 @@ class Toolkit:
         if not terminal and not await self._stoppable(parent_id, args["taskId"]):
             raise ToolFailure("task_not_cancellable", f"task {args['taskId']} has no run to "
                               "interrupt, no queued turn and no open task of its own")
-        await self._cancel_task(parent_id, args["taskId"], args.get("reason"), self._key(args))
-        return {"taskId": args["taskId"],
-                "status": before["status"] if terminal else "cancel_requested"}
+        lost = await self._cancel_task(parent_id, args["taskId"], args.get("reason"),
+                                       self._key(args))
+        return {"taskId": args["taskId"], "status": before["status"] if terminal
+                else "cancelled" if lost else "cancel_requested"}
 
     async def _stoppable(self, parent_id: str, task_id: str) -> bool:
         parent = await self._thread(parent_id)
         task = parent.entities["subagent"][task_id]
         child = await self._thread(task.child_thread_id)
-        return any(s.status not in orch.TASK_TERMINAL
-                   for s in child.entities["subagent"].values()) or any(
-            r.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)
-            or (r.status == RunStatus.QUEUED and r.id == task.child_run_id) for r in child.runs)
+        return child.run(task.child_run_id) is None or any(
+            s.status not in orch.TASK_TERMINAL for s in child.entities["subagent"].values()) \
+            or any(r.status in orch.RUN_LIVE or (r.status == RunStatus.QUEUED and
+                                                 r.id == task.child_run_id) for r in child.runs)
 
     async def _cancel_task(self, parent_id: str, task_id: str, reason: str | None,
-                           key: str) -> None:
-        """Stop a task's own delegated tasks first, then its child thread."""
+                           key: str) -> bool:
+        """Stop a task's own delegated tasks first, then its child thread as a person's Stop
+        does (the running turn ends, queued turns are held for Resume), then cancel the task's
+        own queued turn even if held. A nonterminal task whose child run is lost is cancelled on
+        the parent: True then."""
         parent = await self._thread(parent_id)
         task = parent.entities["subagent"].get(task_id)
         if task is None:
@@ -909,20 +913,26 @@ class Toolkit:
         for sub in list(child.entities["subagent"].values()):
             if sub.status not in orch.TASK_TERMINAL:
                 await self._cancel_task(task.child_thread_id, sub.id, reason, key)
+        lost = task.status not in orch.TASK_TERMINAL and child.run(task.child_run_id) is None
         if task.status not in orch.TASK_TERMINAL:  # a published result stays as it is
             await self.orch.dispatch(orch.RequestTaskCancel(
                 command_id=self._id("command", "task-cancel", task_id, key), thread_id=parent_id,
                 task_id=task_id, reason=reason))
-        why = reason or "The delegated task was cancelled by its parent."
-        for run in list(child.runs):
-            if run.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING):
-                await self.orch.dispatch(orch.InterruptRun(
-                    command_id=self._id("command", "task-cancel", run.id, key),
-                    thread_id=run.thread_id, run_id=run.id, reason=why))
-            elif run.status == RunStatus.QUEUED and run.id == task.child_run_id:
-                await self.orch.dispatch(orch.CancelQueuedRun(
-                    command_id=self._id("command", "task-cancel", run.id, key),
-                    thread_id=run.thread_id, run_id=run.id))
+        if lost:
+            await self.orch.dispatch(orch.FinalizeSubagent(
+                command_id=self._id("command", "task-cancel", "lost", task_id, key),
+                thread_id=parent_id, task_id=task_id, status="cancelled",
+                result="The task was cancelled: its child run was lost."))
+        await self.orch.dispatch(orch.StopThread(
+            command_id=self._id("command", "task-cancel", "stop", task.child_thread_id, key),
+            thread_id=task.child_thread_id,
+            reason=reason or "The delegated task was cancelled by its parent."))
+        own = (await self._thread(task.child_thread_id)).run(task.child_run_id)
+        if own is not None and own.status == RunStatus.QUEUED and not own.awaiting_agent_slot:
+            await self.orch.dispatch(orch.CancelQueuedRun(
+                command_id=self._id("command", "task-cancel", own.id, key),
+                thread_id=own.thread_id, run_id=own.id))
+        return lost
 
     # -- handlers --------------------------------------------------------------------------------
 
@@ -1113,7 +1123,8 @@ class Toolkit:
                 "statusReason": run.status_reason, "providerInstanceId": run.provider_instance_id,
                 "model": run.model_selection.get("model"), "requestedAt": run.requested_at,
                 "startedAt": run.started_at, "completedAt": run.completed_at,
-                "attemptCount": len(attempts), "queuePosition": run.queue_position}
+                "attemptCount": len(attempts), "queuePosition": run.queue_position,
+                "queueHeld": run.queue_held}
 
     def _timeline_item(self, state: ThreadState, item: orch.TurnItem, max_chars: int
                        ) -> dict[str, Any]:

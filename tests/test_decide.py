@@ -1249,3 +1249,108 @@ def test_a_delivery_is_recorded_as_duplicate_expired_skipped_or_failed_without_a
         sim.decide(o.ReceiveWebhookDelivery(command_id="z", thread_id="hook", delivery_id="dz",
                                             request=request({}), body_excerpt=""))
     assert paused.value.code == "hook_disabled"
+
+
+# =============================================================================================
+# Stop, held queues, Resume; send fallbacks and refusals (issue 13)
+
+
+def stop(sim: Sim, reason: str | None = None) -> o.Decision:
+    return sim.do(o.StopThread(command_id=sim.cid("stop"), thread_id=THREAD, reason=reason))
+
+
+def resume(sim: Sim) -> o.Decision:
+    return sim.do(o.ResumeThread(command_id=sim.cid("resume"), thread_id=THREAD))
+
+
+def test_stop_interrupts_the_turn_holds_the_queue_and_resume_releases_it_in_order() -> None:
+    """thread.stop: the running turn is asked to stop, both queued runs are held, and the turn's
+    end promotes nothing (nor does recovery); thread.resume starts them one after the other."""
+    sim = running_sim()
+    sim.send("second")
+    sim.send("third")
+    decision = stop(sim, "enough")
+    assert effect_types(decision) == ["provider-turn.interrupt"]
+    assert decision.result == {"threadId": THREAD, "interruptedRunIds": [sim.run(1).id],
+                               "heldRunIds": [sim.run(2).id, sim.run(3).id]}
+    assert [sim.run(n).queue_held for n in (2, 3)] == [True, True]
+    ended = sim.ingest(o.TurnEnded("interrupted"))
+    assert (sim.run(1).status, sim.run(1).status_reason) == ("interrupted", "enough")
+    assert ended.effects == () and [sim.run(n).status for n in (2, 3)] == ["queued"] * 2
+    assert sim.recover().effects == () and sim.run(2).status == "queued"
+    assert stop(sim).events == ()  # stopping a stopped thread changes nothing
+    released = resume(sim)
+    assert released.result["releasedRunIds"] == [sim.run(2).id, sim.run(3).id]
+    assert (sim.run(2).status, sim.run(3).status, sim.run(3).queue_held) == \
+        ("starting", "queued", False)
+    assert effect_types(released) == ["provider-turn.start"]
+    sim.mark_started(2)
+    sim.ingest(o.TurnEnded("completed"), ordinal=2)
+    sim.complete(2)
+    assert sim.run(3).status == "starting"
+
+
+def test_a_message_to_a_stopped_idle_thread_starts_while_the_queue_stays_held() -> None:
+    """Held turns do not keep a new message (or a task notice) from starting on an idle thread."""
+    sim = Sim()
+    sim.create()
+    sim.send("queued")
+    stop(sim)  # the starting run ends at once; the queued one is held
+    assert (sim.run(1).status, sim.run(2).status) == ("interrupted", "queued")
+    decision = sim.send("new")
+    assert decision.result["delivery"] == "started" and sim.run(3).status == "starting"
+    assert sim.run(2).queue_held
+
+
+def test_steering_a_turn_a_stop_reached_is_refused() -> None:
+    """Once a Stop (or interrupt) reached the turn, steer and restart are thread_not_sendable."""
+    for steering in (False, True):
+        sim = running_sim(active_steering=steering)
+        stop(sim)
+        for mode in ("steer_active", "restart_active"):
+            with pytest.raises(o.CommandRejected) as info:
+                sim.send("more", mode=mode, target=sim.run().id)
+            assert info.value.code == "thread_not_sendable" and "Stop" in str(info.value)
+
+
+def no_restart_sim(**caps: bool) -> Sim:
+    sim = running_sim()
+    sim.providers = {"scripted": dataclasses.replace(
+        sim.providers["scripted"], capabilities=o.Capabilities(
+            supports_steering_by_restart=False, **caps))}
+    return sim
+
+
+def test_without_restart_a_steer_stops_the_turn_and_queues_the_message_ahead() -> None:
+    """A provider that can stop a turn but not restart it: the turn is interrupted and the
+    message is queued first, behind only an unheld delegated-task result notice."""
+    sim = no_restart_sim()
+    sim.send("older queued")
+    sim.do(o.DispatchMessage(command_id=sim.cid("wake"), thread_id=THREAD,
+                             message_id="message:task-wake:node:t", text="task done",
+                             created_by="agent", creation_source="server",
+                             mode="start_immediately"))
+    decision = sim.send("urgent", mode="steer_active", target=sim.run(1).id)
+    assert decision.result["delivery"] == "queued" and decision.result["runId"] == sim.run(4).id
+    assert effect_types(decision) == ["provider-turn.interrupt"]
+    assert [sim.run(n).queue_position for n in (3, 4, 2)] == [1, 2, 3]
+    sim.ingest(o.TurnEnded("interrupted"))
+    assert sim.run(3).status == "starting"  # the task notice first, then "urgent"
+
+
+@pytest.mark.parametrize("case", ["cannot_stop", "compact_message", "logout_turn"])
+def test_steer_fallback_refusals(case: str) -> None:
+    """Rejected with thread_not_sendable: a provider that cannot stop a turn, a /compact
+    message, a turn that is /logout."""
+    if case == "logout_turn":
+        sim = Sim()
+        sim.do(create_command(sim.cid("create"), text="/logout"))
+        sim.mark_started()
+    else:
+        sim = no_restart_sim(supports_interrupt=case != "cannot_stop")
+    text = "/compact now" if case == "compact_message" else "more"
+    for mode in ("steer_active", "restart_active"):
+        with pytest.raises(o.CommandRejected) as info:
+            sim.send(text, mode=mode, target=sim.run().id)
+        assert info.value.code == "thread_not_sendable"
+    assert sim.run().status == "running"

@@ -1,0 +1,225 @@
+"""Git as an effect: worktrees for launches, checkpoints as hidden refs, diffs, restores.
+
+The orchestrator never imports this file: t3.py hands it a ``Workspaces`` the way it hands it
+provider adapters, and ``decide`` stays pure. Every git call is ``git`` as an asyncio
+subprocess with a clean environment (no GIT_DIR, GIT_INDEX_FILE or hooks path of ours or the
+user's shell leaks in), arguments after ``--`` or ``--end-of-options`` where a name comes from a
+client, and a timeout.
+
+A checkpoint is a commit made from a temporary index (``GIT_INDEX_FILE`` in
+``<data-dir>/git-index/``): the workspace's tracked and untracked, non-ignored files, kept under
+``refs/t3/checkpoints/<thread hash>/<ordinal>``. Capturing never touches the user's index, HEAD,
+branches, stash or files: ``git status`` and ``git branch`` read the same before and after. A
+workspace that is not in a git repository has no checkpoints (``capture`` returns None: the
+checkpoint is ``missing``). Operations on one repository run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["GitError", "Workspaces", "FileChange", "Diff", "checkpoint_ref"]
+
+GIT_TIMEOUT_S = 120.0
+AUTHOR = ("t3", "t3@localhost")
+MAX_DIFF_CHARS = 30_000
+# Variables that would point git somewhere else, or change what it does, if inherited.
+_GIT_VARIABLES = re.compile(r"GIT_[A-Z_]+")
+_BRANCH = re.compile(r"[A-Za-z0-9._/-]{1,200}")
+
+
+class GitError(Exception):
+    """A git command failed; the message is its stderr's first lines (for the run's reason)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileChange:
+    path: str
+    kind: str  # added | modified | deleted | renamed | type_changed
+    additions: int
+    deletions: int
+
+
+@dataclass(frozen=True, slots=True)
+class Diff:
+    files: tuple[FileChange, ...]
+    text: str  # unified, at most MAX_DIFF_CHARS characters
+    truncated: bool
+
+
+def checkpoint_ref(thread_id: str, ordinal: int) -> str:
+    """The hidden ref of a thread's checkpoint: ids may hold any character, so the thread part
+    is a hash."""
+    digest = hashlib.sha256(thread_id.encode()).hexdigest()[:32]
+    return f"refs/t3/checkpoints/{digest}/{ordinal}"
+
+
+class Workspaces:
+    """Git worktrees under ``<data-dir>/worktrees``, checkpoints, diffs and restores."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.worktrees_dir = data_dir / "worktrees"
+        self._index_dir = data_dir / "git-index"
+        self._index_dir.mkdir(mode=0o700, exist_ok=True)
+        for stray in self._index_dir.iterdir():  # a capture killed mid-way left it
+            stray.unlink(missing_ok=True)
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    async def top_level(self, cwd: str) -> str | None:
+        """The repository's work tree root holding ``cwd``, or None when it is not in one."""
+        try:
+            return (await _git(cwd, "rev-parse", "--show-toplevel")).strip() or None
+        except (GitError, OSError):
+            return None
+
+    async def capture(self, cwd: str, ref: str) -> str | None:
+        """Record the workspace under ``ref``; the commit id, or None when ``cwd`` is not in a
+        git repository. Raises GitError when git fails."""
+        root = await self.top_level(cwd)
+        if root is None:
+            return None
+        index = self._index_dir / f"index-{uuid.uuid4().hex}"
+        env = {"GIT_INDEX_FILE": str(index)}
+        async with self._lock(root):
+            try:
+                head = await _maybe(root, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+                await _git(root, "read-tree", *([head] if head else ["--empty"]), env=env)
+                await _git(root, "add", "--all", "--", ".", env=env)
+                tree = (await _git(root, "write-tree", env=env)).strip()
+                commit = (await _git(root, "commit-tree", tree, "-m",
+                                     f"t3 checkpoint {ref}", env=_author())).strip()
+                await _git(root, "update-ref", ref, commit)
+            finally:
+                index.unlink(missing_ok=True)
+                Path(f"{index}.lock").unlink(missing_ok=True)
+        return commit
+
+    async def diff(self, cwd: str, before: str | None, after: str) -> Diff:
+        """What changed from checkpoint ``before`` (None: nothing) to ``after``."""
+        root = await self.top_level(cwd) or cwd
+        base = before or (await _git(root, "hash-object", "-t", "tree", "--stdin",
+                                     stdin=b"")).strip()
+        statuses = (await _git(root, "diff", "--no-color", "--no-renames", "--name-status", "-z",
+                               base, after, "--")).split("\0")
+        kinds = {"A": "added", "M": "modified", "D": "deleted", "T": "type_changed"}
+        kind_of = {path: kinds.get(code[:1], "modified")
+                   for code, path in zip(statuses[0::2], statuses[1::2]) if path}
+        files = []
+        numstat = await _git(root, "diff", "--no-color", "--no-renames", "--numstat", "-z",
+                             base, after, "--")
+        for entry in numstat.split("\0"):
+            if entry:
+                added, deleted, path = entry.split("\t", 2)
+                files.append(FileChange(path, kind_of.get(path, "modified"),
+                                        int(added) if added.isdigit() else 0,
+                                        int(deleted) if deleted.isdigit() else 0))
+        text = await _git(root, "diff", "--no-color", "--no-renames", base, after, "--")
+        return Diff(tuple(files), text[:MAX_DIFF_CHARS], len(text) > MAX_DIFF_CHARS)
+
+    async def restore(self, cwd: str, commit: str) -> None:
+        """Make the workspace's files what checkpoint ``commit`` recorded (tracked and untracked,
+        ignored files kept); the index afterwards matches HEAD for those paths again."""
+        root = await self.top_level(cwd)
+        if root is None:
+            raise GitError(f"{cwd} is not in a git repository")
+        async with self._lock(root):
+            await _git(root, "restore", "--source", commit, "--worktree", "--staged", "--", ".")
+            await _git(root, "clean", "-fd", "--", ".")
+            await _git(root, "reset", "--quiet", "--", ".")
+
+    async def delete_ref(self, cwd: str, ref: str) -> None:
+        root = await self.top_level(cwd)
+        if root is not None:
+            await _git(root, "update-ref", "-d", ref)
+
+    # -- worktrees ---------------------------------------------------------------------------
+
+    async def add_worktree(self, repo: str, name: str, *, base_ref: str, branch: str,
+                           from_origin: bool = False) -> str:
+        """A new worktree at ``<data-dir>/worktrees/<name>`` on a new ``branch`` from
+        ``base_ref`` (or, ``from_origin``, from ``origin/<base_ref>`` just fetched); its path.
+        Refs and names are checked: none may start an option."""
+        for value, what in ((base_ref, "baseRef"), (branch, "branch")):
+            if not _BRANCH.fullmatch(value) or value.startswith(("-", "/")) or ".." in value:
+                raise GitError(f"{what} {value!r} is not a branch or ref name")
+        path = self.worktrees_dir / name
+        async with self._lock(repo):
+            base = base_ref
+            if from_origin:
+                if await _maybe(repo, "remote", "get-url", "origin") is None:
+                    raise GitError(f"startFromOrigin: {repo} has no remote named origin")
+                await _git(repo, "fetch", "--quiet", "origin", "--", base_ref)
+                base = f"origin/{base_ref}"
+            if await _maybe(repo, "rev-parse", "--verify", "--quiet",
+                            f"{base}^{{commit}}") is None:
+                raise GitError(f"baseRef: no commit {base!r} in {repo}")
+            self.worktrees_dir.mkdir(mode=0o700, exist_ok=True)
+            await _git(repo, "worktree", "add", "--quiet", "-b", branch, str(path), base)
+        return str(path)
+
+    async def remove_worktree(self, repo: str, path: str, branch: str | None = None) -> None:
+        """Remove a worktree t3 made (and its branch, when given), whatever state it is in."""
+        async with self._lock(repo):
+            await _maybe(repo, "worktree", "remove", "--force", "--force", path)
+            await _maybe(repo, "worktree", "prune")
+            if branch:
+                await _maybe(repo, "branch", "-D", "--", branch)
+
+    async def worktree_branch(self, repo: str, path: str) -> str | None:
+        """The branch of ``path`` when it is a worktree of ``repo`` ("" for a detached one);
+        None when it is not one of its worktrees."""
+        listing = await _git(repo, "worktree", "list", "--porcelain", "-z")
+        wanted = os.path.realpath(path)
+        for record in listing.split("\0\0"):
+            fields = dict(line.split(" ", 1) if " " in line else (line, "")
+                          for line in record.split("\0") if line)
+            if "worktree" in fields and os.path.realpath(fields["worktree"]) == wanted:
+                return fields.get("branch", "").removeprefix("refs/heads/")
+        return None
+
+    def _lock(self, root: str) -> asyncio.Lock:
+        return self._locks.setdefault(os.path.realpath(root), asyncio.Lock())
+
+
+def _author() -> dict[str, str]:
+    name, email = AUTHOR
+    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email,
+            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email}
+
+
+async def _maybe(cwd: str, *args: str) -> str | None:
+    """A git query's stripped output, or None when git says no."""
+    try:
+        return (await _git(cwd, *args)).strip()
+    except GitError:
+        return None
+
+
+async def _git(cwd: str, *args: str, env: dict[str, str] | None = None,
+               stdin: bytes | None = None) -> str:
+    clean = {k: v for k, v in os.environ.items() if not _GIT_VARIABLES.fullmatch(k)}
+    clean.update({"GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C",
+                  **(env or {})})
+    proc = await asyncio.create_subprocess_exec(
+        "git", "-c", "core.hooksPath=/dev/null", "-c", "core.quotePath=false", *args, cwd=cwd,
+        env=clean, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(GIT_TIMEOUT_S):
+            out, err = await proc.communicate(stdin)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise GitError(f"git {args[0]} took over {GIT_TIMEOUT_S:.0f} s") from None
+    if proc.returncode != 0:
+        lines = err.decode("utf-8", "replace").strip().splitlines()[:3]
+        raise GitError(f"git {args[0]}: {' '.join(lines) or f'exit {proc.returncode}'}")
+    return out.decode("utf-8", "replace")
