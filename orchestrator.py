@@ -234,6 +234,11 @@ class AppThread(_Entity):
     forked_from: Mapping[str, Any] | None = None
     archived_at: str | None = None
     deleted_at: str | None = None
+    snoozed_until: str | None = None
+    snoozed_at: str | None = None
+    last_visited_at: str | None = None
+    title_regeneration: Mapping[str, Any] | None = None  # {requestId, startedAt} while in flight
+    linked_pull_request: Mapping[str, Any] | None = None  # {repository, number, url}
 
 
 @dataclass(frozen=True, slots=True)
@@ -611,6 +616,20 @@ class ThreadState:
     def status(self) -> str:
         latest = self.latest_run()
         return latest.status if latest else "idle"
+
+    def snoozed(self, now: str) -> bool:
+        """Snoozed until a time still ahead, and not woken early: a snoozed thread wakes only
+        for a pending request or a run that failed after it was snoozed (store.py's list filter
+        says the same in SQL)."""
+        t = self.thread
+        if t is None or not t.snoozed_until or t.snoozed_until <= now or self.pending_requests():
+            return False
+        return not any(r.status == RunStatus.FAILED and (r.completed_at or "") > (t.snoozed_at or "")
+                       for r in self.runs)
+
+    def pending_background_tasks(self) -> int:
+        """What holds the thread after its turn: its delegated tasks still working."""
+        return sum(t.status not in TASK_TERMINAL for t in self.entities["subagent"].values())
 
 
 # =============================================================================================
@@ -1077,7 +1096,8 @@ class EffectRequest:
 
     REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({
         "run.finalize", "subagent.finalize", "subagent.question", "subagent.question-settled",
-        "scheduled-task.run"})  # its thread and message ids derive from the fire key
+        "scheduled-task.run",  # its thread and message ids derive from the fire key
+        "thread-title.generate"})
 
     @property
     def replay_safe(self) -> bool:
@@ -2785,6 +2805,163 @@ _TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, S
 
 
 # =============================================================================================
+# Thread metadata and lifecycle (research/t3code.md 2.6, 6.2): titles, pull request links, and a
+# person's view of a thread (archive, delete, snooze, visit). None of it touches a run but
+# archive and delete, which cancel queued runs and refuse while one is active. A title
+# regeneration is an effect on a lane of its own (a slow provider never holds up the thread's
+# turns); its answer applies only while its marker is current, so a later rename wins.
+
+
+THREAD_LIFECYCLE = ("thread.archive", "thread.unarchive", "thread.delete", "thread.snooze",
+                    "thread.unsnooze", "thread.visit")
+METADATA_ACTIONS = ("rename", "regenerate_title", "link_pull_request", "unlink_pull_request")
+TITLE_TIMEOUT_S = 60.0
+TITLE_PROMPT = ("<t3_title_request>\nReply with only a short title (at most 8 words, no quotes) "
+                "for a conversation that begins with this message:\n\n{text}\n"
+                "</t3_title_request>")
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeThreadLifecycle:
+    """One of THREAD_LIFECYCLE; ``at`` is thread.snooze's snoozedUntil or thread.visit's
+    visitedAt (t3's own time form, ``parse_time``)."""
+
+    command_id: str
+    thread_id: str
+    type: str
+    at: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in THREAD_LIFECYCLE:
+            raise ValueError(f"unknown thread command {self.type!r}")
+        if self.type in ("thread.snooze", "thread.visit") and not self.at:
+            raise ValueError(f"{self.type} needs a time")
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateThreadMetadata:
+    type: ClassVar[str] = "thread.metadata.update"
+    command_id: str
+    thread_id: str
+    action: str  # METADATA_ACTIONS
+    title: str | None = None  # rename only
+    pull_request: Mapping[str, Any] | None = None  # link_pull_request only
+
+    def __post_init__(self) -> None:
+        if self.action not in METADATA_ACTIONS:
+            raise ValueError(f"unknown action {self.action!r}")
+        if (self.action == "rename") != bool(self.title):
+            raise ValueError("title: rename needs one, other actions take none")
+        if (self.action == "link_pull_request") != (self.pull_request is not None):
+            raise ValueError("pullRequest: link_pull_request needs one, other actions none")
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteTitleRegeneration:
+    """The title effect's answer: applied only if ``request_id`` is still the marker."""
+
+    type: ClassVar[str] = "thread.title.regeneration.complete"
+    command_id: str
+    thread_id: str
+    request_id: str
+    title: str
+
+
+def parse_time(value: str) -> str:
+    """An ISO 8601 time (naive: UTC) or epoch seconds/milliseconds as t3 writes times."""
+    epoch = _timestamp(value)
+    if epoch is None:
+        raise ValueError(f"not a time: {value!r}")
+    return iso_time(epoch)
+
+
+def metadata_result(thread: AppThread, action: str, command_id: str) -> dict[str, Any]:
+    return {"threadId": thread.id, "action": action, "commandId": command_id,
+            "title": thread.title, "titleRegeneration": thread.title_regeneration,
+            "linkedPullRequest": thread.linked_pull_request, "updatedAt": thread.updated_at}
+
+
+def _decide_metadata(d: _Draft, c: UpdateThreadMetadata, **_: Any) -> Mapping[str, Any]:
+    thread = d.thread
+    assert thread is not None
+    changed: dict[str, Any] = {
+        "rename": {"title": c.title, "title_regeneration": None},
+        "regenerate_title": {"title_regeneration": {"requestId": c.command_id,
+                                                    "startedAt": d.now}},
+        "link_pull_request": {"linked_pull_request": dict(c.pull_request or {})},
+        "unlink_pull_request": {"linked_pull_request": None}}[c.action]
+    thread = d.put(replace(thread, **changed, updated_at=d.now), "thread.metadata-updated")
+    if c.action == "regenerate_title":
+        d.effect("thread-title.generate", {"threadId": thread.id, "requestId": c.command_id},
+                 c.command_id, thread_id=bounded_id(f"title-lane:{thread.id}"))
+    return metadata_result(thread, c.action, c.command_id)
+
+
+def _decide_title_complete(d: _Draft, c: CompleteTitleRegeneration, **_: Any
+                           ) -> Mapping[str, Any]:
+    thread = d.thread
+    assert thread is not None
+    if (thread.title_regeneration or {}).get("requestId") == c.request_id:
+        thread = d.put(replace(thread, title=c.title, title_regeneration=None, updated_at=d.now),
+                       "thread.metadata-updated")
+    return metadata_result(thread, "regenerate_title", c.request_id)
+
+
+def _decide_lifecycle(d: _Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[str, Any]:
+    thread = d.thread
+    assert thread is not None
+    verb = c.type.removeprefix("thread.")
+    if verb == "visit":  # the latest visit counts; a visit is not activity
+        if thread.last_visited_at is None or c.at > thread.last_visited_at:  # type: ignore
+            thread = d.put(replace(thread, last_visited_at=c.at), "thread.visited")
+        return {"threadId": thread.id, "lastVisitedAt": thread.last_visited_at}
+    if (thread.archived_at is None) == (verb == "unarchive") and verb != "delete":
+        raise CommandRejected(f"thread {thread.id} is {'' if thread.archived_at else 'not '}"
+                              "archived", code="invalid_request")
+    if verb == "snooze" and c.at <= d.now:  # type: ignore[operator]
+        raise CommandRejected("snoozedUntil: must be in the future", code="invalid_request")
+    if verb == "snooze" and (d.state.pending_requests() or d.state.queued_runs()):
+        raise CommandRejected(f"thread {thread.id} has a pending request or a queued run",
+                              code="invalid_request")
+    active = next((r for r in d.runs() if r.status in RUN_BLOCKING), None)
+    if verb in ("archive", "delete") and active is not None:
+        raise CommandRejected(f"run {active.id} is {active.status}: interrupt it first",
+                              code="invalid_request")
+    changed: dict[str, Any] = {
+        "archive": {"archived_at": d.now, "title_regeneration": None},
+        "unarchive": {"archived_at": None},
+        "delete": {"deleted_at": d.now, "title_regeneration": None},
+        "snooze": {"snoozed_until": c.at, "snoozed_at": d.now},
+        "unsnooze": {"snoozed_until": None, "snoozed_at": None}}[verb]
+    thread = d.put(replace(thread, **changed, updated_at=d.now), f"thread.{verb}d")
+    if verb in ("archive", "delete"):  # after the change, so that none of them is promoted
+        for run in d.runs():
+            if run.status == RunStatus.QUEUED:
+                _decide_cancel_queued(d, CancelQueuedRun(c.command_id, thread.id, run.id))
+    return {"threadId": thread.id, "archived": thread.archived_at is not None,
+            "deleted": thread.deleted_at is not None, "snoozedUntil": thread.snoozed_until}
+
+
+def title_fallback(state: ThreadState) -> str:
+    """A deterministic title: the first message's first 80 characters, else the title."""
+    assert state.thread is not None
+    first = state.runs[0] if state.runs else None
+    message = state.entities["message"].get(first.user_message_id) if first else None
+    return ThreadService.title(None, message.text if message else None, state.thread.title)
+
+
+def _title_of(reply: str) -> str | None:
+    line = next((s for s in (raw.strip(" \t\"'`*#") for raw in reply.splitlines()) if s), "")
+    return ThreadService.title(None, line, "") or None
+
+
+_HANDLERS.update({UpdateThreadMetadata: _decide_metadata,
+                  CompleteTitleRegeneration: _decide_title_complete,
+                  ChangeThreadLifecycle: _decide_lifecycle})
+CLIENT_COMMANDS = (*CLIENT_COMMANDS, *THREAD_LIFECYCLE)
+
+
+# =============================================================================================
 # The runtime: dispatch, state, waits, the effect worker, live provider sessions
 
 
@@ -2919,6 +3096,10 @@ class Orchestrator:
         await asyncio.gather(*(a.probe() for a in self._adapters.values() if hasattr(a, "probe")))
 
     # -- commands --------------------------------------------------------------------------------
+
+    def now(self) -> str:
+        """The orchestrator's clock (a test clock moves it)."""
+        return self._clock()
 
     async def dispatch(self, command: Any) -> DispatchResult:
         """Decide and commit one command; a command id seen before returns its first result."""
@@ -3423,6 +3604,8 @@ class Orchestrator:
                 log.info("question of task %s not withdrawn: %s", p["taskId"], exc)
         elif row.effect_type == "scheduled-task.run":
             await self._run_scheduled(row.thread_id, p["fireKey"], p["prompt"])
+        elif row.effect_type == "thread-title.generate":
+            await self._regenerate_title(p["threadId"], p["requestId"])
         elif row.effect_type == "run.finalize":
             try:
                 await self.dispatch(CompleteRun(
@@ -3432,6 +3615,53 @@ class Orchestrator:
                 pass  # already finalized: the effect is idempotent
         else:
             raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
+
+    async def _regenerate_title(self, thread_id: str, request_id: str) -> None:
+        """Ask the thread's provider for a title, else take ``title_fallback``; skipped once a
+        rename, another regeneration, archive or delete made this request stale."""
+        state = await self.state(thread_id)
+        thread = state.thread if state else None
+        if state is None or thread is None or thread.deleted_at is not None or \
+                (thread.title_regeneration or {}).get("requestId") != request_id:
+            return
+        first = state.runs[0] if state.runs else None
+        message = state.entities["message"].get(first.user_message_id) if first else None
+        title = (await self._ask_title(thread, message.text) if message else None) \
+            or title_fallback(state)
+        await self.dispatch(CompleteTitleRegeneration(
+            command_id=bounded_id(f"command:title:{request_id}"), thread_id=thread_id,
+            request_id=request_id, title=title))
+
+    async def _ask_title(self, thread: AppThread, text: str) -> str | None:
+        """A one-shot session of the thread's provider (no history, no t3 tools, the narrowest
+        modes it offers) answers TITLE_PROMPT; None if it cannot within TITLE_TIMEOUT_S."""
+        adapter = self._adapters.get(thread.provider_instance_id)
+        if adapter is None or not adapter.info.available:
+            return None
+        narrowest = min(adapter.info.runtime_modes or list(RuntimeMode), key=RUNTIME_RANK.get)
+        handle, parts = None, []
+        try:
+            async with asyncio.timeout(TITLE_TIMEOUT_S):
+                handle = await adapter.open_session(
+                    session_id=self._new_id("provider-session"), thread_id=thread.id,
+                    cwd=thread.workspace or os.getcwd(),
+                    model=thread.model_selection.get("model"), runtime_mode=narrowest,
+                    interaction_mode=InteractionMode.PLAN, resume_ref=None, mcp=None)
+                await handle.start_turn(TITLE_PROMPT.format(text=text[:2000]))
+                while (event := await handle.events.get()) is not None:
+                    if isinstance(event, TextDelta):
+                        parts.append(event.text)
+                    elif isinstance(event, (TurnEnded, RuntimeRequestOpened)):
+                        break
+                if not isinstance(event, TurnEnded) or event.status != "completed":
+                    return None
+        except Exception as exc:  # any failure of the provider: the fallback title
+            log.info("no title from %s: %s", thread.provider_instance_id, exc)
+            return None
+        finally:
+            if handle is not None:
+                await handle.close()
+        return _title_of("".join(parts))
 
     async def _finalize_task(self, parent_id: str, task_id: str, child_id: str,
                              run_id: str, publish: bool) -> None:

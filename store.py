@@ -349,9 +349,20 @@ WHERE thread_id = ?
 # The threads of one project a list shows, newest activity first: a range of the partial index
 # threads_by_activity read backwards. Each filter is off when its parameter is NULL; the title
 # test is t3_title_contains (Python's str.lower, not SQLite's ASCII-only lower()).
-_LISTED_THREADS = """
+# A thread is snoozed while its snoozedUntil is ahead of :now, unless it has a pending request
+# or a run failed after it was snoozed (orchestrator.ThreadState.snoozed says the same).
+_SNOOZED = """(COALESCE(json_extract(t.payload_json, '$.snoozedUntil') > :now, 0)
+  AND NOT EXISTS (SELECT 1 FROM runtime_requests q
+                  WHERE q.thread_id = t.thread_id AND q.status = 'pending')
+  AND NOT EXISTS (SELECT 1 FROM runs f WHERE f.thread_id = t.thread_id AND f.status = 'failed'
+                  AND json_extract(f.payload_json, '$.completedAt')
+                      > json_extract(t.payload_json, '$.snoozedAt')))"""
+_LISTED_THREADS = f"""
 FROM threads t
 WHERE t.project_id = :project AND t.deleted_at IS NULL
+  AND (:archived IS NULL
+       OR (json_extract(t.payload_json, '$.archivedAt') IS NOT NULL) = :archived)
+  AND (:snoozed IS NULL OR {_SNOOZED} = :snoozed)
   AND (:subagents OR json_extract(t.payload_json, '$.lineage.relationshipToParent')
                      IS NOT 'subagent')
   AND (:needle IS NULL OR t3_title_contains(json_extract(t.payload_json, '$.title'), :needle))
@@ -366,7 +377,10 @@ SELECT t.payload_json AS thread_json, t.activity_at,
        lr.run_id AS latest_run_id, lr.status AS latest_status,
        (SELECT COUNT(*) FROM turn_items i WHERE i.thread_id = t.thread_id) AS item_count,
        (SELECT COUNT(*) FROM runtime_requests q
-        WHERE q.thread_id = t.thread_id AND q.status = 'pending') AS pending_count
+        WHERE q.thread_id = t.thread_id AND q.status = 'pending') AS pending_count,
+       (SELECT COUNT(*) FROM subagents s WHERE s.thread_id = t.thread_id AND s.status NOT IN
+        ('completed', 'failed', 'cancelled', 'interrupted')) AS background_count,
+       {_SNOOZED} AS snoozed
 FROM (SELECT t.thread_id {_LISTED_THREADS}
       ORDER BY t.activity_at DESC, t.thread_id DESC LIMIT :limit OFFSET :offset) page
 JOIN threads t ON t.thread_id = page.thread_id
@@ -650,11 +664,14 @@ class Store:
 
     def list_threads(self, project_id: str, *, statuses: Sequence[str] = (),
                      title_contains: str = "", include_subagents: bool = True, offset: int = 0,
-                     limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
+                     limit: int = 50, archived: bool | None = False, snoozed: bool | None = None,
+                     now: str | None = None) -> tuple[int, list[dict[str, Any]]]:
         """How many of a project's threads match, and the page of them from ``offset``, newest
-        activity first (read in one snapshot). Empty ``statuses`` / ``title_contains`` match all;
-        a thread without runs has status ``idle``."""
-        params = {"project": project_id, "subagents": include_subagents,
+        activity first (read in one snapshot). Empty ``statuses`` / ``title_contains`` and
+        ``archived`` / ``snoozed`` None match all; a thread without runs has status ``idle``;
+        ``now`` (default: the wall clock) decides what is snoozed."""
+        params = {"project": project_id, "subagents": include_subagents, "archived": archived,
+                  "snoozed": snoozed, "now": now or _now_iso(),
                   "needle": title_contains.lower() or None,
                   "statuses": json.dumps(sorted(statuses)) if statuses else None,
                   "offset": offset, "limit": limit}
@@ -672,7 +689,9 @@ class Store:
             raise StoreError(f"database error: {exc}") from exc
         return total, [{"thread": json.loads(r["thread_json"]), "latestRunId": r["latest_run_id"],
                         "status": r["latest_status"] or "idle", "updatedAt": r["activity_at"],
-                        "itemCount": r["item_count"], "pendingRequestCount": r["pending_count"]}
+                        "itemCount": r["item_count"], "pendingRequestCount": r["pending_count"],
+                        "pendingBackgroundTasks": r["background_count"],
+                        "snoozed": bool(r["snoozed"])}
                        for r in rows]
 
     def max_sequence(self) -> int:

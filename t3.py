@@ -3,7 +3,8 @@
 ``python t3.py [serve]`` runs one local server (hypercorn on 127.0.0.1) with MCP tools at ``/mcp``,
 the client API at ``/ws`` and the web view (``ui.html``) at ``/``; ``python t3.py token
 [--rotate]`` prints (or replaces) the client token; ``threads``, ``show``, ``new``, ``send``,
-``wait``, ``interrupt``, ``stop``, ``resume``, ``requests``, ``answer`` and ``tasks`` are commands
+``wait``, ``interrupt``, ``stop``, ``resume``, ``requests``, ``answer``, ``tasks`` and those of
+schedules and of a thread's metadata (``rename``, ``link-pr``, ``archive``, ``snooze``...) are commands
 for people that talk to a running server only through ``/ws``. This file owns configuration (``t3.toml``), the data
 directory (private: 0700 and 0600, no symlink followed; its lock, the client token,
 ``server.json``), credentials and bearer auth, the ASGI app and its routes (every request: Host
@@ -23,6 +24,7 @@ import base64
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -1055,6 +1057,10 @@ class ClientApi:
             "deleteScheduledTask": lambda p: self._as_person("delete_scheduled_task", p,
                                                              toolkit.delete_schedule),
             **({"advanceTestClock": self.advance_test_clock} if test_clock else {})}
+        self._methods.update({  # the metadata tools' own code, run for the person
+            method: functools.partial(toolkit.call_as, self.scope, tool) for method, tool in (
+                ("updateThread", "t3_thread_update"), ("linkPullRequest", "link_pull_request"),
+                ("unlinkPullRequest", "unlink_pull_request"))})
         self._streams: dict[str, Callable[[Mapping[str, Any], Emit], Awaitable[None]]] = {
             "subscribeThread": self.subscribe_thread, "subscribeShell": self.subscribe_shell}
 
@@ -1288,7 +1294,8 @@ class ClientApi:
         projects = [*ctx.projects, ctx.scratch_project]
         threads = []
         for project in projects:
-            _, rows = self.store.list_threads(project.id, limit=500)
+            _, rows = self.store.list_threads(project.id, limit=500, archived=None,
+                                              now=self.orch.now())
             threads += [{**self.toolkit._shell(row), "projectId": project.id} for row in rows]
         return {"snapshotSequence": sequence, "threads": threads,
                 "projects": [{"projectId": p.id, "title": p.title, "path": p.path}
@@ -1518,12 +1525,25 @@ _WIRE_COMMANDS = {
 }
 
 
+_WIRE_COMMANDS.update({kind: _wire({"threadId": _WIRE_REF, **(
+    {"snoozedUntil": _WIRE_REF} if kind == "thread.snooze" else {}), **(
+    {"visitedAt": _WIRE_REF} if kind == "thread.visit" else {})}, [
+    "threadId", *(["snoozedUntil"] if kind == "thread.snooze" else [])]) for kind in (
+    "thread.archive", "thread.unarchive", "thread.delete", "thread.snooze", "thread.unsnooze",
+    "thread.visit")})
+
+
 async def _build_command(api: ClientApi, a: Mapping[str, Any], made: Mapping[str, str]) -> Any:
     """The orchestrator command for a checked wire command. Its id is the client's commandId
     in a namespace of its own, so a client never meets the server's internal command ids."""
     import orchestrator as orch
     kind, toolkit = a["type"], api.toolkit
     command_id = toolkit._id("command", "ws", "client", a["commandId"])
+    if kind in orch.THREAD_LIFECYCLE:  # times in any ISO form (ValueError: invalid_request)
+        when = a.get("snoozedUntil") or a.get("visitedAt")
+        return orch.ChangeThreadLifecycle(
+            command_id=command_id, thread_id=a["threadId"], type=kind, at=orch.parse_time(
+                when) if when else api.orch.now() if kind == "thread.visit" else None)
 
     def derived(kind: str) -> str:  # an id the client left out
         return toolkit._id(kind, "ws", "client", a["commandId"])
@@ -2319,8 +2339,11 @@ async def _thread_ref(client: WsClient, text: str) -> str:
 async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
     listed = await client.request("listThreads", {
         "includeSubagents": args.all, "limit": args.limit, **_given(
-            projectId=args.project, statuses=args.status, titleContains=args.title)})
+            projectId=args.project, statuses=args.status, titleContains=args.title,
+            archived=args.archived or None, snoozed=args.snoozed)})
     rows = [f"{t['status']:<11} {t['threadId']}  {t['title']}"
+            + (f"  [PR {pr['repository']}#{pr['number']}]" if (pr := t["linkedPullRequest"])
+               else "") + ("  [snoozed]" if t["snoozed"] else "")
             + (f"  [{t['pendingRequestCount']} pending]" if t["pendingRequestCount"] else "")
             + (f"  (task of {t['parentThreadId']})" if t["parentThreadId"] else "")
             for t in listed["threads"]]
@@ -2631,13 +2654,14 @@ class _Timeline:
             t, latest = self.thread, self._latest()
             print(f"{t.get('title')}  {t.get('id')}\n"
                   f"{latest['status'] if latest else 'idle'} | {t.get('providerInstanceId')}/"
-                  f"{(t.get('modelSelection') or {}).get('model')} | {t.get('runtimeMode')}")
+                  f"{(t.get('modelSelection') or {}).get('model')} | {t.get('runtimeMode')}"
+                  + (f" | PR {pr['url']}" if (pr := t.get("linkedPullRequest")) else ""))
         for item in self._ordered():
             self._show(item)
         sys.stdout.flush()  # followed, a message still streaming keeps its line open
 
     def apply(self, event: Mapping[str, Any]) -> None:
-        kind, payload = event["type"].removesuffix(".updated"), event["payload"]
+        kind, payload = event["type"].rsplit(".", 1)[0], event["payload"]  # thread.archived...
         if kind == "thread":
             self.thread = payload
         elif kind == "run":
@@ -2886,6 +2910,81 @@ def _local_time(iso: str | None) -> str:
 
 
 # =============================================================================================
+# Commands for people: a thread's title, pull request link and place (rename, link-pr,
+# unlink-pr, archive, unarchive, delete, snooze, unsnooze, visit), over the metadata tools' /ws
+# methods and the thread.* client commands.
+
+
+async def _cmd_rename(client: WsClient, args: argparse.Namespace) -> int:
+    if (args.title is None) != args.regenerate:
+        raise CliError("give TITLE or --regenerate (not both)", exit=EXIT_USAGE)
+    updated = await client.request("updateThread", {
+        "threadId": await _thread_ref(client, args.thread), **({"action": "regenerate_title"}
+        if args.regenerate else {"action": "rename", "title": args.title})})
+    regenerating = " (a new title is being generated)" if updated["titleRegeneration"] else ""
+    _out(args, updated, f"{updated['threadId']}: {updated['title']}{regenerating}")
+    return 0
+
+
+async def _cmd_link_pr(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    updated = await client.request(*(("linkPullRequest", {"threadId": thread_id, "url": args.url})
+                                     if args.command == "link-pr" else
+                                     ("unlinkPullRequest", {"threadId": thread_id})))
+    pr = updated["linkedPullRequest"]
+    _out(args, updated, f"{thread_id}: " + (f"{pr['repository']}#{pr['number']} {pr['url']}"
+                                            if pr else "no pull request linked"))
+    return 0
+
+
+async def _cmd_lifecycle(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    when = getattr(args, "until", None)
+    if when is not None and re.fullmatch(r"\d+\s*(s|m|min|h|d)?", when.strip().lower()):
+        when = str(time.time() + _every_ms(when) / 1000)  # a duration from now
+    done = await client.request("dispatchCommand", {
+        "type": f"thread.{args.command}", "commandId": uuid.uuid4().hex[:12],
+        "threadId": thread_id, "creationSource": "cli", **_given(snoozedUntil=when)})
+    until = done["result"].get("snoozedUntil")
+    _out(args, done["result"], f"{args.command.removesuffix('e')}ed {thread_id}" + (
+        f" until {_local_time(until)}" if until and args.command == "snooze" else ""))
+    return 0
+
+
+def _thread_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
+    rename = command("rename", "rename a thread, or have its agent title it",
+                     "Give a thread TITLE, or with --regenerate let its provider suggest a "
+                     "title from the first message (else one is made from that message).")
+    rename.add_argument("thread", metavar="THREAD")
+    rename.add_argument("title", metavar="TITLE", nargs="?")
+    rename.add_argument("--regenerate", action="store_true")
+    link = command("link-pr", "link a pull request to a thread",
+                   "Link the pull request at URL (http(s)://host/owner/repo/pull/N) to a thread.")
+    link.add_argument("thread", metavar="THREAD")
+    link.add_argument("url", metavar="URL")
+    for name, summary in (
+            ("unlink-pr", "remove a thread's pull request link"),
+            ("archive", "archive a thread: it leaves the list (threads --archived shows it); "
+                        "its queued runs are cancelled"),
+            ("unarchive", "bring an archived thread back to the list"),
+            ("delete", "delete a thread for good: never listed or read again"),
+            ("unsnooze", "wake a snoozed thread"), ("visit", "mark a thread as seen now")):
+        command(name, summary, summary[0].upper() + summary[1:] + ".").add_argument(
+            "thread", metavar="THREAD")
+    snooze = command("snooze", "snooze a thread until a time", (
+        "Snooze a thread until UNTIL: a duration from now (30m, 2h, 1d) or an ISO time. It "
+        "wakes early only for a pending request or a failed run."))
+    snooze.add_argument("thread", metavar="THREAD")
+    snooze.add_argument("until", metavar="UNTIL")
+
+
+_THREAD_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
+    "rename": _cmd_rename, "link-pr": _cmd_link_pr, "unlink-pr": _cmd_link_pr,
+    **{name: _cmd_lifecycle for name in ("archive", "unarchive", "delete", "snooze",
+                                         "unsnooze", "visit")}}
+
+
+# =============================================================================================
 # Command line
 
 
@@ -2894,7 +2993,7 @@ _COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] =
     "wait": _cmd_wait, "interrupt": _cmd_interrupt, "stop": _cmd_stop, "resume": _cmd_stop,
     "requests": _cmd_requests,
     "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
-    "schedule": _cmd_schedule, "unschedule": _cmd_unschedule}
+    "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, **_THREAD_COMMANDS}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -2951,6 +3050,9 @@ def _cli_parsers(sub: Any) -> None:
     threads.add_argument("--status", action="append", choices=["idle", *RunStatus],
                          help="only threads whose latest run has this status (repeatable)")
     threads.add_argument("--title", help="only threads whose title contains this")
+    threads.add_argument("--archived", action="store_true", help="only archived threads")
+    threads.add_argument("--snoozed", action=argparse.BooleanOptionalAction,
+                         help="only snoozed threads (--no-snoozed: only the others)")
     threads.add_argument("--limit", type=int, default=50, help="at most this many (1-100; 50)")
     show = command("show", "a thread's timeline, or follow it live",
                    "Print a thread's timeline: user and assistant messages, tool calls, "
@@ -3028,6 +3130,7 @@ def _cli_parsers(sub: Any) -> None:
     unschedule = command("unschedule", "delete a scheduled task",
                          "Delete a scheduled task for good (the threads of its past runs stay).")
     unschedule.add_argument("id", metavar="ID")
+    _thread_parsers(command)
 
 
 def _schedule_parser(parser: argparse.ArgumentParser, runtime_modes: Any) -> None:

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import secrets
 import urllib.parse
 import uuid
@@ -285,20 +286,27 @@ _CREATED = {"threadId": STRING, "runId": OPT_STRING, "status": THREAD_STATUS, "t
             "createdBy": ACTOR, "creationSource": SOURCE, "providerInstanceId": STRING,
             "model": OPT_STRING, "projectId": STRING, "link": STRING}
 _LINEAGE = {"parentThreadId": OPT_STRING, "relationshipToParent": OPT_STRING}
+PULL_REQUEST = _nullable(_shape({"repository": STRING, "number": INTEGER, "url": STRING}))
+TITLE_REGENERATION = _nullable(_shape({"requestId": STRING, "startedAt": STRING}))
+# What a person did with a thread, and what it still waits on (the seed's shell fields).
+_THREAD_STATE = {"archived": BOOLEAN, "snoozed": BOOLEAN, "snoozedUntil": OPT_STRING,
+                 "blockedOnThreadWait": BOOLEAN, "pendingBackgroundTasks": INTEGER,
+                 "linkedPullRequest": PULL_REQUEST}
 _THREAD_SHELL = _shape({
     "threadId": STRING, "title": STRING, "createdBy": ACTOR, "creationSource": SOURCE,
     "status": THREAD_STATUS, "latestRunId": OPT_STRING, "providerInstanceId": STRING,
     "model": OPT_STRING, "runtimeMode": RUNTIME, "interactionMode": INTERACTION, **_LINEAGE,
     "itemCount": INTEGER, "pendingRequestCount": INTEGER, "createdAt": STRING,
-    "updatedAt": STRING, "link": STRING})
+    "updatedAt": STRING, "link": STRING, **_THREAD_STATE})
 _THREAD_DETAIL = _shape({
     "threadId": STRING, "projectId": STRING, "title": STRING, "createdBy": ACTOR,
     "creationSource": SOURCE, "status": THREAD_STATUS, "latestRunId": OPT_STRING,
     "activeRunId": OPT_STRING, "providerInstanceId": STRING, "model": OPT_STRING,
     "runtimeMode": RUNTIME, "interactionMode": INTERACTION, "branch": OPT_STRING,
     "worktreePath": OPT_STRING, "workspacePath": OPT_STRING, **_LINEAGE, "runCount": INTEGER,
-    "itemCount": INTEGER, "pendingRequestCount": INTEGER, "archived": BOOLEAN,
-    "createdAt": STRING, "updatedAt": STRING, "link": STRING})
+    "itemCount": INTEGER, "pendingRequestCount": INTEGER, **_THREAD_STATE,
+    "titleRegeneration": TITLE_REGENERATION, "createdAt": STRING, "updatedAt": STRING,
+    "link": STRING})
 _RUN_SUMMARY = _shape({
     "runId": STRING, "ordinal": INTEGER, "status": _enum(list(RunStatus)),
     "statusReason": OPT_STRING, "providerInstanceId": STRING, "model": OPT_STRING,
@@ -404,6 +412,11 @@ _SCHEDULE_RESULT = {
 SCHEDULE_OUTPUT = _shape(_SCHEDULE_RESULT, optional=["hookUrl", "deliveries"])
 LIST_SCHEDULES_OUTPUT = _shape({"tasks": _list(SCHEDULE_OUTPUT)})
 DELETE_SCHEDULE_OUTPUT = _shape({"scheduledTaskId": STRING, "deleted": BOOLEAN})
+UPDATE_OUTPUT = _shape({"threadId": STRING, "action": _enum(orch.METADATA_ACTIONS),
+                        "commandId": STRING, "sequence": INTEGER, "title": STRING,
+                        "titleRegeneration": TITLE_REGENERATION,
+                        "linkedPullRequest": PULL_REQUEST, "updatedAt": STRING})
+_OWN_THREAD = {"threadId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}
 
 TOOLS: tuple[_Tool, ...] = (
     _Tool("orchestrator_capabilities",
@@ -458,12 +471,14 @@ TOOLS: tuple[_Tool, ...] = (
           "launch", LAUNCH_OUTPUT, destructive=True),
     _Tool("t3_thread_list",
           "List thread shells of one project, newest first (projectId, else the caller's or the "
-          "default project). Filter by run status and title; offset pagination with cursor.",
+          "default project). Filter by run status, title, snoozed, and archived (archived "
+          "threads are listed only with archived: true); offset pagination with cursor.",
           _object({"projectId": _text(256),
                    "statuses": {"type": "array", "maxItems": 10,
                                 "items": {"type": "string", "enum": RUN_STATUSES}},
                    "titleContains": {"type": "string", "maxLength": 256},
-                   "includeSubagents": {"type": "boolean"},
+                   "includeSubagents": {"type": "boolean"}, "archived": {"type": "boolean"},
+                   "snoozed": {"type": "boolean"},
                    "cursor": {"type": "integer", "minimum": 0},
                    "limit": {"type": "integer", "minimum": 1, "maximum": 100}}),
           "list_threads", LIST_OUTPUT, read_only=True),
@@ -481,6 +496,22 @@ TOOLS: tuple[_Tool, ...] = (
                    "maxCharsPerItem": {"type": "integer", "minimum": 1, "maximum": 50_000}},
                   ["threadId"]),
           "read_thread", READ_OUTPUT, read_only=True),
+    _Tool("t3_thread_update",
+          "Update a thread's metadata (threadId, else your own thread): action 'rename' with "
+          "title, or 'regenerate_title' (no title: the thread's provider suggests one from the "
+          "first message, shown as titleRegeneration until it lands). Reuse clientRequestId "
+          "when retrying.",
+          _object({**_OWN_THREAD, "action": {"type": "string",
+                                             "enum": ["rename", "regenerate_title"]},
+                   "title": _text(512)}, ["action"]),
+          "update_thread", UPDATE_OUTPUT, destructive=True),
+    _Tool("link_pull_request",
+          "Link a pull request to a thread (threadId, else your own): its http(s) URL, like "
+          "https://github.com/owner/repo/pull/123. Replaces an earlier link.",
+          _object({**_OWN_THREAD, "url": _text(2048)}, ["url"]), "link_pull_request",
+          UPDATE_OUTPUT, destructive=True),
+    _Tool("unlink_pull_request", "Remove a thread's pull request link (threadId, else your own).",
+          _object(_OWN_THREAD), "unlink_pull_request", UPDATE_OUTPUT, destructive=True),
     _Tool("t3_thread_send",
           "Send a message to a thread. mode 'auto' (default) starts an idle thread, steers an "
           "active turn, or queues behind a turn that cannot be steered yet; 'queue' makes a "
@@ -995,7 +1026,8 @@ class Toolkit:
             project.id, statuses=args.get("statuses") or (),
             title_contains=args.get("titleContains") or "",
             include_subagents=args.get("includeSubagents", True), offset=cursor,
-            limit=args.get("limit", 50))
+            limit=args.get("limit", 50), archived=args.get("archived", False),
+            snoozed=args.get("snoozed"), now=self.orch.now())
         page = [self._shell(row) for row in rows]
         more = cursor + len(page) < total
         return {"projectId": project.id, "currentThreadId": scope.thread_id, "threads": page,
@@ -1008,7 +1040,8 @@ class Toolkit:
         detail = self._detail(state)
         return {**self._shell({"thread": state.thread.to_json(), **{
             k: detail[k] for k in ("latestRunId", "status", "updatedAt", "itemCount",
-                                   "pendingRequestCount")}}), "projectId": state.thread.project_id}
+                                   "pendingRequestCount", "snoozed", "pendingBackgroundTasks")}}),
+                "projectId": state.thread.project_id}
 
     def _shell(self, row: Mapping[str, Any]) -> dict[str, Any]:
         thread = row["thread"]
@@ -1022,7 +1055,7 @@ class Toolkit:
                 "relationshipToParent": thread["lineage"].get("relationshipToParent"),
                 "itemCount": row["itemCount"], "pendingRequestCount": row["pendingRequestCount"],
                 "createdAt": thread["createdAt"], "updatedAt": row["updatedAt"],
-                "link": self.ctx.link(thread["id"])}
+                "link": self.ctx.link(thread["id"]), **_thread_state(thread, row)}
 
     async def _read_thread(self, scope: Scope, args: Mapping[str, Any], _: Any
                            ) -> dict[str, Any]:
@@ -1095,7 +1128,10 @@ class Toolkit:
                 "relationshipToParent": thread.lineage.get("relationshipToParent"),
                 "runCount": len(state.runs), "itemCount": len(state.entities["turn-item"]),
                 "pendingRequestCount": len(state.pending_requests()),
-                "archived": thread.archived_at is not None, "createdAt": thread.created_at,
+                **_thread_state(thread.to_json(), {
+                    "status": state.status(), "snoozed": state.snoozed(self.orch.now()),
+                    "pendingBackgroundTasks": state.pending_background_tasks()}),
+                "titleRegeneration": thread.title_regeneration, "createdAt": thread.created_at,
                 "updatedAt": max([thread.updated_at, *(t for t in (
                     (latest.requested_at, latest.completed_at) if latest else ()) if t)]),
                 "link": self.ctx.link(thread.id)}
@@ -1195,6 +1231,42 @@ class Toolkit:
             command_id=self._id("command", "mcp", scope.key, "respond", request.id,
                                 self._key(args)))
 
+
+    # -- thread metadata (t3_thread_update, link/unlink_pull_request) ------------------------------
+
+    async def _update_thread(self, scope: Scope, args: Mapping[str, Any], _: Any
+                             ) -> dict[str, Any]:
+        if (args["action"] == "rename") != ("title" in args):
+            raise ToolFailure("invalid_request", "title: required for rename, refused for "
+                                                 "regenerate_title")
+        return await self._change_metadata(scope, args, args["action"], title=args.get("title"))
+
+    async def _link_pull_request(self, scope: Scope, args: Mapping[str, Any], _: Any
+                                 ) -> dict[str, Any]:
+        return await self._change_metadata(scope, args, "link_pull_request",
+                                           pull_request=_pull_request(args["url"]))
+
+    async def _unlink_pull_request(self, scope: Scope, args: Mapping[str, Any], _: Any
+                                   ) -> dict[str, Any]:
+        return await self._change_metadata(scope, args, "unlink_pull_request")
+
+    async def _change_metadata(self, scope: Scope, args: Mapping[str, Any], action: str,
+                               **change: Any) -> dict[str, Any]:
+        """One metadata action on the target thread (default: the caller's). Another thread
+        takes the caller's live run and may not have broader modes (as t3_thread_send)."""
+        thread_id = args.get("threadId") or self._thread_caller(scope, f"{action} without "
+                                                                      "threadId")
+        state = await self._thread(thread_id)
+        caller = await self._require_live_caller(scope, thread_id, action)
+        if caller is not None and caller.thread is not None and caller.thread.id != thread_id \
+                and state.thread is not None:
+            self.threads.ceiling(caller.thread, state.thread.runtime_mode,
+                                 state.thread.interaction_mode)
+        command = orch.UpdateThreadMetadata(
+            command_id=self._id("command", "mcp", scope.key, "thread-update", action, thread_id,
+                                self._key(args)), thread_id=thread_id, action=action, **change)
+        result = await self.orch.dispatch(command)
+        return {**result.result, "sequence": result.sequence}
 
     # -- scheduled tasks -------------------------------------------------------------------------
 
@@ -1453,6 +1525,30 @@ def _live_run(state: ThreadState, scope: Scope) -> orch.Run | None:
             or pthread.provider_session_id != scope.provider_session_id:
         return None
     return run
+
+
+_PULL_REQUEST_URL = re.compile(
+    r"https?://[^/\s?#]+/([^/\s?#]+/[^/\s?#]+)/(?:pull|pulls|-/merge_requests)/(\d{1,9})/?")
+
+
+def _pull_request(url: str) -> dict[str, Any]:
+    """A pull (or merge) request's URL as {repository, number, url}; anything else is refused."""
+    match = _PULL_REQUEST_URL.fullmatch(url)
+    if match is None:
+        raise ToolFailure("invalid_request", "url: not a pull request URL (expected "
+                                             "http(s)://host/owner/repo/pull/NUMBER)")
+    return {"repository": match[1], "number": int(match[2]), "url": url}
+
+
+def _thread_state(thread: Mapping[str, Any], row: Mapping[str, Any]) -> dict[str, Any]:
+    """The shell fields of ``_THREAD_STATE`` from a thread's JSON and its list row. A thread
+    whose own turn is over while tasks it delegated still work waits on those threads."""
+    return {"archived": thread.get("archivedAt") is not None, "snoozed": row["snoozed"],
+            "snoozedUntil": thread.get("snoozedUntil"),
+            "blockedOnThreadWait": row["pendingBackgroundTasks"] > 0 and row["status"] in (
+                "idle", RunStatus.WAITING, *RUN_TERMINAL),
+            "pendingBackgroundTasks": row["pendingBackgroundTasks"],
+            "linkedPullRequest": thread.get("linkedPullRequest")}
 
 
 def _request_summary(request: orch.RuntimeRequest) -> dict[str, Any]:

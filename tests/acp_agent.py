@@ -44,6 +44,10 @@ in its text (case-sensitive tokens; see below for their order and combinations):
   ECHO_ENV             reply with the agent's environment as JSON (keys sorted)
   (none of the above)  "Hello from scripted agent. You said: <text>" in 3 chunks
 
+A prompt that starts with `<t3_title_request>` (t3's title regeneration) is answered only with
+"Scripted title: <the first 3 words after its first blank line>", or, if it holds the word
+NO_TITLE, with JSON-RPC error -32603 (t3 then falls back to a title of its own).
+
 A prompt runs these steps in the order listed: CRASH/KILL_SELF/HALF_LINE/ORPHAN/HANG/FAIL end it;
 THINK/PLAN/BACKGROUND add updates; DETACH; then the DELAYED_CALL lines (scheduled), the CALL_TOOL
 lines, the ECHO_PROMPT line; then at most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, ECHO_CWD,
@@ -88,6 +92,7 @@ QUESTIONS = [
     {"question": "Which sizes?", "header": "Sizes", "multiSelect": True,
      "options": [{"label": "S"}, {"label": "M"}, {"label": "L"}]}]
 INSTRUCTIONS_TAG = "<t3_code_orchestration_instructions>"
+TITLE_TAG = "<t3_title_request>"
 PERMISSION_OPTIONS = [
     {"optionId": "allow-once", "name": "Allow", "kind": "allow_once"},
     {"optionId": "allow-always", "name": "Always allow", "kind": "allow_always"},
@@ -376,6 +381,11 @@ class Agent:
                     self.save(sid, "agent", turn.text)
 
     async def script(self, t, s, text):
+        if text.startswith(TITLE_TAG):  # t3's title request: the quoted message triggers nothing
+            if has_word(text, "NO_TITLE"):
+                raise RpcError(-32603, "scripted: no title")
+            t.chunk("Scripted title: " + " ".join(text.split("\n\n", 1)[-1].split()[:3]))
+            return "end_turn"
         calls, delayed, rest = parse_calls(text)  # triggers are words of `rest`
         if has_word(rest, "CRASH"):
             t.chunk("about to crash")

@@ -163,6 +163,11 @@ def test_every_client_command_can_be_dispatched(t3_factory, tmp_path: Path) -> N
         await send({"type": "run.interrupt", "commandId": "i", "threadId": pid, "runId": prun})
         await send({"type": "thread.stop", "commandId": "s", "threadId": pid})
         await send({"type": "thread.resume", "commandId": "u", "threadId": pid})
+        idle = (await send({"type": "thread.create", "commandId": "l"}))["threadId"]
+        for kind, extra in (("thread.snooze", {"snoozedUntil": "2099-01-01T00:00:00Z"}),
+                            ("thread.unsnooze", {}), ("thread.visit", {}), ("thread.archive", {}),
+                            ("thread.unarchive", {}), ("thread.delete", {})):
+            await send({"type": kind, "commandId": kind, "threadId": idle, **extra})
         for internal in ("provider.ingest", "thread.recover", "run.fail"):
             with pytest.raises(server.WsError) as refused:
                 await client.request("dispatchCommand", {"type": internal, "commandId": "z"})
