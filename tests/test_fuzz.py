@@ -436,6 +436,9 @@ def call_and_check(target: Target, tool: str, args: Mapping[str, Any]) -> ToolRe
         assert isinstance(result.structured, dict) and json.loads(result.text) == result.structured
         if tool in STARTS_WORK and args.get("threadId") in target.thread_ids:
             target.settle([args["threadId"]])
+        if tool == "t3_thread_update" and args["action"] == "regenerate_title":
+            wait_until(lambda: target.call("t3_thread_read", {"threadId": args["threadId"]})
+                       .structured["thread"]["titleRegeneration"] is None, 60)  # its effect
         return result
     assert result.structured and result.structured.get("_tag") == "OrchestratorMcpFailure", \
         result.text
