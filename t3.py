@@ -1765,14 +1765,8 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                                              insecure_sockets=[] if hconfig.ssl_enabled else [sock],
                                              quic_sockets=[]),
             shutdown_trigger=http_stop.wait))
-        _write_private_atomic(server_json, json.dumps({
-            "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp",
-            "wsUrl": f"{'wss' if hconfig.ssl_enabled else 'ws'}://{url_host}:{port}/ws",
-            "port": port, "environmentId": environment_id,
-            "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n",
-            replace=True)
-        print(f"t3 {VERSION} ready: MCP at {url}/mcp (client token in {data_dir / 'client-token'})",
-              file=sys.stderr, flush=True)
+        _announce(server_json, url=url, ws_url=f"{'wss' if hconfig.ssl_enabled else 'ws'}://"
+                  f"{url_host}:{port}/ws", port=port, environment_id=environment_id)
         stopped = loop.create_task(stop.wait())
         await asyncio.wait({server, stopped}, return_when=asyncio.FIRST_COMPLETED)
         log.info("shutting down")
@@ -1787,6 +1781,18 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         sock.close()
     log.info("stopped")
     return 0
+
+
+def _announce(server_json: Path, *, url: str, ws_url: str, port: int,
+              environment_id: str) -> None:
+    """server.json (how the commands for people find the server), then the ready line."""
+    _write_private_atomic(server_json, json.dumps({
+        "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp", "wsUrl": ws_url, "port": port,
+        "environmentId": environment_id,
+        "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n",
+        replace=True)
+    print(f"t3 {VERSION} ready: MCP at {url}/mcp (client token in "
+          f"{server_json.parent / 'client-token'})", file=sys.stderr, flush=True)
 
 
 async def _shut_down(*, orch: Any, clients: ClientApi, server: asyncio.Task[Any],
@@ -3088,6 +3094,14 @@ def _cli_parsers(sub: Any) -> None:
     wait.add_argument("--run", help="this run instead of the latest")
     wait.add_argument("--timeout", type=float, metavar="SECONDS",
                       help="give up after this long (default: no limit); the run goes on")
+    _control_parsers(command, RuntimeMode)
+    _thread_parsers(command)
+
+
+def _control_parsers(command: Callable[[str, str, str], argparse.ArgumentParser],
+                     RuntimeMode: Any) -> None:  # noqa: N803 - the enum, as in _cli_parsers
+    """Commands that steer threads and answer them: interrupt, stop, resume, requests, answer,
+    tasks, and the scheduled tasks'."""
     interrupt = command("interrupt", "interrupt a thread's active run",
                         "Interrupt the thread's newest active run (or --run).")
     interrupt.add_argument("thread", metavar="THREAD")
@@ -3130,7 +3144,6 @@ def _cli_parsers(sub: Any) -> None:
     unschedule = command("unschedule", "delete a scheduled task",
                          "Delete a scheduled task for good (the threads of its past runs stay).")
     unschedule.add_argument("id", metavar="ID")
-    _thread_parsers(command)
 
 
 def _schedule_parser(parser: argparse.ArgumentParser, runtime_modes: Any) -> None:
