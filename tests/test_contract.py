@@ -53,7 +53,7 @@ class Profile:
     script: Script
     api: str | None = None        # the fake model API the CLI speaks; None: no model (scripted)
     native_steer: bool = False    # else t3 steers by interrupt and restart (a second attempt)
-    approvals: bool = True        # else tools run without asking, even in approval-required mode
+    approvals: bool = True        # else only full-access is offered: approval-required is refused
     steer_xfail: str | None = None
     resume_skip: str | None = None
 
@@ -136,10 +136,15 @@ def test_text_turn(driver: Driver) -> None:
 
 def test_tool_call(driver: Driver) -> None:
     """In approval-required mode a shell command becomes a runtime request (kind "command") and
-    accepting it lets the turn finish with the command's output; an agent without approvals
-    runs it without asking."""
+    accepting it lets the turn finish with the command's output. A driver t3 cannot hold to
+    approvals refuses approval-required (never runs it unrestricted) and runs it in full-access."""
     mcp = driver.mcp
-    created = create(mcp, driver.script.use_tool, runtimeMode="approval-required")
+    if not driver.profile.approvals:
+        refused = mcp.call("create_threads", {"threads": [{
+            "prompt": driver.script.use_tool, "runtimeMode": "approval-required"}]})
+        assert refused.failure_code == "invalid_request", refused.structured
+    created = create(mcp, driver.script.use_tool, runtimeMode="approval-required"
+                     if driver.profile.approvals else "full-access")
     state = wait(mcp, created["threadId"])
     if driver.profile.approvals:
         assert state["pendingApproval"] is not None, state
