@@ -478,6 +478,37 @@ class ContextTransfer(_Entity):
     consumed_at: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Checkpoint(_Entity):
+    """The workspace as a hidden git ref (workspace.py) at one point of a thread: ordinal 0
+    before its first run, N after run N's root turn. ``files`` are the changes against the
+    previous checkpoint: [{path, kind, additions, deletions}]."""
+
+    kind: ClassVar[str] = "checkpoint"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {
+        "status": frozenset({"ready", "missing", "error", "stale"})}
+    id: str
+    thread_id: str
+    scope_id: str
+    run_id: str | None
+    ordinal: int  # ordinalWithinScope = the app run ordinal (0: the thread's baseline)
+    status: str  # ready | missing (not in a git repository) | error (git failed) | stale
+    files: Sequence[Mapping[str, Any]]
+    captured_at: str
+    ref: str | None = None
+    commit: str | None = None
+    parent_checkpoint_id: str | None = None
+    status_reason: str | None = None
+
+
+def checkpoint_scope_id(thread_id: str) -> str:
+    return bounded_id(f"checkpoint-scope:thread:{thread_id}:name:root")
+
+
+def checkpoint_id(thread_id: str, ordinal: int) -> str:
+    return bounded_id(f"checkpoint:scope:{checkpoint_scope_id(thread_id)}:name:{ordinal}")
+
+
 SCHEDULE_RUN_STATUSES = frozenset({"never", "running", "succeeded", "failed"})
 
 
@@ -552,7 +583,7 @@ _ENTITY_TYPES: dict[str, type[_Entity]] = {
     cls.kind: cls for cls in (AppThread, Run, RunAttempt, ExecutionNode, ProviderSession,
                               ProviderThread, ProviderTurn, RuntimeRequest, ConversationMessage,
                               TurnItem, Subagent, ContextTransfer, ScheduledTask,
-                              WebhookDelivery)}
+                              WebhookDelivery, Checkpoint)}
 _EVENT_TYPE = {kind: f"{kind}.updated" for kind in _ENTITY_TYPES}
 
 
@@ -739,6 +770,16 @@ class ProviderSessionHandle(Protocol):
                       answers: Mapping[str, Any] | None) -> None: ...
     def alive(self) -> bool: ...
     async def close(self, *, grace: float = 3.0) -> None: ...
+
+
+class GitWorkspaces(Protocol):
+    """Git as an effect (workspace.py's Workspaces, handed in by t3.py)."""
+
+    def checkpoint_ref(self, thread_id: str, ordinal: int) -> str: ...
+    async def top_level(self, cwd: str) -> str | None: ...
+    async def capture(self, cwd: str, ref: str) -> str | None: ...
+    async def ref_commit(self, cwd: str, ref: str) -> str | None: ...
+    async def diff(self, cwd: str, before: str | None, after: str) -> Any: ...
 
 
 class ProviderAdapter(Protocol):
@@ -1003,10 +1044,14 @@ class IngestProviderEvents:
 
 @dataclass(frozen=True, slots=True)
 class CompleteRun:
+    """A waiting run's finalization; ``checkpoints`` are what its capture found (Orchestrator.
+    _capture_checkpoints): {ordinal, status, ref?, commit?, files, reason?} each."""
+
     type: ClassVar[str] = "run.complete"
     command_id: str
     thread_id: str
     run_id: str
+    checkpoints: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1862,10 +1907,41 @@ def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     root = d.get("node", run.root_node_id)
     if root is not None:
         d.put(replace(root, status="completed", completed_at=d.now))
-    run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now))
+    checkpoint = _record_checkpoints(d, run, c.checkpoints)
+    run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now,
+                        checkpoint_id=checkpoint.id if checkpoint else run.checkpoint_id))
     _finalize_if_settled(d, run)
     _promote_queued(d)
     return {"runId": run.id, "status": run.status}
+
+
+def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
+                        ) -> Checkpoint | None:
+    """The checkpoints a finalization captured (baselines first, the run's own last; ones the
+    thread already has are kept), and the run's ``checkpoint`` turn item; the run's one."""
+    made = None
+    for record in sorted(found, key=lambda r: r["ordinal"]):
+        n = record["ordinal"]
+        if d.get("checkpoint", checkpoint_id(run.thread_id, n)) is not None:
+            continue
+        made = d.put(Checkpoint(
+            id=checkpoint_id(run.thread_id, n), thread_id=run.thread_id,
+            scope_id=checkpoint_scope_id(run.thread_id), run_id=run.id if n == run.ordinal
+            else None, ordinal=n, status=record["status"], files=record.get("files") or [],
+            captured_at=d.now, ref=record.get("ref"), commit=record.get("commit"),
+            parent_checkpoint_id=checkpoint_id(run.thread_id, n - 1) if n else None,
+            status_reason=record.get("reason")), "checkpoint.captured")
+    if made is None or made.ordinal != run.ordinal:
+        return None
+    d.put(TurnItem(id=bounded_id(f"turn-item:checkpoint:{made.id}"), thread_id=run.thread_id,
+                   run_id=run.id, node_id=run.root_node_id, type="checkpoint",
+                   status="completed", position=d.position(), updated_at=d.now,
+                   title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
+                   if made.status == "ready" else f"Checkpoint {made.ordinal}: {made.status}",
+                   data={"checkpointId": made.id, "scopeId": made.scope_id,
+                         "status": made.status, "files": made.files},
+                   started_at=d.now, completed_at=d.now))
+    return made
 
 
 def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
@@ -3056,8 +3132,10 @@ class Orchestrator:
                  coalesce_s: float = 0.02, backoff_base_ms: int = 100,
                  credentials: SessionCredentials | None = None,
                  max_live_agent_processes: int = 16,
-                 redact: Callable[[str], str] | None = None) -> None:
+                 redact: Callable[[str], str] | None = None,
+                 workspaces: GitWorkspaces | None = None) -> None:
         self._store = store
+        self.workspaces = workspaces
         self._adapters = dict(adapters)
         self.providers = providers  # read live: an instance may become available later
         self._clock = clock
@@ -3607,14 +3685,73 @@ class Orchestrator:
         elif row.effect_type == "thread-title.generate":
             await self._regenerate_title(p["threadId"], p["requestId"])
         elif row.effect_type == "run.finalize":
+            state = await self.state(row.thread_id)
+            run = state.run(p["runId"]) if state else None
+            if state is None or run is None or run.status != RunStatus.WAITING:
+                return  # already finalized (a replay after a crash): the effect is idempotent
+            found = await self._capture_checkpoints(state, run)
             try:
                 await self.dispatch(CompleteRun(
                     command_id=bounded_id(f"command:finalize:{p['runId']}"),
-                    thread_id=row.thread_id, run_id=p["runId"]))
+                    thread_id=row.thread_id, run_id=p["runId"], checkpoints=found))
             except CommandRejected:
-                pass  # already finalized: the effect is idempotent
+                pass  # finalized meanwhile
         else:
             raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
+
+    # -- checkpoints (git work through self.workspaces) ------------------------------------------
+
+    async def _capture_baseline(self, state: ThreadState, run: Run) -> None:
+        """Before a run's turn: record the workspace as checkpoint ordinal-1 when the thread has
+        none ready yet (its first run, or one after a run that ended without a capture). A git
+        failure only loses the baseline (its checkpoint is then missing); the turn goes on."""
+        thread, ws = state.thread, self.workspaces
+        previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id,
+                                                                  run.ordinal - 1))
+        attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
+        if ws is None or thread is None or not thread.workspace or (
+                previous is not None and previous.status == "ready") or (
+                attempt is not None and attempt.attempt_ordinal > 1):
+            return
+        try:
+            await ws.capture(thread.workspace, ws.checkpoint_ref(thread.id, run.ordinal - 1))
+        except Exception as exc:
+            log.warning("baseline checkpoint of %s not captured: %s", run.id, exc)
+
+    async def _capture_checkpoints(self, state: ThreadState, run: Run
+                                   ) -> tuple[dict[str, Any], ...]:
+        """What a finished root turn records (CompleteRun.checkpoints): the baselines 0 and
+        ordinal-1 the thread does not have yet (ready when their ref exists), and the run's own
+        capture with its files against ordinal-1. Outside git all are ``missing``; a git failure
+        makes the run's ``error`` with the reason. Capturing again after a crash is harmless:
+        the ref is simply rewritten."""
+        thread, ws, n = state.thread, self.workspaces, run.ordinal
+        assert thread is not None
+        have = {c.ordinal for c in state.entities["checkpoint"].values()}
+        ordinals = [*sorted({0, n - 1} - have), n]
+        cwd = thread.workspace
+        if ws is None or not cwd or await ws.top_level(cwd) is None:
+            return tuple({"ordinal": o, "status": "missing"} for o in ordinals)
+        found: list[dict[str, Any]] = []
+        try:
+            for o in ordinals[:-1]:
+                ref = ws.checkpoint_ref(thread.id, o)
+                commit = await ws.ref_commit(cwd, ref)
+                found.append({"ordinal": o, "status": "ready" if commit else "missing",
+                              "ref": ref, "commit": commit})
+            before = await ws.ref_commit(cwd, ws.checkpoint_ref(thread.id, n - 1)) if n else None
+            ref = ws.checkpoint_ref(thread.id, n)
+            commit = await ws.capture(cwd, ref)
+            files = [{"path": f.path, "kind": f.kind, "additions": f.additions,
+                      "deletions": f.deletions}
+                     for f in (await ws.diff(cwd, before, commit)).files] if before else []
+            found.append({"ordinal": n, "status": "ready", "ref": ref, "commit": commit,
+                          "files": files})
+        except Exception as exc:  # GitError, OSError: the run completes all the same
+            log.warning("checkpoint of %s failed: %s", run.id, exc)
+            found = [f for f in found if f["ordinal"] != n] + [
+                {"ordinal": n, "status": "error", "reason": str(exc)[:1000]}]
+        return tuple(found)
 
     async def _regenerate_title(self, thread_id: str, request_id: str) -> None:
         """Ask the thread's provider for a title, else take ``title_fallback``; skipped once a
@@ -3714,6 +3851,7 @@ class Orchestrator:
         except CommandRejected:
             live.turn = None
             return
+        await self._capture_baseline(state, run)
         try:
             await live.handle.start_turn(message.text if message else "")
         except Exception as exc:

@@ -1306,7 +1306,8 @@ _PROJECTION_KEYS = {"run": "runs", "run-attempt": "attempts", "node": "nodes",
                     "subagent": "subagents", "provider-session": "providerSessions",
                     "provider-thread": "providerThreads", "provider-turn": "providerTurns",
                     "runtime-request": "runtimeRequests", "message": "messages",
-                    "turn-item": "turnItems", "context-transfer": "contextTransfers"}
+                    "turn-item": "turnItems", "context-transfer": "contextTransfers",
+                    "checkpoint": "checkpoints"}
 
 
 def _thread_id(params: Mapping[str, Any]) -> str:
@@ -1815,7 +1816,9 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
                         credentials: Credentials, *, prov: Any, orchestrator_cls: Any,
                         toolkit_cls: Any, context_cls: Any, project_cls: Any, base_url: str,
                         clock: TestClock | None) -> tuple[Any, dict[str, Any], Any]:
-    """Adapters, the orchestrator (recovered and started) and the toolkit over it."""
+    """Adapters, the orchestrator (recovered and started) and the toolkit over it; git work
+    (workspace.py) is handed to the orchestrator as the adapters are."""
+    from workspace import Workspaces  # made under the data-dir lock: it clears stray indexes
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
@@ -1824,7 +1827,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                             credentials=credentials,
                             max_live_agent_processes=config.max_live_agent_processes,
-                            redact=prov.redact,
+                            redact=prov.redact, workspaces=Workspaces(data_dir),
                             **({"clock": clock.iso, "wall": clock.now} if clock else {}))
     await store.sync_projects(config.projects)
     recovered = await orch.recover(

@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from store import crash_point
+
 __all__ = ["GitError", "Workspaces", "FileChange", "Diff", "checkpoint_ref"]
 
 GIT_TIMEOUT_S = 120.0
@@ -63,6 +65,8 @@ def checkpoint_ref(thread_id: str, ordinal: int) -> str:
 class Workspaces:
     """Git worktrees under ``<data-dir>/worktrees``, checkpoints, diffs and restores."""
 
+    checkpoint_ref = staticmethod(checkpoint_ref)  # the orchestrator reaches it only through here
+
     def __init__(self, data_dir: Path) -> None:
         self.worktrees_dir = data_dir / "worktrees"
         self._index_dir = data_dir / "git-index"
@@ -94,6 +98,7 @@ class Workspaces:
                 await _git(root, "read-tree", *([head] if head else ["--empty"]), env=env)
                 await _git(root, "add", "--all", "--", ".", env=env)
                 tree = (await _git(root, "write-tree", env=env)).strip()
+                crash_point(f"checkpoint:capture:{ref.rsplit('/', 1)[-1]}")  # the index exists
                 commit = (await _git(root, "commit-tree", tree, "-m",
                                      f"t3 checkpoint {ref}", env=_author())).strip()
                 await _git(root, "update-ref", ref, commit)
@@ -101,6 +106,10 @@ class Workspaces:
                 index.unlink(missing_ok=True)
                 Path(f"{index}.lock").unlink(missing_ok=True)
         return commit
+
+    async def ref_commit(self, cwd: str, ref: str) -> str | None:
+        """The commit ``ref`` names in the repository holding ``cwd``, or None."""
+        return await _maybe(cwd, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}") or None
 
     async def diff(self, cwd: str, before: str | None, after: str) -> Diff:
         """What changed from checkpoint ``before`` (None: nothing) to ``after``."""

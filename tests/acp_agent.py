@@ -39,6 +39,9 @@ in its text (case-sensitive tokens; see below for their order and combinations):
   SLOW[:n]             n chunks "chunk <i> " (default 40), SCRIPTED_AGENT_CHUNK_DELAY seconds
                        apart (default 0.05), then "done"; session/cancel stops it at once
   FAST:n               n tiny chunks as fast as possible (throughput benchmarks)
+  WRITE_FILE path text (a whole line) write "text\n" (a literal \n in it is a line break) to path,
+                       relative to the session cwd (parent folders made); line "wrote <path>"
+  DELETE_FILE path     (a whole line) delete path, relative to the session cwd; line "deleted <path>"
   ECHO_CWD             reply with the session cwd
   ECHO_MCP             reply with the session's mcpServers, header values redacted
   ECHO_ENV             reply with the agent's environment as JSON (keys sorted)
@@ -50,7 +53,7 @@ NO_TITLE, with JSON-RPC error -32603 (t3 then falls back to a title of its own).
 
 A prompt runs these steps in the order listed: CRASH/KILL_SELF/HALF_LINE/ORPHAN/HANG/FAIL end it;
 THINK/PLAN/BACKGROUND add updates; DETACH; then the DELAYED_CALL lines (scheduled), the CALL_TOOL
-lines, the ECHO_PROMPT line; then at most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, ECHO_CWD,
+lines, the WRITE_FILE / DELETE_FILE lines, the ECHO_PROMPT line; then at most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, ECHO_CWD,
 ECHO_MCP, ECHO_ENV (first found), and the hello reply only when nothing else replied. Outputs of
 different steps are separated by "\n". Trigger words are looked for
 outside the CALL_TOOL / DELAYED_CALL lines, so a call's JSON arguments (e.g. a prompt for another
@@ -100,6 +103,7 @@ PERMISSION_OPTIONS = [
 MCP_VERSION = "2025-06-18"
 MCP_TIMEOUT = 700.0  # per socket operation; t3's waits last up to 600 s
 CALL_LINE = re.compile(r"[ \t]*CALL_TOOL[ \t]+(\S+)[ \t]*(.*?)\s*")
+FILE_LINE = re.compile(r"[ \t]*(WRITE_FILE|DELETE_FILE)[ \t]+(\S+)[ \t]?(.*)")
 DELAYED_LINE = re.compile(r"[ \t]*DELAYED_CALL[ \t]+(\d+(?:\.\d*)?|\.\d+)[ \t]+(\S+)[ \t]*(.*?)\s*")
 
 
@@ -124,16 +128,19 @@ class McpError(Exception):
 
 
 def parse_calls(text):
-    """-> ([(tool, raw_args)], [(seconds, tool, raw_args)], text without those lines)."""
-    calls, delayed, rest = [], [], []
+    """-> ([(tool, raw_args)], [(seconds, tool, raw_args)], text without those lines, and
+    [(WRITE_FILE | DELETE_FILE, path, text)])."""
+    calls, delayed, rest, files = [], [], [], []
     for line in text.split("\n"):
         if m := CALL_LINE.fullmatch(line):
             calls.append((m[1], m[2]))
+        elif m := FILE_LINE.fullmatch(line):
+            files.append((m[1], m[2], m[3]))
         elif m := DELAYED_LINE.fullmatch(line):
             delayed.append((float(m[1]), m[2], m[3]))
         else:
             rest.append(line)
-    return calls, delayed, "\n".join(rest)
+    return calls, delayed, "\n".join(rest), files
 
 
 @dataclass
@@ -386,7 +393,7 @@ class Agent:
                 raise RpcError(-32603, "scripted: no title")
             t.chunk("Scripted title: " + " ".join(text.split("\n\n", 1)[-1].split()[:3]))
             return "end_turn"
-        calls, delayed, rest = parse_calls(text)  # triggers are words of `rest`
+        calls, delayed, rest, files = parse_calls(text)  # triggers are words of `rest`
         if has_word(rest, "CRASH"):
             t.chunk("about to crash")
             os._exit(3)
@@ -433,6 +440,16 @@ class Agent:
             t.line(f"scheduled {len(delayed)} call(s)")
         for name, raw_args in calls:
             await self.call_tool(t, s, name, raw_args)
+        for word, path, content in files:
+            target = os.path.join(s.cwd, path)
+            if word == "DELETE_FILE":
+                os.unlink(target)
+                t.line(f"deleted {path}")
+                continue
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "w") as f:
+                f.write(content.replace("\\n", "\n") + "\n")
+            t.line(f"wrote {path}")
         if has_word(rest, "ECHO_PROMPT"):
             t.line(text)
         t.new_line = bool(t.text)
