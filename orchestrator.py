@@ -501,6 +501,12 @@ class Checkpoint(_Entity):
     status_reason: str | None = None
 
 
+def file_changes(diff: Any) -> list[dict[str, Any]]:
+    """A workspace Diff's files as checkpoints and diffs carry them."""
+    return [{"path": f.path, "kind": f.kind, "additions": f.additions, "deletions": f.deletions}
+            for f in diff.files]
+
+
 def checkpoint_scope_id(thread_id: str) -> str:
     return bounded_id(f"checkpoint-scope:thread:{thread_id}:name:root")
 
@@ -1931,13 +1937,13 @@ def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
             captured_at=d.now, ref=record.get("ref"), commit=record.get("commit"),
             parent_checkpoint_id=checkpoint_id(run.thread_id, n - 1) if n else None,
             status_reason=record.get("reason")), "checkpoint.captured")
-    if made is None or made.ordinal != run.ordinal:
-        return None
+    if made is None or made.ordinal != run.ordinal or made.status == "missing":
+        return made  # outside git the timeline says nothing
     d.put(TurnItem(id=bounded_id(f"turn-item:checkpoint:{made.id}"), thread_id=run.thread_id,
                    run_id=run.id, node_id=run.root_node_id, type="checkpoint",
                    status="completed", position=d.position(), updated_at=d.now,
                    title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
-                   if made.status == "ready" else f"Checkpoint {made.ordinal}: {made.status}",
+                   if made.status == "ready" else f"Checkpoint {made.ordinal}: git failed",
                    data={"checkpointId": made.id, "scopeId": made.scope_id,
                          "status": made.status, "files": made.files},
                    started_at=d.now, completed_at=d.now))
@@ -3742,9 +3748,7 @@ class Orchestrator:
             before = await ws.ref_commit(cwd, ws.checkpoint_ref(thread.id, n - 1)) if n else None
             ref = ws.checkpoint_ref(thread.id, n)
             commit = await ws.capture(cwd, ref)
-            files = [{"path": f.path, "kind": f.kind, "additions": f.additions,
-                      "deletions": f.deletions}
-                     for f in (await ws.diff(cwd, before, commit)).files] if before else []
+            files = file_changes(await ws.diff(cwd, before, commit)) if before else []
             found.append({"ordinal": n, "status": "ready", "ref": ref, "commit": commit,
                           "files": files})
         except Exception as exc:  # GitError, OSError: the run completes all the same
@@ -4171,6 +4175,51 @@ class ThreadService:
         if state is None or state.thread is None or state.thread.deleted_at is not None:
             raise T3Error(f"thread {thread_id} was not found", code="thread_not_found")
         return state
+
+    async def diff(self, thread_id: str, *, run_id: str | None = None,
+                   ordinal: int | None = None) -> dict[str, Any]:
+        """The unified diff of one run (by id or ordinal: its checkpoint against the one before
+        it) or, with neither, of the whole thread (its first ready checkpoint against its newest),
+        bounded (workspace.MAX_DIFF_CHARS) with a truncation flag. Unless both sides are ready
+        checkpoints, ``status`` says why there is none (pending, missing, error) in ``reason``."""
+        state = await self.thread(thread_id)
+        cps = {c.ordinal: c for c in state.entities["checkpoint"].values()}
+        run = None
+        if run_id is not None or ordinal is not None:
+            run = state.run(run_id) if run_id else next(
+                (r for r in state.runs if r.ordinal == ordinal), None)
+            if run is None or ordinal not in (None, run.ordinal):
+                raise T3Error(f"thread {thread_id} has no run {run_id or ordinal}",
+                              code="run_not_found")
+            before, after = cps.get(run.ordinal - 1), cps.get(run.ordinal)
+        else:
+            ready = sorted(n for n, c in cps.items() if c.status == "ready")
+            before, after = (cps[ready[0]], cps[ready[-1]]) if ready else (None, None)
+        result: dict[str, Any] = {
+            "threadId": thread_id, "runId": run.id if run else None,
+            "ordinal": run.ordinal if run else None, "status": "ready", "reason": None,
+            "fromCheckpointId": before.id if before else None,
+            "toCheckpointId": after.id if after else None, "files": [], "diff": "",
+            "truncated": False}
+        for side, name in ((after, "this run's"), (before, "the previous")):
+            if side is None or side.status != "ready":
+                status = side.status if side else "pending" if run and run.status not in \
+                    RUN_TERMINAL else "missing"
+                why = side.status_reason if side else None
+                return {**result, "status": status, "reason": why or (
+                    f"{name} checkpoint is {status}" + (
+                        " (the workspace is not in a git repository)"
+                        if status == "missing" and side else ""))}
+        assert before is not None and after is not None and state.thread is not None
+        try:
+            if self.orch.workspaces is None or not state.thread.workspace:
+                raise T3Error("this server has no git workspaces")
+            found = await self.orch.workspaces.diff(state.thread.workspace, before.commit,
+                                                    after.commit)
+        except Exception as exc:  # the repository moved or git failed: said, not raised
+            return {**result, "status": "error", "reason": str(exc)[:1000]}
+        return {**result, "files": file_changes(found), "diff": found.text,
+                "truncated": found.truncated}
 
     async def send(self, thread_id: str, *, text: str, mode: str, command_id: str,
                    message_id: str, created_by: str, creation_source: str) -> dict[str, Any]:

@@ -1053,6 +1053,8 @@ class ClientApi:
             "listPendingRequests": self.list_pending_requests,
             "listWebhookDeliveries": self.list_webhook_deliveries,
             "listScheduledTasks": self.list_scheduled_tasks,
+            "getTurnDiff": self.get_turn_diff, "getFullThreadDiff": lambda p: toolkit.call_as(
+                self.scope, "t3_thread_diff", {"threadId": _thread_id(p)}),
             "scheduleTask": lambda p: self._as_person("schedule_task", p, toolkit.schedule),
             "deleteScheduledTask": lambda p: self._as_person("delete_scheduled_task", p,
                                                              toolkit.delete_schedule),
@@ -1187,6 +1189,13 @@ class ClientApi:
 
     async def read_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
         return await self.toolkit.call_as(self.scope, "t3_thread_read", params)
+
+    async def get_turn_diff(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """One run's diff: {threadId, runId | ordinal} (t3_thread_diff's code and result)."""
+        if params.get("runId") is None and params.get("ordinal") is None:
+            raise WsFailure("invalid_request", "getTurnDiff: runId or ordinal is required "
+                            "(getFullThreadDiff gives the whole thread's)")
+        return await self.toolkit.call_as(self.scope, "t3_thread_diff", params)
 
     async def list_scheduled_tasks(self, params: Mapping[str, Any]) -> dict[str, Any]:
         return await self.toolkit.call_as(self.scope, "list_scheduled_tasks", params)
@@ -2994,6 +3003,27 @@ _THREAD_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[i
 
 
 # =============================================================================================
+# Commands for people: what a thread's runs changed in its workspace (diff), over /ws
+# getTurnDiff and getFullThreadDiff.
+
+
+async def _cmd_diff(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    found = await client.request(*(("getTurnDiff", {"threadId": thread_id, "ordinal": args.run})
+                                   if args.run else ("getFullThreadDiff",
+                                                     {"threadId": thread_id})))
+    what = f"run {args.run}" if args.run else "the thread"
+    if found["status"] != "ready":
+        _out(args, found, f"no diff for {what}: {found['reason']}")
+        return EXIT_FAILED
+    lines = [f"{f['kind']:<9} +{f['additions']:<5} -{f['deletions']:<5} {f['path']}"
+             for f in found["files"]] or [f"no changes in {what}"]
+    _out(args, found, "\n".join([*lines, "", found["diff"].rstrip("\n")] + (
+        ["[diff truncated at 30,000 characters]"] if found["truncated"] else [])))
+    return 0
+
+
+# =============================================================================================
 # Command line
 
 
@@ -3002,7 +3032,8 @@ _COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] =
     "wait": _cmd_wait, "interrupt": _cmd_interrupt, "stop": _cmd_stop, "resume": _cmd_stop,
     "requests": _cmd_requests,
     "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
-    "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, **_THREAD_COMMANDS}
+    "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, "diff": _cmd_diff,
+    **_THREAD_COMMANDS}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -3099,6 +3130,12 @@ def _cli_parsers(sub: Any) -> None:
                       help="give up after this long (default: no limit); the run goes on")
     _control_parsers(command, RuntimeMode)
     _thread_parsers(command)
+    diff = command("diff", "what a thread's runs changed in its workspace",
+                   "Print the files a thread changed (kind, lines added and deleted) and the "
+                   "unified diff, between its first and newest checkpoints, or of run N only "
+                   "(--run). Outside a git repository there are no checkpoints (exit 1).")
+    diff.add_argument("thread", metavar="THREAD")
+    diff.add_argument("--run", type=int, metavar="N", help="only run N (its ordinal, from 1)")
 
 
 def _control_parsers(command: Callable[[str, str, str], argparse.ArgumentParser],

@@ -417,6 +417,13 @@ UPDATE_OUTPUT = _shape({"threadId": STRING, "action": _enum(orch.METADATA_ACTION
                         "titleRegeneration": TITLE_REGENERATION,
                         "linkedPullRequest": PULL_REQUEST, "updatedAt": STRING})
 _OWN_THREAD = {"threadId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}
+FILE_CHANGE = _shape({"path": STRING, "kind": STRING, "additions": INTEGER,
+                      "deletions": INTEGER})
+DIFF_OUTPUT = _shape({"threadId": STRING, "runId": OPT_STRING, "ordinal": OPT_INTEGER,
+                      "status": _enum(["ready", "pending", "missing", "error", "stale"]),
+                      "reason": OPT_STRING, "fromCheckpointId": OPT_STRING,
+                      "toCheckpointId": OPT_STRING, "files": _list(FILE_CHANGE),
+                      "diff": STRING, "truncated": BOOLEAN})
 
 TOOLS: tuple[_Tool, ...] = (
     _Tool("orchestrator_capabilities",
@@ -496,6 +503,15 @@ TOOLS: tuple[_Tool, ...] = (
                    "maxCharsPerItem": {"type": "integer", "minimum": 1, "maximum": 50_000}},
                   ["threadId"]),
           "read_thread", READ_OUTPUT, read_only=True),
+    _Tool("t3_thread_diff",
+          "The unified diff of one run of a thread (runId or ordinal: what the run changed in "
+          "its workspace, between its checkpoint and the one before) or, with neither, of the "
+          "whole thread; files with additions and deletions, text stops near 30,000 characters "
+          "(truncated). status says why there is no diff: pending (the run is not finished), "
+          "missing (not a git repository), error.",
+          _object({"threadId": THREAD_ID, "runId": _text(512),
+                   "ordinal": {"type": "integer", "minimum": 1}}, ["threadId"]),
+          "thread_diff", DIFF_OUTPUT, read_only=True),
     _Tool("t3_thread_update",
           "Update a thread's metadata (threadId, else your own thread): action 'rename' with "
           "title, or 'regenerate_title' (no title: the thread's provider suggests one from the "
@@ -1098,6 +1114,11 @@ class Toolkit:
                 else args.get("afterPosition"), "hasMore": has_newer,
                 "earlierPosition": first if has_older else None,
                 "link": self.ctx.link(state.thread.id if state.thread else "")}
+
+    async def _thread_diff(self, scope: Scope, args: Mapping[str, Any], _: Any
+                           ) -> dict[str, Any]:
+        return await self.threads.diff(args["threadId"], run_id=args.get("runId"),
+                                       ordinal=args.get("ordinal"))
 
     async def _transfers(self, state: ThreadState) -> list[dict[str, Any]]:
         """Context transfers naming this thread: its tasks' spawns and results, or its own."""

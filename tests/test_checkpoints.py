@@ -94,3 +94,104 @@ def test_a_run_that_edits_files_ends_with_a_checkpoint_of_its_changes(
     cps = checkpoints(t3, tid)
     assert by_path(cps[2]["files"]) == {"notes.txt": ("modified", 1, 1)}
     assert list((t3.data_dir / "git-index").iterdir()) == []
+
+
+def test_diffs_of_a_run_and_of_the_thread_over_mcp_ws_and_the_cli(
+        tmp_path: Path, t3_factory: Any) -> None:
+    """t3_thread_diff (by ordinal), getTurnDiff (by run id) and `t3.py diff --run` show run 1's
+    change; getFullThreadDiff and `t3.py diff` span both runs; a run that does not exist is
+    run_not_found, getTurnDiff without a run is refused."""
+    project_repo(tmp_path)
+    t3 = t3_factory()
+    mcp = t3.client()
+    tid = finished(mcp, EDIT)["threadId"]
+    finished(mcp, "WRITE_FILE b.txt bee", tid)
+    run1 = mcp.call("t3_thread_diff", {"threadId": tid, "ordinal": 1}).structured
+    assert run1["status"] == "ready" and by_path(run1["files"]) == CHANGED
+    assert "-two\n+three\n" in run1["diff"] and "+print('hi')" in run1["diff"]
+    assert "b.txt" not in run1["diff"] and run1["truncated"] is False
+    by_id = ws(t3, "getTurnDiff", {"threadId": tid, "runId": run1["runId"]})
+    assert by_id == run1
+    whole = ws(t3, "getFullThreadDiff", {"threadId": tid})
+    assert by_path(whole["files"]) == {**CHANGED, "b.txt": ("added", 1, 0)}
+    assert whole["runId"] is None and whole["toCheckpointId"].endswith(":2")
+    assert mcp.call("t3_thread_diff", {"threadId": tid, "ordinal": 3}).failure_code == \
+        "run_not_found"
+    refused = t3.cli("diff", tid[-12:], "--run", "9")
+    assert refused.returncode == 1 and "run_not_found" in refused.stderr
+    cli = t3.cli("diff", tid[-12:], "--run", "1")
+    assert cli.returncode == 0, cli.stderr
+    assert "modified  +1     -1     a.txt" in cli.stdout and "+three" in cli.stdout
+    assert json.loads(t3.cli("diff", tid[-12:], "--json").stdout) == whole
+    try:
+        ws(t3, "getTurnDiff", {"threadId": tid})
+        raise AssertionError("getTurnDiff without a run was accepted")
+    except server.WsError as exc:
+        assert exc.code == "invalid_request"
+
+
+def test_a_workspace_outside_git_gets_missing_checkpoints_and_the_run_completes(
+        t3: T3Server, mcp: McpClient) -> None:
+    """The default project folder is not a repository: checkpoints 0 and 1 are missing (no
+    ref), the run completes with checkpointId set, the timeline has no checkpoint item, and the
+    diff says missing (the CLI exits 1)."""
+    tid = finished(mcp, "WRITE_FILE a.txt hello")["threadId"]
+    seen = projection(t3, tid)
+    assert {c["ordinal"]: c["status"] for c in seen["checkpoints"]} == {0: "missing",
+                                                                      1: "missing"}
+    assert seen["runs"][0]["status"] == "completed" and seen["runs"][0]["checkpointId"]
+    assert not any(i["type"] == "checkpoint" for i in seen["turnItems"])
+    found = mcp.call("t3_thread_diff", {"threadId": tid, "ordinal": 1}).structured
+    assert found["status"] == "missing" and "not in a git repository" in found["reason"]
+    assert t3.cli("diff", tid[-12:]).returncode == 1
+
+
+def test_a_git_failure_makes_an_error_checkpoint_and_the_run_completes(
+        tmp_path: Path, t3_factory: Any) -> None:
+    """A file where git keeps refs/t3 makes every capture fail: the run still completes, its
+    checkpoint is `error` with git's reason, shown in the timeline and the diff."""
+    repo = project_repo(tmp_path)
+    (repo / ".git" / "refs" / "t3").write_text("in the way\n")
+    t3 = t3_factory()
+    mcp = t3.client()
+    tid = finished(mcp, EDIT)["threadId"]
+    seen = projection(t3, tid)
+    cps = {c["ordinal"]: c for c in seen["checkpoints"]}
+    assert cps[0]["status"] == "missing" and cps[1]["status"] == "error"
+    assert "git update-ref" in cps[1]["statusReason"]
+    assert seen["runs"][0]["status"] == "completed"
+    assert seen["runs"][0]["checkpointId"] == cps[1]["id"]
+    item = next(i for i in seen["turnItems"] if i["type"] == "checkpoint")
+    assert item["data"]["status"] == "error"
+    found = mcp.call("t3_thread_diff", {"threadId": tid, "ordinal": 1}).structured
+    assert found["status"] == "error" and "update-ref" in found["reason"]
+
+
+def test_kill_9_during_a_capture_leaves_no_index_or_ref_and_the_run_completes_after_restart(
+        tmp_path: Path, t3_factory: Any) -> None:
+    """The server SIGKILLs itself inside run 1's capture (its temporary index written, no ref
+    yet). After a restart the run's finalization runs again: the run completes with the right
+    checkpoint, the stray index is gone, no lock file is left under refs/t3, and the user's
+    checkout reads as before."""
+    repo = project_repo(tmp_path)
+    before = user_state(repo)
+    t3 = t3_factory(env={"T3_TEST_HOOKS": "1", "T3_CRASH_AT": "checkpoint:capture:1"})
+    mcp = t3.client()
+    tid = mcp.call("create_threads", {"threads": [{"prompt": EDIT}]}).structured[
+        "threads"][0]["threadId"]
+    wait_until(lambda: not t3.running, timeout=30)
+    assert len(list((t3.data_dir / "git-index").iterdir())) == 1  # the capture's own index
+    assert git(repo, "for-each-ref", "refs/t3").count("\n") == 1  # only the baseline
+    t3.env.pop("T3_CRASH_AT")
+    t3.restart()
+    waited = mcp.call("t3_thread_wait", {"threadId": tid, "timeoutMs": 30_000}).structured
+    assert waited["status"] == "completed", waited
+    cps = checkpoints(t3, tid)
+    assert cps[1]["status"] == "ready" and by_path(cps[1]["files"]) == CHANGED
+    assert list((t3.data_dir / "git-index").iterdir()) == []
+    assert not [p for p in (repo / ".git" / "refs" / "t3").rglob("*") if p.suffix == ".lock"]
+    refs = git(repo, "for-each-ref", "--format=%(refname) %(objecttype)", "refs/t3").split("\n")
+    assert sorted(r.split()[1] for r in refs if r) == ["commit", "commit"]
+    after = user_state(repo)
+    assert (after["index"], after["head"], after["branches"]) == (
+        before["index"], before["head"], before["branches"])
