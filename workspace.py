@@ -68,6 +68,7 @@ class Workspaces:
     checkpoint_ref = staticmethod(checkpoint_ref)  # the orchestrator reaches it only through here
 
     def __init__(self, data_dir: Path) -> None:
+        self._data_dir = os.path.realpath(data_dir)
         self.worktrees_dir = data_dir / "worktrees"
         self._index_dir = data_dir / "git-index"
         self._index_dir.mkdir(mode=0o700, exist_ok=True)
@@ -78,11 +79,16 @@ class Workspaces:
     # -- checkpoints -------------------------------------------------------------------------
 
     async def top_level(self, cwd: str) -> str | None:
-        """The repository's work tree root holding ``cwd``, or None when it is not in one."""
+        """The repository's work tree root holding ``cwd``, or None when it is not in one, or
+        when only a repository around the data directory holds it (a scratch folder in a home
+        directory kept in git is no project: capturing it would copy the whole home)."""
         try:
-            return (await _git(cwd, "rev-parse", "--show-toplevel")).strip() or None
+            root = (await _git(cwd, "rev-parse", "--show-toplevel")).strip() or None
         except (GitError, OSError):
             return None
+        if root and _within(cwd, self._data_dir) and not _within(root, self._data_dir):
+            return None
+        return root
 
     async def capture(self, cwd: str, ref: str) -> str | None:
         """Record the workspace under ``ref``; the commit id, or None when ``cwd`` is not in a
@@ -196,6 +202,11 @@ class Workspaces:
 
     def _lock(self, root: str) -> asyncio.Lock:
         return self._locks.setdefault(os.path.realpath(root), asyncio.Lock())
+
+
+def _within(path: str, folder: str) -> bool:
+    real = os.path.realpath(path)
+    return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def _author() -> dict[str, str]:

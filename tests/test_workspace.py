@@ -76,6 +76,22 @@ def test_a_capture_records_the_workspace_and_changes_nothing_the_user_sees(tmp_p
     assert list((tmp_path / "data" / "git-index").iterdir()) == []
 
 
+def test_a_scratch_folder_in_a_repository_around_the_data_dir_has_no_checkpoint(
+        tmp_path: Path) -> None:
+    """A data dir inside a repository (a home kept in git): its scratch folders are not that
+    repository's, while a worktree under the data dir is a repository of its own."""
+    home = make_repo(tmp_path / "home")
+    (home / "data" / "scratch" / "t1").mkdir(parents=True)
+    spaces = Workspaces(home / "data")
+    assert run(spaces.capture(str(home / "data" / "scratch" / "t1"), checkpoint_ref("t", 0))) \
+        is None
+    assert git(home, "for-each-ref", "refs/t3") == ""
+    (home / "data" / "worktrees").mkdir()
+    inner = make_repo(home / "data" / "worktrees" / "w")
+    assert run(spaces.top_level(str(inner))) == str(inner)
+    assert run(spaces.top_level(str(home))) == str(home)
+
+
 def test_a_folder_outside_git_has_no_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "plain").mkdir()
     assert run(spaces_in(tmp_path).capture(str(tmp_path / "plain"), "refs/t3/x")) \
