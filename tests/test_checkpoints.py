@@ -1,8 +1,8 @@
 """Checkpoints and diffs (issue 12, items 3 and 4) against a real server, the scripted ACP agent
 (its WRITE_FILE / DELETE_FILE lines edit the project) and small local git repositories: a
 baseline before the first run, a capture after each root turn with the files it changed, the
-user's checkout untouched, diffs over MCP (t3_thread_diff), /ws and the CLI, a workspace outside
-git, and kill -9 in the middle of a capture."""
+user's checkout untouched, diffs over MCP (t3_thread_diff), /ws, the CLI and the web view, a
+workspace outside git, a git failure, and kill -9 in the middle of a capture."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import t3 as server
 from harness import McpClient, T3Server, wait_until
+from test_web import Steps, browser, create, lines_with, sent_by_page  # noqa: F401 (fixture)
 from test_workspace import git, make_repo, user_state
 
 EDIT = ("WRITE_FILE a.txt one\\nthree\nWRITE_FILE src/new.py print('hi')\n"
@@ -195,3 +196,31 @@ def test_kill_9_during_a_capture_leaves_no_index_or_ref_and_the_run_completes_af
     after = user_state(repo)
     assert (after["index"], after["head"], after["branches"]) == (
         before["index"], before["head"], before["branches"])
+
+
+def test_the_web_view_shows_a_runs_checkpoint_files_and_its_diff(
+        tmp_path: Path, t3_factory: Any, browser: Any) -> None:  # noqa: F811
+    """In headless Chromium: the open thread's checkpoint item lists the files the run changed
+    with their line counts; Show diff fetches the run's diff (getTurnDiff) and shows it."""
+    project_repo(tmp_path)
+    t3 = t3_factory()
+    mcp = t3.client()
+    create(mcp, prompt=EDIT, title="edits")
+    mcp.call("t3_thread_wait", {"threadId": mcp.call("t3_thread_list", {}).structured[
+        "threads"][0]["threadId"], "timeoutMs": 30_000})
+    page = browser.new_page()
+    page.call("Runtime.enable")
+    page.navigate(t3.url + "/")
+    page.type_into("#token", t3.token)
+    page.click("#login button", text="Log in")
+    page.click("nav a", text="edits")
+    page.wait_for(lines_with("Checkpoint 1: 3 file(s) changed"))
+    steps = Steps(page, tmp_path)
+    steps.shot("checkpoint", ("modified +1 -1 a.txt",), ("added +1 -0 src/new.py",),
+               ("deleted +0 -1 gone.txt",), ("Show diff",))
+    watching = len(browser.events)
+    page.click("#items button", text="Show diff")
+    page.wait_for(lines_with("+three"))
+    steps.shot("diff", ("-two",), ("+three",), ("+print('hi')",))
+    assert sent_by_page(browser.events[watching:]) == ["ws getTurnDiff"]
+    assert not [e for e in browser.events if e["method"] == "Runtime.exceptionThrown"]
