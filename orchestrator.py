@@ -4203,13 +4203,8 @@ class ThreadService:
             "truncated": False}
         for side, name in ((after, "this run's"), (before, "the previous")):
             if side is None or side.status != "ready":
-                status = side.status if side else "pending" if run and run.status not in \
-                    RUN_TERMINAL else "missing"
-                why = side.status_reason if side else None
-                return {**result, "status": status, "reason": why or (
-                    f"{name} checkpoint is {status}" + (
-                        " (the workspace is not in a git repository)"
-                        if status == "missing" and side else ""))}
+                status, reason = _no_diff(side, name, run)
+                return {**result, "status": status, "reason": reason}
         assert before is not None and after is not None and state.thread is not None
         try:
             if self.orch.workspaces is None or not state.thread.workspace:
@@ -4454,6 +4449,18 @@ class ThreadService:
             raise T3Error(f"{info.instance_id} offers no runtime mode as narrow as {runtime}",
                           code="runtime_mode_escalation_denied")
         return max(offered, key=lambda m: RUNTIME_RANK[RuntimeMode(m)])
+
+
+def _no_diff(side: Checkpoint | None, name: str, run: Run | None) -> tuple[str, str]:
+    """Why one side of a diff is not a ready checkpoint: (status, reason)."""
+    if side is not None:
+        return side.status, side.status_reason or f"{name} checkpoint is {side.status}" + (
+            " (the workspace is not in a git repository)" if side.status == "missing" else "")
+    if run is None:
+        return "missing", "the thread has no checkpoint yet"
+    if run.status not in RUN_TERMINAL:
+        return "pending", f"run {run.ordinal} is {run.status}: its checkpoint comes when it ends"
+    return "missing", f"{name} checkpoint does not exist (run {run.ordinal} is {run.status})"
 
 
 def steerable_run(state: ThreadState) -> Run | None:

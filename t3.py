@@ -3013,9 +3013,9 @@ _THREAD_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[i
 async def _cmd_diff(client: WsClient, args: argparse.Namespace) -> int:
     thread_id = await _thread_ref(client, args.thread)
     found = await client.request(*(("getTurnDiff", {"threadId": thread_id, "ordinal": args.run})
-                                   if args.run else ("getFullThreadDiff",
+                                   if args.run is not None else ("getFullThreadDiff",
                                                      {"threadId": thread_id})))
-    what = f"run {args.run}" if args.run else "the thread"
+    what = "the thread" if args.run is None else f"run {args.run}"
     if found["status"] != "ready":
         _out(args, found, f"no diff for {what}: {found['reason']}")
         return EXIT_FAILED

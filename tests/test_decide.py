@@ -774,6 +774,11 @@ def sample_entities() -> dict[str, list[Any]]:
         id="d1", task_id="task-1", received_at=NOW, outcome="skipped", method="POST",
         headers={"x-github-event": "push"}, body_excerpt="{}", body_truncated=False,
         query={"a": ["1"]}, delivery_key="abc")]
+    entities["checkpoint"] = [o.Checkpoint(
+        id=o.checkpoint_id(THREAD, 1), thread_id=THREAD, scope_id=o.checkpoint_scope_id(THREAD),
+        run_id="run-1", ordinal=1, status="ready", captured_at=NOW, ref="refs/t3/x/1",
+        commit="c0ffee", files=[{"path": "a.txt", "kind": "modified", "additions": 1,
+                                 "deletions": 2}], parent_checkpoint_id=o.checkpoint_id(THREAD, 0))]
     return entities
 
 
