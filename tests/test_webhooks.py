@@ -304,12 +304,12 @@ def test_deliveries_wait_in_line_and_run_one_at_a_time(t3_factory, agent_log_pat
     assert first.json()["outcome"] == "running"
     queued = [github(url, {"cmd": "", "n": n}).json()["outcome"] for n in range(1, 20)]
     assert queued == ["queued"] * 19
-    before = last_sequence(t3)
-    assert refused(github(url, {"n": 20}), 429, "queue_full")
-    assert last_sequence(t3) == before
     thread_id = wait_until(lambda: task(mcp, made["scheduledTaskId"])["lastRunThreadId"], 10)
     request = wait_until(lambda: mcp.call("t3_pending_request", {
         "threadId": thread_id, "action": "list"}).structured["requests"], 10)[0]
+    before = last_sequence(t3)  # the first run waits on its approval: nothing else writes
+    assert refused(github(url, {"n": 20}), 429, "queue_full")
+    assert last_sequence(t3) == before
     assert mcp.call("t3_pending_request", {"threadId": thread_id, "action": "respond",
                                            "requestId": request["requestId"],
                                            "decision": "accept"}).ok
