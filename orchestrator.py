@@ -1945,7 +1945,8 @@ def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
                    title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
                    if made.status == "ready" else f"Checkpoint {made.ordinal}: git failed",
                    data={"checkpointId": made.id, "scopeId": made.scope_id,
-                         "status": made.status, "files": made.files},
+                         "status": made.status, "files": made.files,
+                         "reason": made.status_reason},
                    started_at=d.now, completed_at=d.now))
     return made
 

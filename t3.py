@@ -2783,7 +2783,7 @@ def _rendered(item: Mapping[str, Any], text: str) -> str:
     title = item.get("title") or ""
     if kind == "checkpoint":  # the files the run changed
         text = "\n".join(f"{f['kind']} +{f['additions']} -{f['deletions']} {f['path']}"
-                         for f in data.get("files") or []) or text
+                         for f in data.get("files") or []) or data.get("reason") or text
     if kind == "user_input_request":  # each question with its choices
         text = "\n".join(f"{q.get('question')} [" + " / ".join(
             str(o.get("label")) for o in q.get("options") or []) + "]"

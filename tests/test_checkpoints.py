@@ -166,7 +166,7 @@ def test_a_git_failure_makes_an_error_checkpoint_and_the_run_completes(
     assert seen["runs"][0]["status"] == "completed"
     assert seen["runs"][0]["checkpointId"] == cps[1]["id"]
     item = next(i for i in seen["turnItems"] if i["type"] == "checkpoint")
-    assert item["data"]["status"] == "error"
+    assert item["data"]["status"] == "error" and "update-ref" in item["data"]["reason"]
     found = mcp.call("t3_thread_diff", {"threadId": tid, "ordinal": 1}).structured
     assert found["status"] == "error" and "update-ref" in found["reason"]
 
