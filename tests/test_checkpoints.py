@@ -100,7 +100,7 @@ def test_a_run_that_edits_files_ends_with_a_checkpoint_of_its_changes(
 def test_diffs_of_a_run_and_of_the_thread_over_mcp_ws_and_the_cli(
         tmp_path: Path, t3_factory: Any) -> None:
     """t3_thread_diff (by ordinal), getTurnDiff (by run id) and `t3.py diff --run` show run 1's
-    change; getFullThreadDiff and `t3.py diff` span both runs; a run that does not exist is
+    change (`t3.py show` lists its files); getFullThreadDiff and `t3.py diff` span both runs; a run that does not exist is
     run_not_found, a running one's diff is pending, getTurnDiff without a run is refused."""
     project_repo(tmp_path)
     t3 = t3_factory()
@@ -124,6 +124,9 @@ def test_diffs_of_a_run_and_of_the_thread_over_mcp_ws_and_the_cli(
     assert cli.returncode == 0, cli.stderr
     assert "modified  +1     -1     a.txt" in cli.stdout and "+three" in cli.stdout
     assert json.loads(t3.cli("diff", tid[-12:], "--json").stdout) == whole
+    shown = t3.cli("show", tid[-12:])
+    assert "[checkpoint] Checkpoint 1: 3 file(s) changed" in shown.stdout, shown.stdout
+    assert "modified +1 -1 a.txt" in shown.stdout
     mcp.call("t3_thread_send", {"threadId": tid, "message": "SLOW:40"})  # about 2 s
     pending = mcp.call("t3_thread_diff", {"threadId": tid, "ordinal": 3}).structured
     assert pending["status"] == "pending" and "run 3 is" in pending["reason"], pending
