@@ -230,3 +230,38 @@ def test_the_web_view_shows_a_runs_checkpoint_files_and_its_diff(
     steps.shot("diff", ("-two",), ("+three",), ("+print('hi')",))
     assert sent_by_page(browser.events[watching:]) == ["ws getTurnDiff"]
     assert not [e for e in browser.events if e["method"] == "Runtime.exceptionThrown"]
+
+
+def test_decide_records_each_checkpoint_once_and_only_a_git_one_in_the_timeline() -> None:
+    """In process: CompleteRun with run 1's capture records baseline 0 and checkpoint 1 (the
+    run's checkpointId, one `checkpoint` item); run 2's completion records only checkpoint 2,
+    even when its capture repeats ordinal 1; a run outside git gets a `missing` checkpoint and
+    no item."""
+    import orchestrator as o
+    from test_decide import THREAD, Sim, running_sim
+
+    def finish(sim: Sim, ordinal: int, found: tuple[dict[str, Any], ...]) -> o.Decision:
+        sim.ingest(o.TurnEnded("completed"), ordinal=ordinal)
+        return sim.do(o.CompleteRun(command_id=sim.cid("complete"), thread_id=THREAD,
+                                    run_id=sim.run(ordinal).id, checkpoints=found))
+
+    files = [{"path": "a.txt", "kind": "modified", "additions": 1, "deletions": 1}]
+    sim = running_sim()
+    finish(sim, 1, ({"ordinal": 0, "status": "ready", "ref": "r0", "commit": "c0"},
+                    {"ordinal": 1, "status": "ready", "ref": "r1", "commit": "c1",
+                     "files": files}))
+    cps = {c.ordinal: c for c in sim.state.entities["checkpoint"].values()}
+    assert sorted(cps) == [0, 1] and cps[1].files == files and cps[0].run_id is None
+    assert sim.run(1).checkpoint_id == cps[1].id == o.checkpoint_id(THREAD, 1)
+    assert cps[1].parent_checkpoint_id == cps[0].id
+    [item] = [i for i in sim.state.items() if i.type == "checkpoint"]
+    assert item.data["files"] == files and item.run_id == sim.run(1).id
+    sim.send("again")
+    sim.mark_started(2)
+    done = finish(sim, 2, ({"ordinal": 1, "status": "ready", "ref": "r1", "commit": "cX"},
+                           {"ordinal": 2, "status": "missing"}))
+    assert [e.type for e in done.events].count("checkpoint.captured") == 1
+    assert sim.get("checkpoint", o.checkpoint_id(THREAD, 1)).commit == "c1"
+    assert sim.get("checkpoint", o.checkpoint_id(THREAD, 2)).status == "missing"
+    assert sim.run(2).checkpoint_id == o.checkpoint_id(THREAD, 2)
+    assert len([i for i in sim.state.items() if i.type == "checkpoint"]) == 1
