@@ -1,0 +1,133 @@
+"""Provider switch mid-thread and context handoff (issue 12, item 7): t3_thread_send with a
+target and a person's `switch` move a thread's next run to another provider in the same thread,
+whose first prompt carries the deterministic handoff (research/t3code.md 6.13); a resume that
+fails after a restart gets the same handoff instead of a bare prompt. Two scripted ACP
+providers, each logging to its own agent log; the text builder is checked at decide level."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness import T3Server, agent_log, scripted_provider
+from test_delegation import items, wait
+from test_lifecycle_stop import runs
+
+import orchestrator as o
+
+
+def prompts(log: Path) -> list[str]:
+    """The text of every session/prompt an agent received (its text blocks joined, t3's
+    orchestration instructions left out), in order."""
+    return ["\n".join(b.get("text", "") for b in e["msg"]["params"]["prompt"]
+                      if not b.get("text", "").startswith("<t3_code_orchestration_instructions>"))
+            for e in agent_log(log) if e["dir"] == "in"
+            and e["msg"].get("method") == "session/prompt"]
+
+
+def cli_json(t3: T3Server, *args: str) -> dict:
+    done = t3.cli(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_switch_alpha_to_beta_mid_thread_hands_off_run_1_in_the_same_thread(
+        t3_factory, tmp_path: Path) -> None:
+    """t3_thread_send with target beta: run 2 goes to beta in the same thread, beta's first
+    prompt is the full-thread handoff with run 1's user and assistant text and then the message;
+    read shows both runs with their providers and a handoff item. A person's `switch` back to
+    alpha gives alpha only the delta it missed (run 2), and a provider that is not registered is
+    refused with nothing changed."""
+    t3 = t3_factory(providers=[scripted_provider(tmp_path, id="alpha"),
+                               scripted_provider(tmp_path, id="beta")])
+    mcp = t3.client()
+    created = mcp.call("create_threads", {"threads": [{
+        "prompt": "plan the kiwi migration", "target": {"providerInstanceId": "alpha"}}]})
+    tid = created.structured["threads"][0]["threadId"]
+    assert wait(mcp, tid)["status"] == "completed"
+    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "continue with the plan",
+                                       "target": {"providerInstanceId": "beta"}})
+    assert sent.ok and sent.structured["threadId"] == tid, sent.structured
+    assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+    beta = prompts(tmp_path / "agent-beta.log")
+    assert len(beta) == 1
+    assert beta[0].startswith(
+        "Context handoff (full_thread_summary):\n"
+        "Full conversation context for provider handoff.\nFrom driver: acp\nTo driver: acp\n"
+        "Covered app runs: 1-1\n\nCanonical conversation context:\n"
+        "- User: plan the kiwi migration\n"
+        "- Assistant: Hello from scripted agent. You said: plan the kiwi migration\n\n"
+        "User message:\ncontinue with the plan"), beta[0]
+    by_ordinal = runs(mcp, tid)
+    assert [(n, r["providerInstanceId"]) for n, r in sorted(by_ordinal.items())] == [
+        (1, "alpha"), (2, "beta")]
+    handoffs = [i for i in items(mcp, tid) if i["type"] == "handoff"]
+    assert [h["runId"] for h in handoffs] == [by_ordinal[2]["runId"]]
+
+    refused = t3.cli("switch", tid, "--provider", "nope", "--json")
+    assert refused.returncode != 0 and "provider_unavailable" in refused.stdout + refused.stderr
+    switched = cli_json(t3, "switch", tid, "--provider", "alpha")
+    assert (switched["providerInstanceId"], switched["previous"]["providerInstanceId"]) == (
+        "alpha", "beta")
+    cli_json(t3, "send", tid, "back again")
+    assert wait(mcp, tid)["status"] == "completed"
+    alpha = prompts(tmp_path / "agent-alpha.log")
+    assert len(alpha) == 2 and alpha[0] == "plan the kiwi migration"
+    assert alpha[1].startswith(
+        "Context handoff (delta_since_target_last_seen):\n"
+        "Conversation delta since this provider last participated.\n"), alpha[1]
+    assert "Covered app runs: 2-2\n" in alpha[1] and "- User: continue with the plan" in alpha[1]
+    lines = alpha[1].split("\n")
+    assert "- User: plan the kiwi migration" not in lines  # run 1: alpha saw it itself
+    handoff_line = next(line for line in lines if line.startswith("- Handoff: "))
+    assert len(handoff_line) <= 240 and "Full conversation context" in handoff_line
+    assert [r["providerInstanceId"] for _, r in sorted(runs(mcp, tid).items())] == [
+        "alpha", "beta", "alpha"]
+
+
+def test_a_resume_that_fails_after_a_restart_gets_the_handoff_not_a_bare_prompt(
+        t3_factory, tmp_path: Path) -> None:
+    """An agent without session/load cannot resume its session after a server restart: its
+    first prompt in the new session carries run 1's conversation as a full-thread handoff
+    (before: only the new message)."""
+    t3 = t3_factory(providers=[scripted_provider(tmp_path, id="alpha", args=["--no-load"])])
+    mcp = t3.client()
+    created = mcp.call("create_threads", {"threads": [{"prompt": "the secret word is mango"}]})
+    tid = created.structured["threads"][0]["threadId"]
+    assert wait(mcp, tid)["status"] == "completed"
+    t3.restart()
+    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "what was the word?"})
+    assert sent.ok, sent.structured
+    assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+    second = prompts(tmp_path / "agent-alpha.log")[1]
+    assert second.startswith("Context handoff (full_thread_summary):\n"), second
+    assert "- User: the secret word is mango\n" in second
+    assert second.endswith("\n\nUser message:\nwhat was the word?")
+
+
+def test_handoff_text_keeps_the_newest_lines_within_the_budget() -> None:
+    """Over the budget the oldest item lines go, one line says how many; the header and the
+    newest lines stay, and the text is the same every time."""
+    lines = [o.handoff_line("User", f"message {n} " + "x" * 300) for n in range(200)]
+    made = [o.handoff_text(strategy="full_thread_summary", from_drivers=["codex"],
+                           to_driver="claude", covered={"from": 1, "to": 9}, lines=lines)
+            for _ in range(2)]
+    text = made[0]
+    assert made[0] == made[1] and len(text) <= o.HANDOFF_BUDGET
+    assert text.startswith("Full conversation context for provider handoff.\nFrom driver: codex\n"
+                           "To driver: claude\nCovered app runs: 1-9\n\n"
+                           "Canonical conversation context:\n")
+    assert text.endswith(lines[-1]) and lines[0] not in text
+    kept = sum(line in text for line in lines)
+    assert f"- ({200 - kept} earlier items omitted to fit the handoff budget.)" in text
+    assert kept > 100  # the budget is used, not wasted
+    small = o.handoff_text(strategy="delta_since_target_last_seen", from_drivers=["acp"],
+                           to_driver="acp", covered={"from": 2, "to": 2}, lines=[])
+    assert small.endswith("Canonical conversation context:\n- No user-visible context items.")
+
+
+def test_handoff_line_collapses_whitespace_and_is_cut_at_240() -> None:
+    """One item line: whitespace collapsed, at most 240 characters ending in '...'."""
+    assert o.handoff_line("Assistant", "two\n\n  lines") == "- Assistant: two lines"
+    long = o.handoff_line("User", "word " * 100)
+    assert len(long) == 240 and long.endswith("...") and long.startswith("- User: word word")
