@@ -6,10 +6,13 @@ providers, each logging to its own agent log; the text builder is checked at dec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 from harness import T3Server, agent_log, scripted_provider
+from test_decide import THREAD, Sim, changed
 from test_delegation import items, wait
 from test_lifecycle_stop import runs
 
@@ -131,3 +134,72 @@ def test_handoff_line_collapses_whitespace_and_is_cut_at_240() -> None:
     assert o.handoff_line("Assistant", "two\n\n  lines") == "- Assistant: two lines"
     long = o.handoff_line("User", "word " * 100)
     assert len(long) == 240 and long.endswith("...") and long.startswith("- User: word word")
+
+
+def switched_sim() -> Sim:
+    """Run 1 on `scripted` answered and completed; the thread switched to `other` (driver
+    codex) and run 2 started there."""
+    sim = Sim()
+    sim.providers = {**sim.providers, "other": dataclasses.replace(
+        sim.providers["scripted"], instance_id="other", driver="codex", models=[{"id": "o1"}])}
+    sim.create("first question")
+    sim.mark_started()
+    sim.ingest(o.TextDelta("first answer"), o.TurnEnded("completed"))
+    sim.complete()
+    sim.do(o.SwitchProvider(command_id="switch", thread_id=THREAD, provider_instance_id="other",
+                            model="o1", runtime_mode="full-access"))
+    sim.send("second question")
+    sim.mark_started(2)
+    return sim
+
+
+def test_decide_switch_sends_run_2_to_the_new_provider_with_a_recorded_handoff() -> None:
+    """provider.switch changes the thread's provider and model; the next run starts on the new
+    provider's own provider thread with a full-thread ContextHandoff and a `handoff` item, and
+    the handoff is what handoff_prompt puts before the user's text."""
+    sim = switched_sim()
+    run1, run2 = sim.run(1), sim.run(2)
+    assert (run1.provider_instance_id, run2.provider_instance_id) == ("scripted", "other")
+    assert run2.model_selection == {"instanceId": "other", "model": "o1"}
+    assert run1.provider_thread_id != run2.provider_thread_id
+    handoff = sim.get("context-handoff", run2.context_handoff_id)
+    assert (handoff.strategy, handoff.covered_run_ordinals, handoff.from_provider_thread_ids) == (
+        "full_thread_summary", {"from": 1, "to": 1}, [run1.provider_thread_id])
+    assert handoff.summary_text.endswith(
+        "From driver: acp\nTo driver: codex\nCovered app runs: 1-1\n\n"
+        "Canonical conversation context:\n- User: first question\n- Assistant: first answer")
+    (item,) = [i for i in sim.state.items() if i.type == "handoff"]
+    assert (item.run_id, item.data["contextHandoffId"], item.data["toProviderInstanceId"]) == (
+        run2.id, handoff.id, "other")
+    assert o.handoff_prompt("second question", handoff) == (
+        f"Context handoff (full_thread_summary):\n{handoff.summary_text}\n\n"
+        "User message:\nsecond question")
+    assert sim.state.thread.active_provider_thread_id == run2.provider_thread_id
+    assert sim.get("provider-thread", run1.provider_thread_id).status == "idle"
+
+
+def test_decide_no_handoff_when_the_same_provider_continues_its_own_session() -> None:
+    """A second run on the provider thread that ran the first, resumed: no handoff."""
+    sim = Sim()
+    sim.create()
+    sim.mark_started()
+    sim.ingest(o.TurnEnded("completed"))
+    sim.complete()
+    sim.send("again")
+    decision = sim.mark_started(2)
+    assert sim.run(2).context_handoff_id is None
+    assert changed(decision, "context-handoff") == []
+
+
+def test_decide_switch_to_an_unregistered_provider_is_refused_and_changes_nothing() -> None:
+    """An unknown instance: provider_unavailable; the same selection again: no events."""
+    sim = Sim()
+    sim.create(None)
+    with pytest.raises(o.CommandRejected) as refused:
+        sim.decide(o.SwitchProvider(command_id="s", thread_id=THREAD, provider_instance_id="nope",
+                                    model=None, runtime_mode="full-access"))
+    assert refused.value.code == "provider_unavailable"
+    same = sim.decide(o.SwitchProvider(command_id="s2", thread_id=THREAD,
+                                       provider_instance_id="scripted", model="m1",
+                                       runtime_mode="full-access"))
+    assert same.events == ()
