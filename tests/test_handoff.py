@@ -11,7 +11,10 @@ import json
 from pathlib import Path
 
 import pytest
+from fake_model import FakeModelServer
 from harness import T3Server, agent_log, scripted_provider
+from real_cli import claude_provider, codex_provider, create, npm_available
+from real_cli import wait as real_wait
 from test_decide import THREAD, Sim, changed
 from test_delegation import items, wait
 from test_lifecycle_stop import runs
@@ -203,3 +206,45 @@ def test_decide_switch_to_an_unregistered_provider_is_refused_and_changes_nothin
                                        provider_instance_id="scripted", model="m1",
                                        runtime_mode="full-access"))
     assert same.events == ()
+
+
+@pytest.mark.real_cli
+@pytest.mark.skipif(not npm_available(), reason="npm is not installed")
+def test_real_switch_codex_to_claude_hands_off_run_1(model: FakeModelServer, tmp_path: Path,
+                                                     t3_factory) -> None:
+    """The real codex and Claude Code CLIs (fake model): run 1 on codex, then t3_thread_send
+    with target claude; Claude's first model request carries the handoff with run 1's user and
+    assistant text before the new message; same thread id, read shows both runs' providers."""
+    t3 = t3_factory(providers=[codex_provider(tmp_path, model.url),
+                               claude_provider(tmp_path, model.url)])
+    mcp = t3.client()
+    created = create(mcp, "plan the kiwi migration", target={"providerInstanceId": "codex"})
+    tid = created["threadId"]
+    assert real_wait(mcp, tid)["status"] == "completed"
+    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "continue with the plan",
+                                       "target": {"providerInstanceId": "claude"}})
+    assert sent.ok and sent.structured["threadId"] == tid, sent.structured
+    assert real_wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+    claude = [json.dumps(r["body"]) for r in model.requests_for("anthropic")
+              if "continue with the plan" in json.dumps(r["body"])]
+    assert claude, [r["path"] for r in model.requests]
+    first = json.loads(claude[0])
+    assert "Context handoff (full_thread_summary):" in claude[0]
+    handoff = "\n".join(_texts(first))
+    assert "Covered app runs: 1-1\n\nCanonical conversation context:\n- User: plan the kiwi " \
+           "migration\n- Assistant: Hello from fake model. You said: plan the kiwi migration" \
+           in handoff, handoff
+    assert "User message:\ncontinue with the plan" in handoff
+    assert [(n, r["providerInstanceId"]) for n, r in sorted(runs(mcp, tid).items())] == [
+        (1, "codex"), (2, "claude")]
+
+
+def _texts(value: object) -> list[str]:
+    """Every string in a JSON value (the text parts of a model request), depth first."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _texts(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in _texts(v)]
+    return []
