@@ -1678,7 +1678,9 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
             model=run.model_selection.get("model"), created_at=d.now, updated_at=d.now, pid=c.pid)
     d.put(replace(session, status="running", pid=c.pid, updated_at=d.now))
     pthread = d.get("provider-thread", run.provider_thread_id)
-    handoff_id = run.context_handoff_id or _hand_off(d, run, pthread, c.resume_failed, providers)
+    # Once per run: a restarted attempt's turn already had it.
+    handoff_id = None if run.context_handoff_id else _hand_off(d, run, pthread, c.resume_failed,
+                                                               providers)
     if pthread is None:
         pthread = ProviderThread(id=run.provider_thread_id or "", app_thread_id=run.thread_id,
                                  driver=providers_driver, provider_instance_id=provider,
@@ -1702,7 +1704,7 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
     if root is not None:
         d.put(replace(root, status="running", started_at=d.now, provider_turn_id=turn.id))
     d.put(replace(run, status=RunStatus.RUNNING, started_at=run.started_at or d.now,
-                  context_handoff_id=handoff_id))
+                  context_handoff_id=run.context_handoff_id or handoff_id))
     return {"runId": run.id, "providerTurnId": turn.id, "contextHandoffId": handoff_id}
 
 
@@ -3877,7 +3879,7 @@ class Orchestrator:
         if self._credentials:
             self._credentials.set_active(live.session_id, True)
         try:
-            await self.dispatch(MarkRunStarted(
+            started = await self.dispatch(MarkRunStarted(
                 command_id=bounded_id(f"command:start:{attempt_id}"), thread_id=thread_id,
                 run_id=run_id, attempt_id=attempt_id, provider_session_id=live.session_id,
                 session_created=created, pid=live.handle.pid,
@@ -3889,11 +3891,10 @@ class Orchestrator:
             live.turn = None
             return
         state = await self.state(thread_id) or state
-        run = state.run(run_id) or run
         try:
             await live.handle.start_turn(handoff_prompt(
                 message.text if message else "",
-                state.entities["context-handoff"].get(run.context_handoff_id or "")))
+                state.entities["context-handoff"].get(started.result.get("contextHandoffId"))))
         except Exception as exc:
             live.turn = None
             await self.dispatch(FailRun(
