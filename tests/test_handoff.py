@@ -16,7 +16,7 @@ from harness import T3Server, agent_log, scripted_provider
 from real_cli import claude_provider, codex_provider, create, npm_available
 from real_cli import wait as real_wait
 from test_decide import THREAD, Sim, changed
-from test_delegation import items, wait
+from test_delegation import call_line, items, tool_results, wait
 from test_lifecycle_stop import runs
 
 import orchestrator as o
@@ -109,6 +109,36 @@ def test_a_resume_that_fails_after_a_restart_gets_the_handoff_not_a_bare_prompt(
     assert second.startswith("Context handoff (full_thread_summary):\n"), second
     assert "- User: the secret word is mango\n" in second
     assert second.endswith("\n\nUser message:\nwhat was the word?")
+
+
+def test_an_agent_cannot_switch_a_thread_beyond_its_scope(t3_factory, tmp_path: Path) -> None:
+    """An agent in auto-accept-edits sending with a target to a full-access thread is refused
+    (runtime_mode_escalation_denied) and the thread keeps its provider and has no run; a
+    switching target with mode steer is invalid_request and switches nothing."""
+    t3 = t3_factory(providers=[scripted_provider(tmp_path, id="alpha"),
+                               scripted_provider(tmp_path, id="beta")])
+    mcp = t3.client()
+    victim = mcp.call("create_threads", {"threads": [{
+        "title": "victim", "target": {"providerInstanceId": "alpha"}}]}).structured
+    vid = victim["threads"][0]["threadId"]
+    beta = {"providerInstanceId": "beta"}
+    caller = mcp.call("create_threads", {"threads": [{
+        "prompt": "\n".join([
+            call_line("t3_thread_send", {"threadId": vid, "message": "hi", "target": beta}),
+            call_line("t3_thread_send", {"threadId": vid, "message": "hi", "target": beta,
+                                         "mode": "steer"})]),
+        "target": {"providerInstanceId": "alpha"}, "runtimeMode": "auto-accept-edits"}]})
+    cid = caller.structured["threads"][0]["threadId"]
+    assert wait(mcp, cid)["status"] == "completed"
+    refused = [r.get("code") for r in tool_results(mcp, cid)]
+    assert refused == ["runtime_mode_escalation_denied", "runtime_mode_escalation_denied"]
+    read = mcp.call("t3_thread_read", {"threadId": vid}).structured
+    assert (read["thread"]["providerInstanceId"], read["recentRuns"]) == ("alpha", [])
+    steer = mcp.call("t3_thread_send", {"threadId": cid, "message": "hi", "target": beta,
+                                        "mode": "steer"})
+    assert steer.structured["code"] == "invalid_request", steer.structured
+    assert mcp.call("t3_thread_read", {"threadId": cid}).structured["thread"][
+        "providerInstanceId"] == "alpha"
 
 
 def test_handoff_text_keeps_the_newest_lines_within_the_budget() -> None:
