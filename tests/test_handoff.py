@@ -137,6 +137,7 @@ def test_an_agent_cannot_switch_a_thread_beyond_its_scope(t3_factory, tmp_path: 
     steer = mcp.call("t3_thread_send", {"threadId": cid, "message": "hi", "target": beta,
                                         "mode": "steer"})
     assert steer.structured["code"] == "invalid_request", steer.structured
+    assert "starts a new run" in steer.structured["message"]
     assert mcp.call("t3_thread_read", {"threadId": cid}).structured["thread"][
         "providerInstanceId"] == "alpha"
 
