@@ -41,9 +41,9 @@ def test_switch_alpha_to_beta_mid_thread_hands_off_run_1_in_the_same_thread(
         t3_factory, tmp_path: Path) -> None:
     """t3_thread_send with target beta: run 2 goes to beta in the same thread, beta's first
     prompt is the full-thread handoff with run 1's user and assistant text and then the message;
-    read shows both runs with their providers and a handoff item. A person's `switch` back to
-    alpha gives alpha only the delta it missed (run 2), and a provider that is not registered is
-    refused with nothing changed."""
+    read shows both runs with their providers and a handoff item. A person's `send --provider
+    alpha` gives alpha only the delta it missed (run 2); `switch` to a provider that is not
+    registered is refused, and `switch --provider beta --model M` moves the thread."""
     t3 = t3_factory(providers=[scripted_provider(tmp_path, id="alpha"),
                                scripted_provider(tmp_path, id="beta")])
     mcp = t3.client()
@@ -72,10 +72,8 @@ def test_switch_alpha_to_beta_mid_thread_hands_off_run_1_in_the_same_thread(
 
     refused = t3.cli("switch", tid, "--provider", "nope", "--json")
     assert refused.returncode != 0 and "provider_unavailable" in refused.stdout + refused.stderr
-    switched = cli_json(t3, "switch", tid, "--provider", "alpha")
-    assert (switched["providerInstanceId"], switched["previous"]["providerInstanceId"]) == (
-        "alpha", "beta")
-    cli_json(t3, "send", tid, "back again")
+    back = cli_json(t3, "send", tid, "back again", "--provider", "alpha")
+    assert (back["threadId"], back["delivery"]) == (tid, "started")
     assert wait(mcp, tid)["status"] == "completed"
     alpha = prompts(tmp_path / "agent-alpha.log")
     assert len(alpha) == 2 and alpha[0] == "plan the kiwi migration"
@@ -89,6 +87,12 @@ def test_switch_alpha_to_beta_mid_thread_hands_off_run_1_in_the_same_thread(
     assert len(handoff_line) <= 240 and "Full conversation context" in handoff_line
     assert [r["providerInstanceId"] for _, r in sorted(runs(mcp, tid).items())] == [
         "alpha", "beta", "alpha"]
+    switched = cli_json(t3, "switch", tid, "--provider", "beta", "--model", "scripted-2")
+    assert (switched["providerInstanceId"], switched["model"], switched["previous"]) == (
+        "beta", "scripted-2", {"providerInstanceId": "alpha", "model": "scripted-1"})
+    thread = mcp.call("t3_thread_read", {"threadId": tid}).structured["thread"]
+    assert (thread["threadId"], thread["providerInstanceId"], thread["model"]) == (
+        tid, "beta", "scripted-2")
 
 
 def test_a_resume_that_fails_after_a_restart_gets_the_handoff_not_a_bare_prompt(
