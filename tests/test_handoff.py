@@ -12,29 +12,15 @@ from pathlib import Path
 
 import pytest
 from fake_model import FakeModelServer
-from harness import T3Server, agent_log, scripted_provider
+from harness import scripted_provider
 from real_cli import claude_provider, codex_provider, create, npm_available
 from real_cli import wait as real_wait
 from test_decide import THREAD, Sim, changed
 from test_delegation import call_line, items, tool_results, wait
-from test_lifecycle_stop import runs
+from test_lifecycle_stop import cli_json, runs
+from test_schedules import prompts
 
 import orchestrator as o
-
-
-def prompts(log: Path) -> list[str]:
-    """The text of every session/prompt an agent received (its text blocks joined, t3's
-    orchestration instructions left out), in order."""
-    return ["\n".join(b.get("text", "") for b in e["msg"]["params"]["prompt"]
-                      if not b.get("text", "").startswith("<t3_code_orchestration_instructions>"))
-            for e in agent_log(log) if e["dir"] == "in"
-            and e["msg"].get("method") == "session/prompt"]
-
-
-def cli_json(t3: T3Server, *args: str) -> dict:
-    done = t3.cli(*args, "--json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 def test_switch_alpha_to_beta_mid_thread_hands_off_run_1_in_the_same_thread(
