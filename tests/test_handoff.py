@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from fake_model import FakeModelServer
-from harness import scripted_provider
+from harness import agent_log, scripted_provider
 from real_cli import claude_provider, codex_provider, create, npm_available
 from real_cli import wait as real_wait
 from test_decide import THREAD, Sim, changed
@@ -79,6 +79,28 @@ def test_switch_alpha_to_beta_mid_thread_hands_off_run_1_in_the_same_thread(
     thread = mcp.call("t3_thread_read", {"threadId": tid}).structured["thread"]
     assert (thread["threadId"], thread["providerInstanceId"], thread["model"]) == (
         tid, "beta", "scripted-2")
+
+
+def test_a_model_switch_reopens_the_same_conversation_on_the_new_model(
+        t3_factory, agent_log_path: Path) -> None:
+    """switch --model on the same instance: the next run gets a new session that loads the same
+    native conversation and selects the new model (before: the live session kept the old
+    model); nothing was missed, so no handoff."""
+    t3 = t3_factory()
+    mcp = t3.client()
+    created = mcp.call("create_threads", {"threads": [{"prompt": "first"}]})
+    tid = created.structured["threads"][0]["threadId"]
+    assert wait(mcp, tid)["status"] == "completed"
+    cli_json(t3, "switch", tid, "--provider", "scripted", "--model", "scripted-2")
+    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "second"})
+    assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+    methods = [(e["msg"].get("method"), e["msg"].get("params", {}).get("modelId"))
+               for e in agent_log(agent_log_path) if e["dir"] == "in"]
+    after_first = methods[[m for m, _ in methods].index("session/prompt") + 1:]
+    assert ("session/load", None) in after_first and \
+        ("session/set_model", "scripted-2") in after_first, methods
+    assert prompts(agent_log_path)[1] == "second"
+    assert [r["model"] for _, r in sorted(runs(mcp, tid).items())] == ["scripted-1", "scripted-2"]
 
 
 def test_a_resume_that_fails_after_a_restart_gets_the_handoff_not_a_bare_prompt(
