@@ -3038,14 +3038,23 @@ def _decide_switch(d: _Draft, c: SwitchProvider, *, providers: Mapping[str, Prov
 
 def _hand_off(d: _Draft, run: Run, pthread: ProviderThread | None, resume_failed: bool,
               providers: Mapping[str, ProviderInfo]) -> str | None:
-    """Record the handoff ``run`` needs on its provider thread, if any; its id."""
+    """The handoff ``run`` needs on its provider thread, if any, recorded; its id. A provider
+    thread that never took part or could not resume its conversation gets every earlier run;
+    one coming back to its own conversation gets the runs since it last took part."""
     earlier = [r for r in d.runs() if r.ordinal < run.ordinal and r.started_at is not None
                and r.status != RunStatus.ROLLED_BACK]
     if pthread is None or resume_failed or pthread.last_run_ordinal is None:
-        strategy, covered = "full_thread_summary", earlier
-    else:
-        strategy = "delta_since_target_last_seen"
-        covered = [r for r in earlier if r.ordinal > (pthread.last_run_ordinal or 0)]
+        return record_handoff(d, run, "full_thread_summary", earlier, providers)
+    return record_handoff(d, run, "delta_since_target_last_seen",
+                          [r for r in earlier if r.ordinal > (pthread.last_run_ordinal or 0)],
+                          providers)
+
+
+def record_handoff(d: _Draft, run: Run, strategy: str, covered: Sequence[Run],
+                   providers: Mapping[str, ProviderInfo]) -> str | None:
+    """A ContextHandoff of ``covered`` (runs, oldest first) for ``run`` and its ``handoff``
+    turn item; None when nothing is covered. Reusable by any path that moves a conversation to
+    a provider thread that lacks it (rollback, fork, merge-back: add their headers)."""
     if not covered:
         return None
 
