@@ -3010,6 +3010,9 @@ _HANDOFF_HEADERS = {
 @dataclass(frozen=True, slots=True)
 class SwitchProvider:
     type: ClassVar[str] = "provider.switch"
+    # The runtime mode is derived from the thread's when the call arrives (as DispatchMessage's
+    # mode): a retry after it changed is still the same request.
+    fingerprint_fields: ClassVar[tuple[str, ...]] = ("thread_id", "provider_instance_id", "model")
     command_id: str
     thread_id: str
     provider_instance_id: str
