@@ -2739,7 +2739,7 @@ class _Timeline:
         if item["runId"] != self._run and item["runId"] in self.runs:
             self._run = item["runId"]
             run = self.runs[item["runId"]]
-            print(f"--- run {run['ordinal']} ({run['status']})")
+            print(f"--- run {run['ordinal']} ({run['status']}) on {run['providerInstanceId']}")
         if item["type"] in ("assistant_message", "reasoning"):
             sys.stdout.write(_rendered(item, text))  # the line stays open: more may stream
             self._open = item["id"]

@@ -55,6 +55,10 @@ def test_switch_alpha_to_beta_mid_thread_hands_off_run_1_in_the_same_thread(
         (1, "alpha"), (2, "beta")]
     handoffs = [i for i in items(mcp, tid) if i["type"] == "handoff"]
     assert [h["runId"] for h in handoffs] == [by_ordinal[2]["runId"]]
+    shown = t3.cli("show", tid).stdout.splitlines()
+    assert [line for line in shown if line.startswith(("--- run", "[handoff]"))] == [
+        "--- run 1 (completed) on alpha", "--- run 2 (completed) on beta",
+        "[handoff] full_thread_summary handoff to beta (completed)"], shown
 
     refused = t3.cli("switch", tid, "--provider", "nope", "--json")
     assert refused.returncode != 0 and "provider_unavailable" in refused.stdout + refused.stderr
