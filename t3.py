@@ -3018,8 +3018,8 @@ async def _cmd_switch(client: WsClient, args: argparse.Namespace) -> int:
 
 _COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
     "threads": _cmd_threads, "show": _cmd_show, "new": _cmd_new, "send": _cmd_send,
-    "wait": _cmd_wait, "switch": _cmd_switch, "interrupt": _cmd_interrupt, "stop": _cmd_stop, "resume": _cmd_stop,
-    "requests": _cmd_requests,
+    "wait": _cmd_wait, "interrupt": _cmd_interrupt, "stop": _cmd_stop, "resume": _cmd_stop,
+    "requests": _cmd_requests, "switch": _cmd_switch,
     "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
     "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, **_THREAD_COMMANDS}
 
