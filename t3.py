@@ -75,7 +75,7 @@ class ConfigError(Exception):
 class Config:
     host: str
     port: int
-    projects: list[dict[str, str]]
+    projects: list[dict[str, Any]]  # id, path, title, setup (commands for a new worktree)
     providers: list[dict[str, Any]] | None  # None: detect installed CLIs
     credential_max_lifetime_s: int = 86_400
     credential_idle_s: int = 7_200
@@ -90,7 +90,7 @@ class Config:
 
 _SECTIONS = {"server": {"host", "port", "allowed_origins", "allowed_hosts", "max_connections",
                         "certfile", "keyfile"},
-             "projects": {"id", "path", "title"},
+             "projects": {"id", "path", "title", "setup"},
              "providers": {"id", "driver", "command", "env", "models", "enabled", "displayName",
                            "agent", "registry", "instructions", "allow_unverified"},
              "limits": {"credential_max_lifetime_s", "credential_idle_s", "max_delegation_depth",
@@ -167,8 +167,8 @@ def _server_section(server: Mapping[str, Any], fail: _Fail, *, base: Path) -> di
 
 
 def _project_entries(entries: Sequence[Mapping[str, Any]], fail: _Fail, *, cwd: Path
-                     ) -> list[dict[str, str]]:
-    projects: list[dict[str, str]] = []
+                     ) -> list[dict[str, Any]]:
+    projects: list[dict[str, Any]] = []
     for i, entry in enumerate(entries):
         for key in entry:
             if key not in _SECTIONS["projects"]:
@@ -185,7 +185,11 @@ def _project_entries(entries: Sequence[Mapping[str, Any]], fail: _Fail, *, cwd: 
             raise fail("projects", i, "id", f"duplicate project id {pid!r}")
         if pid == "scratch":
             raise fail("projects", i, "id", "'scratch' is reserved for scratch workspaces")
-        projects.append({"id": pid, "path": str(Path(ppath).resolve()), "title": title})
+        setup = entry.get("setup", [])
+        if not isinstance(setup, list) or not all(isinstance(c, str) and c for c in setup):
+            raise fail("projects", i, "setup", "must be a list of shell commands (strings)")
+        projects.append({"id": pid, "path": str(Path(ppath).resolve()), "title": title,
+                         "setup": setup})
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
     return projects
@@ -1622,7 +1626,7 @@ _WS_LAUNCH = {"type": "object", "additionalProperties": False, "required": ["com
                   "commandId": _WIRE_ID, "projectId": _WIRE_REF,
                   "title": {"type": "string", "maxLength": 512},
                   "modelSelection": _WIRE_SELECTION, **_WIRE_MODES,
-                  "workspaceStrategy": {},  # root or scratch (t3_thread_launch checks it)
+                  "workspaceStrategy": {},  # t3_thread_launch's (it checks it)
                   "scratch": {"type": "boolean"}, "creationSource": {"type": "string"},
                   "initialMessage": {"type": "object", "additionalProperties": False,
                                      "required": ["text"], "properties": {
@@ -1819,10 +1823,11 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
+    from workspace import Workspaces
     adapters = build_adapters(config, data_dir, prov)
     _report_providers(adapters, detected=config.providers is None, detectable=prov.DETECTABLE)
     orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
-                            credentials=credentials,
+                            credentials=credentials, workspaces=Workspaces(data_dir),
                             max_live_agent_processes=config.max_live_agent_processes,
                             redact=prov.redact,
                             **({"clock": clock.iso, "wall": clock.now} if clock else {}))
@@ -1834,7 +1839,8 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
                     len(recovered))
     orch.start()
     context = context_cls(environment_id=environment_id,
-                          projects=[project_cls(p["id"], p["path"], p["title"])
+                          projects=[project_cls(p["id"], p["path"], p["title"],
+                                                tuple(p.get("setup", ())))
                                     for p in config.projects], data_dir=data_dir,
                           max_delegation_depth=config.max_delegation_depth, base_url=base_url)
     toolkit = toolkit_cls(orch, store, context)
@@ -2359,6 +2365,21 @@ async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _strategy_arg(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``new``'s workspace options as a workspaceStrategy (None: the project root)."""
+    if args.worktree and args.existing_worktree:
+        raise SystemExit("t3: --worktree and --existing-worktree exclude each other")
+    if (args.branch or args.from_origin) and not (args.worktree or args.existing_worktree):
+        raise SystemExit("t3: --branch and --from-origin go with --worktree")
+    if args.worktree:
+        return _given(type="worktree", baseRef=args.worktree, branch=args.branch,
+                      startFromOrigin=args.from_origin or None)
+    if args.existing_worktree:
+        return _given(type="existing_worktree", branch=args.branch,
+                      worktreePath=str(Path(args.existing_worktree).resolve()))
+    return None
+
+
 async def _cmd_new(client: WsClient, args: argparse.Namespace) -> int:
     selection = _given(instanceId=args.provider, model=args.model)
     launched = await client.request("launchThread", {
@@ -2366,7 +2387,7 @@ async def _cmd_new(client: WsClient, args: argparse.Namespace) -> int:
             initialMessage={"text": _text_arg(args.text)} if args.text is not None else None,
             projectId=args.project, title=args.title, runtimeMode=args.runtime_mode,
             interactionMode=args.interaction_mode, modelSelection=selection or None,
-            scratch=args.scratch or None)})
+            scratch=args.scratch or None, workspaceStrategy=_strategy_arg(args))})
     thread = launched["projection"]["thread"]
     _out(args, {"threadId": launched["threadId"], "runId": launched["runId"],
                 "title": thread["title"], "projectId": thread["projectId"],
@@ -3077,6 +3098,14 @@ def _cli_parsers(sub: Any) -> None:
     new.add_argument("--project", help="project id (default: the first configured)")
     new.add_argument("--scratch", action="store_true",
                      help="run in a fresh folder of its own instead of a project")
+    new.add_argument("--worktree", metavar="BASE",
+                     help="run in a new git worktree on a new branch from BASE (a ref)")
+    new.add_argument("--existing-worktree", metavar="PATH",
+                     help="run in this existing worktree of the project's repository")
+    new.add_argument("--branch", help="the new worktree's branch (default t3/<hash>); with "
+                                      "--existing-worktree, the branch it must be on")
+    new.add_argument("--from-origin", action="store_true",
+                     help="with --worktree: fetch origin and start from origin/BASE")
     new.add_argument("--title", help="title (default: from TEXT)")
     new.add_argument("--runtime-mode", choices=list(RuntimeMode),
                      help="what the agent may do without asking (default full-access)")
