@@ -2777,7 +2777,8 @@ class _Timeline:
 
 
 _LABELS = {"tool_call": "tool", "approval_request": "approval", "user_input_request": "question",
-           "todo_list": "plan", "subagent": "task", "run_interrupt_request": "interrupt"}
+           "todo_list": "plan", "subagent": "task", "run_interrupt_request": "interrupt",
+           "workspace_setup": "workspace"}
 
 
 def _rendered(item: Mapping[str, Any], text: str) -> str:
