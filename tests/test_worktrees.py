@@ -14,6 +14,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import t3 as server
 from harness import McpClient, T3Server, agent_log, wait_until, write_config
 
 
@@ -301,3 +304,14 @@ def test_the_cli_new_takes_a_worktree(t3_factory, tmp_path: Path) -> None:
     assert git(Path(thread["worktreePath"]), "branch", "--show-current").strip() == "cli-branch"
     refused = t3.cli("new", "x", "--branch", "b")
     assert refused.returncode != 0 and "--worktree" in refused.stderr
+
+
+def test_the_setup_key_takes_a_list_of_commands(tmp_path: Path) -> None:
+    """`[[projects]] setup` is a list of non-empty strings; anything else stops startup with the
+    file, line and key."""
+    config = tmp_path / "t3.toml"
+    config.write_text(f'[[projects]]\nid = "p"\npath = "{tmp_path}"\nsetup = ["make", "ls"]\n')
+    assert server.load_config(config, cwd=tmp_path).projects[0]["setup"] == ["make", "ls"]
+    config.write_text(f'[[projects]]\nid = "p"\npath = "{tmp_path}"\nsetup = "make"\n')
+    with pytest.raises(server.ConfigError, match=r"t3.toml:4: projects\[0\].setup: must be a list"):
+        server.load_config(config, cwd=tmp_path)
