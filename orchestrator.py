@@ -39,6 +39,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import store as _store
@@ -58,7 +59,7 @@ __all__ = [
     "steerable_run", "Subscription", "CLIENT_COMMANDS", "ScheduledTask", "WebhookDelivery",
     "validate_schedule", "UpsertScheduledTask", "DeleteScheduledTask", "FireScheduledTask",
     "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "RateLimited",
-    "StopThread", "ResumeThread", "RUN_LIVE",
+    "StopThread", "ResumeThread", "RUN_LIVE", "Workspaces", "AdvancePreparation",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -2982,8 +2983,15 @@ CLIENT_COMMANDS = (*CLIENT_COMMANDS, *THREAD_LIFECYCLE)
 
 
 class Workspaces(Protocol):
-    """What the orchestrator asks of git (workspace.py, which it never imports)."""
+    """What launches ask of git (workspace.py, which this file never imports; tools.py checks a
+    launch's strategy with the queries before anything is made)."""
 
+    worktrees_dir: Path
+
+    async def top_level(self, cwd: str) -> str | None: ...
+    async def worktree_branch(self, repo: str, path: str) -> str | None: ...
+    async def worktree_problem(self, repo: str, *, base_ref: str, branch: str,
+                               from_origin: bool) -> str | None: ...
     async def add_worktree(self, repo: str, name: str, *, base_ref: str, branch: str,
                            from_origin: bool = False) -> str: ...
     async def remove_worktree(self, repo: str, path: str, branch: str | None = None

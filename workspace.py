@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import re
+import shutil
 import signal
 import uuid
 from dataclasses import dataclass
@@ -170,9 +171,12 @@ class Workspaces:
         return str(path)
 
     async def remove_worktree(self, repo: str, path: str, branch: str | None = None) -> None:
-        """Remove a worktree t3 made (and its branch, when given), whatever state it is in."""
+        """Remove a worktree t3 made (and its branch, when given), whatever state it is in: a
+        folder under ``worktrees/`` that git no longer (or not yet) knows goes too."""
         async with self._lock(repo):
             await _maybe(repo, "worktree", "remove", "--force", "--force", path)
+            if Path(path).parent == self.worktrees_dir and os.path.lexists(path):
+                await asyncio.to_thread(shutil.rmtree, path, True)
             await _maybe(repo, "worktree", "prune")
             if branch:
                 await _maybe(repo, "branch", "-D", "--", branch)

@@ -8,6 +8,7 @@ the caller's worktree; `/ws launchThread` through the CLI's `new --worktree`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 
 import t3 as server
 from harness import McpClient, T3Server, agent_log, wait_until, write_config
+from workspace import Workspaces
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -315,3 +317,21 @@ def test_the_setup_key_takes_a_list_of_commands(tmp_path: Path) -> None:
     config.write_text(f'[[projects]]\nid = "p"\npath = "{tmp_path}"\nsetup = "make"\n')
     with pytest.raises(server.ConfigError, match=r"t3.toml:4: projects\[0\].setup: must be a list"):
         server.load_config(config, cwd=tmp_path)
+
+
+def test_removing_a_half_made_worktree_clears_its_folder(tmp_path: Path) -> None:
+    """What a `git worktree add` killed before it registered the worktree leaves (a folder under
+    worktrees/ git does not know, and the branch) is removed, so the launch can be made again."""
+    repo = make_repo(tmp_path, origin=False)
+    (tmp_path / "data").mkdir(mode=0o700)
+    spaces = Workspaces(tmp_path / "data")
+    half = spaces.worktrees_dir / "half"
+    (half / "sub").mkdir(parents=True)
+    (half / "sub" / "file").write_text("partial")
+    git(repo, "branch", "t3/half", "main")
+
+    async def again() -> str:
+        await spaces.remove_worktree(str(repo), str(half), "t3/half")
+        return await spaces.add_worktree(str(repo), "half", base_ref="main", branch="t3/half")
+    assert asyncio.run(again()) == str(half)
+    assert worktrees(repo) == [str(repo), str(half)] and not (half / "sub").exists()
