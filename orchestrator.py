@@ -1449,7 +1449,8 @@ def _interrupt(d: _Draft, run: Run, reason: str | None) -> str:
         # Nothing reached the provider yet: the run ends here and its start is called off.
         _end_run(d, run, RunStatus.INTERRUPTED,
                  reason or "Interrupted before the provider started.")
-        d.cancel_effect_types += ["provider-turn.start", "provider-turn.restart"]
+        d.cancel_effect_types += ["provider-turn.start", "provider-turn.restart",
+                                  "workspace.prepare"]  # its setup command is killed
         for old in d.all("run-attempt"):  # a restart was cut short: stop the turn it replaced
             old_turn = d.get("provider-turn", old.provider_turn_id)
             if old.run_id == run.id and old_turn is not None and old_turn.status == "running":

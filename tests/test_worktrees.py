@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import subprocess
 from pathlib import Path
@@ -335,3 +336,33 @@ def test_removing_a_half_made_worktree_clears_its_folder(tmp_path: Path) -> None
         return await spaces.add_worktree(str(repo), "half", base_ref="main", branch="t3/half")
     assert asyncio.run(again()) == str(half)
     assert worktrees(repo) == [str(repo), str(half)] and not (half / "sub").exists()
+
+
+def test_interrupting_a_preparing_run_kills_its_setup(t3_factory, tmp_path: Path,
+                                                      agent_log_path: Path) -> None:
+    """t3_thread_interrupt while a setup command runs: the run is interrupted at once, the setup
+    command's process is killed, the agent is never prompted."""
+    repo = make_repo(tmp_path, origin=False)
+    nap = f"sleep 613.{os.getpid()}"
+    t3 = start(t3_factory, tmp_path, repo, setup=[nap])
+    mcp = t3.client()
+    launched = launch(mcp, {"type": "worktree", "baseRef": "main"}).structured
+    wait_until(lambda: sleepers(nap), 30, message="the setup command runs")
+    stopped = mcp.call("t3_thread_interrupt", {"threadId": launched["threadId"]}).structured
+    assert stopped["status"] == "interrupted"
+    wait_until(lambda: not sleepers(nap), 10, message="the setup command was killed")
+    assert finished(mcp, launched["threadId"])["status"] == "interrupted"
+    assert not any(e["dir"] == "in" and e["msg"].get("method") == "session/prompt"
+                   for e in agent_log(agent_log_path))
+
+
+def sleepers(command: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().replace(
+                    b"\0", b" ").strip() == command.encode():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
