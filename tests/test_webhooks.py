@@ -26,6 +26,7 @@ from typing import Any
 from harness import McpClient, RawResponse, T3Server, agent_log, raw_post, raw_request, wait_until
 
 import t3 as server
+from test_schedules import prompts, settled, task
 
 START = calendar.timegm((2026, 3, 6, 17, 0, 0))
 CLOCK = {"T3_TEST_HOOKS": "1", "T3_TEST_CLOCK": str(START)}
@@ -73,22 +74,6 @@ def ws(t3: T3Server, method: str, params: dict[str, Any] | None = None) -> Any:
 
 def deliveries(t3: T3Server, task_id: str) -> list[dict[str, Any]]:
     return ws(t3, "listWebhookDeliveries", {"scheduledTaskId": task_id})["deliveries"]
-
-
-def task(mcp: McpClient, task_id: str) -> dict[str, Any]:
-    [found] = mcp.call("list_scheduled_tasks", {"scheduledTaskId": task_id}).structured["tasks"]
-    return found
-
-
-def settled(mcp: McpClient, task_id: str, runs: int) -> dict[str, Any]:
-    """The task once its ``runs``-th run has ended."""
-    return wait_until(lambda: (t := task(mcp, task_id))["runCount"] == runs
-                      and t["lastRunStatus"] in ("succeeded", "failed") and t, 30)
-
-
-def prompts(log: Path) -> list[str]:
-    return [e["msg"]["params"]["prompt"][-1]["text"] for e in agent_log(log)
-            if e["dir"] == "in" and e["msg"].get("method") == "session/prompt"]
 
 
 def last_sequence(t3: T3Server) -> int:
@@ -319,12 +304,12 @@ def test_deliveries_wait_in_line_and_run_one_at_a_time(t3_factory, agent_log_pat
     assert first.json()["outcome"] == "running"
     queued = [github(url, {"cmd": "", "n": n}).json()["outcome"] for n in range(1, 20)]
     assert queued == ["queued"] * 19
-    before = last_sequence(t3)
-    assert refused(github(url, {"n": 20}), 429, "queue_full")
-    assert last_sequence(t3) == before
     thread_id = wait_until(lambda: task(mcp, made["scheduledTaskId"])["lastRunThreadId"], 10)
     request = wait_until(lambda: mcp.call("t3_pending_request", {
         "threadId": thread_id, "action": "list"}).structured["requests"], 10)[0]
+    before = last_sequence(t3)  # the first run waits on its approval: nothing else writes
+    assert refused(github(url, {"n": 20}), 429, "queue_full")
+    assert last_sequence(t3) == before
     assert mcp.call("t3_pending_request", {"threadId": thread_id, "action": "respond",
                                            "requestId": request["requestId"],
                                            "decision": "accept"}).ok
