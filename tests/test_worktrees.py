@@ -169,6 +169,12 @@ def test_start_from_origin_fetches_and_without_origin_fails_clearly(
         assert refused.failure_code == "invalid_request" and words in refused.text, refused.text
     assert mcp.call("t3_thread_list", {}).structured["total"] == threads
     assert user_state(repo) == before and len(worktrees(repo)) == 2
+    git(repo, "remote", "add", "origin", str(tmp_path / "gone.git"))  # a fetch that fails
+    lost = launch(mcp, {"type": "worktree", "baseRef": "main", "startFromOrigin": True})
+    assert finished(mcp, lost.structured["threadId"])["status"] == "failed"
+    reason = read(mcp, lost.structured["threadId"])["recentRuns"][0]["statusReason"]
+    assert reason.startswith("The worktree could not be made: git fetch:"), reason
+    assert len(worktrees(repo)) == 2 and git(repo, "branch", "--list", "t3/*") == ""
 
 
 def test_an_existing_worktree_of_the_project_is_accepted_and_others_are_refused(
