@@ -2393,7 +2393,8 @@ async def _cmd_new(client: WsClient, args: argparse.Namespace) -> int:
                 "title": thread["title"], "projectId": thread["projectId"],
                 "providerInstanceId": thread["providerInstanceId"],
                 "model": thread["modelSelection"].get("model"),
-                "runtimeMode": thread["runtimeMode"]}, launched["threadId"])
+                "runtimeMode": thread["runtimeMode"], "branch": thread.get("branch"),
+                "workspacePath": thread.get("workspace")}, launched["threadId"])
     if not args.json and sys.stdout.isatty():
         print(f"follow it: python t3.py show {launched['threadId'].rsplit(':', 1)[-1]} --follow",
               file=sys.stderr)

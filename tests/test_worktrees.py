@@ -304,11 +304,13 @@ def test_the_cli_new_takes_a_worktree(t3_factory, tmp_path: Path) -> None:
     t3 = start(t3_factory, tmp_path, repo)
     done = t3.cli("new", "ECHO_CWD", "--worktree", "main", "--branch", "cli-branch", "--json")
     assert done.returncode == 0, done.stderr
-    thread_id = json.loads(done.stdout)["threadId"]
+    printed = json.loads(done.stdout)
+    thread_id = printed["threadId"]
     mcp = t3.client()
     assert finished(mcp, thread_id)["status"] == "completed"
     thread = read(mcp, thread_id)["thread"]
-    assert thread["branch"] == "cli-branch"
+    assert thread["branch"] == printed["branch"] == "cli-branch"
+    assert printed["workspacePath"] == thread["worktreePath"]
     assert reply(mcp, thread_id) == thread["worktreePath"] == thread["workspacePath"]
     assert git(Path(thread["worktreePath"]), "branch", "--show-current").strip() == "cli-branch"
     refused = t3.cli("new", "x", "--branch", "b")
