@@ -297,7 +297,8 @@ _THREAD_STATE = {"archived": BOOLEAN, "snoozed": BOOLEAN, "snoozedUntil": OPT_ST
 _THREAD_SHELL = _shape({
     "threadId": STRING, "title": STRING, "createdBy": ACTOR, "creationSource": SOURCE,
     "status": THREAD_STATUS, "latestRunId": OPT_STRING, "providerInstanceId": STRING,
-    "model": OPT_STRING, "runtimeMode": RUNTIME, "interactionMode": INTERACTION, **_LINEAGE,
+    "model": OPT_STRING, "runtimeMode": RUNTIME, "interactionMode": INTERACTION,
+    "branch": OPT_STRING, "worktreePath": OPT_STRING, **_LINEAGE,
     "itemCount": INTEGER, "pendingRequestCount": INTEGER, "createdAt": STRING,
     "updatedAt": STRING, "link": STRING, **_THREAD_STATE})
 _THREAD_DETAIL = _shape({
@@ -1108,6 +1109,7 @@ class Toolkit:
                 "providerInstanceId": thread["providerInstanceId"],
                 "model": thread["modelSelection"].get("model"),
                 "runtimeMode": thread["runtimeMode"], "interactionMode": thread["interactionMode"],
+                "branch": thread.get("branch"), "worktreePath": thread.get("worktreePath"),
                 "parentThreadId": thread["lineage"].get("parentThreadId"),
                 "relationshipToParent": thread["lineage"].get("relationshipToParent"),
                 "itemCount": row["itemCount"], "pendingRequestCount": row["pendingRequestCount"],

@@ -123,6 +123,8 @@ def test_a_worktree_launch_runs_the_agent_in_a_new_worktree_and_leaves_the_check
     thread = read(mcp, launched["threadId"])["thread"]
     assert (thread["branch"], thread["worktreePath"], thread["workspacePath"]) == (
         branch, path, path)
+    listed = mcp.call("t3_thread_list", {}).structured["threads"][0]
+    assert (listed["branch"], listed["worktreePath"]) == (branch, path)
     preparing = [i for i in read(mcp, launched["threadId"])["items"]
                  if i["type"] == "workspace_setup"]
     assert [(i["title"], i["status"]) for i in preparing] == [
