@@ -59,7 +59,8 @@ __all__ = [
     "steerable_run", "Subscription", "CLIENT_COMMANDS", "ScheduledTask", "WebhookDelivery",
     "validate_schedule", "UpsertScheduledTask", "DeleteScheduledTask", "FireScheduledTask",
     "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "RateLimited",
-    "StopThread", "ResumeThread", "RUN_LIVE", "Workspaces", "AdvancePreparation",
+    "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
+    "handoff_text", "handoff_line", "handoff_prompt", "Workspaces", "AdvancePreparation",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -484,6 +485,27 @@ SCHEDULE_RUN_STATUSES = frozenset({"never", "running", "succeeded", "failed"})
 
 
 @dataclass(frozen=True, slots=True)
+class ContextHandoff(_Entity):
+    """The context a provider got when it joined a thread's conversation late: after a
+    provider switch (the delta since it last took part, or the whole thread) or after a resume
+    that failed (the whole thread). Deterministic text, no model call (``handoff_text``)."""
+
+    kind: ClassVar[str] = "context-handoff"
+    id: str
+    thread_id: str
+    target_run_id: str
+    from_provider_thread_ids: Sequence[str]
+    to_provider_thread_id: str
+    covered_run_ordinals: Mapping[str, int]  # {"from": a, "to": b}
+    strategy: str  # full_thread_summary | delta_since_target_last_seen
+    status: str  # consumed: it went out with the run's first prompt
+    summary_text: str
+    created_at: str
+    updated_at: str
+    created_by_provider_instance_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledTask(_Entity):
     """Recurring work (SPEC 7): its prompt runs on a schedule, in its bound thread or in a fresh
     thread each time. A task is an event stream of its own, keyed by its id."""
@@ -554,7 +576,7 @@ _ENTITY_TYPES: dict[str, type[_Entity]] = {
     cls.kind: cls for cls in (AppThread, Run, RunAttempt, ExecutionNode, ProviderSession,
                               ProviderThread, ProviderTurn, RuntimeRequest, ConversationMessage,
                               TurnItem, Subagent, ContextTransfer, ScheduledTask,
-                              WebhookDelivery)}
+                              WebhookDelivery, ContextHandoff)}
 _EVENT_TYPE = {kind: f"{kind}.updated" for kind in _ENTITY_TYPES}
 
 
@@ -993,6 +1015,7 @@ class MarkRunStarted:
     pid: int | None
     native_thread_ref: str | None
     cwd: str
+    resume_failed: bool = False  # a new session where the provider thread's could not load
 
 
 @dataclass(frozen=True, slots=True)
@@ -1667,6 +1690,9 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
             model=run.model_selection.get("model"), created_at=d.now, updated_at=d.now, pid=c.pid)
     d.put(replace(session, status="running", pid=c.pid, updated_at=d.now))
     pthread = d.get("provider-thread", run.provider_thread_id)
+    # Once per run: a restarted attempt's turn already had it.
+    handoff_id = None if run.context_handoff_id else _hand_off(d, run, pthread, c.resume_failed,
+                                                               providers)
     if pthread is None:
         pthread = ProviderThread(id=run.provider_thread_id or "", app_thread_id=run.thread_id,
                                  driver=providers_driver, provider_instance_id=provider,
@@ -1676,6 +1702,9 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
                   native_thread_ref=c.native_thread_ref or pthread.native_thread_ref,
                   last_run_ordinal=run.ordinal, updated_at=d.now))
     if thread.active_provider_thread_id != pthread.id:
+        before = d.get("provider-thread", thread.active_provider_thread_id)
+        if before is not None and before.status == "active":  # a provider switch
+            d.put(replace(before, status="idle", updated_at=d.now))
         d.put(replace(thread, active_provider_thread_id=pthread.id, updated_at=d.now))
     turns = [t for t in d.all("provider-turn") if t.provider_thread_id == pthread.id]
     turn = d.put(ProviderTurn(id=bounded_id(f"provider-turn:{attempt.id}"), thread_id=run.thread_id,
@@ -1686,8 +1715,9 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
     root = d.get("node", attempt.root_node_id)
     if root is not None:
         d.put(replace(root, status="running", started_at=d.now, provider_turn_id=turn.id))
-    d.put(replace(run, status=RunStatus.RUNNING, started_at=run.started_at or d.now))
-    return {"runId": run.id, "providerTurnId": turn.id}
+    d.put(replace(run, status=RunStatus.RUNNING, started_at=run.started_at or d.now,
+                  context_handoff_id=run.context_handoff_id or handoff_id))
+    return {"runId": run.id, "providerTurnId": turn.id, "contextHandoffId": handoff_id}
 
 
 def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str, Any]:
@@ -3050,6 +3080,159 @@ _HANDLERS[AdvancePreparation] = _decide_preparation
 
 
 # =============================================================================================
+# Provider switch and context handoff (research/t3code.md 6.13, 6.14)
+#
+# A thread keeps its id for life; ``provider.switch`` changes the provider instance (and model)
+# its next runs go to. Each provider instance has one provider thread per app thread; a run that
+# starts on a provider thread which missed earlier runs (it never took part, took part before
+# others did, or its native conversation could not be resumed) carries a ContextHandoff: the
+# deterministic summary of what it missed, injected before the user's text.
+
+HANDOFF_BUDGET = 32_000  # characters of summary; the newest context is kept when cut
+HANDOFF_LINE = 240  # characters of one item line
+_HANDOFF_HEADERS = {
+    "full_thread_summary": "Full conversation context for provider handoff.",
+    "delta_since_target_last_seen": "Conversation delta since this provider last participated."}
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchProvider:
+    type: ClassVar[str] = "provider.switch"
+    # The runtime mode is derived from the thread's when the call arrives (as DispatchMessage's
+    # mode): a retry after it changed is still the same request.
+    fingerprint_fields: ClassVar[tuple[str, ...]] = ("thread_id", "provider_instance_id", "model")
+    command_id: str
+    thread_id: str
+    provider_instance_id: str
+    model: str | None
+    runtime_mode: str  # the thread's, stepped down to what the new provider offers
+
+
+def _decide_switch(d: _Draft, c: SwitchProvider, *, providers: Mapping[str, ProviderInfo],
+                   **_: Any) -> Mapping[str, Any]:
+    thread = d.thread
+    assert thread is not None
+    if thread.archived_at is not None:
+        raise CommandRejected("the thread is archived", code="thread_not_sendable")
+    if c.provider_instance_id not in providers:
+        raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
+                              code="provider_unavailable")
+    before = thread.provider_instance_id, thread.model_selection.get("model")
+    if (c.provider_instance_id, c.model, c.runtime_mode) != (*before, thread.runtime_mode):
+        d.put(replace(thread, provider_instance_id=c.provider_instance_id,
+                      model_selection={"instanceId": c.provider_instance_id, "model": c.model},
+                      runtime_mode=c.runtime_mode, updated_at=d.now), "thread.provider-switched")
+    return {"threadId": thread.id, "providerInstanceId": c.provider_instance_id,
+            "model": c.model, "runtimeMode": c.runtime_mode,
+            "previous": {"providerInstanceId": before[0], "model": before[1]}}
+
+
+def _hand_off(d: _Draft, run: Run, pthread: ProviderThread | None, resume_failed: bool,
+              providers: Mapping[str, ProviderInfo]) -> str | None:
+    """The handoff ``run`` needs on its provider thread, if any, recorded; its id. A provider
+    thread that never took part or could not resume its conversation gets every earlier run;
+    one coming back to its own conversation gets the runs since it last took part."""
+    earlier = [r for r in d.runs() if r.ordinal < run.ordinal and r.started_at is not None
+               and r.status != RunStatus.ROLLED_BACK]
+    if pthread is None or resume_failed or pthread.last_run_ordinal is None:
+        return record_handoff(d, run, "full_thread_summary", earlier, providers)
+    return record_handoff(d, run, "delta_since_target_last_seen",
+                          [r for r in earlier if r.ordinal > (pthread.last_run_ordinal or 0)],
+                          providers)
+
+
+def record_handoff(d: _Draft, run: Run, strategy: str, covered: Sequence[Run],
+                   providers: Mapping[str, ProviderInfo]) -> str | None:
+    """A ContextHandoff of ``covered`` (runs, oldest first) for ``run`` and its ``handoff``
+    turn item; None when nothing is covered. Reusable by any path that moves a conversation to
+    a provider thread that lacks it (rollback, fork, merge-back: add their headers)."""
+    if not covered:
+        return None
+
+    def driver(instance: str) -> str:
+        return providers[instance].driver if instance in providers else instance
+    froms = list(dict.fromkeys(r.provider_thread_id or "" for r in covered))
+    instances = list(dict.fromkeys(r.provider_instance_id for r in covered))
+    span = {"from": covered[0].ordinal, "to": covered[-1].ordinal}
+    summary = handoff_text(
+        strategy=strategy, from_drivers=[driver(i) for i in instances],
+        to_driver=driver(run.provider_instance_id), covered=span,
+        lines=_item_lines(d, {r.id for r in covered}))
+    handoff = d.put(ContextHandoff(
+        id=bounded_id(f"context-handoff:{run.id}"), thread_id=run.thread_id, target_run_id=run.id,
+        from_provider_thread_ids=froms, to_provider_thread_id=run.provider_thread_id or "",
+        covered_run_ordinals=span, strategy=strategy, status="consumed", summary_text=summary,
+        created_at=d.now, updated_at=d.now, created_by_provider_instance_id=instances[-1]))
+    d.put(TurnItem(
+        id=bounded_id(f"turn-item:handoff:{run.id}"), thread_id=run.thread_id, run_id=run.id,
+        node_id=run.root_node_id, type="handoff", status="completed", position=d.position(),
+        updated_at=d.now, title=f"{strategy} handoff to {run.provider_instance_id}",
+        text=summary, started_at=d.now, completed_at=d.now, data={
+            "contextHandoffId": handoff.id, "fromProviderThreadIds": froms,
+            "toProviderThreadId": handoff.to_provider_thread_id,
+            "fromProviderInstanceIds": instances, "toProviderInstanceId": run.provider_instance_id,
+            "fromModelSelections": [dict(r.model_selection) for r in covered],
+            "toModel": run.model_selection.get("model"), "strategy": strategy}))
+    return handoff.id
+
+
+def _item_lines(d: _Draft, run_ids: set[str]) -> list[str]:
+    """The covered runs' user-visible items as handoff lines, in timeline order."""
+    lines = []
+    for item in sorted(d.all("turn-item"), key=lambda i: i.position):
+        if item.run_id not in run_ids:
+            continue
+        message = d.get("message", item.message_id)
+        text = {"user_message": ("User", message.text if message else item.text),
+                "assistant_message": ("Assistant", message.text if message else item.text),
+                "tool_call": ("Command", item.title),
+                "checkpoint": ("Checkpoint", f"{len((item.data or {}).get('files') or [])} files"),
+                "handoff": ("Handoff", item.text or (item.data or {}).get("strategy"))
+                }.get(item.type)
+        if text is not None and text[1]:
+            lines.append(handoff_line(*text))
+    return lines
+
+
+def handoff_line(label: str, text: str) -> str:
+    """``- Label: text`` with whitespace collapsed, at most HANDOFF_LINE characters."""
+    line = f"- {label}: {' '.join(text.split())}"
+    return line if len(line) <= HANDOFF_LINE else line[:HANDOFF_LINE - 3] + "..."
+
+
+def handoff_text(*, strategy: str, from_drivers: Sequence[str], to_driver: str,
+                 covered: Mapping[str, int], lines: Sequence[str],
+                 budget: int = HANDOFF_BUDGET) -> str:
+    """The handoff summary (research/t3code.md 6.13), pure and deterministic. Over ``budget``
+    characters the oldest item lines go first, replaced by one line saying how many."""
+    head = "\n".join([_HANDOFF_HEADERS[strategy], f"From driver: {', '.join(from_drivers)}",
+                      f"To driver: {to_driver}",
+                      f"Covered app runs: {covered['from']}-{covered['to']}", "",
+                      "Canonical conversation context:"])
+    items = list(lines) or ["- No user-visible context items."]
+    room = budget - len(head) - 80  # 80: room for the line that says what was cut
+    kept = 0
+    while kept < len(items) and room >= len(items[-1 - kept]) + 1:
+        room -= len(items[-1 - kept]) + 1
+        kept += 1
+    cut = [f"- ({len(items) - kept} earlier items omitted to fit the handoff budget.)"] \
+        if kept < len(items) else []
+    return "\n".join([head, *cut, *items[len(items) - kept:]])[:budget]
+
+
+def handoff_prompt(text: str, handoff: ContextHandoff | None) -> str:
+    """What the provider is sent: the handoff before the user's text (6.13's injection)."""
+    if handoff is None:
+        return text
+    return (f"Context handoff ({handoff.strategy}):\n{handoff.summary_text}\n\n"
+            f"User message:\n{text}")
+
+
+_HANDLERS[SwitchProvider] = _decide_switch
+CLIENT_COMMANDS = (*CLIENT_COMMANDS, "provider.switch")
+
+
+# =============================================================================================
 # The runtime: dispatch, state, waits, the effect worker, live provider sessions
 
 
@@ -3080,6 +3263,7 @@ class _LiveSession:
     session_id: str
     thread_id: str
     instance_id: str
+    model: str | None
     handle: Any
     turn: tuple[str, str] | None = None  # (run_id, attempt_id)
     turn_ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -3841,6 +4025,8 @@ class Orchestrator:
             return
         live, created = opened
         message = state.entities["message"].get(run.user_message_id)
+        pthread = state.entities["provider-thread"].get(run.provider_thread_id or "")
+        resume_ref = pthread.native_thread_ref if pthread else None
         if live.idle_timer is not None:
             live.idle_timer.cancel()
         live.turn = (run_id, attempt_id)  # from here on the session is not idle
@@ -3849,17 +4035,22 @@ class Orchestrator:
         if self._credentials:
             self._credentials.set_active(live.session_id, True)
         try:
-            await self.dispatch(MarkRunStarted(
+            started = await self.dispatch(MarkRunStarted(
                 command_id=bounded_id(f"command:start:{attempt_id}"), thread_id=thread_id,
                 run_id=run_id, attempt_id=attempt_id, provider_session_id=live.session_id,
                 session_created=created, pid=live.handle.pid,
                 native_thread_ref=live.handle.native_thread_ref,
-                cwd=state.thread.workspace or os.getcwd() if state.thread else os.getcwd()))
+                cwd=state.thread.workspace or os.getcwd() if state.thread else os.getcwd(),
+                resume_failed=created and resume_ref is not None
+                and live.handle.native_thread_ref != resume_ref))
         except CommandRejected:
             live.turn = None
             return
+        state = await self.state(thread_id) or state
         try:
-            await live.handle.start_turn(message.text if message else "")
+            await live.handle.start_turn(handoff_prompt(
+                message.text if message else "",
+                state.entities["context-handoff"].get(started.result.get("contextHandoffId"))))
         except Exception as exc:
             live.turn = None
             await self.dispatch(FailRun(
@@ -3875,10 +4066,14 @@ class Orchestrator:
         assert thread is not None
         live = self._live.get(thread.id)
         adapter = self._adapters.get(run.provider_instance_id)
-        if live is not None and live.handle.alive() and live.instance_id == run.provider_instance_id:
+        same = live is not None and (live.instance_id, live.model) == (
+            run.provider_instance_id, run.model_selection.get("model"))
+        if live is not None and live.handle.alive() and same:
             if not self._renewal_due(live, adapter):
                 return live, False
             live.closing_reason = "Replaced by a session with a new t3 credential."
+        elif live is not None and live.handle.alive():
+            live.closing_reason = "Replaced by a session of the thread's new provider or model."
         if adapter is None:
             raise _PermanentEffectError(f"provider instance {run.provider_instance_id!r} is not "
                                         "configured on this server")
@@ -3915,7 +4110,8 @@ class Orchestrator:
                 self._credentials.revoke(session_id)
             raise
         live = _LiveSession(session_id=session_id, thread_id=thread.id,
-                            instance_id=run.provider_instance_id, handle=handle,
+                            instance_id=run.provider_instance_id,
+                            model=run.model_selection.get("model"), handle=handle,
                             last_used=time.monotonic())
         live.idle_timer = asyncio.get_running_loop().call_later(self.IDLE_RELEASE_S,
                                                                 self._release, live)
@@ -4179,14 +4375,27 @@ class ThreadService:
         return state
 
     async def send(self, thread_id: str, *, text: str, mode: str, command_id: str,
-                   message_id: str, created_by: str, creation_source: str) -> dict[str, Any]:
+                   message_id: str, created_by: str, creation_source: str,
+                   target: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """``mode`` auto: steer the active provider turn if there is one, else start (or queue
         behind a run that cannot be steered yet); queue: a separate follow-up run; steer and
-        restart: the active provider turn, which must exist."""
+        restart: the active provider turn, which must exist. A ``target`` naming another
+        provider instance or model switches the thread first: the message is a new run there
+        (auto never steers across a switch)."""
         state = await self.thread(thread_id)
         if state.thread is not None and state.thread.archived_at is not None:
             raise T3Error(f"thread {thread_id} is archived", code="thread_not_sendable")
         steerable = steerable_run(state)
+        if target is not None:
+            switch = await self.plan_switch(thread_id, target,
+                                            command_id=bounded_id(f"{command_id}:switch"))
+            if (switch.provider_instance_id, switch.model) != (
+                    state.thread.provider_instance_id, state.thread.model_selection.get("model")):
+                if mode in ("steer", "restart"):
+                    raise T3Error(f"mode {mode}: a message to another provider or model starts "
+                                  "a new run; use auto or queue", code="invalid_request")
+                steerable = None
+            await self.orch.dispatch(switch)
         if mode in ("steer", "restart") and steerable is None:
             raise T3Error(f"thread {thread_id} has no active provider turn to {mode}",
                           code="thread_not_sendable")
@@ -4286,6 +4495,20 @@ class ThreadService:
             decision=decision, answers=answers, answered_by=answered_by))
         return {"threadId": thread_id, "requestId": request_id,
                 "status": result.result.get("status", "resolved"), "decision": decision}
+
+    async def plan_switch(self, thread_id: str, target: Mapping[str, Any], *, command_id: str
+                          ) -> SwitchProvider:
+        """``provider.switch`` to ``target`` ({providerInstanceId?, driverKind?, model?}): the
+        instance must be able to run the thread's interaction mode; its runtime mode steps down
+        to the broadest the instance offers that is no broader."""
+        state = await self.thread(thread_id)
+        thread = state.thread
+        assert thread is not None
+        info, model = self.resolve_target(target, state)
+        return SwitchProvider(
+            command_id=command_id, thread_id=thread_id, provider_instance_id=info.instance_id,
+            model=model, runtime_mode=self.step_down(info, thread.runtime_mode, False,
+                                                     thread.interaction_mode))
 
     # -- planning new threads: provider, model and modes ---------------------------------------
 

@@ -233,6 +233,8 @@ _PROJECTIONS: dict[str, tuple[str, str, dict[str, str]]] = {
     "context-transfer": ("context_transfers", "context_transfer_id", {
         "context_transfer_id": "id", "thread_id": "threadId", "type": "type",
         "source_thread_id": "sourceThreadId", "target_thread_id": "targetThreadId"}),
+    "context-handoff": ("context_handoffs", "context_handoff_id", {
+        "context_handoff_id": "id", "thread_id": "threadId", "target_run_id": "targetRunId"}),
     # A scheduled task is a stream of its own: its id is its stream key.
     "scheduled-task": ("scheduled_tasks", "scheduled_task_id", {
         "scheduled_task_id": "id", "thread_id": "id", "project_id": "projectId",

@@ -1115,7 +1115,7 @@ class ClientApi:
             args["threadId"], text=args["message"], mode=args.get("mode", "auto"),
             command_id=self.toolkit._id("command", *ids),
             message_id=self.toolkit._id("message", *ids), created_by=orch.Actor.USER,
-            creation_source=self._source(args))
+            creation_source=self._source(args), target=args.get("target"))
 
     async def wait_for_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
         from tools import DEFAULT_WAIT_MS, validate
@@ -1310,7 +1310,8 @@ _PROJECTION_KEYS = {"run": "runs", "run-attempt": "attempts", "node": "nodes",
                     "subagent": "subagents", "provider-session": "providerSessions",
                     "provider-thread": "providerThreads", "provider-turn": "providerTurns",
                     "runtime-request": "runtimeRequests", "message": "messages",
-                    "turn-item": "turnItems", "context-transfer": "contextTransfers"}
+                    "turn-item": "turnItems", "context-transfer": "contextTransfers",
+                    "context-handoff": "contextHandoffs"}
 
 
 def _thread_id(params: Mapping[str, Any]) -> str:
@@ -1526,6 +1527,8 @@ _WIRE_COMMANDS = {
     "thread.stop": _wire({"threadId": _WIRE_REF, "reason": {"type": "string",
                                                             "maxLength": 2000}}, ["threadId"]),
     "thread.resume": _wire({"threadId": _WIRE_REF}, ["threadId"]),
+    "provider.switch": _wire({"threadId": _WIRE_REF, "modelSelection": _WIRE_SELECTION},
+                             ["threadId", "modelSelection"]),
 }
 
 
@@ -1592,6 +1595,9 @@ async def _build_command(api: ClientApi, a: Mapping[str, Any], made: Mapping[str
                                reason=a.get("reason"))
     if kind == "thread.resume":
         return orch.ResumeThread(command_id=command_id, thread_id=a["threadId"])
+    if kind == "provider.switch":
+        return await api.threads.plan_switch(a["threadId"], _wire_target(a),
+                                              command_id=command_id)
     if kind == "delegated_task.wake-policy":
         return orch.SetWakePolicy(command_id=command_id, thread_id=a["parentThreadId"],
                                   task_id=a["taskId"], completion_wake=a["completionWake"])
@@ -1613,6 +1619,9 @@ def _wire_modes(a: Mapping[str, Any]) -> dict[str, Any]:
 _WS_SEND = {"type": "object", "additionalProperties": False, "required": ["threadId", "message"],
             "properties": {"threadId": _WIRE_REF, "message": _WIRE_TEXT, "mode": {
                 "type": "string", "enum": ["auto", "queue", "steer", "restart"]},
+                "target": {"type": "object", "additionalProperties": False, "properties": {
+                    "providerInstanceId": _WIRE_REF, "driverKind": _WIRE_REF,
+                    "model": _WIRE_REF}},
                 "clientRequestId": _WIRE_ID, "creationSource": {"type": "string"}}}
 _WS_WAIT = {"type": "object", "additionalProperties": False, "required": ["threadId"],
             "properties": {"threadId": _WIRE_REF, "runId": _WIRE_REF, "timeoutMs": {
@@ -2403,9 +2412,10 @@ async def _cmd_new(client: WsClient, args: argparse.Namespace) -> int:
 
 async def _cmd_send(client: WsClient, args: argparse.Namespace) -> int:
     thread_id = await _thread_ref(client, args.thread)
+    target = _given(providerInstanceId=args.provider, model=args.model)
     sent = await client.request("sendToThread", {
         "threadId": thread_id, "message": _text_arg(args.text), "mode": args.mode,
-        "creationSource": "cli"})
+        "creationSource": "cli", **_given(target=target or None)})
     _out(args, sent, f"{sent.get('delivery') or 'sent'}: {sent['runId']} ({sent['status']})")
     return 0
 
@@ -2751,7 +2761,7 @@ class _Timeline:
         if item["runId"] != self._run and item["runId"] in self.runs:
             self._run = item["runId"]
             run = self.runs[item["runId"]]
-            print(f"--- run {run['ordinal']} ({run['status']})")
+            print(f"--- run {run['ordinal']} ({run['status']}) on {run['providerInstanceId']}")
         if item["type"] in ("assistant_message", "reasoning"):
             sys.stdout.write(_rendered(item, text))  # the line stays open: more may stream
             self._open = item["id"]
@@ -3013,6 +3023,18 @@ _THREAD_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[i
                                          "unsnooze", "visit")}}
 
 
+async def _cmd_switch(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    done = (await client.request("dispatchCommand", {
+        "type": "provider.switch", "commandId": uuid.uuid4().hex[:12], "threadId": thread_id,
+        "creationSource": "cli", "modelSelection": _given(instanceId=args.provider,
+                                                          model=args.model)}))["result"]
+    _out(args, done, f"switched {thread_id} to {done['providerInstanceId']}"
+         + (f" ({done['model']})" if done.get("model") else "")
+         + f"; runtime mode {done['runtimeMode']}")
+    return 0
+
+
 # =============================================================================================
 # Command line
 
@@ -3020,7 +3042,7 @@ _THREAD_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[i
 _COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
     "threads": _cmd_threads, "show": _cmd_show, "new": _cmd_new, "send": _cmd_send,
     "wait": _cmd_wait, "interrupt": _cmd_interrupt, "stop": _cmd_stop, "resume": _cmd_stop,
-    "requests": _cmd_requests,
+    "requests": _cmd_requests, "switch": _cmd_switch,
     "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
     "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, **_THREAD_COMMANDS}
 
@@ -3118,6 +3140,14 @@ def _cli_parsers(sub: Any) -> None:
     send.add_argument("thread", metavar="THREAD")
     send.add_argument("text", metavar="TEXT")
     send.add_argument("--mode", choices=["auto", "queue", "steer", "restart"], default="auto")
+    send.add_argument("--provider", help="switch the thread to this provider instance first")
+    send.add_argument("--model", help="switch the thread to this model first")
+    switch = command("switch", "send a thread's next runs to another provider or model",
+                     "Switch a thread to provider instance ID (and model M): its next run goes "
+                     "there, with a context handoff of the conversation that provider missed.")
+    switch.add_argument("thread", metavar="THREAD")
+    switch.add_argument("--provider", required=True, metavar="ID")
+    switch.add_argument("--model", metavar="M")
     wait = command("wait", "wait for a thread's run to end",
                    "Wait until the thread's latest run (or --run) ends, or one of its requests "
                    "needs an answer; the exit code says which.")

@@ -525,10 +525,13 @@ TOOLS: tuple[_Tool, ...] = (
           "Send a message to a thread. mode 'auto' (default) starts an idle thread, steers an "
           "active turn, or queues behind a turn that cannot be steered yet; 'queue' makes a "
           "separate follow-up run; 'steer' and 'restart' need an active provider turn (steering "
-          "falls back to interrupt-and-restart when the provider cannot steer).",
+          "falls back to interrupt-and-restart when the provider cannot steer). A target naming "
+          "another provider instance or model switches the thread: the message starts a new run "
+          "there, with a context handoff of the conversation that provider missed.",
           _object({"threadId": THREAD_ID, "message": _text(120_000),
                    "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
-                   "clientRequestId": CLIENT_REQUEST_ID}, ["threadId", "message"]),
+                   "target": TARGET, "clientRequestId": CLIENT_REQUEST_ID},
+                  ["threadId", "message"]),
           "send", SEND_OUTPUT, destructive=True),
     _Tool("t3_thread_wait",
           "Wait until a run (runId, else the thread's latest run) is completed, failed, "
@@ -1239,7 +1242,8 @@ class Toolkit:
             thread.id, text=args["message"], mode=args.get("mode", "auto"),
             command_id=self._id("command", "mcp", scope.key, "thread-send", thread.id, key),
             message_id=self._id("message", "mcp", scope.key, "thread-send", thread.id, key),
-            created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP)
+            created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP,
+            target=args.get("target"))
 
     async def _wait(self, scope: Scope, args: Mapping[str, Any],
                     progress: Callable[[float, str], Awaitable[None]] | None) -> dict[str, Any]:

@@ -104,12 +104,14 @@ class Sim:
             command_id=command_id, thread_id=THREAD, message_id=f"msg-{command_id}", text=text,
             created_by="agent", creation_source="mcp", mode=mode, target_run_id=target))
 
-    def mark_started(self, ordinal: int = 1, *, attempt_id: str | None = None) -> o.Decision:
+    def mark_started(self, ordinal: int = 1, *, attempt_id: str | None = None,
+                     resume_failed: bool = False) -> o.Decision:
         run = self.run(ordinal)
         return self.do(o.MarkRunStarted(
             command_id=self.cid("start"), thread_id=THREAD, run_id=run.id,
             attempt_id=attempt_id or run.active_attempt_id, provider_session_id=SESSION,
-            session_created=True, pid=4242, native_thread_ref="native-thread-1", cwd="/work/ws"))
+            session_created=True, pid=4242, native_thread_ref="native-thread-1", cwd="/work/ws",
+            resume_failed=resume_failed))
 
     def ingest(self, *events: Any, ordinal: int = 1, attempt_id: str | None = None) -> o.Decision:
         run = self.run(ordinal)
@@ -812,7 +814,18 @@ def sample_entities() -> dict[str, list[Any]]:
         id="d1", task_id="task-1", received_at=NOW, outcome="skipped", method="POST",
         headers={"x-github-event": "push"}, body_excerpt="{}", body_truncated=False,
         query={"a": ["1"]}, delivery_key="abc")]
+    entities["context-handoff"] = list(handoff_sim().state.entities["context-handoff"].values())
     return entities
+
+
+def handoff_sim() -> Sim:
+    """Run 1 answered and completed; run 2 started on a session that could not resume run 1's."""
+    sim = running_sim()
+    sim.ingest(o.TextDelta("the answer"), o.TurnEnded("completed"))
+    sim.complete()
+    sim.send("and then?")
+    sim.mark_started(2, resume_failed=True)
+    return sim
 
 
 def upsert_task(task_id: str, schedule: dict[str, Any], **fields: Any) -> o.UpsertScheduledTask:

@@ -32,7 +32,8 @@ def sleeper() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
 def test_leak_check_finds_a_marked_process(sleeper: tuple[subprocess.Popen[bytes], str]) -> None:
     """A live process carrying the run marker is reported; once it is gone, nothing is."""
     proc, marker = sleeper
-    assert leaked_processes(marker) == [proc.pid]
+    # Until the child has exec'd, /proc shows its parent's environment (without the marker).
+    wait_until(lambda: leaked_processes(marker) == [proc.pid], 10)
     proc.kill()
     proc.wait(10)
     assert leaked_processes(marker) == []

@@ -158,7 +158,7 @@ def _count(s: Store, table: str) -> int:
 
 
 PROJECTION_TABLES = [table for table, _, _ in store._PROJECTIONS.values()]
-TABLES_SINCE_0004 = ("scheduled_tasks", "webhook_deliveries")
+TABLES_SINCE_0004 = ("scheduled_tasks", "webhook_deliveries", "context_handoffs")
 
 
 def _tables(conn: sqlite3.Connection, tables: Sequence[str]) -> dict[str, list[tuple[Any, ...]]]:
@@ -688,6 +688,8 @@ def _several_commits(st: Store) -> None:
             _event("e19", "th-1", "context-transfer.updated",
                    {"id": "ct-1", "threadId": "th-1", "type": "subagent_spawn",
                     "sourceThreadId": "th-1", "targetThreadId": "th-2"}),
+            _event("e19b", "th-1", "context-handoff.updated",
+                   {"id": "ch-1", "threadId": "th-1", "targetRunId": "run-2"}),
         ]),
         _commit("c5", "task-1", [  # a scheduled task is a stream of its own
             _event("e20", "task-1", "scheduled-task.updated",

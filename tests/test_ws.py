@@ -164,6 +164,10 @@ def test_every_client_command_can_be_dispatched(t3_factory, tmp_path: Path) -> N
         await send({"type": "thread.stop", "commandId": "s", "threadId": pid})
         await send({"type": "thread.resume", "commandId": "u", "threadId": pid})
         idle = (await send({"type": "thread.create", "commandId": "l"}))["threadId"]
+        switched = await send({"type": "provider.switch", "commandId": "ps", "threadId": idle,
+                               "modelSelection": {"instanceId": "scripted",
+                                                  "model": "scripted-2"}})
+        assert (switched["model"], switched["previous"]["model"]) == ("scripted-2", "scripted-1")
         for kind, extra in (("thread.snooze", {"snoozedUntil": "2099-01-01T00:00:00Z"}),
                             ("thread.unsnooze", {}), ("thread.visit", {}), ("thread.archive", {}),
                             ("thread.unarchive", {}), ("thread.delete", {})):
