@@ -1650,8 +1650,10 @@ async def serve(args: argparse.Namespace) -> int:
     import providers as prov
     # Whatever t3 creates in its data directory is private, including what SQLite, the logs
     # and the backups create without asking; agents get the user's own umask back
-    # (providers.CHILD_UMASK), since they write in the user's projects.
-    prov.CHILD_UMASK = os.umask(0o077)
+    # (providers.CHILD_UMASK, workspace.CHILD_UMASK: git and setup), since they write in the
+    # user's projects.
+    import workspace
+    prov.CHILD_UMASK = workspace.CHILD_UMASK = os.umask(0o077)
     try:
         return await _serve(args, prov)
     finally:

@@ -36,6 +36,9 @@ SETUP_TIMEOUT_S = 600.0
 SETUP_OUTPUT_CHARS = 20_000
 # Variables that would point git somewhere else, or change what it does, if inherited.
 _GIT_VARIABLES = re.compile(r"GIT_[A-Z_]+")
+# t3.py narrows its own umask to keep the data directory private; git and setup commands write
+# in the user's repositories and get the umask t3 was started with (as agents do).
+CHILD_UMASK: int | None = None
 _BRANCH = re.compile(r"[A-Za-z0-9._/-]{1,200}")
 
 
@@ -223,7 +226,7 @@ class Workspaces:
         proc = await asyncio.create_subprocess_shell(
             command, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True)
+            start_new_session=True, umask=_umask())
         try:
             async with asyncio.timeout(SETUP_TIMEOUT_S):
                 out, _ = await proc.communicate()
@@ -261,6 +264,10 @@ async def _maybe(cwd: str, *args: str) -> str | None:
         return None
 
 
+def _umask() -> int:
+    return -1 if CHILD_UMASK is None else CHILD_UMASK  # -1: Popen leaves it as it is
+
+
 async def _git(cwd: str, *args: str, env: dict[str, str] | None = None,
                stdin: bytes | None = None) -> str:
     clean = {k: v for k, v in os.environ.items() if not _GIT_VARIABLES.fullmatch(k)}
@@ -269,7 +276,7 @@ async def _git(cwd: str, *args: str, env: dict[str, str] | None = None,
     proc = await asyncio.create_subprocess_exec(
         "git", "-c", "core.hooksPath=/dev/null", "-c", "core.quotePath=false", *args, cwd=cwd,
         env=clean, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        stderr=asyncio.subprocess.PIPE, umask=_umask())
     try:
         async with asyncio.timeout(GIT_TIMEOUT_S):
             out, err = await proc.communicate(stdin)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import McpClient, T3Server, agent_log, wait_until, write_config
 
 import t3 as server
-from harness import McpClient, T3Server, agent_log, wait_until, write_config
 from workspace import Workspaces
 
 
@@ -120,6 +120,9 @@ def test_a_worktree_launch_runs_the_agent_in_a_new_worktree_and_leaves_the_check
     assert git(Path(path), "branch", "--show-current").strip() == branch
     assert git(Path(path), "rev-parse", "HEAD") == git(repo, "rev-parse", "main")
     assert (Path(path) / "a.txt").read_text() == "one\n"  # main's, not the user's edit
+    user_umask = os.umask(0o022)
+    os.umask(user_umask)  # git wrote it with the user's umask, not the server's private 077
+    assert (Path(path) / "a.txt").stat().st_mode & 0o777 == 0o666 & ~user_umask
     thread = read(mcp, launched["threadId"])["thread"]
     assert (thread["branch"], thread["worktreePath"], thread["workspacePath"]) == (
         branch, path, path)
