@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import calendar
 import collections
+import contextlib
 import datetime
 import email.utils
 import enum
@@ -38,6 +39,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import store as _store
@@ -58,7 +60,7 @@ __all__ = [
     "validate_schedule", "UpsertScheduledTask", "DeleteScheduledTask", "FireScheduledTask",
     "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "RateLimited",
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
-    "handoff_text", "handoff_line", "handoff_prompt",
+    "handoff_text", "handoff_line", "handoff_prompt", "Workspaces", "AdvancePreparation",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -800,16 +802,6 @@ class ProviderSessionHandle(Protocol):
     async def close(self, *, grace: float = 3.0) -> None: ...
 
 
-class GitWorkspaces(Protocol):
-    """Git as an effect (workspace.py's Workspaces, handed in by t3.py)."""
-
-    def checkpoint_ref(self, thread_id: str, ordinal: int) -> str: ...
-    async def top_level(self, cwd: str) -> str | None: ...
-    async def capture(self, cwd: str, ref: str) -> str | None: ...
-    async def ref_commit(self, cwd: str, ref: str) -> str | None: ...
-    async def diff(self, cwd: str, before: str | None, after: str) -> Any: ...
-
-
 class ProviderAdapter(Protocol):
     info: ProviderInfo
 
@@ -849,6 +841,9 @@ class CreateThread:
     initial_message: InitialMessage | None = None
     branch: str | None = None
     worktree_path: str | None = None
+    # A launch into a new worktree: {repo, baseRef, fromOrigin, setup}; the first run waits
+    # ``preparing`` until the ``workspace.prepare`` effect made it (needs initial_message).
+    preparation: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1171,7 +1166,8 @@ class EffectRequest:
     REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({
         "run.finalize", "subagent.finalize", "subagent.question", "subagent.question-settled",
         "scheduled-task.run",  # its thread and message ids derive from the fire key
-        "thread-title.generate"})
+        "thread-title.generate",
+        "workspace.prepare"})  # a second attempt first removes what the first one left
 
     @property
     def replay_safe(self) -> bool:
@@ -1302,13 +1298,14 @@ def _decide_create_thread(d: _Draft, c: CreateThread, *, providers: Mapping[str,
     result: dict[str, Any] = {"threadId": c.thread_id, "runId": None, "messageId": None}
     if c.initial_message:
         run = _new_run(d, message_id=c.initial_message.message_id, text=c.initial_message.text,
-                       created_by=c.created_by, creation_source=c.creation_source, queued=False)
+                       created_by=c.created_by, creation_source=c.creation_source, queued=False,
+                       preparation=c.preparation)
         result.update(runId=run.id, messageId=c.initial_message.message_id, delivery="started")
     return result
 
 
 def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation_source: str,
-             queued: bool) -> Run:
+             queued: bool, preparation: Mapping[str, Any] | None = None) -> Run:
     thread = d.thread
     assert thread is not None
     ordinal = len(d.runs()) + 1
@@ -1323,7 +1320,8 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
     run = d.put(Run(
         id=run_id, thread_id=thread.id, ordinal=ordinal,
         provider_instance_id=thread.provider_instance_id, model_selection=thread.model_selection,
-        user_message_id=message_id, status=RunStatus.QUEUED if queued else RunStatus.STARTING,
+        user_message_id=message_id, status=RunStatus.QUEUED if queued else
+        RunStatus.PREPARING if preparation else RunStatus.STARTING,
         requested_at=d.now, provider_thread_id=provider_thread_id, root_node_id=root_id,
         active_attempt_id=attempt_id, queue_position=queue_position), "run.created")
     d.put(RunAttempt(id=attempt_id, run_id=run_id, thread_id=thread.id, attempt_ordinal=1,
@@ -1339,6 +1337,9 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
                               updated_at=d.now))
     if not queued:
         _user_item(d, run, message_id, root_id, "turn_start")
+    if preparation:
+        _begin_preparation(d, run, preparation)
+    elif not queued:
         d.effect("provider-turn.start", {"runId": run_id, "attemptId": attempt_id}, run_id)
     return run
 
@@ -1512,7 +1513,8 @@ def _interrupt(d: _Draft, run: Run, reason: str | None) -> str:
         # Nothing reached the provider yet: the run ends here and its start is called off.
         _end_run(d, run, RunStatus.INTERRUPTED,
                  reason or "Interrupted before the provider started.")
-        d.cancel_effect_types += ["provider-turn.start", "provider-turn.restart"]
+        d.cancel_effect_types += ["provider-turn.start", "provider-turn.restart",
+                                  "workspace.prepare"]  # its setup command is killed
         for old in d.all("run-attempt"):  # a restart was cut short: stop the turn it replaced
             old_turn = d.get("provider-turn", old.provider_turn_id)
             if old.run_id == run.id and old_turn is not None and old_turn.status == "running":
@@ -3075,6 +3077,87 @@ CLIENT_COMMANDS = (*CLIENT_COMMANDS, *THREAD_LIFECYCLE)
 
 
 # =============================================================================================
+# Workspace preparation (research/t3code.md 6.17). A launch into a new worktree creates its
+# first run ``preparing``, with a "Preparing workspace" item (data.phase ``worktree``, then
+# ``setup``, then ``ready`` or ``failed``; its text is the setup commands' output). The
+# ``workspace.prepare`` effect makes the worktree and runs the project's setup commands through
+# the Workspaces t3.py hands in, then releases the run (``starting``: its provider turn starts
+# in the worktree) or fails it with the reason. The effect is replay-safe: one cut short by a
+# killed server runs again after the restart, first removing what the dead attempt left.
+
+
+class Workspaces(Protocol):
+    """What launches ask of git (workspace.py, which this file never imports; tools.py checks a
+    launch's strategy with the queries before anything is made)."""
+
+    worktrees_dir: Path
+
+    async def top_level(self, cwd: str) -> str | None: ...
+    async def worktree_branch(self, repo: str, path: str) -> str | None: ...
+    async def worktree_problem(self, repo: str, *, base_ref: str, branch: str,
+                               from_origin: bool) -> str | None: ...
+    async def add_worktree(self, repo: str, name: str, *, base_ref: str, branch: str,
+                           from_origin: bool = False) -> str: ...
+    async def remove_worktree(self, repo: str, path: str, branch: str | None = None
+                              ) -> None: ...
+    async def run_setup(self, cwd: str, command: str) -> tuple[int, str]: ...
+    # checkpoints and diffs
+    def checkpoint_ref(self, thread_id: str, ordinal: int) -> str: ...
+    async def capture(self, cwd: str, ref: str) -> str | None: ...
+    async def ref_commit(self, cwd: str, ref: str) -> str | None: ...
+    async def diff(self, cwd: str, before: str | None, after: str) -> Any: ...
+
+
+PREPARATION_OUTPUT_CHARS = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class AdvancePreparation:
+    type: ClassVar[str] = "run.prepare"
+    command_id: str
+    thread_id: str
+    run_id: str
+    phase: str  # setup | ready | failed
+    output: str = ""
+    reason: str = ""
+
+
+def _preparation_item_id(run_id: str) -> str:
+    return bounded_id(f"turn-item:{run_id}:workspace")
+
+
+def _begin_preparation(d: _Draft, run: Run, preparation: Mapping[str, Any]) -> None:
+    d.put(TurnItem(id=_preparation_item_id(run.id), thread_id=run.thread_id, run_id=run.id,
+                   node_id=run.root_node_id, type="workspace_setup", status="running",
+                   position=d.position(), updated_at=d.now, title="Preparing workspace",
+                   data={"phase": "worktree"}, started_at=d.now))
+    d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
+
+
+def _decide_preparation(d: _Draft, c: AdvancePreparation, **kw: Any) -> Mapping[str, Any]:
+    run = d.get("run", c.run_id)
+    item = d.get("turn-item", _preparation_item_id(c.run_id))
+    if run is None or item is None or run.status != RunStatus.PREPARING:
+        raise CommandRejected("the run is not preparing its workspace")
+    done = {"ready": "completed", "failed": "failed"}.get(c.phase)
+    d.put(replace(item, status=done or "running", text=c.output or None,
+                  data={"phase": c.phase}, updated_at=d.now,
+                  completed_at=d.now if done else None))
+    if c.phase == "failed":
+        return _decide_fail_run(d, FailRun(
+            command_id=c.command_id, thread_id=c.thread_id, run_id=run.id, attempt_id=None,
+            status=RunStatus.FAILED, reason=c.reason), **kw)
+    if c.phase == "ready":
+        run = d.put(replace(run, status=RunStatus.STARTING))
+        d.effect("provider-turn.start", {"runId": run.id, "attemptId": run.active_attempt_id},
+                 run.id)
+    return {"runId": run.id, "status": run.status, "phase": c.phase}
+
+
+_HANDLERS[AdvancePreparation] = _decide_preparation
+
+
+# =============================================================================================
 # Provider switch and context handoff (research/t3code.md 6.13, 6.14)
 #
 # A thread keeps its id for life; ``provider.switch`` changes the provider instance (and model)
@@ -3324,9 +3407,9 @@ class Orchestrator:
                  credentials: SessionCredentials | None = None,
                  max_live_agent_processes: int = 16,
                  redact: Callable[[str], str] | None = None,
-                 workspaces: GitWorkspaces | None = None) -> None:
+                 workspaces: Workspaces | None = None) -> None:
         self._store = store
-        self.workspaces = workspaces
+        self.workspaces = workspaces  # git as an effect (workspace.py, handed in by t3.py)
         self._adapters = dict(adapters)
         self.providers = providers  # read live: an instance may become available later
         self._clock = clock
@@ -3586,7 +3669,8 @@ class Orchestrator:
         stamp = self._clock()
         for thread_id in self._store.threads_needing_recovery():
             pending_starts = {e.payload.get("runId") for e in self._store.pending_effects(thread_id)
-                              if e.effect_type == "provider-turn.start" and e.attempt_count == 0}
+                              if (e.effect_type == "provider-turn.start" and e.attempt_count == 0)
+                              or e.effect_type == "workspace.prepare"}
             result = await self.dispatch(RecoverThread(
                 command_id=bounded_id(f"recover:{thread_id}:{stamp}"), thread_id=thread_id,
                 reason=reason,
@@ -3824,7 +3908,7 @@ class Orchestrator:
                                                error=message):
             return
         run_id = row.payload.get("runId")
-        if run_id and row.effect_type.startswith("provider-turn."):
+        if run_id and row.effect_type.startswith(("provider-turn.", "workspace.")):
             try:
                 await self.dispatch(FailRun(
                     command_id=bounded_id(f"command:effect-failed:{row.effect_id}"),
@@ -3875,6 +3959,8 @@ class Orchestrator:
             await self._run_scheduled(row.thread_id, p["fireKey"], p["prompt"])
         elif row.effect_type == "thread-title.generate":
             await self._regenerate_title(p["threadId"], p["requestId"])
+        elif row.effect_type == "workspace.prepare":
+            await self._prepare_workspace(row)
         elif row.effect_type == "run.finalize":
             state = await self.state(row.thread_id)
             run = state.run(p["runId"]) if state else None
@@ -4003,6 +4089,57 @@ class Orchestrator:
                 result=task_result(child, run), run_id=run_id, publish=publish))
         except CommandRejected as exc:
             log.warning("task %s could not be finalized: %s", task_id, exc)
+
+    # -- workspace preparation -------------------------------------------------------------------
+
+    async def _prepare_workspace(self, row: _store.EffectRow) -> None:
+        """Make a launch's worktree and run its project's setup commands, then release the run,
+        or fail it with the reason (a worktree whose setup failed is kept, for a look). What an
+        earlier attempt left (a server killed mid-way) goes first, with its branch: the launch
+        refused a branch that existed before."""
+        p = row.payload
+        state = await self.state(row.thread_id)
+        thread = state.thread if state else None
+        run = state.run(p["runId"]) if state else None
+        if thread is None or run is None or run.status != RunStatus.PREPARING:
+            return
+        if self.workspaces is None or not thread.worktree_path or not thread.branch:
+            raise _PermanentEffectError("this server cannot make worktrees")
+        path, output = thread.worktree_path, ""
+        try:
+            if row.attempt_count > 1 or os.path.lexists(path):
+                await self.workspaces.remove_worktree(p["repo"], path, thread.branch)
+            try:
+                await self.workspaces.add_worktree(
+                    p["repo"], os.path.basename(path), base_ref=p["baseRef"],
+                    branch=thread.branch, from_origin=p["fromOrigin"])
+            except Exception as exc:
+                raise T3Error(f"The worktree could not be made: {exc}") from exc
+            _store.crash_point("workspace.prepare:after-worktree")
+            for command in p["setup"]:
+                output = f"{output}$ {command}\n"[-PREPARATION_OUTPUT_CHARS:]
+                await self._advance_preparation(run, "setup", output)
+                code, text = await self.workspaces.run_setup(path, command)
+                output = (output + text)[-PREPARATION_OUTPUT_CHARS:]
+                if code != 0:
+                    tail = " ".join(text.strip().splitlines()[-3:])
+                    raise T3Error(f"The setup command {command!r} exited with {code}"
+                                  f"{': ' + tail[-500:] if tail else ''} (the worktree is kept "
+                                  f"at {path})")
+        except CommandRejected:
+            return  # the run ended meanwhile (interrupted): nothing to release
+        except T3Error as exc:
+            with contextlib.suppress(CommandRejected):
+                await self._advance_preparation(run, "failed", output, str(exc))
+            return
+        with contextlib.suppress(CommandRejected):
+            await self._advance_preparation(run, "ready", output)
+
+    async def _advance_preparation(self, run: Run, phase: str, output: str,
+                                   reason: str = "") -> None:
+        await self.dispatch(AdvancePreparation(
+            command_id=self._new_id("command:prepare"), thread_id=run.thread_id,
+            run_id=run.id, phase=phase, output=output, reason=reason))
 
     # -- provider sessions -----------------------------------------------------------------------
 

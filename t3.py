@@ -75,7 +75,7 @@ class ConfigError(Exception):
 class Config:
     host: str
     port: int
-    projects: list[dict[str, str]]
+    projects: list[dict[str, Any]]  # id, path, title, setup (commands for a new worktree)
     providers: list[dict[str, Any]] | None  # None: detect installed CLIs
     credential_max_lifetime_s: int = 86_400
     credential_idle_s: int = 7_200
@@ -90,7 +90,7 @@ class Config:
 
 _SECTIONS = {"server": {"host", "port", "allowed_origins", "allowed_hosts", "max_connections",
                         "certfile", "keyfile"},
-             "projects": {"id", "path", "title"},
+             "projects": {"id", "path", "title", "setup"},
              "providers": {"id", "driver", "command", "env", "models", "enabled", "displayName",
                            "agent", "registry", "instructions", "allow_unverified"},
              "limits": {"credential_max_lifetime_s", "credential_idle_s", "max_delegation_depth",
@@ -167,8 +167,8 @@ def _server_section(server: Mapping[str, Any], fail: _Fail, *, base: Path) -> di
 
 
 def _project_entries(entries: Sequence[Mapping[str, Any]], fail: _Fail, *, cwd: Path
-                     ) -> list[dict[str, str]]:
-    projects: list[dict[str, str]] = []
+                     ) -> list[dict[str, Any]]:
+    projects: list[dict[str, Any]] = []
     for i, entry in enumerate(entries):
         for key in entry:
             if key not in _SECTIONS["projects"]:
@@ -185,7 +185,11 @@ def _project_entries(entries: Sequence[Mapping[str, Any]], fail: _Fail, *, cwd: 
             raise fail("projects", i, "id", f"duplicate project id {pid!r}")
         if pid == "scratch":
             raise fail("projects", i, "id", "'scratch' is reserved for scratch workspaces")
-        projects.append({"id": pid, "path": str(Path(ppath).resolve()), "title": title})
+        setup = entry.get("setup", [])
+        if not isinstance(setup, list) or not all(isinstance(c, str) and c for c in setup):
+            raise fail("projects", i, "setup", "must be a list of shell commands (strings)")
+        projects.append({"id": pid, "path": str(Path(ppath).resolve()), "title": title,
+                         "setup": setup})
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
     return projects
@@ -1640,7 +1644,7 @@ _WS_LAUNCH = {"type": "object", "additionalProperties": False, "required": ["com
                   "commandId": _WIRE_ID, "projectId": _WIRE_REF,
                   "title": {"type": "string", "maxLength": 512},
                   "modelSelection": _WIRE_SELECTION, **_WIRE_MODES,
-                  "workspaceStrategy": {},  # root or scratch (t3_thread_launch checks it)
+                  "workspaceStrategy": {},  # t3_thread_launch's (it checks it)
                   "scratch": {"type": "boolean"}, "creationSource": {"type": "string"},
                   "initialMessage": {"type": "object", "additionalProperties": False,
                                      "required": ["text"], "properties": {
@@ -1655,8 +1659,10 @@ async def serve(args: argparse.Namespace) -> int:
     import providers as prov
     # Whatever t3 creates in its data directory is private, including what SQLite, the logs
     # and the backups create without asking; agents get the user's own umask back
-    # (providers.CHILD_UMASK), since they write in the user's projects.
-    prov.CHILD_UMASK = os.umask(0o077)
+    # (providers.CHILD_UMASK, workspace.CHILD_UMASK: git and setup), since they write in the
+    # user's projects.
+    import workspace
+    prov.CHILD_UMASK = workspace.CHILD_UMASK = os.umask(0o077)
     try:
         return await _serve(args, prov)
     finally:
@@ -1835,16 +1841,16 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
                         clock: TestClock | None) -> tuple[Any, dict[str, Any], Any]:
     """Adapters, the orchestrator (recovered and started) and the toolkit over it; git work
     (workspace.py) is handed to the orchestrator as the adapters are."""
-    from workspace import Workspaces  # made under the data-dir lock: it clears stray indexes
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
+    from workspace import Workspaces  # made under the data-dir lock: it clears stray indexes
     adapters = build_adapters(config, data_dir, prov)
     _report_providers(adapters, detected=config.providers is None, detectable=prov.DETECTABLE)
     orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
-                            credentials=credentials,
+                            credentials=credentials, workspaces=Workspaces(data_dir),
                             max_live_agent_processes=config.max_live_agent_processes,
-                            redact=prov.redact, workspaces=Workspaces(data_dir),
+                            redact=prov.redact,
                             **({"clock": clock.iso, "wall": clock.now} if clock else {}))
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
@@ -1854,7 +1860,8 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
                     len(recovered))
     orch.start()
     context = context_cls(environment_id=environment_id,
-                          projects=[project_cls(p["id"], p["path"], p["title"])
+                          projects=[project_cls(p["id"], p["path"], p["title"],
+                                                tuple(p.get("setup", ())))
                                     for p in config.projects], data_dir=data_dir,
                           max_delegation_depth=config.max_delegation_depth, base_url=base_url)
     toolkit = toolkit_cls(orch, store, context)
@@ -2379,6 +2386,21 @@ async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _strategy_arg(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``new``'s workspace options as a workspaceStrategy (None: the project root)."""
+    if args.worktree and args.existing_worktree:
+        raise SystemExit("t3: --worktree and --existing-worktree exclude each other")
+    if (args.branch or args.from_origin) and not (args.worktree or args.existing_worktree):
+        raise SystemExit("t3: --branch and --from-origin go with --worktree")
+    if args.worktree:
+        return _given(type="worktree", baseRef=args.worktree, branch=args.branch,
+                      startFromOrigin=args.from_origin or None)
+    if args.existing_worktree:
+        return _given(type="existing_worktree", branch=args.branch,
+                      worktreePath=str(Path(args.existing_worktree).resolve()))
+    return None
+
+
 async def _cmd_new(client: WsClient, args: argparse.Namespace) -> int:
     selection = _given(instanceId=args.provider, model=args.model)
     launched = await client.request("launchThread", {
@@ -2386,13 +2408,14 @@ async def _cmd_new(client: WsClient, args: argparse.Namespace) -> int:
             initialMessage={"text": _text_arg(args.text)} if args.text is not None else None,
             projectId=args.project, title=args.title, runtimeMode=args.runtime_mode,
             interactionMode=args.interaction_mode, modelSelection=selection or None,
-            scratch=args.scratch or None)})
+            scratch=args.scratch or None, workspaceStrategy=_strategy_arg(args))})
     thread = launched["projection"]["thread"]
     _out(args, {"threadId": launched["threadId"], "runId": launched["runId"],
                 "title": thread["title"], "projectId": thread["projectId"],
                 "providerInstanceId": thread["providerInstanceId"],
                 "model": thread["modelSelection"].get("model"),
-                "runtimeMode": thread["runtimeMode"]}, launched["threadId"])
+                "runtimeMode": thread["runtimeMode"], "branch": thread.get("branch"),
+                "workspacePath": thread.get("workspace")}, launched["threadId"])
     if not args.json and sys.stdout.isatty():
         print(f"follow it: python t3.py show {launched['threadId'].rsplit(':', 1)[-1]} --follow",
               file=sys.stderr)
@@ -2777,7 +2800,8 @@ class _Timeline:
 
 
 _LABELS = {"tool_call": "tool", "approval_request": "approval", "user_input_request": "question",
-           "todo_list": "plan", "subagent": "task", "run_interrupt_request": "interrupt"}
+           "todo_list": "plan", "subagent": "task", "run_interrupt_request": "interrupt",
+           "workspace_setup": "workspace"}
 
 
 def _rendered(item: Mapping[str, Any], text: str) -> str:
@@ -3135,6 +3159,14 @@ def _cli_parsers(sub: Any) -> None:
     new.add_argument("--project", help="project id (default: the first configured)")
     new.add_argument("--scratch", action="store_true",
                      help="run in a fresh folder of its own instead of a project")
+    new.add_argument("--worktree", metavar="BASE",
+                     help="run in a new git worktree on a new branch from BASE (a ref)")
+    new.add_argument("--existing-worktree", metavar="PATH",
+                     help="run in this existing worktree of the project's repository")
+    new.add_argument("--branch", help="the new worktree's branch (default t3/<hash>); with "
+                                      "--existing-worktree, the branch it must be on")
+    new.add_argument("--from-origin", action="store_true",
+                     help="with --worktree: fetch origin and start from origin/BASE")
     new.add_argument("--title", help="title (default: from TEXT)")
     new.add_argument("--runtime-mode", choices=list(RuntimeMode),
                      help="what the agent may do without asking (default full-access)")

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 import urllib.parse
@@ -89,6 +90,7 @@ class Project:
     id: str
     path: str
     title: str
+    setup: tuple[str, ...] = ()  # shell commands run in a new worktree before its first turn
 
 
 @dataclass(slots=True)
@@ -138,7 +140,7 @@ CLIENT_REQUEST_ID = _text(256)
 THREAD_ID = _text(512)
 RUN_STATUSES = ["idle", *RunStatus]
 BRANCH = _text(256)
-# The seed's forms; worktree and existing_worktree are refused until t3 builds worktrees.
+# The seed's forms (Toolkit.launch).
 WORKSPACE_STRATEGY = {"anyOf": [
     {"type": "string", "enum": ["root"]},
     {"type": "object", "additionalProperties": False, "required": ["type"], "properties": {
@@ -295,7 +297,8 @@ _THREAD_STATE = {"archived": BOOLEAN, "snoozed": BOOLEAN, "snoozedUntil": OPT_ST
 _THREAD_SHELL = _shape({
     "threadId": STRING, "title": STRING, "createdBy": ACTOR, "creationSource": SOURCE,
     "status": THREAD_STATUS, "latestRunId": OPT_STRING, "providerInstanceId": STRING,
-    "model": OPT_STRING, "runtimeMode": RUNTIME, "interactionMode": INTERACTION, **_LINEAGE,
+    "model": OPT_STRING, "runtimeMode": RUNTIME, "interactionMode": INTERACTION,
+    "branch": OPT_STRING, "worktreePath": OPT_STRING, **_LINEAGE,
     "itemCount": INTEGER, "pendingRequestCount": INTEGER, "createdAt": STRING,
     "updatedAt": STRING, "link": STRING, **_THREAD_STATE})
 _THREAD_DETAIL = _shape({
@@ -352,8 +355,9 @@ CAPABILITIES_OUTPUT = _shape({
 TASK_CANCEL_OUTPUT = _shape({"taskId": STRING, "status": _enum(
     [*sorted(orch.TASK_TERMINAL), "cancel_requested"])})
 CREATE_OUTPUT = _shape({"threads": _list(_shape(_CREATED))})
-LAUNCH_OUTPUT = _shape({**_CREATED, "workspaceStrategy": _enum(["root", "scratch"]),
-                        "workspacePath": STRING})
+LAUNCH_OUTPUT = _shape({**_CREATED, "workspaceStrategy": _enum(
+    ["root", "scratch", "worktree", "existing_worktree"]), "workspacePath": STRING,
+    "branch": OPT_STRING, "worktreePath": OPT_STRING})
 LIST_OUTPUT = _shape({"projectId": STRING, "currentThreadId": OPT_STRING,
                       "threads": _list(_THREAD_SHELL), "nextCursor": OPT_INTEGER,
                       "total": INTEGER})
@@ -466,10 +470,15 @@ TOOLS: tuple[_Tool, ...] = (
                    "clientRequestId": CLIENT_REQUEST_ID, "projectId": _text(256)}, ["threads"]),
           "create_threads", CREATE_OUTPUT, destructive=True),
     _Tool("t3_thread_launch",
-          "Launch one ordinary top-level thread bound to a workspace: workspaceStrategy 'root' "
-          "(the project root, default) or scratch: true (a fresh folder outside any project). "
-          "Pass the task in message. The worktree strategies ({type: 'worktree', baseRef} and "
-          "{type: 'existing_worktree', worktreePath}) are not available in this version.",
+          "Launch one ordinary top-level thread bound to a workspace before its agent starts: "
+          "workspaceStrategy 'root' (the project root, default; the caller's worktree is not "
+          "inherited), {type: 'worktree', baseRef, branch?, startFromOrigin?} (a new git "
+          "worktree on a new branch from baseRef, or from origin/<baseRef> freshly fetched; "
+          "the run is 'preparing' until it and the project's setup commands are done; for "
+          "stacked PRs use the parent branch as baseRef), {type: 'existing_worktree', "
+          "worktreePath, branch?} (a worktree of the project's repository), or scratch: true "
+          "(a fresh folder outside any project). Pass the task in message. Launch has no "
+          "retry key of its own: after a lost response, list threads before launching again.",
           _object({"projectId": _text(256), "title": _text(512), "message": _text(120_000),
                    "target": TARGET, "runtimeMode": RUNTIME_INPUT,
                    "interactionMode": INTERACTION_INPUT,
@@ -981,12 +990,17 @@ class Toolkit:
             if scope.kind == "thread" else None
         project = self.ctx.project(args.get("projectId") or _home_project(caller))
         key = self._key(args)
-        commands = [self.threads.plan_create(
+        # In the caller's own project a new thread works where the caller works (its worktree).
+        home = caller.thread if caller and caller.thread and \
+            caller.thread.project_id == project.id else None
+        commands = [dataclasses.replace(self.threads.plan_create(
             command_id=self._id("command", "mcp", scope.key, "create-thread", key, str(i)),
             thread_id=self._id("thread", "mcp", scope.key, "create-threads", key, str(i)),
-            project_id=project.id, workspace=project.path, entry=entry,
+            project_id=project.id, workspace=home.workspace or project.path if home
+            else project.path, entry=entry,
             message_id=self._id("message", "mcp", scope.key, "create-threads", key, str(i)),
-            caller=caller, **_AGENT_MADE)
+            caller=caller, **_AGENT_MADE), branch=home.branch if home else None,
+            worktree_path=home.worktree_path if home else None)
             for i, entry in enumerate(args["threads"])]
         return {"threads": [await self._create(command) for command in commands]}
 
@@ -999,41 +1013,85 @@ class Toolkit:
         (``transport`` web or cli, which the thread records as its creation source)."""
         made_by = _made_by(transport)
         strategy = args.get("workspaceStrategy", "root")
-        if isinstance(strategy, dict) and strategy["type"] != "root":
-            raise ToolFailure("invalid_request", f"workspaceStrategy: {strategy['type']} is not "
-                                                 "available in this version of t3; use root or "
-                                                 "scratch")
+        kind = strategy if isinstance(strategy, str) else strategy["type"]
         caller = (await self._agent_caller(scope, "t3_thread_launch"))[0] \
             if scope.kind == "thread" else None
         key = self._key(args)
         thread_id = self._id("thread", transport, scope.key, "launch", key)
         if args.get("scratch"):
-            if args.get("projectId"):
-                raise ToolFailure("invalid_request", "scratch: cannot be combined with projectId")
+            if args.get("projectId") or kind != "root":
+                raise ToolFailure("invalid_request", "scratch: cannot be combined with projectId "
+                                                     "or a workspaceStrategy")
             project = self.ctx.scratch_project
-            workspace = Path(project.path) / _folder_name(thread_id)
+            workspace, binding = str(Path(project.path) / _folder_name(thread_id)), {}
         else:
             project = self.ctx.project(args.get("projectId") or _home_project(caller))
-            workspace = Path(project.path)
+            workspace, binding = await self._bind_workspace(
+                kind, strategy, project, thread_id, bool(args.get("message")))
         entry = {"prompt": args.get("message"), "title": args.get("title"),
                  "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
                  "interactionMode": args.get("interactionMode", "inherit")}
-        command = self.threads.plan_create(
+        command = dataclasses.replace(self.threads.plan_create(
             command_id=self._id("command", transport, scope.key, "launch", key),
-            thread_id=thread_id, project_id=project.id, workspace=str(workspace), entry=entry,
+            thread_id=thread_id, project_id=project.id, workspace=workspace, entry=entry,
             message_id=self._id("message", transport, scope.key, "launch", key), caller=caller,
-            **made_by)
-        made = not workspace.exists()
-        workspace.mkdir(parents=True, exist_ok=True)  # before the agent can start in it
+            **made_by), **binding)
+        folder = Path(workspace)
+        made = args.get("scratch") and not folder.exists()
+        if made:
+            folder.mkdir(parents=True)  # before the agent can start in it
         try:
             created = await self._create(command)
         except BaseException:
             if made:
                 with contextlib.suppress(OSError):  # only ever an empty folder
-                    workspace.rmdir()
+                    folder.rmdir()
             raise
-        return {**created, "workspaceStrategy": "scratch" if args.get("scratch") else "root",
-                "workspacePath": str(workspace)}
+        return {**created, "workspaceStrategy": "scratch" if args.get("scratch") else kind,
+                "workspacePath": workspace, "branch": command.branch,
+                "worktreePath": command.worktree_path}
+
+    async def _bind_workspace(self, kind: str, strategy: Any, project: Project, thread_id: str,
+                              has_message: bool) -> tuple[str, dict[str, Any]]:
+        """A launch's workspace and the CreateThread fields that bind the thread to it; bad
+        input is refused before anything is made. A new worktree's path and default branch
+        derive from the thread id, so a retried launch asks for the same one."""
+        git = self.orch.workspaces
+        if kind == "root":
+            return project.path, {}
+        if git is None:
+            raise ToolFailure("invalid_request", f"workspaceStrategy: {kind} needs git")
+        if kind == "existing_worktree":
+            path = os.path.realpath(strategy["worktreePath"])
+            try:
+                branch = await git.worktree_branch(project.path, path)
+            except Exception as exc:  # not a repository, or git failed
+                raise ToolFailure("invalid_request", f"worktreePath: {exc}") from None
+            if branch is None:
+                raise ToolFailure("invalid_request", f"worktreePath: {path} is not a worktree "
+                                  f"of project {project.id}'s repository")
+            if strategy.get("branch", branch) != branch:
+                raise ToolFailure("invalid_request", f"branch: the worktree at {path} is on "
+                                  f"{branch or 'a detached HEAD'}, not {strategy['branch']}")
+            return path, {"branch": branch or None, "worktree_path": path}
+        if not has_message:
+            raise ToolFailure("invalid_request", "message: a worktree launch needs the first "
+                              "message (the agent starts once its worktree is ready)")
+        repo = await git.top_level(project.path)
+        branch = strategy.get("branch") or \
+            f"t3/{hashlib.sha256(thread_id.encode()).hexdigest()[:12]}"
+        from_origin = bool(strategy.get("startFromOrigin"))
+        problem = f"project {project.id} ({project.path}) is not a git repository" \
+            if repo is None else None
+        if repo and await self.orch.state(thread_id) is None:  # (a retry asks again)
+            problem = await git.worktree_problem(repo, base_ref=strategy["baseRef"],
+                                                 branch=branch, from_origin=from_origin)
+        if problem:
+            raise ToolFailure("invalid_request", f"workspaceStrategy: {problem}")
+        path = str(git.worktrees_dir / _folder_name(thread_id))
+        return path, {"branch": branch, "worktree_path": path, "preparation": {
+            "repo": repo, "baseRef": strategy["baseRef"], "fromOrigin": from_origin,
+            "setup": list(project.setup)}}
 
     async def _list_threads(self, scope: Scope, args: Mapping[str, Any], _: Any
                             ) -> dict[str, Any]:
@@ -1070,6 +1128,7 @@ class Toolkit:
                 "providerInstanceId": thread["providerInstanceId"],
                 "model": thread["modelSelection"].get("model"),
                 "runtimeMode": thread["runtimeMode"], "interactionMode": thread["interactionMode"],
+                "branch": thread.get("branch"), "worktreePath": thread.get("worktreePath"),
                 "parentThreadId": thread["lineage"].get("parentThreadId"),
                 "relationshipToParent": thread["lineage"].get("relationshipToParent"),
                 "itemCount": row["itemCount"], "pendingRequestCount": row["pendingRequestCount"],

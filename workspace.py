@@ -17,22 +17,30 @@ checkpoint is ``missing``). Operations on one repository run one at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
+import shutil
+import signal
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from store import crash_point
 
-__all__ = ["GitError", "Workspaces", "FileChange", "Diff", "checkpoint_ref"]
+__all__ = ["GitError", "Workspaces", "FileChange", "Diff", "checkpoint_ref", "ref_problem"]
 
 GIT_TIMEOUT_S = 120.0
 AUTHOR = ("t3", "t3@localhost")
 MAX_DIFF_CHARS = 30_000
+SETUP_TIMEOUT_S = 600.0
+SETUP_OUTPUT_CHARS = 20_000
 # Variables that would point git somewhere else, or change what it does, if inherited.
 _GIT_VARIABLES = re.compile(r"GIT_[A-Z_]+")
+# t3.py narrows its own umask to keep the data directory private; git and setup commands write
+# in the user's repositories and get the umask t3 was started with (as agents do).
+CHILD_UMASK: int | None = None
 _BRANCH = re.compile(r"[A-Za-z0-9._/-]{1,200}")
 
 
@@ -162,9 +170,9 @@ class Workspaces:
         """A new worktree at ``<data-dir>/worktrees/<name>`` on a new ``branch`` from
         ``base_ref`` (or, ``from_origin``, from ``origin/<base_ref>`` just fetched); its path.
         Refs and names are checked: none may start an option."""
-        for value, what in ((base_ref, "baseRef"), (branch, "branch")):
-            if not _BRANCH.fullmatch(value) or value.startswith(("-", "/")) or ".." in value:
-                raise GitError(f"{what} {value!r} is not a branch or ref name")
+        problem = ref_problem(base_ref, "baseRef") or ref_problem(branch, "branch")
+        if problem:
+            raise GitError(problem)
         path = self.worktrees_dir / name
         async with self._lock(repo):
             base = base_ref
@@ -181,9 +189,12 @@ class Workspaces:
         return str(path)
 
     async def remove_worktree(self, repo: str, path: str, branch: str | None = None) -> None:
-        """Remove a worktree t3 made (and its branch, when given), whatever state it is in."""
+        """Remove a worktree t3 made (and its branch, when given), whatever state it is in: a
+        folder under ``worktrees/`` that git no longer (or not yet) knows goes too."""
         async with self._lock(repo):
             await _maybe(repo, "worktree", "remove", "--force", "--force", path)
+            if Path(path).parent == self.worktrees_dir and os.path.lexists(path):
+                await asyncio.to_thread(shutil.rmtree, path, True)
             await _maybe(repo, "worktree", "prune")
             if branch:
                 await _maybe(repo, "branch", "-D", "--", branch)
@@ -200,6 +211,49 @@ class Workspaces:
                 return fields.get("branch", "").removeprefix("refs/heads/")
         return None
 
+    # -- launches ----------------------------------------------------------------------------
+
+    async def worktree_problem(self, repo: str, *, base_ref: str, branch: str,
+                               from_origin: bool) -> str | None:
+        """Why ``add_worktree`` with these arguments cannot work (checked before a launch is
+        accepted, so bad input changes nothing), or None. The fetch itself is left to it."""
+        problem = ref_problem(base_ref, "baseRef") or ref_problem(branch, "branch")
+        if problem:
+            return problem
+        if await self.top_level(repo) is None:
+            return f"{repo} is not a git repository"
+        if await _maybe(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"):
+            return f"branch: {branch!r} already exists"
+        if from_origin:
+            if await _maybe(repo, "remote", "get-url", "origin") is None:
+                return f"startFromOrigin: {repo} has no remote named origin"
+        elif await _maybe(repo, "rev-parse", "--verify", "--quiet",
+                          f"{base_ref}^{{commit}}") is None:
+            return f"baseRef: no commit {base_ref!r} in {repo}"
+        return None
+
+    async def run_setup(self, cwd: str, command: str) -> tuple[int, str]:
+        """One ``[[projects]] setup`` command through the shell in a new worktree, in a process
+        group of its own (killed whole after SETUP_TIMEOUT_S): its exit code and its output
+        (stdout and stderr together, at most SETUP_OUTPUT_CHARS, the end kept)."""
+        env = {k: v for k, v in os.environ.items()
+               if not _GIT_VARIABLES.fullmatch(k) and not k.startswith("T3_")}
+        proc = await asyncio.create_subprocess_shell(
+            command, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True, umask=_umask())
+        try:
+            async with asyncio.timeout(SETUP_TIMEOUT_S):
+                out, _ = await proc.communicate()
+        except TimeoutError:
+            return 124, f"(killed: it took over {SETUP_TIMEOUT_S:.0f} s)"
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # what it left running in its group
+                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.returncode is None:
+                await proc.wait()
+        return proc.returncode, out.decode("utf-8", "replace")[-SETUP_OUTPUT_CHARS:]
+
     def _lock(self, root: str) -> asyncio.Lock:
         return self._locks.setdefault(os.path.realpath(root), asyncio.Lock())
 
@@ -207,6 +261,13 @@ class Workspaces:
 def _within(path: str, folder: str) -> bool:
     real = os.path.realpath(path)
     return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def ref_problem(value: str, what: str) -> str | None:
+    """Why ``value`` cannot be a branch or ref name t3 hands git (none may start an option)."""
+    if not _BRANCH.fullmatch(value) or value.startswith(("-", "/")) or ".." in value:
+        return f"{what} {value!r} is not a branch or ref name"
+    return None
 
 
 def _author() -> dict[str, str]:
@@ -223,6 +284,10 @@ async def _maybe(cwd: str, *args: str) -> str | None:
         return None
 
 
+def _umask() -> int:
+    return -1 if CHILD_UMASK is None else CHILD_UMASK  # -1: Popen leaves it as it is
+
+
 async def _git(cwd: str, *args: str, env: dict[str, str] | None = None,
                stdin: bytes | None = None) -> str:
     clean = {k: v for k, v in os.environ.items() if not _GIT_VARIABLES.fullmatch(k)}
@@ -231,7 +296,7 @@ async def _git(cwd: str, *args: str, env: dict[str, str] | None = None,
     proc = await asyncio.create_subprocess_exec(
         "git", "-c", "core.hooksPath=/dev/null", "-c", "core.quotePath=false", *args, cwd=cwd,
         env=clean, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        stderr=asyncio.subprocess.PIPE, umask=_umask())
     try:
         async with asyncio.timeout(GIT_TIMEOUT_S):
             out, err = await proc.communicate(stdin)

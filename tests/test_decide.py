@@ -702,6 +702,43 @@ def test_recover_leaves_a_resumable_starting_run_alone() -> None:
 
 
 # =============================================================================================
+# Workspace preparation (a launch into a new worktree)
+
+
+def test_a_worktree_launch_prepares_before_its_turn_starts_then_is_released_or_failed() -> None:
+    """The first run is preparing with a "Preparing workspace" item and a workspace.prepare
+    effect (no provider turn yet); phases update the item; ready releases the run to its
+    provider turn; failed ends it with the reason; a run not preparing refuses both."""
+    for phase, status, effects in (("ready", "starting", ["provider-turn.start"]),
+                                   ("failed", "failed", [])):
+        sim = Sim()
+        preparation = {"repo": "/r", "baseRef": "main", "fromOrigin": False, "setup": ["x"]}
+        created = sim.do(dataclasses.replace(create_command(sim.cid("create")),
+                                             preparation=preparation, worktree_path="/wt/a",
+                                             branch="t3/a", workspace="/wt/a"))
+        run = sim.run()
+        assert run.status == "preparing" and effect_types(created) == ["workspace.prepare"]
+        assert created.effects[0].payload == {"runId": run.id, **preparation}
+        item_id = o._preparation_item_id(run.id)
+        assert (sim.get("turn-item", item_id).status, sim.get("turn-item", item_id).data) == (
+            "running", {"phase": "worktree"})
+        sim.do(o.AdvancePreparation(command_id=sim.cid("setup"), thread_id=THREAD,
+                                    run_id=run.id, phase="setup", output="$ x\n"))
+        assert sim.get("turn-item", item_id).text == "$ x\n"
+        ended = sim.do(o.AdvancePreparation(command_id=sim.cid(phase), thread_id=THREAD,
+                                            run_id=run.id, phase=phase, output="$ x\nboom",
+                                            reason="setup failed"))
+        assert (sim.run().status, effect_types(ended)) == (status, effects)
+        assert sim.get("turn-item", item_id).status == ("completed" if phase == "ready"
+                                                        else "failed")
+        if phase == "failed":
+            assert sim.run().status_reason == "setup failed"
+        with pytest.raises(o.CommandRejected):
+            sim.decide(o.AdvancePreparation(command_id=sim.cid("late"), thread_id=THREAD,
+                                            run_id=run.id, phase="ready"))
+
+
+# =============================================================================================
 # Fingerprints, rejections, entity JSON
 
 
@@ -718,6 +755,7 @@ def test_fingerprint_ignores_the_command_id_but_not_the_payload() -> None:
                 "project_id": "p2", "title": "t2", "provider_instance_id": "codex",
                 "model": "m2", "runtime_mode": "auto", "interaction_mode": "plan",
                 "workspace": "/elsewhere", "branch": "main", "worktree_path": "/wt",
+                "preparation": {"repo": "/r", "baseRef": "main", "setup": []},
                 "initial_message": o.InitialMessage(message_id="msg-1", text="bye"),
                 "reason": "r2", "resumable_run_ids": frozenset({"x"})}
     for command in (dispatch, create, recover):

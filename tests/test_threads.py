@@ -312,7 +312,8 @@ def test_read_pagination_and_budget(mcp: McpClient) -> None:
 
 
 def test_launch_root_and_scratch(mcp: McpClient, t3: T3Server) -> None:
-    """t3_thread_launch runs in the project root or a scratch folder; worktrees are refused."""
+    """t3_thread_launch runs in the project root or a scratch folder; a strategy that is not
+    one of the seed's forms is refused (the worktree ones: tests/test_worktrees.py)."""
     root = mcp.call("t3_thread_launch", {"message": "ECHO_CWD"}).structured
     assert root["workspaceStrategy"] == "root"
     assert wait(mcp, root["threadId"])["status"] == "completed"

@@ -18,6 +18,7 @@ import orchestrator as o  # noqa: E402
 from store import Store  # noqa: E402
 from harness import output_problems  # noqa: E402
 from tools import Project, Scope, ServerContext, Toolkit, ToolFailure, current_scope  # noqa: E402
+from workspace import Workspaces  # noqa: E402
 
 CLIENT = Scope(kind="client", key="client")
 
@@ -35,7 +36,8 @@ class World:
             "alpha": o.ProviderInfo("alpha", "acp", None, [{"id": "m1"}, {"id": "m2"}], caps),
             "beta": o.ProviderInfo("beta", "acp", None, [{"id": "b1"}], caps),
             "off": o.ProviderInfo("off", "acp", None, [], caps, available=False,
-                                  constraints=("disabled in the configuration",))})
+                                  constraints=("disabled in the configuration",))},
+            workspaces=Workspaces(tmp_path))
         self.tools = Toolkit(self.orch, self.store, ServerContext(
             "env-test", [Project("proj", str(tmp_path), "P")], tmp_path))
 
@@ -205,7 +207,8 @@ def test_invalid_requests(tmp_path: Path) -> None:
 
 def test_workspace_strategy_forms(tmp_path: Path) -> None:
     """workspaceStrategy takes "root" or {type: root}; the worktree objects are checked against
-    their own branch (the error names the field) and then refused as not available yet."""
+    their own branch (the error names the field), then against the project (here not a git
+    repository: refused, nothing made)."""
     async def scenario(w: World) -> None:
         for strategy, message in [
                 ({"type": "worktree"}, "workspaceStrategy.baseRef: required"),
@@ -217,10 +220,15 @@ def test_workspace_strategy_forms(tmp_path: Path) -> None:
                 ("worktree", "workspaceStrategy: must be one of root"),
                 (7, "workspaceStrategy: expected string or object"),
                 ({"type": "worktree", "baseRef": "main", "startFromOrigin": False},
-                 "workspaceStrategy: worktree is not available in this version"),
+                 "message: a worktree launch needs the first message"),
+                ({"type": "worktree", "baseRef": "main", "message": "go"},
+                 f"workspaceStrategy: project proj ({tmp_path}) is not a git repository"),
                 ({"type": "existing_worktree", "worktreePath": "/x"},
-                 "workspaceStrategy: existing_worktree is not available in this version")]:
-            denied = await w.denied(CLIENT, "t3_thread_launch", {"workspaceStrategy": strategy},
+                 "worktreePath: git worktree: fatal: not a git repository")]:
+            message_arg = {"message": strategy.pop("message")} \
+                if isinstance(strategy, dict) and "message" in strategy else {}
+            denied = await w.denied(CLIENT, "t3_thread_launch", {"workspaceStrategy": strategy,
+                                                                 **message_arg},
                                     "invalid_request")
             assert denied.startswith(message), (strategy, denied)
         for strategy in ("root", {"type": "root"}):
