@@ -3151,26 +3151,8 @@ def _cli_parsers(sub: Any) -> None:
                       help="keep printing what happens until Ctrl-C")
     show.add_argument("--until-done", action="store_true",
                       help="follow until the latest run ends (exit codes as for wait)")
-    new = command("new", "start a thread", "Start a thread (and its first run, given TEXT); "
-                  "print its id.")
-    new.add_argument("text", metavar="TEXT", nargs="?", help="the first message")
-    new.add_argument("--provider", help="provider instance id (default: the first available)")
-    new.add_argument("--model", help="model (default: the provider's first)")
-    new.add_argument("--project", help="project id (default: the first configured)")
-    new.add_argument("--scratch", action="store_true",
-                     help="run in a fresh folder of its own instead of a project")
-    new.add_argument("--worktree", metavar="BASE",
-                     help="run in a new git worktree on a new branch from BASE (a ref)")
-    new.add_argument("--existing-worktree", metavar="PATH",
-                     help="run in this existing worktree of the project's repository")
-    new.add_argument("--branch", help="the new worktree's branch (default t3/<hash>); with "
-                                      "--existing-worktree, the branch it must be on")
-    new.add_argument("--from-origin", action="store_true",
-                     help="with --worktree: fetch origin and start from origin/BASE")
-    new.add_argument("--title", help="title (default: from TEXT)")
-    new.add_argument("--runtime-mode", choices=list(RuntimeMode),
-                     help="what the agent may do without asking (default full-access)")
-    new.add_argument("--interaction-mode", choices=list(InteractionMode))
+    _new_parser(command("new", "start a thread", "Start a thread (and its first run, given "
+                        "TEXT); print its id."), RuntimeMode, InteractionMode)
     send = command("send", "send a message to a thread",
                    "Send TEXT to a thread: auto starts an idle thread or steers its active "
                    "turn; queue runs it after; steer and restart need an active turn.")
@@ -3200,6 +3182,28 @@ def _cli_parsers(sub: Any) -> None:
                    "(--run). Outside a git repository there are no checkpoints (exit 1).")
     diff.add_argument("thread", metavar="THREAD")
     diff.add_argument("--run", type=int, metavar="N", help="only run N (its ordinal, from 1)")
+
+
+def _new_parser(new: argparse.ArgumentParser, RuntimeMode: Any,  # noqa: N803 - the enums
+                InteractionMode: Any) -> None:
+    new.add_argument("text", metavar="TEXT", nargs="?", help="the first message")
+    new.add_argument("--provider", help="provider instance id (default: the first available)")
+    new.add_argument("--model", help="model (default: the provider's first)")
+    new.add_argument("--project", help="project id (default: the first configured)")
+    new.add_argument("--scratch", action="store_true",
+                     help="run in a fresh folder of its own instead of a project")
+    new.add_argument("--worktree", metavar="BASE",
+                     help="run in a new git worktree on a new branch from BASE (a ref)")
+    new.add_argument("--existing-worktree", metavar="PATH",
+                     help="run in this existing worktree of the project's repository")
+    new.add_argument("--branch", help="the new worktree's branch (default t3/<hash>); with "
+                                      "--existing-worktree, the branch it must be on")
+    new.add_argument("--from-origin", action="store_true",
+                     help="with --worktree: fetch origin and start from origin/BASE")
+    new.add_argument("--title", help="title (default: from TEXT)")
+    new.add_argument("--runtime-mode", choices=list(RuntimeMode),
+                     help="what the agent may do without asking (default full-access)")
+    new.add_argument("--interaction-mode", choices=list(InteractionMode))
 
 
 def _control_parsers(command: Callable[[str, str, str], argparse.ArgumentParser],
