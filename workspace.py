@@ -108,9 +108,7 @@ class Workspaces:
         env = {"GIT_INDEX_FILE": str(index)}
         async with self._lock(root):
             try:
-                head = await _maybe(root, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
-                await _git(root, "read-tree", *([head] if head else ["--empty"]), env=env)
-                await _git(root, "add", "--all", "--", ".", env=env)
+                await self._fill_index(root, index, env)
                 tree = (await _git(root, "write-tree", env=env)).strip()
                 crash_point(f"checkpoint:capture:{ref.rsplit('/', 1)[-1]}")  # the index exists
                 commit = (await _git(root, "commit-tree", tree, "-m",
@@ -120,6 +118,23 @@ class Workspaces:
                 index.unlink(missing_ok=True)
                 Path(f"{index}.lock").unlink(missing_ok=True)
         return commit
+
+    @staticmethod
+    async def _fill_index(root: str, index: Path, env: dict[str, str]) -> None:
+        """The temporary index made to hold the whole work tree. It starts as a copy of the
+        user's index, whose file stats let ``add`` hash only what changed since (from HEAD's tree
+        every file would be hashed on every capture); a copy git cannot use falls back to HEAD."""
+        add = ("-c", "core.splitIndex=false", "add", "--all", "--", ".")
+        user_index = Path(root, (await _git(root, "rev-parse", "--git-path", "index")).strip())
+        try:
+            shutil.copyfile(user_index, index)
+            await _git(root, *add, env=env)
+            return
+        except (OSError, GitError):
+            index.unlink(missing_ok=True)
+        head = await _maybe(root, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+        await _git(root, "read-tree", *([head] if head else ["--empty"]), env=env)
+        await _git(root, *add, env=env)
 
     async def ref_commit(self, cwd: str, ref: str) -> str | None:
         """The commit ``ref`` names in the repository holding ``cwd``, or None."""

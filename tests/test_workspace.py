@@ -199,3 +199,14 @@ def test_a_stray_index_from_a_killed_capture_is_swept(tmp_path: Path) -> None:
     stray.write_text("half")
     spaces_in(tmp_path)
     assert not stray.exists()
+
+
+def test_a_repository_without_an_index_or_commits_is_captured(tmp_path: Path) -> None:
+    """A fresh `git init` has no index file to start from: the capture starts from nothing."""
+    repo = tmp_path / "fresh"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "first.txt").write_text("hello\n")
+    commit = run(spaces_in(tmp_path).capture(str(repo), checkpoint_ref("t", 0)))
+    assert git(repo, "ls-tree", "-r", "--name-only", commit).split() == ["first.txt"]
+    assert not (repo / ".git" / "index").exists()  # still none of the user's
