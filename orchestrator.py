@@ -1167,7 +1167,8 @@ class EffectRequest:
         "run.finalize", "subagent.finalize", "subagent.question", "subagent.question-settled",
         "scheduled-task.run",  # its thread and message ids derive from the fire key
         "thread-title.generate",
-        "workspace.prepare"})  # a second attempt first removes what the first one left
+        "workspace.prepare",  # a second attempt first removes what the first one left
+        "checkpoint.forget"})  # deleting refs already gone is no error
 
     @property
     def replay_safe(self) -> bool:
@@ -3053,6 +3054,8 @@ def _decide_lifecycle(d: _Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[
         for run in d.runs():
             if run.status == RunStatus.QUEUED:
                 _decide_cancel_queued(d, CancelQueuedRun(c.command_id, thread.id, run.id))
+    if verb == "delete" and thread.workspace:  # its checkpoints' hidden refs go with it
+        d.effect("checkpoint.forget", {"workspace": thread.workspace}, thread.id)
     return {"threadId": thread.id, "archived": thread.archived_at is not None,
             "deleted": thread.deleted_at is not None, "snoozedUntil": thread.snoozed_until}
 
@@ -3102,8 +3105,9 @@ class Workspaces(Protocol):
                               ) -> None: ...
     async def run_setup(self, cwd: str, command: str) -> tuple[int, str]: ...
     # checkpoints and diffs
-    def checkpoint_ref(self, thread_id: str, ordinal: int) -> str: ...
+    def checkpoint_ref(self, thread_id: str, ordinal: int | None) -> str: ...
     async def capture(self, cwd: str, ref: str) -> str | None: ...
+    async def delete_ref(self, cwd: str, ref: str) -> None: ...
     async def ref_commit(self, cwd: str, ref: str) -> str | None: ...
     async def diff(self, cwd: str, before: str | None, after: str) -> Any: ...
 
@@ -3961,6 +3965,10 @@ class Orchestrator:
             await self._regenerate_title(p["threadId"], p["requestId"])
         elif row.effect_type == "workspace.prepare":
             await self._prepare_workspace(row)
+        elif row.effect_type == "checkpoint.forget":
+            if self.workspaces is not None:
+                await self.workspaces.delete_ref(
+                    p["workspace"], self.workspaces.checkpoint_ref(row.thread_id, None))
         elif row.effect_type == "run.finalize":
             state = await self.state(row.thread_id)
             run = state.run(p["runId"]) if state else None
