@@ -238,7 +238,8 @@ def test_setup_runs_in_the_new_worktree_before_the_agent_and_its_output_is_in_th
 def test_a_failing_setup_fails_the_launch_with_its_output(
         t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
     """A setup command that exits non-zero fails the run with the command, its exit code and
-    its output; the agent is never prompted; the commands after it do not run."""
+    its output; the agent is never prompted; the commands after it do not run; the worktree is
+    kept for a look."""
     repo = make_repo(tmp_path, origin=False)
     t3 = start(t3_factory, tmp_path, repo,
                setup=["echo installing; echo no network >&2; exit 3", "touch never.txt"])
@@ -254,6 +255,7 @@ def test_a_failing_setup_fails_the_launch_with_its_output(
                 if i["type"] == "workspace_setup")
     assert item["status"] == "failed" and "installing\nno network" in item["text"]
     assert not (Path(launched["worktreePath"]) / "never.txt").exists()
+    assert worktrees(repo)[1:] == [launched["worktreePath"]]  # kept for a look (README)
 
 
 def test_a_launch_killed_after_its_worktree_was_made_is_finished_after_the_restart(
