@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import t3 as server
 from fake_model import FakeModelServer
-from harness import T3Server, agent_log
+from harness import T3Server, agent_log, wait_until
 from real_cli import codex_provider, create
 from real_cli import wait as real_wait
 from test_checkpoints import checkpoints, finished, projection, project_repo, ws
@@ -153,3 +153,31 @@ def test_real_codex_rollback_drops_run_2_from_the_next_model_request(
     assert [r["status"] for _, r in sorted(runs(mcp, tid).items())] == [
         "completed", "rolled_back", "completed"]
     assert git(repo, "status", "--porcelain").count("a.txt") == 0
+
+
+def test_kill_9_before_the_rollback_finishes_converges_after_restart(
+        tmp_path: Path, t3_factory: Any) -> None:
+    """A rollback sent as dispatchCommand checkpoint.rollback (answered at once); the server
+    SIGKILLs itself after the files are restored, just before the runs are marked. After a
+    restart the effect runs again: the rollback completes, run 2 is rolled_back, the files are
+    run 1's, and the next message is run 3."""
+    repo = project_repo(tmp_path)
+    t3 = t3_factory(env={"T3_TEST_HOOKS": "1",
+                         "T3_CRASH_AT": "before-commit:checkpoint.rollback-finish"})
+    tid, cps = two_runs(t3, repo)
+    sent = ws(t3, "dispatchCommand", {"type": "checkpoint.rollback", "commandId": "rb-1",
+                                      "threadId": tid, "checkpointId": cps[1]["id"]})
+    assert sent["result"]["rolledBackRunIds"] and sent["commandType"] == "checkpoint.rollback"
+    wait_until(lambda: not t3.running, timeout=30)
+    assert (repo / "a.txt").read_text() == "kiwi\n"  # restored before the kill
+    t3.env.pop("T3_CRASH_AT")
+    t3.restart()
+    wait_until(lambda: [i["status"] for i in projection(t3, tid)["turnItems"]
+                        if i["type"] == "rollback"] == ["completed"], timeout=30)
+    mcp = t3.client()
+    assert [r["status"] for _, r in sorted(runs(mcp, tid).items())] == [
+        "completed", "rolled_back"]
+    assert (repo / "a.txt").read_text() == "kiwi\n" and not (repo / "b.txt").exists()
+    assert checkpoints(t3, tid)[2]["status"] == "stale"
+    finished(mcp, "hello again", tid)
+    assert sorted(runs(mcp, tid)) == [1, 2, 3]
