@@ -125,6 +125,9 @@ def test_cli_rollback_round_trip(tmp_path: Path, t3_factory: Any) -> None:
     assert missing.returncode != 0 and "run_not_found" in missing.stdout + missing.stderr
     plain = t3.cli("rollback", tid, "--run", "0")
     assert plain.returncode == 0 and "back to run 0" in plain.stdout
+    shown = t3.cli("show", tid).stdout
+    assert "--- run 2 (rolled_back)" in shown and \
+        "[rollback] Rollback to checkpoint 0 (completed)" in shown, shown
 
 
 @pytest.mark.real_cli
