@@ -4099,8 +4099,9 @@ class Orchestrator:
     # -- checkpoints (git work through self.workspaces) ------------------------------------------
 
     async def _capture_baseline(self, state: ThreadState, run: Run) -> None:
-        """Before a run's turn: record the workspace as checkpoint ordinal-1 when the thread has
-        none ready yet (its first run, or one after a run that ended without a capture). A git
+        """Before a run's turn: record the workspace as the checkpoint it is measured from
+        (``kept_before``: ordinal-1 unless runs were rolled back) when the thread has none ready
+        yet (its first run, or one after a run that ended without a capture). A git
         failure only loses the baseline (its checkpoint is then missing); the turn goes on."""
         thread, ws = state.thread, self.workspaces
         before = kept_before(state.runs, run.ordinal)
@@ -4118,8 +4119,9 @@ class Orchestrator:
     async def _capture_checkpoints(self, state: ThreadState, run: Run
                                    ) -> tuple[dict[str, Any], ...]:
         """What a finished root turn records (CompleteRun.checkpoints): the baselines 0 and
-        ordinal-1 the thread does not have yet (ready when their ref exists), and the run's own
-        capture with its files against ordinal-1. Outside git all are ``missing``; a git failure
+        ``kept_before`` (ordinal-1 unless runs were rolled back) the thread does not have yet
+        (ready when their ref exists), and the run's own capture with its files against
+        ``kept_before``. Outside git all are ``missing``; a git failure
         makes the run's ``error`` with the reason. Capturing again after a crash is harmless:
         the ref is simply rewritten."""
         thread, ws, n = state.thread, self.workspaces, run.ordinal
