@@ -627,6 +627,19 @@ class ThreadState:
     next_position: int = 0
     sequence: int = 0
 
+    def apply(self, event_type: str, payload: Mapping[str, Any]) -> Any:
+        """Put one committed event's entity (an appended text grows its open message); it."""
+        if event_type == _store.TEXT_APPENDED:
+            message = self.entities["message"].get(payload["id"])
+            if message is None:
+                return None
+            entity = replace(message, text=message.text + payload["text"],
+                             updated_at=payload["updatedAt"])
+        else:
+            entity = _ENTITY_TYPES[_store.event_kind(event_type)].from_json(payload)
+        self.put(entity)
+        return entity
+
     @classmethod
     def load(cls, sequence: int, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> ThreadState:
         state = cls(sequence=sequence)
@@ -1245,11 +1258,23 @@ class _Draft:
             self.thread = entity
         else:
             self.changed[(entity.kind, entity.id)] = entity  # type: ignore[attr-defined]
+        self._event(_owning_thread(entity), event_type or _EVENT_TYPE[entity.kind],
+                    entity.to_json())
+        return entity
+
+    def append(self, message: ConversationMessage, text: str) -> None:
+        """Stream ``text`` onto an open message: it grows whole here, its event carries only
+        ``text`` (store.TEXT_APPENDED)."""
+        self.changed[("message", message.id)] = replace(message, text=message.text + text,
+                                                        updated_at=self.now)
+        self._event(message.thread_id, _store.TEXT_APPENDED, {
+            "id": message.id, "threadId": message.thread_id, "runId": message.run_id,
+            "text": text, "updatedAt": self.now})
+
+    def _event(self, thread_id: str, event_type: str, payload: dict[str, Any]) -> None:
         self.events.append(_store.NewEvent(
             event_id=bounded_id(f"event:{self.command.command_id}:{len(self.events)}"),
-            thread_id=_owning_thread(entity), type=event_type or _EVENT_TYPE[entity.kind],
-            occurred_at=self.now, payload=entity.to_json()))
-        return entity
+            thread_id=thread_id, type=event_type, occurred_at=self.now, payload=payload))
 
     def position(self) -> int:
         self.next_position += 1
@@ -1892,8 +1917,7 @@ def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str)
     """Stream text into the attempt's open assistant (or reasoning) message."""
     open_id = _open_stream_id(d, attempt, role)
     if open_id is not None:
-        message = d.get("message", open_id)
-        d.put(replace(message, text=message.text + text, updated_at=d.now))
+        d.append(d.get("message", open_id), text)
         return
     n = sum(1 for m in d.all("message") if m.run_id == run.id and m.role == role)
     message_id = bounded_id(f"message:{attempt.id}:{role}:{n}")
@@ -3513,12 +3537,6 @@ class Orchestrator:
     MAX_CACHED_THREADS = 512
     INTERRUPT_GRACE_S = 10.0
     IDLE_RELEASE_S = 30 * 60.0  # a provider process with no turn for this long is stopped
-    # Every ingest commit rewrites the whole open message (its event payload is the full entity,
-    # and so is its projection row). So the coalescing window grows with the text streamed so
-    # far: about REWRITE_CHARS_PER_S of rewritten text per second, not bytes quadratic in the
-    # stream's length; never longer than COALESCE_MAX_S (what a kill -9 may lose of a stream).
-    REWRITE_CHARS_PER_S = 1_000_000
-    COALESCE_MAX_S = 0.25
 
     def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
@@ -3614,14 +3632,15 @@ class Orchestrator:
         touched: set[str] = set()
         for event, sequence in zip(events, sequences, strict=True):
             kind = _store.event_kind(event.type)
-            entity = _ENTITY_TYPES[kind].from_json(event.payload)
             state = self._states.get(event.thread_id)
             if state is None and kind in ("thread", "scheduled-task"):  # a new stream
                 state = self._states[event.thread_id] = ThreadState()
-            if state is not None:
-                state.put(entity)
-                state.sequence = sequence
             touched.add(event.thread_id)
+            if state is not None:
+                entity = state.apply(event.type, event.payload)
+                state.sequence = sequence
+            elif event.type != _store.TEXT_APPENDED:  # not cached: loaded when next needed
+                entity = _ENTITY_TYPES[kind].from_json(event.payload)
             if kind == "run" and entity.id in self._reserved and entity.status in RUN_TERMINAL:
                 del self._reserved[entity.id]  # it ended before its start ran: free its slot
                 asyncio.get_running_loop().call_soon(self._rebalance)
@@ -4534,7 +4553,6 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         batch_no = 0
         ended = False
-        streamed = 0  # delta text since the last other event: about the open message's length
         try:
             while not ended:
                 event = await events.get()
@@ -4542,9 +4560,7 @@ class Orchestrator:
                     break
                 batch = [event]
                 if isinstance(event, (TextDelta, ReasoningDelta)):
-                    window = min(self.COALESCE_MAX_S,
-                                 max(self._coalesce_s, streamed / self.REWRITE_CHARS_PER_S))
-                    deadline = loop.time() + window
+                    deadline = loop.time() + self._coalesce_s
                     while isinstance(batch[-1], (TextDelta, ReasoningDelta)):
                         remaining = deadline - loop.time()
                         if remaining <= 0:
@@ -4567,11 +4583,7 @@ class Orchestrator:
                 if turn_ended:
                     _store.crash_point("before-ingest:turn-ended")
                 batch_no += 1
-                merged = _merge_deltas(batch)
-                for e in merged:
-                    streamed = streamed + len(e.text) \
-                        if isinstance(e, (TextDelta, ReasoningDelta)) else 0
-                await self._ingest(live, run_id, attempt_id, batch_no, merged)
+                await self._ingest(live, run_id, attempt_id, batch_no, _merge_deltas(batch))
                 if turn_ended and live.turn == (run_id, attempt_id):
                     live.turn = None
                     live.turn_ended.set()

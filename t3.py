@@ -2679,6 +2679,7 @@ async def _follow(client: WsClient, thread_id: str, view: _Timeline, *, until_do
                         view.apply(item["event"])
                     params["afterSequence"] = item["sequence"]
                     if until_done and (code := view.finished()) is not None:
+                        view.close()
                         return code
         except WsError as exc:
             if exc.code != "resubscribe":
@@ -2701,6 +2702,7 @@ class _Timeline:
         self._shown: dict[str, Any] = {}  # item id -> what of it was printed
         self._open: str | None = None  # the item whose message is printing, its line open
         self._run: str | None = None  # the run of the item printed last
+        self._ended: set[str] = set()  # the runs whose end line was printed
 
     def load(self, projection: Mapping[str, Any]) -> None:
         self.thread = projection["thread"] or {}
@@ -2742,12 +2744,22 @@ class _Timeline:
             self._put(kind, payload)
             if before is None or before["status"] != payload["status"]:
                 self._run_changed(payload)
-        elif kind in ("message", "turn-item"):
+        elif kind in ("message", "turn-item", "message-text"):
+            if kind == "message-text":  # an open message's new text (store.TEXT_APPENDED)
+                before = self.messages.get(payload["id"], {})
+                kind, payload = "message", {**before, **payload,
+                                            "text": before.get("text", "") + payload["text"]}
             self._put(kind, payload)
             item_id = payload["id"] if kind == "turn-item" else self._item_of.get(payload["id"])
             if item_id in self.items:
                 self._show(self.items[item_id])
         sys.stdout.flush()
+
+    def close(self) -> None:
+        """A follow ends: a run that ended before the follow began gets its end line too."""
+        latest = self._latest()
+        if not self.json_lines and latest and latest["id"] not in self._ended:
+            self._run_changed(latest)
 
     def finished(self) -> int | None:
         """None while the latest run goes on; else the exit code `wait` would give."""
@@ -2808,6 +2820,7 @@ class _Timeline:
         if self.json_lines:
             self._line({"kind": "run", **run})
         elif run["status"] in RUN_TERMINAL:
+            self._ended.add(run["id"])
             self.end_line()
             reason = f": {run['statusReason']}" if run.get("statusReason") else ""
             print(f"--- run {run['ordinal']} {run['status']}{reason}")
