@@ -351,20 +351,26 @@ SELECT MIN(t) FROM (
     UNION ALL
     SELECT lease_expires_ms FROM effect_outbox WHERE status = 'running')
 """
-# A thread's activity time: the later of its updated_at and its latest run's requestedAt and
-# completedAt. Recomputed from the projection rows after every thread or run write, so it does
-# not depend on the order those events arrive in (sql/0003 backfills it with the same expression).
-_REFRESH_ACTIVITY = """
+# What a list filters and orders a thread by, kept in its row: its activity time (the later of
+# its updated_at and its latest run's requestedAt and completedAt), its status (its latest run's,
+# or idle) and its title folded with Python's str.lower (t3_fold). Recomputed from the projection
+# rows after every thread or run write, so it does not depend on the order those events arrive
+# in (sql/0003 and sql/0008 backfill them with the same expressions).
+_REFRESH_LISTING = """
 UPDATE threads SET activity_at = COALESCE((
     SELECT MAX(threads.updated_at, COALESCE(json_extract(r.payload_json, '$.requestedAt'), ''),
                COALESCE(json_extract(r.payload_json, '$.completedAt'), ''))
     FROM runs r WHERE r.thread_id = threads.thread_id
-    ORDER BY r.ordinal DESC LIMIT 1), updated_at)
+    ORDER BY r.ordinal DESC LIMIT 1), updated_at),
+  latest_status = COALESCE((SELECT r.status FROM runs r WHERE r.thread_id = threads.thread_id
+                            ORDER BY r.ordinal DESC LIMIT 1), 'idle'),
+  title_folded = t3_fold(json_extract(payload_json, '$.title'))
 WHERE thread_id = ?
 """
 # The threads of one project a list shows, newest activity first: a range of the partial index
-# threads_by_activity read backwards. Each filter is off when its parameter is NULL; the title
-# test is t3_title_contains (Python's str.lower, not SQLite's ASCII-only lower()).
+# threads_by_activity read backwards. Each filter is off when its parameter is NULL; each reads
+# the thread's own row (_REFRESH_LISTING), so a filtered list costs about what an unfiltered one
+# does.
 # A thread is snoozed while its snoozedUntil is ahead of :now, unless it has a pending request
 # or a run failed after it was snoozed (orchestrator.ThreadState.snoozed says the same).
 _SNOOZED = """(COALESCE(json_extract(t.payload_json, '$.snoozedUntil') > :now, 0)
@@ -381,13 +387,14 @@ WHERE t.project_id = :project AND t.deleted_at IS NULL
   AND (:snoozed IS NULL OR {_SNOOZED} = :snoozed)
   AND (:subagents OR json_extract(t.payload_json, '$.lineage.relationshipToParent')
                      IS NOT 'subagent')
-  AND (:needle IS NULL OR t3_title_contains(json_extract(t.payload_json, '$.title'), :needle))
-  AND (:statuses IS NULL OR COALESCE((SELECT r.status FROM runs r WHERE r.thread_id = t.thread_id
-                                      ORDER BY r.ordinal DESC LIMIT 1), 'idle')
-                            IN (SELECT value FROM json_each(:statuses)))
+  AND (:needle IS NULL OR instr(t.title_folded, :needle) > 0)
+  AND (:statuses IS NULL OR t.latest_status IN (SELECT value FROM json_each(:statuses)))
 """
 _COUNT_LISTED_THREADS = "SELECT COUNT(*)" + _LISTED_THREADS
-# One page of them; the counts and the latest run are looked up for the page's rows only.
+_IDS_OF_LISTED_THREADS = f"SELECT t.thread_id {_LISTED_THREADS} ORDER BY t.activity_at DESC, " \
+    "t.thread_id DESC"
+# One page of them (``page`` names its threads); the counts and the latest run are looked up for
+# the page's rows only.
 _PAGE_OF_LISTED_THREADS = f"""
 SELECT t.payload_json AS thread_json, t.activity_at,
        lr.run_id AS latest_run_id, lr.status AS latest_status,
@@ -397,8 +404,7 @@ SELECT t.payload_json AS thread_json, t.activity_at,
        (SELECT COUNT(*) FROM subagents s WHERE s.thread_id = t.thread_id AND s.status NOT IN
         ('completed', 'failed', 'cancelled', 'interrupted')) AS background_count,
        {_SNOOZED} AS snoozed
-FROM (SELECT t.thread_id {_LISTED_THREADS}
-      ORDER BY t.activity_at DESC, t.thread_id DESC LIMIT :limit OFFSET :offset) page
+FROM ({{page}}) page
 JOIN threads t ON t.thread_id = page.thread_id
 LEFT JOIN runs lr ON lr.run_id = (SELECT r.run_id FROM runs r WHERE r.thread_id = t.thread_id
                                   ORDER BY r.ordinal DESC LIMIT 1)
@@ -462,14 +468,15 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA foreign_keys = ON")
     conn.execute("PRAGMA busy_timeout = 5000")
-    conn.create_function("t3_title_contains", 2, _title_contains, deterministic=True)
+    conn.create_function("t3_fold", 1, _fold, deterministic=True)
     if readonly:
         conn.execute("PRAGMA query_only = ON")
     return conn
 
 
-def _title_contains(title: Any, needle: str) -> bool:
-    return isinstance(title, str) and needle in title.lower()
+def _fold(text: Any) -> str:
+    """A title as lists match it: Python's str.lower (SQLite's lower() is ASCII-only)."""
+    return text.lower() if isinstance(text, str) else ""
 
 
 @contextmanager
@@ -699,10 +706,16 @@ class Store:
         try:
             conn.execute("BEGIN")
             try:
-                total = conn.execute(_COUNT_LISTED_THREADS, params).fetchone()[0]
-                # A cursor past the end may be too big for an SQLite integer.
-                params["offset"] = min(offset, total)
-                rows = conn.execute(_PAGE_OF_LISTED_THREADS, params).fetchall()
+                if statuses or title_contains:  # one pass finds the matches and their count
+                    ids = [r[0] for r in conn.execute(_IDS_OF_LISTED_THREADS, params)]
+                    total, params["ids"] = len(ids), json.dumps(ids[offset:offset + limit])
+                    page = "SELECT value AS thread_id FROM json_each(:ids)"
+                else:  # the count passes over them all; the page is a range of the index
+                    total = conn.execute(_COUNT_LISTED_THREADS, params).fetchone()[0]
+                    # A cursor past the end may be too big for an SQLite integer.
+                    params["offset"] = min(offset, total)
+                    page = f"{_IDS_OF_LISTED_THREADS} LIMIT :limit OFFSET :offset"
+                rows = conn.execute(_PAGE_OF_LISTED_THREADS.format(page=page), params).fetchall()
             finally:
                 conn.execute("COMMIT")
         except sqlite3.Error as exc:
@@ -935,7 +948,7 @@ def projection_writes(event_type: str, payload: Mapping[str, Any], payload_json:
     values = [_pluck(payload, key) for key in columns.values()]
     writes: list[tuple[str, tuple[Any, ...]]] = [(_UPSERTS[kind], (*values, payload_json))]
     if kind in ("thread", "run"):
-        writes.append((_REFRESH_ACTIVITY, (values[list(columns).index("thread_id")],)))
+        writes.append((_REFRESH_LISTING, (values[list(columns).index("thread_id")],)))
     if kind == "webhook-delivery":  # a hook's log keeps its newest deliveries only
         writes.append((_PRUNE_DELIVERIES, (payload["taskId"], payload["taskId"])))
     return writes

@@ -456,7 +456,8 @@ def test_database_versions_on_start(t3: T3Server, t3_factory) -> None:
     db_path = t3.data_dir / "t3.sqlite"
     with sqlite3.connect(db_path) as db:  # back to schema 2, as a t3 before sql/0003 left it
         db.execute("DROP INDEX threads_by_activity")
-        db.execute("ALTER TABLE threads DROP COLUMN activity_at")
+        for column in ("activity_at", "latest_status", "title_folded"):
+            db.execute(f"ALTER TABLE threads DROP COLUMN {column}")
         db.execute("CREATE INDEX threads_by_project ON threads (project_id, updated_at)")
         db.execute("PRAGMA user_version = 2")
     t3.restart()
