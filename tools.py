@@ -1547,14 +1547,15 @@ class Toolkit:
         return len(await self._ancestors(thread))
 
     async def _ancestors(self, thread: orch.AppThread) -> list[str]:
-        """The thread's parent, grandparent, ... through delegation lineage."""
+        """The thread's parent, grandparent, ... through delegation lineage (a fork is a
+        thread of its own: its source gains no say over it)."""
         found: list[str] = []
-        parent_id = thread.lineage.get("parentThreadId")
-        while parent_id and parent_id != thread.id and parent_id not in found:
+        lineage = thread.lineage
+        while (parent_id := lineage.get("parentThreadId")) and parent_id != thread.id and \
+                parent_id not in found and lineage.get("relationshipToParent") == "subagent":
             found.append(parent_id)  # (lineage cannot loop; the checks make sure)
             parent = await self.orch.state(parent_id)
-            parent_id = parent.thread.lineage.get("parentThreadId") \
-                if parent is not None and parent.thread is not None else None
+            lineage = parent.thread.lineage if parent is not None and parent.thread else {}
         return found
 
 
