@@ -4948,17 +4948,22 @@ class ThreadService:
         """The source run (None: a baseline checkpoint) and its checkpoint a fork starts at."""
         checkpoints = state.entities["checkpoint"]
         checkpoint = checkpoints.get(point.get("checkpointId") or "")
+        named = {"checkpoint": "checkpointId", "run": "runId or ordinal"}.get(point["type"])
+        if named and not any(point.get(k) for k in ("checkpointId", "runId", "ordinal")):
+            raise T3Error(f"sourcePoint: a {point['type']} point needs {named}",
+                          code="invalid_request")
         if point["type"] == "checkpoint":
             if checkpoint is None or checkpoint.status != "ready":
                 raise T3Error(f"sourcePoint: checkpoint {point['checkpointId']} is "
                               f"{checkpoint.status if checkpoint else 'not found'} in this "
                               "thread", code="invalid_request")
             run = state.run(checkpoint.run_id) if checkpoint.run_id else None
-        elif point["type"] == "run":
-            run = state.run(point["runId"])
+        elif point["type"] == "run":  # {runId} or {ordinal}
+            run = state.run(point.get("runId") or "") or next(
+                (r for r in state.runs if r.ordinal == point.get("ordinal")), None)
             if run is None:
-                raise T3Error(f"sourcePoint: run {point['runId']} was not found",
-                              code="run_not_found")
+                raise T3Error(f"sourcePoint: run {point.get('runId') or point.get('ordinal')} "
+                              "was not found", code="run_not_found")
         else:
             run = next((r for r in reversed(state.runs) if r.status == RunStatus.COMPLETED),
                        None)
