@@ -2426,7 +2426,8 @@ async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
             + (f"  [PR {pr['repository']}#{pr['number']}]" if (pr := t["linkedPullRequest"])
                else "") + ("  [snoozed]" if t["snoozed"] else "")
             + (f"  [{t['pendingRequestCount']} pending]" if t["pendingRequestCount"] else "")
-            + (f"  (task of {t['parentThreadId']})" if t["parentThreadId"] else "")
+            + (f"  ({'fork' if t['relationshipToParent'] == 'fork' else 'task'} of "
+               f"{t['parentThreadId']})" if t["parentThreadId"] else "")
             for t in listed["threads"]]
     if listed["total"] > len(rows):
         rows.append(f"({listed['total'] - len(rows)} more; --limit shows up to 100)")
