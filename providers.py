@@ -972,9 +972,10 @@ def _acp_forks(advertised: Mapping[str, Any]) -> bool:
 class AcpAdapter(_Adapter):
     """Any ACP agent started by command."""
 
+    # supports_resume / supports_fork: where the agent's ``initialize`` advertises them
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True)
+                                supports_resume=True, supports_mcp=True, supports_fork=True)
     SESSION: type[AcpSession] = AcpSession
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
@@ -1587,6 +1588,7 @@ class GrokAdapter(AcpAdapter):
     """``grok agent stdio``: ACP with xAI's question extension."""
 
     SESSION = GrokSession
+    CAPABILITIES = replace(AcpAdapter.CAPABILITIES, supports_fork=False)  # portable context
 
 
 # =============================================================================================

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from fake_model import FakeModelServer
-from harness import write_config
+from harness import agent_log, scripted_provider, write_config
 from real_cli import codex_provider, create, npm_available
 from real_cli import wait as real_wait
 from test_checkpoints import ws
@@ -86,6 +86,33 @@ def test_fork_from_run_1_carries_only_run_1_and_merge_back_reaches_the_parent(
     sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "and again"})
     assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
     assert prompts(agent_log_path)[4] == "and again"  # delivered once
+
+
+def test_an_acp_agent_with_session_fork_forks_the_latest_run_natively(
+        t3_factory, tmp_path: Path) -> None:
+    """An ACP agent that advertises session/fork: a fork of the latest run opens by session/fork
+    of the source's session and its first prompt is the bare message; a fork of an earlier run
+    cannot be made so (ACP forks no earlier turn): a new session with the portable context."""
+    t3 = t3_factory(providers=[scripted_provider(tmp_path, id="alpha", args=["--fork"])])
+    mcp = t3.client()
+    tid = mcp.call("create_threads", {"threads": [{"prompt": "plan the kiwi migration"}]}
+                   ).structured["threads"][0]["threadId"]
+    assert wait(mcp, tid)["status"] == "completed"
+    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "now pick the banana route"})
+    assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+    for args, text in ((("fork", tid), "explore natively"),
+                       (("fork", tid, "--run", "1"), "explore from run 1")):
+        fid = cli_json(t3, *args)["threadId"]
+        sent = mcp.call("t3_thread_send", {"threadId": fid, "message": text})
+        assert wait(mcp, fid, runId=sent.structured["runId"])["status"] == "completed"
+    log = [e["msg"] for e in agent_log(tmp_path / "agent-alpha.log") if e["dir"] == "in"]
+    source = next(m["params"]["sessionId"] for m in log if m.get("method") == "session/prompt")
+    assert [m["params"]["sessionId"] for m in log if m.get("method") == "session/fork"] == [
+        source]
+    native, portable = prompts(tmp_path / "agent-alpha.log")[2:]
+    assert native == "explore natively"
+    assert portable.startswith("Context handoff (full_thread_summary):\n") and \
+        "banana" not in portable and "- User: plan the kiwi migration\n" in portable
 
 
 def test_fork_from_a_checkpoint_in_git_runs_in_its_own_worktree_at_that_checkpoint(
