@@ -58,6 +58,7 @@ def test_fork_from_run_1_carries_only_run_1_and_merge_back_reaches_the_parent(
     shell = next(t for t in mcp.call("t3_thread_list", {}).structured["threads"]
                  if t["threadId"] == fid)
     assert (shell["parentThreadId"], shell["relationshipToParent"]) == (tid, "fork")
+    assert f"(fork of {tid})" in t3.cli("threads").stdout
     sent = mcp.call("t3_thread_send", {"threadId": fid, "message": "explore the fork"})
     assert wait(mcp, fid, runId=sent.structured["runId"])["status"] == "completed"
     first = prompts(agent_log_path)[2]
