@@ -628,6 +628,19 @@ class ThreadState:
     next_position: int = 0
     sequence: int = 0
 
+    def apply(self, event_type: str, payload: Mapping[str, Any]) -> Any:
+        """Put one committed event's entity (an appended text grows its open message); it."""
+        if event_type == _store.TEXT_APPENDED:
+            message = self.entities["message"].get(payload["id"])
+            if message is None:
+                return None
+            entity = replace(message, text=message.text + payload["text"],
+                             updated_at=payload["updatedAt"])
+        else:
+            entity = _ENTITY_TYPES[_store.event_kind(event_type)].from_json(payload)
+        self.put(entity)
+        return entity
+
     @classmethod
     def load(cls, sequence: int, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> ThreadState:
         state = cls(sequence=sequence)
@@ -708,6 +721,7 @@ class Capabilities:
     supports_mcp: bool = False
     supports_fork: bool = False  # the driver can open a session as a native fork of another
     supports_fork_from_turn: bool = False  # ... through an earlier turn than the latest
+    supports_rollback: bool = False  # the session handle has rollback(keep_turns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1176,8 +1190,9 @@ class EffectRequest:
     REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({
         "run.finalize", "subagent.finalize", "subagent.question", "subagent.question-settled",
         "scheduled-task.run",  # its thread and message ids derive from the fire key
-        "thread-title.generate",
-        "workspace.prepare"})  # a second attempt first removes what the first one left
+        "thread-title.generate", "checkpoint.rollback",  # each of its steps is idempotent
+        "workspace.prepare",  # a second attempt first removes what the first one left
+        "checkpoint.forget"})  # deleting refs already gone is no error
 
     @property
     def replay_safe(self) -> bool:
@@ -1253,11 +1268,23 @@ class _Draft:
             self.thread = entity
         else:
             self.changed[(entity.kind, entity.id)] = entity  # type: ignore[attr-defined]
+        self._event(_owning_thread(entity), event_type or _EVENT_TYPE[entity.kind],
+                    entity.to_json())
+        return entity
+
+    def append(self, message: ConversationMessage, text: str) -> None:
+        """Stream ``text`` onto an open message: it grows whole here, its event carries only
+        ``text`` (store.TEXT_APPENDED)."""
+        self.changed[("message", message.id)] = replace(message, text=message.text + text,
+                                                        updated_at=self.now)
+        self._event(message.thread_id, _store.TEXT_APPENDED, {
+            "id": message.id, "threadId": message.thread_id, "runId": message.run_id,
+            "text": text, "updatedAt": self.now})
+
+    def _event(self, thread_id: str, event_type: str, payload: dict[str, Any]) -> None:
         self.events.append(_store.NewEvent(
             event_id=bounded_id(f"event:{self.command.command_id}:{len(self.events)}"),
-            thread_id=_owning_thread(entity), type=event_type or _EVENT_TYPE[entity.kind],
-            occurred_at=self.now, payload=entity.to_json()))
-        return entity
+            thread_id=thread_id, type=event_type, occurred_at=self.now, payload=payload))
 
     def position(self) -> int:
         self.next_position += 1
@@ -1392,6 +1419,9 @@ def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, P
         raise CommandRejected("the thread is archived", code="thread_not_sendable")
     if d.get("message", c.message_id) is not None:
         raise CommandRejected(f"message {c.message_id} already exists", code="invalid_request")
+    if rollback_in_progress(d):
+        raise CommandRejected("a rollback of the thread is running; send again once it ended",
+                              code="thread_not_sendable")
     if c.mode in ("steer_active", "restart_active"):
         return _decide_steer(d, c, providers)
     blocking = next((r for r in reversed(d.runs()) if r.status in RUN_BLOCKING), None)
@@ -1902,8 +1932,7 @@ def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str)
     """Stream text into the attempt's open assistant (or reasoning) message."""
     open_id = _open_stream_id(d, attempt, role)
     if open_id is not None:
-        message = d.get("message", open_id)
-        d.put(replace(message, text=message.text + text, updated_at=d.now))
+        d.append(d.get("message", open_id), text)
         return
     n = sum(1 for m in d.all("message") if m.run_id == run.id and m.role == role)
     message_id = bounded_id(f"message:{attempt.id}:{role}:{n}")
@@ -1982,7 +2011,8 @@ def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
             scope_id=checkpoint_scope_id(run.thread_id), run_id=run.id if n == run.ordinal
             else None, ordinal=n, status=record["status"], files=record.get("files") or [],
             captured_at=d.now, ref=record.get("ref"), commit=record.get("commit"),
-            parent_checkpoint_id=checkpoint_id(run.thread_id, n - 1) if n else None,
+            parent_checkpoint_id=checkpoint_id(run.thread_id, kept_before(d.runs(), n))
+            if n else None,
             status_reason=record.get("reason")), "checkpoint.captured")
     if made is None or made.ordinal != run.ordinal or made.status == "missing":
         return made  # outside git the timeline says nothing
@@ -3068,6 +3098,8 @@ def _decide_lifecycle(d: _Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[
         for run in d.runs():
             if run.status == RunStatus.QUEUED:
                 _decide_cancel_queued(d, CancelQueuedRun(c.command_id, thread.id, run.id))
+    if verb == "delete" and thread.workspace:  # its checkpoints' hidden refs go with it
+        d.effect("checkpoint.forget", {"workspace": thread.workspace}, thread.id)
     return {"threadId": thread.id, "archived": thread.archived_at is not None,
             "deleted": thread.deleted_at is not None, "snoozedUntil": thread.snoozed_until}
 
@@ -3117,10 +3149,12 @@ class Workspaces(Protocol):
                               ) -> None: ...
     async def run_setup(self, cwd: str, command: str) -> tuple[int, str]: ...
     # checkpoints and diffs
-    def checkpoint_ref(self, thread_id: str, ordinal: int) -> str: ...
+    def checkpoint_ref(self, thread_id: str, ordinal: int | None) -> str: ...
     async def capture(self, cwd: str, ref: str) -> str | None: ...
+    async def delete_ref(self, cwd: str, ref: str) -> None: ...
     async def ref_commit(self, cwd: str, ref: str) -> str | None: ...
     async def diff(self, cwd: str, before: str | None, after: str) -> Any: ...
+    async def restore(self, cwd: str, commit: str) -> None: ...
 
 
 PREPARATION_OUTPUT_CHARS = 20_000
@@ -3488,6 +3522,117 @@ _HANDLERS[MergeBack] = _decide_merge_back
 
 
 # =============================================================================================
+# Rollback (research/t3code.md 1.4, 6.12): ``checkpoint.rollback`` takes a thread back to run
+# N's checkpoint. The decision only records a ``rollback`` item (running) and the replay-safe
+# ``checkpoint.rollback`` effect; no run may start while it runs. The effect restores the
+# workspace's files (workspace.restore: tracked and untracked, ignored files kept), deletes the
+# refs of later checkpoints, rolls back the conversation of each provider thread that saw a later
+# run where its driver can (``supports_rollback``: codex) and closes the live session, then
+# FinishRollback marks the later runs and their root nodes ``rolled_back``, their checkpoints
+# ``stale``, and resets the other provider threads: their next turn starts a fresh provider
+# session with a full-thread handoff of the runs kept. Every step is idempotent, so a server
+# killed mid-way converges when the effect runs again. Run ordinals keep increasing.
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackThread:
+    type: ClassVar[str] = "checkpoint.rollback"
+    command_id: str
+    thread_id: str
+    checkpoint_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRollback:
+    type: ClassVar[str] = "checkpoint.rollback-finish"
+    command_id: str
+    thread_id: str
+    item_id: str
+    native_provider_thread_ids: tuple[str, ...] = ()  # their conversations were rolled back
+    failure: str | None = None  # the restore failed: nothing is marked
+
+
+def rollback_in_progress(d: _Draft) -> bool:
+    return any(i.type == "rollback" and i.status == "running" for i in d.all("turn-item"))
+
+
+def kept_before(runs: Sequence[Run], ordinal: int) -> int:
+    """The checkpoint ordinal a run's changes are measured from: the newest earlier run that
+    was not rolled back (0: the thread's baseline)."""
+    return max([r.ordinal for r in runs if r.ordinal < ordinal
+                and r.status != RunStatus.ROLLED_BACK] + [0])
+
+
+def _decide_rollback(d: _Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any]:
+    cp = d.get("checkpoint", c.checkpoint_id)
+    if cp is None or cp.thread_id != c.thread_id:
+        raise CommandRejected(f"thread {c.thread_id} has no checkpoint {c.checkpoint_id}",
+                              code="invalid_request")
+    if cp.status != "ready" or not cp.commit:
+        raise CommandRejected(f"checkpoint {cp.ordinal} is {cp.status}: only a ready checkpoint "
+                              "can be restored", code="invalid_request")
+    busy = next((r for r in d.runs() if r.status in RUN_BLOCKING or r.status == RunStatus.QUEUED),
+                None)
+    if busy is not None or rollback_in_progress(d):
+        raise CommandRejected("the thread is busy (" + (
+            f"run {busy.ordinal} is {busy.status}" if busy else "a rollback is running")
+            + "): stop or wait for it first", code="thread_not_sendable")
+    later = [r.id for r in d.runs() if r.ordinal > cp.ordinal and r.status != RunStatus.ROLLED_BACK]
+    item = d.put(TurnItem(
+        id=bounded_id(f"turn-item:rollback:{c.command_id}"), thread_id=c.thread_id, run_id=None,
+        node_id=None, type="rollback", status="running", position=d.position(),
+        updated_at=d.now, title=f"Rollback to checkpoint {cp.ordinal}", started_at=d.now,
+        data={"checkpointId": cp.id, "ordinal": cp.ordinal, "rolledBackRunIds": later}))
+    d.effect("checkpoint.rollback", {"itemId": item.id, "checkpointId": cp.id}, item.id)
+    return {"threadId": c.thread_id, "checkpointId": cp.id, "ordinal": cp.ordinal,
+            "rolledBackRunIds": later, "itemId": item.id}
+
+
+def _decide_finish_rollback(d: _Draft, c: FinishRollback, **_: Any) -> Mapping[str, Any]:
+    item = d.get("turn-item", c.item_id)
+    if item is None or item.status != "running":
+        raise CommandRejected("the rollback has already finished")
+    n = item.data["ordinal"]
+    d.put(replace(item, status="failed" if c.failure else "completed", text=c.failure,
+                  updated_at=d.now, completed_at=d.now))
+    if c.failure:
+        return {"status": "failed", "reason": c.failure}
+    for run in d.runs():
+        if run.ordinal > n and run.status != RunStatus.ROLLED_BACK:
+            d.put(replace(run, status=RunStatus.ROLLED_BACK,
+                          status_reason=f"rolled back to checkpoint {n}"))
+            root = d.get("node", run.root_node_id)
+            if root is not None:
+                d.put(replace(root, status="rolled_back"))
+    for cp in d.all("checkpoint"):
+        if cp.ordinal > n and cp.status != "stale":
+            d.put(replace(cp, status="stale", status_reason=f"rolled back to checkpoint {n}"))
+    for pthread in d.all("provider-thread"):
+        if (pthread.last_run_ordinal or 0) <= n:
+            continue  # it never saw a rolled-back run
+        kept = [r.ordinal for r in d.runs() if r.provider_thread_id == pthread.id
+                and r.ordinal <= n and r.started_at is not None]
+        native = pthread.id in c.native_provider_thread_ids
+        d.put(replace(pthread, last_run_ordinal=max(kept) if kept and native else None,
+                      native_thread_ref=pthread.native_thread_ref if native else None,
+                      updated_at=d.now))
+    return {"status": "completed", "reason": None}
+
+
+def kept_turns(state: ThreadState, pthread_id: str, ordinal: int) -> int:
+    """How many provider turns of ``pthread_id`` belong to runs up to ``ordinal``."""
+    attempts = state.entities["run-attempt"]
+    return sum(1 for t in state.entities["provider-turn"].values()
+               if t.provider_thread_id == pthread_id and (run := state.run(
+                   getattr(attempts.get(t.run_attempt_id), "run_id", ""))) is not None
+               and run.ordinal <= ordinal and run.status != RunStatus.ROLLED_BACK)
+
+
+_HANDLERS.update({RollbackThread: _decide_rollback, FinishRollback: _decide_finish_rollback})
+CLIENT_COMMANDS = (*CLIENT_COMMANDS, "checkpoint.rollback")
+
+
+# =============================================================================================
 # The runtime: dispatch, state, waits, the effect worker, live provider sessions
 
 
@@ -3569,12 +3714,6 @@ class Orchestrator:
     MAX_CACHED_THREADS = 512
     INTERRUPT_GRACE_S = 10.0
     IDLE_RELEASE_S = 30 * 60.0  # a provider process with no turn for this long is stopped
-    # Every ingest commit rewrites the whole open message (its event payload is the full entity,
-    # and so is its projection row). So the coalescing window grows with the text streamed so
-    # far: about REWRITE_CHARS_PER_S of rewritten text per second, not bytes quadratic in the
-    # stream's length; never longer than COALESCE_MAX_S (what a kill -9 may lose of a stream).
-    REWRITE_CHARS_PER_S = 1_000_000
-    COALESCE_MAX_S = 0.25
 
     def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
@@ -3670,14 +3809,15 @@ class Orchestrator:
         touched: set[str] = set()
         for event, sequence in zip(events, sequences, strict=True):
             kind = _store.event_kind(event.type)
-            entity = _ENTITY_TYPES[kind].from_json(event.payload)
             state = self._states.get(event.thread_id)
             if state is None and kind in ("thread", "scheduled-task"):  # a new stream
                 state = self._states[event.thread_id] = ThreadState()
-            if state is not None:
-                state.put(entity)
-                state.sequence = sequence
             touched.add(event.thread_id)
+            if state is not None:
+                entity = state.apply(event.type, event.payload)
+                state.sequence = sequence
+            elif event.type != _store.TEXT_APPENDED:  # not cached: loaded when next needed
+                entity = _ENTITY_TYPES[kind].from_json(event.payload)
             if kind == "run" and entity.id in self._reserved and entity.status in RUN_TERMINAL:
                 del self._reserved[entity.id]  # it ended before its start ran: free its slot
                 asyncio.get_running_loop().call_soon(self._rebalance)
@@ -4138,6 +4278,12 @@ class Orchestrator:
             await self._regenerate_title(p["threadId"], p["requestId"])
         elif row.effect_type == "workspace.prepare":
             await self._prepare_workspace(row)
+        elif row.effect_type == "checkpoint.forget":
+            if self.workspaces is not None:
+                await self.workspaces.delete_ref(
+                    p["workspace"], self.workspaces.checkpoint_ref(row.thread_id, None))
+        elif row.effect_type == "checkpoint.rollback":
+            await self._rollback(row.thread_id, p["itemId"], p["checkpointId"])
         elif row.effect_type == "run.finalize":
             state = await self.state(row.thread_id)
             run = state.run(p["runId"]) if state else None
@@ -4156,33 +4302,36 @@ class Orchestrator:
     # -- checkpoints (git work through self.workspaces) ------------------------------------------
 
     async def _capture_baseline(self, state: ThreadState, run: Run) -> None:
-        """Before a run's turn: record the workspace as checkpoint ordinal-1 when the thread has
-        none ready yet (its first run, or one after a run that ended without a capture). A git
+        """Before a run's turn: record the workspace as the checkpoint it is measured from
+        (``kept_before``: ordinal-1 unless runs were rolled back) when the thread has none ready
+        yet (its first run, or one after a run that ended without a capture). A git
         failure only loses the baseline (its checkpoint is then missing); the turn goes on."""
         thread, ws = state.thread, self.workspaces
-        previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id,
-                                                                  run.ordinal - 1))
+        before = kept_before(state.runs, run.ordinal)
+        previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id, before))
         attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
         if ws is None or thread is None or not thread.workspace or (
                 previous is not None and previous.status == "ready") or (
                 attempt is not None and attempt.attempt_ordinal > 1):
             return
         try:
-            await ws.capture(thread.workspace, ws.checkpoint_ref(thread.id, run.ordinal - 1))
+            await ws.capture(thread.workspace, ws.checkpoint_ref(thread.id, before))
         except Exception as exc:
             log.warning("baseline checkpoint of %s not captured: %s", run.id, exc)
 
     async def _capture_checkpoints(self, state: ThreadState, run: Run
                                    ) -> tuple[dict[str, Any], ...]:
         """What a finished root turn records (CompleteRun.checkpoints): the baselines 0 and
-        ordinal-1 the thread does not have yet (ready when their ref exists), and the run's own
-        capture with its files against ordinal-1. Outside git all are ``missing``; a git failure
+        ``kept_before`` (ordinal-1 unless runs were rolled back) the thread does not have yet
+        (ready when their ref exists), and the run's own capture with its files against
+        ``kept_before``. Outside git all are ``missing``; a git failure
         makes the run's ``error`` with the reason. Capturing again after a crash is harmless:
         the ref is simply rewritten."""
         thread, ws, n = state.thread, self.workspaces, run.ordinal
         assert thread is not None
         have = {c.ordinal for c in state.entities["checkpoint"].values()}
-        ordinals = [*sorted({0, n - 1} - have), n]
+        prev = kept_before(state.runs, n)  # n-1 unless runs were rolled back
+        ordinals = [*sorted({0, prev} - have), n]
         cwd = thread.workspace
         if ws is None or not cwd or await ws.top_level(cwd) is None:
             return tuple({"ordinal": o, "status": "missing"} for o in ordinals)
@@ -4193,7 +4342,7 @@ class Orchestrator:
                 commit = await ws.ref_commit(cwd, ref)
                 found.append({"ordinal": o, "status": "ready" if commit else "missing",
                               "ref": ref, "commit": commit})
-            before = await ws.ref_commit(cwd, ws.checkpoint_ref(thread.id, n - 1)) if n else None
+            before = await ws.ref_commit(cwd, ws.checkpoint_ref(thread.id, prev)) if n else None
             ref = ws.checkpoint_ref(thread.id, n)
             commit = await ws.capture(cwd, ref)
             files = file_changes(await ws.diff(cwd, before, commit)) if before else []
@@ -4204,6 +4353,70 @@ class Orchestrator:
             found = [f for f in found if f["ordinal"] != n] + [
                 {"ordinal": n, "status": "error", "reason": str(exc)[:1000]}]
         return tuple(found)
+
+    async def _rollback(self, thread_id: str, item_id: str, checkpoint: str) -> None:
+        """The ``checkpoint.rollback`` effect (see "Rollback"): restore, drop later refs, roll
+        back or close the provider conversations, then FinishRollback. Safe to run again."""
+        state = await self.state(thread_id)
+        item = state.entities["turn-item"].get(item_id) if state else None
+        if state is None or state.thread is None or item is None or item.status != "running":
+            return  # finished before a crash: nothing left to do
+        cp, ws, cwd = state.entities["checkpoint"][checkpoint], self.workspaces, \
+            state.thread.workspace
+        failure, native = None, []
+        try:
+            if ws is None or not cwd:
+                raise T3Error("this server has no git workspaces")
+            await ws.restore(cwd, cp.commit)
+            for later in state.entities["checkpoint"].values():
+                if later.ordinal > cp.ordinal and later.ref:
+                    await ws.delete_ref(cwd, later.ref)
+        except Exception as exc:  # GitError, OSError: said in the item, nothing marked
+            failure = f"the workspace was not restored: {exc}"[:2000]
+        live = self._live.get(thread_id)
+        if failure is None and live is not None:  # idle: no run may be active during a rollback
+            live.closing_reason = f"Closed by a rollback to checkpoint {cp.ordinal}."
+            await live.handle.close()
+            await live.pump_done.wait()
+        for pthread in state.entities["provider-thread"].values() if failure is None else ():
+            if (pthread.last_run_ordinal or 0) > cp.ordinal and await self._rollback_natively(
+                    state, pthread, kept_turns(state, pthread.id, cp.ordinal)):
+                native.append(pthread.id)
+        try:
+            await self.dispatch(FinishRollback(
+                command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
+                item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
+        except CommandRejected:
+            pass  # finished meanwhile
+
+    async def _rollback_natively(self, state: ThreadState, pthread: ProviderThread,
+                                 keep: int) -> bool:
+        """Roll ``pthread``'s own conversation back to its first ``keep`` turns in a short
+        session of its provider; False when the driver cannot (the next turn then starts fresh
+        with a handoff)."""
+        adapter = self._adapters.get(pthread.provider_instance_id)
+        thread = state.thread
+        if adapter is None or thread is None or not pthread.native_thread_ref or \
+                not adapter.info.capabilities.supports_rollback:
+            return False
+        handle = None
+        try:
+            handle = await adapter.open_session(
+                session_id=self._new_id("provider-session"), thread_id=thread.id,
+                cwd=thread.workspace or os.getcwd(), model=None,
+                runtime_mode=thread.runtime_mode, interaction_mode=thread.interaction_mode,
+                resume_ref=pthread.native_thread_ref, mcp=None)
+            if handle.native_thread_ref != pthread.native_thread_ref:
+                return False  # the conversation is gone: a fresh one gets the handoff
+            await handle.rollback(keep)  # type: ignore[attr-defined]
+            return True
+        except Exception as exc:
+            log.warning("native rollback of %s failed (%s); the next turn starts fresh",
+                        pthread.id, exc)
+            return False
+        finally:
+            if handle is not None:
+                await handle.close()
 
     async def _regenerate_title(self, thread_id: str, request_id: str) -> None:
         """Ask the thread's provider for a title, else take ``title_fallback``; skipped once a
@@ -4455,12 +4668,8 @@ class Orchestrator:
             if source else None
         if source is None or pthread is None or not pthread.native_thread_ref:
             return None
-        ordinal = {r.id: r.ordinal for r in source.runs}
-        attempts = source.entities["run-attempt"]
-        later = sum(1 for t in source.entities["provider-turn"].values()
-                    if t.provider_thread_id == pthread.id and t.run_attempt_id in attempts
-                    and ordinal.get(attempts[t.run_attempt_id].run_id, 0)
-                    > (transfer.data or {})["sourcePoint"]["runOrdinal"])
+        later = kept_turns(source, pthread.id, len(source.runs)) - kept_turns(
+            source, pthread.id, (transfer.data or {})["sourcePoint"]["runOrdinal"])
         if later and not caps.supports_fork_from_turn:
             return None
         return {"ref": pthread.native_thread_ref, "dropTurns": later}
@@ -4550,7 +4759,6 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         batch_no = 0
         ended = False
-        streamed = 0  # delta text since the last other event: about the open message's length
         try:
             while not ended:
                 event = await events.get()
@@ -4558,9 +4766,7 @@ class Orchestrator:
                     break
                 batch = [event]
                 if isinstance(event, (TextDelta, ReasoningDelta)):
-                    window = min(self.COALESCE_MAX_S,
-                                 max(self._coalesce_s, streamed / self.REWRITE_CHARS_PER_S))
-                    deadline = loop.time() + window
+                    deadline = loop.time() + self._coalesce_s
                     while isinstance(batch[-1], (TextDelta, ReasoningDelta)):
                         remaining = deadline - loop.time()
                         if remaining <= 0:
@@ -4583,11 +4789,7 @@ class Orchestrator:
                 if turn_ended:
                     _store.crash_point("before-ingest:turn-ended")
                 batch_no += 1
-                merged = _merge_deltas(batch)
-                for e in merged:
-                    streamed = streamed + len(e.text) \
-                        if isinstance(e, (TextDelta, ReasoningDelta)) else 0
-                await self._ingest(live, run_id, attempt_id, batch_no, merged)
+                await self._ingest(live, run_id, attempt_id, batch_no, _merge_deltas(batch))
                 if turn_ended and live.turn == (run_id, attempt_id):
                     live.turn = None
                     live.turn_ended.set()
@@ -4735,7 +4937,7 @@ class ThreadService:
             if run is None or ordinal not in (None, run.ordinal):
                 raise T3Error(f"thread {thread_id} has no run {run_id or ordinal}",
                               code="run_not_found")
-            before, after = cps.get(run.ordinal - 1), cps.get(run.ordinal)
+            before, after = cps.get(kept_before(state.runs, run.ordinal)), cps.get(run.ordinal)
         else:
             ready = sorted(n for n, c in cps.items() if c.status == "ready")
             before, after = (cps[ready[0]], cps[ready[-1]]) if ready else (None, None)
@@ -4759,6 +4961,30 @@ class ThreadService:
             return {**result, "status": "error", "reason": str(exc)[:1000]}
         return {**result, "files": file_changes(found), "diff": found.text,
                 "truncated": found.truncated}
+
+    async def rollback(self, thread_id: str, *, command_id: str, ordinal: int | None = None,
+                       checkpoint: str | None = None, timeout_s: float = 120.0
+                       ) -> dict[str, Any]:
+        """``checkpoint.rollback`` to run ``ordinal``'s checkpoint (0: the thread's baseline) or
+        to ``checkpoint`` (an id), answered once its effect has finished: status completed (the
+        files are restored) or failed with the reason, or running after ``timeout_s``."""
+        state = await self.thread(thread_id)
+        if checkpoint is None:
+            if ordinal is None or (ordinal and not any(r.ordinal == ordinal for r in state.runs)):
+                raise T3Error(f"thread {thread_id} has no run {ordinal}", code="run_not_found")
+            checkpoint = checkpoint_id(thread_id, ordinal)
+        done = (await self.orch.dispatch(RollbackThread(
+            command_id=command_id, thread_id=thread_id, checkpoint_id=checkpoint))).result
+        item_id = done["itemId"]
+
+        def item(states: Mapping[str, ThreadState]) -> TurnItem | None:
+            found = states.get(thread_id)
+            return found.entities["turn-item"].get(item_id) if found else None
+        await self.orch.wait_until([thread_id], lambda s: getattr(item(s), "status", "") != (
+            "running"), timeout_s)
+        ended = item({thread_id: await self.thread(thread_id)})
+        assert ended is not None
+        return {**done, "status": ended.status, "reason": ended.text}
 
     async def send(self, thread_id: str, *, text: str, mode: str, command_id: str,
                    message_id: str, created_by: str, creation_source: str,

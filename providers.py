@@ -1977,6 +1977,18 @@ class CodexSession:
         self._closing = True
         await self._process.stop(grace=grace)
 
+    async def rollback(self, keep_turns: int) -> None:
+        """Keep only the thread's first ``keep_turns`` turns (``thread/revert`` before the next
+        one); nothing when it has no more, so a second call changes nothing."""
+        listed = await self.rpc.request("thread/turns/list", {
+            "threadId": self.native_thread_ref, "sortDirection": "asc",
+            "limit": keep_turns + 1}, timeout=60)
+        turns = (listed or {}).get("data") or []
+        if len(turns) > keep_turns:
+            await self.rpc.request("thread/revert", {"threadId": self.native_thread_ref,
+                                                     "beforeTurnId": turns[keep_turns]["id"]},
+                                   timeout=120)
+
     # -- incoming --------------------------------------------------------------------------------
 
     async def _on_request(self, request_id: Any, method: str, params: Mapping[str, Any]) -> Any:
@@ -2108,7 +2120,7 @@ class CodexAdapter(_Adapter):
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
                                 supports_resume=True, supports_mcp=True, supports_fork=True,
-                                supports_fork_from_turn=True)
+                                supports_fork_from_turn=True, supports_rollback=True)
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
         with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:

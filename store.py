@@ -265,6 +265,14 @@ def _pluck(payload: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
+# Streamed text is appended, not rewritten (SPEC 3): while a message streams, each ingest commit
+# records only its new text as a TEXT_APPENDED event ({id, threadId, runId, text, updatedAt}),
+# which projects nothing. The message's row keeps what it was opened with; the row and the event
+# log hold the whole entity again when it closes. So the bytes written per delta do not grow
+# with the message, and ``thread_entities`` adds a still-open message's appends back on load.
+TEXT_APPENDED = "message-text.appended"
+
+
 def event_kind(event_type: str) -> str:
     """``run.updated`` -> ``run``; ``provider-turn.updated`` -> ``provider-turn``."""
     return event_type.rsplit(".", 1)[0]
@@ -288,6 +296,10 @@ VALUES (?, ?, ?, ?, ?, ?, ?)
 RETURNING sequence
 """
 _MAX_SEQUENCE = "SELECT COALESCE(MAX(sequence), 0) FROM events"
+_APPENDED_TEXT = f"""
+SELECT json_extract(payload_json, '$.text') FROM events
+WHERE type = '{TEXT_APPENDED}' AND json_extract(payload_json, '$.id') = ? ORDER BY sequence
+"""
 _INSERT_EFFECT = """
 INSERT INTO effect_outbox (effect_id, command_id, thread_id, effect_type, payload_json, replay_safe,
                            status, attempt_count, max_attempts, available_at_ms, created_at, updated_at)
@@ -661,6 +673,10 @@ class Store:
                 rows = conn.execute(f"SELECT payload_json FROM {table} WHERE thread_id = ?",
                                     (thread_id,)).fetchall()
                 entities[kind] = [json.loads(r[0]) for r in rows]
+            for message in entities["message"]:
+                if message.get("streaming"):  # opened whole, then only appended to
+                    message["text"] += "".join(
+                        r[0] for r in conn.execute(_APPENDED_TEXT, (message["id"],)))
             sequence = conn.execute(_MAX_SEQUENCE).fetchone()[0]
         finally:
             conn.execute("COMMIT")
@@ -908,7 +924,9 @@ def _project(conn: sqlite3.Connection, event_type: str, payload: Mapping[str, An
 def projection_writes(event_type: str, payload: Mapping[str, Any], payload_json: str
                       ) -> list[tuple[str, tuple[Any, ...]]]:
     """The statements (and parameters) that project one event: its entity's upsert, then for a
-    thread or a run the refresh of the thread's activity time."""
+    thread or a run the refresh of the thread's activity time; none for appended text."""
+    if event_type == TEXT_APPENDED:
+        return []
     kind = event_kind(event_type)
     spec = _PROJECTIONS.get(kind)
     if spec is None:

@@ -1054,6 +1054,7 @@ class ClientApi:
             "forkThread": self.fork_thread, "mergeBack": self.merge_back,
             "sendToThread": self.send_to_thread, "waitForThread": self.wait_for_thread,
             "interruptThread": self.interrupt_thread, "listThreads": self.list_threads,
+            "rollbackThread": self.rollback_thread,
             "readThread": self.read_thread, "getThreadProjection": self.get_thread_projection,
             "listPendingRequests": self.list_pending_requests,
             "listWebhookDeliveries": self.list_webhook_deliveries,
@@ -1134,6 +1135,19 @@ class ClientApi:
             args["threadId"], run_id=args.get("runId"), reason=args.get("reason"),
             command_id=self.toolkit._id("command", "ws", "client", "thread-interrupt",
                                         args["threadId"], key))
+
+    async def rollback_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``checkpoint.rollback`` to run ``runOrdinal``'s checkpoint (0: the baseline) or to
+        ``checkpointId``, answered once the files are restored (ThreadService.rollback)."""
+        from tools import validate
+        args = validate(_WS_ROLLBACK, dict(params))
+        if ("runOrdinal" in args) == ("checkpointId" in args):
+            raise WsFailure("invalid_request", "rollbackThread: give runOrdinal or checkpointId")
+        key = args.get("clientRequestId") or uuid.uuid4().hex
+        return await self.threads.rollback(
+            args["threadId"], ordinal=args.get("runOrdinal"), checkpoint=args.get(
+                "checkpointId"), command_id=self.toolkit._id(
+                "command", "ws", "client", "thread-rollback", args["threadId"], key))
 
     async def launch_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
         from tools import validate
@@ -1570,6 +1584,8 @@ _WIRE_COMMANDS = {
     "thread.resume": _wire({"threadId": _WIRE_REF}, ["threadId"]),
     "provider.switch": _wire({"threadId": _WIRE_REF, "modelSelection": _WIRE_SELECTION},
                              ["threadId", "modelSelection"]),
+    "checkpoint.rollback": _wire({"threadId": _WIRE_REF, "checkpointId": _WIRE_REF},
+                                 ["threadId", "checkpointId"]),
 }
 
 
@@ -1639,6 +1655,9 @@ async def _build_command(api: ClientApi, a: Mapping[str, Any], made: Mapping[str
     if kind == "provider.switch":
         return await api.threads.plan_switch(a["threadId"], _wire_target(a),
                                               command_id=command_id)
+    if kind == "checkpoint.rollback":
+        return orch.RollbackThread(command_id=command_id, thread_id=a["threadId"],
+                                   checkpoint_id=a["checkpointId"])
     if kind == "delegated_task.wake-policy":
         return orch.SetWakePolicy(command_id=command_id, thread_id=a["parentThreadId"],
                                   task_id=a["taskId"], completion_wake=a["completionWake"])
@@ -1687,6 +1706,10 @@ _WS_MERGE_BACK = {"type": "object", "additionalProperties": False,
                   "required": ["commandId", "sourceThreadId"], "properties": {
                       "commandId": _WIRE_ID, "sourceThreadId": _WIRE_REF,
                       "targetThreadId": _WIRE_REF, "creationSource": {"type": "string"}}}
+_WS_ROLLBACK = {"type": "object", "additionalProperties": False, "required": ["threadId"],
+                "properties": {"threadId": _WIRE_REF, "runOrdinal": {"type": "integer",
+                               "minimum": 0}, "checkpointId": _WIRE_REF,
+                               "clientRequestId": _WIRE_ID, "creationSource": {"type": "string"}}}
 _WS_LAUNCH = {"type": "object", "additionalProperties": False, "required": ["commandId"],
               "properties": {
                   "commandId": _WIRE_ID, "projectId": _WIRE_REF,
@@ -2705,6 +2728,7 @@ async def _follow(client: WsClient, thread_id: str, view: _Timeline, *, until_do
                         view.apply(item["event"])
                     params["afterSequence"] = item["sequence"]
                     if until_done and (code := view.finished()) is not None:
+                        view.close()
                         return code
         except WsError as exc:
             if exc.code != "resubscribe":
@@ -2727,6 +2751,7 @@ class _Timeline:
         self._shown: dict[str, Any] = {}  # item id -> what of it was printed
         self._open: str | None = None  # the item whose message is printing, its line open
         self._run: str | None = None  # the run of the item printed last
+        self._ended: set[str] = set()  # the runs whose end line was printed
 
     def load(self, projection: Mapping[str, Any]) -> None:
         self.thread = projection["thread"] or {}
@@ -2768,12 +2793,22 @@ class _Timeline:
             self._put(kind, payload)
             if before is None or before["status"] != payload["status"]:
                 self._run_changed(payload)
-        elif kind in ("message", "turn-item"):
+        elif kind in ("message", "turn-item", "message-text"):
+            if kind == "message-text":  # an open message's new text (store.TEXT_APPENDED)
+                before = self.messages.get(payload["id"], {})
+                kind, payload = "message", {**before, **payload,
+                                            "text": before.get("text", "") + payload["text"]}
             self._put(kind, payload)
             item_id = payload["id"] if kind == "turn-item" else self._item_of.get(payload["id"])
             if item_id in self.items:
                 self._show(self.items[item_id])
         sys.stdout.flush()
+
+    def close(self) -> None:
+        """A follow ends: a run that ended before the follow began gets its end line too."""
+        latest = self._latest()
+        if not self.json_lines and latest and latest["id"] not in self._ended:
+            self._run_changed(latest)
 
     def finished(self) -> int | None:
         """None while the latest run goes on; else the exit code `wait` would give."""
@@ -2834,6 +2869,7 @@ class _Timeline:
         if self.json_lines:
             self._line({"kind": "run", **run})
         elif run["status"] in RUN_TERMINAL:
+            self._ended.add(run["id"])
             self.end_line()
             reason = f": {run['statusReason']}" if run.get("statusReason") else ""
             print(f"--- run {run['ordinal']} {run['status']}{reason}")
@@ -3099,6 +3135,17 @@ async def _cmd_switch(client: WsClient, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _cmd_rollback(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    done = await client.request("rollbackThread", {"threadId": thread_id, "runOrdinal": args.run,
+                                                   "creationSource": "cli"})
+    undone = len(done["rolledBackRunIds"])
+    _out(args, done, f"rolled {thread_id} back to run {done['ordinal']} ({undone} later run(s) "
+         f"rolled back)" if done["status"] == "completed" else
+         f"rollback of {thread_id} {done['status']}: {done['reason'] or 'still restoring'}")
+    return 0 if done["status"] == "completed" else EXIT_FAILED
+
+
 # =============================================================================================
 # Commands for people: fork a thread and merge a fork back, over /ws forkThread and mergeBack.
 
@@ -3156,7 +3203,7 @@ async def _cmd_diff(client: WsClient, args: argparse.Namespace) -> int:
 _COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
     "threads": _cmd_threads, "show": _cmd_show, "new": _cmd_new, "send": _cmd_send,
     "wait": _cmd_wait, "interrupt": _cmd_interrupt, "stop": _cmd_stop, "resume": _cmd_stop,
-    "requests": _cmd_requests, "switch": _cmd_switch,
+    "requests": _cmd_requests, "switch": _cmd_switch, "rollback": _cmd_rollback,
     "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
     "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, "diff": _cmd_diff,
     "fork": _cmd_fork, "merge-back": _cmd_merge_back,
@@ -3246,6 +3293,11 @@ def _cli_parsers(sub: Any) -> None:
     switch.add_argument("thread", metavar="THREAD")
     switch.add_argument("--provider", required=True, metavar="ID")
     switch.add_argument("--model", metavar="M")
+    rollback = command("rollback", "take a thread's workspace and conversation back to run N",
+                       "Restore the files to run N's checkpoint (0: before the first run), mark "
+                       "the later runs rolled_back; the next message continues from run N.")
+    rollback.add_argument("thread", metavar="THREAD")
+    rollback.add_argument("--run", type=int, required=True, metavar="N")
     wait = command("wait", "wait for a thread's run to end",
                    "Wait until the thread's latest run (or --run) ends, or one of its requests "
                    "needs an answer; the exit code says which.")

@@ -63,11 +63,11 @@ class Diff:
     truncated: bool
 
 
-def checkpoint_ref(thread_id: str, ordinal: int) -> str:
-    """The hidden ref of a thread's checkpoint: ids may hold any character, so the thread part
-    is a hash."""
+def checkpoint_ref(thread_id: str, ordinal: int | None) -> str:
+    """The hidden ref of a thread's checkpoint (ordinal None: the folder of all of them): ids
+    may hold any character, so the thread part is a hash."""
     digest = hashlib.sha256(thread_id.encode()).hexdigest()[:32]
-    return f"refs/t3/checkpoints/{digest}/{ordinal}"
+    return f"refs/t3/checkpoints/{digest}" + ("" if ordinal is None else f"/{ordinal}")
 
 
 class Workspaces:
@@ -174,9 +174,15 @@ class Workspaces:
             await _git(root, "reset", "--quiet", "--", ".")
 
     async def delete_ref(self, cwd: str, ref: str) -> None:
+        """Delete ``ref``, or every ref under it when it names a folder (a thread's
+        checkpoints); a ref that is not there, or a workspace outside git, is no error."""
         root = await self.top_level(cwd)
-        if root is not None:
-            await _git(root, "update-ref", "-d", ref)
+        if root is None:
+            return
+        async with self._lock(root):
+            found = await _git(root, "for-each-ref", "--format=delete %(refname)", "--", ref)
+            if found:
+                await _git(root, "update-ref", "--stdin", stdin=found.encode())
 
     # -- worktrees ---------------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ in its text (case-sensitive tokens; see below for their order and combinations):
                        "left a detached process"
   SLOW[:n]             n chunks "chunk <i> " (default 40), SCRIPTED_AGENT_CHUNK_DELAY seconds
                        apart (default 0.05), then "done"; session/cancel stops it at once
-  FAST:n               n tiny chunks as fast as possible (throughput benchmarks)
+  FAST:n[:w]           n tiny chunks as fast as possible (throughput benchmarks); with w, each
+                       chunk padded with dots to w characters
   WRITE_FILE path text (a whole line) write "text\n" (a literal \n in it is a line break) to path,
                        relative to the session cwd (parent folders made); line "wrote <path>"
   DELETE_FILE path     (a whole line) delete path, relative to the session cwd; line "deleted <path>"
@@ -480,9 +481,10 @@ class Agent:
                 t.chunk(f"chunk {i} ")
                 await asyncio.sleep(delay)  # a cancel lands here
             t.chunk("done")
-        elif m := re.search(r"(?<!\w)FAST:(\d+)", rest):
+        elif m := re.search(r"(?<!\w)FAST:(\d+)(?::(\d+))?", rest):
+            width = int(m.group(2) or 0)
             for i in range(int(m.group(1))):
-                t.chunk(f"{i} ")
+                t.chunk(f"{i} ".rjust(width, "."))
                 if i % 256 == 255:
                     await asyncio.sleep(0)  # let a cancel in
         elif has_word(rest, "ECHO_CWD"):

@@ -70,7 +70,8 @@ def test_a_run_that_edits_files_ends_with_a_checkpoint_of_its_changes(
     """Baseline 0 and checkpoint 1 are ready hidden refs; checkpoint 1 lists the edited, created
     and deleted files with their line counts; the run's checkpointId names it and the timeline
     has its `checkpoint` item; the user's status, branches, stash, HEAD and index bytes are the
-    same as before; a second run's checkpoint lists only its own change."""
+    same as before; a second run's checkpoint lists only its own change. Deleting the thread
+    deletes its hidden refs, and only its own."""
     repo = project_repo(tmp_path)
     t3 = t3_factory()
     mcp = t3.client()
@@ -95,6 +96,13 @@ def test_a_run_that_edits_files_ends_with_a_checkpoint_of_its_changes(
     cps = checkpoints(t3, tid)
     assert by_path(cps[2]["files"]) == {"notes.txt": ("modified", 1, 1)}
     assert list((t3.data_dir / "git-index").iterdir()) == []
+    other = finished(mcp, "WRITE_FILE other.txt o")["threadId"]
+    kept = git(repo, "for-each-ref", "--format=%(refname)",
+               checkpoints(t3, other)[1]["ref"].rsplit("/", 1)[0])
+    assert t3.cli("delete", tid).returncode == 0
+    wait_until(lambda: git(repo, "for-each-ref", "--format=%(refname)", "refs/t3") == kept, 30,
+               message="the deleted thread's checkpoint refs are gone, the other's kept")
+    assert len(kept.split()) == 2 and cps[2]["ref"] not in kept
 
 
 def test_diffs_of_a_run_and_of_the_thread_over_mcp_ws_and_the_cli(

@@ -1,8 +1,7 @@
 """Unit tests for ``orchestrator.decide``: no database, no server, no clock.
 
-State is built only by applying decisions, as ``Orchestrator._apply`` does: every event's payload
-becomes an entity through ``_ENTITY_TYPES[event_kind(type)].from_json`` and is put into a
-``ThreadState``. Time is one fixed string and ids come from a counter, so every decision replays.
+State is built only by applying decisions, as ``Orchestrator._apply`` does: every event goes
+through ``ThreadState.apply`` (its payload becomes an entity; appended text grows its message). Time is one fixed string and ids come from a counter, so every decision replays.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def providers(*, active_steering: bool = False) -> dict[str, o.ProviderInfo]:
 def apply(state: o.ThreadState, decision: o.Decision) -> o.ThreadState:
     """What ``Orchestrator._apply`` does with committed events, minus sequences and wakes."""
     for event in decision.events:
-        state.put(o._ENTITY_TYPES[store.event_kind(event.type)].from_json(event.payload))
+        state.apply(event.type, event.payload)
     return state
 
 
@@ -860,8 +859,8 @@ class World:
         decision = o.decide(state, command, now=NOW, new_id=CountingIds(),
                             providers=self.parent.providers)
         for event in decision.events:
-            self.states.setdefault(event.thread_id, o.ThreadState()).put(
-                o._ENTITY_TYPES[store.event_kind(event.type)].from_json(event.payload))
+            self.states.setdefault(event.thread_id, o.ThreadState()).apply(event.type,
+                                                                            event.payload)
         return decision
 
     def delegate(self, task: str = "child work", *, wake: str = "always",

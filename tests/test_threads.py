@@ -545,36 +545,27 @@ def test_traffic_log_holds_an_ended_turns_every_line_redacted(mcp: McpClient, t3
     assert '"name":"Authorization","value":"<redacted>"' in log
 
 
-def test_long_stream_is_stored_whole_once_and_rewritten_less_often(mcp: McpClient,
-                                                                   t3: T3Server) -> None:
-    """A long streamed answer (about 210,000 characters) is stored whole, exactly once, as one
-    assistant message. Each ingest commit rewrites the whole message, so once it is long its
-    commits come further apart: at least its length / REWRITE_CHARS_PER_S (bounded by
-    COALESCE_MAX_S), never the 20 ms base window for a long text."""
-    from datetime import datetime
-
-    from orchestrator import Orchestrator
+def test_a_long_stream_is_appended_not_rewritten(mcp: McpClient, t3: T3Server) -> None:
+    """A long streamed answer (about 210,000 characters) is stored whole, once, as one assistant
+    message, and what recording it wrote (its events' payloads and its projection row) stays
+    under 4x its length: each commit appends only its new text (store.TEXT_APPENDED), so the
+    bytes do not grow with the square of the answer (they were over 20x)."""
     n = 40_000
     created = create(mcp, f"FAST:{n}")
     assert wait(mcp, created["threadId"], timeoutMs=120_000)["status"] == "completed"
     expected = "".join(f"{i} " for i in range(n))
     with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        [(message_id, stored)] = db.execute(
-            "SELECT message_id, json_extract(payload_json, '$.text') FROM messages WHERE run_id = ? AND "
-            "json_extract(payload_json, '$.role') = 'assistant'", (created["runId"],)).fetchall()
-        updates = db.execute(
-            "SELECT command_id, occurred_at, json_extract(payload_json, '$.text') FROM events "
-            "WHERE type = 'message.updated' AND json_extract(payload_json, '$.id') = ? "
-            "ORDER BY sequence", (message_id,)).fetchall()
-    assert stored == expected and updates[-1][2] == expected
-    per_command = list({command: (at, text) for command, at, text in updates}.values())
-    assert len(per_command) >= 3
-    seconds = [datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
-               for at, _ in per_command]
-    for k in range(len(per_command) - 2):  # the last commit is the turn's end: it does not wait
-        window = min(Orchestrator.COALESCE_MAX_S,
-                     max(0.02, len(per_command[k][1]) / Orchestrator.REWRITE_CHARS_PER_S))
-        assert seconds[k + 1] - seconds[k] >= window - 0.005, (k, len(per_command[k][1]))
+        [(message_id, stored, row)] = db.execute(
+            "SELECT message_id, json_extract(payload_json, '$.text'), LENGTH(payload_json) "
+            "FROM messages WHERE run_id = ? AND json_extract(payload_json, '$.role') = "
+            "'assistant'", (created["runId"],)).fetchall()
+        events = db.execute(
+            "SELECT type, LENGTH(payload_json) FROM events WHERE json_extract(payload_json, "
+            "'$.id') = ? ORDER BY sequence", (message_id,)).fetchall()
+    assert stored == expected
+    appends = [size for type_, size in events if type_ == "message-text.appended"]
+    assert len(appends) >= 3, events  # it streamed over several commits
+    assert row + sum(size for _, size in events) < 4 * len(expected), (row, events)
     [item] = [i for i in read(mcp, created["threadId"], afterPosition=-1,
                               maxCharsPerItem=50_000)["items"] if i["type"] == "assistant_message"]
     assert item["textTruncated"] and expected.startswith(item["text"].removesuffix("\n…[truncated]"))

@@ -310,3 +310,40 @@ def test_web_view_lists_schedules_and_follows_their_runs_live(t3_factory, tmp_pa
     assert [e for e in browser.events if e["method"] == "Runtime.exceptionThrown" or (
         e["method"] == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")] == []
     mcp.close()
+
+
+def test_web_view_shows_a_checkpoints_files_and_a_folded_handoff(
+        t3_factory, tmp_path: Path, browser: Any) -> None:
+    """In headless Chromium: run 1 (on alpha) writes a file in a git project: its checkpoint
+    item shows `ready` and the file with its line counts; run 2, switched to beta, shows the
+    handoff item with its strategy, target, covered runs and source provider, its summary text
+    folded until the person opens it (beta answers ECHO_CWD: its reply is not the prompt)."""
+    from test_workspace import make_repo
+    make_repo(tmp_path / "workspace")
+    t3 = t3_factory(providers=[scripted_provider(tmp_path, id="alpha"),
+                               scripted_provider(tmp_path, id="beta")])
+    mcp = t3.client()
+    tid = create(mcp, prompt="WRITE_FILE notes/plan.txt kiwi\\nmango", title="switched",
+                 target={"providerInstanceId": "alpha"})
+    assert mcp.call("t3_thread_wait", {"threadId": tid, "timeoutMs": 30_000}).structured[
+        "status"] == "completed"
+    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "ECHO_CWD",
+                                       "target": {"providerInstanceId": "beta"}}).structured
+    assert mcp.call("t3_thread_wait", {"threadId": tid, "runId": sent["runId"],
+                                       "timeoutMs": 30_000}).structured["status"] == "completed"
+    page = browser.new_page()
+    page.navigate(t3.url + "/")
+    page.type_into("#token", t3.token)
+    page.click("#login button", text="Log in")
+    page.click("nav a", text="switched")
+    page.wait_for(lines_with("Handoff full_thread_summary to beta"))
+    steps = Steps(page, tmp_path)
+    folded = steps.shot("handoff", ("Checkpoint 1: 1 file(s) changed", "ready"),
+                        ("added +2 -0 notes/plan.txt",),
+                        ("Handoff full_thread_summary to beta", "runs 1–1 from alpha"),
+                        ("Summary",))
+    assert "Canonical conversation context:" not in folded
+    page.click("#items summary", text="Summary")
+    page.wait_for(lines_with("Canonical conversation context:"))
+    steps.shot("handoff-open", ("Covered app runs: 1-1",),
+               ("- User: WRITE_FILE notes/plan.txt kiwi\\nmango",))

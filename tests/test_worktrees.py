@@ -103,23 +103,29 @@ def worktrees(repo: Path) -> list[str]:
 def test_a_worktree_launch_runs_the_agent_in_a_new_worktree_and_leaves_the_checkout_alone(
         t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
     """From main: the run is preparing, then starts in `<data-dir>/worktrees/...` on a new
-    branch at main's commit; the thread's fields name it; the user's checkout reads the same
-    (status, index bytes, HEAD, branches but the new one)."""
+    branch at main's commit, where the agent edits a.txt and creates b/new.txt; the thread's
+    fields name it; checkpoint 1 and t3_thread_diff list exactly those two files against main's
+    tree; the user's checkout reads the same (status, index bytes, HEAD, branches but the new
+    one)."""
     repo = make_repo(tmp_path)
     before = user_state(repo)
     t3 = start(t3_factory, tmp_path, repo)
     mcp = t3.client()
-    launched = launch(mcp, {"type": "worktree", "baseRef": "main"}).structured
+    launched = launch(mcp, {"type": "worktree", "baseRef": "main"}, message=(
+        "WRITE_FILE a.txt one\\ntwo\nWRITE_FILE b/new.txt new\nECHO_CWD")).structured
     path, branch = launched["worktreePath"], launched["branch"]
     assert launched["workspaceStrategy"] == "worktree" and launched["workspacePath"] == path
     assert Path(path).parent == t3.data_dir / "worktrees" and branch.startswith("t3/")
     assert finished(mcp, launched["threadId"])["status"] == "completed"
     assert run_statuses(t3, launched["runId"])[:2] == ["preparing", "starting"]
-    assert reply(mcp, launched["threadId"]) == path
+    assert reply(mcp, launched["threadId"]) == f"wrote a.txt\nwrote b/new.txt\n{path}"
     assert session_cwds(agent_log_path) == [path]
     assert git(Path(path), "branch", "--show-current").strip() == branch
     assert git(Path(path), "rev-parse", "HEAD") == git(repo, "rev-parse", "main")
-    assert (Path(path) / "a.txt").read_text() == "one\n"  # main's, not the user's edit
+    diff = mcp.call("t3_thread_diff", {"threadId": launched["threadId"], "ordinal": 1}).structured
+    assert {f["path"]: (f["kind"], f["additions"], f["deletions"]) for f in diff["files"]} == {
+        "a.txt": ("modified", 1, 0), "b/new.txt": ("added", 1, 0)}  # against main's a.txt
+    assert "one\n+two\n" in diff["diff"] and diff["toCheckpointId"].endswith(":1")
     user_umask = os.umask(0o022)
     os.umask(user_umask)  # git wrote it with the user's umask, not the server's private 077
     assert (Path(path) / "a.txt").stat().st_mode & 0o777 == 0o666 & ~user_umask
@@ -232,7 +238,8 @@ def test_setup_runs_in_the_new_worktree_before_the_agent_and_its_output_is_in_th
 def test_a_failing_setup_fails_the_launch_with_its_output(
         t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
     """A setup command that exits non-zero fails the run with the command, its exit code and
-    its output; the agent is never prompted; the commands after it do not run."""
+    its output; the agent is never prompted; the commands after it do not run; the worktree is
+    kept for a look."""
     repo = make_repo(tmp_path, origin=False)
     t3 = start(t3_factory, tmp_path, repo,
                setup=["echo installing; echo no network >&2; exit 3", "touch never.txt"])
@@ -248,13 +255,14 @@ def test_a_failing_setup_fails_the_launch_with_its_output(
                 if i["type"] == "workspace_setup")
     assert item["status"] == "failed" and "installing\nno network" in item["text"]
     assert not (Path(launched["worktreePath"]) / "never.txt").exists()
+    assert worktrees(repo)[1:] == [launched["worktreePath"]]  # kept for a look (README)
 
 
 def test_a_launch_killed_after_its_worktree_was_made_is_finished_after_the_restart(
         t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
     """kill -9 right after `git worktree add` (before setup): after the restart the launch is
     made again from scratch and completes; one worktree and one branch, setup ran to the end,
-    the agent runs there."""
+    the agent runs there; only its checkpoints' refs and no temporary index are left."""
     repo = make_repo(tmp_path, origin=False)
     t3 = start(t3_factory, tmp_path, repo, setup=["echo set >> setup-runs.txt"],
                env={"T3_TEST_HOOKS": "1", "T3_CRASH_AT": "workspace.prepare:after-worktree"})
@@ -276,6 +284,9 @@ def test_a_launch_killed_after_its_worktree_was_made_is_finished_after_the_resta
     assert worktrees(repo) == [str(repo), str(path)]
     assert git(repo, "branch", "--list", "t3/*").count("t3/") == 1
     assert session_cwds(agent_log_path) == [str(path)]
+    refs = git(repo, "for-each-ref", "--format=%(refname)", "refs/t3").split()
+    assert [r.rsplit("/", 1)[1] for r in refs] == ["0", "1"]  # the launch's own checkpoints
+    assert list((t3.data_dir / "git-index").iterdir()) == []
 
 
 def test_create_threads_from_a_worktree_thread_inherits_its_worktree(
