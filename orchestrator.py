@@ -469,16 +469,17 @@ class ContextTransfer(_Entity):
     kind: ClassVar[str] = "context-transfer"
     id: str
     thread_id: str  # the thread that owns the record (a delegated task's parent)
-    type: str  # subagent_spawn | subagent_result
+    type: str  # subagent_spawn | subagent_result | fork | merge_back
     source_thread_id: str
     target_thread_id: str
-    status: str
+    status: str  # (fork, merge_back) pending | consumed | superseded
     created_by: str
     created_at: str
     updated_at: str
     target_run_id: str | None = None
     summary: str | None = None
     consumed_at: str | None = None
+    data: Mapping[str, Any] | None = None  # fork, merge_back: see "Fork and merge-back"
 
 
 @dataclass(frozen=True, slots=True)
@@ -718,6 +719,8 @@ class Capabilities:
     supports_queued_messages: bool = True
     supports_resume: bool = False
     supports_mcp: bool = False
+    supports_fork: bool = False  # the driver can open a session as a native fork of another
+    supports_fork_from_turn: bool = False  # ... through an earlier turn than the latest
     supports_rollback: bool = False  # the session handle has rollback(keep_turns)
 
 
@@ -817,6 +820,10 @@ class ProviderSessionHandle(Protocol):
 
 
 class ProviderAdapter(Protocol):
+    """``open_session`` takes ``fork`` ({ref, dropTurns}: open as a native fork of that
+    conversation without its last dropTurns turns; the handle's ``forked`` says it did) only
+    where ``supports_fork`` is advertised."""
+
     info: ProviderInfo
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
@@ -858,6 +865,8 @@ class CreateThread:
     # A launch into a new worktree: {repo, baseRef, fromOrigin, setup}; the first run waits
     # ``preparing`` until the ``workspace.prepare`` effect made it (needs initial_message).
     preparation: Mapping[str, Any] | None = None
+    lineage: Mapping[str, Any] | None = None  # a fork's (ForkThread); else a root thread's
+    forked_from: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1067,6 +1076,7 @@ class MarkRunStarted:
     native_thread_ref: str | None
     cwd: str
     resume_failed: bool = False  # a new session where the provider thread's could not load
+    native_fork: bool = False  # the session opened as a native fork of the fork's source
 
 
 @dataclass(frozen=True, slots=True)
@@ -1296,7 +1306,7 @@ class _Draft:
 def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
            providers: Mapping[str, ProviderInfo]) -> Decision:
     """State + command -> events + effect requests. Raises CommandRejected; never does I/O."""
-    if not isinstance(command, (CreateThread, *_TASK_COMMANDS)) and (
+    if not isinstance(command, (CreateThread, ForkThread, *_TASK_COMMANDS)) and (
             state.thread is None or state.thread.deleted_at is not None):
         raise CommandRejected(f"thread {command.thread_id} was not found", code="thread_not_found")
     draft = _Draft(state, command, now)
@@ -1318,9 +1328,10 @@ def _decide_create_thread(d: _Draft, c: CreateThread, *, providers: Mapping[str,
         model_selection={"instanceId": c.provider_instance_id, "model": c.model},
         runtime_mode=c.runtime_mode, interaction_mode=c.interaction_mode,
         created_by=c.created_by, creation_source=c.creation_source, created_at=d.now,
-        updated_at=d.now, lineage={"parentThreadId": None, "relationshipToParent": None,
-                                   "rootThreadId": c.thread_id},
-        branch=c.branch, worktree_path=c.worktree_path, workspace=c.workspace)
+        updated_at=d.now, lineage=c.lineage or {
+            "parentThreadId": None, "relationshipToParent": None, "rootThreadId": c.thread_id},
+        branch=c.branch, worktree_path=c.worktree_path, workspace=c.workspace,
+        forked_from=c.forked_from)
     d.put(thread, "thread.created")
     result: dict[str, Any] = {"threadId": c.thread_id, "runId": None, "messageId": None}
     if c.initial_message:
@@ -1417,7 +1428,8 @@ def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, P
     queued_exists = any(r.status == RunStatus.QUEUED and not r.queue_held for r in d.runs())
     queued = blocking is not None or queued_exists
     run = _new_run(d, message_id=c.message_id, text=c.text, created_by=c.created_by,
-                   creation_source=c.creation_source, queued=queued)
+                   creation_source=c.creation_source, queued=queued,
+                   preparation=None if queued else _fork_preparation(d))
     _promote_queued(d)  # only acts if queued runs were left with nothing blocking them
     run = d.get("run", run.id)
     return {"threadId": thread.id, "runId": run.id, "messageId": c.message_id,
@@ -1762,8 +1774,10 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
     d.put(replace(session, status="running", pid=c.pid, updated_at=d.now))
     pthread = d.get("provider-thread", run.provider_thread_id)
     # Once per run: a restarted attempt's turn already had it.
-    handoff_id = None if run.context_handoff_id else _hand_off(d, run, pthread, c.resume_failed,
-                                                               providers)
+    handoff_id = None if run.context_handoff_id else (
+        _take_fork(d, run, c.native_fork) or
+        _hand_off(d, run, pthread, c.resume_failed, providers))
+    merged = _take_merge_backs(d, run)
     if pthread is None:
         pthread = ProviderThread(id=run.provider_thread_id or "", app_thread_id=run.thread_id,
                                  driver=providers_driver, provider_instance_id=provider,
@@ -1788,7 +1802,8 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
         d.put(replace(root, status="running", started_at=d.now, provider_turn_id=turn.id))
     d.put(replace(run, status=RunStatus.RUNNING, started_at=run.started_at or d.now,
                   context_handoff_id=run.context_handoff_id or handoff_id))
-    return {"runId": run.id, "providerTurnId": turn.id, "contextHandoffId": handoff_id}
+    return {"runId": run.id, "providerTurnId": turn.id, "contextHandoffId": handoff_id,
+            "mergeBackHandoffIds": merged}
 
 
 def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str, Any]:
@@ -3260,35 +3275,54 @@ def record_handoff(d: _Draft, run: Run, strategy: str, covered: Sequence[Run],
     a provider thread that lacks it (rollback, fork, merge-back: add their headers)."""
     if not covered:
         return None
+    return _put_handoff(d, run, describe_handoff(d, strategy, covered, run.provider_instance_id,
+                                                 providers))
 
+
+def describe_handoff(d: Any, strategy: str, covered: Sequence[Run], to_instance: str,
+                     providers: Mapping[str, ProviderInfo], head: Sequence[str] | None = None
+                     ) -> dict[str, Any]:
+    """What a handoff of ``covered`` (runs of the thread ``d`` holds: a _Draft, or any view
+    with its ``get``/``all``) to ``to_instance`` says and records (``_put_handoff``)."""
     def driver(instance: str) -> str:
         return providers[instance].driver if instance in providers else instance
-    froms = list(dict.fromkeys(r.provider_thread_id or "" for r in covered))
     instances = list(dict.fromkeys(r.provider_instance_id for r in covered))
     span = {"from": covered[0].ordinal, "to": covered[-1].ordinal}
-    summary = handoff_text(
-        strategy=strategy, from_drivers=[driver(i) for i in instances],
-        to_driver=driver(run.provider_instance_id), covered=span,
-        lines=_item_lines(d, {r.id for r in covered}))
+    return {"strategy": strategy, "covered": span, "fromProviderInstanceIds": instances,
+            "fromProviderThreadIds": list(dict.fromkeys(r.provider_thread_id or ""
+                                                        for r in covered)),
+            "fromModelSelections": [dict(r.model_selection) for r in covered],
+            "summary": handoff_text(
+                strategy=strategy, from_drivers=[driver(i) for i in instances],
+                to_driver=driver(to_instance), covered=span, head=head,
+                lines=_item_lines(d, {r.id for r in covered}))}
+
+
+def _put_handoff(d: _Draft, run: Run, about: Mapping[str, Any], key: str = "") -> str:
+    """The ContextHandoff ``describe_handoff`` described, for ``run``, and its turn item."""
+    strategy, froms, instances = (about["strategy"], about["fromProviderThreadIds"],
+                                  about["fromProviderInstanceIds"])
     handoff = d.put(ContextHandoff(
-        id=bounded_id(f"context-handoff:{run.id}"), thread_id=run.thread_id, target_run_id=run.id,
-        from_provider_thread_ids=froms, to_provider_thread_id=run.provider_thread_id or "",
-        covered_run_ordinals=span, strategy=strategy, status="consumed", summary_text=summary,
-        created_at=d.now, updated_at=d.now, created_by_provider_instance_id=instances[-1]))
+        id=bounded_id(f"context-handoff:{run.id}{key}"), thread_id=run.thread_id,
+        target_run_id=run.id, from_provider_thread_ids=froms,
+        to_provider_thread_id=run.provider_thread_id or "", covered_run_ordinals=about["covered"],
+        strategy=strategy, status="consumed", summary_text=about["summary"], created_at=d.now,
+        updated_at=d.now, created_by_provider_instance_id=instances[-1]))
     d.put(TurnItem(
-        id=bounded_id(f"turn-item:handoff:{run.id}"), thread_id=run.thread_id, run_id=run.id,
-        node_id=run.root_node_id, type="handoff", status="completed", position=d.position(),
-        updated_at=d.now, title=f"{strategy} handoff to {run.provider_instance_id}",
-        text=summary, started_at=d.now, completed_at=d.now, data={
+        id=bounded_id(f"turn-item:handoff:{run.id}{key}"), thread_id=run.thread_id,
+        run_id=run.id, node_id=run.root_node_id, type="handoff", status="completed",
+        position=d.position(), updated_at=d.now,
+        title=f"{strategy} handoff to {run.provider_instance_id}", text=about["summary"],
+        started_at=d.now, completed_at=d.now, data={
             "contextHandoffId": handoff.id, "fromProviderThreadIds": froms,
             "toProviderThreadId": handoff.to_provider_thread_id,
             "fromProviderInstanceIds": instances, "toProviderInstanceId": run.provider_instance_id,
-            "fromModelSelections": [dict(r.model_selection) for r in covered],
+            "fromModelSelections": about["fromModelSelections"],
             "toModel": run.model_selection.get("model"), "strategy": strategy}))
     return handoff.id
 
 
-def _item_lines(d: _Draft, run_ids: set[str]) -> list[str]:
+def _item_lines(d: Any, run_ids: set[str]) -> list[str]:
     """The covered runs' user-visible items as handoff lines, in timeline order."""
     lines = []
     for item in sorted(d.all("turn-item"), key=lambda i: i.position):
@@ -3314,13 +3348,14 @@ def handoff_line(label: str, text: str) -> str:
 
 def handoff_text(*, strategy: str, from_drivers: Sequence[str], to_driver: str,
                  covered: Mapping[str, int], lines: Sequence[str],
-                 budget: int = HANDOFF_BUDGET) -> str:
-    """The handoff summary (research/t3code.md 6.13), pure and deterministic. Over ``budget``
-    characters the oldest item lines go first, replaced by one line saying how many."""
-    head = "\n".join([_HANDOFF_HEADERS[strategy], f"From driver: {', '.join(from_drivers)}",
-                      f"To driver: {to_driver}",
-                      f"Covered app runs: {covered['from']}-{covered['to']}", "",
-                      "Canonical conversation context:"])
+                 budget: int = HANDOFF_BUDGET, head: Sequence[str] | None = None) -> str:
+    """The handoff summary (research/t3code.md 6.13), pure and deterministic; ``head``: the
+    lines before the items, when not a provider handoff's. Over ``budget`` characters the
+    oldest item lines go first, replaced by one line saying how many."""
+    head = "\n".join(head or [
+        _HANDOFF_HEADERS[strategy], f"From driver: {', '.join(from_drivers)}",
+        f"To driver: {to_driver}", f"Covered app runs: {covered['from']}-{covered['to']}", "",
+        "Canonical conversation context:"])
     items = list(lines) or ["- No user-visible context items."]
     room = budget - len(head) - 80  # 80: room for the line that says what was cut
     kept = 0
@@ -3332,16 +3367,158 @@ def handoff_text(*, strategy: str, from_drivers: Sequence[str], to_driver: str,
     return "\n".join([head, *cut, *items[len(items) - kept:]])[:budget]
 
 
-def handoff_prompt(text: str, handoff: ContextHandoff | None) -> str:
-    """What the provider is sent: the handoff before the user's text (6.13's injection)."""
-    if handoff is None:
+def handoff_prompt(text: str, *handoffs: ContextHandoff | None) -> str:
+    """What the provider is sent: the handoffs before the user's text (6.13's injection)."""
+    given = [h for h in handoffs if h is not None]
+    if not given:
         return text
-    return (f"Context handoff ({handoff.strategy}):\n{handoff.summary_text}\n\n"
-            f"User message:\n{text}")
+    labels = {"fork_delta_summary": MERGE_BACK_LABEL}
+    return "".join(f"Context handoff ({labels.get(h.strategy, h.strategy)}):\n"
+                   f"{h.summary_text}\n\n" for h in given) + f"User message:\n{text}"
 
 
 _HANDLERS[SwitchProvider] = _decide_switch
 CLIENT_COMMANDS = (*CLIENT_COMMANDS, "provider.switch")
+
+
+# =============================================================================================
+# Fork and merge-back (research/t3code.md 1.4, 6.13, 6.14)
+#
+# ``thread.fork`` makes a new thread (lineage ``fork``; the source's project, provider, model and
+# modes) with a pending ``fork`` ContextTransfer holding the source point (a completed run; a
+# checkpoint names its run) and the portable context, worked out when the fork is made from the
+# source's settled items: a full_thread_summary of its runs up to that point. Nothing else
+# happens until the fork's first run starts. Its session then opens as a native fork of the
+# source run's provider thread when the driver can (same provider instance; codex ``thread/fork``
+# through that run's last turn, ACP ``session/fork`` of a conversation that has nothing later),
+# and the transfer is consumed as ``native_fork``; otherwise the run carries the summary as its
+# handoff (``portable_context``). A source point with a ready checkpoint (a git workspace) gives
+# the fork a worktree of its own at that checkpoint's commit, on a new branch: its first run is
+# ``preparing`` while ``workspace.prepare`` makes it, as a worktree launch's is. Outside git the
+# fork shares the source's workspace.
+#
+# ``thread.merge_back`` records on the fork's parent a pending ``merge_back`` transfer with the
+# fork's delta (its completed runs, as a ``fork_delta_summary``), superseding a pending one from
+# the same fork; the parent's next run to start carries it as a handoff labelled
+# MERGE_BACK_LABEL (merge-backs from several forks: one handoff each).
+
+MERGE_BACK_LABEL = "merge_back / fork_delta_summary"
+
+
+@dataclass(frozen=True, slots=True)
+class ForkThread:
+    type: ClassVar[str] = "thread.fork"
+    command_id: str
+    thread_id: str  # the fork (the command's thread)
+    create: CreateThread  # the fork as made: lineage, forkedFrom, workspace; no message
+    source_thread_id: str
+    source_point: Mapping[str, Any]  # {type, runId, runOrdinal, checkpointId}
+    context: Mapping[str, Any] | None  # describe_handoff of the source's runs up to the point
+    native: Mapping[str, Any] | None  # {providerInstanceId, providerThreadId} of the source run
+    preparation: Mapping[str, Any] | None = None  # the fork's own worktree, made at first run
+
+
+@dataclass(frozen=True, slots=True)
+class MergeBack:
+    type: ClassVar[str] = "thread.merge_back"
+    command_id: str
+    thread_id: str  # the fork's parent (the command's thread)
+    source_thread_id: str  # the fork
+    delta: Mapping[str, Any]  # describe_handoff of the fork's runs (fork_delta_summary)
+    created_by: str
+
+
+def fork_transfer_id(fork_thread_id: str) -> str:
+    return bounded_id(f"context-transfer:fork:{fork_thread_id}")
+
+
+def view(state: ThreadState) -> _Draft:
+    """A read-only view of a thread's state with a draft's ``get``/``all``/``runs``."""
+    return _Draft(state, None, "")
+
+
+def _decide_fork(d: _Draft, c: ForkThread, **kw: Any) -> Mapping[str, Any]:
+    result = _decide_create_thread(d, c.create, **kw)
+    transfer = d.put(ContextTransfer(
+        id=fork_transfer_id(c.thread_id), thread_id=c.thread_id, type="fork",
+        source_thread_id=c.source_thread_id, target_thread_id=c.thread_id, status="pending",
+        created_by=c.create.created_by, created_at=d.now, updated_at=d.now, data={
+            "sourcePoint": c.source_point, "context": c.context, "native": c.native,
+            "preparation": c.preparation}))
+    return {**result, "sourceThreadId": c.source_thread_id, "sourcePoint": c.source_point,
+            "contextTransferId": transfer.id, "workspacePath": c.create.workspace,
+            "worktreePath": c.create.worktree_path, "branch": c.create.branch}
+
+
+def _fork_transfer(d: _Draft) -> ContextTransfer | None:
+    """The fork's pending transfer, until its first run started."""
+    transfer = d.get("context-transfer", fork_transfer_id(d.thread.id)) if d.thread else None
+    return transfer if transfer is not None and transfer.status == "pending" else None
+
+
+def _fork_preparation(d: _Draft) -> Mapping[str, Any] | None:
+    """The worktree a fork's first run makes (again, after a first run that failed to)."""
+    transfer = _fork_transfer(d)
+    if transfer is None or any(r.started_at for r in d.runs()):
+        return None
+    return (transfer.data or {}).get("preparation")
+
+
+def _take_fork(d: _Draft, run: Run, native: bool) -> str | None:
+    """At the fork's first run: consume its transfer; the portable context's handoff id."""
+    transfer = _fork_transfer(d)
+    if transfer is None:
+        return None
+    data = transfer.data or {}
+    handoff_id = _put_handoff(d, run, data["context"]) if data.get("context") and not native \
+        else None
+    d.put(replace(transfer, status="consumed", target_run_id=run.id, consumed_at=d.now,
+                  updated_at=d.now, data={**data, "resolution": {
+                      "strategy": "native_fork" if native else "portable_context",
+                      "contextHandoffId": handoff_id}}))
+    return handoff_id
+
+
+def _decide_merge_back(d: _Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
+    thread = d.thread
+    assert thread is not None
+    if thread.archived_at is not None:
+        raise CommandRejected("the thread is archived", code="thread_not_sendable")
+    superseded = [d.put(replace(t, status="superseded", updated_at=d.now)).id
+                  for t in d.all("context-transfer") if t.type == "merge_back"
+                  and t.status == "pending" and t.source_thread_id == c.source_thread_id]
+    transfer = d.put(ContextTransfer(
+        id=bounded_id(f"context-transfer:merge_back:{c.command_id}"), thread_id=thread.id,
+        type="merge_back", source_thread_id=c.source_thread_id, target_thread_id=thread.id,
+        status="pending", created_by=c.created_by, created_at=d.now, updated_at=d.now,
+        data={"delta": c.delta}))
+    return {"threadId": thread.id, "forkThreadId": c.source_thread_id,
+            "contextTransferId": transfer.id, "coveredRunOrdinals": c.delta["covered"],
+            "superseded": superseded}
+
+
+def _take_merge_backs(d: _Draft, run: Run) -> list[str]:
+    """At a thread's next run: its pending merge-backs as handoffs, oldest first; their ids."""
+    pending = sorted((t for t in d.all("context-transfer") if t.type == "merge_back"
+                      and t.status == "pending"), key=lambda t: t.created_at)
+    ids = []
+    for transfer in pending:
+        ids.append(_put_handoff(d, run, (transfer.data or {})["delta"],
+                                f":merge-back:{transfer.source_thread_id}"))
+        d.put(replace(transfer, status="consumed", target_run_id=run.id, consumed_at=d.now,
+                      updated_at=d.now))
+    return ids
+
+
+def merge_back_head(fork_id: str, target_id: str, covered: Sequence[Run]) -> list[str]:
+    """The merge-back summary's lines before the fork's items (6.13)."""
+    return ["Merge-back context from forked conversation.", f"Source thread: {fork_id}",
+            f"Target thread: {target_id}",
+            f"Covered fork runs: {covered[0].ordinal}-{covered[-1].ordinal}", "", "Fork delta:"]
+
+
+_HANDLERS[ForkThread] = _decide_fork
+_HANDLERS[MergeBack] = _decide_merge_back
 
 
 # =============================================================================================
@@ -4390,16 +4567,19 @@ class Orchestrator:
                 native_thread_ref=live.handle.native_thread_ref,
                 cwd=state.thread.workspace or os.getcwd() if state.thread else os.getcwd(),
                 resume_failed=created and resume_ref is not None
-                and live.handle.native_thread_ref != resume_ref))
+                and live.handle.native_thread_ref != resume_ref,
+                native_fork=created and bool(getattr(live.handle, "forked", False))))
         except CommandRejected:
             live.turn = None
             return
         await self._capture_baseline(state, run)
         state = await self.state(thread_id) or state
+        handoffs = state.entities["context-handoff"]
         try:
             await live.handle.start_turn(handoff_prompt(
-                message.text if message else "",
-                state.entities["context-handoff"].get(started.result.get("contextHandoffId"))))
+                message.text if message else "", handoffs.get(started.result.get(
+                    "contextHandoffId")), *(handoffs.get(h) for h in started.result.get(
+                        "mergeBackHandoffIds") or ())))
         except Exception as exc:
             live.turn = None
             await self.dispatch(FailRun(
@@ -4448,12 +4628,14 @@ class Orchestrator:
                                       provider_instance_id=run.provider_instance_id,
                                       provider_session_id=session_id) \
             if self._credentials and adapter.info.capabilities.supports_mcp else None
+        fork = await self._native_fork(state, run, adapter) if pthread is None else None
         try:
             handle = await adapter.open_session(
                 session_id=session_id, thread_id=thread.id, cwd=thread.workspace or os.getcwd(),
                 model=run.model_selection.get("model"), runtime_mode=thread.runtime_mode,
                 interaction_mode=thread.interaction_mode,
-                resume_ref=pthread.native_thread_ref if pthread else None, mcp=mcp)
+                resume_ref=pthread.native_thread_ref if pthread else None, mcp=mcp,
+                **({"fork": fork} if fork else {}))
         except BaseException:
             if self._credentials:
                 self._credentials.revoke(session_id)
@@ -4467,6 +4649,30 @@ class Orchestrator:
         self._live[thread.id] = live
         self._spawn(self._pump(live), f"pump {session_id}")
         return live
+
+    async def _native_fork(self, state: ThreadState, run: Run, adapter: ProviderAdapter
+                           ) -> dict[str, Any] | None:
+        """What a fork's first session opens as a native fork of ("Fork and merge-back"):
+        {ref: the source run's native conversation, dropTurns: its turns after that run}; None
+        when the driver cannot (another provider instance, no native conversation, no fork, or
+        turns to drop and no fork through an earlier turn). The driver falls back to a new
+        conversation when the fork itself fails (the run then gets the portable context)."""
+        transfer = _fork_transfer(view(state))
+        native = (transfer.data or {}).get("native") if transfer else None
+        caps = adapter.info.capabilities
+        if transfer is None or not native or not caps.supports_fork or \
+                native["providerInstanceId"] != run.provider_instance_id:
+            return None
+        source = await self.state(transfer.source_thread_id)
+        pthread = source.entities["provider-thread"].get(native["providerThreadId"]) \
+            if source else None
+        if source is None or pthread is None or not pthread.native_thread_ref:
+            return None
+        later = kept_turns(source, pthread.id, len(source.runs)) - kept_turns(
+            source, pthread.id, (transfer.data or {})["sourcePoint"]["runOrdinal"])
+        if later and not caps.supports_fork_from_turn:
+            return None
+        return {"ref": pthread.native_thread_ref, "dropTurns": later}
 
     # -- agent process slots (max_live_agent_processes) -----------------------------------------
 
@@ -4915,6 +5121,110 @@ class ThreadService:
             command_id=command_id, thread_id=thread_id, provider_instance_id=info.instance_id,
             model=model, runtime_mode=self.step_down(info, thread.runtime_mode, False,
                                                      thread.interaction_mode))
+
+    # -- fork and merge-back ("Fork and merge-back") --------------------------------------------
+
+    async def plan_fork(self, source_id: str, point: Mapping[str, Any], *, command_id: str,
+                        thread_id: str, title: str | None, created_by: str, creation_source: str,
+                        worktree: tuple[str, str, Sequence[str]]) -> ForkThread:
+        """``thread.fork`` of ``source_id`` at ``point`` ({type: latest_stable | run, runId |
+        checkpoint, checkpointId}): the point must be a completed run (or a ready checkpoint);
+        ``worktree`` (path, branch, setup commands) is used when the point has a ready
+        checkpoint. Refuses before anything is written."""
+        state = await self.thread(source_id)
+        source = state.thread
+        assert source is not None
+        run, checkpoint = self._fork_point(state, point)
+        covered = [r for r in state.runs if run and r.ordinal <= run.ordinal and r.started_at
+                   and r.status != RunStatus.ROLLED_BACK]
+        binding: dict[str, Any] = {"workspace": source.workspace or "", "branch": source.branch,
+                                   "worktree_path": source.worktree_path}
+        git, preparation = self.orch.workspaces, None
+        repo = await git.top_level(source.workspace) if git and source.workspace else None
+        if repo and checkpoint is not None and checkpoint.status == "ready" and checkpoint.commit:
+            path, branch, setup = worktree
+            binding = {"workspace": path, "branch": branch, "worktree_path": path}
+            preparation = {"repo": repo, "baseRef": checkpoint.commit, "fromOrigin": False,
+                           "setup": list(setup)}
+        source_point = {"type": point["type"], "runId": run.id if run else None,
+                        "runOrdinal": run.ordinal if run else 0,
+                        "checkpointId": checkpoint.id if checkpoint else None}
+        create = CreateThread(
+            command_id=command_id, thread_id=thread_id, project_id=source.project_id,
+            title=title or f"Fork of {source.title}"[:200],
+            provider_instance_id=source.provider_instance_id,
+            model=source.model_selection.get("model"), runtime_mode=source.runtime_mode,
+            interaction_mode=source.interaction_mode, created_by=created_by,
+            creation_source=creation_source, lineage={
+                "parentThreadId": source.id, "relationshipToParent": "fork",
+                "rootThreadId": source.lineage.get("rootThreadId") or source.id},
+            forked_from={"type": "run", "threadId": source.id, **source_point}, **binding)
+        return ForkThread(
+            command_id=command_id, thread_id=thread_id, create=create, source_thread_id=source.id,
+            source_point=source_point, preparation=preparation,
+            context=describe_handoff(view(state), "full_thread_summary", covered,
+                                     source.provider_instance_id, self.orch.providers)
+            if covered else None,
+            native={"providerInstanceId": run.provider_instance_id,
+                    "providerThreadId": run.provider_thread_id} if run else None)
+
+    @staticmethod
+    def _fork_point(state: ThreadState, point: Mapping[str, Any]
+                    ) -> tuple[Run | None, Checkpoint | None]:
+        """The source run (None: a baseline checkpoint) and its checkpoint a fork starts at."""
+        checkpoints = state.entities["checkpoint"]
+        checkpoint = checkpoints.get(point.get("checkpointId") or "")
+        named = {"checkpoint": "checkpointId", "run": "runId or ordinal"}.get(point["type"])
+        if named and not any(point.get(k) for k in ("checkpointId", "runId", "ordinal")):
+            raise T3Error(f"sourcePoint: a {point['type']} point needs {named}",
+                          code="invalid_request")
+        if point["type"] == "checkpoint":
+            if checkpoint is None or checkpoint.status != "ready":
+                raise T3Error(f"sourcePoint: checkpoint {point['checkpointId']} is "
+                              f"{checkpoint.status if checkpoint else 'not found'} in this "
+                              "thread", code="invalid_request")
+            run = state.run(checkpoint.run_id) if checkpoint.run_id else None
+        elif point["type"] == "run":  # {runId} or {ordinal}
+            run = state.run(point.get("runId") or "") or next(
+                (r for r in state.runs if r.ordinal == point.get("ordinal")), None)
+            if run is None:
+                raise T3Error(f"sourcePoint: run {point.get('runId') or point.get('ordinal')} "
+                              "was not found", code="run_not_found")
+        else:
+            run = next((r for r in reversed(state.runs) if r.status == RunStatus.COMPLETED),
+                       None)
+            if run is None:
+                raise T3Error("sourcePoint: the thread has no completed run to fork from",
+                              code="invalid_request")
+        if run is not None and run.status != RunStatus.COMPLETED:
+            raise T3Error(f"sourcePoint: run {run.ordinal} is {run.status}; a fork starts at a "
+                          "completed run", code="invalid_request")
+        if point["type"] != "checkpoint" and run is not None:
+            checkpoint = checkpoints.get(checkpoint_id(run.thread_id, run.ordinal))
+        return run, checkpoint
+
+    async def plan_merge_back(self, fork_id: str, target_id: str | None, *, command_id: str,
+                              created_by: str) -> MergeBack:
+        """``thread.merge_back`` of fork ``fork_id`` into its parent (``target_id``, which
+        must be that parent when given): the fork's completed runs as its delta."""
+        fork = await self.thread(fork_id)
+        assert fork.thread is not None
+        parent_id = fork.thread.lineage.get("parentThreadId")
+        if fork.thread.lineage.get("relationshipToParent") != "fork" or \
+                target_id not in (None, parent_id):
+            raise T3Error(f"thread {fork_id} is not a fork of "
+                          f"{target_id or 'another thread'}", code="invalid_request")
+        parent = (await self.thread(parent_id)).thread
+        assert parent is not None
+        covered = [r for r in fork.runs if r.status in (RunStatus.COMPLETED, RunStatus.WAITING)]
+        if not covered:
+            raise T3Error(f"fork {fork_id} has no completed run to merge back",
+                          code="invalid_request")
+        return MergeBack(
+            command_id=command_id, thread_id=parent.id, source_thread_id=fork_id,
+            created_by=created_by, delta=describe_handoff(
+                view(fork), "fork_delta_summary", covered, parent.provider_instance_id,
+                self.orch.providers, head=merge_back_head(fork_id, parent.id, covered)))
 
     # -- planning new threads: provider, model and modes ---------------------------------------
 

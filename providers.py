@@ -730,6 +730,7 @@ class AcpSession:
         self.agent_capabilities: Mapping[str, Any] = {}
         self.advertised_models: list[Mapping[str, Any]] = []  # session/new's availableModels
         self.mode_id: str | None = None  # the agent's own mode t3 selected, if one matched
+        self.forked = False  # opened by session/fork (orchestrator "Fork and merge-back")
         self._loading = False
         self._instructions: str | None = None  # sent with the first prompt, then None
         self._prompt_task: asyncio.Task[None] | None = None
@@ -747,7 +748,8 @@ class AcpSession:
     # -- opening -------------------------------------------------------------------------------
 
     async def open(self, *, cwd: str, model: str | None, interaction_mode: str,
-                   resume_ref: str | None, mcp: McpEndpoint | None) -> None:
+                   resume_ref: str | None, mcp: McpEndpoint | None,
+                   fork: Mapping[str, Any] | None = None) -> None:
         capabilities: dict[str, Any] = {"fs": {"readTextFile": False, "writeTextFile": False},
                                         "terminal": False}
         if self.CLIENT_META:
@@ -776,6 +778,8 @@ class AcpSession:
                             resume_ref, exc)
             finally:
                 self._loading = False
+        if fork and not fork["dropTurns"] and _acp_forks(self.agent_capabilities):
+            session = await self._fork(fork["ref"], cwd, servers)
         if self.native_thread_ref is None:
             session = await self.rpc.request("session/new", {"cwd": cwd, "mcpServers": servers},
                                              timeout=120)
@@ -788,6 +792,20 @@ class AcpSession:
         self.advertised_models = list(((session or {}).get("models") or {})
                                       .get("availableModels") or [])
         await self._apply_mode_and_model(session or {}, model, interaction_mode)
+
+    async def _fork(self, ref: str, cwd: str, servers: list[dict[str, Any]]
+                    ) -> Mapping[str, Any] | None:
+        """``session/fork`` of session ``ref`` (its whole conversation: ACP forks no earlier
+        turn); None when the agent refuses (a new session follows, with the portable context)."""
+        try:
+            session = await self.rpc.request("session/fork", {
+                "sessionId": ref, "cwd": cwd, "mcpServers": servers}, timeout=120)
+        except JsonRpcError as exc:
+            log.warning("session/fork of %s failed (%s); starting a new session", ref, exc)
+            return None
+        self.native_thread_ref = (session or {}).get("sessionId")
+        self.forked = bool(self.native_thread_ref)
+        return session
 
     async def _apply_mode_and_model(self, session: Mapping[str, Any], model: str | None,
                                     interaction_mode: str) -> None:
@@ -946,12 +964,18 @@ def _tool_output(update: Mapping[str, Any]) -> str | None:
     return raw if isinstance(raw, str) else json.dumps(raw)
 
 
+def _acp_forks(advertised: Mapping[str, Any]) -> bool:
+    """Whether an agent's ``initialize`` advertises ``session/fork`` (sessionCapabilities)."""
+    return isinstance((advertised.get("sessionCapabilities") or {}).get("fork"), Mapping)
+
+
 class AcpAdapter(_Adapter):
     """Any ACP agent started by command."""
 
+    # supports_resume / supports_fork: where the agent's ``initialize`` advertises them
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True)
+                                supports_resume=True, supports_mcp=True, supports_fork=True)
     SESSION: type[AcpSession] = AcpSession
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
@@ -982,11 +1006,13 @@ class AcpAdapter(_Adapter):
         advertised = session.agent_capabilities
         return models, replace(
             self.CAPABILITIES, supports_resume=bool(advertised.get("loadSession")),
-            supports_mcp=bool((advertised.get("mcpCapabilities") or {}).get("http")))
+            supports_mcp=bool((advertised.get("mcpCapabilities") or {}).get("http")),
+            supports_fork=_acp_forks(advertised))
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
-                           mcp: McpEndpoint | None) -> AcpSession:
+                           mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None
+                           ) -> AcpSession:
         self._check_available()
         env = self._env(thread_id)
         process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
@@ -994,7 +1020,7 @@ class AcpAdapter(_Adapter):
         session = self.SESSION(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
             await session.open(cwd=cwd, model=model, interaction_mode=interaction_mode,
-                               resume_ref=resume_ref, mcp=mcp)
+                               resume_ref=resume_ref, mcp=mcp, fork=fork)
         except BaseException:
             await session.close(grace=1.0)
             raise
@@ -1175,12 +1201,13 @@ class AcpRegistryAdapter(AcpAdapter):
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
-                           mcp: McpEndpoint | None) -> AcpSession:
+                           mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None
+                           ) -> AcpSession:
         await self.prepare()
         return await super().open_session(
             session_id=session_id, thread_id=thread_id, cwd=cwd, model=model,
             runtime_mode=runtime_mode, interaction_mode=interaction_mode, resume_ref=resume_ref,
-            mcp=mcp)
+            mcp=mcp, fork=fork)
 
     async def _install(self) -> RegistryAgent:
         """Read the catalog, prepare the distribution, and set the command the sessions run."""
@@ -1561,6 +1588,7 @@ class GrokAdapter(AcpAdapter):
     """``grok agent stdio``: ACP with xAI's question extension."""
 
     SESSION = GrokSession
+    CAPABILITIES = replace(AcpAdapter.CAPABILITIES, supports_fork=False)  # portable context
 
 
 # =============================================================================================
@@ -1829,6 +1857,7 @@ class CodexSession:
         self.native_thread_ref: str | None = None
         self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
         self.exit_reason: str | None = None
+        self.forked = False  # opened by thread/fork (orchestrator "Fork and merge-back")
         self._turn_id: str | None = None
         self._ended_turns: set[str] = set()
         self._last_error: str | None = None
@@ -1845,7 +1874,7 @@ class CodexSession:
     # -- opening -------------------------------------------------------------------------------
 
     async def open(self, *, cwd: str, model: str | None, resume_ref: str | None,
-                   mcp: McpEndpoint | None) -> None:
+                   mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None) -> None:
         await self.rpc.request("initialize", {
             "clientInfo": {"name": "t3", "title": "t3", "version": "0.1.0"},
             "capabilities": {"experimentalApi": True}}, timeout=60)
@@ -1856,7 +1885,7 @@ class CodexSession:
             params["model"] = model
         if mcp is not None:
             params["config"] = {"mcp_servers": _codex_mcp_servers(mcp)}
-        result: Mapping[str, Any] | None = None
+        result = await self._fork(fork, params) if fork else None
         if resume_ref:
             try:
                 # excludeTurns: t3 keeps its own history; codex still gives the model all of it
@@ -1874,6 +1903,30 @@ class CodexSession:
         self.native_thread_ref = ((result or {}).get("thread") or {}).get("id")
         if not self.native_thread_ref:
             raise JsonRpcError(-32603, "codex returned no thread id")
+
+    async def _fork(self, fork: Mapping[str, Any], params: Mapping[str, Any]
+                    ) -> Mapping[str, Any] | None:
+        """``thread/fork`` of codex thread ``fork["ref"]`` through the turn before its last
+        ``dropTurns`` ones (``lastTurnId``, from ``thread/read``'s turns: codex forks from an
+        earlier turn this way); None when codex refuses (a new thread follows, with the
+        portable context)."""
+        try:
+            last = None
+            if fork["dropTurns"]:
+                read = await self.rpc.request("thread/read", {
+                    "threadId": fork["ref"], "includeTurns": True}, timeout=60)
+                turns = ((read or {}).get("thread") or {}).get("turns") or []
+                if len(turns) <= fork["dropTurns"]:
+                    raise JsonRpcError(-32603, f"the thread has {len(turns)} turns")
+                last = turns[-1 - fork["dropTurns"]]["id"]
+            result = await self.rpc.request("thread/fork", {
+                "threadId": fork["ref"], "excludeTurns": True, **params,
+                **({"lastTurnId": last} if last else {})}, timeout=120)
+        except JsonRpcError as exc:
+            log.warning("thread/fork of %s failed (%s); starting a new thread", fork["ref"], exc)
+            return None
+        self.forked = True
+        return result
 
     # -- turns -----------------------------------------------------------------------------------
 
@@ -2066,8 +2119,8 @@ class CodexAdapter(_Adapter):
 
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True,
-                                supports_rollback=True)
+                                supports_resume=True, supports_mcp=True, supports_fork=True,
+                                supports_fork_from_turn=True, supports_rollback=True)
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
         with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
@@ -2105,14 +2158,15 @@ class CodexAdapter(_Adapter):
 
     async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
                            runtime_mode: str, interaction_mode: str, resume_ref: str | None,
-                           mcp: McpEndpoint | None) -> CodexSession:
+                           mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None
+                           ) -> CodexSession:
         self._check_available()
         env = self._env(thread_id)
         process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
                                        env=env)
         session = CodexSession(adapter=self, process=process, runtime_mode=runtime_mode)
         try:
-            await session.open(cwd=cwd, model=model, resume_ref=resume_ref, mcp=mcp)
+            await session.open(cwd=cwd, model=model, resume_ref=resume_ref, mcp=mcp, fork=fork)
         except BaseException:
             await session.close(grace=1.0)
             raise

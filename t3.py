@@ -1051,6 +1051,7 @@ class ClientApi:
         self.scope = Scope(kind="client", key="client")
         self._methods: dict[str, Callable[[Mapping[str, Any]], Awaitable[Any]]] = {
             "dispatchCommand": self.dispatch_command, "launchThread": self.launch_thread,
+            "forkThread": self.fork_thread, "mergeBack": self.merge_back,
             "sendToThread": self.send_to_thread, "waitForThread": self.wait_for_thread,
             "interruptThread": self.interrupt_thread, "listThreads": self.list_threads,
             "rollbackThread": self.rollback_thread,
@@ -1167,6 +1168,37 @@ class ClientApi:
         sequence, projection = self._projection(launched["threadId"])
         return {"threadId": launched["threadId"], "runId": launched["runId"],
                 "resumed": existed, "snapshotSequence": sequence, "projection": projection}
+
+    async def fork_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``thread.fork`` (orchestrator "Fork and merge-back"): a new thread with the source's
+        context up to ``sourcePoint``, in a worktree of its own at that point's checkpoint when
+        there is a ready one."""
+        import orchestrator as orch
+        from tools import new_worktree, validate
+        args = validate(_WS_FORK, dict(params))
+        ids = (self._source(args), "client", "fork", args["commandId"])
+        thread_id = self.toolkit._id("thread", *ids)
+        source = (await self.threads.thread(args["sourceThreadId"])).thread
+        git = self.orch.workspaces
+        path, branch = new_worktree(git, thread_id) if git else ("", "")
+        command = await self.threads.plan_fork(
+            args["sourceThreadId"], args.get("sourcePoint") or {"type": "latest_stable"},
+            command_id=self.toolkit._id("command", *ids), thread_id=thread_id,
+            title=args.get("title"), created_by=orch.Actor.USER,
+            creation_source=self._source(args), worktree=(
+                path, branch, self.toolkit.ctx.project(source.project_id).setup))
+        return {**(await self.orch.dispatch(command)).result, "threadId": thread_id}
+
+    async def merge_back(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``thread.merge_back``: the fork's delta goes to its parent with its next message."""
+        import orchestrator as orch
+        from tools import validate
+        args = validate(_WS_MERGE_BACK, dict(params))
+        command = await self.threads.plan_merge_back(
+            args["sourceThreadId"], args.get("targetThreadId"), created_by=orch.Actor.USER,
+            command_id=self.toolkit._id("command", self._source(args), "client", "merge-back",
+                                        args["commandId"]))
+        return dict((await self.orch.dispatch(command)).result)
 
     async def _as_person(self, tool: str, params: Mapping[str, Any],
                          handler: Callable[..., Awaitable[Any]]) -> Any:
@@ -1658,6 +1690,22 @@ _WS_INTERRUPT = {"type": "object", "additionalProperties": False, "required": ["
                  "properties": {"threadId": _WIRE_REF, "runId": _WIRE_REF,
                                 "reason": {"type": "string", "maxLength": 2000},
                                 "clientRequestId": _WIRE_ID}}
+_WS_FORK = {"type": "object", "additionalProperties": False,
+            "required": ["commandId", "sourceThreadId"], "properties": {
+                "commandId": _WIRE_ID, "sourceThreadId": _WIRE_REF,
+                "title": {"type": "string", "maxLength": 512},
+                "creationSource": {"type": "string"},
+                "sourcePoint": {"type": "object", "additionalProperties": False,
+                                "required": ["type"], "properties": {
+                                    "type": {"type": "string", "enum": [
+                                        "latest_stable", "run", "checkpoint"]},
+                                    "runId": _WIRE_REF, "ordinal": {"type": "integer",
+                                                                    "minimum": 1},
+                                    "checkpointId": _WIRE_REF}}}}
+_WS_MERGE_BACK = {"type": "object", "additionalProperties": False,
+                  "required": ["commandId", "sourceThreadId"], "properties": {
+                      "commandId": _WIRE_ID, "sourceThreadId": _WIRE_REF,
+                      "targetThreadId": _WIRE_REF, "creationSource": {"type": "string"}}}
 _WS_ROLLBACK = {"type": "object", "additionalProperties": False, "required": ["threadId"],
                 "properties": {"threadId": _WIRE_REF, "runOrdinal": {"type": "integer",
                                "minimum": 0}, "checkpointId": _WIRE_REF,
@@ -2401,7 +2449,8 @@ async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
             + (f"  [PR {pr['repository']}#{pr['number']}]" if (pr := t["linkedPullRequest"])
                else "") + ("  [snoozed]" if t["snoozed"] else "")
             + (f"  [{t['pendingRequestCount']} pending]" if t["pendingRequestCount"] else "")
-            + (f"  (task of {t['parentThreadId']})" if t["parentThreadId"] else "")
+            + (f"  ({'fork' if t['relationshipToParent'] == 'fork' else 'task'} of "
+               f"{t['parentThreadId']})" if t["parentThreadId"] else "")
             for t in listed["threads"]]
     if listed["total"] > len(rows):
         rows.append(f"({listed['total'] - len(rows)} more; --limit shows up to 100)")
@@ -3098,6 +3147,35 @@ async def _cmd_rollback(client: WsClient, args: argparse.Namespace) -> int:
 
 
 # =============================================================================================
+# Commands for people: fork a thread and merge a fork back, over /ws forkThread and mergeBack.
+
+
+async def _cmd_fork(client: WsClient, args: argparse.Namespace) -> int:
+    thread_id = await _thread_ref(client, args.thread)
+    point = {"type": "run", "ordinal": args.run} if args.run is not None else \
+        {"type": "checkpoint", "checkpointId": args.checkpoint} if args.checkpoint else \
+        {"type": "latest_stable"}
+    done = await client.request("forkThread", _given(
+        commandId=uuid.uuid4().hex[:12], sourceThreadId=thread_id, sourcePoint=point,
+        title=args.title, creationSource="cli"))
+    where = f" in worktree {done['worktreePath']} on {done['branch']}" \
+        if done.get("worktreePath") and done["worktreePath"] == done.get("workspacePath") else ""
+    _out(args, done, f"forked {thread_id} at run {done['sourcePoint']['runOrdinal']} into "
+         f"{done['threadId']}{where}")
+    return 0
+
+
+async def _cmd_merge_back(client: WsClient, args: argparse.Namespace) -> int:
+    fork_id = await _thread_ref(client, args.fork)
+    done = await client.request("mergeBack", {
+        "commandId": uuid.uuid4().hex[:12], "sourceThreadId": fork_id, "creationSource": "cli"})
+    covered = done["coveredRunOrdinals"]
+    _out(args, done, f"merge-back of {fork_id} (runs {covered['from']}-{covered['to']}) goes to "
+         f"{done['threadId']} with its next message")
+    return 0
+
+
+# =============================================================================================
 # Commands for people: what a thread's runs changed in its workspace (diff), over /ws
 # getTurnDiff and getFullThreadDiff.
 
@@ -3128,6 +3206,7 @@ _COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] =
     "requests": _cmd_requests, "switch": _cmd_switch, "rollback": _cmd_rollback,
     "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
     "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, "diff": _cmd_diff,
+    "fork": _cmd_fork, "merge-back": _cmd_merge_back,
     **_THREAD_COMMANDS}
 
 
@@ -3234,6 +3313,23 @@ def _cli_parsers(sub: Any) -> None:
                    "(--run). Outside a git repository there are no checkpoints (exit 1).")
     diff.add_argument("thread", metavar="THREAD")
     diff.add_argument("--run", type=int, metavar="N", help="only run N (its ordinal, from 1)")
+    _fork_parsers(command)
+
+
+def _fork_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
+    fork = command("fork", "a new thread that continues from a point of this one",
+                   "Fork THREAD: a new thread with its conversation up to its latest completed "
+                   "run (or run N, or checkpoint ID), natively where the provider can, else as "
+                   "a context handoff; in git, in a new worktree at that point's checkpoint.")
+    fork.add_argument("thread", metavar="THREAD")
+    point = fork.add_mutually_exclusive_group()
+    point.add_argument("--run", type=int, metavar="N", help="fork at run N (its ordinal)")
+    point.add_argument("--checkpoint", metavar="ID", help="fork at this checkpoint")
+    fork.add_argument("--title", metavar="T", help="the fork's title (default: Fork of ...)")
+    merge = command("merge-back", "hand a fork's work back to the thread it was forked from",
+                    "Merge FORK back: its runs' conversation goes to the thread it was forked "
+                    "from, as a context handoff with that thread's next message.")
+    merge.add_argument("fork", metavar="FORK")
 
 
 def _new_parser(new: argparse.ArgumentParser, RuntimeMode: Any,  # noqa: N803 - the enums

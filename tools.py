@@ -318,7 +318,10 @@ _RUN_SUMMARY = _shape({
 _TRANSFER = _shape({
     "id": STRING, "type": STRING, "sourceThreadId": STRING, "targetThreadId": STRING,
     "status": STRING, "createdBy": STRING, "createdAt": STRING, "updatedAt": STRING,
-    "targetRunId": OPT_STRING, "summary": OPT_STRING, "consumedAt": OPT_STRING})
+    "targetRunId": OPT_STRING, "summary": OPT_STRING, "consumedAt": OPT_STRING,
+    # a fork's: where it starts and how its first run got the context (native_fork or not)
+    "sourcePoint": {"type": "object"}, "resolution": {"type": "object"}},
+    ["sourcePoint", "resolution"])
 _TIMELINE_ITEM = _shape({
     "position": INTEGER, "visibility": _enum(["local"]), "sourceThreadId": STRING,
     "itemId": STRING, "runId": OPT_STRING, "messageId": OPT_STRING, "role": OPT_STRING,
@@ -1078,8 +1081,8 @@ class Toolkit:
             raise ToolFailure("invalid_request", "message: a worktree launch needs the first "
                               "message (the agent starts once its worktree is ready)")
         repo = await git.top_level(project.path)
-        branch = strategy.get("branch") or \
-            f"t3/{hashlib.sha256(thread_id.encode()).hexdigest()[:12]}"
+        path, branch = new_worktree(git, thread_id)
+        branch = strategy.get("branch") or branch
         from_origin = bool(strategy.get("startFromOrigin"))
         problem = f"project {project.id} ({project.path}) is not a git repository" \
             if repo is None else None
@@ -1088,7 +1091,6 @@ class Toolkit:
                                                  branch=branch, from_origin=from_origin)
         if problem:
             raise ToolFailure("invalid_request", f"workspaceStrategy: {problem}")
-        path = str(git.worktrees_dir / _folder_name(thread_id))
         return path, {"branch": branch, "worktree_path": path, "preparation": {
             "repo": repo, "baseRef": strategy["baseRef"], "fromOrigin": from_origin,
             "setup": list(project.setup)}}
@@ -1190,7 +1192,9 @@ class Toolkit:
         if parent is not None and state.thread is not None:
             own += [t for t in parent.entities["context-transfer"].values()
                     if state.thread.id in (t.source_thread_id, t.target_thread_id)]
-        return [{k: v for k, v in t.to_json().items() if k != "threadId"}
+        return [{**{k: v for k, v in t.to_json().items() if k not in ("threadId", "data")},
+                 **{k: v for k, v in (t.data or {}).items() if k in ("sourcePoint",
+                                                                     "resolution")}}
                 for t in sorted(own, key=lambda t: (t.created_at, t.id))]
 
     def _detail(self, state: ThreadState) -> dict[str, Any]:
@@ -1547,15 +1551,23 @@ class Toolkit:
         return len(await self._ancestors(thread))
 
     async def _ancestors(self, thread: orch.AppThread) -> list[str]:
-        """The thread's parent, grandparent, ... through delegation lineage."""
+        """The thread's parent, grandparent, ... through delegation lineage (a fork is a
+        thread of its own: its source gains no say over it)."""
         found: list[str] = []
-        parent_id = thread.lineage.get("parentThreadId")
-        while parent_id and parent_id != thread.id and parent_id not in found:
+        lineage = thread.lineage
+        while (parent_id := lineage.get("parentThreadId")) and parent_id != thread.id and \
+                parent_id not in found and lineage.get("relationshipToParent") == "subagent":
             found.append(parent_id)  # (lineage cannot loop; the checks make sure)
             parent = await self.orch.state(parent_id)
-            parent_id = parent.thread.lineage.get("parentThreadId") \
-                if parent is not None and parent.thread is not None else None
+            lineage = parent.thread.lineage if parent is not None and parent.thread else {}
         return found
+
+
+def new_worktree(git: Any, thread_id: str) -> tuple[str, str]:
+    """The path and default branch of a thread's own new worktree: from its id, so that a
+    retried launch (or fork) asks for the same one."""
+    return (str(git.worktrees_dir / _folder_name(thread_id)),
+            f"t3/{hashlib.sha256(thread_id.encode()).hexdigest()[:12]}")
 
 
 def _folder_name(thread_id: str) -> str:

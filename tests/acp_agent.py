@@ -69,7 +69,9 @@ Env SCRIPTED_AGENT_AUTH=mcp-only refuses a session/new without MCP servers with 
 auth_required (-32000 "Authentication required"): what a logged-out agent says to t3's probe,
 while t3's own sessions (which carry its MCP server) still open.
 Options: --state-dir DIR (default $SCRIPTED_AGENT_STATE, else /tmp/scripted-acp-agent) holds one
-history file per session for session/load; --no-load hides loadSession and refuses session/load.
+history file per session for session/load; --no-load hides loadSession and refuses session/load;
+--fork advertises sessionCapabilities.fork and answers session/fork {sessionId, cwd, mcpServers}
+with a new session that has a copy of that session's history.
 Env SCRIPTED_AGENT_LOG=FILE appends one JSON line per message received/sent, {"pid", "dir":
 "in"|"out", "msg"} (raw, header values included), and one per MCP tool call when it ends (immediate,
 cancelled or delayed): {"pid", "dir": "mcp", "sessionId", "tool", "arguments", "httpStatus" (int or
@@ -191,8 +193,8 @@ class Turn:
 
 
 class Agent:
-    def __init__(self, state_dir, load_enabled):
-        self.state_dir, self.load_enabled = state_dir, load_enabled
+    def __init__(self, state_dir, load_enabled, fork_enabled=False):
+        self.state_dir, self.load_enabled, self.fork_enabled = state_dir, load_enabled, fork_enabled
         self.out = sys.stdout.buffer
         sys.stdout = sys.stderr  # a stray print() must never corrupt the protocol stream
         path = os.environ.get("SCRIPTED_AGENT_LOG")
@@ -284,6 +286,7 @@ class Agent:
     async def handle(self, rid, method, params, ticket):
         handlers = {"initialize": self.initialize, "session/new": self.new_session,
                     "session/load": self.load_session, "session/set_mode": self.set_option,
+                    **({"session/fork": self.fork_session} if self.fork_enabled else {}),
                     "session/set_model": self.set_option}
         try:
             if method == "session/prompt":
@@ -333,7 +336,8 @@ class Agent:
         return {"protocolVersion": 1, "agentCapabilities": {
                     "loadSession": self.load_enabled,
                     "promptCapabilities": {"image": False, "embeddedContext": False},
-                    "mcpCapabilities": {"http": True, "sse": False}},
+                    "mcpCapabilities": {"http": True, "sse": False},
+                    **({"sessionCapabilities": {"fork": {}}} if self.fork_enabled else {})},
                 "authMethods": [], "agentInfo": {"name": "scripted-acp-agent", "version": "1.0"}}
 
     async def new_session(self, params):
@@ -361,6 +365,19 @@ class Agent:
         for m in data["messages"]:
             turn.chunk(m["text"], "user_message_chunk" if m["role"] == "user" else "agent_message_chunk")
         return {"modes": MODES, "models": MODELS}
+
+    async def fork_session(self, params):
+        path = self.history_path(params.get("sessionId"))
+        if path is None or not os.path.exists(path):
+            raise RpcError(-32602, f"Unknown session {params.get('sessionId')}")
+        with open(path) as f:
+            messages = json.load(f)["messages"]
+        sid = str(uuid.uuid4())
+        self.sessions[sid] = Session(params.get("cwd", ""), params.get("mcpServers") or [])
+        self.save(sid)
+        for m in messages:
+            self.save(sid, m["role"], m["text"])
+        return {"sessionId": sid, "modes": MODES, "models": MODELS}
 
     async def set_option(self, params):
         self.session(params)
@@ -705,11 +722,12 @@ def main():
     p.add_argument("--state-dir", default=os.environ.get("SCRIPTED_AGENT_STATE")
                    or os.path.join(tempfile.gettempdir(), "scripted-acp-agent"))
     p.add_argument("--no-load", action="store_true", help="do not support session/load")
+    p.add_argument("--fork", action="store_true", help="support session/fork")
     args, unknown = p.parse_known_args()
     if unknown:
         log("ignoring arguments", unknown)
     os.makedirs(args.state_dir, exist_ok=True)
-    asyncio.run(Agent(args.state_dir, not args.no_load).run())
+    asyncio.run(Agent(args.state_dir, not args.no_load, args.fork).run())
 
 
 if __name__ == "__main__":

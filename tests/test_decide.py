@@ -755,6 +755,8 @@ def test_fingerprint_ignores_the_command_id_but_not_the_payload() -> None:
                 "model": "m2", "runtime_mode": "auto", "interaction_mode": "plan",
                 "workspace": "/elsewhere", "branch": "main", "worktree_path": "/wt",
                 "preparation": {"repo": "/r", "baseRef": "main", "setup": []},
+                "lineage": {"parentThreadId": "t0", "relationshipToParent": "fork"},
+                "forked_from": {"type": "run", "threadId": "t0", "runId": "r1"},
                 "initial_message": o.InitialMessage(message_id="msg-1", text="bye"),
                 "reason": "r2", "resumable_run_ids": frozenset({"x"})}
     for command in (dispatch, create, recover):
