@@ -1088,18 +1088,27 @@ class ClientApi:
             raise WsFailure("invalid_request", "creationSource: must be web or cli")
         return str(source)
 
+    @staticmethod
+    def _checked(schema: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+        from tools import validate
+        return validate(schema, dict(params))  # type: ignore[no-any-return]
+
+    def _command_id(self, args: Mapping[str, Any], what: str) -> str:
+        """A thread method's command id: its clientRequestId (else a fresh one) in its own space."""
+        key = args.get("clientRequestId") or uuid.uuid4().hex
+        return self.toolkit._id("command", "ws", "client", what, args["threadId"], key)
+
     # -- commands and the thread service ---------------------------------------------------------
 
     async def dispatch_command(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Any client command (``orchestrator.CLIENT_COMMANDS``) in its wire form."""
         import orchestrator as orch
-        from tools import validate
         kind = params.get("type")
         if kind not in orch.CLIENT_COMMANDS:
             raise WsFailure("invalid_request", f"type: must be one of "
                             f"{', '.join(orch.CLIENT_COMMANDS)} (the server's own commands, such "
                             "as provider ingest, are not sent by clients)")
-        args = validate(_WIRE_COMMANDS[kind], dict(params))
+        args = self._checked(_WIRE_COMMANDS[kind], params)
         made = {"created_by": orch.Actor.USER, "creation_source": self._source(args)}
         try:
             command = await _build_command(self, args, made)
@@ -1111,8 +1120,7 @@ class ClientApi:
 
     async def send_to_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
         import orchestrator as orch
-        from tools import validate
-        args = validate(_WS_SEND, dict(params))
+        args = self._checked(_WS_SEND, params)
         key = args.get("clientRequestId") or uuid.uuid4().hex
         ids = ("ws", "client", "thread-send", args["threadId"], key)
         return await self.threads.send(
@@ -1122,36 +1130,30 @@ class ClientApi:
             creation_source=self._source(args), target=args.get("target"))
 
     async def wait_for_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        from tools import DEFAULT_WAIT_MS, validate
-        args = validate(_WS_WAIT, dict(params))
+        from tools import DEFAULT_WAIT_MS
+        args = self._checked(_WS_WAIT, params)
         return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
                                        timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000)
 
     async def interrupt_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        from tools import validate
-        args = validate(_WS_INTERRUPT, dict(params))
-        key = args.get("clientRequestId") or uuid.uuid4().hex
+        args = self._checked(_WS_INTERRUPT, params)
         return await self.threads.interrupt(
             args["threadId"], run_id=args.get("runId"), reason=args.get("reason"),
-            command_id=self.toolkit._id("command", "ws", "client", "thread-interrupt",
-                                        args["threadId"], key))
+            command_id=self._command_id(args, "thread-interrupt"))
 
     async def rollback_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """``checkpoint.rollback`` to run ``runOrdinal``'s checkpoint (0: the baseline) or to
         ``checkpointId``, answered once the files are restored (ThreadService.rollback)."""
-        from tools import validate
-        args = validate(_WS_ROLLBACK, dict(params))
+        args = self._checked(_WS_ROLLBACK, params)
         if ("runOrdinal" in args) == ("checkpointId" in args):
             raise WsFailure("invalid_request", "rollbackThread: give runOrdinal or checkpointId")
-        key = args.get("clientRequestId") or uuid.uuid4().hex
         return await self.threads.rollback(
-            args["threadId"], ordinal=args.get("runOrdinal"), checkpoint=args.get(
-                "checkpointId"), command_id=self.toolkit._id(
-                "command", "ws", "client", "thread-rollback", args["threadId"], key))
+            args["threadId"], ordinal=args.get("runOrdinal"),
+            checkpoint=args.get("checkpointId"), command_id=self._command_id(
+                args, "thread-rollback"))
 
     async def launch_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        from tools import validate
-        args = validate(_WS_LAUNCH, dict(params))
+        args = self._checked(_WS_LAUNCH, params)
         selection = args.get("modelSelection") or {}
         tool_args = {k: v for k, v in {
             "projectId": args.get("projectId"), "title": args.get("title"),
@@ -1174,8 +1176,8 @@ class ClientApi:
         context up to ``sourcePoint``, in a worktree of its own at that point's checkpoint when
         there is a ready one."""
         import orchestrator as orch
-        from tools import new_worktree, validate
-        args = validate(_WS_FORK, dict(params))
+        from tools import new_worktree
+        args = self._checked(_WS_FORK, params)
         ids = (self._source(args), "client", "fork", args["commandId"])
         thread_id = self.toolkit._id("thread", *ids)
         source = (await self.threads.thread(args["sourceThreadId"])).thread
@@ -1192,8 +1194,7 @@ class ClientApi:
     async def merge_back(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """``thread.merge_back``: the fork's delta goes to its parent with its next message."""
         import orchestrator as orch
-        from tools import validate
-        args = validate(_WS_MERGE_BACK, dict(params))
+        args = self._checked(_WS_MERGE_BACK, params)
         command = await self.threads.plan_merge_back(
             args["sourceThreadId"], args.get("targetThreadId"), created_by=orch.Actor.USER,
             command_id=self.toolkit._id("command", self._source(args), "client", "merge-back",
@@ -1529,38 +1530,40 @@ def _denial(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]
 # against its schema (tools.validate: invalid_request naming the field) and then built.
 
 
+def _obj(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "required": list(required),
+            "properties": dict(properties)}
+
+
 def _wire(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
-    return {"type": "object", "additionalProperties": False, "required": [
-        "type", "commandId", *required], "properties": {
-        "type": {"type": "string"}, "commandId": _WIRE_ID,
-        "creationSource": {"type": "string", "enum": ["web", "cli"]}, **properties}}
+    return _obj({"type": {"type": "string"}, "commandId": _WIRE_ID,
+                 "creationSource": {"type": "string", "enum": ["web", "cli"]}, **properties},
+                ["type", "commandId", *required])
 
 
 _WIRE_ID = {"type": "string", "minLength": 1, "maxLength": 256}
 _WIRE_REF = {"type": "string", "minLength": 1, "maxLength": 512}
 _WIRE_TEXT = {"type": "string", "minLength": 1, "maxLength": 120_000}
-_WIRE_SELECTION = {"type": "object", "additionalProperties": False,
-                   "properties": {"instanceId": _WIRE_REF, "model": _WIRE_REF}}
+_WIRE_TITLE = {"type": "string", "maxLength": 512}
+_WIRE_REASON = {"type": "string", "maxLength": 2000}
+_WIRE_SOURCE = {"type": "string"}  # checked by ClientApi._source
+_WIRE_SELECTION = _obj({"instanceId": _WIRE_REF, "model": _WIRE_REF})
 _WIRE_MODES = {"runtimeMode": {"type": "string", "enum": [
     "inherit", "approval-required", "auto-accept-edits", "auto", "full-access"]},
     "interactionMode": {"type": "string", "enum": ["inherit", "plan", "default"]}}
 _WIRE_WAKE = {"type": "string", "enum": ["always", "settled_only"]}
+_WIRE_INITIAL = _obj({"messageId": _WIRE_ID, "text": _WIRE_TEXT}, ["text"])
 _WIRE_COMMANDS = {
     "thread.create": _wire({
         "threadId": _WIRE_ID, "projectId": _WIRE_REF,
-        "title": {"type": "string", "maxLength": 512}, "modelSelection": _WIRE_SELECTION,
-        **_WIRE_MODES, "initialMessage": {"type": "object", "additionalProperties": False,
-                                          "required": ["text"], "properties": {
-                                              "messageId": _WIRE_ID, "text": _WIRE_TEXT}}}),
+        "title": _WIRE_TITLE, "modelSelection": _WIRE_SELECTION, **_WIRE_MODES,
+        "initialMessage": _WIRE_INITIAL}),
     "message.dispatch": _wire({
         "threadId": _WIRE_REF, "messageId": _WIRE_ID, "text": _WIRE_TEXT,
-        "dispatchMode": {"type": "object", "additionalProperties": False, "required": ["type"],
-                         "properties": {"type": {"type": "string", "enum": [
-                             "start_immediately", "queue_after_active", "steer_active",
-                             "restart_active"]}, "targetRunId": _WIRE_REF}}},
-        ["threadId", "text"]),
-    "run.interrupt": _wire({"threadId": _WIRE_REF, "runId": _WIRE_REF,
-                            "reason": {"type": "string", "maxLength": 2000}},
+        "dispatchMode": _obj({"type": {"type": "string", "enum": [
+            "start_immediately", "queue_after_active", "steer_active", "restart_active"]},
+            "targetRunId": _WIRE_REF}, ["type"])}, ["threadId", "text"]),
+    "run.interrupt": _wire({"threadId": _WIRE_REF, "runId": _WIRE_REF, "reason": _WIRE_REASON},
                            ["threadId", "runId"]),
     "runtime-request.respond": _wire({
         "threadId": _WIRE_REF, "requestId": _WIRE_REF,
@@ -1571,16 +1574,14 @@ _WIRE_COMMANDS = {
                                ["threadId", "runId"]),
     "delegated_task.request": _wire({
         "parentThreadId": _WIRE_REF, "parentRunId": _WIRE_REF, "task": _WIRE_TEXT,
-        "title": {"type": "string", "maxLength": 512}, "modelSelection": _WIRE_SELECTION,
+        "title": _WIRE_TITLE, "modelSelection": _WIRE_SELECTION,
         **_WIRE_MODES, "completionWake": _WIRE_WAKE}, ["parentThreadId", "parentRunId", "task"]),
     "delegated_task.wake-policy": _wire({"parentThreadId": _WIRE_REF, "taskId": _WIRE_REF,
                                          "completionWake": _WIRE_WAKE},
                                         ["parentThreadId", "taskId", "completionWake"]),
     "delegated_task.cancel": _wire({"parentThreadId": _WIRE_REF, "taskId": _WIRE_REF,
-                                    "reason": {"type": "string", "maxLength": 2000}},
-                                   ["parentThreadId", "taskId"]),
-    "thread.stop": _wire({"threadId": _WIRE_REF, "reason": {"type": "string",
-                                                            "maxLength": 2000}}, ["threadId"]),
+                                    "reason": _WIRE_REASON}, ["parentThreadId", "taskId"]),
+    "thread.stop": _wire({"threadId": _WIRE_REF, "reason": _WIRE_REASON}, ["threadId"]),
     "thread.resume": _wire({"threadId": _WIRE_REF}, ["threadId"]),
     "provider.switch": _wire({"threadId": _WIRE_REF, "modelSelection": _WIRE_SELECTION},
                              ["threadId", "modelSelection"]),
@@ -1676,50 +1677,33 @@ def _wire_modes(a: Mapping[str, Any]) -> dict[str, Any]:
             "interactionMode": a.get("interactionMode", "inherit")}
 
 
-_WS_SEND = {"type": "object", "additionalProperties": False, "required": ["threadId", "message"],
-            "properties": {"threadId": _WIRE_REF, "message": _WIRE_TEXT, "mode": {
-                "type": "string", "enum": ["auto", "queue", "steer", "restart"]},
-                "target": {"type": "object", "additionalProperties": False, "properties": {
-                    "providerInstanceId": _WIRE_REF, "driverKind": _WIRE_REF,
-                    "model": _WIRE_REF}},
-                "clientRequestId": _WIRE_ID, "creationSource": {"type": "string"}}}
-_WS_WAIT = {"type": "object", "additionalProperties": False, "required": ["threadId"],
-            "properties": {"threadId": _WIRE_REF, "runId": _WIRE_REF, "timeoutMs": {
-                "type": "integer", "minimum": 0, "maximum": 600_000}}}
-_WS_INTERRUPT = {"type": "object", "additionalProperties": False, "required": ["threadId"],
-                 "properties": {"threadId": _WIRE_REF, "runId": _WIRE_REF,
-                                "reason": {"type": "string", "maxLength": 2000},
-                                "clientRequestId": _WIRE_ID}}
-_WS_FORK = {"type": "object", "additionalProperties": False,
-            "required": ["commandId", "sourceThreadId"], "properties": {
-                "commandId": _WIRE_ID, "sourceThreadId": _WIRE_REF,
-                "title": {"type": "string", "maxLength": 512},
-                "creationSource": {"type": "string"},
-                "sourcePoint": {"type": "object", "additionalProperties": False,
-                                "required": ["type"], "properties": {
-                                    "type": {"type": "string", "enum": [
-                                        "latest_stable", "run", "checkpoint"]},
-                                    "runId": _WIRE_REF, "ordinal": {"type": "integer",
-                                                                    "minimum": 1},
-                                    "checkpointId": _WIRE_REF}}}}
-_WS_MERGE_BACK = {"type": "object", "additionalProperties": False,
-                  "required": ["commandId", "sourceThreadId"], "properties": {
-                      "commandId": _WIRE_ID, "sourceThreadId": _WIRE_REF,
-                      "targetThreadId": _WIRE_REF, "creationSource": {"type": "string"}}}
-_WS_ROLLBACK = {"type": "object", "additionalProperties": False, "required": ["threadId"],
-                "properties": {"threadId": _WIRE_REF, "runOrdinal": {"type": "integer",
-                               "minimum": 0}, "checkpointId": _WIRE_REF,
-                               "clientRequestId": _WIRE_ID, "creationSource": {"type": "string"}}}
-_WS_LAUNCH = {"type": "object", "additionalProperties": False, "required": ["commandId"],
-              "properties": {
-                  "commandId": _WIRE_ID, "projectId": _WIRE_REF,
-                  "title": {"type": "string", "maxLength": 512},
-                  "modelSelection": _WIRE_SELECTION, **_WIRE_MODES,
-                  "workspaceStrategy": {},  # t3_thread_launch's (it checks it)
-                  "scratch": {"type": "boolean"}, "creationSource": {"type": "string"},
-                  "initialMessage": {"type": "object", "additionalProperties": False,
-                                     "required": ["text"], "properties": {
-                                         "messageId": _WIRE_ID, "text": _WIRE_TEXT}}}}
+_WS_SEND = _obj({"threadId": _WIRE_REF, "message": _WIRE_TEXT,
+                 "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
+                 "target": _obj({"providerInstanceId": _WIRE_REF, "driverKind": _WIRE_REF,
+                                 "model": _WIRE_REF}),
+                 "clientRequestId": _WIRE_ID, "creationSource": _WIRE_SOURCE},
+                ["threadId", "message"])
+_WS_WAIT = _obj({"threadId": _WIRE_REF, "runId": _WIRE_REF,
+                 "timeoutMs": {"type": "integer", "minimum": 0, "maximum": 600_000}},
+                ["threadId"])
+_WS_INTERRUPT = _obj({"threadId": _WIRE_REF, "runId": _WIRE_REF, "reason": _WIRE_REASON,
+                      "clientRequestId": _WIRE_ID}, ["threadId"])
+_WS_FORK = _obj({"commandId": _WIRE_ID, "sourceThreadId": _WIRE_REF, "title": _WIRE_TITLE,
+                 "creationSource": _WIRE_SOURCE, "sourcePoint": _obj({
+                     "type": {"type": "string", "enum": ["latest_stable", "run", "checkpoint"]},
+                     "runId": _WIRE_REF, "ordinal": {"type": "integer", "minimum": 1},
+                     "checkpointId": _WIRE_REF}, ["type"])}, ["commandId", "sourceThreadId"])
+_WS_MERGE_BACK = _obj({"commandId": _WIRE_ID, "sourceThreadId": _WIRE_REF,
+                       "targetThreadId": _WIRE_REF, "creationSource": _WIRE_SOURCE},
+                      ["commandId", "sourceThreadId"])
+_WS_ROLLBACK = _obj({"threadId": _WIRE_REF, "runOrdinal": {"type": "integer", "minimum": 0},
+                     "checkpointId": _WIRE_REF, "clientRequestId": _WIRE_ID,
+                     "creationSource": _WIRE_SOURCE}, ["threadId"])
+_WS_LAUNCH = _obj({"commandId": _WIRE_ID, "projectId": _WIRE_REF, "title": _WIRE_TITLE,
+                   "modelSelection": _WIRE_SELECTION, **_WIRE_MODES,
+                   "workspaceStrategy": {},  # t3_thread_launch's (it checks it)
+                   "scratch": {"type": "boolean"}, "creationSource": _WIRE_SOURCE,
+                   "initialMessage": _WIRE_INITIAL}, ["commandId"])
 
 
 # =============================================================================================
