@@ -3075,16 +3075,13 @@ async def _cmd_lifecycle(client: WsClient, args: argparse.Namespace) -> int:
 
 
 def _thread_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
-    rename = command("rename", "rename a thread, or have its agent title it",
+    rename = command("rename THREAD", "rename a thread, or have its agent title it",
                      "Give a thread TITLE, or with --regenerate let its provider suggest a "
                      "title from the first message (else one is made from that message).")
-    rename.add_argument("thread", metavar="THREAD")
     rename.add_argument("title", metavar="TITLE", nargs="?")
     rename.add_argument("--regenerate", action="store_true")
-    link = command("link-pr", "link a pull request to a thread",
-                   "Link the pull request at URL (http(s)://host/owner/repo/pull/N) to a thread.")
-    link.add_argument("thread", metavar="THREAD")
-    link.add_argument("url", metavar="URL")
+    command("link-pr THREAD URL", "link a pull request to a thread",
+            "Link the pull request at URL (http(s)://host/owner/repo/pull/N) to a thread.")
     for name, summary in (
             ("unlink-pr", "remove a thread's pull request link"),
             ("archive", "archive a thread: it leaves the list (threads --archived shows it); "
@@ -3092,13 +3089,10 @@ def _thread_parsers(command: Callable[[str, str, str], argparse.ArgumentParser])
             ("unarchive", "bring an archived thread back to the list"),
             ("delete", "delete a thread for good: never listed or read again"),
             ("unsnooze", "wake a snoozed thread"), ("visit", "mark a thread as seen now")):
-        command(name, summary, summary[0].upper() + summary[1:] + ".").add_argument(
-            "thread", metavar="THREAD")
-    snooze = command("snooze", "snooze a thread until a time", (
+        command(f"{name} THREAD", summary, summary[0].upper() + summary[1:] + ".")
+    command("snooze THREAD UNTIL", "snooze a thread until a time", (
         "Snooze a thread until UNTIL: a duration from now (30m, 2h, 1d) or an ISO time. It "
         "wakes early only for a pending request or a failed run."))
-    snooze.add_argument("thread", metavar="THREAD")
-    snooze.add_argument("until", metavar="UNTIL")
 
 
 _THREAD_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
@@ -3231,7 +3225,9 @@ def _cli_parsers(sub: Any) -> None:
     """The commands for people, each with --data-dir and --json."""
     from orchestrator import InteractionMode, RunStatus, RuntimeMode
 
-    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    def command(usage: str, summary: str, description: str) -> argparse.ArgumentParser:
+        """The parser of ``usage``: a command's name, then its required positionals (THREAD)."""
+        name, *positionals = usage.split()
         parser: argparse.ArgumentParser = sub.add_parser(
             name, help=summary, description=description, epilog=CLI_EXIT_CODES,
             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -3239,6 +3235,8 @@ def _cli_parsers(sub: Any) -> None:
                             help="the server's data directory (default: $T3_HOME, else ~/.t3)")
         parser.add_argument("--json", action="store_true",
                             help="print one JSON document (for scripts) instead of text")
+        for metavar in positionals:
+            parser.add_argument(metavar.lower(), metavar=metavar)
         return parser
     threads = command("threads", "list threads with their status",
                       "List a project's threads, newest activity first: the status of the "
@@ -3252,68 +3250,61 @@ def _cli_parsers(sub: Any) -> None:
     threads.add_argument("--snoozed", action=argparse.BooleanOptionalAction,
                          help="only snoozed threads (--no-snoozed: only the others)")
     threads.add_argument("--limit", type=int, default=50, help="at most this many (1-100; 50)")
-    show = command("show", "a thread's timeline, or follow it live",
+    show = command("show THREAD", "a thread's timeline, or follow it live",
                    "Print a thread's timeline: user and assistant messages, tool calls, "
                    "approvals, questions, tasks and errors, in order. With --json, one JSON "
                    "document {thread, runs, items}; followed, one JSON object per line.")
-    show.add_argument("thread", metavar="THREAD")
     show.add_argument("--follow", "-f", action="store_true",
                       help="keep printing what happens until Ctrl-C")
     show.add_argument("--until-done", action="store_true",
                       help="follow until the latest run ends (exit codes as for wait)")
     _new_parser(command("new", "start a thread", "Start a thread (and its first run, given "
                         "TEXT); print its id."), RuntimeMode, InteractionMode)
-    send = command("send", "send a message to a thread",
+    send = command("send THREAD", "send a message to a thread",
                    "Send TEXT to a thread: auto starts an idle thread or steers its active "
                    "turn; queue runs it after; steer and restart need an active turn.")
-    send.add_argument("thread", metavar="THREAD")
     send.add_argument("text", metavar="TEXT")
     send.add_argument("--mode", choices=["auto", "queue", "steer", "restart"], default="auto")
     send.add_argument("--provider", help="switch the thread to this provider instance first")
     send.add_argument("--model", help="switch the thread to this model first")
-    switch = command("switch", "send a thread's next runs to another provider or model",
+    switch = command("switch THREAD", "send a thread's next runs to another provider or model",
                      "Switch a thread to provider instance ID (and model M): its next run goes "
                      "there, with a context handoff of the conversation that provider missed.")
-    switch.add_argument("thread", metavar="THREAD")
     switch.add_argument("--provider", required=True, metavar="ID")
     switch.add_argument("--model", metavar="M")
-    rollback = command("rollback", "take a thread's workspace and conversation back to run N",
+    rollback = command("rollback THREAD",
+                       "take a thread's workspace and conversation back to run N",
                        "Restore the files to run N's checkpoint (0: before the first run), mark "
                        "the later runs rolled_back; the next message continues from run N.")
-    rollback.add_argument("thread", metavar="THREAD")
     rollback.add_argument("--run", type=int, required=True, metavar="N")
-    wait = command("wait", "wait for a thread's run to end",
+    wait = command("wait THREAD", "wait for a thread's run to end",
                    "Wait until the thread's latest run (or --run) ends, or one of its requests "
                    "needs an answer; the exit code says which.")
-    wait.add_argument("thread", metavar="THREAD")
     wait.add_argument("--run", help="this run instead of the latest")
     wait.add_argument("--timeout", type=float, metavar="SECONDS",
                       help="give up after this long (default: no limit); the run goes on")
     _control_parsers(command, RuntimeMode)
     _thread_parsers(command)
-    diff = command("diff", "what a thread's runs changed in its workspace",
+    diff = command("diff THREAD", "what a thread's runs changed in its workspace",
                    "Print the files a thread changed (kind, lines added and deleted) and the "
                    "unified diff, between its first and newest checkpoints, or of run N only "
                    "(--run). Outside a git repository there are no checkpoints (exit 1).")
-    diff.add_argument("thread", metavar="THREAD")
     diff.add_argument("--run", type=int, metavar="N", help="only run N (its ordinal, from 1)")
     _fork_parsers(command)
 
 
 def _fork_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
-    fork = command("fork", "a new thread that continues from a point of this one",
+    fork = command("fork THREAD", "a new thread that continues from a point of this one",
                    "Fork THREAD: a new thread with its conversation up to its latest completed "
                    "run (or run N, or checkpoint ID), natively where the provider can, else as "
                    "a context handoff; in git, in a new worktree at that point's checkpoint.")
-    fork.add_argument("thread", metavar="THREAD")
     point = fork.add_mutually_exclusive_group()
     point.add_argument("--run", type=int, metavar="N", help="fork at run N (its ordinal)")
     point.add_argument("--checkpoint", metavar="ID", help="fork at this checkpoint")
     fork.add_argument("--title", metavar="T", help="the fork's title (default: Fork of ...)")
-    merge = command("merge-back", "hand a fork's work back to the thread it was forked from",
-                    "Merge FORK back: its runs' conversation goes to the thread it was forked "
-                    "from, as a context handoff with that thread's next message.")
-    merge.add_argument("fork", metavar="FORK")
+    command("merge-back FORK", "hand a fork's work back to the thread it was forked from",
+            "Merge FORK back: its runs' conversation goes to the thread it was forked from, as a "
+            "context handoff with that thread's next message.")
 
 
 def _new_parser(new: argparse.ArgumentParser, RuntimeMode: Any,  # noqa: N803 - the enums
@@ -3342,34 +3333,29 @@ def _control_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]
                      RuntimeMode: Any) -> None:  # noqa: N803 - the enum, as in _cli_parsers
     """Commands that steer threads and answer them: interrupt, stop, resume, requests, answer,
     tasks, and the scheduled tasks'."""
-    interrupt = command("interrupt", "interrupt a thread's active run",
+    interrupt = command("interrupt THREAD", "interrupt a thread's active run",
                         "Interrupt the thread's newest active run (or --run).")
-    interrupt.add_argument("thread", metavar="THREAD")
     interrupt.add_argument("--run", help="this run (it must be the newest active one)")
     interrupt.add_argument("--reason", help="recorded in the timeline")
-    stop = command("stop", "stop a thread: interrupt its turn, hold its queue",
+    stop = command("stop THREAD", "stop a thread: interrupt its turn, hold its queue",
                    "Stop a thread: interrupt its running turn and hold its queued turns "
                    "until `resume` (held turns survive a server restart).")
-    stop.add_argument("thread", metavar="THREAD")
     stop.add_argument("--reason", help="recorded in the timeline")
-    resume = command("resume", "release a stopped thread's held turns",
-                     "Release the turns a Stop held, in their queue order.")
-    resume.add_argument("thread", metavar="THREAD")
+    command("resume THREAD", "release a stopped thread's held turns",
+            "Release the turns a Stop held, in their queue order.")
     requests = command("requests", "list pending approvals and questions",
                        "List the pending requests (approvals and questions) of every thread, "
                        "or of THREAD.")
     requests.add_argument("thread", metavar="THREAD", nargs="?")
-    answer = command("answer", "answer a pending request",
+    answer = command("answer REQUEST", "answer a pending request",
                      "Answer a pending request. An approval: accept, acceptForSession, decline "
                      "or cancel. A question: decline, cancel, a JSON object of answers, or one "
                      "TEXT per question in order (a multi-select question takes labels "
                      "separated by commas).")
-    answer.add_argument("request", metavar="REQUEST")
     answer.add_argument("answer", metavar="accept|decline|TEXT", nargs="+")
-    tasks = command("tasks", "a thread's delegated tasks, as a tree",
-                    "Print the tasks the thread delegated, each with its status and child "
-                    "thread, and their own tasks below them.")
-    tasks.add_argument("thread", metavar="THREAD")
+    command("tasks THREAD", "a thread's delegated tasks, as a tree",
+            "Print the tasks the thread delegated, each with its status and child thread, and "
+            "their own tasks below them.")
     schedules = command("schedules", "list scheduled tasks, with their next and last runs",
                         "List the scheduled tasks: id, title, schedule, enabled, next run, the "
                         "last run's status and time (its error below when it failed), the number "
@@ -3381,9 +3367,8 @@ def _control_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]
         "time in a fresh thread of the project; print its id, and a webhook task's URL (shown "
         "only then). With --id ID, change a task instead: only what is given changes.")),
         RuntimeMode)
-    unschedule = command("unschedule", "delete a scheduled task",
-                         "Delete a scheduled task for good (the threads of its past runs stay).")
-    unschedule.add_argument("id", metavar="ID")
+    command("unschedule ID", "delete a scheduled task",
+            "Delete a scheduled task for good (the threads of its past runs stay).")
 
 
 def _schedule_parser(parser: argparse.ArgumentParser, runtime_modes: Any) -> None:
