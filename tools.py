@@ -735,16 +735,17 @@ class Toolkit:
                               "thread owned by this provider session")
         return caller, run
 
-    async def _require_live_caller(self, scope: Scope, target_thread_id: str | None,
-                                   what: str) -> ThreadState | None:
-        """A thread caller changing another thread needs its own live run and the ceiling."""
-        caller = await self._caller_thread(scope)
-        if caller is None or caller.thread is None or caller.thread.id == target_thread_id:
-            return caller
+    async def _require_live_caller(self, scope: Scope, target: ThreadState, what: str) -> None:
+        """A thread caller changing another thread needs its own live run, and the target's
+        modes may not be broader than the caller's (the ceiling)."""
+        caller, thread = await self._caller_thread(scope), target.thread
+        if caller is None or caller.thread is None or thread is None or \
+                caller.thread.id == thread.id:
+            return
         if _live_run(caller, scope) is None:
             raise ToolFailure("parent_not_active", f"{what} on another thread needs an active "
                               "run of the calling thread")
-        return caller
+        self.threads.ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
 
     # -- delegation ------------------------------------------------------------------------------
 
@@ -821,7 +822,7 @@ class Toolkit:
             task_id = receipt.result["taskId"]
         else:
             _, run = await self._agent_caller(scope, "delegate_task")
-            depth = await self._depth(caller.thread) + 1
+            depth = len(await self._ancestors(caller.thread)) + 1
             if depth > self.ctx.max_delegation_depth:
                 raise ToolFailure("capability_denied", f"delegate_task: the child would be "
                                   f"{depth} levels deep, beyond max_delegation_depth = "
@@ -1259,9 +1260,7 @@ class Toolkit:
         state = await self._thread(args["threadId"])
         thread = state.thread
         assert thread is not None
-        caller = await self._require_live_caller(scope, thread.id, "t3_thread_send")
-        if caller is not None and caller.thread is not None and caller.thread.id != thread.id:
-            self.threads.ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
+        await self._require_live_caller(scope, state, "t3_thread_send")
         key = self._key(args)
         return await self.threads.send(
             thread.id, text=args["message"], mode=args.get("mode", "auto"),
@@ -1277,13 +1276,9 @@ class Toolkit:
                                        progress=progress)
 
     async def _interrupt(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
-        state = await self._thread(args["threadId"])
         thread_id = args["threadId"]
-        caller = await self._require_live_caller(scope, thread_id, "t3_thread_interrupt")
-        if caller is not None and caller.thread is not None and caller.thread.id != thread_id \
-                and state.thread is not None:
-            self.threads.ceiling(caller.thread, state.thread.runtime_mode,
-                                 state.thread.interaction_mode)
+        await self._require_live_caller(scope, await self._thread(thread_id),
+                                        "t3_thread_interrupt")
         return await self.threads.interrupt(
             thread_id, run_id=args.get("runId"), reason=args.get("reason"),
             command_id=self._id("command", "mcp", scope.key, "thread-interrupt", thread_id,
@@ -1344,12 +1339,7 @@ class Toolkit:
         takes the caller's live run and may not have broader modes (as t3_thread_send)."""
         thread_id = args.get("threadId") or self._thread_caller(scope, f"{action} without "
                                                                       "threadId")
-        state = await self._thread(thread_id)
-        caller = await self._require_live_caller(scope, thread_id, action)
-        if caller is not None and caller.thread is not None and caller.thread.id != thread_id \
-                and state.thread is not None:
-            self.threads.ceiling(caller.thread, state.thread.runtime_mode,
-                                 state.thread.interaction_mode)
+        await self._require_live_caller(scope, await self._thread(thread_id), action)
         command = orch.UpdateThreadMetadata(
             command_id=self._id("command", "mcp", scope.key, "thread-update", action, thread_id,
                                 self._key(args)), thread_id=thread_id, action=action, **change)
@@ -1530,7 +1520,7 @@ class Toolkit:
         if caller is None or caller.thread is None:
             raise ToolFailure("parent_not_active", "the calling thread is gone")
         assert target.thread is not None
-        if not await self._descends_from(target.thread, caller.thread.id):
+        if caller.thread.id not in await self._ancestors(target.thread):
             raise ToolFailure("capability_denied", "an agent may answer only the requests of "
                               "threads it delegated (its descendants); the user answers the rest")
         if _live_run(caller, scope) is None:
@@ -1542,13 +1532,6 @@ class Toolkit:
             raise ToolFailure("capability_denied", f"answering a {request.kind_} request needs "
                               f"runtime mode {needed} or broader; this thread runs in {mode}")
         return caller.thread.id
-
-    async def _descends_from(self, thread: orch.AppThread, ancestor_id: str) -> bool:
-        return ancestor_id in await self._ancestors(thread)
-
-    async def _depth(self, thread: orch.AppThread) -> int:
-        """How many delegations deep a thread is: 0 for a top-level thread."""
-        return len(await self._ancestors(thread))
 
     async def _ancestors(self, thread: orch.AppThread) -> list[str]:
         """The thread's parent, grandparent, ... through delegation lineage (a fork is a
