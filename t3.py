@@ -2384,9 +2384,10 @@ def _unreachable(data_dir: Path, server: Mapping[str, Any], exc: BaseException) 
                     f"{server.get('pid')}): {why}", exit=EXIT_NO_SERVER)
 
 
-def _out(args: argparse.Namespace, document: Any, text: str) -> None:
-    """With --json the document (one line), else the text for people."""
+def _out(args: argparse.Namespace, document: Any, text: str) -> int:
+    """With --json the document (one line), else the text for people; 0, success."""
     print(json.dumps(document, ensure_ascii=False) if args.json else text, flush=True)
+    return 0
 
 
 def _given(**values: Any) -> dict[str, Any]:
@@ -2438,8 +2439,7 @@ async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
             for t in listed["threads"]]
     if listed["total"] > len(rows):
         rows.append(f"({listed['total'] - len(rows)} more; --limit shows up to 100)")
-    _out(args, listed, "\n".join(rows) or f"no threads in project {listed['projectId']}")
-    return 0
+    return _out(args, listed, "\n".join(rows) or f"no threads in project {listed['projectId']}")
 
 
 def _strategy_arg(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -2484,8 +2484,7 @@ async def _cmd_send(client: WsClient, args: argparse.Namespace) -> int:
     sent = await client.request("sendToThread", {
         "threadId": thread_id, "message": _text_arg(args.text), "mode": args.mode,
         "creationSource": "cli", **_given(target=target or None)})
-    _out(args, sent, f"{sent.get('delivery') or 'sent'}: {sent['runId']} ({sent['status']})")
-    return 0
+    return _out(args, sent, f"{sent.get('delivery') or 'sent'}: {sent['runId']} ({sent['status']})")
 
 
 async def _cmd_wait(client: WsClient, args: argparse.Namespace) -> int:
@@ -2560,11 +2559,10 @@ async def _cmd_interrupt(client: WsClient, args: argparse.Namespace) -> int:
     thread_id = await _thread_ref(client, args.thread)
     result = await client.request("interruptThread", {"threadId": thread_id, **_given(
         runId=args.run, reason=args.reason)})
-    _out(args, result, {
+    return _out(args, result, {
         "no_active_run": f"nothing to interrupt: {thread_id} has no active run",
         "interrupt_requested": f"interrupt requested: {result['runId']}"}.get(
         result["status"], f"already {result['status']}: {result['runId']}"))
-    return 0
 
 
 async def _cmd_stop(client: WsClient, args: argparse.Namespace) -> int:
@@ -2579,8 +2577,7 @@ async def _cmd_stop(client: WsClient, args: argparse.Namespace) -> int:
     else:
         text = (f"stopped {thread_id}: {len(result['interruptedRunIds'])} run(s) interrupted, "
                 f"{len(result['heldRunIds'])} queued run(s) held (`resume` releases them)")
-    _out(args, result, text)
-    return 0
+    return _out(args, result, text)
 
 
 async def _cmd_requests(client: WsClient, args: argparse.Namespace) -> int:
@@ -2589,8 +2586,7 @@ async def _cmd_requests(client: WsClient, args: argparse.Namespace) -> int:
     rows = [f"{r['requestId']}  {r['kind']}: {r['title']}\n    thread {r['threadId']}; answer "
             + ("TEXT, decline or cancel" if r["kind"] == "user_input"
                else "accept, acceptForSession, decline or cancel") for r in listed["requests"]]
-    _out(args, listed, "\n".join(rows) or "no pending requests")
-    return 0
+    return _out(args, listed, "\n".join(rows) or "no pending requests")
 
 
 async def _cmd_answer(client: WsClient, args: argparse.Namespace) -> int:
@@ -2603,9 +2599,8 @@ async def _cmd_answer(client: WsClient, args: argparse.Namespace) -> int:
         "type": "runtime-request.respond", "commandId": uuid.uuid4().hex,
         "creationSource": "cli", "threadId": request["threadId"],
         "requestId": request["requestId"], **await _response(client, request, args.answer)})
-    _out(args, result, f"answered {request['requestId']}: "
-                       f"{result['result'].get('status', 'resolved')}")
-    return 0
+    return _out(args, result, f"answered {request['requestId']}: "
+                              f"{result['result'].get('status', 'resolved')}")
 
 
 async def _response(client: WsClient, request: Mapping[str, Any], texts: Sequence[str]
@@ -2656,8 +2651,7 @@ async def _cmd_tasks(client: WsClient, args: argparse.Namespace) -> int:
                          f"  {task['threadId']}  {task['providerInstanceId']}")
             walk(task["tasks"], indent + ("    " if last else "|   "))
     walk(tree["tasks"], "")
-    _out(args, tree, "\n".join(lines if tree["tasks"] else [*lines, "(no delegated tasks)"]))
-    return 0
+    return _out(args, tree, "\n".join(lines if tree["tasks"] else [*lines, "(no delegated tasks)"]))
 
 
 async def _task_tree(client: WsClient, thread_id: str, seen: set[str]) -> dict[str, Any]:
@@ -2924,8 +2918,7 @@ async def _cmd_schedules(client: WsClient, args: argparse.Namespace) -> int:
             lines.append(f"    last error: {' '.join(task['lastRunError'].split())[:200]}")
     if paused := len(listed["tasks"]) - len(tasks):
         lines.append(f"({paused} paused; --all shows them)")
-    _out(args, {"tasks": tasks}, "\n".join(lines))
-    return 0
+    return _out(args, {"tasks": tasks}, "\n".join(lines))
 
 
 async def _cmd_schedule(client: WsClient, args: argparse.Namespace) -> int:
@@ -2935,16 +2928,14 @@ async def _cmd_schedule(client: WsClient, args: argparse.Namespace) -> int:
     made = await client.request("scheduleTask", {
         "clientRequestId": uuid.uuid4().hex[:12], **params, "creationSource": "cli"})
     hook = made.get("hookUrl")  # minted now, and never shown again
-    _out(args, made, made["scheduledTaskId"] + (
+    return _out(args, made, made["scheduledTaskId"] + (
         f"\nwebhook URL (shown only now; it is the task's secret): {hook}" if hook else ""))
-    return 0
 
 
 async def _cmd_unschedule(client: WsClient, args: argparse.Namespace) -> int:
     deleted = await client.request("deleteScheduledTask", {
         "scheduledTaskId": await _schedule_ref(client, args.id), "creationSource": "cli"})
-    _out(args, deleted, f"deleted {deleted['scheduledTaskId']}")
-    return 0
+    return _out(args, deleted, f"deleted {deleted['scheduledTaskId']}")
 
 
 async def _schedule_ref(client: WsClient, text: str) -> str:
@@ -3045,8 +3036,7 @@ async def _cmd_rename(client: WsClient, args: argparse.Namespace) -> int:
         "threadId": await _thread_ref(client, args.thread), **({"action": "regenerate_title"}
         if args.regenerate else {"action": "rename", "title": args.title})})
     regenerating = " (a new title is being generated)" if updated["titleRegeneration"] else ""
-    _out(args, updated, f"{updated['threadId']}: {updated['title']}{regenerating}")
-    return 0
+    return _out(args, updated, f"{updated['threadId']}: {updated['title']}{regenerating}")
 
 
 async def _cmd_link_pr(client: WsClient, args: argparse.Namespace) -> int:
@@ -3055,9 +3045,8 @@ async def _cmd_link_pr(client: WsClient, args: argparse.Namespace) -> int:
                                      if args.command == "link-pr" else
                                      ("unlinkPullRequest", {"threadId": thread_id})))
     pr = updated["linkedPullRequest"]
-    _out(args, updated, f"{thread_id}: " + (f"{pr['repository']}#{pr['number']} {pr['url']}"
-                                            if pr else "no pull request linked"))
-    return 0
+    return _out(args, updated, f"{thread_id}: " + (
+        f"{pr['repository']}#{pr['number']} {pr['url']}" if pr else "no pull request linked"))
 
 
 async def _cmd_lifecycle(client: WsClient, args: argparse.Namespace) -> int:
@@ -3069,9 +3058,8 @@ async def _cmd_lifecycle(client: WsClient, args: argparse.Namespace) -> int:
         "type": f"thread.{args.command}", "commandId": uuid.uuid4().hex[:12],
         "threadId": thread_id, "creationSource": "cli", **_given(snoozedUntil=when)})
     until = done["result"].get("snoozedUntil")
-    _out(args, done["result"], f"{args.command.removesuffix('e')}ed {thread_id}" + (
+    return _out(args, done["result"], f"{args.command.removesuffix('e')}ed {thread_id}" + (
         f" until {_local_time(until)}" if until and args.command == "snooze" else ""))
-    return 0
 
 
 def _thread_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
@@ -3107,10 +3095,9 @@ async def _cmd_switch(client: WsClient, args: argparse.Namespace) -> int:
         "type": "provider.switch", "commandId": uuid.uuid4().hex[:12], "threadId": thread_id,
         "creationSource": "cli", "modelSelection": _given(instanceId=args.provider,
                                                           model=args.model)}))["result"]
-    _out(args, done, f"switched {thread_id} to {done['providerInstanceId']}"
-         + (f" ({done['model']})" if done.get("model") else "")
-         + f"; runtime mode {done['runtimeMode']}")
-    return 0
+    return _out(args, done, f"switched {thread_id} to {done['providerInstanceId']}"
+                + (f" ({done['model']})" if done.get("model") else "")
+                + f"; runtime mode {done['runtimeMode']}")
 
 
 async def _cmd_rollback(client: WsClient, args: argparse.Namespace) -> int:
@@ -3138,9 +3125,8 @@ async def _cmd_fork(client: WsClient, args: argparse.Namespace) -> int:
         title=args.title, creationSource="cli"))
     where = f" in worktree {done['worktreePath']} on {done['branch']}" \
         if done.get("worktreePath") and done["worktreePath"] == done.get("workspacePath") else ""
-    _out(args, done, f"forked {thread_id} at run {done['sourcePoint']['runOrdinal']} into "
-         f"{done['threadId']}{where}")
-    return 0
+    return _out(args, done, f"forked {thread_id} at run {done['sourcePoint']['runOrdinal']} into "
+                f"{done['threadId']}{where}")
 
 
 async def _cmd_merge_back(client: WsClient, args: argparse.Namespace) -> int:
@@ -3148,9 +3134,8 @@ async def _cmd_merge_back(client: WsClient, args: argparse.Namespace) -> int:
     done = await client.request("mergeBack", {
         "commandId": uuid.uuid4().hex[:12], "sourceThreadId": fork_id, "creationSource": "cli"})
     covered = done["coveredRunOrdinals"]
-    _out(args, done, f"merge-back of {fork_id} (runs {covered['from']}-{covered['to']}) goes to "
-         f"{done['threadId']} with its next message")
-    return 0
+    return _out(args, done, f"merge-back of {fork_id} (runs {covered['from']}-{covered['to']}) "
+                f"goes to {done['threadId']} with its next message")
 
 
 # =============================================================================================
@@ -3169,9 +3154,8 @@ async def _cmd_diff(client: WsClient, args: argparse.Namespace) -> int:
         return EXIT_FAILED
     lines = [f"{f['kind']:<9} +{f['additions']:<5} -{f['deletions']:<5} {f['path']}"
              for f in found["files"]] or [f"no changes in {what}"]
-    _out(args, found, "\n".join([*lines, "", found["diff"].rstrip("\n")] + (
+    return _out(args, found, "\n".join([*lines, "", found["diff"].rstrip("\n")] + (
         ["[diff truncated at 30,000 characters]"] if found["truncated"] else [])))
-    return 0
 
 
 # =============================================================================================
