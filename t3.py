@@ -1712,10 +1712,8 @@ _WS_LAUNCH = _obj({"commandId": _WIRE_ID, "projectId": _WIRE_REF, "title": _WIRE
 
 async def serve(args: argparse.Namespace) -> int:
     import providers as prov
-    # Whatever t3 creates in its data directory is private, including what SQLite, the logs
-    # and the backups create without asking; agents get the user's own umask back
-    # (providers.CHILD_UMASK, workspace.CHILD_UMASK: git and setup), since they write in the
-    # user's projects.
+    # What t3 (SQLite, logs, backups too) creates in its data directory is private; agents,
+    # git and setup get the user's umask back (CHILD_UMASK): they write in the user's projects.
     import workspace
     prov.CHILD_UMASK = workspace.CHILD_UMASK = os.umask(0o077)
     try:
@@ -1725,14 +1723,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, prov: Any) -> int:
-    import hypercorn.asyncio.run
-    import hypercorn.config
-    import hypercorn.utils
-    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-
-    from orchestrator import Orchestrator
     from store import DatabaseTooNew, Store, StoreError
-    from tools import Project, ServerContext, Toolkit, build_mcp_server
 
     try:
         data_dir = open_data_dir(args.data_dir)
@@ -1768,11 +1759,7 @@ async def _serve(args: argparse.Namespace, prov: Any) -> int:
             print(f"t3: cannot open the database: {exc}", file=sys.stderr)
             return 1
         try:
-            return await _run(args, config, data_dir, store, host, port, server_json,
-                              prov=prov, orchestrator_cls=Orchestrator, toolkit_cls=Toolkit,
-                              context_cls=ServerContext, project_cls=Project,
-                              build_mcp_server=build_mcp_server, hypercorn=hypercorn,
-                              manager_cls=StreamableHTTPSessionManager)
+            return await _run(args, config, data_dir, store, host, port, server_json, prov=prov)
         finally:
             store.close()
     finally:
@@ -1783,9 +1770,13 @@ async def _serve(args: argparse.Namespace, prov: Any) -> int:
 
 
 async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Any, host: str,
-               port: int, server_json: Path, *, prov: Any, orchestrator_cls: Any,
-               toolkit_cls: Any, context_cls: Any, project_cls: Any, build_mcp_server: Any,
-               hypercorn: Any, manager_cls: Any) -> int:
+               port: int, server_json: Path, *, prov: Any) -> int:
+    import hypercorn.asyncio.run
+    import hypercorn.config
+    import hypercorn.utils
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+    from tools import build_mcp_server
     hconfig = _hypercorn_config(config, hypercorn)
     if hconfig is None:
         return 2
@@ -1806,17 +1797,16 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                               idle_s=config.credential_idle_s,
                               mcp_url=f"{scheme}://{local_host}:{port}/mcp")
     clock = TestClock.from_environment()
-    orch, adapters, toolkit = await _start_domain(
-        config, data_dir, store, environment_id, credentials, prov=prov,
-        orchestrator_cls=orchestrator_cls, toolkit_cls=toolkit_cls, context_cls=context_cls,
-        project_cls=project_cls, base_url=url, clock=clock)
+    orch, adapters, toolkit = await _start_domain(config, data_dir, store, environment_id,
+                                                  credentials, prov=prov, base_url=url,
+                                                  clock=clock)
     mcp_server = build_mcp_server(toolkit, version=VERSION)
     # Streamable HTTP answers in SSE (progress notifications flow); a client that accepts only
     # JSON gets plain JSON answers from a second manager over the same server instead of a 406.
-    sse = manager_cls(app=mcp_server, stateless=True, json_response=False,
-                      max_request_body_size=MAX_BODY_BYTES)
-    plain = manager_cls(app=mcp_server, stateless=True, json_response=True,
-                        max_request_body_size=MAX_BODY_BYTES)
+    sse = StreamableHTTPSessionManager(app=mcp_server, stateless=True, json_response=False,
+                                       max_request_body_size=MAX_BODY_BYTES)
+    plain = StreamableHTTPSessionManager(app=mcp_server, stateless=True, json_response=True,
+                                         max_request_body_size=MAX_BODY_BYTES)
     client_token = ClientToken(data_dir / "client-token")
     web_view = WebView.load()
     if web_view is None:
@@ -1891,18 +1881,19 @@ async def _shut_down(*, orch: Any, clients: ClientApi, server: asyncio.Task[Any]
 
 
 async def _start_domain(config: Config, data_dir: Path, store: Any, environment_id: str,
-                        credentials: Credentials, *, prov: Any, orchestrator_cls: Any,
-                        toolkit_cls: Any, context_cls: Any, project_cls: Any, base_url: str,
+                        credentials: Credentials, *, prov: Any, base_url: str,
                         clock: TestClock | None) -> tuple[Any, dict[str, Any], Any]:
     """Adapters, the orchestrator (recovered and started) and the toolkit over it; git work
     (workspace.py) is handed to the orchestrator as the adapters are."""
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
+    from orchestrator import Orchestrator
+    from tools import Project, ServerContext, Toolkit
     from workspace import Workspaces  # made under the data-dir lock: it clears stray indexes
     adapters = build_adapters(config, data_dir, prov)
     _report_providers(adapters, detected=config.providers is None, detectable=prov.DETECTABLE)
-    orch = orchestrator_cls(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
+    orch = Orchestrator(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                             credentials=credentials, workspaces=Workspaces(data_dir),
                             max_live_agent_processes=config.max_live_agent_processes,
                             redact=prov.redact,
@@ -1914,13 +1905,11 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
         log.warning("interrupted the runs left active by the previous server in %d thread(s)",
                     len(recovered))
     orch.start()
-    context = context_cls(environment_id=environment_id,
-                          projects=[project_cls(p["id"], p["path"], p["title"],
-                                                tuple(p.get("setup", ())))
-                                    for p in config.projects], data_dir=data_dir,
-                          max_delegation_depth=config.max_delegation_depth, base_url=base_url)
-    toolkit = toolkit_cls(orch, store, context)
-    return orch, adapters, toolkit
+    context = ServerContext(environment_id=environment_id, projects=[
+        Project(p["id"], p["path"], p["title"], tuple(p.get("setup", ())))
+        for p in config.projects], data_dir=data_dir,
+        max_delegation_depth=config.max_delegation_depth, base_url=base_url)
+    return orch, adapters, Toolkit(orch, store, context)
 
 
 def _report_providers(adapters: Mapping[str, Any], *, detected: bool,
