@@ -1,19 +1,15 @@
 """t3.py: the entry point of t3, a small auditable server that orchestrates coding agents.
 
-``python t3.py [serve]`` runs one local server (hypercorn on 127.0.0.1) with MCP tools at ``/mcp``,
-the client API at ``/ws`` and the web view (``ui.html``) at ``/``; ``python t3.py token
-[--rotate]`` prints (or replaces) the client token; ``threads``, ``show``, ``new``, ``send``,
-``wait``, ``interrupt``, ``stop``, ``resume``, ``requests``, ``answer``, ``tasks`` and those of
-schedules and of a thread's metadata (``rename``, ``link-pr``, ``archive``, ``snooze``...) are commands
-for people that talk to a running server only through ``/ws``. This file owns configuration (``t3.toml``), the data
+``python t3.py [serve]`` runs one local server (hypercorn on 127.0.0.1): MCP tools at ``/mcp``,
+the client API at ``/ws``, the web view (``ui.html``) at ``/``; ``python t3.py token
+[--rotate]`` prints (or replaces) the client token; the other commands are for people and talk
+to a running server only through ``/ws``. This file owns configuration (``t3.toml``), the data
 directory (private: 0700 and 0600, no symlink followed; its lock, the client token,
-``server.json``), credentials and bearer auth, the ASGI app and its routes (every request: Host
-and Origin checked, authenticated before its body is read, the body bounded in size and time),
-the /ws protocol (parsing and shaping only: the rules are ``orchestrator.ThreadService``'s, as
-for MCP), the listening socket (connections capped), and startup/shutdown order. It
-wires the layers; it decides nothing and holds no SQL: ``store.py`` (SQLite) <-
-``orchestrator.py`` (domain) <- ``tools.py`` (MCP tools), with ``providers.py`` (agent
-subprocesses) handed to the orchestrator here.
+``server.json``), credentials and bearer auth, the ASGI app and its routes (Host and Origin
+checked, auth before the body is read, bodies bounded in size and time), the /ws protocol
+(parsing and shaping only: the rules are ``orchestrator.ThreadService``'s, as for MCP), the
+capped listening socket, and startup/shutdown order. It wires the layers and decides nothing:
+``store.py`` <- ``orchestrator.py`` <- ``tools.py``, with ``providers.py`` handed in here.
 """
 
 from __future__ import annotations
@@ -395,9 +391,8 @@ def _read_token(path: Path) -> str:
 
 
 class ClientToken:
-    """The client token as the file holds it now: ``python t3.py token --rotate`` may replace
-    it while the server runs. Each check stats the file (cheap) and re-reads it only when its
-    inode, mtime or size changed, so the old token stops working at once, without polling."""
+    """The client token as the file holds it now (``token --rotate`` may replace it): each check
+    stats the file and re-reads it when inode, mtime or size changed, so an old one ends at once."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -483,12 +478,9 @@ def _write_private_atomic(path: Path, text: str, *, replace: bool) -> None:
 
 
 class Credentials:
-    """Provider-session credentials (hashes only, in memory). The client token is ``ClientToken``.
-
-    A session credential lives at most ``max_lifetime_s`` and ends after ``idle_s`` without an
-    authenticated call or turn activity, but never while its session serves a turn. Once it has
-    ended (expired or revoked) it is gone for good: nothing revives it, and the orchestrator
-    replaces the session (``renewal_due``) before its next turn."""
+    """Provider-session credentials (hashes only, in memory). One lives at most
+    ``max_lifetime_s`` and ends after ``idle_s`` idle, never while its session serves a turn;
+    an ended one is gone for good (the orchestrator replaces the session: ``renewal_due``)."""
 
     def __init__(self, *, max_lifetime_s: int, idle_s: int, mcp_url: str,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -579,9 +571,8 @@ def _hash(token: str) -> str:
 
 
 def bearer_auth(app: ASGIApp, *, credentials: Credentials, client_token: ClientToken) -> ASGIApp:
-    """Resolve ``Authorization: Bearer`` to a scope for the tool handlers, or answer 401 without
-    reading the body. The client token is checked here, against the file as it is now (it may
-    be rotated while the server runs); provider-session credentials by ``Credentials``."""
+    """``Authorization: Bearer`` as a scope for the tool handlers, or 401 before the body is
+    read: the client token (as the file holds it now), else a provider-session credential."""
     from tools import Scope, current_scope
 
     async def middleware(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
@@ -834,11 +825,9 @@ class _SlowBody(Exception):
 
 
 def _bounded_body(app: ASGIApp) -> ASGIApp:
-    """Bound the body of an authenticated request: over ``MAX_BODY_BYTES`` is 413, and a body
-    still arriving ``BODY_TIMEOUT_S`` after the request is ``_SlowBody`` (408), so a slow client
-    cannot hold a task forever. Only the body is timed: hypercorn's read_timeout would also cut
-    the responses of waits, which stream for up to 600 s. (The MCP handler reads the body, an
-    empty one too, before it does anything that takes long.)"""
+    """Over ``MAX_BODY_BYTES`` is 413; a body still arriving after ``BODY_TIMEOUT_S`` is
+    ``_SlowBody`` (408). Only the body is timed: hypercorn's read_timeout would also cut waits,
+    which stream for up to 600 s (the MCP handler reads the body before any long work)."""
     async def bounded(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         length = _header(scope, b"content-length") or ""
         too_long = length.isdigit() and int(length) > MAX_BODY_BYTES
@@ -868,12 +857,10 @@ _HOOK_STATUS = {"hook_not_found": 404, "hook_disabled": 409, "invalid_signature"
 
 
 def webhook_endpoint(orch: Any) -> ASGIApp:
-    """``POST/PUT/PATCH /hooks/{scheduledTaskId}/{hookToken}`` (SPEC 7), the HTTP part: the hook
-    token is compared with the task's hash in constant time (a wrong one is the same 404 as an
-    unknown hook), a paused hook is 409 and a declared body over 1 MiB 413, all before any of
-    the body is read; the body is read whole (at most 1 MiB, within ``BODY_TIMEOUT_S``), then
-    ``Orchestrator.receive_webhook`` applies the delivery's rules. 202 ``{deliveryId, outcome}``
-    once the delivery is recorded."""
+    """``POST/PUT/PATCH /hooks/{scheduledTaskId}/{hookToken}`` (SPEC 7), the HTTP part. Before
+    the body is read: the token against the task's hash in constant time (wrong: the same 404 as
+    an unknown hook), 409 paused, 413 over 1 MiB declared. Then the body whole (within
+    ``BODY_TIMEOUT_S``), ``Orchestrator.receive_webhook``, and 202 ``{deliveryId, outcome}``."""
     from orchestrator import HOOK_BODY_MAX_BYTES, T3Error, WebhookRequest
 
     async def hook(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
@@ -1012,11 +999,9 @@ def _by_accept(sse: ASGIApp, plain: ASGIApp) -> ASGIApp:
 
 
 # =============================================================================================
-# The /ws client API (SPEC 8): JSON frames over one WebSocket, for people's clients (the CLI
-# and the web view). Requests {"id", "method", "params"} get {"id", "result"} or {"id", "error":
-# {"code", "message"}}; a stream (subscribeThread, subscribeShell) sends {"id", "item"} until it
-# is unsubscribed or falls too far behind. The rules live in orchestrator.ThreadService and in
-# the tools' planning, which MCP uses too: this section parses and shapes.
+# The /ws client API (SPEC 8) for the CLI and the web view: {"id", "method", "params"} gets
+# {"id", "result"} or {"id", "error": {"code", "message"}}; a stream sends {"id", "item"} until
+# unsubscribed or too far behind. The rules are ThreadService's and the tools': this parses.
 
 
 PROTOCOL_VERSION = 2
@@ -1383,9 +1368,8 @@ def _resubscribe(last: int) -> WsFailure:
 
 
 class _WsConnection:
-    """One /ws connection: each request runs in its own task (a wait or a stream does not hold
-    up the others); frames go out one at a time, and a reader that does not read holds up only
-    its own connection (the writes wait), while its streams are cut off when they fall behind."""
+    """One /ws connection: each request in its own task; frames go out one at a time, so a
+    reader that does not read holds up only its own connection (its streams are cut off)."""
 
     MAX_IN_FLIGHT = 64
 
@@ -1985,10 +1969,9 @@ def _listen(host: str, port: int, *, cap: int, tls: bool) -> _Listener:
 
 
 class _Listener(socket.socket):
-    """The listening socket, counting the connections it accepted that are still open: beyond
-    ``cap`` a new one is answered 503 (nothing over TLS) and closed at once. Hypercorn has no
-    connection limit, and asyncio's server calls ``accept()`` on the socket it is given, so
-    this is where every connection comes and goes."""
+    """The listening socket, counting its open connections: beyond ``cap`` a new one is answered
+    503 (nothing over TLS) and closed. Hypercorn has no connection limit, and asyncio's server
+    calls this ``accept()``: every connection comes and goes here."""
 
     _BODY = json.dumps({"error": "too_many_connections", "message": "t3 has as many "
                         "connections open as [server] max_connections allows"}).encode()
@@ -2000,21 +1983,17 @@ class _Listener(socket.socket):
         self.cap, self.refusal, self._full = cap, refusal, False
         self.open: set[_Connection] = set()
 
-    @property
-    def live(self) -> int:
-        return len(self.open)
-
     def accept(self) -> tuple[socket.socket, Any]:
         while True:  # until the backlog is empty: then _accept raises BlockingIOError
             fd, address = self._accept()  # type: ignore[attr-defined]
             conn = _Connection(self.family, self.type, self.proto, fileno=fd)
-            if self.live < self.cap:
+            if len(self.open) < self.cap:
                 self.open.add(conn)
                 conn.listener = self
                 return conn, address
             if not self._full:  # once per time the cap is reached, not once per connection
                 log.warning("%d connections open ([server] max_connections): new ones are "
-                            "answered 503 until some close", self.live)
+                            "answered 503 until some close", len(self.open))
                 self._full = True
             conn.setblocking(False)
             with contextlib.suppress(OSError):
@@ -2025,7 +2004,7 @@ class _Listener(socket.socket):
 
     def release(self, conn: _Connection) -> None:
         self.open.discard(conn)
-        self._full = self._full and self.live >= self.cap
+        self._full = self._full and len(self.open) >= self.cap
 
     def abort_connections(self) -> None:
         """Cut every open connection (shutdown): what is unsent is dropped."""
@@ -2047,10 +2026,9 @@ class _Connection(socket.socket):
 
 
 class TestClock:
-    """The server's clock when tests move it: it reads ``T3_TEST_CLOCK`` (epoch seconds; only
-    with the test switch ``T3_TEST_HOOKS=1``, else inert) and stands still but for ``advance``
-    (/ws ``advanceTestClock``), so schedule tests never wait real minutes and see exact times.
-    (Durations t3 measures, such as leases and grace periods, keep the real clock.)"""
+    """The server's clock when tests move it (``T3_TEST_CLOCK`` epoch seconds, only with
+    ``T3_TEST_HOOKS=1``): it stands still but for ``advance`` (/ws ``advanceTestClock``).
+    Durations t3 measures (leases, grace periods) keep the real clock."""
 
     def __init__(self, start: float) -> None:
         self.start = start
@@ -2253,9 +2231,8 @@ def _outcome(frame: Mapping[str, Any] | None) -> Any:
 
 
 # =============================================================================================
-# Commands for people (SPEC 1.1): threads, show, new, send, wait, interrupt, stop, resume,
-# requests, answer, tasks. Each finds the running server through <data-dir>/server.json and talks to it only
-# through /ws (WsClient, with the client token); it prints for people, or for scripts one JSON
+# Commands for people (SPEC 1.1): each finds the server through <data-dir>/server.json, talks to
+# it only through /ws (WsClient, with the client token) and prints for people, or one JSON
 # document with --json. Its exit code (CLI_EXIT_CODES) is stable: scripts may rely on it.
 
 
@@ -2329,9 +2306,8 @@ async def _connected(args: argparse.Namespace) -> int:
 
 
 def _server_of(value: str | None) -> tuple[Path, dict[str, Any], str]:
-    """The data directory, its server.json and the client token. server.json says where the
-    token is sent, so it is trusted only in a directory private to this user; nothing here is
-    created (no server, no data directory)."""
+    """The data directory, its server.json and the client token; server.json says where the
+    token goes, so it is trusted only in a directory private to this user. Creates nothing."""
     path = Path(value or os.environ.get("T3_HOME") or str(Path.home() / ".t3")).expanduser()
     path = path.resolve()
     start = f"start one with `python t3.py --data-dir {path}`"
@@ -2402,9 +2378,8 @@ def _pick(rows: Sequence[Mapping[str, Any]], text: str, *, key: str, what: str
 
 
 async def _thread_ref(client: WsClient, text: str) -> str:
-    """THREAD as a thread id: among every project's threads (the shell snapshot); an id the
-    snapshot does not hold goes to the server as it is (which may know it, or says
-    thread_not_found)."""
+    """THREAD as a thread id among every project's threads (the shell snapshot); else as it is
+    (the server may know it, or says thread_not_found)."""
     async with contextlib.aclosing(client.stream("subscribeShell")) as shell:
         snapshot = (await anext(shell))["snapshot"]
     found = _pick(snapshot["threads"], text, key="threadId", what="thread")
@@ -2703,10 +2678,9 @@ async def _follow(client: WsClient, thread_id: str, view: _Timeline, *, until_do
 
 
 class _Timeline:
-    """A thread's timeline for people: items in position order, a line where the run changes.
-    Followed, a new item prints whole, a growing message only its new text, a changed item
-    again, and a run that ends a line. With ``json_lines``: each new or changed item or run is
-    one JSON line instead (``{"kind": "thread" | "run" | "item", ...}``)."""
+    """A thread's timeline for people, in position order, a line where the run changes; followed,
+    a growing message prints only its new text. With ``json_lines``: each new or changed item or
+    run is one JSON line instead (``{"kind": "thread" | "run" | "item", ...}``)."""
 
     def __init__(self, *, json_lines: bool) -> None:
         self.json_lines = json_lines
