@@ -1,14 +1,12 @@
 """tools.py: the MCP tool surface of t3 (server key ``t3-code``, server name ``t3``).
 
-Each tool has a hand-written JSON Schema (``anyOf``, never a ``type`` array, so every client takes
-it); arguments are validated against it here (the MCP SDK's low-level server does not), unknown
-fields are refused, and a violation is the typed failure ``invalid_request`` naming the field.
-Each tool also declares the exact shape of its result, published as its ``outputSchema``. Handlers check the caller's scope (set by ``t3.py``'s auth
-middleware in ``current_scope``), turn the request into orchestrator commands with ids derived
-from ``clientRequestId`` and the caller's identity, and shape results. Expected denials are typed
-failures: ``isError: true`` with ``structuredContent = {"_tag": "OrchestratorMcpFailure", code,
-message}``. Reads come from the orchestrator's thread state and the store; never SQL text,
-subprocesses or provider calls here.
+Each tool has a hand-written JSON Schema (``anyOf``, never a ``type`` array, so every client
+takes it), checked here (the SDK's low-level server does not): unknown fields are refused, and
+a violation is ``invalid_request`` naming the field. Each declares its result's exact shape as
+its ``outputSchema``. Handlers check the caller's scope (``current_scope``, set by ``t3.py``'s
+auth), make orchestrator commands with ids derived from ``clientRequestId`` and the caller, and
+shape results. Expected denials are typed failures: ``isError: true`` with ``structuredContent
+= {"_tag": "OrchestratorMcpFailure", code, message}``. No SQL, subprocesses or provider calls.
 """
 
 from __future__ import annotations
@@ -245,9 +243,8 @@ def _public_schema(schema: Any) -> Any:
 
 
 # =============================================================================================
-# Output schemas: each tool's success structuredContent exactly (every key the handler returns,
-# all required unless the handler may leave one out; a value that may be missing is anyOf with
-# null), and the typed failure's. Published as each tool's outputSchema (see published_output).
+# Output schemas: each tool's success structuredContent exactly (every key required unless the
+# handler may leave it out; a missing value is anyOf with null), and the typed failure's.
 
 
 def _nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -624,10 +621,8 @@ def tool_input(name: str, arguments: Mapping[str, Any]) -> Any:
 
 
 def published_output(tool: _Tool) -> dict[str, Any]:
-    """The tool's outputSchema as listed: its success shape or the typed failure. MCP does not
-    ask an error result to fit the outputSchema, but some clients check it anyway (gemini-cli
-    0.61 and opencode 1.18 would hand the model a schema complaint instead of the failure's
-    code and message)."""
+    """The tool's outputSchema as listed: its success shape or the typed failure (MCP does not
+    ask it of errors, but gemini-cli 0.61 and opencode 1.18 check it anyway)."""
     success = tool.output_schema
     return {"type": "object",
             "anyOf": [*success.get("anyOf", [success]), FAILURE_OUTPUT]}
@@ -953,10 +948,8 @@ class Toolkit:
 
     async def _cancel_task(self, parent_id: str, task_id: str, reason: str | None,
                            key: str) -> bool:
-        """Stop a task's own delegated tasks first, then its child thread as a person's Stop
-        does (the running turn ends, queued turns are held for Resume), then cancel the task's
-        own queued turn even if held. A nonterminal task whose child run is lost is cancelled on
-        the parent: True then."""
+        """Stop the task's own tasks, then its child thread as a person's Stop does, then cancel
+        its own queued turn even if held. True: its child run was lost, so it is cancelled here."""
         parent = await self._thread(parent_id)
         task = parent.entities["subagent"].get(task_id)
         if task is None:
@@ -1431,10 +1424,9 @@ class Toolkit:
 
     async def _visible_task(self, scope: Scope, caller: ThreadState | None, task_id: str, *,
                             changing: bool = False) -> orch.ScheduledTask:
-        """A task the caller may see: the client sees all; an agent its project's. To change,
-        run or delete one, an agent's own modes must cover the task's runs (a bound task's: its
-        thread's): else an approval-required agent could rewrite the prompt of a full-access
-        task and run it now."""
+        """A task the caller may see (an agent: its project's). To change one, an agent's modes
+        must cover the task's runs (a bound task's: its thread's), else an approval-required
+        agent could rewrite a full-access task's prompt and run it now."""
         state = await self.orch.state(task_id)
         task = state.entities["scheduled-task"].get(task_id) if state else None
         if task is None or task.deleted_at is not None or (
@@ -1512,10 +1504,9 @@ class Toolkit:
 
     async def _answering_thread(self, scope: Scope, target: ThreadState,
                                 request: orch.RuntimeRequest) -> str:
-        """SPEC 5.1a: an agent answers only requests of its own descendants, with its own live
-        run, and only what its own runtime mode would have done without asking. Anything else
-        (its own thread, ancestors, siblings, unrelated threads) would let an agent approve its
-        own work through another thread, which would void approval-required."""
+        """SPEC 5.1a: an agent answers only its descendants' requests, with a live run, and only
+        what its own runtime mode allows without asking; else it could approve its own work
+        through another thread, voiding approval-required."""
         caller = await self._caller_thread(scope)
         if caller is None or caller.thread is None:
             raise ToolFailure("parent_not_active", "the calling thread is gone")
@@ -1673,5 +1664,4 @@ def build_mcp_server(toolkit: Toolkit, *, version: str) -> Server:
                                   "t3 hit an internal error; see the server log.")
         return _result(payload, is_error=False)
 
-    server = Server("t3", version=version, on_list_tools=list_tools, on_call_tool=call_tool)
-    return server
+    return Server("t3", version=version, on_list_tools=list_tools, on_call_tool=call_tool)
