@@ -1034,26 +1034,27 @@ class ClientApi:
         self.connections: set[_WsConnection] = set()
         self.threads = toolkit.threads
         self.scope = Scope(kind="client", key="client")
+
+        def tool(name: str) -> Callable[[Mapping[str, Any]], Awaitable[Any]]:
+            return functools.partial(toolkit.call_as, self.scope, name)  # run for the person
         self._methods: dict[str, Callable[[Mapping[str, Any]], Awaitable[Any]]] = {
             "dispatchCommand": self.dispatch_command, "launchThread": self.launch_thread,
             "forkThread": self.fork_thread, "mergeBack": self.merge_back,
             "sendToThread": self.send_to_thread, "waitForThread": self.wait_for_thread,
-            "interruptThread": self.interrupt_thread, "listThreads": self.list_threads,
+            "interruptThread": self.interrupt_thread, "listThreads": tool("t3_thread_list"),
             "rollbackThread": self.rollback_thread,
-            "readThread": self.read_thread, "getThreadProjection": self.get_thread_projection,
+            "readThread": tool("t3_thread_read"), "getThreadProjection": self.get_thread_projection,
             "listPendingRequests": self.list_pending_requests,
             "listWebhookDeliveries": self.list_webhook_deliveries,
-            "listScheduledTasks": self.list_scheduled_tasks,
+            "listScheduledTasks": tool("list_scheduled_tasks"),
             "getTurnDiff": self.get_turn_diff, "getFullThreadDiff": lambda p: toolkit.call_as(
                 self.scope, "t3_thread_diff", {"threadId": _thread_id(p)}),
             "scheduleTask": lambda p: self._as_person("schedule_task", p, toolkit.schedule),
             "deleteScheduledTask": lambda p: self._as_person("delete_scheduled_task", p,
                                                              toolkit.delete_schedule),
-            **({"advanceTestClock": self.advance_test_clock} if test_clock else {})}
-        self._methods.update({  # the metadata tools' own code, run for the person
-            method: functools.partial(toolkit.call_as, self.scope, tool) for method, tool in (
-                ("updateThread", "t3_thread_update"), ("linkPullRequest", "link_pull_request"),
-                ("unlinkPullRequest", "unlink_pull_request"))})
+            **({"advanceTestClock": self.advance_test_clock} if test_clock else {}),
+            "updateThread": tool("t3_thread_update"), "linkPullRequest": tool("link_pull_request"),
+            "unlinkPullRequest": tool("unlink_pull_request")}
         self._streams: dict[str, Callable[[Mapping[str, Any], Emit], Awaitable[None]]] = {
             "subscribeThread": self.subscribe_thread, "subscribeShell": self.subscribe_shell}
 
@@ -1220,21 +1221,12 @@ class ClientApi:
         projection["thread"] = rows["thread"][0] if rows["thread"] else None
         return sequence, projection
 
-    async def list_threads(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        return await self.toolkit.call_as(self.scope, "t3_thread_list", params)
-
-    async def read_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        return await self.toolkit.call_as(self.scope, "t3_thread_read", params)
-
     async def get_turn_diff(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """One run's diff: {threadId, runId | ordinal} (t3_thread_diff's code and result)."""
         if params.get("runId") is None and params.get("ordinal") is None:
             raise WsFailure("invalid_request", "getTurnDiff: runId or ordinal is required "
                             "(getFullThreadDiff gives the whole thread's)")
         return await self.toolkit.call_as(self.scope, "t3_thread_diff", params)
-
-    async def list_scheduled_tasks(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        return await self.toolkit.call_as(self.scope, "list_scheduled_tasks", params)
 
     async def list_pending_requests(self, params: Mapping[str, Any]) -> dict[str, Any]:
         import orchestrator as orch
@@ -1298,7 +1290,8 @@ class ClientApi:
         try:
             last = self.store.max_sequence()
             if after is None:
-                schedules = (await self.list_scheduled_tasks({}))["tasks"]
+                schedules = (await self.toolkit.call_as(self.scope, "list_scheduled_tasks",
+                                                        {}))["tasks"]
                 await emit({"kind": "snapshot",
                             "snapshot": {**self._shell_snapshot(last), "schedules": schedules}})
             else:
