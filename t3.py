@@ -1440,10 +1440,7 @@ class _WsConnection:
             result = await self.api.call(method, params, emit)
         except WsFailure as failure:
             await self._reply(request_id, error=failure.body)
-        except ToolFailure as failure:
-            await self._reply(request_id, error={"code": failure.code,
-                                                 "message": failure.message})
-        except orch.T3Error as exc:
+        except (ToolFailure, orch.T3Error) as exc:  # a ToolFailure's str is its message
             await self._reply(request_id, error={"code": exc.code, "message": str(exc)})
         except StoreError as exc:
             await self._reply(request_id, error={"code": "orchestration_error",
