@@ -1556,20 +1556,17 @@ _WIRE_COMMANDS = {
     "delegated_task.cancel": _wire({"parentThreadId": _WIRE_REF, "taskId": _WIRE_REF,
                                     "reason": _WIRE_REASON}, ["parentThreadId", "taskId"]),
     "thread.stop": _wire({"threadId": _WIRE_REF, "reason": _WIRE_REASON}, ["threadId"]),
-    "thread.resume": _wire({"threadId": _WIRE_REF}, ["threadId"]),
     "provider.switch": _wire({"threadId": _WIRE_REF, "modelSelection": _WIRE_SELECTION},
                              ["threadId", "modelSelection"]),
     "checkpoint.rollback": _wire({"threadId": _WIRE_REF, "checkpointId": _WIRE_REF},
                                  ["threadId", "checkpointId"]),
+    "thread.snooze": _wire({"threadId": _WIRE_REF, "snoozedUntil": _WIRE_REF},
+                           ["threadId", "snoozedUntil"]),
+    "thread.visit": _wire({"threadId": _WIRE_REF, "visitedAt": _WIRE_REF}, ["threadId"]),
+    **{kind: _wire({"threadId": _WIRE_REF}, ["threadId"]) for kind in (
+        "thread.resume", "thread.archive", "thread.unarchive", "thread.delete",
+        "thread.unsnooze")},
 }
-
-
-_WIRE_COMMANDS.update({kind: _wire({"threadId": _WIRE_REF, **(
-    {"snoozedUntil": _WIRE_REF} if kind == "thread.snooze" else {}), **(
-    {"visitedAt": _WIRE_REF} if kind == "thread.visit" else {})}, [
-    "threadId", *(["snoozedUntil"] if kind == "thread.snooze" else [])]) for kind in (
-    "thread.archive", "thread.unarchive", "thread.delete", "thread.snooze", "thread.unsnooze",
-    "thread.visit")})
 
 
 async def _build_command(api: ClientApi, a: Mapping[str, Any], made: Mapping[str, str]) -> Any:
