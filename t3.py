@@ -488,9 +488,7 @@ class Credentials:
         self._scope_type = Scope
         self._sessions: dict[str, _SessionCredential] = {}  # token hash -> credential
         self._by_session: dict[str, str] = {}  # provider session id -> token hash
-        self.max_lifetime_s = max_lifetime_s
-        self.idle_s = idle_s
-        self.mcp_url = mcp_url
+        self.max_lifetime_s, self.idle_s, self.mcp_url = max_lifetime_s, idle_s, mcp_url
         self._clock = clock
 
     def issue(self, *, thread_id: str, provider_instance_id: str, provider_session_id: str
@@ -1029,8 +1027,7 @@ class ClientApi:
     def __init__(self, *, orch: Any, toolkit: Any, store: Any,
                  test_clock: TestClock | None = None) -> None:
         from tools import Scope
-        self.orch, self.toolkit, self.store = orch, toolkit, store
-        self.test_clock = test_clock
+        self.orch, self.toolkit, self.store, self.test_clock = orch, toolkit, store, test_clock
         self.connections: set[_WsConnection] = set()
         self.threads = toolkit.threads
         self.scope = Scope(kind="client", key="client")
@@ -1368,8 +1365,7 @@ class _WsConnection:
 
     def __init__(self, api: ClientApi, send: Callable[[MutableMapping[str, Any]],
                                                        Awaitable[None]]) -> None:
-        self.api = api
-        self._send = send
+        self.api, self._send = api, send
         self._lock = asyncio.Lock()
         self._tasks: dict[Any, asyncio.Task[None]] = {}
 

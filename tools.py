@@ -79,8 +79,7 @@ class ToolFailure(Exception):
         if code not in FAILURE_CODES:
             raise ValueError(f"unknown failure code {code}")
         super().__init__(message)
-        self.code = code
-        self.message = message
+        self.code, self.message = code, message
 
 
 @dataclass(frozen=True, slots=True)
@@ -635,10 +634,8 @@ def published_output(tool: _Tool) -> dict[str, Any]:
 class Toolkit:
     def __init__(self, orchestrator: orch.Orchestrator, store: Store, context: ServerContext
                  ) -> None:
-        self.orch = orchestrator
+        self.orch, self.store, self.ctx = orchestrator, store, context
         self.threads = orch.ThreadService(orchestrator)
-        self.store = store
-        self.ctx = context
 
     def list_tools(self) -> list[types.Tool]:
         return [types.Tool(name=t.name, description=t.description,
