@@ -72,6 +72,7 @@ class Scope:
 
 current_scope: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("t3_scope",
                                                                             default=None)
+_Args = Mapping[str, Any]  # a tool's arguments, validated
 
 
 class ToolFailure(Exception):
@@ -678,7 +679,7 @@ class Toolkit:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _key(self, args: Mapping[str, Any]) -> str:
+    def _key(self, args: _Args) -> str:
         return args.get("clientRequestId") or str(uuid.uuid4())
 
     @staticmethod
@@ -741,8 +742,7 @@ class Toolkit:
 
     # -- delegation ------------------------------------------------------------------------------
 
-    async def _capabilities(self, scope: Scope, args: Mapping[str, Any], _: Any
-                            ) -> dict[str, Any]:
+    async def _capabilities(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         caller = await self._caller_thread(scope)
         thread = caller.thread if caller else None
         search = (args.get("search") or "").lower()
@@ -782,7 +782,7 @@ class Toolkit:
                 "providers": providers,
                 "features": dict(FEATURES)}
 
-    async def _delegate(self, scope: Scope, args: Mapping[str, Any],
+    async def _delegate(self, scope: Scope, args: _Args,
                         progress: Callable[[float, str], Awaitable[None]] | None
                         ) -> dict[str, Any]:
         self._thread_caller(scope, "delegate_task")
@@ -845,7 +845,7 @@ class Toolkit:
                 command_id=self._id("command", "question-delivered", question.id),
                 thread_id=parent_id, task_id=task_id, request_id=question.id))
 
-    async def _wait_task(self, parent_id: str, task_id: str, args: Mapping[str, Any],
+    async def _wait_task(self, parent_id: str, task_id: str, args: _Args,
                          progress: Callable[[float, str], Awaitable[None]] | None) -> bool:
         parent = await self._thread(parent_id)
         task = parent.entities["subagent"][task_id]
@@ -917,12 +917,10 @@ class Toolkit:
                                     "runId": approval.run_id} if approval else None,
                 "waitTimedOut": False, "childThreadLink": self.ctx.link(task.child_thread_id)}
 
-    async def _task_status(self, scope: Scope, args: Mapping[str, Any], _: Any
-                           ) -> dict[str, Any]:
+    async def _task_status(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self._task_result(self._thread_caller(scope, "task_status"), args["taskId"])
 
-    async def _task_cancel(self, scope: Scope, args: Mapping[str, Any], _: Any
-                           ) -> dict[str, Any]:
+    async def _task_cancel(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         parent_id = self._thread_caller(scope, "task_cancel")
         before = await self._task_result(parent_id, args["taskId"])
         terminal = before["status"] in orch.TASK_TERMINAL
@@ -978,8 +976,7 @@ class Toolkit:
 
     # -- handlers --------------------------------------------------------------------------------
 
-    async def _create_threads(self, scope: Scope, args: Mapping[str, Any], _: Any
-                              ) -> dict[str, Any]:
+    async def _create_threads(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         caller = (await self._agent_caller(scope, "create_threads"))[0] \
             if scope.kind == "thread" else None
         project = self.ctx.project(args.get("projectId") or _home_project(caller))
@@ -998,11 +995,10 @@ class Toolkit:
             for i, entry in enumerate(args["threads"])]
         return {"threads": [await self._create(command) for command in commands]}
 
-    async def _launch(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
+    async def _launch(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self.launch(scope, args, transport="mcp")
 
-    async def launch(self, scope: Scope, args: Mapping[str, Any], *, transport: str
-                     ) -> dict[str, Any]:
+    async def launch(self, scope: Scope, args: _Args, *, transport: str) -> dict[str, Any]:
         """t3_thread_launch (``transport`` mcp), and /ws ``launchThread`` for a person
         (``transport`` web or cli, which the thread records as its creation source)."""
         made_by = _made_by(transport)
@@ -1086,8 +1082,7 @@ class Toolkit:
             "repo": repo, "baseRef": strategy["baseRef"], "fromOrigin": from_origin,
             "setup": list(project.setup)}}
 
-    async def _list_threads(self, scope: Scope, args: Mapping[str, Any], _: Any
-                            ) -> dict[str, Any]:
+    async def _list_threads(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         caller = await self._caller_thread(scope)
         project = self.ctx.project(args.get("projectId") or (
             caller.thread.project_id if caller and caller.thread else None), listing=True)
@@ -1128,8 +1123,7 @@ class Toolkit:
                 "createdAt": thread["createdAt"], "updatedAt": row["updatedAt"],
                 "link": self.ctx.link(thread["id"]), **_thread_state(thread, row)}
 
-    async def _read_thread(self, scope: Scope, args: Mapping[str, Any], _: Any
-                           ) -> dict[str, Any]:
+    async def _read_thread(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         state = await self._thread(args["threadId"])
         if "afterPosition" in args and "beforePosition" in args:
             raise ToolFailure("invalid_request",
@@ -1170,8 +1164,7 @@ class Toolkit:
                 "earlierPosition": first if has_older else None,
                 "link": self.ctx.link(state.thread.id if state.thread else "")}
 
-    async def _thread_diff(self, scope: Scope, args: Mapping[str, Any], _: Any
-                           ) -> dict[str, Any]:
+    async def _thread_diff(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self.threads.diff(args["threadId"], run_id=args.get("runId"),
                                        ordinal=args.get("ordinal"))
 
@@ -1246,7 +1239,7 @@ class Toolkit:
                 **({"answeredBy": item.data["answeredBy"]}  # who answered a request
                    if item.data and item.data.get("answeredBy") else {})}
 
-    async def _send(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
+    async def _send(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         state = await self._thread(args["threadId"])
         thread = state.thread
         assert thread is not None
@@ -1259,13 +1252,13 @@ class Toolkit:
             created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP,
             target=args.get("target"))
 
-    async def _wait(self, scope: Scope, args: Mapping[str, Any],
+    async def _wait(self, scope: Scope, args: _Args,
                     progress: Callable[[float, str], Awaitable[None]] | None) -> dict[str, Any]:
         return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
                                        timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000,
                                        progress=progress)
 
-    async def _interrupt(self, scope: Scope, args: Mapping[str, Any], _: Any) -> dict[str, Any]:
+    async def _interrupt(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         thread_id = args["threadId"]
         await self._require_live_caller(scope, await self._thread(thread_id),
                                         "t3_thread_interrupt")
@@ -1274,8 +1267,7 @@ class Toolkit:
             command_id=self._id("command", "mcp", scope.key, "thread-interrupt", thread_id,
                                 self._key(args)))
 
-    async def _pending_request(self, scope: Scope, args: Mapping[str, Any], _: Any
-                               ) -> dict[str, Any]:
+    async def _pending_request(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         state = await self._thread(args["threadId"])
         action = args["action"]
         if action == "list":
@@ -1307,23 +1299,20 @@ class Toolkit:
 
     # -- thread metadata (t3_thread_update, link/unlink_pull_request) ------------------------------
 
-    async def _update_thread(self, scope: Scope, args: Mapping[str, Any], _: Any
-                             ) -> dict[str, Any]:
+    async def _update_thread(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         if (args["action"] == "rename") != ("title" in args):
             raise ToolFailure("invalid_request", "title: required for rename, refused for "
                                                  "regenerate_title")
         return await self._change_metadata(scope, args, args["action"], title=args.get("title"))
 
-    async def _link_pull_request(self, scope: Scope, args: Mapping[str, Any], _: Any
-                                 ) -> dict[str, Any]:
+    async def _link_pull_request(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self._change_metadata(scope, args, "link_pull_request",
                                            pull_request=_pull_request(args["url"]))
 
-    async def _unlink_pull_request(self, scope: Scope, args: Mapping[str, Any], _: Any
-                                   ) -> dict[str, Any]:
+    async def _unlink_pull_request(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self._change_metadata(scope, args, "unlink_pull_request")
 
-    async def _change_metadata(self, scope: Scope, args: Mapping[str, Any], action: str,
+    async def _change_metadata(self, scope: Scope, args: _Args, action: str,
                                **change: Any) -> dict[str, Any]:
         """One metadata action on the target thread (default: the caller's). Another thread
         takes the caller's live run and may not have broader modes (as t3_thread_send)."""
@@ -1338,12 +1327,10 @@ class Toolkit:
 
     # -- scheduled tasks -------------------------------------------------------------------------
 
-    async def _schedule_task(self, scope: Scope, args: Mapping[str, Any], _: Any
-                             ) -> dict[str, Any]:
+    async def _schedule_task(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self.schedule(scope, args, transport="mcp")
 
-    async def schedule(self, scope: Scope, args: Mapping[str, Any], *, transport: str
-                       ) -> dict[str, Any]:
+    async def schedule(self, scope: Scope, args: _Args, *, transport: str) -> dict[str, Any]:
         """schedule_task (``transport`` mcp), and /ws ``scheduleTask`` for a person (``transport``
         web or cli: a task made so records ``createdBy: "user"`` and that creation source)."""
         caller = (await self._agent_caller(scope, "schedule_task"))[0] \
@@ -1361,7 +1348,7 @@ class Toolkit:
         task = await self._visible_task(scope, caller, command.thread_id)
         return self._task_summary(task, hook_token=token)
 
-    def _task_create(self, scope: Scope, caller: ThreadState | None, args: Mapping[str, Any],
+    def _task_create(self, scope: Scope, caller: ThreadState | None, args: _Args,
                      schedule: dict[str, Any] | None, transport: str
                      ) -> tuple[orch.UpsertScheduledTask, str | None]:
         if schedule is None or "prompt" not in args:
@@ -1391,7 +1378,7 @@ class Toolkit:
             creator_thread_id=scope.thread_id, **_made_by(transport)), token
 
     def _task_update(self, scope: Scope, caller: ThreadState | None, task: orch.ScheduledTask,
-                     args: Mapping[str, Any], schedule: dict[str, Any] | None, transport: str
+                     args: _Args, schedule: dict[str, Any] | None, transport: str
                      ) -> tuple[orch.UpsertScheduledTask, str | None]:
         bind = args.get("bindToCurrentThread")
         if bind and (caller is None or caller.thread is None
@@ -1446,8 +1433,7 @@ class Toolkit:
                                   "those modes (or the client) may change it") from exc
         return task  # type: ignore[no-any-return]
 
-    async def _list_schedules(self, scope: Scope, args: Mapping[str, Any], _: Any
-                              ) -> dict[str, Any]:
+    async def _list_schedules(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         caller = await self._caller_thread(scope)
         wanted = args.get("projectId") or (caller.thread.project_id
                                            if caller and caller.thread else None)
@@ -1456,12 +1442,10 @@ class Toolkit:
                           for t in tasks if wanted in (None, t.project_id)
                           and args.get("scheduledTaskId") in (None, t.id)]}
 
-    async def _delete_schedule(self, scope: Scope, args: Mapping[str, Any], _: Any
-                               ) -> dict[str, Any]:
+    async def _delete_schedule(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self.delete_schedule(scope, args, transport="mcp")
 
-    async def delete_schedule(self, scope: Scope, args: Mapping[str, Any], *, transport: str
-                              ) -> dict[str, Any]:
+    async def delete_schedule(self, scope: Scope, args: _Args, *, transport: str) -> dict[str, Any]:
         """delete_scheduled_task (``transport`` mcp), and /ws ``deleteScheduledTask``."""
         caller = (await self._agent_caller(scope, "delete_scheduled_task"))[0] \
             if scope.kind == "thread" else None
