@@ -52,8 +52,9 @@ __all__ = ["VERSION", "main", "Config", "ConfigError", "load_config", "DataDirEr
 VERSION = "0.1.0"
 log = logging.getLogger("t3")
 
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]],
-                    Callable[[MutableMapping[str, Any]], Awaitable[None]]], Awaitable[None]]
+_Receive = Callable[[], Awaitable[Any]]
+_Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[MutableMapping[str, Any], _Receive, _Send], Awaitable[None]]
 
 _ID = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -191,8 +192,7 @@ def _project_entries(entries: Sequence[Mapping[str, Any]], fail: _Fail, *, cwd: 
     return projects
 
 
-def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path
-                    ) -> dict[str, Any]:
+def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
     from providers import DRIVERS
     for key in entry:
         if key not in _SECTIONS["providers"]:
@@ -491,8 +491,7 @@ class Credentials:
         self.max_lifetime_s, self.idle_s, self.mcp_url = max_lifetime_s, idle_s, mcp_url
         self._clock = clock
 
-    def issue(self, *, thread_id: str, provider_instance_id: str, provider_session_id: str
-              ) -> Any:
+    def issue(self, *, thread_id: str, provider_instance_id: str, provider_session_id: str) -> Any:
         """A new credential for one provider session, as the MCP endpoint its agent is given.
         Only the token's hash is kept; the raw token lives in the returned endpoint alone."""
         from orchestrator import McpEndpoint
@@ -709,8 +708,7 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
         await _send_json(send, 200, {"ok": True, "version": VERSION,
                                      "environmentId": environment_id})
 
-    async def ws_without_upgrade(scope: MutableMapping[str, Any], receive: Any,
-                                 send: Any) -> None:
+    async def ws_without_upgrade(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         await _refuse(scope, send, 426, "websocket_required",
                       "/ws speaks WebSocket (orchestration protocol 2)",
                       [(b"upgrade", b"websocket")])
@@ -915,7 +913,7 @@ def _hook_address(scope: MutableMapping[str, Any]) -> tuple[str, str]:
             urllib.parse.unquote(parts[3].decode("latin-1")))
 
 
-async def _read_body(receive: Callable[[], Awaitable[Any]], *, limit: int) -> bytes | None:
+async def _read_body(receive: _Receive, *, limit: int) -> bytes | None:
     """The whole request body; None as soon as it exceeds ``limit`` (the rest is left unread).
     A body still arriving ``BODY_TIMEOUT_S`` after the request is ``_SlowBody`` (408)."""
     chunks: list[bytes] = []
@@ -936,8 +934,7 @@ async def _read_body(receive: Callable[[], Awaitable[Any]], *, limit: int) -> by
         raise _SlowBody from None
 
 
-async def _lifespan(receive: Callable[[], Awaitable[Any]],
-                    send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+async def _lifespan(receive: _Receive, send: _Send) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
@@ -951,9 +948,8 @@ def _header(scope: MutableMapping[str, Any], name: bytes) -> str | None:
     return next((v.decode("latin-1") for k, v in scope.get("headers") or [] if k == name), None)
 
 
-async def _refuse(scope: MutableMapping[str, Any],
-                  send: Callable[[MutableMapping[str, Any]], Awaitable[None]], status: int,
-                  error: str, message: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+async def _refuse(scope: MutableMapping[str, Any], send: _Send, status: int, error: str,
+                  message: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """An error answer sent without reading (all of) the body. An HTTP/1 connection then
     closes: what is left of the body must not be read as the next request. (HTTP/2 forbids the
     header; there the answer ends only its stream.)"""
@@ -962,7 +958,7 @@ async def _refuse(scope: MutableMapping[str, Any],
     await _send_json(send, status, {"error": error, "message": message}, headers)
 
 
-async def _send_json(send: Callable[[MutableMapping[str, Any]], Awaitable[None]], status: int,
+async def _send_json(send: _Send, status: int,
                      body: Mapping[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     payload = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
@@ -971,7 +967,7 @@ async def _send_json(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]
     await send({"type": "http.response.body", "body": payload})
 
 
-async def _drain(receive: Callable[[], Awaitable[Any]], *, limit: int) -> None:
+async def _drain(receive: _Receive, *, limit: int) -> None:
     """Read and drop a request body, up to about ``limit`` bytes."""
     seen = 0
     while seen <= limit:
@@ -1363,13 +1359,12 @@ class _WsConnection:
 
     MAX_IN_FLIGHT = 64
 
-    def __init__(self, api: ClientApi, send: Callable[[MutableMapping[str, Any]],
-                                                       Awaitable[None]]) -> None:
+    def __init__(self, api: ClientApi, send: _Send) -> None:
         self.api, self._send = api, send
         self._lock = asyncio.Lock()
         self._tasks: dict[Any, asyncio.Task[None]] = {}
 
-    async def serve(self, receive: Callable[[], Awaitable[Any]]) -> None:
+    async def serve(self, receive: _Receive) -> None:
         self.api.connections.add(self)
         try:
             while True:
@@ -1488,8 +1483,7 @@ def ws_endpoint(api: ClientApi, client_token: ClientToken) -> ASGIApp:
     return endpoint
 
 
-def _denial(send: Callable[[MutableMapping[str, Any]], Awaitable[None]]
-            ) -> Callable[[MutableMapping[str, Any]], Awaitable[None]]:
+def _denial(send: _Send) -> _Send:
     """``send`` for an HTTP answer to a WebSocket upgrade (ASGI's websocket.http.response)."""
     async def deny(message: MutableMapping[str, Any]) -> None:
         await send({**message, "type": "websocket." + message["type"]})
@@ -1819,8 +1813,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     return 0
 
 
-def _announce(server_json: Path, *, url: str, ws_url: str, port: int,
-              environment_id: str) -> None:
+def _announce(server_json: Path, *, url: str, ws_url: str, port: int, environment_id: str) -> None:
     """server.json (how the commands for people find the server), then the ready line."""
     _write_private_atomic(server_json, json.dumps({
         "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp", "wsUrl": ws_url, "port": port,
@@ -2638,8 +2631,7 @@ async def _cmd_show(client: WsClient, args: argparse.Namespace) -> int:
         view.end_line()
 
 
-async def _follow(client: WsClient, thread_id: str, view: _Timeline, *, until_done: bool
-                  ) -> int:
+async def _follow(client: WsClient, thread_id: str, view: _Timeline, *, until_done: bool) -> int:
     params: dict[str, Any] = {"threadId": thread_id}
     while True:  # again from the last sequence seen when the stream fell behind
         try:
