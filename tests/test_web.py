@@ -244,6 +244,7 @@ def test_web_view_reconnects_after_a_restart_and_resumes_from_its_last_sequence(
     [thread] = [t["threadId"] for t in mcp.call("t3_thread_list", {}).structured["threads"]]
     mcp.call("t3_thread_send", {"threadId": thread, "message": "after the restart"})
     page.wait_for(lines_with("You said: after the restart"))
+    page.wait_for(lines_with("resumed", "completed"))  # the run's finalization commits after
     steps.shot("resumed", ("live",), ("You said: before the restart",),
                ("You said: after the restart",), ("resumed", "completed"))
     assert page.evaluate("window.t3TestMark") == "same page"
