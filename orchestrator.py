@@ -1824,100 +1824,106 @@ def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str,
 
 def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents,
                 event: AdapterEvent) -> Run:
-    root_id = attempt.root_node_id
     if isinstance(event, (TextDelta, ReasoningDelta)):
         role = "assistant" if isinstance(event, TextDelta) else "reasoning"
         _append_text(d, run, attempt, role, event.text)
     elif isinstance(event, ToolUpdate):
         _close_streams(d, attempt)
-        node_id = bounded_id(f"node:{attempt.id}:tool:{event.native_id}")
-        node = d.get("node", node_id)
-        status = {"pending": "running", "in_progress": "running"}.get(event.status, event.status)
-        if status not in _NODE_STATUSES:
-            status = "running"
-        if node is None:
-            node = ExecutionNode(id=node_id, thread_id=run.thread_id, run_id=run.id,
-                                 parent_node_id=root_id, root_node_id=root_id, kind_="tool_call",
-                                 status=status, counts_for_run=False, native_ref=event.native_id,
-                                 started_at=d.now)
-        d.put(replace(node, status=status,
-                      completed_at=d.now if status in ("completed", "failed") else None))
-        item_id = bounded_id(f"turn-item:{attempt.id}:tool:{event.native_id}")
-        item = d.get("turn-item", item_id)
-        if item is None:
-            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
-                            type="tool_call", status=status, position=d.position(),
-                            updated_at=d.now, title=event.title or "Tool call", data={},
-                            started_at=d.now)
-        data = dict(item.data or {})
-        if event.input is not None:
-            data["input"] = event.input
-        if event.tool_kind:
-            data["kind"] = event.tool_kind
-        text = item.text
-        if event.output is not None:
-            text = event.output
-        d.put(replace(item, status=status, title=event.title or item.title, data=data, text=text,
-                      updated_at=d.now,
-                      completed_at=d.now if status in ("completed", "failed") else None))
+        _ingest_tool(d, run, attempt, event)
     elif isinstance(event, PlanUpdate):
         item_id = bounded_id(f"turn-item:{attempt.id}:plan")
         item = d.get("turn-item", item_id)
         text = "\n".join(f"[{e.get('status', 'pending')}] {e.get('content', '')}"
                          for e in event.entries)
         if item is None:
-            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=root_id,
-                            type="todo_list", status="running", position=d.position(),
-                            updated_at=d.now, title="Plan", started_at=d.now)
+            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id,
+                            node_id=attempt.root_node_id, type="todo_list", status="running",
+                            position=d.position(), updated_at=d.now, title="Plan",
+                            started_at=d.now)
         d.put(replace(item, text=text, data={"steps": list(event.entries)}, updated_at=d.now))
     elif isinstance(event, RuntimeRequestOpened):
         _close_streams(d, attempt)
-        request_id = bounded_id(f"runtime-request:{c.provider_session_id}:{event.native_ref}")
-        if d.get("runtime-request", request_id) is None:
-            node_id = bounded_id(f"node:runtime-request:{request_id}")
-            node_kind = "user_input_request" if event.request_kind == "user_input" \
-                else "approval_request"
-            d.put(ExecutionNode(id=node_id, thread_id=run.thread_id, run_id=run.id,
-                                parent_node_id=root_id, root_node_id=root_id, kind_=node_kind,
-                                status="waiting", counts_for_run=False,
-                                runtime_request_id=request_id, native_ref=event.native_ref,
-                                started_at=d.now))
-            d.put(RuntimeRequest(
-                id=request_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
-                kind_=event.request_kind, status="pending", title=event.title,
-                detail=event.detail, created_at=d.now, native_request_ref=event.native_ref,
-                provider_turn_id=attempt.provider_turn_id,
-                response_capability={"type": "live", "providerSessionId": c.provider_session_id}))
-            d.put(TurnItem(id=_request_item_id(request_id), thread_id=run.thread_id,
-                           run_id=run.id, node_id=node_id, type=node_kind, status="waiting",
-                           position=d.position(), updated_at=d.now, title=event.title,
-                           text=event.title, data={"requestId": request_id,
-                                                   "requestKind": event.request_kind,
-                                                   **event.detail},
-                           started_at=d.now))
-            task = _parent_task(d)
-            if event.request_kind == "user_input" and task is not None:
-                # Users rarely watch child threads: the parent's agent hears about the question.
-                d.effect("subagent.question", {
-                    **task, "requestId": request_id, "question": event.title,
-                    "blocking": event.detail.get("isBlocking") is not False}, request_id,
-                    thread_id=task["parentThreadId"])
+        _ingest_request(d, run, attempt, c.provider_session_id, event)
     elif isinstance(event, TurnEnded):
         _close_streams(d, attempt)
         if event.status == "completed":
-            run = _end_run(d, run, RunStatus.WAITING, None)
-        elif event.status == "interrupted":
-            run = _end_run(d, run, RunStatus.INTERRUPTED, _interrupt_reason(d, run))
-        else:
-            failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
-                       "code": None, "retryable": None}
-            d.put(TurnItem(id=bounded_id(f"turn-item:{attempt.id}:error"), thread_id=run.thread_id,
-                           run_id=run.id, node_id=root_id, type="error", status="failed",
-                           position=d.position(), updated_at=d.now, title="Provider error",
-                           text=event.failure, started_at=d.now, completed_at=d.now))
-            run = _end_run(d, run, RunStatus.FAILED, event.failure or "The provider failed.",
-                           failure)
+            return _end_run(d, run, RunStatus.WAITING, None)
+        if event.status == "interrupted":
+            return _end_run(d, run, RunStatus.INTERRUPTED, _interrupt_reason(d, run))
+        failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
+                   "code": None, "retryable": None}
+        d.put(TurnItem(id=bounded_id(f"turn-item:{attempt.id}:error"), thread_id=run.thread_id,
+                       run_id=run.id, node_id=attempt.root_node_id, type="error",
+                       status="failed", position=d.position(), updated_at=d.now,
+                       title="Provider error", text=event.failure, started_at=d.now,
+                       completed_at=d.now))
+        return _end_run(d, run, RunStatus.FAILED, event.failure or "The provider failed.", failure)
     return run
+
+
+def _ingest_tool(d: _Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) -> None:
+    """A tool call's node and turn item, made on its first update and updated by the rest."""
+    root_id = attempt.root_node_id
+    node_id = bounded_id(f"node:{attempt.id}:tool:{event.native_id}")
+    status = {"pending": "running", "in_progress": "running"}.get(event.status, event.status)
+    if status not in _NODE_STATUSES:
+        status = "running"
+    ended = d.now if status in ("completed", "failed") else None
+    node = d.get("node", node_id) or ExecutionNode(
+        id=node_id, thread_id=run.thread_id, run_id=run.id, parent_node_id=root_id,
+        root_node_id=root_id, kind_="tool_call", status=status, counts_for_run=False,
+        native_ref=event.native_id, started_at=d.now)
+    d.put(replace(node, status=status, completed_at=ended))
+    item_id = bounded_id(f"turn-item:{attempt.id}:tool:{event.native_id}")
+    item = d.get("turn-item", item_id) or TurnItem(
+        id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id, type="tool_call",
+        status=status, position=d.position(), updated_at=d.now,
+        title=event.title or "Tool call", data={}, started_at=d.now)
+    data = dict(item.data or {})
+    if event.input is not None:
+        data["input"] = event.input
+    if event.tool_kind:
+        data["kind"] = event.tool_kind
+    d.put(replace(item, status=status, title=event.title or item.title, data=data,
+                  text=item.text if event.output is None else event.output, updated_at=d.now,
+                  completed_at=ended))
+
+
+def _ingest_request(d: _Draft, run: Run, attempt: RunAttempt, session_id: str,
+                    event: RuntimeRequestOpened) -> None:
+    """A provider's question or approval request: its node, request and turn item, once."""
+    request_id = bounded_id(f"runtime-request:{session_id}:{event.native_ref}")
+    if d.get("runtime-request", request_id) is not None:
+        return
+    root_id = attempt.root_node_id
+    node_id = bounded_id(f"node:runtime-request:{request_id}")
+    node_kind = "user_input_request" if event.request_kind == "user_input" \
+        else "approval_request"
+    d.put(ExecutionNode(id=node_id, thread_id=run.thread_id, run_id=run.id,
+                        parent_node_id=root_id, root_node_id=root_id, kind_=node_kind,
+                        status="waiting", counts_for_run=False,
+                        runtime_request_id=request_id, native_ref=event.native_ref,
+                        started_at=d.now))
+    d.put(RuntimeRequest(
+        id=request_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
+        kind_=event.request_kind, status="pending", title=event.title,
+        detail=event.detail, created_at=d.now, native_request_ref=event.native_ref,
+        provider_turn_id=attempt.provider_turn_id,
+        response_capability={"type": "live", "providerSessionId": session_id}))
+    d.put(TurnItem(id=_request_item_id(request_id), thread_id=run.thread_id,
+                   run_id=run.id, node_id=node_id, type=node_kind, status="waiting",
+                   position=d.position(), updated_at=d.now, title=event.title,
+                   text=event.title, data={"requestId": request_id,
+                                           "requestKind": event.request_kind,
+                                           **event.detail},
+                   started_at=d.now))
+    task = _parent_task(d)
+    if event.request_kind == "user_input" and task is not None:
+        # Users rarely watch child threads: the parent's agent hears about the question.
+        d.effect("subagent.question", {
+            **task, "requestId": request_id, "question": event.title,
+            "blocking": event.detail.get("isBlocking") is not False}, request_id,
+            thread_id=task["parentThreadId"])
 
 
 def _interrupt_reason(d: _Draft, run: Run) -> str:
