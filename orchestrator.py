@@ -3811,6 +3811,17 @@ class Orchestrator:
                           "used for a different request", code="invalid_request")
         return DispatchResult(receipt.result_sequence, receipt.result, replayed=True)
 
+    async def _try_dispatch(self, command: Any, note: str = "") -> bool:
+        """Dispatch where the state may have moved on meanwhile: a CommandRejected is only
+        logged (under ``note``); False then."""
+        try:
+            await self.dispatch(command)
+        except CommandRejected as exc:
+            if note:
+                log.info("%s: %s", note, exc)
+            return False
+        return True
+
     def _apply(self, events: Sequence[_store.NewEvent], sequences: Sequence[int]) -> None:
         touched: set[str] = set()
         for event, sequence in zip(events, sequences, strict=True):
@@ -4096,12 +4107,9 @@ class Orchestrator:
                            error=None if run.status == RunStatus.COMPLETED else reason)
 
     async def _settle(self, task_id: str, fire_key: str, status: str, **fields: Any) -> None:
-        try:
-            await self.dispatch(SettleScheduledRun(
-                command_id=bounded_id(f"command:settle:{fire_key}:{status}"), thread_id=task_id,
-                fire_key=fire_key, status=status, **fields))
-        except CommandRejected as exc:
-            log.info("scheduled task %s: %s", task_id, exc)
+        await self._try_dispatch(SettleScheduledRun(
+            command_id=bounded_id(f"command:settle:{fire_key}:{status}"), thread_id=task_id,
+            fire_key=fire_key, status=status, **fields), f"scheduled task {task_id}")
 
     async def _resume_scheduled(self) -> None:
         """After a restart: a task whose fired run ended meanwhile (it was interrupted by the
@@ -4232,15 +4240,11 @@ class Orchestrator:
             return
         run_id = row.payload.get("runId")
         if run_id and row.effect_type.startswith(("provider-turn.", "workspace.")):
-            try:
-                await self.dispatch(FailRun(
-                    command_id=bounded_id(f"command:effect-failed:{row.effect_id}"),
-                    thread_id=row.thread_id,
-                    run_id=run_id, attempt_id=None, status=RunStatus.FAILED,
-                    reason=f"{row.effect_type} failed after {row.attempt_count} attempt(s): "
-                           f"{message}"))
-            except CommandRejected:
-                pass
+            await self._try_dispatch(FailRun(
+                command_id=bounded_id(f"command:effect-failed:{row.effect_id}"),
+                thread_id=row.thread_id, run_id=run_id, attempt_id=None, status=RunStatus.FAILED,
+                reason=f"{row.effect_type} failed after {row.attempt_count} attempt(s): "
+                       f"{message}"))
 
     async def _execute(self, row: _store.EffectRow) -> None:
         p = row.payload
@@ -4262,22 +4266,17 @@ class Orchestrator:
             await self._finalize_task(p["parentThreadId"], p["taskId"], p["childThreadId"],
                                       p["runId"], p.get("publish", True))
         elif row.effect_type == "subagent.question":
-            try:
-                await self.dispatch(NotifyTaskQuestion(
-                    command_id=bounded_id(f"command:task-question:{p['requestId']}"),
-                    thread_id=p["parentThreadId"], task_id=p["taskId"],
-                    request_id=p["requestId"], child_thread_id=p["childThreadId"],
-                    question=p["question"], blocking=p.get("blocking", True)))
-            except CommandRejected as exc:
-                log.info("question of task %s not routed: %s", p["taskId"], exc)
+            await self._try_dispatch(NotifyTaskQuestion(
+                command_id=bounded_id(f"command:task-question:{p['requestId']}"),
+                thread_id=p["parentThreadId"], task_id=p["taskId"],
+                request_id=p["requestId"], child_thread_id=p["childThreadId"],
+                question=p["question"], blocking=p.get("blocking", True)),
+                f"question of task {p['taskId']} not routed")
         elif row.effect_type == "subagent.question-settled":
-            try:
-                await self.dispatch(SettleTaskQuestion(
-                    command_id=bounded_id(f"command:withdraw-question:{p['requestId']}"),
-                    thread_id=p["parentThreadId"], task_id=p["taskId"],
-                    request_id=p["requestId"]))
-            except CommandRejected as exc:
-                log.info("question of task %s not withdrawn: %s", p["taskId"], exc)
+            await self._try_dispatch(SettleTaskQuestion(
+                command_id=bounded_id(f"command:withdraw-question:{p['requestId']}"),
+                thread_id=p["parentThreadId"], task_id=p["taskId"], request_id=p["requestId"]),
+                f"question of task {p['taskId']} not withdrawn")
         elif row.effect_type == "scheduled-task.run":
             await self._run_scheduled(row.thread_id, p["fireKey"], p["prompt"])
         elif row.effect_type == "thread-title.generate":
@@ -4296,12 +4295,9 @@ class Orchestrator:
             if state is None or run is None or run.status != RunStatus.WAITING:
                 return  # already finalized (a replay after a crash): the effect is idempotent
             found = await self._capture_checkpoints(state, run)
-            try:
-                await self.dispatch(CompleteRun(
-                    command_id=bounded_id(f"command:finalize:{p['runId']}"),
-                    thread_id=row.thread_id, run_id=p["runId"], checkpoints=found))
-            except CommandRejected:
-                pass  # finalized meanwhile
+            await self._try_dispatch(CompleteRun(
+                command_id=bounded_id(f"command:finalize:{p['runId']}"),
+                thread_id=row.thread_id, run_id=p["runId"], checkpoints=found))
         else:
             raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
 
@@ -4388,12 +4384,9 @@ class Orchestrator:
             if (pthread.last_run_ordinal or 0) > cp.ordinal and await self._rollback_natively(
                     state, pthread, kept_turns(state, pthread.id, cp.ordinal)):
                 native.append(pthread.id)
-        try:
-            await self.dispatch(FinishRollback(
-                command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
-                item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
-        except CommandRejected:
-            pass  # finished meanwhile
+        await self._try_dispatch(FinishRollback(
+            command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
+            item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
 
     async def _rollback_natively(self, state: ThreadState, pthread: ProviderThread,
                                  keep: int) -> bool:
@@ -4478,13 +4471,11 @@ class Orchestrator:
         if child is None or run is None:
             raise _PermanentEffectError(f"the run {run_id} of task {task_id} is gone")
         status = RunStatus.CANCELLED if run.status == RunStatus.ROLLED_BACK else run.status
-        try:
-            await self.dispatch(FinalizeSubagent(
-                command_id=bounded_id(f"command:finalize-task:{task_id}:{run_id}"),
-                thread_id=parent_id, task_id=task_id, status=status,
-                result=task_result(child, run), run_id=run_id, publish=publish))
-        except CommandRejected as exc:
-            log.warning("task %s could not be finalized: %s", task_id, exc)
+        await self._try_dispatch(FinalizeSubagent(
+            command_id=bounded_id(f"command:finalize-task:{task_id}:{run_id}"),
+            thread_id=parent_id, task_id=task_id, status=status,
+            result=task_result(child, run), run_id=run_id, publish=publish),
+            f"task {task_id} could not be finalized")
 
     # -- workspace preparation -------------------------------------------------------------------
 
@@ -4716,14 +4707,12 @@ class Orchestrator:
     async def _wait_in_line(self, state: ThreadState, run: Run) -> None:
         """No agent process slot: the run goes back to ``queued``, saying why, until
         ``_rebalance`` grants it one (in the order runs started waiting)."""
-        try:
-            await self.dispatch(AwaitAgentSlot(
+        if not await self._try_dispatch(AwaitAgentSlot(
                 command_id=bounded_id(f"command:await-slot:{run.active_attempt_id}:"
                                       f"{self._new_id('wait')}"),
                 thread_id=run.thread_id, run_id=run.id, attempt_id=run.active_attempt_id or "",
                 reason=f"Waiting for a free agent process: max_live_agent_processes = "
-                       f"{self._max_live} are running; it starts when one frees."))
-        except CommandRejected:
+                       f"{self._max_live} are running; it starts when one frees.")):
             return  # interrupted meanwhile
         self._line.append((run.thread_id, run.id, run.active_attempt_id or ""))
         self._rebalance()
@@ -4743,11 +4732,10 @@ class Orchestrator:
             self._spawn(idle.handle.close(), f"release {idle.session_id}")
 
     async def _grant_slot(self, thread_id: str, run_id: str, attempt_id: str) -> None:
-        try:
-            await self.dispatch(GrantAgentSlot(
+        if not await self._try_dispatch(GrantAgentSlot(
                 command_id=bounded_id(f"command:grant-slot:{attempt_id}:{self._new_id('grant')}"),
-                thread_id=thread_id, run_id=run_id, attempt_id=attempt_id))
-        except CommandRejected:  # it ended while it waited: the slot goes to the next in line
+                thread_id=thread_id, run_id=run_id, attempt_id=attempt_id)):
+            # it ended while it waited: the slot goes to the next in line
             self._reserved.pop(run_id, None)
             self._rebalance()
 
@@ -4842,20 +4830,14 @@ class Orchestrator:
                                                    or live.closing_reason) else RunStatus.FAILED
                 live.turn = None
                 live.turn_ended.set()
-                try:
-                    await self.dispatch(FailRun(
-                        command_id=bounded_id(f"command:session-gone:{live.session_id}:{attempt_id}"),
-                        thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
-                        status=status, reason=reason))
-                except CommandRejected:
-                    pass
-            try:
-                await self.dispatch(EndProviderSession(
-                    command_id=bounded_id(f"command:session-end:{live.session_id}"),
-                    thread_id=live.thread_id, provider_session_id=live.session_id,
-                    status="stopped" if live.closing_reason else "error", reason=reason))
-            except CommandRejected:
-                pass
+                await self._try_dispatch(FailRun(
+                    command_id=bounded_id(f"command:session-gone:{live.session_id}:{attempt_id}"),
+                    thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
+                    status=status, reason=reason))
+            await self._try_dispatch(EndProviderSession(
+                command_id=bounded_id(f"command:session-end:{live.session_id}"),
+                thread_id=live.thread_id, provider_session_id=live.session_id,
+                status="stopped" if live.closing_reason else "error", reason=reason))
         finally:
             if self._live.get(live.thread_id) is live:
                 del self._live[live.thread_id]
