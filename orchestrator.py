@@ -1369,10 +1369,7 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
     d.put(ExecutionNode(id=root_id, thread_id=thread.id, run_id=run_id, parent_node_id=None,
                         root_node_id=root_id, kind_="root_turn", status="pending",
                         counts_for_run=True, provider_thread_id=provider_thread_id))
-    d.put(ConversationMessage(id=message_id, thread_id=thread.id, run_id=run_id, node_id=root_id,
-                              role="user", text=text, streaming=False, created_by=created_by,
-                              creation_source=creation_source, created_at=d.now,
-                              updated_at=d.now))
+    _user_message(d, run, root_id, message_id, text, created_by, creation_source)
     if not queued:
         _user_item(d, run, message_id, root_id, "turn_start")
     if preparation:
@@ -1401,6 +1398,23 @@ def _question_message_id(request_id: str) -> str:
 def result_transfer_id(task_id: str) -> str:
     """The id of the context transfer that carries a delegated task's result to its parent."""
     return bounded_id(f"context-transfer:subagent_result:{task_id}")
+
+
+def _user_message(d: _Draft, run: Run, node_id: str | None, message_id: str, text: str,
+                  created_by: str, creation_source: str) -> None:
+    d.put(ConversationMessage(id=message_id, thread_id=run.thread_id, run_id=run.id,
+                              node_id=node_id, role="user", text=text, streaming=False,
+                              created_by=created_by, creation_source=creation_source,
+                              created_at=d.now, updated_at=d.now))
+
+
+def _steer_in(d: _Draft, run: Run, attempt: RunAttempt, message_id: str, text: str,
+              created_by: str, creation_source: str) -> None:
+    """Deliver a message into the run's live turn (the provider steers actively)."""
+    _user_message(d, run, run.root_node_id, message_id, text, created_by, creation_source)
+    _user_item(d, run, message_id, run.root_node_id or "", "steer")
+    d.effect("provider-turn.steer", {"runId": run.id, "attemptId": attempt.id,
+                                     "messageId": message_id}, message_id)
 
 
 def _user_item(d: _Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
@@ -1458,14 +1472,7 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
         if run.provider_instance_id in providers else Capabilities()
     result = {"threadId": run.thread_id, "runId": run.id, "messageId": c.message_id}
     if c.mode == "steer_active" and caps.supports_active_steering:
-        d.put(ConversationMessage(id=c.message_id, thread_id=run.thread_id, run_id=run.id,
-                                  node_id=run.root_node_id, role="user", text=c.text,
-                                  streaming=False, created_by=c.created_by,
-                                  creation_source=c.creation_source, created_at=d.now,
-                                  updated_at=d.now))
-        _user_item(d, run, c.message_id, run.root_node_id or "", "steer")
-        d.effect("provider-turn.steer", {"runId": run.id, "attemptId": attempt.id,
-                                         "messageId": c.message_id}, c.message_id)
+        _steer_in(d, run, attempt, c.message_id, c.text, c.created_by, c.creation_source)
         return {**result, "delivery": "steered"}
     turn_message = d.get("message", run.user_message_id)
     for text in (c.text, turn_message.text if turn_message else ""):
@@ -1496,10 +1503,7 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
                         counts_for_run=True, provider_thread_id=run.provider_thread_id))
     run = d.put(replace(run, status=RunStatus.STARTING, root_node_id=new_root,
                         active_attempt_id=new_attempt_id, user_message_id=c.message_id))
-    d.put(ConversationMessage(id=c.message_id, thread_id=run.thread_id, run_id=run.id,
-                              node_id=new_root, role="user", text=c.text, streaming=False,
-                              created_by=c.created_by, creation_source=c.creation_source,
-                              created_at=d.now, updated_at=d.now))
+    _user_message(d, run, new_root, c.message_id, c.text, c.created_by, c.creation_source)
     _user_item(d, run, c.message_id, new_root, "steer")
     d.effect("provider-turn.restart", {"runId": run.id, "interruptedAttemptId": attempt.id,
                                        "attemptId": new_attempt_id}, new_attempt_id)
@@ -2208,8 +2212,7 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
                           target_thread_id=task.thread_id, status="consumed",
                           created_by=Actor.SYSTEM, created_at=d.now, updated_at=d.now,
                           target_run_id=task.run_id, summary=c.result, consumed_at=d.now))
-    live = any(r.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)
-               for r in d.runs())
+    live = any(r.status in RUN_LIVE for r in d.runs())
     if not task.cancel_requested and (task.completion_wake == "always" or not live):
         verb = "completed" if status == "completed" else f"ended with status {status}"
         _notify_parent(d, bounded_id(f"message:task-wake:{task.id}"), providers,
@@ -2228,14 +2231,7 @@ def _notify_parent(d: _Draft, message_id: str, providers: Mapping[str, ProviderI
         info = providers.get(run.provider_instance_id)
         if run.status == RunStatus.RUNNING and turn is not None and turn.status == "running" \
                 and info is not None and info.capabilities.supports_active_steering:
-            d.put(ConversationMessage(id=message_id, thread_id=run.thread_id, run_id=run.id,
-                                      node_id=run.root_node_id, role="user", text=text,
-                                      streaming=False, created_by=Actor.AGENT,
-                                      creation_source=CreationSource.SERVER, created_at=d.now,
-                                      updated_at=d.now))
-            _user_item(d, run, message_id, run.root_node_id or "", "steer")
-            d.effect("provider-turn.steer", {"runId": run.id, "attemptId": attempt.id,
-                                             "messageId": message_id}, message_id)
+            _steer_in(d, run, attempt, message_id, text, Actor.AGENT, CreationSource.SERVER)
             return
         break
     blocked = any(r.status in RUN_BLOCKING or (r.status == RunStatus.QUEUED and not r.queue_held)
@@ -2257,8 +2253,7 @@ def _parent_task(d: _Draft) -> dict[str, str] | None:
 def _decide_task_question(d: _Draft, c: NotifyTaskQuestion, *,
                           providers: Mapping[str, ProviderInfo], **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
-    live = any(r.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)
-               for r in d.runs())
+    live = any(r.status in RUN_LIVE for r in d.runs())
     if task.status in TASK_TERMINAL or task.cancel_requested or \
             c.request_id in (task.questions or {}):
         return {"taskId": task.id, "notified": False}
