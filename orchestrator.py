@@ -1272,6 +1272,11 @@ class _Draft:
                     entity.to_json())
         return entity
 
+    def update(self, kind: str, entity_id: str | None, **changes: Any) -> None:
+        """Put the entity with ``changes``, if there is one."""
+        if (entity := self.get(kind, entity_id)) is not None:
+            self.put(replace(entity, **changes))
+
     def append(self, message: ConversationMessage, text: str) -> None:
         """Stream ``text`` onto an open message: it grows whole here, its event carries only
         ``text`` (store.TEXT_APPENDED)."""
@@ -1319,9 +1324,7 @@ def _decide_create_thread(d: _Draft, c: CreateThread, *, providers: Mapping[str,
                           **_: Any) -> Mapping[str, Any]:
     if d.state.thread is not None:
         raise CommandRejected(f"thread {c.thread_id} already exists", code="invalid_request")
-    if c.provider_instance_id not in providers:
-        raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
-                              code="provider_unavailable")
+    _registered(providers, c.provider_instance_id)
     thread = AppThread(
         id=c.thread_id, project_id=c.project_id, title=c.title,
         provider_instance_id=c.provider_instance_id,
@@ -1425,12 +1428,24 @@ def _user_item(d: _Draft, run: Run, message_id: str, node_id: str, intent: str) 
         completed_at=d.now))
 
 
-def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
-                     **_: Any) -> Mapping[str, Any]:
+def _sendable(d: _Draft) -> AppThread:
     thread = d.thread
     assert thread is not None
     if thread.archived_at is not None:
         raise CommandRejected("the thread is archived", code="thread_not_sendable")
+    return thread
+
+
+def _registered(providers: Mapping[str, ProviderInfo], instance_id: str) -> ProviderInfo:
+    if instance_id not in providers:
+        raise CommandRejected(f"provider instance {instance_id!r} is not registered",
+                              code="provider_unavailable")
+    return providers[instance_id]
+
+
+def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
+                     **_: Any) -> Mapping[str, Any]:
+    thread = _sendable(d)
     if d.get("message", c.message_id) is not None:
         raise CommandRejected(f"message {c.message_id} already exists", code="invalid_request")
     if rollback_in_progress(d):
@@ -1450,10 +1465,15 @@ def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, P
             "delivery": "queued" if run.status == RunStatus.QUEUED else "started"}
 
 
-def _steerable_run(d: _Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
+def _run(d: _Draft, run_id: str | None) -> Run:
     run = d.get("run", run_id)
     if run is None:
         raise CommandRejected(f"run {run_id} was not found", code="run_not_found")
+    return run  # type: ignore[no-any-return]
+
+
+def _steerable_run(d: _Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
+    run = _run(d, run_id)
     attempt = d.get("run-attempt", run.active_attempt_id)
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
     if run.status != RunStatus.RUNNING or turn is None or turn.status != "running":
@@ -1491,9 +1511,7 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
     new_attempt_id = bounded_id(f"{run.id}:attempt:{n}")
     new_root = bounded_id(f"node:{run.id}:attempt:{n}:root")
     d.put(replace(attempt, status="superseded", completed_at=d.now))
-    old_root = d.get("node", attempt.root_node_id)
-    if old_root is not None:
-        d.put(replace(old_root, status="interrupted", completed_at=d.now))
+    d.update("node", attempt.root_node_id, status="interrupted", completed_at=d.now)
     d.put(RunAttempt(id=new_attempt_id, run_id=run.id, thread_id=run.thread_id, attempt_ordinal=n,
                      root_node_id=new_root, provider_instance_id=run.provider_instance_id,
                      reason="steering_restart", status="pending",
@@ -1533,9 +1551,7 @@ def _stop_and_queue_ahead(d: _Draft, c: DispatchMessage, run: Run) -> Mapping[st
 
 
 def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]:
-    run = d.get("run", c.run_id)
-    if run is None:
-        raise CommandRejected(f"run {c.run_id} was not found", code="run_not_found")
+    run = _run(d, c.run_id)
     if run.status in RUN_TERMINAL:
         return {"threadId": run.thread_id, "runId": run.id, "status": run.status}
     if run.status == RunStatus.WAITING or (run.status == RunStatus.QUEUED
@@ -1685,9 +1701,8 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
     declined = c.decision in ("decline", "cancel")
     d.put(replace(request, status="resolved", decision=c.decision, answers=c.answers,
                   resolved_at=d.now, answered_by=c.answered_by))
-    node = d.get("node", request.node_id)
-    if node is not None:
-        d.put(replace(node, status="cancelled" if declined else "completed", completed_at=d.now))
+    d.update("node", request.node_id, status="cancelled" if declined else "completed",
+             completed_at=d.now)
     item = d.get("turn-item", _request_item_id(request.id))
     if item is not None:
         d.put(replace(item, status="cancelled" if declined else "completed", updated_at=d.now,
@@ -1705,9 +1720,7 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
 
 
 def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[str, Any]:
-    run = d.get("run", c.run_id)
-    if run is None:
-        raise CommandRejected(f"run {c.run_id} was not found", code="run_not_found")
+    run = _run(d, c.run_id)
     if run.status != RunStatus.QUEUED:
         raise CommandRejected(f"run {run.id} is {run.status}, not queued", code="invalid_request")
     _cancel_queued(d, run)
@@ -1718,12 +1731,8 @@ def _cancel_queued(d: _Draft, run: Run) -> None:
     if run.awaiting_agent_slot:  # its start was under way: it ends as a started run would
         _end_run(d, run, RunStatus.CANCELLED, "The queued run was cancelled.")
         return
-    attempt = d.get("run-attempt", run.active_attempt_id)
-    if attempt is not None:
-        d.put(replace(attempt, status="cancelled", completed_at=d.now))
-    root = d.get("node", run.root_node_id)
-    if root is not None:
-        d.put(replace(root, status="cancelled", completed_at=d.now))
+    d.update("run-attempt", run.active_attempt_id, status="cancelled", completed_at=d.now)
+    d.update("node", run.root_node_id, status="cancelled", completed_at=d.now)
     d.put(replace(run, status=RunStatus.CANCELLED, queue_position=None, completed_at=d.now,
                   status_reason="The queued run was cancelled."))
 
@@ -1801,9 +1810,8 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
                               run_attempt_id=attempt.id, ordinal=len(turns) + 1, status="running",
                               started_at=d.now))
     d.put(replace(attempt, status="running", started_at=d.now, provider_turn_id=turn.id))
-    root = d.get("node", attempt.root_node_id)
-    if root is not None:
-        d.put(replace(root, status="running", started_at=d.now, provider_turn_id=turn.id))
+    d.update("node", attempt.root_node_id, status="running", started_at=d.now,
+             provider_turn_id=turn.id)
     d.put(replace(run, status=RunStatus.RUNNING, started_at=run.started_at or d.now,
                   context_handoff_id=run.context_handoff_id or handoff_id))
     return {"runId": run.id, "providerTurnId": turn.id, "contextHandoffId": handoff_id,
@@ -1971,9 +1979,8 @@ def _close_streams(d: _Draft, attempt: RunAttempt) -> None:
             continue
         message = d.get("message", open_id)
         d.put(replace(message, streaming=False, updated_at=d.now))
-        item = d.get("turn-item", _message_item_id(open_id))
-        if item is not None:
-            d.put(replace(item, status="completed", updated_at=d.now, completed_at=d.now))
+        d.update("turn-item", _message_item_id(open_id), status="completed", updated_at=d.now,
+                 completed_at=d.now)
 
 
 def task_result(state: ThreadState, run: Run) -> str:
@@ -1996,9 +2003,7 @@ def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status != RunStatus.WAITING:
         raise CommandRejected("the run is not waiting for finalization")
-    root = d.get("node", run.root_node_id)
-    if root is not None:
-        d.put(replace(root, status="completed", completed_at=d.now))
+    d.update("node", run.root_node_id, status="completed", completed_at=d.now)
     checkpoint = _record_checkpoints(d, run, c.checkpoints)
     run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now,
                         checkpoint_id=checkpoint.id if checkpoint else run.checkpoint_id))
@@ -2080,9 +2085,8 @@ def _expire_requests(d: _Draft, session_id: str | None, reason: str) -> None:
             d.put(replace(request, status="expired", resolved_at=d.now, status_reason=reason,
                           response_capability={"type": "not_resumable", "reason": reason}))
             _question_closed(d, request)
-            item = d.get("turn-item", _request_item_id(request.id))
-            if item is not None:
-                d.put(replace(item, status="cancelled", updated_at=d.now, completed_at=d.now))
+            d.update("turn-item", _request_item_id(request.id), status="cancelled",
+                     updated_at=d.now, completed_at=d.now)
 
 
 def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
@@ -2116,10 +2120,7 @@ def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, Prov
     if run is None or run.status not in RUN_BLOCKING:
         raise CommandRejected("delegated tasks need an active run of the calling thread",
                               code="parent_not_active")
-    info = providers.get(c.provider_instance_id)
-    if info is None:
-        raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
-                              code="provider_unavailable")
+    info = _registered(providers, c.provider_instance_id)
     task_id = c.task_id
     child_id = bounded_id(f"thread:delegated-task:{c.command_id}")
     child = _Draft(ThreadState(), c, d.now, sharing=d)
@@ -2201,12 +2202,9 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
         status = "interrupted"  # a cancelled task's late success does not count as one
     task = d.put(replace(task, status=status, result=c.result, completed_at=d.now,
                          updated_at=d.now, result_run_id=c.run_id or task.child_run_id))
-    node = d.get("node", task.id)
-    if node is not None:
-        d.put(replace(node, status=status, completed_at=d.now))
-    item = d.get("turn-item", _task_item_id(task.id))
-    if item is not None:
-        d.put(replace(item, status=status, text=c.result, updated_at=d.now, completed_at=d.now))
+    d.update("node", task.id, status=status, completed_at=d.now)
+    d.update("turn-item", _task_item_id(task.id), status=status, text=c.result, updated_at=d.now,
+             completed_at=d.now)
     d.put(ContextTransfer(id=result_transfer_id(task.id), thread_id=task.thread_id,
                           type="subagent_result", source_thread_id=task.child_thread_id,
                           target_thread_id=task.thread_id, status="consumed",
@@ -3238,13 +3236,8 @@ class SwitchProvider:
 
 def _decide_switch(d: _Draft, c: SwitchProvider, *, providers: Mapping[str, ProviderInfo],
                    **_: Any) -> Mapping[str, Any]:
-    thread = d.thread
-    assert thread is not None
-    if thread.archived_at is not None:
-        raise CommandRejected("the thread is archived", code="thread_not_sendable")
-    if c.provider_instance_id not in providers:
-        raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
-                              code="provider_unavailable")
+    thread = _sendable(d)
+    _registered(providers, c.provider_instance_id)
     before = thread.provider_instance_id, thread.model_selection.get("model")
     if (c.provider_instance_id, c.model, c.runtime_mode) != (*before, thread.runtime_mode):
         d.put(replace(thread, provider_instance_id=c.provider_instance_id,
@@ -3481,10 +3474,7 @@ def _take_fork(d: _Draft, run: Run, native: bool) -> str | None:
 
 
 def _decide_merge_back(d: _Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
-    thread = d.thread
-    assert thread is not None
-    if thread.archived_at is not None:
-        raise CommandRejected("the thread is archived", code="thread_not_sendable")
+    thread = _sendable(d)
     superseded = [d.put(replace(t, status="superseded", updated_at=d.now)).id
                   for t in d.all("context-transfer") if t.type == "merge_back"
                   and t.status == "pending" and t.source_thread_id == c.source_thread_id]
@@ -3602,9 +3592,7 @@ def _decide_finish_rollback(d: _Draft, c: FinishRollback, **_: Any) -> Mapping[s
         if run.ordinal > n and run.status != RunStatus.ROLLED_BACK:
             d.put(replace(run, status=RunStatus.ROLLED_BACK,
                           status_reason=f"rolled back to checkpoint {n}"))
-            root = d.get("node", run.root_node_id)
-            if root is not None:
-                d.put(replace(root, status="rolled_back"))
+            d.update("node", run.root_node_id, status="rolled_back")
     for cp in d.all("checkpoint"):
         if cp.ordinal > n and cp.status != "stale":
             d.put(replace(cp, status="stale", status_reason=f"rolled back to checkpoint {n}"))
@@ -3874,10 +3862,7 @@ class Orchestrator:
                 subscription.offer(outcome.sequences[index], event.thread_id, texts[index])
 
     def _lock(self, thread_id: str) -> asyncio.Lock:
-        lock = self._locks.get(thread_id)
-        if lock is None:
-            lock = self._locks[thread_id] = asyncio.Lock()
-        return lock
+        return self._locks.setdefault(thread_id, asyncio.Lock())
 
     # -- reads and waits -------------------------------------------------------------------------
 
@@ -3908,10 +3893,7 @@ class Orchestrator:
                 excess -= 1
 
     def _signal(self, thread_id: str) -> asyncio.Event:
-        signal = self._signals.get(thread_id)
-        if signal is None:
-            signal = self._signals[thread_id] = asyncio.Event()
-        return signal
+        return self._signals.setdefault(thread_id, asyncio.Event())
 
     def _notify(self, thread_id: str) -> None:
         signal = self._signals.pop(thread_id, None)
