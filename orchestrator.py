@@ -1140,9 +1140,8 @@ class RecoverThread:
     resumable_run_ids: frozenset[str] = frozenset()
 
 
-# What clients may send (MCP tools build these too; /ws takes them in their wire form). The
-# others are the server's own: a client forging provider output or recovery would falsify the
-# record.
+# What clients may send (/ws and MCP); the rest are the server's own: a client forging provider
+# output or recovery would falsify the record.
 CLIENT_COMMANDS = ("thread.create", "message.dispatch", "run.interrupt",
                    "runtime-request.respond", "queued-run.cancel", "delegated_task.request",
                    "delegated_task.wake-policy", "delegated_task.cancel", "thread.stop",
@@ -2622,13 +2621,11 @@ def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[st
 
 
 # =============================================================================================
-# Webhooks (SPEC 7): a webhook task runs once per delivery to its URL. t3.py checks the hook
-# token and bounds the body; the runtime checks the signature and the hook's rate; then one
-# command records the delivery with its outcome (duplicate, expired, skipped, failed, queued)
-# and, when the task is idle, fires it in that same commit. Deliveries wait in line, one run at
-# a time per task: settling a run fires the next one, also in one commit. A delivery that names
-# itself (a delivery id header) is recorded under a command id made of the task and that id,
-# so it is recorded once, crash or not: a second copy finds the receipt and is a duplicate.
+# Webhooks (SPEC 7): a webhook task runs once per delivery to its URL. t3.py checks the token
+# and bounds the body; the runtime checks signature and rate; one command records the delivery
+# with its outcome and, when the task is idle, fires it in that commit. Deliveries wait in line,
+# one run at a time: settling a run fires the next. A delivery id header makes the command id,
+# so a second copy finds the receipt and is recorded as a duplicate.
 
 
 HOOK_BODY_MAX_BYTES = 1024 * 1024  # t3.py refuses a longer body (413) before reading it
@@ -2964,11 +2961,10 @@ _TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, S
 
 
 # =============================================================================================
-# Thread metadata and lifecycle (research/t3code.md 2.6, 6.2): titles, pull request links, and a
-# person's view of a thread (archive, delete, snooze, visit). None of it touches a run but
-# archive and delete, which cancel queued runs and refuse while one is active. A title
-# regeneration is an effect on a lane of its own (a slow provider never holds up the thread's
-# turns); its answer applies only while its marker is current, so a later rename wins.
+# Thread metadata and lifecycle (research/t3code.md 2.6, 6.2): titles, pull request links,
+# archive, delete, snooze, visit. Only archive and delete touch runs (cancel queued ones, refuse
+# while one is active). A title regeneration runs on a lane of its own (a slow provider never
+# holds up turns) and applies only while its marker is current, so a later rename wins.
 
 
 THREAD_LIFECYCLE = ("thread.archive", "thread.unarchive", "thread.delete", "thread.snooze",
@@ -3123,13 +3119,10 @@ CLIENT_COMMANDS = (*CLIENT_COMMANDS, *THREAD_LIFECYCLE)
 
 
 # =============================================================================================
-# Workspace preparation (research/t3code.md 6.17). A launch into a new worktree creates its
-# first run ``preparing``, with a "Preparing workspace" item (data.phase ``worktree``, then
-# ``setup``, then ``ready`` or ``failed``; its text is the setup commands' output). The
-# ``workspace.prepare`` effect makes the worktree and runs the project's setup commands through
-# the Workspaces t3.py hands in, then releases the run (``starting``: its provider turn starts
-# in the worktree) or fails it with the reason. The effect is replay-safe: one cut short by a
-# killed server runs again after the restart, first removing what the dead attempt left.
+# Workspace preparation (research/t3code.md 6.17). A launch into a new worktree starts its first
+# run ``preparing`` with a "Preparing workspace" item (phase worktree, setup, ready or failed;
+# text: the setup output). ``workspace.prepare`` makes the worktree, runs the setup commands,
+# then releases or fails the run. Replay-safe: a rerun first removes what a dead attempt left.
 
 
 class Workspaces(Protocol):
@@ -3206,12 +3199,9 @@ _HANDLERS[AdvancePreparation] = _decide_preparation
 
 
 # =============================================================================================
-# Provider switch and context handoff (research/t3code.md 6.13, 6.14)
-#
-# A thread keeps its id for life; ``provider.switch`` changes the provider instance (and model)
-# its next runs go to. Each provider instance has one provider thread per app thread; a run that
-# starts on a provider thread which missed earlier runs (it never took part, took part before
-# others did, or its native conversation could not be resumed) carries a ContextHandoff: the
+# Provider switch and context handoff (research/t3code.md 6.13, 6.14). ``provider.switch``
+# changes the instance (and model) a thread's next runs go to. A run on a provider thread that
+# missed earlier runs (never took part, or could not resume) carries a ContextHandoff: a
 # deterministic summary of what it missed, injected before the user's text.
 
 HANDOFF_BUDGET = 32_000  # characters of summary; the newest context is kept when cut
@@ -3376,25 +3366,15 @@ CLIENT_COMMANDS = (*CLIENT_COMMANDS, "provider.switch")
 
 
 # =============================================================================================
-# Fork and merge-back (research/t3code.md 1.4, 6.13, 6.14)
-#
-# ``thread.fork`` makes a new thread (lineage ``fork``; the source's project, provider, model and
-# modes) with a pending ``fork`` ContextTransfer holding the source point (a completed run; a
-# checkpoint names its run) and the portable context, worked out when the fork is made from the
-# source's settled items: a full_thread_summary of its runs up to that point. Nothing else
-# happens until the fork's first run starts. Its session then opens as a native fork of the
-# source run's provider thread when the driver can (same provider instance; codex ``thread/fork``
-# through that run's last turn, ACP ``session/fork`` of a conversation that has nothing later),
-# and the transfer is consumed as ``native_fork``; otherwise the run carries the summary as its
-# handoff (``portable_context``). A source point with a ready checkpoint (a git workspace) gives
-# the fork a worktree of its own at that checkpoint's commit, on a new branch: its first run is
-# ``preparing`` while ``workspace.prepare`` makes it, as a worktree launch's is. Outside git the
-# fork shares the source's workspace.
-#
-# ``thread.merge_back`` records on the fork's parent a pending ``merge_back`` transfer with the
-# fork's delta (its completed runs, as a ``fork_delta_summary``), superseding a pending one from
-# the same fork; the parent's next run to start carries it as a handoff labelled
-# MERGE_BACK_LABEL (merge-backs from several forks: one handoff each).
+# Fork and merge-back (research/t3code.md 1.4, 6.13, 6.14). ``thread.fork`` makes a thread
+# (lineage ``fork``) with a pending ``fork`` ContextTransfer: the source point (a completed run)
+# and a full_thread_summary up to it. At the fork's first run its session opens as a native
+# fork of the source's provider thread where the driver can (transfer consumed as
+# ``native_fork``), else the run carries the summary (``portable_context``). A point with a
+# ready checkpoint gives the fork its own worktree at that commit (first run ``preparing``);
+# outside git it shares the source's workspace. ``thread.merge_back`` records on the parent a
+# pending ``merge_back`` transfer of the fork's completed runs (superseding a pending one from
+# that fork); the parent's next run carries each as a MERGE_BACK_LABEL handoff.
 
 MERGE_BACK_LABEL = "merge_back / fork_delta_summary"
 
@@ -3513,16 +3493,12 @@ _HANDLERS[MergeBack] = _decide_merge_back
 
 
 # =============================================================================================
-# Rollback (research/t3code.md 1.4, 6.12): ``checkpoint.rollback`` takes a thread back to run
-# N's checkpoint. The decision only records a ``rollback`` item (running) and the replay-safe
-# ``checkpoint.rollback`` effect; no run may start while it runs. The effect restores the
-# workspace's files (workspace.restore: tracked and untracked, ignored files kept), deletes the
-# refs of later checkpoints, rolls back the conversation of each provider thread that saw a later
-# run where its driver can (``supports_rollback``: codex) and closes the live session, then
-# FinishRollback marks the later runs and their root nodes ``rolled_back``, their checkpoints
-# ``stale``, and resets the other provider threads: their next turn starts a fresh provider
-# session with a full-thread handoff of the runs kept. Every step is idempotent, so a server
-# killed mid-way converges when the effect runs again. Run ordinals keep increasing.
+# Rollback (research/t3code.md 1.4, 6.12): ``checkpoint.rollback`` records a running
+# ``rollback`` item and a replay-safe effect; no run starts meanwhile. The effect restores the
+# files, deletes later refs, rolls back provider conversations natively where the driver can
+# (``supports_rollback``) and closes the live session; FinishRollback then marks later runs
+# ``rolled_back``, their checkpoints ``stale``, and resets the other provider threads (a fresh
+# session with a full handoff). Every step is idempotent; run ordinals keep increasing.
 
 
 @dataclass(frozen=True, slots=True)
