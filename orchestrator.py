@@ -138,10 +138,8 @@ INTERACTION_RANK = {m: i for i, m in enumerate(InteractionMode)}
 
 
 def mode_to_answer(request_kind: str) -> RuntimeMode | None:
-    """The narrowest runtime mode whose agent may answer a request of this kind for a
-    descendant: what that mode would have allowed without asking (SPEC 5.1a). Questions need
-    none; file reads and changes need auto-accept-edits; commands, MCP and other permissions
-    need auto."""
+    """The narrowest runtime mode that may answer this kind of request for a descendant
+    (SPEC 5.1a): none for questions, auto-accept-edits for file reads and changes, else auto."""
     if request_kind == "user_input":
         return None
     if request_kind in ("file-read", "file-change"):
@@ -173,9 +171,8 @@ MAX_ID_CHARS = 160
 
 
 def bounded_id(text: str) -> str:
-    """An id t3 derives: ``text`` itself, or when longer than MAX_ID_CHARS its head and a hash of
-    the whole. Ids derive from other ids (a delegated child's from its parent's command), so
-    without a bound they would grow with every level of delegation."""
+    """``text``, or past MAX_ID_CHARS its head and a hash of the whole: derived ids nest (a
+    delegated child's from its parent's command), so unbounded they grow with every level."""
     if len(text) <= MAX_ID_CHARS:
         return text
     digest = hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -2910,9 +2907,8 @@ def _decide_receive_delivery(d: _Draft, c: ReceiveWebhookDelivery, **_: Any
 
 def _fire_next_delivery(d: _Draft, task: ScheduledTask, *,
                         arriving: WebhookDelivery | None = None) -> ScheduledTask:
-    """Fire the task's oldest queued delivery when the task is idle, enabled and not deleted;
-    put the deliveries this changes (and ``arriving``, which joins the line). Returns the task
-    for the caller to put."""
+    """Fire the oldest queued delivery if the task is idle, enabled and not deleted; put what
+    this changes (and ``arriving``, joining the line). Returns the task for the caller to put."""
     line = sorted([x for x in d.all("webhook-delivery") if x.outcome == "queued"]
                   + ([arriving] if arriving else []), key=lambda x: x.ordinal)
     if not line or not task.enabled or task.deleted_at is not None or \
@@ -3254,9 +3250,8 @@ def _hand_off(d: _Draft, run: Run, pthread: ProviderThread | None, resume_failed
 
 def record_handoff(d: _Draft, run: Run, strategy: str, covered: Sequence[Run],
                    providers: Mapping[str, ProviderInfo]) -> str | None:
-    """A ContextHandoff of ``covered`` (runs, oldest first) for ``run`` and its ``handoff``
-    turn item; None when nothing is covered. Reusable by any path that moves a conversation to
-    a provider thread that lacks it (rollback, fork, merge-back: add their headers)."""
+    """A ContextHandoff of ``covered`` (runs, oldest first) for ``run``, with its turn item; its
+    id, or None when nothing is covered."""
     if not covered:
         return None
     return _put_handoff(d, run, describe_handoff(d, strategy, covered, run.provider_instance_id,
@@ -4065,9 +4060,8 @@ class Orchestrator:
             fire_key=fire_key, status=status, **fields), f"scheduled task {task_id}")
 
     async def _resume_scheduled(self) -> None:
-        """After a restart: a task whose fired run ended meanwhile (it was interrupted by the
-        restart) records how; one still running is watched; a fire whose run had not started
-        yet finishes through its outbox row (replay-safe)."""
+        """After a restart: a fired run that ended meanwhile is settled, a running one watched; a
+        fire whose run had not started finishes through its outbox row (replay-safe)."""
         for task in self._store.scheduled_tasks():
             if task["lastRunStatus"] != "running" or not task.get("lastRunId"):
                 continue
@@ -4092,10 +4086,9 @@ class Orchestrator:
         return task  # type: ignore[no-any-return]
 
     async def receive_webhook(self, task_id: str, request: WebhookRequest) -> Mapping[str, Any]:
-        """A delivery to a hook whose token t3.py checked: its signature (``invalid_signature``),
-        the hook's rate (``RateLimited``), then its record (``_decide_receive_delivery``:
-        ``hook_disabled``, ``queue_full`` or an outcome). Answered once committed: a queued
-        delivery is durable and runs once, crash or not. Refusals write nothing."""
+        """A delivery whose token t3.py checked: signature (``invalid_signature``), rate
+        (``RateLimited``), then its record (``hook_disabled``, ``queue_full`` or an outcome),
+        answered once committed. Refusals write nothing."""
         task = await self.webhook_task(task_id)
         if task is None:
             raise T3Error("No webhook at this address.", code="hook_not_found")
@@ -4119,9 +4112,8 @@ class Orchestrator:
         return result.result
 
     def _admit_delivery(self, task_id: str) -> None:
-        """At most HOOK_DELIVERIES_PER_MINUTE deliveries per hook in any 60 s of the server's
-        clock. The window is kept in memory: a restart forgets it (it errs towards admitting),
-        and refused requests do not count, so a sender that backs off gets through."""
+        """At most HOOK_DELIVERIES_PER_MINUTE per hook in any 60 s, kept in memory (a restart
+        forgets it); refused requests do not count, so a sender that backs off gets through."""
         now = self._wall()
         hits = self._hook_hits.setdefault(task_id, collections.deque())
         while hits and hits[0] <= now - 60:
@@ -4257,10 +4249,8 @@ class Orchestrator:
     # -- checkpoints (git work through self.workspaces) ------------------------------------------
 
     async def _capture_baseline(self, state: ThreadState, run: Run) -> None:
-        """Before a run's turn: record the workspace as the checkpoint it is measured from
-        (``kept_before``: ordinal-1 unless runs were rolled back) when the thread has none ready
-        yet (its first run, or one after a run that ended without a capture). A git
-        failure only loses the baseline (its checkpoint is then missing); the turn goes on."""
+        """Before a run's first attempt: capture the ``kept_before`` checkpoint unless the thread
+        has it ready. A git failure only loses the baseline; the turn goes on."""
         thread, ws = state.thread, self.workspaces
         before = kept_before(state.runs, run.ordinal)
         previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id, before))
@@ -4276,12 +4266,9 @@ class Orchestrator:
 
     async def _capture_checkpoints(self, state: ThreadState, run: Run
                                    ) -> tuple[dict[str, Any], ...]:
-        """What a finished root turn records (CompleteRun.checkpoints): the baselines 0 and
-        ``kept_before`` (ordinal-1 unless runs were rolled back) the thread does not have yet
-        (ready when their ref exists), and the run's own capture with its files against
-        ``kept_before``. Outside git all are ``missing``; a git failure
-        makes the run's ``error`` with the reason. Capturing again after a crash is harmless:
-        the ref is simply rewritten."""
+        """CompleteRun.checkpoints for a finished root turn: the baselines 0 and ``kept_before``
+        the thread lacks (ready when their ref exists) and the run's own capture with its files;
+        outside git all ``missing``, a git failure ``error``. A rerun only rewrites the ref."""
         thread, ws, n = state.thread, self.workspaces, run.ordinal
         assert thread is not None
         have = {c.ordinal for c in state.entities["checkpoint"].values()}
@@ -4343,9 +4330,8 @@ class Orchestrator:
 
     async def _rollback_natively(self, state: ThreadState, pthread: ProviderThread,
                                  keep: int) -> bool:
-        """Roll ``pthread``'s own conversation back to its first ``keep`` turns in a short
-        session of its provider; False when the driver cannot (the next turn then starts fresh
-        with a handoff)."""
+        """Roll ``pthread``'s conversation back to its first ``keep`` turns in a short session;
+        False when the driver cannot (the next turn starts fresh with a handoff)."""
         adapter = self._adapters.get(pthread.provider_instance_id)
         thread = state.thread
         if adapter is None or thread is None or not pthread.native_thread_ref or \
@@ -4433,10 +4419,8 @@ class Orchestrator:
     # -- workspace preparation -------------------------------------------------------------------
 
     async def _prepare_workspace(self, row: _store.EffectRow) -> None:
-        """Make a launch's worktree and run its project's setup commands, then release the run,
-        or fail it with the reason (a worktree whose setup failed is kept, for a look). What an
-        earlier attempt left (a server killed mid-way) goes first, with its branch: the launch
-        refused a branch that existed before."""
+        """Make a launch's worktree (first removing what a killed attempt left, branch too) and
+        run its setup commands; release the run, or fail it (a failed setup keeps the worktree)."""
         p = row.payload
         state = await self.state(row.thread_id)
         thread = state.thread if state else None
@@ -4602,11 +4586,9 @@ class Orchestrator:
 
     async def _native_fork(self, state: ThreadState, run: Run, adapter: ProviderAdapter
                            ) -> dict[str, Any] | None:
-        """What a fork's first session opens as a native fork of ("Fork and merge-back"):
-        {ref: the source run's native conversation, dropTurns: its turns after that run}; None
-        when the driver cannot (another provider instance, no native conversation, no fork, or
-        turns to drop and no fork through an earlier turn). The driver falls back to a new
-        conversation when the fork itself fails (the run then gets the portable context)."""
+        """{ref, dropTurns} for a fork's first session to open as a native fork of the source
+        run's conversation ("Fork and merge-back"); None when the driver or instance cannot. If
+        the fork itself fails the driver opens a new conversation (portable context)."""
         transfer = _fork_transfer(view(state))
         native = (transfer.data or {}).get("native") if transfer else None
         caps = adapter.info.capabilities
@@ -4636,9 +4618,8 @@ class Orchestrator:
         return len(self._live) + self._opening + len(self._reserved)
 
     async def _claim_slot(self, run_id: str) -> bool:
-        """Hold a slot for a new provider process (``_opening`` until it is live). A run that was
-        granted one has it; otherwise runs already in line go first, then a free slot is taken,
-        then the least recently used idle session is stopped to make one."""
+        """Hold a slot for a new process (``_opening`` until live): a granted one; else, if no run
+        waits in line, a free one or one freed by stopping the least recently used idle session."""
         granted = self._reserved.pop(run_id, None) is not None
         if not granted and (self._line or self._slots_used() >= self._max_live):
             idle = None if self._line else self._idle_sessions()[:1]
@@ -4693,9 +4674,8 @@ class Orchestrator:
             self._rebalance()
 
     def _renewal_due(self, live: _LiveSession, adapter: ProviderAdapter | None) -> bool:
-        """The session's credential ended, or is past half its life: the next turn runs in a
-        resumed session with a new one (as after a restart). An agent that cannot resume keeps
-        its session, and its conversation, until the credential's end."""
+        """The credential ended or is past half its life: the next turn runs in a resumed session
+        with a new one. An agent that cannot resume keeps its session until the credential ends."""
         return self._credentials is not None and adapter is not None and \
             adapter.info.capabilities.supports_resume and \
             self._credentials.renewal_due(live.session_id)
@@ -4847,10 +4827,8 @@ class Orchestrator:
 
 
 class ThreadService:
-    """What the MCP thread tools and the /ws API both do with a thread: find it, send to it
-    (choosing how the message is delivered), wait for a run, choose the run to interrupt, answer
-    a request. The transports authenticate, check the caller's scope, parse and shape; the rules
-    of these operations live here, once."""
+    """The thread operations /mcp and /ws share (find, send, wait, interrupt, answer): the
+    transports authenticate, check scope, parse and shape; the rules live here, once."""
 
     PROGRESS_EVERY_S = 5.0
 
