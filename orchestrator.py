@@ -1416,12 +1416,18 @@ def _steer_in(d: _Draft, run: Run, attempt: RunAttempt, message_id: str, text: s
                                      "messageId": message_id}, message_id)
 
 
+def _put_item(d: _Draft, item_id: str, run: Run, node_id: str | None, type_: str, status: str,
+              **fields: Any) -> TurnItem:
+    """A new turn item of ``run`` at the timeline's end; a finished one completed now."""
+    return d.put(TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
+                          type=type_, status=status, position=d.position(), updated_at=d.now,
+                          started_at=d.now, **fields,
+                          completed_at=d.now if status in ("completed", "failed") else None))
+
+
 def _user_item(d: _Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
-    return d.put(TurnItem(
-        id=_message_item_id(message_id), thread_id=run.thread_id, run_id=run.id,
-        node_id=node_id, type="user_message", status="completed", position=d.position(),
-        updated_at=d.now, message_id=message_id, input_intent=intent, started_at=d.now,
-        completed_at=d.now))
+    return _put_item(d, _message_item_id(message_id), run, node_id, "user_message", "completed",
+                     message_id=message_id, input_intent=intent)
 
 
 def _sendable(d: _Draft) -> AppThread:
@@ -1563,10 +1569,8 @@ def _interrupt(d: _Draft, run: Run, reason: str | None) -> str:
     attempt = d.get("run-attempt", run.active_attempt_id)
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
     why = reason or "Interrupted on request."
-    d.put(TurnItem(id=bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
-                   thread_id=run.thread_id, run_id=run.id, node_id=run.root_node_id,
-                   type="run_interrupt_request", status="completed", position=d.position(),
-                   updated_at=d.now, text=why, started_at=d.now, completed_at=d.now))
+    _put_item(d, bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
+              run, run.root_node_id, "run_interrupt_request", "completed", text=why)
     if turn is None or turn.status != "running":
         # Nothing reached the provider yet: the run ends here and its start is called off.
         _end_run(d, run, RunStatus.INTERRUPTED,
@@ -1860,11 +1864,8 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
             return _end_run(d, run, RunStatus.INTERRUPTED, _interrupt_reason(d, run))
         failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
                    "code": None, "retryable": None}
-        d.put(TurnItem(id=bounded_id(f"turn-item:{attempt.id}:error"), thread_id=run.thread_id,
-                       run_id=run.id, node_id=attempt.root_node_id, type="error",
-                       status="failed", position=d.position(), updated_at=d.now,
-                       title="Provider error", text=event.failure, started_at=d.now,
-                       completed_at=d.now))
+        _put_item(d, bounded_id(f"turn-item:{attempt.id}:error"), run, attempt.root_node_id,
+                  "error", "failed", title="Provider error", text=event.failure)
         return _end_run(d, run, RunStatus.FAILED, event.failure or "The provider failed.", failure)
     return run
 
@@ -1918,13 +1919,9 @@ def _ingest_request(d: _Draft, run: Run, attempt: RunAttempt, session_id: str,
         detail=event.detail, created_at=d.now, native_request_ref=event.native_ref,
         provider_turn_id=attempt.provider_turn_id,
         response_capability={"type": "live", "providerSessionId": session_id}))
-    d.put(TurnItem(id=_request_item_id(request_id), thread_id=run.thread_id,
-                   run_id=run.id, node_id=node_id, type=node_kind, status="waiting",
-                   position=d.position(), updated_at=d.now, title=event.title,
-                   text=event.title, data={"requestId": request_id,
-                                           "requestKind": event.request_kind,
-                                           **event.detail},
-                   started_at=d.now))
+    _put_item(d, _request_item_id(request_id), run, node_id, node_kind, "waiting",
+              title=event.title, text=event.title, data={
+                  "requestId": request_id, "requestKind": event.request_kind, **event.detail})
     task = _parent_task(d)
     if event.request_kind == "user_input" and task is not None:
         # Users rarely watch child threads: the parent's agent hears about the question.
@@ -1954,11 +1951,9 @@ def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str)
                               node_id=attempt.root_node_id, role=role, text=text, streaming=True,
                               created_by=Actor.AGENT, creation_source=CreationSource.PROVIDER,
                               created_at=d.now, updated_at=d.now))
-    d.put(TurnItem(id=_message_item_id(message_id), thread_id=run.thread_id, run_id=run.id,
-                   node_id=attempt.root_node_id,
-                   type="assistant_message" if role == "assistant" else "reasoning",
-                   status="running", position=d.position(), updated_at=d.now,
-                   message_id=message_id, started_at=d.now))
+    _put_item(d, _message_item_id(message_id), run, attempt.root_node_id,
+              "assistant_message" if role == "assistant" else "reasoning", "running",
+              message_id=message_id)
 
 
 def _open_stream_id(d: _Draft, attempt: RunAttempt, role: str) -> str | None:
@@ -2027,15 +2022,12 @@ def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
             status_reason=record.get("reason")), "checkpoint.captured")
     if made is None or made.ordinal != run.ordinal or made.status == "missing":
         return made  # outside git the timeline says nothing
-    d.put(TurnItem(id=bounded_id(f"turn-item:checkpoint:{made.id}"), thread_id=run.thread_id,
-                   run_id=run.id, node_id=run.root_node_id, type="checkpoint",
-                   status="completed", position=d.position(), updated_at=d.now,
-                   title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
-                   if made.status == "ready" else f"Checkpoint {made.ordinal}: git failed",
-                   data={"checkpointId": made.id, "scopeId": made.scope_id,
-                         "status": made.status, "files": made.files,
-                         "reason": made.status_reason},
-                   started_at=d.now, completed_at=d.now))
+    _put_item(d, bounded_id(f"turn-item:checkpoint:{made.id}"), run, run.root_node_id,
+              "checkpoint", "completed",
+              title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
+              if made.status == "ready" else f"Checkpoint {made.ordinal}: git failed",
+              data={"checkpointId": made.id, "scopeId": made.scope_id, "status": made.status,
+                    "files": made.files, "reason": made.status_reason})
     return made
 
 
@@ -2047,11 +2039,8 @@ def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
         raise CommandRejected("the attempt is no longer current")
     attempt = d.get("run-attempt", run.active_attempt_id)
     if c.status == RunStatus.FAILED:
-        d.put(TurnItem(id=bounded_id(f"turn-item:{run.active_attempt_id}:error"),
-                       thread_id=run.thread_id, run_id=run.id, node_id=run.root_node_id,
-                       type="error", status="failed",
-                       position=d.position(), updated_at=d.now, title="Run failed",
-                       text=c.reason, started_at=d.now, completed_at=d.now))
+        _put_item(d, bounded_id(f"turn-item:{run.active_attempt_id}:error"), run,
+                  run.root_node_id, "error", "failed", title="Run failed", text=c.reason)
     if attempt is not None:
         _close_streams(d, attempt)
     failure = {"class": "unknown", "message": c.reason[:4096], "code": None, "retryable": None} \
@@ -2144,11 +2133,9 @@ def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, Prov
                    child_run_id=child_run.id, prompt=c.task, title=c.title, model=c.model,
                    completion_wake=c.completion_wake, status="running", started_at=d.now,
                    updated_at=d.now))
-    d.put(TurnItem(id=_task_item_id(task_id), thread_id=parent.id, run_id=run.id, node_id=task_id,
-                   type="subagent", status="running", position=d.position(), updated_at=d.now,
-                   title=c.title, text=c.task, started_at=d.now,
-                   data={"taskId": task_id, "childThreadId": child_id,
-                         "providerInstanceId": c.provider_instance_id, "model": c.model}))
+    _put_item(d, _task_item_id(task_id), run, task_id, "subagent", "running", title=c.title,
+              text=c.task, data={"taskId": task_id, "childThreadId": child_id,
+                                 "providerInstanceId": c.provider_instance_id, "model": c.model})
     d.put(ContextTransfer(id=bounded_id(f"context-transfer:subagent_spawn:{task_id}"),
                           thread_id=parent.id, type="subagent_spawn", source_thread_id=parent.id,
                           target_thread_id=child_id, status="consumed", created_by=c.created_by,
@@ -3164,10 +3151,8 @@ def _preparation_item_id(run_id: str) -> str:
 
 
 def _begin_preparation(d: _Draft, run: Run, preparation: Mapping[str, Any]) -> None:
-    d.put(TurnItem(id=_preparation_item_id(run.id), thread_id=run.thread_id, run_id=run.id,
-                   node_id=run.root_node_id, type="workspace_setup", status="running",
-                   position=d.position(), updated_at=d.now, title="Preparing workspace",
-                   data={"phase": "worktree"}, started_at=d.now))
+    _put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
+              "running", title="Preparing workspace", data={"phase": "worktree"})
     d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
 
@@ -3287,17 +3272,15 @@ def _put_handoff(d: _Draft, run: Run, about: Mapping[str, Any], key: str = "") -
         to_provider_thread_id=run.provider_thread_id or "", covered_run_ordinals=about["covered"],
         strategy=strategy, status="consumed", summary_text=about["summary"], created_at=d.now,
         updated_at=d.now, created_by_provider_instance_id=instances[-1]))
-    d.put(TurnItem(
-        id=bounded_id(f"turn-item:handoff:{run.id}{key}"), thread_id=run.thread_id,
-        run_id=run.id, node_id=run.root_node_id, type="handoff", status="completed",
-        position=d.position(), updated_at=d.now,
-        title=f"{strategy} handoff to {run.provider_instance_id}", text=about["summary"],
-        started_at=d.now, completed_at=d.now, data={
+    _put_item(
+        d, bounded_id(f"turn-item:handoff:{run.id}{key}"), run, run.root_node_id, "handoff",
+        "completed", title=f"{strategy} handoff to {run.provider_instance_id}",
+        text=about["summary"], data={
             "contextHandoffId": handoff.id, "fromProviderThreadIds": froms,
             "toProviderThreadId": handoff.to_provider_thread_id,
             "fromProviderInstanceIds": instances, "toProviderInstanceId": run.provider_instance_id,
             "fromModelSelections": about["fromModelSelections"],
-            "toModel": run.model_selection.get("model"), "strategy": strategy}))
+            "toModel": run.model_selection.get("model"), "strategy": strategy})
     return handoff.id
 
 
@@ -3991,10 +3974,8 @@ class Orchestrator:
                     waiter.set_result(None)
             due = self._store.next_due_at()
             timeout = None if due is None else max(0.0, epoch_of(due) - self._wall())
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._schedule_wake.wait(), timeout)
-            except TimeoutError:
-                pass
 
     async def fire(self, task_id: str, *, trigger: str,
                    due_at: str | None = None) -> DispatchResult:
@@ -4137,10 +4118,8 @@ class Orchestrator:
                                                                 f"effect {row.effect_type}")
             due = self._store.next_effect_due_ms()
             timeout = None if due is None else max(0.001, (due - _ms()) / 1000)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._effect_wake.wait(), timeout)
-            except TimeoutError:
-                pass
 
     async def _run_effect(self, row: _store.EffectRow) -> None:
         renewer = self._spawn(self._renew_lease(row, asyncio.current_task()), "lease")
