@@ -1350,10 +1350,8 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
     attempt_id = bounded_id(f"{run_id}:attempt:1")
     root_id = bounded_id(f"node:{run_id}:root")
     provider_thread_id = bounded_id(f"provider-thread:{thread.id}:{thread.provider_instance_id}")
-    queue_position = None
-    if queued:
-        queue_position = max([r.queue_position or 0 for r in d.runs()
-                              if r.status == RunStatus.QUEUED] + [0]) + 1
+    queue_position = max([r.queue_position or 0 for r in d.runs()
+                          if r.status == RunStatus.QUEUED] + [0]) + 1 if queued else None
     run = d.put(Run(
         id=run_id, thread_id=thread.id, ordinal=ordinal,
         provider_instance_id=thread.provider_instance_id, model_selection=thread.model_selection,
@@ -1361,13 +1359,7 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
         RunStatus.PREPARING if preparation else RunStatus.STARTING,
         requested_at=d.now, provider_thread_id=provider_thread_id, root_node_id=root_id,
         active_attempt_id=attempt_id, queue_position=queue_position), "run.created")
-    d.put(RunAttempt(id=attempt_id, run_id=run_id, thread_id=thread.id, attempt_ordinal=1,
-                     root_node_id=root_id, provider_instance_id=thread.provider_instance_id,
-                     reason="initial", status="pending", provider_thread_id=provider_thread_id),
-          "run-attempt.created")
-    d.put(ExecutionNode(id=root_id, thread_id=thread.id, run_id=run_id, parent_node_id=None,
-                        root_node_id=root_id, kind_="root_turn", status="pending",
-                        counts_for_run=True, provider_thread_id=provider_thread_id))
+    _put_attempt(d, run, 1, attempt_id, root_id, "initial")
     _user_message(d, run, root_id, message_id, text, created_by, creation_source)
     if not queued:
         _user_item(d, run, message_id, root_id, "turn_start")
@@ -1376,6 +1368,18 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
     elif not queued:
         d.effect("provider-turn.start", {"runId": run_id, "attemptId": attempt_id}, run_id)
     return run
+
+
+def _put_attempt(d: _Draft, run: Run, n: int, attempt_id: str, root_id: str, reason: str
+                 ) -> None:
+    """Attempt ``n`` of ``run`` and its root node, both pending."""
+    d.put(RunAttempt(id=attempt_id, run_id=run.id, thread_id=run.thread_id, attempt_ordinal=n,
+                     root_node_id=root_id, provider_instance_id=run.provider_instance_id,
+                     reason=reason, status="pending", provider_thread_id=run.provider_thread_id),
+          "run-attempt.created")
+    d.put(ExecutionNode(id=root_id, thread_id=run.thread_id, run_id=run.id, parent_node_id=None,
+                        root_node_id=root_id, kind_="root_turn", status="pending",
+                        counts_for_run=True, provider_thread_id=run.provider_thread_id))
 
 
 def _message_item_id(message_id: str) -> str:
@@ -1514,13 +1518,7 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
     new_root = bounded_id(f"node:{run.id}:attempt:{n}:root")
     d.put(replace(attempt, status="superseded", completed_at=d.now))
     d.update("node", attempt.root_node_id, status="interrupted", completed_at=d.now)
-    d.put(RunAttempt(id=new_attempt_id, run_id=run.id, thread_id=run.thread_id, attempt_ordinal=n,
-                     root_node_id=new_root, provider_instance_id=run.provider_instance_id,
-                     reason="steering_restart", status="pending",
-                     provider_thread_id=run.provider_thread_id), "run-attempt.created")
-    d.put(ExecutionNode(id=new_root, thread_id=run.thread_id, run_id=run.id, parent_node_id=None,
-                        root_node_id=new_root, kind_="root_turn", status="pending",
-                        counts_for_run=True, provider_thread_id=run.provider_thread_id))
+    _put_attempt(d, run, n, new_attempt_id, new_root, "steering_restart")
     run = d.put(replace(run, status=RunStatus.STARTING, root_node_id=new_root,
                         active_attempt_id=new_attempt_id, user_message_id=c.message_id))
     _user_message(d, run, new_root, c.message_id, c.text, c.created_by, c.creation_source)
@@ -2174,11 +2172,7 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
         transfer_id = later_transfer_id(task.id, c.run_id)
         if c.run_id and c.run_id != task.result_run_id and \
                 d.get("context-transfer", transfer_id) is None:
-            d.put(ContextTransfer(id=transfer_id, thread_id=task.thread_id,
-                                  type="subagent_result", source_thread_id=task.child_thread_id,
-                                  target_thread_id=task.thread_id, status="consumed",
-                                  created_by=Actor.SYSTEM, created_at=d.now, updated_at=d.now,
-                                  summary=c.result, consumed_at=d.now))
+            _result_transfer(d, task, transfer_id, c.result)
         return {"taskId": task.id, "status": task.status}
     status = c.status
     if task.cancel_requested and status == "completed":
@@ -2188,11 +2182,7 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
     d.update("node", task.id, status=status, completed_at=d.now)
     d.update("turn-item", _task_item_id(task.id), status=status, text=c.result, updated_at=d.now,
              completed_at=d.now)
-    d.put(ContextTransfer(id=result_transfer_id(task.id), thread_id=task.thread_id,
-                          type="subagent_result", source_thread_id=task.child_thread_id,
-                          target_thread_id=task.thread_id, status="consumed",
-                          created_by=Actor.SYSTEM, created_at=d.now, updated_at=d.now,
-                          target_run_id=task.run_id, summary=c.result, consumed_at=d.now))
+    _result_transfer(d, task, result_transfer_id(task.id), c.result, task.run_id)
     live = any(r.status in RUN_LIVE for r in d.runs())
     if not task.cancel_requested and (task.completion_wake == "always" or not live):
         verb = "completed" if status == "completed" else f"ended with status {status}"
@@ -2201,6 +2191,15 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
                        f"{task.id} to read the result.")
     _finalize_if_settled(d)
     return {"taskId": task.id, "status": status}
+
+
+def _result_transfer(d: _Draft, task: Subagent, transfer_id: str, result: str,
+                     target_run_id: str | None = None) -> None:
+    d.put(ContextTransfer(id=transfer_id, thread_id=task.thread_id, type="subagent_result",
+                          source_thread_id=task.child_thread_id, target_thread_id=task.thread_id,
+                          status="consumed", created_by=Actor.SYSTEM, created_at=d.now,
+                          updated_at=d.now, target_run_id=target_run_id, summary=result,
+                          consumed_at=d.now))
 
 
 def _notify_parent(d: _Draft, message_id: str, providers: Mapping[str, ProviderInfo],
@@ -2912,31 +2911,18 @@ def _fire_next_delivery(d: _Draft, task: ScheduledTask, *,
 
 
 _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
-    DelegateTask: _decide_delegate,
-    SetWakePolicy: _decide_wake_policy,
-    RequestTaskCancel: _decide_task_cancel,
-    FinalizeSubagent: _decide_finalize,
-    NotifyTaskQuestion: _decide_task_question,
-    SettleTaskQuestion: _decide_settle_question,
-    CreateThread: _decide_create_thread,
-    DispatchMessage: _decide_dispatch,
-    InterruptRun: _decide_interrupt,
-    RespondRuntimeRequest: _decide_respond,
-    CancelQueuedRun: _decide_cancel_queued,
-    StopThread: _decide_stop,
-    ResumeThread: _decide_resume,
-    MarkRunStarted: _decide_mark_started,
-    AwaitAgentSlot: _decide_await_slot,
-    GrantAgentSlot: _decide_grant_slot,
-    IngestProviderEvents: _decide_ingest,
-    CompleteRun: _decide_complete,
-    FailRun: _decide_fail_run,
-    EndProviderSession: _decide_end_session,
-    RecoverThread: _decide_recover,
-    UpsertScheduledTask: _decide_upsert_task,
-    DeleteScheduledTask: _decide_delete_task,
-    FireScheduledTask: _decide_fire,
-    SettleScheduledRun: _decide_settle_run,
+    DelegateTask: _decide_delegate, SetWakePolicy: _decide_wake_policy,
+    RequestTaskCancel: _decide_task_cancel, FinalizeSubagent: _decide_finalize,
+    NotifyTaskQuestion: _decide_task_question, SettleTaskQuestion: _decide_settle_question,
+    CreateThread: _decide_create_thread, DispatchMessage: _decide_dispatch,
+    InterruptRun: _decide_interrupt, RespondRuntimeRequest: _decide_respond,
+    CancelQueuedRun: _decide_cancel_queued, StopThread: _decide_stop, ResumeThread: _decide_resume,
+    MarkRunStarted: _decide_mark_started, AwaitAgentSlot: _decide_await_slot,
+    GrantAgentSlot: _decide_grant_slot, IngestProviderEvents: _decide_ingest,
+    CompleteRun: _decide_complete, FailRun: _decide_fail_run,
+    EndProviderSession: _decide_end_session, RecoverThread: _decide_recover,
+    UpsertScheduledTask: _decide_upsert_task, DeleteScheduledTask: _decide_delete_task,
+    FireScheduledTask: _decide_fire, SettleScheduledRun: _decide_settle_run,
     ReceiveWebhookDelivery: _decide_receive_delivery,
 }
 _TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, SettleScheduledRun,
