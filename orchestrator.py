@@ -140,11 +140,9 @@ INTERACTION_RANK = {m: i for i, m in enumerate(InteractionMode)}
 def mode_to_answer(request_kind: str) -> RuntimeMode | None:
     """The narrowest runtime mode that may answer this kind of request for a descendant
     (SPEC 5.1a): none for questions, auto-accept-edits for file reads and changes, else auto."""
-    if request_kind == "user_input":
-        return None
-    if request_kind in ("file-read", "file-change"):
-        return RuntimeMode.AUTO_ACCEPT_EDITS
-    return RuntimeMode.AUTO
+    edits = RuntimeMode.AUTO_ACCEPT_EDITS
+    needed = {"user_input": None, "file-read": edits, "file-change": edits}
+    return needed.get(request_kind, RuntimeMode.AUTO)
 
 
 class Actor(enum.StrEnum):
@@ -1955,10 +1953,8 @@ def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str)
 
 
 def _open_stream_id(d: _Draft, attempt: RunAttempt, role: str) -> str | None:
-    for message in d.all("message"):
-        if message.streaming and message.role == role and message.node_id == attempt.root_node_id:
-            return str(message.id)
-    return None
+    return next((str(m.id) for m in d.all("message") if m.streaming and m.role == role
+                 and m.node_id == attempt.root_node_id), None)
 
 
 def _close_streams(d: _Draft, attempt: RunAttempt) -> None:
@@ -5250,9 +5246,7 @@ def _no_diff(side: Checkpoint | None, name: str, run: Run | None) -> tuple[str, 
 
 def steerable_run(state: ThreadState) -> Run | None:
     """The newest running run whose provider turn is running: what steering would reach."""
-    for run in reversed(state.runs):
-        if run.status != RunStatus.RUNNING:
-            continue
+    for run in (r for r in reversed(state.runs) if r.status == RunStatus.RUNNING):
         attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
         turn = state.entities["provider-turn"].get(attempt.provider_turn_id) if attempt else None
         if turn is not None and turn.status == "running":
@@ -5269,10 +5263,8 @@ def _merge_deltas(batch: Sequence[AdapterEvent]) -> tuple[AdapterEvent, ...]:
     merged: list[AdapterEvent] = []
     for event in batch:
         last = merged[-1] if merged else None
-        if isinstance(event, TextDelta) and isinstance(last, TextDelta):
-            merged[-1] = TextDelta(last.text + event.text)
-        elif isinstance(event, ReasoningDelta) and isinstance(last, ReasoningDelta):
-            merged[-1] = ReasoningDelta(last.text + event.text)
+        if isinstance(event, (TextDelta, ReasoningDelta)) and type(last) is type(event):
+            merged[-1] = type(event)(last.text + event.text)  # type: ignore[union-attr]
         else:
             merged.append(event)
     return tuple(merged)
