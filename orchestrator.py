@@ -2583,17 +2583,15 @@ def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[st
     task = d.get("scheduled-task", c.thread_id)
     if task is None or task.last_fire_key != c.fire_key or task.last_run_status != "running":
         raise CommandRejected("that fire is not the task's running one")
-    delivery = next((x for x in d.all("webhook-delivery") if x.fire_key == c.fire_key), None)
+    delivery = next((x.id for x in d.all("webhook-delivery") if x.fire_key == c.fire_key), None)
     if c.status == "running":
         task = replace(task, last_run_thread_id=c.run_thread_id, last_run_id=c.run_id,
                        updated_at=d.now)
-        if delivery is not None:
-            d.put(replace(delivery, run_thread_id=c.run_thread_id, run_id=c.run_id,
-                          updated_at=d.now))
+        d.update("webhook-delivery", delivery, run_thread_id=c.run_thread_id, run_id=c.run_id,
+                 updated_at=d.now)
     else:
         task = replace(task, last_run_status=c.status, last_run_error=c.error, updated_at=d.now)
-        if delivery is not None:
-            d.put(replace(delivery, outcome=c.status, error=c.error, updated_at=d.now))
+        d.update("webhook-delivery", delivery, outcome=c.status, error=c.error, updated_at=d.now)
         task = _fire_next_delivery(d, task)  # in this same commit: the line never stalls
     d.put(task)
     return {"scheduledTaskId": task.id, "status": c.status}
@@ -3845,11 +3843,8 @@ class Orchestrator:
         deadline = loop.time() + timeout_s
         while True:
             signals = [self._signal(t) for t in thread_ids]
-            states = {}
-            for thread_id in thread_ids:
-                state = await self.state(thread_id)
-                if state is not None:
-                    states[thread_id] = state
+            found = {t: await self.state(t) for t in thread_ids}
+            states = {t: state for t, state in found.items() if state is not None}
             if done(states):
                 return True
             remaining = deadline - loop.time()
