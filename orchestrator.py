@@ -1663,11 +1663,10 @@ def _queue(d: _Draft) -> list[Run]:
 def _decide_stop(d: _Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
     """Hold the queue first, so that the turn this ends promotes nothing; a turn a Stop or an
     interrupt already reached is not asked again. A ``waiting`` run finishes its finalization."""
-    held = []
+    held = [run.id for run in _queue(d)]
     for run in _queue(d):
         if not run.queue_held:
             d.put(replace(run, queue_held=True))
-        held.append(run.id)
     stopped = []
     for run in d.runs():
         if (run.status in RUN_LIVE or run.awaiting_agent_slot) and not _stop_reached(d, run):
@@ -2891,14 +2890,13 @@ def _fire_next_delivery(d: _Draft, task: ScheduledTask, *,
     this changes (and ``arriving``, joining the line). Returns the task for the caller to put."""
     line = sorted([x for x in d.all("webhook-delivery") if x.outcome == "queued"]
                   + ([arriving] if arriving else []), key=lambda x: x.ordinal)
-    if not line or not task.enabled or task.deleted_at is not None or \
-            task.last_run_status == "running":
-        if arriving is not None:
-            d.put(arriving)
+    idle = bool(line) and task.enabled and task.deleted_at is None and \
+        task.last_run_status != "running"
+    if arriving is not None and not (idle and arriving is line[0]):
+        d.put(arriving)
+    if not idle:
         return task
     first = line[0]
-    if arriving is not None and arriving is not first:
-        d.put(arriving)
     fire_key = bounded_id(f"scheduled-task:{task.id}:{first.id}:webhook")
     d.put(replace(first, outcome="running", fire_key=fire_key, prompt=None, updated_at=d.now))
     return _fired(d, task, fire_key, first.prompt or "")
