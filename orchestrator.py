@@ -138,15 +138,11 @@ INTERACTION_RANK = {m: i for i, m in enumerate(InteractionMode)}
 
 
 def mode_to_answer(request_kind: str) -> RuntimeMode | None:
-    """The narrowest runtime mode whose agent may answer a request of this kind for a
-    descendant: what that mode would have allowed without asking (SPEC 5.1a). Questions need
-    none; file reads and changes need auto-accept-edits; commands, MCP and other permissions
-    need auto."""
-    if request_kind == "user_input":
-        return None
-    if request_kind in ("file-read", "file-change"):
-        return RuntimeMode.AUTO_ACCEPT_EDITS
-    return RuntimeMode.AUTO
+    """The narrowest runtime mode that may answer this kind of request for a descendant
+    (SPEC 5.1a): none for questions, auto-accept-edits for file reads and changes, else auto."""
+    edits = RuntimeMode.AUTO_ACCEPT_EDITS
+    needed = {"user_input": None, "file-read": edits, "file-change": edits}
+    return needed.get(request_kind, RuntimeMode.AUTO)
 
 
 class Actor(enum.StrEnum):
@@ -173,9 +169,8 @@ MAX_ID_CHARS = 160
 
 
 def bounded_id(text: str) -> str:
-    """An id t3 derives: ``text`` itself, or when longer than MAX_ID_CHARS its head and a hash of
-    the whole. Ids derive from other ids (a delegated child's from its parent's command), so
-    without a bound they would grow with every level of delegation."""
+    """``text``, or past MAX_ID_CHARS its head and a hash of the whole: derived ids nest (a
+    delegated child's from its parent's command), so unbounded they grow with every level."""
     if len(text) <= MAX_ID_CHARS:
         return text
     digest = hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -1140,9 +1135,8 @@ class RecoverThread:
     resumable_run_ids: frozenset[str] = frozenset()
 
 
-# What clients may send (MCP tools build these too; /ws takes them in their wire form). The
-# others are the server's own: a client forging provider output or recovery would falsify the
-# record.
+# What clients may send (/ws and MCP); the rest are the server's own: a client forging provider
+# output or recovery would falsify the record.
 CLIENT_COMMANDS = ("thread.create", "message.dispatch", "run.interrupt",
                    "runtime-request.respond", "queued-run.cancel", "delegated_task.request",
                    "delegated_task.wake-policy", "delegated_task.cancel", "thread.stop",
@@ -1272,6 +1266,11 @@ class _Draft:
                     entity.to_json())
         return entity
 
+    def update(self, kind: str, entity_id: str | None, **changes: Any) -> None:
+        """Put the entity with ``changes``, if there is one."""
+        if (entity := self.get(kind, entity_id)) is not None:
+            self.put(replace(entity, **changes))
+
     def append(self, message: ConversationMessage, text: str) -> None:
         """Stream ``text`` onto an open message: it grows whole here, its event carries only
         ``text`` (store.TEXT_APPENDED)."""
@@ -1319,9 +1318,7 @@ def _decide_create_thread(d: _Draft, c: CreateThread, *, providers: Mapping[str,
                           **_: Any) -> Mapping[str, Any]:
     if d.state.thread is not None:
         raise CommandRejected(f"thread {c.thread_id} already exists", code="invalid_request")
-    if c.provider_instance_id not in providers:
-        raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
-                              code="provider_unavailable")
+    _registered(providers, c.provider_instance_id)
     thread = AppThread(
         id=c.thread_id, project_id=c.project_id, title=c.title,
         provider_instance_id=c.provider_instance_id,
@@ -1351,10 +1348,8 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
     attempt_id = bounded_id(f"{run_id}:attempt:1")
     root_id = bounded_id(f"node:{run_id}:root")
     provider_thread_id = bounded_id(f"provider-thread:{thread.id}:{thread.provider_instance_id}")
-    queue_position = None
-    if queued:
-        queue_position = max([r.queue_position or 0 for r in d.runs()
-                              if r.status == RunStatus.QUEUED] + [0]) + 1
+    queue_position = max([r.queue_position or 0 for r in d.runs()
+                          if r.status == RunStatus.QUEUED] + [0]) + 1 if queued else None
     run = d.put(Run(
         id=run_id, thread_id=thread.id, ordinal=ordinal,
         provider_instance_id=thread.provider_instance_id, model_selection=thread.model_selection,
@@ -1362,17 +1357,8 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
         RunStatus.PREPARING if preparation else RunStatus.STARTING,
         requested_at=d.now, provider_thread_id=provider_thread_id, root_node_id=root_id,
         active_attempt_id=attempt_id, queue_position=queue_position), "run.created")
-    d.put(RunAttempt(id=attempt_id, run_id=run_id, thread_id=thread.id, attempt_ordinal=1,
-                     root_node_id=root_id, provider_instance_id=thread.provider_instance_id,
-                     reason="initial", status="pending", provider_thread_id=provider_thread_id),
-          "run-attempt.created")
-    d.put(ExecutionNode(id=root_id, thread_id=thread.id, run_id=run_id, parent_node_id=None,
-                        root_node_id=root_id, kind_="root_turn", status="pending",
-                        counts_for_run=True, provider_thread_id=provider_thread_id))
-    d.put(ConversationMessage(id=message_id, thread_id=thread.id, run_id=run_id, node_id=root_id,
-                              role="user", text=text, streaming=False, created_by=created_by,
-                              creation_source=creation_source, created_at=d.now,
-                              updated_at=d.now))
+    _put_attempt(d, run, 1, attempt_id, root_id, "initial")
+    _user_message(d, run, root_id, message_id, text, created_by, creation_source)
     if not queued:
         _user_item(d, run, message_id, root_id, "turn_start")
     if preparation:
@@ -1380,6 +1366,18 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
     elif not queued:
         d.effect("provider-turn.start", {"runId": run_id, "attemptId": attempt_id}, run_id)
     return run
+
+
+def _put_attempt(d: _Draft, run: Run, n: int, attempt_id: str, root_id: str, reason: str
+                 ) -> None:
+    """Attempt ``n`` of ``run`` and its root node, both pending."""
+    d.put(RunAttempt(id=attempt_id, run_id=run.id, thread_id=run.thread_id, attempt_ordinal=n,
+                     root_node_id=root_id, provider_instance_id=run.provider_instance_id,
+                     reason=reason, status="pending", provider_thread_id=run.provider_thread_id),
+          "run-attempt.created")
+    d.put(ExecutionNode(id=root_id, thread_id=run.thread_id, run_id=run.id, parent_node_id=None,
+                        root_node_id=root_id, kind_="root_turn", status="pending",
+                        counts_for_run=True, provider_thread_id=run.provider_thread_id))
 
 
 def _message_item_id(message_id: str) -> str:
@@ -1403,20 +1401,55 @@ def result_transfer_id(task_id: str) -> str:
     return bounded_id(f"context-transfer:subagent_result:{task_id}")
 
 
+def _user_message(d: _Draft, run: Run, node_id: str | None, message_id: str, text: str,
+                  created_by: str, creation_source: str) -> None:
+    d.put(ConversationMessage(id=message_id, thread_id=run.thread_id, run_id=run.id,
+                              node_id=node_id, role="user", text=text, streaming=False,
+                              created_by=created_by, creation_source=creation_source,
+                              created_at=d.now, updated_at=d.now))
+
+
+def _steer_in(d: _Draft, run: Run, attempt: RunAttempt, message_id: str, text: str,
+              created_by: str, creation_source: str) -> None:
+    """Deliver a message into the run's live turn (the provider steers actively)."""
+    _user_message(d, run, run.root_node_id, message_id, text, created_by, creation_source)
+    _user_item(d, run, message_id, run.root_node_id or "", "steer")
+    d.effect("provider-turn.steer", {"runId": run.id, "attemptId": attempt.id,
+                                     "messageId": message_id}, message_id)
+
+
+def _put_item(d: _Draft, item_id: str, run: Run, node_id: str | None, type_: str, status: str,
+              **fields: Any) -> TurnItem:
+    """A new turn item of ``run`` at the timeline's end; a finished one completed now."""
+    return d.put(TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
+                          type=type_, status=status, position=d.position(), updated_at=d.now,
+                          started_at=d.now, **fields,
+                          completed_at=d.now if status in ("completed", "failed") else None))
+
+
 def _user_item(d: _Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
-    return d.put(TurnItem(
-        id=_message_item_id(message_id), thread_id=run.thread_id, run_id=run.id,
-        node_id=node_id, type="user_message", status="completed", position=d.position(),
-        updated_at=d.now, message_id=message_id, input_intent=intent, started_at=d.now,
-        completed_at=d.now))
+    return _put_item(d, _message_item_id(message_id), run, node_id, "user_message", "completed",
+                     message_id=message_id, input_intent=intent)
 
 
-def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
-                     **_: Any) -> Mapping[str, Any]:
+def _sendable(d: _Draft) -> AppThread:
     thread = d.thread
     assert thread is not None
     if thread.archived_at is not None:
         raise CommandRejected("the thread is archived", code="thread_not_sendable")
+    return thread
+
+
+def _registered(providers: Mapping[str, ProviderInfo], instance_id: str) -> ProviderInfo:
+    if instance_id not in providers:
+        raise CommandRejected(f"provider instance {instance_id!r} is not registered",
+                              code="provider_unavailable")
+    return providers[instance_id]
+
+
+def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
+                     **_: Any) -> Mapping[str, Any]:
+    thread = _sendable(d)
     if d.get("message", c.message_id) is not None:
         raise CommandRejected(f"message {c.message_id} already exists", code="invalid_request")
     if rollback_in_progress(d):
@@ -1436,10 +1469,15 @@ def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, P
             "delivery": "queued" if run.status == RunStatus.QUEUED else "started"}
 
 
-def _steerable_run(d: _Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
+def _run(d: _Draft, run_id: str | None) -> Run:
     run = d.get("run", run_id)
     if run is None:
         raise CommandRejected(f"run {run_id} was not found", code="run_not_found")
+    return run  # type: ignore[no-any-return]
+
+
+def _steerable_run(d: _Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
+    run = _run(d, run_id)
     attempt = d.get("run-attempt", run.active_attempt_id)
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
     if run.status != RunStatus.RUNNING or turn is None or turn.status != "running":
@@ -1458,14 +1496,7 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
         if run.provider_instance_id in providers else Capabilities()
     result = {"threadId": run.thread_id, "runId": run.id, "messageId": c.message_id}
     if c.mode == "steer_active" and caps.supports_active_steering:
-        d.put(ConversationMessage(id=c.message_id, thread_id=run.thread_id, run_id=run.id,
-                                  node_id=run.root_node_id, role="user", text=c.text,
-                                  streaming=False, created_by=c.created_by,
-                                  creation_source=c.creation_source, created_at=d.now,
-                                  updated_at=d.now))
-        _user_item(d, run, c.message_id, run.root_node_id or "", "steer")
-        d.effect("provider-turn.steer", {"runId": run.id, "attemptId": attempt.id,
-                                         "messageId": c.message_id}, c.message_id)
+        _steer_in(d, run, attempt, c.message_id, c.text, c.created_by, c.creation_source)
         return {**result, "delivery": "steered"}
     turn_message = d.get("message", run.user_message_id)
     for text in (c.text, turn_message.text if turn_message else ""):
@@ -1484,22 +1515,11 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
     new_attempt_id = bounded_id(f"{run.id}:attempt:{n}")
     new_root = bounded_id(f"node:{run.id}:attempt:{n}:root")
     d.put(replace(attempt, status="superseded", completed_at=d.now))
-    old_root = d.get("node", attempt.root_node_id)
-    if old_root is not None:
-        d.put(replace(old_root, status="interrupted", completed_at=d.now))
-    d.put(RunAttempt(id=new_attempt_id, run_id=run.id, thread_id=run.thread_id, attempt_ordinal=n,
-                     root_node_id=new_root, provider_instance_id=run.provider_instance_id,
-                     reason="steering_restart", status="pending",
-                     provider_thread_id=run.provider_thread_id), "run-attempt.created")
-    d.put(ExecutionNode(id=new_root, thread_id=run.thread_id, run_id=run.id, parent_node_id=None,
-                        root_node_id=new_root, kind_="root_turn", status="pending",
-                        counts_for_run=True, provider_thread_id=run.provider_thread_id))
+    d.update("node", attempt.root_node_id, status="interrupted", completed_at=d.now)
+    _put_attempt(d, run, n, new_attempt_id, new_root, "steering_restart")
     run = d.put(replace(run, status=RunStatus.STARTING, root_node_id=new_root,
                         active_attempt_id=new_attempt_id, user_message_id=c.message_id))
-    d.put(ConversationMessage(id=c.message_id, thread_id=run.thread_id, run_id=run.id,
-                              node_id=new_root, role="user", text=c.text, streaming=False,
-                              created_by=c.created_by, creation_source=c.creation_source,
-                              created_at=d.now, updated_at=d.now))
+    _user_message(d, run, new_root, c.message_id, c.text, c.created_by, c.creation_source)
     _user_item(d, run, c.message_id, new_root, "steer")
     d.effect("provider-turn.restart", {"runId": run.id, "interruptedAttemptId": attempt.id,
                                        "attemptId": new_attempt_id}, new_attempt_id)
@@ -1529,9 +1549,7 @@ def _stop_and_queue_ahead(d: _Draft, c: DispatchMessage, run: Run) -> Mapping[st
 
 
 def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]:
-    run = d.get("run", c.run_id)
-    if run is None:
-        raise CommandRejected(f"run {c.run_id} was not found", code="run_not_found")
+    run = _run(d, c.run_id)
     if run.status in RUN_TERMINAL:
         return {"threadId": run.thread_id, "runId": run.id, "status": run.status}
     if run.status == RunStatus.WAITING or (run.status == RunStatus.QUEUED
@@ -1547,10 +1565,8 @@ def _interrupt(d: _Draft, run: Run, reason: str | None) -> str:
     attempt = d.get("run-attempt", run.active_attempt_id)
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
     why = reason or "Interrupted on request."
-    d.put(TurnItem(id=bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
-                   thread_id=run.thread_id, run_id=run.id, node_id=run.root_node_id,
-                   type="run_interrupt_request", status="completed", position=d.position(),
-                   updated_at=d.now, text=why, started_at=d.now, completed_at=d.now))
+    _put_item(d, bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
+              run, run.root_node_id, "run_interrupt_request", "completed", text=why)
     if turn is None or turn.status != "running":
         # Nothing reached the provider yet: the run ends here and its start is called off.
         _end_run(d, run, RunStatus.INTERRUPTED,
@@ -1647,11 +1663,10 @@ def _queue(d: _Draft) -> list[Run]:
 def _decide_stop(d: _Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
     """Hold the queue first, so that the turn this ends promotes nothing; a turn a Stop or an
     interrupt already reached is not asked again. A ``waiting`` run finishes its finalization."""
-    held = []
+    held = [run.id for run in _queue(d)]
     for run in _queue(d):
         if not run.queue_held:
             d.put(replace(run, queue_held=True))
-        held.append(run.id)
     stopped = []
     for run in d.runs():
         if (run.status in RUN_LIVE or run.awaiting_agent_slot) and not _stop_reached(d, run):
@@ -1681,9 +1696,8 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
     declined = c.decision in ("decline", "cancel")
     d.put(replace(request, status="resolved", decision=c.decision, answers=c.answers,
                   resolved_at=d.now, answered_by=c.answered_by))
-    node = d.get("node", request.node_id)
-    if node is not None:
-        d.put(replace(node, status="cancelled" if declined else "completed", completed_at=d.now))
+    d.update("node", request.node_id, status="cancelled" if declined else "completed",
+             completed_at=d.now)
     item = d.get("turn-item", _request_item_id(request.id))
     if item is not None:
         d.put(replace(item, status="cancelled" if declined else "completed", updated_at=d.now,
@@ -1701,9 +1715,7 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
 
 
 def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[str, Any]:
-    run = d.get("run", c.run_id)
-    if run is None:
-        raise CommandRejected(f"run {c.run_id} was not found", code="run_not_found")
+    run = _run(d, c.run_id)
     if run.status != RunStatus.QUEUED:
         raise CommandRejected(f"run {run.id} is {run.status}, not queued", code="invalid_request")
     _cancel_queued(d, run)
@@ -1714,12 +1726,8 @@ def _cancel_queued(d: _Draft, run: Run) -> None:
     if run.awaiting_agent_slot:  # its start was under way: it ends as a started run would
         _end_run(d, run, RunStatus.CANCELLED, "The queued run was cancelled.")
         return
-    attempt = d.get("run-attempt", run.active_attempt_id)
-    if attempt is not None:
-        d.put(replace(attempt, status="cancelled", completed_at=d.now))
-    root = d.get("node", run.root_node_id)
-    if root is not None:
-        d.put(replace(root, status="cancelled", completed_at=d.now))
+    d.update("run-attempt", run.active_attempt_id, status="cancelled", completed_at=d.now)
+    d.update("node", run.root_node_id, status="cancelled", completed_at=d.now)
     d.put(replace(run, status=RunStatus.CANCELLED, queue_position=None, completed_at=d.now,
                   status_reason="The queued run was cancelled."))
 
@@ -1797,9 +1805,8 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
                               run_attempt_id=attempt.id, ordinal=len(turns) + 1, status="running",
                               started_at=d.now))
     d.put(replace(attempt, status="running", started_at=d.now, provider_turn_id=turn.id))
-    root = d.get("node", attempt.root_node_id)
-    if root is not None:
-        d.put(replace(root, status="running", started_at=d.now, provider_turn_id=turn.id))
+    d.update("node", attempt.root_node_id, status="running", started_at=d.now,
+             provider_turn_id=turn.id)
     d.put(replace(run, status=RunStatus.RUNNING, started_at=run.started_at or d.now,
                   context_handoff_id=run.context_handoff_id or handoff_id))
     return {"runId": run.id, "providerTurnId": turn.id, "contextHandoffId": handoff_id,
@@ -1824,100 +1831,99 @@ def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str,
 
 def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents,
                 event: AdapterEvent) -> Run:
-    root_id = attempt.root_node_id
     if isinstance(event, (TextDelta, ReasoningDelta)):
         role = "assistant" if isinstance(event, TextDelta) else "reasoning"
         _append_text(d, run, attempt, role, event.text)
     elif isinstance(event, ToolUpdate):
         _close_streams(d, attempt)
-        node_id = bounded_id(f"node:{attempt.id}:tool:{event.native_id}")
-        node = d.get("node", node_id)
-        status = {"pending": "running", "in_progress": "running"}.get(event.status, event.status)
-        if status not in _NODE_STATUSES:
-            status = "running"
-        if node is None:
-            node = ExecutionNode(id=node_id, thread_id=run.thread_id, run_id=run.id,
-                                 parent_node_id=root_id, root_node_id=root_id, kind_="tool_call",
-                                 status=status, counts_for_run=False, native_ref=event.native_id,
-                                 started_at=d.now)
-        d.put(replace(node, status=status,
-                      completed_at=d.now if status in ("completed", "failed") else None))
-        item_id = bounded_id(f"turn-item:{attempt.id}:tool:{event.native_id}")
-        item = d.get("turn-item", item_id)
-        if item is None:
-            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
-                            type="tool_call", status=status, position=d.position(),
-                            updated_at=d.now, title=event.title or "Tool call", data={},
-                            started_at=d.now)
-        data = dict(item.data or {})
-        if event.input is not None:
-            data["input"] = event.input
-        if event.tool_kind:
-            data["kind"] = event.tool_kind
-        text = item.text
-        if event.output is not None:
-            text = event.output
-        d.put(replace(item, status=status, title=event.title or item.title, data=data, text=text,
-                      updated_at=d.now,
-                      completed_at=d.now if status in ("completed", "failed") else None))
+        _ingest_tool(d, run, attempt, event)
     elif isinstance(event, PlanUpdate):
         item_id = bounded_id(f"turn-item:{attempt.id}:plan")
         item = d.get("turn-item", item_id)
         text = "\n".join(f"[{e.get('status', 'pending')}] {e.get('content', '')}"
                          for e in event.entries)
         if item is None:
-            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=root_id,
-                            type="todo_list", status="running", position=d.position(),
-                            updated_at=d.now, title="Plan", started_at=d.now)
+            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id,
+                            node_id=attempt.root_node_id, type="todo_list", status="running",
+                            position=d.position(), updated_at=d.now, title="Plan",
+                            started_at=d.now)
         d.put(replace(item, text=text, data={"steps": list(event.entries)}, updated_at=d.now))
     elif isinstance(event, RuntimeRequestOpened):
         _close_streams(d, attempt)
-        request_id = bounded_id(f"runtime-request:{c.provider_session_id}:{event.native_ref}")
-        if d.get("runtime-request", request_id) is None:
-            node_id = bounded_id(f"node:runtime-request:{request_id}")
-            node_kind = "user_input_request" if event.request_kind == "user_input" \
-                else "approval_request"
-            d.put(ExecutionNode(id=node_id, thread_id=run.thread_id, run_id=run.id,
-                                parent_node_id=root_id, root_node_id=root_id, kind_=node_kind,
-                                status="waiting", counts_for_run=False,
-                                runtime_request_id=request_id, native_ref=event.native_ref,
-                                started_at=d.now))
-            d.put(RuntimeRequest(
-                id=request_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
-                kind_=event.request_kind, status="pending", title=event.title,
-                detail=event.detail, created_at=d.now, native_request_ref=event.native_ref,
-                provider_turn_id=attempt.provider_turn_id,
-                response_capability={"type": "live", "providerSessionId": c.provider_session_id}))
-            d.put(TurnItem(id=_request_item_id(request_id), thread_id=run.thread_id,
-                           run_id=run.id, node_id=node_id, type=node_kind, status="waiting",
-                           position=d.position(), updated_at=d.now, title=event.title,
-                           text=event.title, data={"requestId": request_id,
-                                                   "requestKind": event.request_kind,
-                                                   **event.detail},
-                           started_at=d.now))
-            task = _parent_task(d)
-            if event.request_kind == "user_input" and task is not None:
-                # Users rarely watch child threads: the parent's agent hears about the question.
-                d.effect("subagent.question", {
-                    **task, "requestId": request_id, "question": event.title,
-                    "blocking": event.detail.get("isBlocking") is not False}, request_id,
-                    thread_id=task["parentThreadId"])
+        _ingest_request(d, run, attempt, c.provider_session_id, event)
     elif isinstance(event, TurnEnded):
         _close_streams(d, attempt)
         if event.status == "completed":
-            run = _end_run(d, run, RunStatus.WAITING, None)
-        elif event.status == "interrupted":
-            run = _end_run(d, run, RunStatus.INTERRUPTED, _interrupt_reason(d, run))
-        else:
-            failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
-                       "code": None, "retryable": None}
-            d.put(TurnItem(id=bounded_id(f"turn-item:{attempt.id}:error"), thread_id=run.thread_id,
-                           run_id=run.id, node_id=root_id, type="error", status="failed",
-                           position=d.position(), updated_at=d.now, title="Provider error",
-                           text=event.failure, started_at=d.now, completed_at=d.now))
-            run = _end_run(d, run, RunStatus.FAILED, event.failure or "The provider failed.",
-                           failure)
+            return _end_run(d, run, RunStatus.WAITING, None)
+        if event.status == "interrupted":
+            return _end_run(d, run, RunStatus.INTERRUPTED, _interrupt_reason(d, run))
+        failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
+                   "code": None, "retryable": None}
+        _put_item(d, bounded_id(f"turn-item:{attempt.id}:error"), run, attempt.root_node_id,
+                  "error", "failed", title="Provider error", text=event.failure)
+        return _end_run(d, run, RunStatus.FAILED, event.failure or "The provider failed.", failure)
     return run
+
+
+def _ingest_tool(d: _Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) -> None:
+    """A tool call's node and turn item, made on its first update and updated by the rest."""
+    root_id = attempt.root_node_id
+    node_id = bounded_id(f"node:{attempt.id}:tool:{event.native_id}")
+    status = {"pending": "running", "in_progress": "running"}.get(event.status, event.status)
+    if status not in _NODE_STATUSES:
+        status = "running"
+    ended = d.now if status in ("completed", "failed") else None
+    node = d.get("node", node_id) or ExecutionNode(
+        id=node_id, thread_id=run.thread_id, run_id=run.id, parent_node_id=root_id,
+        root_node_id=root_id, kind_="tool_call", status=status, counts_for_run=False,
+        native_ref=event.native_id, started_at=d.now)
+    d.put(replace(node, status=status, completed_at=ended))
+    item_id = bounded_id(f"turn-item:{attempt.id}:tool:{event.native_id}")
+    item = d.get("turn-item", item_id) or TurnItem(
+        id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id, type="tool_call",
+        status=status, position=d.position(), updated_at=d.now,
+        title=event.title or "Tool call", data={}, started_at=d.now)
+    data = dict(item.data or {})
+    if event.input is not None:
+        data["input"] = event.input
+    if event.tool_kind:
+        data["kind"] = event.tool_kind
+    d.put(replace(item, status=status, title=event.title or item.title, data=data,
+                  text=item.text if event.output is None else event.output, updated_at=d.now,
+                  completed_at=ended))
+
+
+def _ingest_request(d: _Draft, run: Run, attempt: RunAttempt, session_id: str,
+                    event: RuntimeRequestOpened) -> None:
+    """A provider's question or approval request: its node, request and turn item, once."""
+    request_id = bounded_id(f"runtime-request:{session_id}:{event.native_ref}")
+    if d.get("runtime-request", request_id) is not None:
+        return
+    root_id = attempt.root_node_id
+    node_id = bounded_id(f"node:runtime-request:{request_id}")
+    node_kind = "user_input_request" if event.request_kind == "user_input" \
+        else "approval_request"
+    d.put(ExecutionNode(id=node_id, thread_id=run.thread_id, run_id=run.id,
+                        parent_node_id=root_id, root_node_id=root_id, kind_=node_kind,
+                        status="waiting", counts_for_run=False,
+                        runtime_request_id=request_id, native_ref=event.native_ref,
+                        started_at=d.now))
+    d.put(RuntimeRequest(
+        id=request_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
+        kind_=event.request_kind, status="pending", title=event.title,
+        detail=event.detail, created_at=d.now, native_request_ref=event.native_ref,
+        provider_turn_id=attempt.provider_turn_id,
+        response_capability={"type": "live", "providerSessionId": session_id}))
+    _put_item(d, _request_item_id(request_id), run, node_id, node_kind, "waiting",
+              title=event.title, text=event.title, data={
+                  "requestId": request_id, "requestKind": event.request_kind, **event.detail})
+    task = _parent_task(d)
+    if event.request_kind == "user_input" and task is not None:
+        # Users rarely watch child threads: the parent's agent hears about the question.
+        d.effect("subagent.question", {
+            **task, "requestId": request_id, "question": event.title,
+            "blocking": event.detail.get("isBlocking") is not False}, request_id,
+            thread_id=task["parentThreadId"])
 
 
 def _interrupt_reason(d: _Draft, run: Run) -> str:
@@ -1940,18 +1946,14 @@ def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str)
                               node_id=attempt.root_node_id, role=role, text=text, streaming=True,
                               created_by=Actor.AGENT, creation_source=CreationSource.PROVIDER,
                               created_at=d.now, updated_at=d.now))
-    d.put(TurnItem(id=_message_item_id(message_id), thread_id=run.thread_id, run_id=run.id,
-                   node_id=attempt.root_node_id,
-                   type="assistant_message" if role == "assistant" else "reasoning",
-                   status="running", position=d.position(), updated_at=d.now,
-                   message_id=message_id, started_at=d.now))
+    _put_item(d, _message_item_id(message_id), run, attempt.root_node_id,
+              "assistant_message" if role == "assistant" else "reasoning", "running",
+              message_id=message_id)
 
 
 def _open_stream_id(d: _Draft, attempt: RunAttempt, role: str) -> str | None:
-    for message in d.all("message"):
-        if message.streaming and message.role == role and message.node_id == attempt.root_node_id:
-            return str(message.id)
-    return None
+    return next((str(m.id) for m in d.all("message") if m.streaming and m.role == role
+                 and m.node_id == attempt.root_node_id), None)
 
 
 def _close_streams(d: _Draft, attempt: RunAttempt) -> None:
@@ -1961,9 +1963,8 @@ def _close_streams(d: _Draft, attempt: RunAttempt) -> None:
             continue
         message = d.get("message", open_id)
         d.put(replace(message, streaming=False, updated_at=d.now))
-        item = d.get("turn-item", _message_item_id(open_id))
-        if item is not None:
-            d.put(replace(item, status="completed", updated_at=d.now, completed_at=d.now))
+        d.update("turn-item", _message_item_id(open_id), status="completed", updated_at=d.now,
+                 completed_at=d.now)
 
 
 def task_result(state: ThreadState, run: Run) -> str:
@@ -1986,9 +1987,7 @@ def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status != RunStatus.WAITING:
         raise CommandRejected("the run is not waiting for finalization")
-    root = d.get("node", run.root_node_id)
-    if root is not None:
-        d.put(replace(root, status="completed", completed_at=d.now))
+    d.update("node", run.root_node_id, status="completed", completed_at=d.now)
     checkpoint = _record_checkpoints(d, run, c.checkpoints)
     run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now,
                         checkpoint_id=checkpoint.id if checkpoint else run.checkpoint_id))
@@ -2016,15 +2015,12 @@ def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
             status_reason=record.get("reason")), "checkpoint.captured")
     if made is None or made.ordinal != run.ordinal or made.status == "missing":
         return made  # outside git the timeline says nothing
-    d.put(TurnItem(id=bounded_id(f"turn-item:checkpoint:{made.id}"), thread_id=run.thread_id,
-                   run_id=run.id, node_id=run.root_node_id, type="checkpoint",
-                   status="completed", position=d.position(), updated_at=d.now,
-                   title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
-                   if made.status == "ready" else f"Checkpoint {made.ordinal}: git failed",
-                   data={"checkpointId": made.id, "scopeId": made.scope_id,
-                         "status": made.status, "files": made.files,
-                         "reason": made.status_reason},
-                   started_at=d.now, completed_at=d.now))
+    _put_item(d, bounded_id(f"turn-item:checkpoint:{made.id}"), run, run.root_node_id,
+              "checkpoint", "completed",
+              title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
+              if made.status == "ready" else f"Checkpoint {made.ordinal}: git failed",
+              data={"checkpointId": made.id, "scopeId": made.scope_id, "status": made.status,
+                    "files": made.files, "reason": made.status_reason})
     return made
 
 
@@ -2036,11 +2032,8 @@ def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
         raise CommandRejected("the attempt is no longer current")
     attempt = d.get("run-attempt", run.active_attempt_id)
     if c.status == RunStatus.FAILED:
-        d.put(TurnItem(id=bounded_id(f"turn-item:{run.active_attempt_id}:error"),
-                       thread_id=run.thread_id, run_id=run.id, node_id=run.root_node_id,
-                       type="error", status="failed",
-                       position=d.position(), updated_at=d.now, title="Run failed",
-                       text=c.reason, started_at=d.now, completed_at=d.now))
+        _put_item(d, bounded_id(f"turn-item:{run.active_attempt_id}:error"), run,
+                  run.root_node_id, "error", "failed", title="Run failed", text=c.reason)
     if attempt is not None:
         _close_streams(d, attempt)
     failure = {"class": "unknown", "message": c.reason[:4096], "code": None, "retryable": None} \
@@ -2070,9 +2063,8 @@ def _expire_requests(d: _Draft, session_id: str | None, reason: str) -> None:
             d.put(replace(request, status="expired", resolved_at=d.now, status_reason=reason,
                           response_capability={"type": "not_resumable", "reason": reason}))
             _question_closed(d, request)
-            item = d.get("turn-item", _request_item_id(request.id))
-            if item is not None:
-                d.put(replace(item, status="cancelled", updated_at=d.now, completed_at=d.now))
+            d.update("turn-item", _request_item_id(request.id), status="cancelled",
+                     updated_at=d.now, completed_at=d.now)
 
 
 def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
@@ -2106,10 +2098,7 @@ def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, Prov
     if run is None or run.status not in RUN_BLOCKING:
         raise CommandRejected("delegated tasks need an active run of the calling thread",
                               code="parent_not_active")
-    info = providers.get(c.provider_instance_id)
-    if info is None:
-        raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
-                              code="provider_unavailable")
+    info = _registered(providers, c.provider_instance_id)
     task_id = c.task_id
     child_id = bounded_id(f"thread:delegated-task:{c.command_id}")
     child = _Draft(ThreadState(), c, d.now, sharing=d)
@@ -2137,11 +2126,9 @@ def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, Prov
                    child_run_id=child_run.id, prompt=c.task, title=c.title, model=c.model,
                    completion_wake=c.completion_wake, status="running", started_at=d.now,
                    updated_at=d.now))
-    d.put(TurnItem(id=_task_item_id(task_id), thread_id=parent.id, run_id=run.id, node_id=task_id,
-                   type="subagent", status="running", position=d.position(), updated_at=d.now,
-                   title=c.title, text=c.task, started_at=d.now,
-                   data={"taskId": task_id, "childThreadId": child_id,
-                         "providerInstanceId": c.provider_instance_id, "model": c.model}))
+    _put_item(d, _task_item_id(task_id), run, task_id, "subagent", "running", title=c.title,
+              text=c.task, data={"taskId": task_id, "childThreadId": child_id,
+                                 "providerInstanceId": c.provider_instance_id, "model": c.model})
     d.put(ContextTransfer(id=bounded_id(f"context-transfer:subagent_spawn:{task_id}"),
                           thread_id=parent.id, type="subagent_spawn", source_thread_id=parent.id,
                           target_thread_id=child_id, status="consumed", created_by=c.created_by,
@@ -2180,30 +2167,18 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
         transfer_id = later_transfer_id(task.id, c.run_id)
         if c.run_id and c.run_id != task.result_run_id and \
                 d.get("context-transfer", transfer_id) is None:
-            d.put(ContextTransfer(id=transfer_id, thread_id=task.thread_id,
-                                  type="subagent_result", source_thread_id=task.child_thread_id,
-                                  target_thread_id=task.thread_id, status="consumed",
-                                  created_by=Actor.SYSTEM, created_at=d.now, updated_at=d.now,
-                                  summary=c.result, consumed_at=d.now))
+            _result_transfer(d, task, transfer_id, c.result)
         return {"taskId": task.id, "status": task.status}
     status = c.status
     if task.cancel_requested and status == "completed":
         status = "interrupted"  # a cancelled task's late success does not count as one
     task = d.put(replace(task, status=status, result=c.result, completed_at=d.now,
                          updated_at=d.now, result_run_id=c.run_id or task.child_run_id))
-    node = d.get("node", task.id)
-    if node is not None:
-        d.put(replace(node, status=status, completed_at=d.now))
-    item = d.get("turn-item", _task_item_id(task.id))
-    if item is not None:
-        d.put(replace(item, status=status, text=c.result, updated_at=d.now, completed_at=d.now))
-    d.put(ContextTransfer(id=result_transfer_id(task.id), thread_id=task.thread_id,
-                          type="subagent_result", source_thread_id=task.child_thread_id,
-                          target_thread_id=task.thread_id, status="consumed",
-                          created_by=Actor.SYSTEM, created_at=d.now, updated_at=d.now,
-                          target_run_id=task.run_id, summary=c.result, consumed_at=d.now))
-    live = any(r.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)
-               for r in d.runs())
+    d.update("node", task.id, status=status, completed_at=d.now)
+    d.update("turn-item", _task_item_id(task.id), status=status, text=c.result, updated_at=d.now,
+             completed_at=d.now)
+    _result_transfer(d, task, result_transfer_id(task.id), c.result, task.run_id)
+    live = any(r.status in RUN_LIVE for r in d.runs())
     if not task.cancel_requested and (task.completion_wake == "always" or not live):
         verb = "completed" if status == "completed" else f"ended with status {status}"
         _notify_parent(d, bounded_id(f"message:task-wake:{task.id}"), providers,
@@ -2211,6 +2186,15 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
                        f"{task.id} to read the result.")
     _finalize_if_settled(d)
     return {"taskId": task.id, "status": status}
+
+
+def _result_transfer(d: _Draft, task: Subagent, transfer_id: str, result: str,
+                     target_run_id: str | None = None) -> None:
+    d.put(ContextTransfer(id=transfer_id, thread_id=task.thread_id, type="subagent_result",
+                          source_thread_id=task.child_thread_id, target_thread_id=task.thread_id,
+                          status="consumed", created_by=Actor.SYSTEM, created_at=d.now,
+                          updated_at=d.now, target_run_id=target_run_id, summary=result,
+                          consumed_at=d.now))
 
 
 def _notify_parent(d: _Draft, message_id: str, providers: Mapping[str, ProviderInfo],
@@ -2222,14 +2206,7 @@ def _notify_parent(d: _Draft, message_id: str, providers: Mapping[str, ProviderI
         info = providers.get(run.provider_instance_id)
         if run.status == RunStatus.RUNNING and turn is not None and turn.status == "running" \
                 and info is not None and info.capabilities.supports_active_steering:
-            d.put(ConversationMessage(id=message_id, thread_id=run.thread_id, run_id=run.id,
-                                      node_id=run.root_node_id, role="user", text=text,
-                                      streaming=False, created_by=Actor.AGENT,
-                                      creation_source=CreationSource.SERVER, created_at=d.now,
-                                      updated_at=d.now))
-            _user_item(d, run, message_id, run.root_node_id or "", "steer")
-            d.effect("provider-turn.steer", {"runId": run.id, "attemptId": attempt.id,
-                                             "messageId": message_id}, message_id)
+            _steer_in(d, run, attempt, message_id, text, Actor.AGENT, CreationSource.SERVER)
             return
         break
     blocked = any(r.status in RUN_BLOCKING or (r.status == RunStatus.QUEUED and not r.queue_held)
@@ -2251,8 +2228,7 @@ def _parent_task(d: _Draft) -> dict[str, str] | None:
 def _decide_task_question(d: _Draft, c: NotifyTaskQuestion, *,
                           providers: Mapping[str, ProviderInfo], **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
-    live = any(r.status in (RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)
-               for r in d.runs())
+    live = any(r.status in RUN_LIVE for r in d.runs())
     if task.status in TASK_TERMINAL or task.cancel_requested or \
             c.request_id in (task.questions or {}):
         return {"taskId": task.id, "notified": False}
@@ -2606,30 +2582,26 @@ def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[st
     task = d.get("scheduled-task", c.thread_id)
     if task is None or task.last_fire_key != c.fire_key or task.last_run_status != "running":
         raise CommandRejected("that fire is not the task's running one")
-    delivery = next((x for x in d.all("webhook-delivery") if x.fire_key == c.fire_key), None)
+    delivery = next((x.id for x in d.all("webhook-delivery") if x.fire_key == c.fire_key), None)
     if c.status == "running":
         task = replace(task, last_run_thread_id=c.run_thread_id, last_run_id=c.run_id,
                        updated_at=d.now)
-        if delivery is not None:
-            d.put(replace(delivery, run_thread_id=c.run_thread_id, run_id=c.run_id,
-                          updated_at=d.now))
+        d.update("webhook-delivery", delivery, run_thread_id=c.run_thread_id, run_id=c.run_id,
+                 updated_at=d.now)
     else:
         task = replace(task, last_run_status=c.status, last_run_error=c.error, updated_at=d.now)
-        if delivery is not None:
-            d.put(replace(delivery, outcome=c.status, error=c.error, updated_at=d.now))
+        d.update("webhook-delivery", delivery, outcome=c.status, error=c.error, updated_at=d.now)
         task = _fire_next_delivery(d, task)  # in this same commit: the line never stalls
     d.put(task)
     return {"scheduledTaskId": task.id, "status": c.status}
 
 
 # =============================================================================================
-# Webhooks (SPEC 7): a webhook task runs once per delivery to its URL. t3.py checks the hook
-# token and bounds the body; the runtime checks the signature and the hook's rate; then one
-# command records the delivery with its outcome (duplicate, expired, skipped, failed, queued)
-# and, when the task is idle, fires it in that same commit. Deliveries wait in line, one run at
-# a time per task: settling a run fires the next one, also in one commit. A delivery that names
-# itself (a delivery id header) is recorded under a command id made of the task and that id,
-# so it is recorded once, crash or not: a second copy finds the receipt and is a duplicate.
+# Webhooks (SPEC 7): a webhook task runs once per delivery to its URL. t3.py checks the token
+# and bounds the body; the runtime checks signature and rate; one command records the delivery
+# with its outcome and, when the task is idle, fires it in that commit. Deliveries wait in line,
+# one run at a time: settling a run fires the next. A delivery id header makes the command id,
+# so a second copy finds the receipt and is recorded as a duplicate.
 
 
 HOOK_BODY_MAX_BYTES = 1024 * 1024  # t3.py refuses a longer body (413) before reading it
@@ -2914,50 +2886,35 @@ def _decide_receive_delivery(d: _Draft, c: ReceiveWebhookDelivery, **_: Any
 
 def _fire_next_delivery(d: _Draft, task: ScheduledTask, *,
                         arriving: WebhookDelivery | None = None) -> ScheduledTask:
-    """Fire the task's oldest queued delivery when the task is idle, enabled and not deleted;
-    put the deliveries this changes (and ``arriving``, which joins the line). Returns the task
-    for the caller to put."""
+    """Fire the oldest queued delivery if the task is idle, enabled and not deleted; put what
+    this changes (and ``arriving``, joining the line). Returns the task for the caller to put."""
     line = sorted([x for x in d.all("webhook-delivery") if x.outcome == "queued"]
                   + ([arriving] if arriving else []), key=lambda x: x.ordinal)
-    if not line or not task.enabled or task.deleted_at is not None or \
-            task.last_run_status == "running":
-        if arriving is not None:
-            d.put(arriving)
+    idle = bool(line) and task.enabled and task.deleted_at is None and \
+        task.last_run_status != "running"
+    if arriving is not None and not (idle and arriving is line[0]):
+        d.put(arriving)
+    if not idle:
         return task
     first = line[0]
-    if arriving is not None and arriving is not first:
-        d.put(arriving)
     fire_key = bounded_id(f"scheduled-task:{task.id}:{first.id}:webhook")
     d.put(replace(first, outcome="running", fire_key=fire_key, prompt=None, updated_at=d.now))
     return _fired(d, task, fire_key, first.prompt or "")
 
 
 _HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
-    DelegateTask: _decide_delegate,
-    SetWakePolicy: _decide_wake_policy,
-    RequestTaskCancel: _decide_task_cancel,
-    FinalizeSubagent: _decide_finalize,
-    NotifyTaskQuestion: _decide_task_question,
-    SettleTaskQuestion: _decide_settle_question,
-    CreateThread: _decide_create_thread,
-    DispatchMessage: _decide_dispatch,
-    InterruptRun: _decide_interrupt,
-    RespondRuntimeRequest: _decide_respond,
-    CancelQueuedRun: _decide_cancel_queued,
-    StopThread: _decide_stop,
-    ResumeThread: _decide_resume,
-    MarkRunStarted: _decide_mark_started,
-    AwaitAgentSlot: _decide_await_slot,
-    GrantAgentSlot: _decide_grant_slot,
-    IngestProviderEvents: _decide_ingest,
-    CompleteRun: _decide_complete,
-    FailRun: _decide_fail_run,
-    EndProviderSession: _decide_end_session,
-    RecoverThread: _decide_recover,
-    UpsertScheduledTask: _decide_upsert_task,
-    DeleteScheduledTask: _decide_delete_task,
-    FireScheduledTask: _decide_fire,
-    SettleScheduledRun: _decide_settle_run,
+    DelegateTask: _decide_delegate, SetWakePolicy: _decide_wake_policy,
+    RequestTaskCancel: _decide_task_cancel, FinalizeSubagent: _decide_finalize,
+    NotifyTaskQuestion: _decide_task_question, SettleTaskQuestion: _decide_settle_question,
+    CreateThread: _decide_create_thread, DispatchMessage: _decide_dispatch,
+    InterruptRun: _decide_interrupt, RespondRuntimeRequest: _decide_respond,
+    CancelQueuedRun: _decide_cancel_queued, StopThread: _decide_stop, ResumeThread: _decide_resume,
+    MarkRunStarted: _decide_mark_started, AwaitAgentSlot: _decide_await_slot,
+    GrantAgentSlot: _decide_grant_slot, IngestProviderEvents: _decide_ingest,
+    CompleteRun: _decide_complete, FailRun: _decide_fail_run,
+    EndProviderSession: _decide_end_session, RecoverThread: _decide_recover,
+    UpsertScheduledTask: _decide_upsert_task, DeleteScheduledTask: _decide_delete_task,
+    FireScheduledTask: _decide_fire, SettleScheduledRun: _decide_settle_run,
     ReceiveWebhookDelivery: _decide_receive_delivery,
 }
 _TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, SettleScheduledRun,
@@ -2965,11 +2922,10 @@ _TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, S
 
 
 # =============================================================================================
-# Thread metadata and lifecycle (research/t3code.md 2.6, 6.2): titles, pull request links, and a
-# person's view of a thread (archive, delete, snooze, visit). None of it touches a run but
-# archive and delete, which cancel queued runs and refuse while one is active. A title
-# regeneration is an effect on a lane of its own (a slow provider never holds up the thread's
-# turns); its answer applies only while its marker is current, so a later rename wins.
+# Thread metadata and lifecycle (research/t3code.md 2.6, 6.2): titles, pull request links,
+# archive, delete, snooze, visit. Only archive and delete touch runs (cancel queued ones, refuse
+# while one is active). A title regeneration runs on a lane of its own (a slow provider never
+# holds up turns) and applies only while its marker is current, so a later rename wins.
 
 
 THREAD_LIFECYCLE = ("thread.archive", "thread.unarchive", "thread.delete", "thread.snooze",
@@ -3124,13 +3080,10 @@ CLIENT_COMMANDS = (*CLIENT_COMMANDS, *THREAD_LIFECYCLE)
 
 
 # =============================================================================================
-# Workspace preparation (research/t3code.md 6.17). A launch into a new worktree creates its
-# first run ``preparing``, with a "Preparing workspace" item (data.phase ``worktree``, then
-# ``setup``, then ``ready`` or ``failed``; its text is the setup commands' output). The
-# ``workspace.prepare`` effect makes the worktree and runs the project's setup commands through
-# the Workspaces t3.py hands in, then releases the run (``starting``: its provider turn starts
-# in the worktree) or fails it with the reason. The effect is replay-safe: one cut short by a
-# killed server runs again after the restart, first removing what the dead attempt left.
+# Workspace preparation (research/t3code.md 6.17). A launch into a new worktree starts its first
+# run ``preparing`` with a "Preparing workspace" item (phase worktree, setup, ready or failed;
+# text: the setup output). ``workspace.prepare`` makes the worktree, runs the setup commands,
+# then releases or fails the run. Replay-safe: a rerun first removes what a dead attempt left.
 
 
 class Workspaces(Protocol):
@@ -3176,10 +3129,8 @@ def _preparation_item_id(run_id: str) -> str:
 
 
 def _begin_preparation(d: _Draft, run: Run, preparation: Mapping[str, Any]) -> None:
-    d.put(TurnItem(id=_preparation_item_id(run.id), thread_id=run.thread_id, run_id=run.id,
-                   node_id=run.root_node_id, type="workspace_setup", status="running",
-                   position=d.position(), updated_at=d.now, title="Preparing workspace",
-                   data={"phase": "worktree"}, started_at=d.now))
+    _put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
+              "running", title="Preparing workspace", data={"phase": "worktree"})
     d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
 
@@ -3207,12 +3158,9 @@ _HANDLERS[AdvancePreparation] = _decide_preparation
 
 
 # =============================================================================================
-# Provider switch and context handoff (research/t3code.md 6.13, 6.14)
-#
-# A thread keeps its id for life; ``provider.switch`` changes the provider instance (and model)
-# its next runs go to. Each provider instance has one provider thread per app thread; a run that
-# starts on a provider thread which missed earlier runs (it never took part, took part before
-# others did, or its native conversation could not be resumed) carries a ContextHandoff: the
+# Provider switch and context handoff (research/t3code.md 6.13, 6.14). ``provider.switch``
+# changes the instance (and model) a thread's next runs go to. A run on a provider thread that
+# missed earlier runs (never took part, or could not resume) carries a ContextHandoff: a
 # deterministic summary of what it missed, injected before the user's text.
 
 HANDOFF_BUDGET = 32_000  # characters of summary; the newest context is kept when cut
@@ -3237,13 +3185,8 @@ class SwitchProvider:
 
 def _decide_switch(d: _Draft, c: SwitchProvider, *, providers: Mapping[str, ProviderInfo],
                    **_: Any) -> Mapping[str, Any]:
-    thread = d.thread
-    assert thread is not None
-    if thread.archived_at is not None:
-        raise CommandRejected("the thread is archived", code="thread_not_sendable")
-    if c.provider_instance_id not in providers:
-        raise CommandRejected(f"provider instance {c.provider_instance_id!r} is not registered",
-                              code="provider_unavailable")
+    thread = _sendable(d)
+    _registered(providers, c.provider_instance_id)
     before = thread.provider_instance_id, thread.model_selection.get("model")
     if (c.provider_instance_id, c.model, c.runtime_mode) != (*before, thread.runtime_mode):
         d.put(replace(thread, provider_instance_id=c.provider_instance_id,
@@ -3270,9 +3213,8 @@ def _hand_off(d: _Draft, run: Run, pthread: ProviderThread | None, resume_failed
 
 def record_handoff(d: _Draft, run: Run, strategy: str, covered: Sequence[Run],
                    providers: Mapping[str, ProviderInfo]) -> str | None:
-    """A ContextHandoff of ``covered`` (runs, oldest first) for ``run`` and its ``handoff``
-    turn item; None when nothing is covered. Reusable by any path that moves a conversation to
-    a provider thread that lacks it (rollback, fork, merge-back: add their headers)."""
+    """A ContextHandoff of ``covered`` (runs, oldest first) for ``run``, with its turn item; its
+    id, or None when nothing is covered."""
     if not covered:
         return None
     return _put_handoff(d, run, describe_handoff(d, strategy, covered, run.provider_instance_id,
@@ -3308,17 +3250,15 @@ def _put_handoff(d: _Draft, run: Run, about: Mapping[str, Any], key: str = "") -
         to_provider_thread_id=run.provider_thread_id or "", covered_run_ordinals=about["covered"],
         strategy=strategy, status="consumed", summary_text=about["summary"], created_at=d.now,
         updated_at=d.now, created_by_provider_instance_id=instances[-1]))
-    d.put(TurnItem(
-        id=bounded_id(f"turn-item:handoff:{run.id}{key}"), thread_id=run.thread_id,
-        run_id=run.id, node_id=run.root_node_id, type="handoff", status="completed",
-        position=d.position(), updated_at=d.now,
-        title=f"{strategy} handoff to {run.provider_instance_id}", text=about["summary"],
-        started_at=d.now, completed_at=d.now, data={
+    _put_item(
+        d, bounded_id(f"turn-item:handoff:{run.id}{key}"), run, run.root_node_id, "handoff",
+        "completed", title=f"{strategy} handoff to {run.provider_instance_id}",
+        text=about["summary"], data={
             "contextHandoffId": handoff.id, "fromProviderThreadIds": froms,
             "toProviderThreadId": handoff.to_provider_thread_id,
             "fromProviderInstanceIds": instances, "toProviderInstanceId": run.provider_instance_id,
             "fromModelSelections": about["fromModelSelections"],
-            "toModel": run.model_selection.get("model"), "strategy": strategy}))
+            "toModel": run.model_selection.get("model"), "strategy": strategy})
     return handoff.id
 
 
@@ -3382,25 +3322,15 @@ CLIENT_COMMANDS = (*CLIENT_COMMANDS, "provider.switch")
 
 
 # =============================================================================================
-# Fork and merge-back (research/t3code.md 1.4, 6.13, 6.14)
-#
-# ``thread.fork`` makes a new thread (lineage ``fork``; the source's project, provider, model and
-# modes) with a pending ``fork`` ContextTransfer holding the source point (a completed run; a
-# checkpoint names its run) and the portable context, worked out when the fork is made from the
-# source's settled items: a full_thread_summary of its runs up to that point. Nothing else
-# happens until the fork's first run starts. Its session then opens as a native fork of the
-# source run's provider thread when the driver can (same provider instance; codex ``thread/fork``
-# through that run's last turn, ACP ``session/fork`` of a conversation that has nothing later),
-# and the transfer is consumed as ``native_fork``; otherwise the run carries the summary as its
-# handoff (``portable_context``). A source point with a ready checkpoint (a git workspace) gives
-# the fork a worktree of its own at that checkpoint's commit, on a new branch: its first run is
-# ``preparing`` while ``workspace.prepare`` makes it, as a worktree launch's is. Outside git the
-# fork shares the source's workspace.
-#
-# ``thread.merge_back`` records on the fork's parent a pending ``merge_back`` transfer with the
-# fork's delta (its completed runs, as a ``fork_delta_summary``), superseding a pending one from
-# the same fork; the parent's next run to start carries it as a handoff labelled
-# MERGE_BACK_LABEL (merge-backs from several forks: one handoff each).
+# Fork and merge-back (research/t3code.md 1.4, 6.13, 6.14). ``thread.fork`` makes a thread
+# (lineage ``fork``) with a pending ``fork`` ContextTransfer: the source point (a completed run)
+# and a full_thread_summary up to it. At the fork's first run its session opens as a native
+# fork of the source's provider thread where the driver can (transfer consumed as
+# ``native_fork``), else the run carries the summary (``portable_context``). A point with a
+# ready checkpoint gives the fork its own worktree at that commit (first run ``preparing``);
+# outside git it shares the source's workspace. ``thread.merge_back`` records on the parent a
+# pending ``merge_back`` transfer of the fork's completed runs (superseding a pending one from
+# that fork); the parent's next run carries each as a MERGE_BACK_LABEL handoff.
 
 MERGE_BACK_LABEL = "merge_back / fork_delta_summary"
 
@@ -3480,10 +3410,7 @@ def _take_fork(d: _Draft, run: Run, native: bool) -> str | None:
 
 
 def _decide_merge_back(d: _Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
-    thread = d.thread
-    assert thread is not None
-    if thread.archived_at is not None:
-        raise CommandRejected("the thread is archived", code="thread_not_sendable")
+    thread = _sendable(d)
     superseded = [d.put(replace(t, status="superseded", updated_at=d.now)).id
                   for t in d.all("context-transfer") if t.type == "merge_back"
                   and t.status == "pending" and t.source_thread_id == c.source_thread_id]
@@ -3522,16 +3449,12 @@ _HANDLERS[MergeBack] = _decide_merge_back
 
 
 # =============================================================================================
-# Rollback (research/t3code.md 1.4, 6.12): ``checkpoint.rollback`` takes a thread back to run
-# N's checkpoint. The decision only records a ``rollback`` item (running) and the replay-safe
-# ``checkpoint.rollback`` effect; no run may start while it runs. The effect restores the
-# workspace's files (workspace.restore: tracked and untracked, ignored files kept), deletes the
-# refs of later checkpoints, rolls back the conversation of each provider thread that saw a later
-# run where its driver can (``supports_rollback``: codex) and closes the live session, then
-# FinishRollback marks the later runs and their root nodes ``rolled_back``, their checkpoints
-# ``stale``, and resets the other provider threads: their next turn starts a fresh provider
-# session with a full-thread handoff of the runs kept. Every step is idempotent, so a server
-# killed mid-way converges when the effect runs again. Run ordinals keep increasing.
+# Rollback (research/t3code.md 1.4, 6.12): ``checkpoint.rollback`` records a running
+# ``rollback`` item and a replay-safe effect; no run starts meanwhile. The effect restores the
+# files, deletes later refs, rolls back provider conversations natively where the driver can
+# (``supports_rollback``) and closes the live session; FinishRollback then marks later runs
+# ``rolled_back``, their checkpoints ``stale``, and resets the other provider threads (a fresh
+# session with a full handoff). Every step is idempotent; run ordinals keep increasing.
 
 
 @dataclass(frozen=True, slots=True)
@@ -3601,9 +3524,7 @@ def _decide_finish_rollback(d: _Draft, c: FinishRollback, **_: Any) -> Mapping[s
         if run.ordinal > n and run.status != RunStatus.ROLLED_BACK:
             d.put(replace(run, status=RunStatus.ROLLED_BACK,
                           status_reason=f"rolled back to checkpoint {n}"))
-            root = d.get("node", run.root_node_id)
-            if root is not None:
-                d.put(replace(root, status="rolled_back"))
+            d.update("node", run.root_node_id, status="rolled_back")
     for cp in d.all("checkpoint"):
         if cp.ordinal > n and cp.status != "stale":
             d.put(replace(cp, status="stale", status_reason=f"rolled back to checkpoint {n}"))
@@ -3805,6 +3726,17 @@ class Orchestrator:
                           "used for a different request", code="invalid_request")
         return DispatchResult(receipt.result_sequence, receipt.result, replayed=True)
 
+    async def _try_dispatch(self, command: Any, note: str = "") -> bool:
+        """Dispatch where the state may have moved on meanwhile: a CommandRejected is only
+        logged (under ``note``); False then."""
+        try:
+            await self.dispatch(command)
+        except CommandRejected as exc:
+            if note:
+                log.info("%s: %s", note, exc)
+            return False
+        return True
+
     def _apply(self, events: Sequence[_store.NewEvent], sequences: Sequence[int]) -> None:
         touched: set[str] = set()
         for event, sequence in zip(events, sequences, strict=True):
@@ -3862,10 +3794,7 @@ class Orchestrator:
                 subscription.offer(outcome.sequences[index], event.thread_id, texts[index])
 
     def _lock(self, thread_id: str) -> asyncio.Lock:
-        lock = self._locks.get(thread_id)
-        if lock is None:
-            lock = self._locks[thread_id] = asyncio.Lock()
-        return lock
+        return self._locks.setdefault(thread_id, asyncio.Lock())
 
     # -- reads and waits -------------------------------------------------------------------------
 
@@ -3896,10 +3825,7 @@ class Orchestrator:
                 excess -= 1
 
     def _signal(self, thread_id: str) -> asyncio.Event:
-        signal = self._signals.get(thread_id)
-        if signal is None:
-            signal = self._signals[thread_id] = asyncio.Event()
-        return signal
+        return self._signals.setdefault(thread_id, asyncio.Event())
 
     def _notify(self, thread_id: str) -> None:
         signal = self._signals.pop(thread_id, None)
@@ -3915,11 +3841,8 @@ class Orchestrator:
         deadline = loop.time() + timeout_s
         while True:
             signals = [self._signal(t) for t in thread_ids]
-            states = {}
-            for thread_id in thread_ids:
-                state = await self.state(thread_id)
-                if state is not None:
-                    states[thread_id] = state
+            found = {t: await self.state(t) for t in thread_ids}
+            states = {t: state for t, state in found.items() if state is not None}
             if done(states):
                 return True
             remaining = deadline - loop.time()
@@ -4026,10 +3949,8 @@ class Orchestrator:
                     waiter.set_result(None)
             due = self._store.next_due_at()
             timeout = None if due is None else max(0.0, epoch_of(due) - self._wall())
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._schedule_wake.wait(), timeout)
-            except TimeoutError:
-                pass
 
     async def fire(self, task_id: str, *, trigger: str,
                    due_at: str | None = None) -> DispatchResult:
@@ -4090,17 +4011,13 @@ class Orchestrator:
                            error=None if run.status == RunStatus.COMPLETED else reason)
 
     async def _settle(self, task_id: str, fire_key: str, status: str, **fields: Any) -> None:
-        try:
-            await self.dispatch(SettleScheduledRun(
-                command_id=bounded_id(f"command:settle:{fire_key}:{status}"), thread_id=task_id,
-                fire_key=fire_key, status=status, **fields))
-        except CommandRejected as exc:
-            log.info("scheduled task %s: %s", task_id, exc)
+        await self._try_dispatch(SettleScheduledRun(
+            command_id=bounded_id(f"command:settle:{fire_key}:{status}"), thread_id=task_id,
+            fire_key=fire_key, status=status, **fields), f"scheduled task {task_id}")
 
     async def _resume_scheduled(self) -> None:
-        """After a restart: a task whose fired run ended meanwhile (it was interrupted by the
-        restart) records how; one still running is watched; a fire whose run had not started
-        yet finishes through its outbox row (replay-safe)."""
+        """After a restart: a fired run that ended meanwhile is settled, a running one watched; a
+        fire whose run had not started finishes through its outbox row (replay-safe)."""
         for task in self._store.scheduled_tasks():
             if task["lastRunStatus"] != "running" or not task.get("lastRunId"):
                 continue
@@ -4125,10 +4042,9 @@ class Orchestrator:
         return task  # type: ignore[no-any-return]
 
     async def receive_webhook(self, task_id: str, request: WebhookRequest) -> Mapping[str, Any]:
-        """A delivery to a hook whose token t3.py checked: its signature (``invalid_signature``),
-        the hook's rate (``RateLimited``), then its record (``_decide_receive_delivery``:
-        ``hook_disabled``, ``queue_full`` or an outcome). Answered once committed: a queued
-        delivery is durable and runs once, crash or not. Refusals write nothing."""
+        """A delivery whose token t3.py checked: signature (``invalid_signature``), rate
+        (``RateLimited``), then its record (``hook_disabled``, ``queue_full`` or an outcome),
+        answered once committed. Refusals write nothing."""
         task = await self.webhook_task(task_id)
         if task is None:
             raise T3Error("No webhook at this address.", code="hook_not_found")
@@ -4152,9 +4068,8 @@ class Orchestrator:
         return result.result
 
     def _admit_delivery(self, task_id: str) -> None:
-        """At most HOOK_DELIVERIES_PER_MINUTE deliveries per hook in any 60 s of the server's
-        clock. The window is kept in memory: a restart forgets it (it errs towards admitting),
-        and refused requests do not count, so a sender that backs off gets through."""
+        """At most HOOK_DELIVERIES_PER_MINUTE per hook in any 60 s, kept in memory (a restart
+        forgets it); refused requests do not count, so a sender that backs off gets through."""
         now = self._wall()
         hits = self._hook_hits.setdefault(task_id, collections.deque())
         while hits and hits[0] <= now - 60:
@@ -4178,10 +4093,8 @@ class Orchestrator:
                                                                 f"effect {row.effect_type}")
             due = self._store.next_effect_due_ms()
             timeout = None if due is None else max(0.001, (due - _ms()) / 1000)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._effect_wake.wait(), timeout)
-            except TimeoutError:
-                pass
 
     async def _run_effect(self, row: _store.EffectRow) -> None:
         renewer = self._spawn(self._renew_lease(row, asyncio.current_task()), "lease")
@@ -4226,15 +4139,11 @@ class Orchestrator:
             return
         run_id = row.payload.get("runId")
         if run_id and row.effect_type.startswith(("provider-turn.", "workspace.")):
-            try:
-                await self.dispatch(FailRun(
-                    command_id=bounded_id(f"command:effect-failed:{row.effect_id}"),
-                    thread_id=row.thread_id,
-                    run_id=run_id, attempt_id=None, status=RunStatus.FAILED,
-                    reason=f"{row.effect_type} failed after {row.attempt_count} attempt(s): "
-                           f"{message}"))
-            except CommandRejected:
-                pass
+            await self._try_dispatch(FailRun(
+                command_id=bounded_id(f"command:effect-failed:{row.effect_id}"),
+                thread_id=row.thread_id, run_id=run_id, attempt_id=None, status=RunStatus.FAILED,
+                reason=f"{row.effect_type} failed after {row.attempt_count} attempt(s): "
+                       f"{message}"))
 
     async def _execute(self, row: _store.EffectRow) -> None:
         p = row.payload
@@ -4256,22 +4165,17 @@ class Orchestrator:
             await self._finalize_task(p["parentThreadId"], p["taskId"], p["childThreadId"],
                                       p["runId"], p.get("publish", True))
         elif row.effect_type == "subagent.question":
-            try:
-                await self.dispatch(NotifyTaskQuestion(
-                    command_id=bounded_id(f"command:task-question:{p['requestId']}"),
-                    thread_id=p["parentThreadId"], task_id=p["taskId"],
-                    request_id=p["requestId"], child_thread_id=p["childThreadId"],
-                    question=p["question"], blocking=p.get("blocking", True)))
-            except CommandRejected as exc:
-                log.info("question of task %s not routed: %s", p["taskId"], exc)
+            await self._try_dispatch(NotifyTaskQuestion(
+                command_id=bounded_id(f"command:task-question:{p['requestId']}"),
+                thread_id=p["parentThreadId"], task_id=p["taskId"],
+                request_id=p["requestId"], child_thread_id=p["childThreadId"],
+                question=p["question"], blocking=p.get("blocking", True)),
+                f"question of task {p['taskId']} not routed")
         elif row.effect_type == "subagent.question-settled":
-            try:
-                await self.dispatch(SettleTaskQuestion(
-                    command_id=bounded_id(f"command:withdraw-question:{p['requestId']}"),
-                    thread_id=p["parentThreadId"], task_id=p["taskId"],
-                    request_id=p["requestId"]))
-            except CommandRejected as exc:
-                log.info("question of task %s not withdrawn: %s", p["taskId"], exc)
+            await self._try_dispatch(SettleTaskQuestion(
+                command_id=bounded_id(f"command:withdraw-question:{p['requestId']}"),
+                thread_id=p["parentThreadId"], task_id=p["taskId"], request_id=p["requestId"]),
+                f"question of task {p['taskId']} not withdrawn")
         elif row.effect_type == "scheduled-task.run":
             await self._run_scheduled(row.thread_id, p["fireKey"], p["prompt"])
         elif row.effect_type == "thread-title.generate":
@@ -4290,22 +4194,17 @@ class Orchestrator:
             if state is None or run is None or run.status != RunStatus.WAITING:
                 return  # already finalized (a replay after a crash): the effect is idempotent
             found = await self._capture_checkpoints(state, run)
-            try:
-                await self.dispatch(CompleteRun(
-                    command_id=bounded_id(f"command:finalize:{p['runId']}"),
-                    thread_id=row.thread_id, run_id=p["runId"], checkpoints=found))
-            except CommandRejected:
-                pass  # finalized meanwhile
+            await self._try_dispatch(CompleteRun(
+                command_id=bounded_id(f"command:finalize:{p['runId']}"),
+                thread_id=row.thread_id, run_id=p["runId"], checkpoints=found))
         else:
             raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
 
     # -- checkpoints (git work through self.workspaces) ------------------------------------------
 
     async def _capture_baseline(self, state: ThreadState, run: Run) -> None:
-        """Before a run's turn: record the workspace as the checkpoint it is measured from
-        (``kept_before``: ordinal-1 unless runs were rolled back) when the thread has none ready
-        yet (its first run, or one after a run that ended without a capture). A git
-        failure only loses the baseline (its checkpoint is then missing); the turn goes on."""
+        """Before a run's first attempt: capture the ``kept_before`` checkpoint unless the thread
+        has it ready. A git failure only loses the baseline; the turn goes on."""
         thread, ws = state.thread, self.workspaces
         before = kept_before(state.runs, run.ordinal)
         previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id, before))
@@ -4321,12 +4220,9 @@ class Orchestrator:
 
     async def _capture_checkpoints(self, state: ThreadState, run: Run
                                    ) -> tuple[dict[str, Any], ...]:
-        """What a finished root turn records (CompleteRun.checkpoints): the baselines 0 and
-        ``kept_before`` (ordinal-1 unless runs were rolled back) the thread does not have yet
-        (ready when their ref exists), and the run's own capture with its files against
-        ``kept_before``. Outside git all are ``missing``; a git failure
-        makes the run's ``error`` with the reason. Capturing again after a crash is harmless:
-        the ref is simply rewritten."""
+        """CompleteRun.checkpoints for a finished root turn: the baselines 0 and ``kept_before``
+        the thread lacks (ready when their ref exists) and the run's own capture with its files;
+        outside git all ``missing``, a git failure ``error``. A rerun only rewrites the ref."""
         thread, ws, n = state.thread, self.workspaces, run.ordinal
         assert thread is not None
         have = {c.ordinal for c in state.entities["checkpoint"].values()}
@@ -4382,18 +4278,14 @@ class Orchestrator:
             if (pthread.last_run_ordinal or 0) > cp.ordinal and await self._rollback_natively(
                     state, pthread, kept_turns(state, pthread.id, cp.ordinal)):
                 native.append(pthread.id)
-        try:
-            await self.dispatch(FinishRollback(
-                command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
-                item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
-        except CommandRejected:
-            pass  # finished meanwhile
+        await self._try_dispatch(FinishRollback(
+            command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
+            item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
 
     async def _rollback_natively(self, state: ThreadState, pthread: ProviderThread,
                                  keep: int) -> bool:
-        """Roll ``pthread``'s own conversation back to its first ``keep`` turns in a short
-        session of its provider; False when the driver cannot (the next turn then starts fresh
-        with a handoff)."""
+        """Roll ``pthread``'s conversation back to its first ``keep`` turns in a short session;
+        False when the driver cannot (the next turn starts fresh with a handoff)."""
         adapter = self._adapters.get(pthread.provider_instance_id)
         thread = state.thread
         if adapter is None or thread is None or not pthread.native_thread_ref or \
@@ -4472,21 +4364,17 @@ class Orchestrator:
         if child is None or run is None:
             raise _PermanentEffectError(f"the run {run_id} of task {task_id} is gone")
         status = RunStatus.CANCELLED if run.status == RunStatus.ROLLED_BACK else run.status
-        try:
-            await self.dispatch(FinalizeSubagent(
-                command_id=bounded_id(f"command:finalize-task:{task_id}:{run_id}"),
-                thread_id=parent_id, task_id=task_id, status=status,
-                result=task_result(child, run), run_id=run_id, publish=publish))
-        except CommandRejected as exc:
-            log.warning("task %s could not be finalized: %s", task_id, exc)
+        await self._try_dispatch(FinalizeSubagent(
+            command_id=bounded_id(f"command:finalize-task:{task_id}:{run_id}"),
+            thread_id=parent_id, task_id=task_id, status=status,
+            result=task_result(child, run), run_id=run_id, publish=publish),
+            f"task {task_id} could not be finalized")
 
     # -- workspace preparation -------------------------------------------------------------------
 
     async def _prepare_workspace(self, row: _store.EffectRow) -> None:
-        """Make a launch's worktree and run its project's setup commands, then release the run,
-        or fail it with the reason (a worktree whose setup failed is kept, for a look). What an
-        earlier attempt left (a server killed mid-way) goes first, with its branch: the launch
-        refused a branch that existed before."""
+        """Make a launch's worktree (first removing what a killed attempt left, branch too) and
+        run its setup commands; release the run, or fail it (a failed setup keeps the worktree)."""
         p = row.payload
         state = await self.state(row.thread_id)
         thread = state.thread if state else None
@@ -4652,11 +4540,9 @@ class Orchestrator:
 
     async def _native_fork(self, state: ThreadState, run: Run, adapter: ProviderAdapter
                            ) -> dict[str, Any] | None:
-        """What a fork's first session opens as a native fork of ("Fork and merge-back"):
-        {ref: the source run's native conversation, dropTurns: its turns after that run}; None
-        when the driver cannot (another provider instance, no native conversation, no fork, or
-        turns to drop and no fork through an earlier turn). The driver falls back to a new
-        conversation when the fork itself fails (the run then gets the portable context)."""
+        """{ref, dropTurns} for a fork's first session to open as a native fork of the source
+        run's conversation ("Fork and merge-back"); None when the driver or instance cannot. If
+        the fork itself fails the driver opens a new conversation (portable context)."""
         transfer = _fork_transfer(view(state))
         native = (transfer.data or {}).get("native") if transfer else None
         caps = adapter.info.capabilities
@@ -4686,9 +4572,8 @@ class Orchestrator:
         return len(self._live) + self._opening + len(self._reserved)
 
     async def _claim_slot(self, run_id: str) -> bool:
-        """Hold a slot for a new provider process (``_opening`` until it is live). A run that was
-        granted one has it; otherwise runs already in line go first, then a free slot is taken,
-        then the least recently used idle session is stopped to make one."""
+        """Hold a slot for a new process (``_opening`` until live): a granted one; else, if no run
+        waits in line, a free one or one freed by stopping the least recently used idle session."""
         granted = self._reserved.pop(run_id, None) is not None
         if not granted and (self._line or self._slots_used() >= self._max_live):
             idle = None if self._line else self._idle_sessions()[:1]
@@ -4710,14 +4595,12 @@ class Orchestrator:
     async def _wait_in_line(self, state: ThreadState, run: Run) -> None:
         """No agent process slot: the run goes back to ``queued``, saying why, until
         ``_rebalance`` grants it one (in the order runs started waiting)."""
-        try:
-            await self.dispatch(AwaitAgentSlot(
+        if not await self._try_dispatch(AwaitAgentSlot(
                 command_id=bounded_id(f"command:await-slot:{run.active_attempt_id}:"
                                       f"{self._new_id('wait')}"),
                 thread_id=run.thread_id, run_id=run.id, attempt_id=run.active_attempt_id or "",
                 reason=f"Waiting for a free agent process: max_live_agent_processes = "
-                       f"{self._max_live} are running; it starts when one frees."))
-        except CommandRejected:
+                       f"{self._max_live} are running; it starts when one frees.")):
             return  # interrupted meanwhile
         self._line.append((run.thread_id, run.id, run.active_attempt_id or ""))
         self._rebalance()
@@ -4737,18 +4620,16 @@ class Orchestrator:
             self._spawn(idle.handle.close(), f"release {idle.session_id}")
 
     async def _grant_slot(self, thread_id: str, run_id: str, attempt_id: str) -> None:
-        try:
-            await self.dispatch(GrantAgentSlot(
+        if not await self._try_dispatch(GrantAgentSlot(
                 command_id=bounded_id(f"command:grant-slot:{attempt_id}:{self._new_id('grant')}"),
-                thread_id=thread_id, run_id=run_id, attempt_id=attempt_id))
-        except CommandRejected:  # it ended while it waited: the slot goes to the next in line
+                thread_id=thread_id, run_id=run_id, attempt_id=attempt_id)):
+            # it ended while it waited: the slot goes to the next in line
             self._reserved.pop(run_id, None)
             self._rebalance()
 
     def _renewal_due(self, live: _LiveSession, adapter: ProviderAdapter | None) -> bool:
-        """The session's credential ended, or is past half its life: the next turn runs in a
-        resumed session with a new one (as after a restart). An agent that cannot resume keeps
-        its session, and its conversation, until the credential's end."""
+        """The credential ended or is past half its life: the next turn runs in a resumed session
+        with a new one. An agent that cannot resume keeps its session until the credential ends."""
         return self._credentials is not None and adapter is not None and \
             adapter.info.capabilities.supports_resume and \
             self._credentials.renewal_due(live.session_id)
@@ -4836,20 +4717,14 @@ class Orchestrator:
                                                    or live.closing_reason) else RunStatus.FAILED
                 live.turn = None
                 live.turn_ended.set()
-                try:
-                    await self.dispatch(FailRun(
-                        command_id=bounded_id(f"command:session-gone:{live.session_id}:{attempt_id}"),
-                        thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
-                        status=status, reason=reason))
-                except CommandRejected:
-                    pass
-            try:
-                await self.dispatch(EndProviderSession(
-                    command_id=bounded_id(f"command:session-end:{live.session_id}"),
-                    thread_id=live.thread_id, provider_session_id=live.session_id,
-                    status="stopped" if live.closing_reason else "error", reason=reason))
-            except CommandRejected:
-                pass
+                await self._try_dispatch(FailRun(
+                    command_id=bounded_id(f"command:session-gone:{live.session_id}:{attempt_id}"),
+                    thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
+                    status=status, reason=reason))
+            await self._try_dispatch(EndProviderSession(
+                command_id=bounded_id(f"command:session-end:{live.session_id}"),
+                thread_id=live.thread_id, provider_session_id=live.session_id,
+                status="stopped" if live.closing_reason else "error", reason=reason))
         finally:
             if self._live.get(live.thread_id) is live:
                 del self._live[live.thread_id]
@@ -4906,10 +4781,8 @@ class Orchestrator:
 
 
 class ThreadService:
-    """What the MCP thread tools and the /ws API both do with a thread: find it, send to it
-    (choosing how the message is delivered), wait for a run, choose the run to interrupt, answer
-    a request. The transports authenticate, check the caller's scope, parse and shape; the rules
-    of these operations live here, once."""
+    """The thread operations /mcp and /ws share (find, send, wait, interrupt, answer): the
+    transports authenticate, check scope, parse and shape; the rules live here, once."""
 
     PROGRESS_EVERY_S = 5.0
 
@@ -5366,9 +5239,7 @@ def _no_diff(side: Checkpoint | None, name: str, run: Run | None) -> tuple[str, 
 
 def steerable_run(state: ThreadState) -> Run | None:
     """The newest running run whose provider turn is running: what steering would reach."""
-    for run in reversed(state.runs):
-        if run.status != RunStatus.RUNNING:
-            continue
+    for run in (r for r in reversed(state.runs) if r.status == RunStatus.RUNNING):
         attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
         turn = state.entities["provider-turn"].get(attempt.provider_turn_id) if attempt else None
         if turn is not None and turn.status == "running":
@@ -5385,10 +5256,8 @@ def _merge_deltas(batch: Sequence[AdapterEvent]) -> tuple[AdapterEvent, ...]:
     merged: list[AdapterEvent] = []
     for event in batch:
         last = merged[-1] if merged else None
-        if isinstance(event, TextDelta) and isinstance(last, TextDelta):
-            merged[-1] = TextDelta(last.text + event.text)
-        elif isinstance(event, ReasoningDelta) and isinstance(last, ReasoningDelta):
-            merged[-1] = ReasoningDelta(last.text + event.text)
+        if isinstance(event, (TextDelta, ReasoningDelta)) and type(last) is type(event):
+            merged[-1] = type(event)(last.text + event.text)  # type: ignore[union-attr]
         else:
             merged.append(event)
     return tuple(merged)
