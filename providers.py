@@ -557,8 +557,7 @@ class _Adapter:
         """Run the instance's executable with ``args`` (a cheap query such as a model list) in a
         scratch directory: its exit code and stdout."""
         with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
-            process = await _Process.spawn([self.config.command[0], *args], cwd=cwd,
-                                           owner=self.owner, env=self._env(""))
+            process = await self._spawn([self.config.command[0], *args], cwd, self._env(""))
             try:
                 out, _ = await process.proc.communicate()
             finally:
@@ -579,6 +578,59 @@ class _Adapter:
         """What a session's process gets on top of the server's environment (``_Process.spawn``):
         the instance's ``env``, then the driver's ``extra``, then the app thread's id."""
         return {**self.config.env, **extra, "T3_THREAD_ID": thread_id}
+
+    async def _spawn(self, command: Sequence[str], cwd: str, env: Mapping[str, str]) -> _Process:
+        return await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
+
+
+async def _write_json_line(process: _Process, protocol_log: _ProtocolLog, label: str,
+                           message: Mapping[str, Any]) -> None:
+    """Write one JSON object as a line to the provider's stdin (logged redacted)."""
+    stdin = process.proc.stdin
+    if stdin is None or stdin.is_closing() or not process.alive():
+        raise ConnectionError(f"{label}: the provider process is not running")
+    line = json.dumps(message, separators=(",", ":"))
+    protocol_log.write(f"{label} -> {line}")
+    stdin.write(line.encode() + b"\n")
+    await stdin.drain()
+
+
+class _Session:
+    """What every driver's session shares: one provider process serving one app thread, its
+    adapter events (``events``; None = the process is gone, with ``exit_reason``), its stop."""
+
+    def __init__(self, adapter: Any, process: _Process) -> None:
+        self._adapter = adapter
+        self._process = process
+        self._label = f"{adapter.info.instance_id}[{process.pid}]"
+        self.pid: int | None = process.pid
+        self.native_thread_ref: str | None = None
+        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
+        self.exit_reason: str | None = None
+        self._closing = False
+
+    def alive(self) -> bool:
+        return self._process.alive()
+
+    async def close(self, *, grace: float = 3.0) -> None:
+        self._closing = True
+        await self._process.stop(grace=grace)
+
+    async def _send(self, message: Mapping[str, Any]) -> None:
+        await _write_json_line(self._process, self._adapter.protocol_log, self._label, message)
+
+    async def _read_stderr(self) -> None:
+        await _log_stderr(self._process, self._adapter.protocol_log, self._label)
+
+
+async def _opened(session: Any, opening: Awaitable[None]) -> Any:
+    """``session`` once ``opening`` has run; a session that fails to open is closed."""
+    try:
+        await opening
+    except BaseException:
+        await session.close(grace=1.0)
+        raise
+    return session
 
 
 # =============================================================================================
@@ -605,8 +657,9 @@ class _JsonRpc:
         self._on_close = on_close
         self._ids = itertools.count(1)
         self._pending: dict[Any, asyncio.Future[Any]] = {}
-        self._tasks = [asyncio.get_running_loop().create_task(self._read_stdout()),
-                       asyncio.get_running_loop().create_task(self._read_stderr())]
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_stdout()),
+                       loop.create_task(_log_stderr(process, protocol_log, label))]
         self.closed = False
 
     async def request(self, method: str, params: Mapping[str, Any], *,
@@ -634,13 +687,9 @@ class _JsonRpc:
         await self._send(message)
 
     async def _send(self, message: Mapping[str, Any]) -> None:
-        stdin = self._process.proc.stdin
-        if self.closed or stdin is None or stdin.is_closing():
+        if self.closed:
             raise ConnectionError(f"{self._label}: the provider process is not running")
-        line = json.dumps(message, separators=(",", ":"))
-        self._log.write(f"{self._label} -> {line}")
-        stdin.write(line.encode() + b"\n")
-        await stdin.drain()
+        await _write_json_line(self._process, self._log, self._label, message)
 
     async def _read_stdout(self) -> None:
         try:
@@ -680,15 +729,59 @@ class _JsonRpc:
         except ConnectionError:
             pass
 
-    async def _read_stderr(self) -> None:
-        await _log_stderr(self._process, self._log, self._label)
-
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
 
 
 _DEFERRED = object()  # a request handler that answers later through respond()
+
+
+class _RpcSession(_Session):
+    """A session over ``_JsonRpc`` whose agent requests wait open for the user's answer."""
+
+    def __init__(self, adapter: Any, process: _Process, runtime_mode: str) -> None:
+        super().__init__(adapter, process)
+        self._runtime_mode = runtime_mode
+        # native_ref -> (JSON-RPC id, method, what answering it needs)
+        self._requests: dict[str, tuple[Any, str, Any]] = {}
+        self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log, label=self._label,
+                            on_request=self._on_request, on_notification=self._on_notification,
+                            on_close=self._on_close)
+
+    def alive(self) -> bool:
+        return self._process.alive() and not self.rpc.closed
+
+    # A driver defines _on_request, _on_notification and _result (the JSON-RPC result that
+    # answers a pending agent request).
+
+    async def respond(self, native_ref: str, decision: str | None,
+                      answers: Mapping[str, Any] | None) -> None:
+        if native_ref not in self._requests:
+            raise RuntimeError(f"no pending request {native_ref} on this session")
+        _, method, context = self._requests[native_ref]
+        await self._answer(native_ref, self._result(method, context, decision, answers))
+
+    async def _cancel_requests(self) -> None:
+        for native_ref in list(self._requests):
+            await self.respond(native_ref, "cancel", None)
+
+    async def _answer(self, native_ref: str, result: Mapping[str, Any]) -> None:
+        request_id, _, _ = self._requests.pop(native_ref)
+        with contextlib.suppress(ConnectionError):
+            await self.rpc.respond(request_id, result)
+
+    async def _ask(self, request_id: Any, method: str, context: Any,
+                   request: RuntimeRequestOpened) -> Any:
+        """Hold an agent request open until the user's answer arrives through respond()."""
+        self._requests[request.native_ref] = (request_id, method, context)
+        await self.events.put(request)
+        return _DEFERRED
+
+    async def _on_close(self, returncode: int) -> None:
+        self.exit_reason = _exit_reason(self._closing, returncode)
+        self._requests.clear()
+        await self.events.put(None)
 
 
 # =============================================================================================
@@ -714,19 +807,13 @@ _ACP_MODES = {"plan": ("plan",),
               "full-access": ("bypassPermissions", "yolo")}
 
 
-class AcpSession:
+class AcpSession(_RpcSession):
     """One ACP agent process serving one app thread (one ACP session)."""
 
     CLIENT_META: Mapping[str, Any] = {}  # flavors announce their extensions in initialize
 
     def __init__(self, *, adapter: AcpAdapter, process: _Process, runtime_mode: str) -> None:
-        self._adapter = adapter
-        self._process = process
-        self._runtime_mode = runtime_mode
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
+        super().__init__(adapter, process, runtime_mode)
         self.agent_capabilities: Mapping[str, Any] = {}
         self.advertised_models: list[Mapping[str, Any]] = []  # session/new's availableModels
         self.mode_id: str | None = None  # the agent's own mode t3 selected, if one matched
@@ -734,16 +821,6 @@ class AcpSession:
         self._loading = False
         self._instructions: str | None = None  # sent with the first prompt, then None
         self._prompt_task: asyncio.Task[None] | None = None
-        # native_ref -> (JSON-RPC id, method, what answering it needs)
-        self._requests: dict[str, tuple[Any, str, Any]] = {}
-        self._closing = False
-        self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log,
-                            label=f"{adapter.info.instance_id}[{process.pid}]",
-                            on_request=self._on_request, on_notification=self._on_notification,
-                            on_close=self._on_close)
-
-    def alive(self) -> bool:
-        return self._process.alive() and not self.rpc.closed
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -860,43 +937,13 @@ class AcpSession:
     async def interrupt_turn(self) -> None:
         # ACP: the client answers every pending request "cancelled" and sends session/cancel;
         # the prompt then resolves with stopReason "cancelled".
-        for native_ref in list(self._requests):
-            _, method, context = self._requests[native_ref]
-            await self._answer(native_ref, self._result(method, context, "cancel", None))
-        try:
+        await self._cancel_requests()
+        with contextlib.suppress(ConnectionError):
             await self.rpc.notify("session/cancel", {"sessionId": self.native_thread_ref})
-        except ConnectionError:
-            pass
-
-    async def respond(self, native_ref: str, decision: str | None,
-                      answers: Mapping[str, Any] | None) -> None:
-        if native_ref not in self._requests:
-            raise RuntimeError(f"no pending request {native_ref} on this session")
-        _, method, context = self._requests[native_ref]
-        await self._answer(native_ref, self._result(method, context, decision, answers))
 
     def _result(self, method: str, context: Any, decision: str | None,
                 answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
-        """The JSON-RPC result that answers a pending agent request (flavors add methods)."""
-        return _permission_outcome(decision, context)
-
-    async def _answer(self, native_ref: str, result: Mapping[str, Any]) -> None:
-        request_id, _, _ = self._requests.pop(native_ref)
-        try:
-            await self.rpc.respond(request_id, result)
-        except ConnectionError:
-            pass
-
-    async def _ask(self, request_id: Any, method: str, context: Any,
-                   request: RuntimeRequestOpened) -> Any:
-        """Hold an agent request open until the user's answer arrives through respond()."""
-        self._requests[request.native_ref] = (request_id, method, context)
-        await self.events.put(request)
-        return _DEFERRED
-
-    async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
+        return _permission_outcome(decision, context)  # flavors add methods
 
     # -- incoming --------------------------------------------------------------------------------
 
@@ -931,11 +978,6 @@ class AcpSession:
                 input=update.get("rawInput"), output=_tool_output(update)))
         elif kind == "plan":
             await self.events.put(PlanUpdate(entries=list(update.get("entries") or [])))
-
-    async def _on_close(self, returncode: int) -> None:
-        self.exit_reason = _exit_reason(self._closing, returncode)
-        self._requests.clear()
-        await self.events.put(None)
 
 
 def _permission_outcome(decision: str | None, options: Sequence[Mapping[str, Any]]
@@ -993,8 +1035,7 @@ class AcpAdapter(_Adapter):
     async def _open_probe(self, cwd: str) -> tuple[list[dict[str, Any]], Capabilities]:
         """A disposable ``initialize`` + ``session/new``: success proves the agent can run (and
         is authenticated); it yields the models and capabilities the agent advertises."""
-        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
-                                       env=self._env(""))
+        process = await self._spawn(self.config.command, cwd, self._env(""))
         session = AcpSession(adapter=self, process=process, runtime_mode="approval-required")
         try:
             await session.open(cwd=cwd, model=None, interaction_mode="default", resume_ref=None,
@@ -1014,17 +1055,11 @@ class AcpAdapter(_Adapter):
                            mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None
                            ) -> AcpSession:
         self._check_available()
-        env = self._env(thread_id)
-        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
-                                       env=env)
+        process = await self._spawn(self.config.command, cwd, self._env(thread_id))
         session = self.SESSION(adapter=self, process=process, runtime_mode=runtime_mode)
-        try:
-            await session.open(cwd=cwd, model=model, interaction_mode=interaction_mode,
-                               resume_ref=resume_ref, mcp=mcp, fork=fork)
-        except BaseException:
-            await session.close(grace=1.0)
-            raise
-        return session
+        return await _opened(session, session.open(
+            cwd=cwd, model=model, interaction_mode=interaction_mode, resume_ref=resume_ref,
+            mcp=mcp, fork=fork))
 
 
 # =============================================================================================
@@ -1293,7 +1328,7 @@ class AcpRegistryAdapter(AcpAdapter):
         """Run npm or uv in its own process group (killed if t3 stops meanwhile) with ``env`` on
         top of the server's environment; its output goes to the protocol log, the end of its
         stderr into the error."""
-        process = await _Process.spawn(command, cwd=str(cwd), owner=self.owner, env=env)
+        process = await self._spawn(command, str(cwd), env)
         try:
             out, err = await asyncio.wait_for(process.proc.communicate(), _INSTALL_TIMEOUT_S)
         except TimeoutError:
@@ -1598,39 +1633,21 @@ class GrokAdapter(AcpAdapter):
 _CLAUDE_EDIT_TOOLS = {"Edit", "Write", "MultiEdit", "NotebookEdit"}
 
 
-class ClaudeSession:
+class ClaudeSession(_Session):
     """One `claude -p` stream-json process serving one app thread; it lives across turns."""
 
     def __init__(self, *, adapter: ClaudeAdapter, process: _Process, session_ref: str,
                  runtime_mode: str, mcp_dir: str | None) -> None:
-        self._adapter = adapter
-        self._process = process
+        super().__init__(adapter, process)
         self._runtime_mode = runtime_mode
         self._mcp_dir = mcp_dir
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = session_ref
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
-        self._label = f"{adapter.info.instance_id}[{process.pid}]"
+        self.native_thread_ref = session_ref
         self._permissions: dict[str, Mapping[str, Any]] = {}
         self._requests = itertools.count(1)
         self._in_turn = False
         self._interrupted = False
-        self._closing = False
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
-
-    def alive(self) -> bool:
-        return self._process.alive()
-
-    async def _send(self, message: Mapping[str, Any]) -> None:
-        stdin = self._process.proc.stdin
-        if stdin is None or stdin.is_closing() or not self.alive():
-            raise ConnectionError(f"{self._label}: the provider process is not running")
-        line = json.dumps(message, separators=(",", ":"))
-        self._adapter.protocol_log.write(f"{self._label} -> {line}")
-        stdin.write(line.encode() + b"\n")
-        await stdin.drain()
 
     async def start_turn(self, text: str) -> None:
         if self._in_turn:
@@ -1646,11 +1663,9 @@ class ClaudeSession:
         self._interrupted = True
         for native_ref in list(self._permissions):
             await self._answer(native_ref, {"behavior": "deny", "message": "Interrupted."})
-        try:
+        with contextlib.suppress(ConnectionError):
             await self._send({"type": "control_request", "request_id": f"t3-{next(self._requests)}",
                               "request": {"subtype": "interrupt"}})
-        except ConnectionError:
-            pass
 
     async def respond(self, native_ref: str, decision: str | None,
                       answers: Mapping[str, Any] | None) -> None:
@@ -1666,15 +1681,9 @@ class ClaudeSession:
 
     async def _answer(self, native_ref: str, response: Mapping[str, Any]) -> None:
         self._permissions.pop(native_ref, None)
-        try:
+        with contextlib.suppress(ConnectionError):
             await self._send({"type": "control_response", "response": {
                 "subtype": "success", "request_id": native_ref, "response": response}})
-        except ConnectionError:
-            pass
-
-    async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
 
     async def _read_stdout(self) -> None:
         try:
@@ -1747,9 +1756,6 @@ class ClaudeSession:
             detail={"toolName": tool, "input": request.get("input"),
                     "description": request.get("description")}))
 
-    async def _read_stderr(self) -> None:
-        await _log_stderr(self._process, self._adapter.protocol_log, self._label)
-
 
 class ClaudeAdapter(_Adapter):
     """Claude Code headless: `claude -p` with stream-json input and output and permission
@@ -1804,8 +1810,7 @@ class ClaudeAdapter(_Adapter):
                         "--allowedTools", f"mcp__{mcp.name}__*"]
         if instructions := self._instructions(mcp):  # the system prompt is per process
             command += ["--append-system-prompt", instructions]
-        env = self._env(thread_id)
-        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
+        process = await self._spawn(command, cwd, self._env(thread_id))
         return ClaudeSession(adapter=self, process=process, session_ref=session_ref,
                              runtime_mode=runtime_mode, mcp_dir=mcp_dir)
 
@@ -1846,30 +1851,15 @@ def _codex_mcp_servers(mcp: McpEndpoint) -> dict[str, Any]:
             f"{mcp.name}-direct": {**common, "enabled_tools": [_CODEX_WAIT_TOOL]}}
 
 
-class CodexSession:
+class CodexSession(_RpcSession):
     """One ``codex app-server`` process serving one app thread (one codex thread)."""
 
     def __init__(self, *, adapter: CodexAdapter, process: _Process, runtime_mode: str) -> None:
-        self._adapter = adapter
-        self._process = process
-        self._runtime_mode = runtime_mode
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
+        super().__init__(adapter, process, runtime_mode)
         self.forked = False  # opened by thread/fork (orchestrator "Fork and merge-back")
         self._turn_id: str | None = None
         self._ended_turns: set[str] = set()
         self._last_error: str | None = None
-        self._requests: dict[str, tuple[Any, str]] = {}  # native_ref -> (JSON-RPC id, method)
-        self._closing = False
-        self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log,
-                            label=f"{adapter.info.instance_id}[{process.pid}]",
-                            on_request=self._on_request, on_notification=self._on_notification,
-                            on_close=self._on_close)
-
-    def alive(self) -> bool:
-        return self._process.alive() and not self.rpc.closed
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -1948,9 +1938,7 @@ class CodexSession:
                                               "input": _codex_input(text)}, timeout=60)
 
     async def interrupt_turn(self) -> None:
-        for native_ref in list(self._requests):
-            _, method = self._requests[native_ref]
-            await self._answer(native_ref, _codex_answer(method, "cancel", None))
+        await self._cancel_requests()
         if self._turn_id is None:
             return
         try:
@@ -1959,23 +1947,9 @@ class CodexSession:
         except (JsonRpcError, ConnectionError) as exc:
             log.info("turn/interrupt not applied: %s", exc)
 
-    async def respond(self, native_ref: str, decision: str | None,
-                      answers: Mapping[str, Any] | None) -> None:
-        if native_ref not in self._requests:
-            raise RuntimeError(f"no pending request {native_ref} on this session")
-        _, method = self._requests[native_ref]
-        await self._answer(native_ref, _codex_answer(method, decision, answers))
-
-    async def _answer(self, native_ref: str, result: Mapping[str, Any]) -> None:
-        request_id, _ = self._requests.pop(native_ref)
-        try:
-            await self.rpc.respond(request_id, result)
-        except ConnectionError:
-            pass
-
-    async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
+    def _result(self, method: str, context: Any, decision: str | None,
+                answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        return _codex_answer(method, decision, answers)
 
     async def rollback(self, keep_turns: int) -> None:
         """Keep only the thread's first ``keep_turns`` turns (``thread/revert`` before the next
@@ -1997,12 +1971,9 @@ class CodexSession:
             raise JsonRpcError(-32601, f"t3 does not offer {method}")
         if self._runtime_mode == "full-access" and kind != "user_input":
             return _codex_answer(method, "accept", None)  # this mode never asks the user
-        native_ref = str(request_id)
-        self._requests[native_ref] = (request_id, method)
-        await self.events.put(RuntimeRequestOpened(
-            native_ref=native_ref, request_kind=kind, title=_codex_request_title(method, params),
-            detail=dict(params)))
-        return _DEFERRED
+        return await self._ask(request_id, method, None, RuntimeRequestOpened(
+            native_ref=str(request_id), request_kind=kind,
+            title=_codex_request_title(method, params), detail=dict(params)))
 
     async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
         if params.get("threadId") not in (None, self.native_thread_ref):
@@ -2035,8 +2006,7 @@ class CodexSession:
         self._turn_id = None
         if turn.get("id"):
             self._ended_turns.add(turn["id"])
-        for native_ref in list(self._requests):  # nothing can answer them any more
-            self._requests.pop(native_ref, None)
+        self._requests.clear()  # nothing can answer them any more
         status = turn.get("status")
         if status == "interrupted":
             await self.events.put(TurnEnded("interrupted"))
@@ -2046,11 +2016,6 @@ class CodexSession:
                                                       f"{message or 'no reason given'}"))
         else:
             await self.events.put(TurnEnded("completed"))
-
-    async def _on_close(self, returncode: int) -> None:
-        self.exit_reason = _exit_reason(self._closing, returncode)
-        self._requests.clear()
-        await self.events.put(None)
 
 
 def _codex_input(text: str) -> list[dict[str, Any]]:
@@ -2124,8 +2089,7 @@ class CodexAdapter(_Adapter):
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
         with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
-            process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
-                                           env=self._env(""))
+            process = await self._spawn(self.config.command, cwd, self._env(""))
 
             async def ignore(*_: Any) -> None:
                 return None
@@ -2161,16 +2125,10 @@ class CodexAdapter(_Adapter):
                            mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None
                            ) -> CodexSession:
         self._check_available()
-        env = self._env(thread_id)
-        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
-                                       env=env)
+        process = await self._spawn(self.config.command, cwd, self._env(thread_id))
         session = CodexSession(adapter=self, process=process, runtime_mode=runtime_mode)
-        try:
-            await session.open(cwd=cwd, model=model, resume_ref=resume_ref, mcp=mcp, fork=fork)
-        except BaseException:
-            await session.close(grace=1.0)
-            raise
-        return session
+        return await _opened(session, session.open(cwd=cwd, model=model, resume_ref=resume_ref,
+                                                   mcp=mcp, fork=fork))
 
 
 # =============================================================================================
@@ -2263,43 +2221,28 @@ export default async function (pi: ExtensionAPI) {
 """
 
 
-class PiSession:
+class PiSession(_Session):
     """One ``pi --mode rpc`` process serving one app thread; its session file is the native
     thread ref and lives across processes."""
 
     def __init__(self, *, adapter: PiAdapter, process: _Process, session_file: str) -> None:
-        self._adapter = adapter
-        self._process = process
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = session_file
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
-        self._label = f"{adapter.info.instance_id}[{process.pid}]"
+        super().__init__(adapter, process)
+        self.native_thread_ref = session_file
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Future[Mapping[str, Any]]] = {}
         self._in_turn = False
         self._interrupted = False
         self._last_error: str | None = None
-        self._closing = False
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
 
-    def alive(self) -> bool:
-        return self._process.alive()
-
     async def _request(self, kind: str, *, timeout: float = _PI_REQUEST_TIMEOUT,
                        **fields: Any) -> Mapping[str, Any]:
-        stdin = self._process.proc.stdin
-        if stdin is None or stdin.is_closing() or not self.alive():
-            raise ConnectionError(f"{self._label}: the provider process is not running")
         request_id = f"t3-{next(self._ids)}"
         future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        line = json.dumps({"type": kind, "id": request_id, **fields}, separators=(",", ":"))
-        self._adapter.protocol_log.write(f"{self._label} -> {line}")
         try:
-            stdin.write(line.encode() + b"\n")
-            await stdin.drain()
+            await self._send({"type": kind, "id": request_id, **fields})
             response = await asyncio.wait_for(future, timeout)
         finally:
             self._pending.pop(request_id, None)
@@ -2335,29 +2278,10 @@ class PiSession:
                       answers: Mapping[str, Any] | None) -> None:
         raise RuntimeError("pi raises no runtime requests")
 
-    async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
-
     async def _read_stdout(self) -> None:
-        stdout = self._process.proc.stdout
-        assert stdout is not None
-        buffer = b""
         try:
-            while True:
-                chunk = await stdout.read(1 << 16)
-                if not chunk:
-                    break
-                buffer += chunk
-                while (end := buffer.find(b"\n")) >= 0:
-                    raw, buffer = buffer[:end], buffer[end + 1:]
-                    if raw.endswith(b"\r"):
-                        raw = raw[:-1]
-                    await self._line(raw)
-                if len(buffer) > _LINE_LIMIT:
-                    raise ValueError("a protocol line exceeds the size limit")
-        except (ConnectionError, ValueError) as exc:
-            log.warning("%s: stopped reading: %s", self._label, exc)
+            await _read_json_lines(self._process, self._adapter.protocol_log, self._label,
+                                   self._route)
         finally:
             returncode = await self._process.proc.wait()
             self.exit_reason = _exit_reason(self._closing, returncode)
@@ -2365,18 +2289,6 @@ class PiSession:
                 if not future.done():
                     future.set_exception(ConnectionError("the provider process exited"))
             await self.events.put(None)
-
-    async def _line(self, raw: bytes) -> None:
-        text = raw.decode(errors="replace")
-        if not text.strip():
-            return
-        self._adapter.protocol_log.write(f"{self._label} <- {text}")
-        try:
-            message = json.loads(text)
-        except json.JSONDecodeError:
-            return
-        if isinstance(message, dict):
-            await self._route(message)
 
     async def _route(self, message: Mapping[str, Any]) -> None:
         kind = message.get("type")
@@ -2410,9 +2322,6 @@ class PiSession:
             await self.events.put(TurnEnded("failed", f"pi failed the turn: {self._last_error}"))
         else:
             await self.events.put(TurnEnded("completed"))
-
-    async def _read_stderr(self) -> None:
-        await _log_stderr(self._process, self._adapter.protocol_log, self._label)
 
 
 def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
@@ -2497,7 +2406,7 @@ class PiAdapter(_Adapter):
             env["T3_MCP_BEARER_TOKEN"] = auth.removeprefix("Bearer ").strip()
         if instructions := self._instructions(mcp):  # the system prompt is per process
             command += ["--append-system-prompt", instructions]
-        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
+        process = await self._spawn(command, cwd, env)
         return PiSession(adapter=self, process=process, session_file=str(session_file))
 
 
@@ -2565,44 +2474,34 @@ async def _http_body_chunks(reader: asyncio.StreamReader, headers: Mapping[str, 
             yield chunk
 
 
-class OpenCodeSession:
+class OpenCodeSession(_Session):
     """One ``opencode serve`` process serving one app thread (one opencode session)."""
 
     def __init__(self, *, adapter: OpenCodeAdapter, process: _Process, port: int,
                  password: str, cwd: str, model: str | None, runtime_mode: str) -> None:
-        self._adapter = adapter
-        self._process = process
+        super().__init__(adapter, process)
         self._port = port
         self._auth = "Basic " + base64.b64encode(
             f"opencode:{password}".encode()).decode()
         self._cwd = cwd
         self._model = model
         self._runtime_mode = runtime_mode
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
-        self._label = f"{adapter.info.instance_id}[{process.pid}]"
         self._in_turn = False
         self._busy = False  # the root session went busy in this turn
         self._interrupted = False
         self._error: str | None = None
-        self._closing = False
         self._permissions: dict[str, Mapping[str, Any]] = {}
         self._roles: dict[str, str] = {}  # message id -> role
         self._parts: dict[str, str] = {}  # part id -> part type
         self._sent: dict[str, int] = {}  # part id -> characters already emitted
         self._tools: dict[str, tuple[str, Any]] = {}  # part id -> (status, output) emitted
         self._system: str | None = None  # the orchestration instructions, when it has t3's MCP
-        self._listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._subscribed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
+        self._listening: asyncio.Future[str] = loop.create_future()
+        self._subscribed: asyncio.Future[None] = loop.create_future()
         self._tasks = [loop.create_task(self._read_output(process.proc.stdout, "stdout")),
                        loop.create_task(self._read_output(process.proc.stderr, "stderr")),
                        loop.create_task(self._watch_exit())]
-
-    def alive(self) -> bool:
-        return self._process.alive()
 
     # -- HTTP ------------------------------------------------------------------------------------
 
@@ -2711,8 +2610,7 @@ class OpenCodeSession:
             log.info("opencode permission reply not applied: %s", exc)
 
     async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
+        await super().close(grace=grace)
         for task in self._tasks:
             task.cancel()
 
@@ -2866,8 +2764,7 @@ class OpenCodeSession:
         if not self._in_turn or not self._busy:
             return  # an idle from before this turn started
         self._in_turn = False
-        for native_ref in list(self._permissions):  # nothing can answer them any more
-            self._permissions.pop(native_ref, None)
+        self._permissions.clear()  # nothing can answer them any more
         if self._interrupted:
             await self.events.put(TurnEnded("interrupted"))
         elif self._error:
@@ -2913,15 +2810,10 @@ class OpenCodeAdapter(_Adapter):
         env = {"OPENCODE_DISABLE_AUTOUPDATE": "1", **self._env(
             thread_id, OPENCODE_CONFIG_CONTENT=self._config_content(runtime_mode),
             OPENCODE_SERVER_PASSWORD=password)}
-        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
+        process = await self._spawn(command, cwd, env)
         session = OpenCodeSession(adapter=self, process=process, port=port, password=password,
                                   cwd=cwd, model=model, runtime_mode=runtime_mode)
-        try:
-            await session.open(resume_ref=resume_ref, mcp=mcp)
-        except BaseException:
-            await session.close(grace=1.0)
-            raise
-        return session
+        return await _opened(session, session.open(resume_ref=resume_ref, mcp=mcp))
 
 
 class UnavailableAdapter:
