@@ -144,21 +144,15 @@ class ProviderConfig:
 
 
 def detect_providers() -> list[ProviderConfig]:
-    found = []
-    for instance_id, driver, command in _DETECTABLE:
-        if shutil.which(command[0]):
-            found.append(ProviderConfig(instance_id=instance_id, driver=driver, command=command))
-    return found
+    return [ProviderConfig(instance_id=instance_id, driver=driver, command=command)
+            for instance_id, driver, command in _DETECTABLE if shutil.which(command[0])]
 
 
 # What redact() blanks out: a bearer token, an Authorization (or API key) header's value, and the
-# value given to a name that ends in a secret's word (T3_MCP_BEARER_TOKEN, apiKey, x-api-key,
-# client_secret, password...): as a JSON string, a header object's value or an assignment. It is
-# matched against the line with ASCII letters lower-cased, so in any letter case. Every match
-# starts with one of the words, which keeps the scan of a line fast; the named group that ends
-# last in a match (lastgroup) ends the text kept, and the secret follows it. A quote may be
-# escaped (a JSON text inside a JSON string quotes with \"), and a quoted value also ends where
-# a line was cut short.
+# value given to a name ending in a secret's word (T3_MCP_BEARER_TOKEN, apiKey, client_secret,
+# password...), matched on the ASCII-lower-cased line. Every match starts with one of the words
+# (a fast scan); its last named group (lastgroup) ends the text kept, the secret follows. A quote
+# may be escaped (JSON inside a JSON string); a quoted value also ends where a line was cut.
 _QUOTE = r"\\*[\"']"
 _SPACE = r"(?:\s|%20|\+|\\u0020)+"  # also URL-encoded or JSON-escaped
 _SECRET = re.compile(
@@ -206,12 +200,10 @@ log.addFilter(_redact_record)
 
 class _ProtocolLog:
     """The raw traffic of one provider instance: one redacted, timestamped line per protocol
-    message in ``provider-<id>.log``, rotated by size like ``RotatingFileHandler`` (``.1`` ..
-    ``.3``). A text stream is one line per delta, and a ``logging`` record per line (record,
-    caller lookup, formatting, a flush) cost more than everything else t3 does with the delta
-    (bench/README.md, P2). So lines go to a buffered file that is flushed ``FLUSH_S`` after the
-    first unflushed line, when a session's turn or process ends (``_SessionEvents``), and on
-    ``close()``. A kill -9 may lose the last ``FLUSH_S`` of traffic, never an ended turn's."""
+    message in ``provider-<id>.log``, rotated by size (``.1`` .. ``.3``). Not ``logging``: a
+    record per delta cost more than all else t3 does with it (bench/README.md, P2). A buffered
+    file, flushed ``FLUSH_S`` after the first unflushed line, when a turn or process ends
+    (``_SessionEvents``) and on ``close()``: a kill -9 loses at most ``FLUSH_S``, never a turn."""
 
     FLUSH_S = 0.2
 
@@ -315,20 +307,15 @@ CHILD_UMASK: int | None = None
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if CHILD_UMASK is not None:
         os.umask(CHILD_UMASK)
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-# t3's own variables: the ones it reads (T3_HOME, the test hooks) or sets for the processes it
-# starts. None is passed on from the server's environment; the per-session ones are set again
-# explicitly. A named set, not every T3_*: other tools' variables of that shape pass through.
+# t3's own variables (read by it, or set per session): never passed on from the server's
+# environment. A named set, not every T3_*: other tools' variables of that shape pass through.
 _T3_VARIABLES = frozenset({"T3_HOME", "T3_CRASH_AT", "T3_MAX_PAGE_COUNT", "T3_TEST_HOOKS",
-                          "T3_TEST_CLOCK",
-                          "T3_MCP_URL", "T3_MCP_BEARER_TOKEN", "T3_OWNER", "T3_SERVER_PID",
-                          "T3_THREAD_ID"})
+                           "T3_TEST_CLOCK", "T3_MCP_URL", "T3_MCP_BEARER_TOKEN", "T3_OWNER",
+                           "T3_SERVER_PID", "T3_THREAD_ID"})
 
 
 class _Process:
@@ -355,9 +342,8 @@ class _Process:
         return cls(proc)
 
     async def _kill_group_on_exit(self) -> None:
-        """When the provider itself exits, SIGKILL what is left of its group. Helpers it started
-        must not outlive it, and they hold its pipes open: stdout would never reach EOF (and on
-        Python 3.11 ``Process.wait`` waits for the pipes too), so its turn would never end."""
+        """When the provider exits, SIGKILL what is left of its group: helpers holding its pipes
+        open would keep stdout from EOF (and ``Process.wait`` on 3.11), so no turn would end."""
         if not hasattr(os, "pidfd_open"):  # not Linux: stop() still kills the group
             return
         loop = asyncio.get_running_loop()
@@ -402,10 +388,8 @@ class _Process:
             return False
 
     def _kill_group(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 async def _log_stderr(process: _Process, protocol_log: _ProtocolLog, label: str) -> None:
@@ -434,10 +418,9 @@ def _exit_reason(closing: bool, returncode: int) -> str | None:
 
 async def _read_json_lines(process: _Process, protocol_log: _ProtocolLog, label: str,
                            on_message: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-    """Hand each JSON object the provider writes to stdout (one per line, logged redacted) to
-    ``on_message``, until end of file or a broken stream; other lines are skipped. Stdout is read
-    64 KiB at a time and split here: a ``readline()`` per line cost as much as decoding the line's
-    JSON (bench/README.md, P2)."""
+    """Hand each JSON object on the provider's stdout (one per line, logged redacted) to
+    ``on_message`` until EOF or a broken stream. Read 64 KiB at a time and split on LF only: a
+    ``readline()`` per line cost as much as the JSON (bench/README.md, P2)."""
     stdout = process.proc.stdout
     assert stdout is not None
     pieces: list[bytes] = []  # the start of a line that has not ended yet
@@ -504,10 +487,8 @@ def kill_orphans(owner: str) -> int:
 
 class _Adapter:
     """What every driver's adapter shares: its configuration, protocol log and availability.
-
-    ``RUNTIME_MODES`` / ``INTERACTION_MODES``: the modes t3 can enforce on this driver (None: all
-    of them). ``probe()`` asks the CLI itself, lazily and at most once per ``PROBE_TTL_S``, for
-    its models and whether it is logged in (``_probe_cli``), and folds the answer into ``info``:
+    ``RUNTIME_MODES`` / ``INTERACTION_MODES``: the modes t3 can enforce (None: all). ``probe()``
+    asks the CLI, at most once per ``PROBE_TTL_S``, for its models and login (``_probe_cli``):
     configured models win over probed ones; "not logged in" makes the instance unavailable."""
 
     CAPABILITIES = Capabilities()
@@ -530,9 +511,8 @@ class _Adapter:
         self.protocol_log.close()
 
     async def probe(self) -> None:
-        """Refresh ``info`` from the CLI when the last probe is older than ``PROBE_TTL_S`` (a
-        second caller waits for the first). A probe that fails or times out changes nothing
-        but is logged: the CLI may still run."""
+        """Refresh ``info`` from the CLI once per ``PROBE_TTL_S`` (a second caller waits for the
+        first). A probe that fails or times out is logged and changes nothing."""
         async with self._probe_lock:
             now = time.monotonic()
             if not self._static_info.available or (
@@ -554,8 +534,8 @@ class _Adapter:
         return [], None
 
     async def _cli_output(self, *args: str) -> tuple[int, str]:
-        """Run the instance's executable with ``args`` (a cheap query such as a model list) in a
-        scratch directory: its exit code and stdout."""
+        """Exit code and stdout of the instance's executable run with ``args`` in a scratch
+        directory (a cheap query such as a model list)."""
         with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
             process = await self._spawn([self.config.command[0], *args], cwd, self._env(""))
             try:
@@ -794,12 +774,10 @@ _STOP_STATUS = {"end_turn": "completed", "max_tokens": "completed",
 _TOOL_KIND_TO_REQUEST = {"execute": "command", "edit": "file-change", "delete": "file-change",
                          "move": "file-change", "read": "file-read"}
 _INSTRUCTIONS_TAG = "t3_code_orchestration_instructions"
-# t3's interaction mode plan and runtime modes -> the ACP agent's own mode ids, the first one the
-# agent advertises in session/new wins. What the pinned agents advertise: claude-agent-acp
-# default, acceptEdits, plan, dontAsk, bypassPermissions; gemini --acp default, autoEdit, yolo,
-# plan; codex-acp none. With a matching mode the agent itself asks (or does not) as the t3 mode
-# says; without one, t3 still answers the agent's permission requests by the runtime mode. "auto"
-# keeps the agent asking for commands so that t3 records (and grants) each of them.
+# t3's plan and runtime modes -> the ACP agent's own mode ids; the first one the agent advertises
+# wins (claude-agent-acp: default, acceptEdits, plan, dontAsk, bypassPermissions; gemini: default,
+# autoEdit, yolo, plan; codex-acp: none). Without a match t3 answers permission requests by the
+# runtime mode. "auto" keeps the agent asking for commands so t3 records (and grants) each one.
 _ACP_MODES = {"plan": ("plan",),
               "approval-required": ("default",),
               "auto-accept-edits": ("acceptEdits", "autoEdit"),
@@ -816,7 +794,6 @@ class AcpSession(_RpcSession):
         super().__init__(adapter, process, runtime_mode)
         self.agent_capabilities: Mapping[str, Any] = {}
         self.advertised_models: list[Mapping[str, Any]] = []  # session/new's availableModels
-        self.mode_id: str | None = None  # the agent's own mode t3 selected, if one matched
         self.forked = False  # opened by session/fork (orchestrator "Fork and merge-back")
         self._loading = False
         self._instructions: str | None = None  # sent with the first prompt, then None
@@ -890,10 +867,10 @@ class AcpSession(_RpcSession):
         advertised = [m.get("id") for m in modes.get("availableModes") or []]
         wanted = _ACP_MODES["plan"] if interaction_mode == "plan" else \
             _ACP_MODES.get(self._runtime_mode, ())
-        self.mode_id = next((m for m in wanted if m in advertised), None)
-        if self.mode_id is not None and self.mode_id != modes.get("currentModeId"):
+        mode_id = next((m for m in wanted if m in advertised), None)  # the agent's own mode
+        if mode_id is not None and mode_id != modes.get("currentModeId"):
             await self._optional("session/set_mode", {"sessionId": self.native_thread_ref,
-                                                      "modeId": self.mode_id})
+                                                      "modeId": mode_id})
         models = session.get("models") or {}
         available = {m.get("modelId") for m in models.get("availableModels") or []}
         if model and model in available and model != models.get("currentModelId"):
@@ -1535,15 +1512,12 @@ def _refuse_unsafe(agent: RegistryAgent, names: Iterable[str]) -> None:
                                 f"holds an unsafe path {name!r} (absolute or with ..); refused")
 # Grok (grok agent stdio): the ACP adapter plus xAI's extensions
 #
-# Grok asks structured questions with the agent->client request ``x.ai/ask_user_question`` (ACP
-# extension spelling ``_x.ai/ask_user_question``), params ``{sessionId, toolCallId, questions:
-# [{question, header?, options: [{label, description?}], multiSelect?}], mode?}``, and wants
-# ``{outcome: "accepted", answers: {<question text>: label | [labels]}, annotations: {}}`` or
-# ``{outcome: "cancelled"}`` back. The grok CLI is not installable here: that shape is what other
-# ACP clients of grok send and receive (zed-industries/zed#58484, getpaseo/paseo#3491,
-# BytePioneer-AI/codex-host#205), so the mapping below is tolerant. ``x.ai/task_backgrounded``
-# notifications are only logged. ACP has no steering or fork: the orchestrator steers by
-# cancel-and-restart (capabilities) and forks by portable context.
+# Grok asks with the request ``x.ai/ask_user_question`` (or ``_x.ai/...``), params ``{sessionId,
+# toolCallId, questions: [{question, header?, options: [{label, description?}], multiSelect?}],
+# mode?}``, and wants ``{outcome: "accepted", answers: {<question text>: label | [labels]},
+# annotations: {}}`` or ``{outcome: "cancelled"}``. That shape is what other ACP clients of grok
+# use (zed-industries/zed#58484, getpaseo/paseo#3491); the CLI is not installable here, so the
+# mapping is tolerant. ``x.ai/task_backgrounded`` is only logged. Forks: by portable context.
 
 
 _GROK_ASK = ("x.ai/ask_user_question", "_x.ai/ask_user_question")
@@ -1787,9 +1761,8 @@ class ClaudeAdapter(_Adapter):
                            mcp: McpEndpoint | None) -> ClaudeSession:
         self._check_available()
         command = list(self.config.command)
-        for flag in ("--include-partial-messages",):
-            if flag not in command:
-                command.append(flag)
+        if "--include-partial-messages" not in command:
+            command.append("--include-partial-messages")
         if model:
             command += ["--model", model]
         mode = "plan" if interaction_mode == "plan" else \
@@ -1832,8 +1805,7 @@ _CODEX_REQUEST_KINDS = {"item/commandExecution/requestApproval": "command",
                         "item/fileChange/requestApproval": "file-change",
                         "mcpServer/elicitation/request": "mcp-elicitation",
                         "item/tool/requestUserInput": "user_input"}
-_CODEX_DECISIONS = {"accept": "accept", "acceptForSession": "acceptForSession",
-                    "decline": "decline", "cancel": "cancel"}
+_CODEX_DECISIONS = ("accept", "acceptForSession", "decline", "cancel")
 _CODEX_TOOL_ITEMS = {"commandExecution": "execute", "fileChange": "edit", "mcpToolCall": "mcp"}
 _CODEX_TOOL_STATUS = {"inProgress": "running", "completed": "completed", "failed": "failed",
                       "declined": "failed"}
@@ -2035,7 +2007,7 @@ def _codex_answer(method: str, decision: str | None, answers: Mapping[str, Any] 
                   "decline": "decline"}.get(decision or "cancel", "cancel")
         return {"action": action, "content": dict(answers) if answers and action == "accept"
                 else None, "_meta": None}
-    return {"decision": _CODEX_DECISIONS.get(decision or "cancel", "cancel")}
+    return {"decision": decision if decision in _CODEX_DECISIONS else "cancel"}
 
 
 def _codex_request_title(method: str, params: Mapping[str, Any]) -> str:
@@ -2347,14 +2319,13 @@ def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
 
 
 class PiAdapter(_Adapter):
-    """``pi --mode rpc``, one process per session. pi has no permission prompts: its tools just
-    run, so runtime requests never arise and t3 cannot enforce any runtime mode but full-access
-    or the plan interaction mode: it offers only those (``RUNTIME_MODES``), so a narrower child
-    is refused rather than run unrestricted. Its models: ``pi --list-models``. Steering is native (``steer``: delivered before pi's next model call, same turn).
-    Conversations persist in ``--session <file>`` under ``<data-dir>/agents/pi-sessions/``, one
-    file per app thread, which is the native thread ref. pi has no MCP client: t3's MCP server
-    reaches it through a t3-owned extension (``<data-dir>/agents/pi-t3-mcp-extension.ts``) that
-    registers t3's tools as ``mcp__t3-code__<tool>`` and calls them over HTTP."""
+    """``pi --mode rpc``, one process per session. pi has no permission prompts, so t3 offers
+    only full-access and the default interaction mode (``RUNTIME_MODES``): a narrower child is
+    refused rather than run unrestricted. Models: ``pi --list-models``. Steering is native
+    (before pi's next model call). The native thread ref is the ``--session <file>`` under
+    ``<data-dir>/agents/pi-sessions/``, one per app thread. pi has no MCP client: a t3-owned
+    extension (``<data-dir>/agents/pi-t3-mcp-extension.ts``) registers t3's tools as
+    ``mcp__t3-code__<tool>`` and calls them over HTTP."""
 
     CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
                                 supports_steering_by_restart=True, supports_queued_messages=True,
@@ -2860,19 +2831,11 @@ def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str,
                   agents_dir: Path | None = None) -> Any:
     """The adapter of one instance; ``agents_dir`` (default ``<log_dir>/../agents``) holds what
     t3 installs for agents, e.g. the acpRegistry cache under ``registry/``."""
-    if config.driver == "acp":
-        return AcpAdapter(config, log_dir=log_dir, owner=owner)
     if config.driver == "acpRegistry":
         return AcpRegistryAdapter(config, log_dir=log_dir, owner=owner, cache_dir=(
             agents_dir or log_dir.parent / "agents") / "registry")
-    if config.driver == "grok":
-        return GrokAdapter(config, log_dir=log_dir, owner=owner)
-    if config.driver == "claudeAgent":
-        return ClaudeAdapter(config, log_dir=log_dir, owner=owner)
-    if config.driver == "codex":
-        return CodexAdapter(config, log_dir=log_dir, owner=owner)
-    if config.driver == "pi":
-        return PiAdapter(config, log_dir=log_dir, owner=owner)
-    if config.driver == "opencode":
-        return OpenCodeAdapter(config, log_dir=log_dir, owner=owner)
-    return UnavailableAdapter(config, _UNRUNNABLE[config.driver])
+    if config.driver in _UNRUNNABLE:
+        return UnavailableAdapter(config, _UNRUNNABLE[config.driver])
+    adapter = {"acp": AcpAdapter, "grok": GrokAdapter, "claudeAgent": ClaudeAdapter,
+               "codex": CodexAdapter, "pi": PiAdapter, "opencode": OpenCodeAdapter}
+    return adapter[config.driver](config, log_dir=log_dir, owner=owner)
