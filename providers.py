@@ -392,15 +392,28 @@ class _Process:
             os.killpg(self.pid, sig)
 
 
-async def _log_stderr(process: _Process, protocol_log: _ProtocolLog, label: str) -> None:
-    """Drain a provider's stderr into its protocol log (a full pipe would stall the process)."""
-    stderr = process.proc.stderr
-    assert stderr is not None
-    while True:
-        raw = await stderr.readline()
-        if not raw:
-            return
-        protocol_log.write(f"{label} stderr {raw.decode(errors='replace').rstrip()}")
+async def _log_output(stream: asyncio.StreamReader | None, protocol_log: _ProtocolLog,
+                      prefix: str, on_line: Callable[[str], None] | None = None) -> None:
+    """Drain a provider's stderr (or text stdout) into its protocol log, each line to ``on_line``
+    too: a full pipe would stall the process."""
+    assert stream is not None
+    while raw := await stream.readline():
+        line = raw.decode(errors="replace").rstrip()
+        protocol_log.write(f"{prefix} {line}")
+        if on_line is not None:
+            on_line(line)
+
+
+def _texts(blocks: Iterable[Any] | None) -> list[str]:
+    """The text of each ``{"type": "text", "text": ...}`` content block."""
+    return [b.get("text", "") for b in blocks or []
+            if isinstance(b, Mapping) and b.get("type") == "text"]
+
+
+def _turn_ended(*, interrupted: bool, failure: str | None) -> TurnEnded:
+    """How a turn ended: interrupted wins over a failure."""
+    return TurnEnded("interrupted") if interrupted else \
+        TurnEnded("failed", failure) if failure else TurnEnded("completed")
 
 
 def _exit_reason(closing: bool, returncode: int) -> str | None:
@@ -491,7 +504,7 @@ class _Adapter:
     asks the CLI, at most once per ``PROBE_TTL_S``, for its models and login (``_probe_cli``):
     configured models win over probed ones; "not logged in" makes the instance unavailable."""
 
-    CAPABILITIES = Capabilities()
+    CAPABILITIES = Capabilities()  # its defaults: interrupt, steering by restart, queued messages
     RUNTIME_MODES: tuple[str, ...] | None = None
     INTERACTION_MODES: tuple[str, ...] | None = None
     PROBE_TTL_S = 300.0
@@ -600,7 +613,8 @@ class _Session:
         await _write_json_line(self._process, self._adapter.protocol_log, self._label, message)
 
     async def _read_stderr(self) -> None:
-        await _log_stderr(self._process, self._adapter.protocol_log, self._label)
+        await _log_output(self._process.proc.stderr, self._adapter.protocol_log,
+                          f"{self._label} stderr")
 
 
 async def _opened(session: Any, opening: Awaitable[None]) -> Any:
@@ -639,7 +653,8 @@ class _JsonRpc:
         self._pending: dict[Any, asyncio.Future[Any]] = {}
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_stdout()),
-                       loop.create_task(_log_stderr(process, protocol_log, label))]
+                       loop.create_task(_log_output(process.proc.stderr, protocol_log,
+                                                    f"{label} stderr"))]
         self.closed = False
 
     async def request(self, method: str, params: Mapping[str, Any], *,
@@ -970,11 +985,7 @@ def _permission_outcome(decision: str | None, options: Sequence[Mapping[str, Any
 
 
 def _tool_output(update: Mapping[str, Any]) -> str | None:
-    texts = []
-    for block in update.get("content") or []:
-        inner = block.get("content") if isinstance(block, Mapping) else None
-        if isinstance(inner, Mapping) and inner.get("type") == "text":
-            texts.append(inner.get("text", ""))
+    texts = _texts(b.get("content") for b in update.get("content") or [] if isinstance(b, Mapping))
     if texts:
         return "\n".join(texts)
     raw = update.get("rawOutput")
@@ -992,9 +1003,7 @@ class AcpAdapter(_Adapter):
     """Any ACP agent started by command."""
 
     # supports_resume / supports_fork: where the agent's ``initialize`` advertises them
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True, supports_fork=True)
+    CAPABILITIES = Capabilities(supports_resume=True, supports_mcp=True, supports_fork=True)
     SESSION: type[AcpSession] = AcpSession
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
@@ -1211,15 +1220,9 @@ class AcpRegistryAdapter(AcpAdapter):
                     models=self.config.models or models)  # configured models win
             self._prepared = True
 
-    async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
-                           runtime_mode: str, interaction_mode: str, resume_ref: str | None,
-                           mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None
-                           ) -> AcpSession:
+    async def open_session(self, **kwargs: Any) -> AcpSession:
         await self.prepare()
-        return await super().open_session(
-            session_id=session_id, thread_id=thread_id, cwd=cwd, model=model,
-            runtime_mode=runtime_mode, interaction_mode=interaction_mode, resume_ref=resume_ref,
-            mcp=mcp, fork=fork)
+        return await super().open_session(**kwargs)
 
     async def _install(self) -> RegistryAgent:
         """Read the catalog, prepare the distribution, and set the command the sessions run."""
@@ -1249,10 +1252,7 @@ class AcpRegistryAdapter(AcpAdapter):
         """``npm install --prefix`` of the pinned package into its own cache directory (never
         global: the user's system stays as it was); its bin is then run directly, not via npx."""
         assert agent.package is not None
-        npm = shutil.which("npm")
-        if npm is None:
-            raise RegistryError(f"ACP registry agent {agent.id} is distributed through npm, "
-                                "and npm is not installed")
+        npm = _installer("npm", "npm", agent)
         final = self._cache_dir / "npx" / _safe(agent.package)
         if not (final / _PREPARED).exists():
             partial = final.with_name(final.name + ".partial")
@@ -1275,10 +1275,7 @@ class AcpRegistryAdapter(AcpAdapter):
         """``uv tool install`` with its tool and bin directories inside the cache. Installed in
         place (no rename): a tool environment records its absolute path."""
         assert agent.package is not None
-        uv = shutil.which("uv")
-        if uv is None:
-            raise RegistryError(f"ACP registry agent {agent.id} is distributed through uvx, "
-                                "and uv is not installed")
+        uv = _installer("uv", "uvx", agent)
         home = self._cache_dir / "uvx" / _safe(agent.package)
         if not (home / _PREPARED).exists():
             shutil.rmtree(home, ignore_errors=True)
@@ -1332,6 +1329,13 @@ class AcpRegistryAdapter(AcpAdapter):
         except (JsonRpcError, ConnectionError, TimeoutError) as exc:
             raise RegistryError(f"ACP registry agent {self.config.agent} did not open a session "
                                 f"(readiness check): {exc or type(exc).__name__}") from exc
+
+
+def _installer(program: str, via: str, agent: RegistryAgent) -> str:
+    if (found := shutil.which(program)) is None:
+        raise RegistryError(f"ACP registry agent {agent.id} is distributed through {via}, "
+                            f"and {program} is not installed")
+    return found
 
 
 def _args_env(spec: Mapping[str, Any], where: str, bad: Any
@@ -1646,12 +1650,10 @@ class ClaudeSession(_Session):
         request = self._permissions.get(native_ref)
         if request is None:
             raise RuntimeError(f"no pending permission request {native_ref} on this session")
-        if decision in ("accept", "acceptForSession"):
-            await self._answer(native_ref, {"behavior": "allow",
-                                            "updatedInput": request.get("input") or {}})
-        else:
-            await self._answer(native_ref, {"behavior": "deny",
-                                            "message": "The user declined this tool call."})
+        await self._answer(native_ref, {"behavior": "allow",
+                                        "updatedInput": request.get("input") or {}}
+                           if decision in ("accept", "acceptForSession") else
+                           {"behavior": "deny", "message": "The user declined this tool call."})
 
     async def _answer(self, native_ref: str, response: Mapping[str, Any]) -> None:
         self._permissions.pop(native_ref, None)
@@ -1735,9 +1737,7 @@ class ClaudeAdapter(_Adapter):
     """Claude Code headless: `claude -p` with stream-json input and output and permission
     prompts over stdio; t3's MCP server via a private --mcp-config file."""
 
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True)
+    CAPABILITIES = Capabilities(supports_resume=True, supports_mcp=True)
     # Claude Code's model aliases: they follow Anthropic's current models, so they stay valid.
     MODELS = ({"id": "sonnet", "label": "Claude Sonnet (latest)"},
               {"id": "opus", "label": "Claude Opus (latest)"},
@@ -2040,8 +2040,7 @@ def _codex_tool_update(item: Mapping[str, Any]) -> ToolUpdate:
         if item.get("error"):
             output = (item.get("error") or {}).get("message")
         elif item.get("result") is not None:
-            texts = [c.get("text", "") for c in (item["result"].get("content") or [])
-                     if isinstance(c, Mapping) and c.get("type") == "text"]
+            texts = _texts(item["result"].get("content"))
             output = "\n".join(texts) if texts else json.dumps(item["result"])
     return ToolUpdate(native_id=str(item.get("id")),
                       status=_CODEX_TOOL_STATUS.get(str(item.get("status")), "running"),
@@ -2054,9 +2053,8 @@ class CodexAdapter(_Adapter):
     ``model/list`` (hidden models are legacy: found by search only; the default first) and
     ``account/read`` (no account while codex's provider needs an OpenAI login: not logged in)."""
 
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True, supports_fork=True,
+    CAPABILITIES = Capabilities(supports_active_steering=True, supports_resume=True,
+                                supports_mcp=True, supports_fork=True,
                                 supports_fork_from_turn=True, supports_rollback=True)
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
@@ -2288,12 +2286,8 @@ class PiSession(_Session):
 
     async def _end_turn(self) -> None:
         self._in_turn = False
-        if self._interrupted:
-            await self.events.put(TurnEnded("interrupted"))
-        elif self._last_error:
-            await self.events.put(TurnEnded("failed", f"pi failed the turn: {self._last_error}"))
-        else:
-            await self.events.put(TurnEnded("completed"))
+        await self.events.put(_turn_ended(interrupted=self._interrupted, failure=self._last_error
+                                          and f"pi failed the turn: {self._last_error}"))
 
 
 def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
@@ -2304,9 +2298,7 @@ def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
     result = message.get("result") if kind == "tool_execution_end" else \
         message.get("partialResult")
     if isinstance(result, Mapping):
-        texts = [c.get("text", "") for c in result.get("content") or []
-                 if isinstance(c, Mapping) and c.get("type") == "text"]
-        output = "\n".join(texts)
+        output = "\n".join(_texts(result.get("content")))
     status = ("failed" if message.get("isError") else "completed") \
         if kind == "tool_execution_end" else "running"
     title = f"{name} {args.get('command')}" if name == "bash" and isinstance(args, Mapping) \
@@ -2327,9 +2319,8 @@ class PiAdapter(_Adapter):
     extension (``<data-dir>/agents/pi-t3-mcp-extension.ts``) registers t3's tools as
     ``mcp__t3-code__<tool>`` and calls them over HTTP."""
 
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True)
+    CAPABILITIES = Capabilities(supports_active_steering=True, supports_resume=True,
+                                supports_mcp=True)
     RUNTIME_MODES = ("full-access",)
     INTERACTION_MODES = ("default",)
 
@@ -2470,9 +2461,12 @@ class OpenCodeSession(_Session):
         loop = asyncio.get_running_loop()
         self._listening: asyncio.Future[str] = loop.create_future()
         self._subscribed: asyncio.Future[None] = loop.create_future()
-        self._tasks = [loop.create_task(self._read_output(process.proc.stdout, "stdout")),
-                       loop.create_task(self._read_output(process.proc.stderr, "stderr")),
-                       loop.create_task(self._watch_exit())]
+        # "listening on" may come on either stream
+        self._tasks = [loop.create_task(_log_output(stream, adapter.protocol_log,
+                                                    f"{self._label} {name}", self._on_output))
+                       for name, stream in (("stdout", process.proc.stdout),
+                                            ("stderr", process.proc.stderr))]
+        self._tasks.append(loop.create_task(self._watch_exit()))
 
     # -- HTTP ------------------------------------------------------------------------------------
 
@@ -2587,16 +2581,9 @@ class OpenCodeSession(_Session):
 
     # -- incoming --------------------------------------------------------------------------------
 
-    async def _read_output(self, stream: asyncio.StreamReader | None, name: str) -> None:
-        assert stream is not None
-        while True:
-            raw = await stream.readline()
-            if not raw:
-                return
-            line = raw.decode(errors="replace").rstrip()
-            self._adapter.protocol_log.write(f"{self._label} {name} {line}")
-            if (found := _OPENCODE_LISTENING.search(line)) and not self._listening.done():
-                self._listening.set_result(found.group(1))
+    def _on_output(self, line: str) -> None:
+        if (found := _OPENCODE_LISTENING.search(line)) and not self._listening.done():
+            self._listening.set_result(found.group(1))
 
     async def _watch_exit(self) -> None:
         returncode = await self._process.proc.wait()
@@ -2736,20 +2723,14 @@ class OpenCodeSession(_Session):
             return  # an idle from before this turn started
         self._in_turn = False
         self._permissions.clear()  # nothing can answer them any more
-        if self._interrupted:
-            await self.events.put(TurnEnded("interrupted"))
-        elif self._error:
-            await self.events.put(TurnEnded("failed", f"opencode failed the turn: {self._error}"))
-        else:
-            await self.events.put(TurnEnded("completed"))
+        await self.events.put(_turn_ended(interrupted=self._interrupted, failure=self._error
+                                          and f"opencode failed the turn: {self._error}"))
 
 
 class OpenCodeAdapter(_Adapter):
     """``opencode serve``: one HTTP server process per session, driven over REST and SSE."""
 
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True)
+    CAPABILITIES = Capabilities(supports_resume=True, supports_mcp=True)
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
         """``opencode models``: one ``provider/model`` per line, in opencode's order. opencode
