@@ -632,10 +632,9 @@ async def _opened(session: Any, opening: Awaitable[None]) -> Any:
 
 
 class JsonRpcError(Exception):
-    def __init__(self, code: int, message: str, data: Any = None) -> None:
+    def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
-        self.data = data
 
 
 class _JsonRpc:
@@ -709,7 +708,7 @@ class _JsonRpc:
             if "error" in message and message["error"] is not None:
                 err = message["error"]
                 future.set_exception(JsonRpcError(err.get("code", -32603),
-                                                  err.get("message", "error"), err.get("data")))
+                                                  err.get("message", "error")))
             else:
                 future.set_result(message.get("result"))
 
@@ -1837,10 +1836,7 @@ class CodexSession(_RpcSession):
 
     async def open(self, *, cwd: str, model: str | None, resume_ref: str | None,
                    mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None) -> None:
-        await self.rpc.request("initialize", {
-            "clientInfo": {"name": "t3", "title": "t3", "version": "0.1.0"},
-            "capabilities": {"experimentalApi": True}}, timeout=60)
-        await self.rpc.notify("initialized", {})
+        await _codex_initialize(self.rpc)
         approval, sandbox = _CODEX_MODES.get(self._runtime_mode, _CODEX_MODES["auto"])
         params: dict[str, Any] = {"cwd": cwd, "approvalPolicy": approval, "sandbox": sandbox}
         if model:
@@ -1990,6 +1986,13 @@ class CodexSession(_RpcSession):
             await self.events.put(TurnEnded("completed"))
 
 
+async def _codex_initialize(rpc: _JsonRpc) -> None:
+    await rpc.request("initialize", {
+        "clientInfo": {"name": "t3", "title": "t3", "version": "0.1.0"},
+        "capabilities": {"experimentalApi": True}}, timeout=60)
+    await rpc.notify("initialized", {})
+
+
 def _codex_input(text: str) -> list[dict[str, Any]]:
     return [{"type": "text", "text": text, "text_elements": []}]
 
@@ -2067,10 +2070,7 @@ class CodexAdapter(_Adapter):
                            label=f"{self.info.instance_id}[probe {process.pid}]",
                            on_request=ignore, on_notification=ignore, on_close=ignore)
             try:
-                await rpc.request("initialize", {
-                    "clientInfo": {"name": "t3", "title": "t3", "version": "0.1.0"},
-                    "capabilities": {"experimentalApi": True}})
-                await rpc.notify("initialized", {})
+                await _codex_initialize(rpc)
                 listed: list[Mapping[str, Any]] = []
                 cursor = None
                 for _ in range(10):
@@ -2107,7 +2107,7 @@ class CodexAdapter(_Adapter):
 # pi's own JSONL protocol over stdio (research/agents.md §5, D§7.8): commands ``{type, id, ...}``
 # on stdin, responses ``{type: "response", id, command, success, data?, error?}`` and events
 # (no id) on stdout. Framing is LF only: pi's strings may hold U+2028/U+2029, which a line
-# splitter on "any line break" would cut, so t3 splits on b"\n" and strips one trailing CR.
+# splitter on "any line break" would cut, so t3 splits on b"\n" (``_read_json_lines``).
 
 
 _PI_REQUEST_TIMEOUT = 90.0  # pi answers its first command only once it has started (slow under load)
@@ -2124,18 +2124,20 @@ const PREFIX = "mcp__t3-code__";
 let nextId = 1;
 let sessionId: string | undefined;
 
-async function rpc(method: string, params: unknown, signal?: AbortSignal): Promise<any> {
-  const headers: Record<string, string> = {
-    "content-type": "application/json",
-    accept: "application/json, text/event-stream",
-    authorization: `Bearer ${TOKEN}`,
-    "mcp-protocol-version": "2025-06-18",
-  };
-  if (sessionId) headers["mcp-session-id"] = sessionId;
-  const res = await fetch(URL_, {
-    method: "POST", headers, signal,
-    body: JSON.stringify({ jsonrpc: "2.0", id: nextId++, method, params }),
+function post(message: Record<string, unknown>, signal?: AbortSignal): Promise<Response> {
+  return fetch(URL_, {
+    method: "POST", signal,
+    headers: {
+      "content-type": "application/json", accept: "application/json, text/event-stream",
+      authorization: `Bearer ${TOKEN}`, "mcp-protocol-version": "2025-06-18",
+      ...(sessionId ? { "mcp-session-id": sessionId } : {}),
+    },
+    body: JSON.stringify({ jsonrpc: "2.0", ...message }),
   });
+}
+
+async function rpc(method: string, params: unknown, signal?: AbortSignal): Promise<any> {
+  const res = await post({ id: nextId++, method, params }, signal);
   const sid = res.headers.get("mcp-session-id");
   if (sid) sessionId = sid;
   const body = await res.text();
@@ -2161,15 +2163,7 @@ export default async function (pi: ExtensionAPI) {
     protocolVersion: "2025-06-18", capabilities: {},
     clientInfo: { name: "t3-pi-bridge", version: "0.1.0" },
   });
-  await fetch(URL_, {
-    method: "POST",
-    headers: {
-      "content-type": "application/json", accept: "application/json, text/event-stream",
-      authorization: `Bearer ${TOKEN}`, "mcp-protocol-version": "2025-06-18",
-      ...(sessionId ? { "mcp-session-id": sessionId } : {}),
-    },
-    body: JSON.stringify({ jsonrpc: "2.0", method: "notifications/initialized" }),
-  }).then((r) => r.text()).catch(() => undefined);
+  await post({ method: "notifications/initialized" }).then((r) => r.text()).catch(() => undefined);
   const listed = await rpc("tools/list", {});
   for (const tool of listed?.tools ?? []) {
     const schema = tool.inputSchema ?? { type: "object", properties: {} };
@@ -2794,18 +2788,14 @@ def _info(config: ProviderConfig, capabilities: Capabilities,
         constraints.append("disabled in the configuration")
     if not config.command:
         constraints.append("no command configured")
-    elif not _resolvable(config.command[0]):
+    elif not shutil.which(config.command[0]) and not (
+            os.path.isabs(config.command[0]) and os.access(config.command[0], os.X_OK)):
         constraints.append(f"executable not found: {config.command[0]}")
     return ProviderInfo(instance_id=config.instance_id, driver=config.driver,
                         display_name=config.display_name, models=config.models,
                         capabilities=capabilities, available=not constraints,
                         constraints=tuple(constraints), runtime_modes=runtime_modes,
                         interaction_modes=interaction_modes)
-
-
-def _resolvable(executable: str) -> bool:
-    return shutil.which(executable) is not None or (os.path.isabs(executable)
-                                                    and os.access(executable, os.X_OK))
 
 
 def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str,
