@@ -605,6 +605,10 @@ class _Session:
     def alive(self) -> bool:
         return self._process.alive()
 
+    async def steer_turn(self, text: str) -> None:
+        """Drivers without native steering: t3 steers them by interrupt-and-restart."""
+        raise RuntimeError(f"{self._label} cannot steer a running turn")
+
     async def close(self, *, grace: float = 3.0) -> None:
         self._closing = True
         await self._process.stop(grace=grace)
@@ -921,9 +925,6 @@ class AcpSession(_RpcSession):
             return  # the process is gone; the closed queue tells the orchestrator
         reason = (result or {}).get("stopReason", "end_turn")
         await self.events.put(TurnEnded(_STOP_STATUS.get(reason, "completed")))
-
-    async def steer_turn(self, text: str) -> None:
-        raise RuntimeError("ACP agents cannot steer a running turn")
 
     async def interrupt_turn(self) -> None:
         # ACP: the client answers every pending request "cancelled" and sends session/cancel;
@@ -1304,12 +1305,11 @@ class AcpRegistryAdapter(AcpAdapter):
         process = await self._spawn(command, str(cwd), env)
         try:
             out, err = await asyncio.wait_for(process.proc.communicate(), _INSTALL_TIMEOUT_S)
-        except TimeoutError:
+        except BaseException as exc:
             await process.stop(grace=0.0)
-            raise RegistryError(f"{' '.join(command[1:3])} {command[-1]} did not finish within "
-                                f"{_INSTALL_TIMEOUT_S:.0f} s") from None
-        except BaseException:
-            await process.stop(grace=0.0)
+            if isinstance(exc, TimeoutError):
+                raise RegistryError(f"{' '.join(command[1:3])} {command[-1]} did not finish "
+                                    f"within {_INSTALL_TIMEOUT_S:.0f} s") from None
             raise
         for line in (out + err).decode(errors="replace").splitlines():
             self.protocol_log.write(f"install {line}")
@@ -1632,9 +1632,6 @@ class ClaudeSession(_Session):
         self._in_turn, self._interrupted = True, False
         await self._send({"type": "user", "session_id": "", "parent_tool_use_id": None,
                           "message": {"role": "user", "content": [{"type": "text", "text": text}]}})
-
-    async def steer_turn(self, text: str) -> None:
-        raise RuntimeError("t3 steers Claude Code by interrupt-and-restart")
 
     async def interrupt_turn(self) -> None:
         self._interrupted = True
@@ -2540,9 +2537,6 @@ class OpenCodeSession(_Session):
         except BaseException:
             self._in_turn = False
             raise
-
-    async def steer_turn(self, text: str) -> None:
-        raise RuntimeError("t3 steers opencode by interrupt-and-restart")
 
     async def interrupt_turn(self) -> None:
         self._interrupted = True
