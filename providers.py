@@ -144,21 +144,15 @@ class ProviderConfig:
 
 
 def detect_providers() -> list[ProviderConfig]:
-    found = []
-    for instance_id, driver, command in _DETECTABLE:
-        if shutil.which(command[0]):
-            found.append(ProviderConfig(instance_id=instance_id, driver=driver, command=command))
-    return found
+    return [ProviderConfig(instance_id=instance_id, driver=driver, command=command)
+            for instance_id, driver, command in _DETECTABLE if shutil.which(command[0])]
 
 
 # What redact() blanks out: a bearer token, an Authorization (or API key) header's value, and the
-# value given to a name that ends in a secret's word (T3_MCP_BEARER_TOKEN, apiKey, x-api-key,
-# client_secret, password...): as a JSON string, a header object's value or an assignment. It is
-# matched against the line with ASCII letters lower-cased, so in any letter case. Every match
-# starts with one of the words, which keeps the scan of a line fast; the named group that ends
-# last in a match (lastgroup) ends the text kept, and the secret follows it. A quote may be
-# escaped (a JSON text inside a JSON string quotes with \"), and a quoted value also ends where
-# a line was cut short.
+# value given to a name ending in a secret's word (T3_MCP_BEARER_TOKEN, apiKey, client_secret,
+# password...), matched on the ASCII-lower-cased line. Every match starts with one of the words
+# (a fast scan); its last named group (lastgroup) ends the text kept, the secret follows. A quote
+# may be escaped (JSON inside a JSON string); a quoted value also ends where a line was cut.
 _QUOTE = r"\\*[\"']"
 _SPACE = r"(?:\s|%20|\+|\\u0020)+"  # also URL-encoded or JSON-escaped
 _SECRET = re.compile(
@@ -206,12 +200,10 @@ log.addFilter(_redact_record)
 
 class _ProtocolLog:
     """The raw traffic of one provider instance: one redacted, timestamped line per protocol
-    message in ``provider-<id>.log``, rotated by size like ``RotatingFileHandler`` (``.1`` ..
-    ``.3``). A text stream is one line per delta, and a ``logging`` record per line (record,
-    caller lookup, formatting, a flush) cost more than everything else t3 does with the delta
-    (bench/README.md, P2). So lines go to a buffered file that is flushed ``FLUSH_S`` after the
-    first unflushed line, when a session's turn or process ends (``_SessionEvents``), and on
-    ``close()``. A kill -9 may lose the last ``FLUSH_S`` of traffic, never an ended turn's."""
+    message in ``provider-<id>.log``, rotated by size (``.1`` .. ``.3``). Not ``logging``: a
+    record per delta cost more than all else t3 does with it (bench/README.md, P2). A buffered
+    file, flushed ``FLUSH_S`` after the first unflushed line, when a turn or process ends
+    (``_SessionEvents``) and on ``close()``: a kill -9 loses at most ``FLUSH_S``, never a turn."""
 
     FLUSH_S = 0.2
 
@@ -315,20 +307,15 @@ CHILD_UMASK: int | None = None
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if CHILD_UMASK is not None:
         os.umask(CHILD_UMASK)
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-# t3's own variables: the ones it reads (T3_HOME, the test hooks) or sets for the processes it
-# starts. None is passed on from the server's environment; the per-session ones are set again
-# explicitly. A named set, not every T3_*: other tools' variables of that shape pass through.
+# t3's own variables (read by it, or set per session): never passed on from the server's
+# environment. A named set, not every T3_*: other tools' variables of that shape pass through.
 _T3_VARIABLES = frozenset({"T3_HOME", "T3_CRASH_AT", "T3_MAX_PAGE_COUNT", "T3_TEST_HOOKS",
-                          "T3_TEST_CLOCK",
-                          "T3_MCP_URL", "T3_MCP_BEARER_TOKEN", "T3_OWNER", "T3_SERVER_PID",
-                          "T3_THREAD_ID"})
+                           "T3_TEST_CLOCK", "T3_MCP_URL", "T3_MCP_BEARER_TOKEN", "T3_OWNER",
+                           "T3_SERVER_PID", "T3_THREAD_ID"})
 
 
 class _Process:
@@ -355,9 +342,8 @@ class _Process:
         return cls(proc)
 
     async def _kill_group_on_exit(self) -> None:
-        """When the provider itself exits, SIGKILL what is left of its group. Helpers it started
-        must not outlive it, and they hold its pipes open: stdout would never reach EOF (and on
-        Python 3.11 ``Process.wait`` waits for the pipes too), so its turn would never end."""
+        """When the provider exits, SIGKILL what is left of its group: helpers holding its pipes
+        open would keep stdout from EOF (and ``Process.wait`` on 3.11), so no turn would end."""
         if not hasattr(os, "pidfd_open"):  # not Linux: stop() still kills the group
             return
         loop = asyncio.get_running_loop()
@@ -402,21 +388,32 @@ class _Process:
             return False
 
     def _kill_group(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
-async def _log_stderr(process: _Process, protocol_log: _ProtocolLog, label: str) -> None:
-    """Drain a provider's stderr into its protocol log (a full pipe would stall the process)."""
-    stderr = process.proc.stderr
-    assert stderr is not None
-    while True:
-        raw = await stderr.readline()
-        if not raw:
-            return
-        protocol_log.write(f"{label} stderr {raw.decode(errors='replace').rstrip()}")
+async def _log_output(stream: asyncio.StreamReader | None, protocol_log: _ProtocolLog,
+                      prefix: str, on_line: Callable[[str], None] | None = None) -> None:
+    """Drain a provider's stderr (or text stdout) into its protocol log, each line to ``on_line``
+    too: a full pipe would stall the process."""
+    assert stream is not None
+    while raw := await stream.readline():
+        line = raw.decode(errors="replace").rstrip()
+        protocol_log.write(f"{prefix} {line}")
+        if on_line is not None:
+            on_line(line)
+
+
+def _texts(blocks: Iterable[Any] | None) -> list[str]:
+    """The text of each ``{"type": "text", "text": ...}`` content block."""
+    return [b.get("text", "") for b in blocks or []
+            if isinstance(b, Mapping) and b.get("type") == "text"]
+
+
+def _turn_ended(*, interrupted: bool, failure: str | None) -> TurnEnded:
+    """How a turn ended: interrupted wins over a failure."""
+    return TurnEnded("interrupted") if interrupted else \
+        TurnEnded("failed", failure) if failure else TurnEnded("completed")
 
 
 def _exit_reason(closing: bool, returncode: int) -> str | None:
@@ -434,10 +431,9 @@ def _exit_reason(closing: bool, returncode: int) -> str | None:
 
 async def _read_json_lines(process: _Process, protocol_log: _ProtocolLog, label: str,
                            on_message: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
-    """Hand each JSON object the provider writes to stdout (one per line, logged redacted) to
-    ``on_message``, until end of file or a broken stream; other lines are skipped. Stdout is read
-    64 KiB at a time and split here: a ``readline()`` per line cost as much as decoding the line's
-    JSON (bench/README.md, P2)."""
+    """Hand each JSON object on the provider's stdout (one per line, logged redacted) to
+    ``on_message`` until EOF or a broken stream. Read 64 KiB at a time and split on LF only: a
+    ``readline()`` per line cost as much as the JSON (bench/README.md, P2)."""
     stdout = process.proc.stdout
     assert stdout is not None
     pieces: list[bytes] = []  # the start of a line that has not ended yet
@@ -504,13 +500,11 @@ def kill_orphans(owner: str) -> int:
 
 class _Adapter:
     """What every driver's adapter shares: its configuration, protocol log and availability.
-
-    ``RUNTIME_MODES`` / ``INTERACTION_MODES``: the modes t3 can enforce on this driver (None: all
-    of them). ``probe()`` asks the CLI itself, lazily and at most once per ``PROBE_TTL_S``, for
-    its models and whether it is logged in (``_probe_cli``), and folds the answer into ``info``:
+    ``RUNTIME_MODES`` / ``INTERACTION_MODES``: the modes t3 can enforce (None: all). ``probe()``
+    asks the CLI, at most once per ``PROBE_TTL_S``, for its models and login (``_probe_cli``):
     configured models win over probed ones; "not logged in" makes the instance unavailable."""
 
-    CAPABILITIES = Capabilities()
+    CAPABILITIES = Capabilities()  # its defaults: interrupt, steering by restart, queued messages
     RUNTIME_MODES: tuple[str, ...] | None = None
     INTERACTION_MODES: tuple[str, ...] | None = None
     PROBE_TTL_S = 300.0
@@ -530,9 +524,8 @@ class _Adapter:
         self.protocol_log.close()
 
     async def probe(self) -> None:
-        """Refresh ``info`` from the CLI when the last probe is older than ``PROBE_TTL_S`` (a
-        second caller waits for the first). A probe that fails or times out changes nothing
-        but is logged: the CLI may still run."""
+        """Refresh ``info`` from the CLI once per ``PROBE_TTL_S`` (a second caller waits for the
+        first). A probe that fails or times out is logged and changes nothing."""
         async with self._probe_lock:
             now = time.monotonic()
             if not self._static_info.available or (
@@ -554,11 +547,10 @@ class _Adapter:
         return [], None
 
     async def _cli_output(self, *args: str) -> tuple[int, str]:
-        """Run the instance's executable with ``args`` (a cheap query such as a model list) in a
-        scratch directory: its exit code and stdout."""
+        """Exit code and stdout of the instance's executable run with ``args`` in a scratch
+        directory (a cheap query such as a model list)."""
         with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
-            process = await _Process.spawn([self.config.command[0], *args], cwd=cwd,
-                                           owner=self.owner, env=self._env(""))
+            process = await self._spawn([self.config.command[0], *args], cwd, self._env(""))
             try:
                 out, _ = await process.proc.communicate()
             finally:
@@ -580,16 +572,73 @@ class _Adapter:
         the instance's ``env``, then the driver's ``extra``, then the app thread's id."""
         return {**self.config.env, **extra, "T3_THREAD_ID": thread_id}
 
+    async def _spawn(self, command: Sequence[str], cwd: str, env: Mapping[str, str]) -> _Process:
+        return await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
+
+
+async def _write_json_line(process: _Process, protocol_log: _ProtocolLog, label: str,
+                           message: Mapping[str, Any]) -> None:
+    """Write one JSON object as a line to the provider's stdin (logged redacted)."""
+    stdin = process.proc.stdin
+    if stdin is None or stdin.is_closing() or not process.alive():
+        raise ConnectionError(f"{label}: the provider process is not running")
+    line = json.dumps(message, separators=(",", ":"))
+    protocol_log.write(f"{label} -> {line}")
+    stdin.write(line.encode() + b"\n")
+    await stdin.drain()
+
+
+class _Session:
+    """What every driver's session shares: one provider process serving one app thread, its
+    adapter events (``events``; None = the process is gone, with ``exit_reason``), its stop."""
+
+    def __init__(self, adapter: Any, process: _Process) -> None:
+        self._adapter = adapter
+        self._process = process
+        self._label = f"{adapter.info.instance_id}[{process.pid}]"
+        self.pid: int | None = process.pid
+        self.native_thread_ref: str | None = None
+        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
+        self.exit_reason: str | None = None
+        self._closing = False
+
+    def alive(self) -> bool:
+        return self._process.alive()
+
+    async def steer_turn(self, text: str) -> None:
+        """Drivers without native steering: t3 steers them by interrupt-and-restart."""
+        raise RuntimeError(f"{self._label} cannot steer a running turn")
+
+    async def close(self, *, grace: float = 3.0) -> None:
+        self._closing = True
+        await self._process.stop(grace=grace)
+
+    async def _send(self, message: Mapping[str, Any]) -> None:
+        await _write_json_line(self._process, self._adapter.protocol_log, self._label, message)
+
+    async def _read_stderr(self) -> None:
+        await _log_output(self._process.proc.stderr, self._adapter.protocol_log,
+                          f"{self._label} stderr")
+
+
+async def _opened(session: Any, opening: Awaitable[None]) -> Any:
+    """``session`` once ``opening`` has run; a session that fails to open is closed."""
+    try:
+        await opening
+    except BaseException:
+        await session.close(grace=1.0)
+        raise
+    return session
+
 
 # =============================================================================================
 # JSON-RPC 2.0 over stdio, one JSON object per line
 
 
 class JsonRpcError(Exception):
-    def __init__(self, code: int, message: str, data: Any = None) -> None:
+    def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
-        self.data = data
 
 
 class _JsonRpc:
@@ -605,8 +654,10 @@ class _JsonRpc:
         self._on_close = on_close
         self._ids = itertools.count(1)
         self._pending: dict[Any, asyncio.Future[Any]] = {}
-        self._tasks = [asyncio.get_running_loop().create_task(self._read_stdout()),
-                       asyncio.get_running_loop().create_task(self._read_stderr())]
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_stdout()),
+                       loop.create_task(_log_output(process.proc.stderr, protocol_log,
+                                                    f"{label} stderr"))]
         self.closed = False
 
     async def request(self, method: str, params: Mapping[str, Any], *,
@@ -634,13 +685,9 @@ class _JsonRpc:
         await self._send(message)
 
     async def _send(self, message: Mapping[str, Any]) -> None:
-        stdin = self._process.proc.stdin
-        if self.closed or stdin is None or stdin.is_closing():
+        if self.closed:
             raise ConnectionError(f"{self._label}: the provider process is not running")
-        line = json.dumps(message, separators=(",", ":"))
-        self._log.write(f"{self._label} -> {line}")
-        stdin.write(line.encode() + b"\n")
-        await stdin.drain()
+        await _write_json_line(self._process, self._log, self._label, message)
 
     async def _read_stdout(self) -> None:
         try:
@@ -665,7 +712,7 @@ class _JsonRpc:
             if "error" in message and message["error"] is not None:
                 err = message["error"]
                 future.set_exception(JsonRpcError(err.get("code", -32603),
-                                                  err.get("message", "error"), err.get("data")))
+                                                  err.get("message", "error")))
             else:
                 future.set_result(message.get("result"))
 
@@ -680,15 +727,59 @@ class _JsonRpc:
         except ConnectionError:
             pass
 
-    async def _read_stderr(self) -> None:
-        await _log_stderr(self._process, self._log, self._label)
-
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
 
 
 _DEFERRED = object()  # a request handler that answers later through respond()
+
+
+class _RpcSession(_Session):
+    """A session over ``_JsonRpc`` whose agent requests wait open for the user's answer."""
+
+    def __init__(self, adapter: Any, process: _Process, runtime_mode: str) -> None:
+        super().__init__(adapter, process)
+        self._runtime_mode = runtime_mode
+        # native_ref -> (JSON-RPC id, method, what answering it needs)
+        self._requests: dict[str, tuple[Any, str, Any]] = {}
+        self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log, label=self._label,
+                            on_request=self._on_request, on_notification=self._on_notification,
+                            on_close=self._on_close)
+
+    def alive(self) -> bool:
+        return self._process.alive() and not self.rpc.closed
+
+    # A driver defines _on_request, _on_notification and _result (the JSON-RPC result that
+    # answers a pending agent request).
+
+    async def respond(self, native_ref: str, decision: str | None,
+                      answers: Mapping[str, Any] | None) -> None:
+        if native_ref not in self._requests:
+            raise RuntimeError(f"no pending request {native_ref} on this session")
+        _, method, context = self._requests[native_ref]
+        await self._answer(native_ref, self._result(method, context, decision, answers))
+
+    async def _cancel_requests(self) -> None:
+        for native_ref in list(self._requests):
+            await self.respond(native_ref, "cancel", None)
+
+    async def _answer(self, native_ref: str, result: Mapping[str, Any]) -> None:
+        request_id, _, _ = self._requests.pop(native_ref)
+        with contextlib.suppress(ConnectionError):
+            await self.rpc.respond(request_id, result)
+
+    async def _ask(self, request_id: Any, method: str, context: Any,
+                   request: RuntimeRequestOpened) -> Any:
+        """Hold an agent request open until the user's answer arrives through respond()."""
+        self._requests[request.native_ref] = (request_id, method, context)
+        await self.events.put(request)
+        return _DEFERRED
+
+    async def _on_close(self, returncode: int) -> None:
+        self.exit_reason = _exit_reason(self._closing, returncode)
+        self._requests.clear()
+        await self.events.put(None)
 
 
 # =============================================================================================
@@ -701,12 +792,10 @@ _STOP_STATUS = {"end_turn": "completed", "max_tokens": "completed",
 _TOOL_KIND_TO_REQUEST = {"execute": "command", "edit": "file-change", "delete": "file-change",
                          "move": "file-change", "read": "file-read"}
 _INSTRUCTIONS_TAG = "t3_code_orchestration_instructions"
-# t3's interaction mode plan and runtime modes -> the ACP agent's own mode ids, the first one the
-# agent advertises in session/new wins. What the pinned agents advertise: claude-agent-acp
-# default, acceptEdits, plan, dontAsk, bypassPermissions; gemini --acp default, autoEdit, yolo,
-# plan; codex-acp none. With a matching mode the agent itself asks (or does not) as the t3 mode
-# says; without one, t3 still answers the agent's permission requests by the runtime mode. "auto"
-# keeps the agent asking for commands so that t3 records (and grants) each of them.
+# t3's plan and runtime modes -> the ACP agent's own mode ids; the first one the agent advertises
+# wins (claude-agent-acp: default, acceptEdits, plan, dontAsk, bypassPermissions; gemini: default,
+# autoEdit, yolo, plan; codex-acp: none). Without a match t3 answers permission requests by the
+# runtime mode. "auto" keeps the agent asking for commands so t3 records (and grants) each one.
 _ACP_MODES = {"plan": ("plan",),
               "approval-required": ("default",),
               "auto-accept-edits": ("acceptEdits", "autoEdit"),
@@ -714,36 +803,19 @@ _ACP_MODES = {"plan": ("plan",),
               "full-access": ("bypassPermissions", "yolo")}
 
 
-class AcpSession:
+class AcpSession(_RpcSession):
     """One ACP agent process serving one app thread (one ACP session)."""
 
     CLIENT_META: Mapping[str, Any] = {}  # flavors announce their extensions in initialize
 
     def __init__(self, *, adapter: AcpAdapter, process: _Process, runtime_mode: str) -> None:
-        self._adapter = adapter
-        self._process = process
-        self._runtime_mode = runtime_mode
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
+        super().__init__(adapter, process, runtime_mode)
         self.agent_capabilities: Mapping[str, Any] = {}
         self.advertised_models: list[Mapping[str, Any]] = []  # session/new's availableModels
-        self.mode_id: str | None = None  # the agent's own mode t3 selected, if one matched
         self.forked = False  # opened by session/fork (orchestrator "Fork and merge-back")
         self._loading = False
         self._instructions: str | None = None  # sent with the first prompt, then None
         self._prompt_task: asyncio.Task[None] | None = None
-        # native_ref -> (JSON-RPC id, method, what answering it needs)
-        self._requests: dict[str, tuple[Any, str, Any]] = {}
-        self._closing = False
-        self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log,
-                            label=f"{adapter.info.instance_id}[{process.pid}]",
-                            on_request=self._on_request, on_notification=self._on_notification,
-                            on_close=self._on_close)
-
-    def alive(self) -> bool:
-        return self._process.alive() and not self.rpc.closed
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -813,10 +885,10 @@ class AcpSession:
         advertised = [m.get("id") for m in modes.get("availableModes") or []]
         wanted = _ACP_MODES["plan"] if interaction_mode == "plan" else \
             _ACP_MODES.get(self._runtime_mode, ())
-        self.mode_id = next((m for m in wanted if m in advertised), None)
-        if self.mode_id is not None and self.mode_id != modes.get("currentModeId"):
+        mode_id = next((m for m in wanted if m in advertised), None)  # the agent's own mode
+        if mode_id is not None and mode_id != modes.get("currentModeId"):
             await self._optional("session/set_mode", {"sessionId": self.native_thread_ref,
-                                                      "modeId": self.mode_id})
+                                                      "modeId": mode_id})
         models = session.get("models") or {}
         available = {m.get("modelId") for m in models.get("availableModels") or []}
         if model and model in available and model != models.get("currentModelId"):
@@ -854,49 +926,16 @@ class AcpSession:
         reason = (result or {}).get("stopReason", "end_turn")
         await self.events.put(TurnEnded(_STOP_STATUS.get(reason, "completed")))
 
-    async def steer_turn(self, text: str) -> None:
-        raise RuntimeError("ACP agents cannot steer a running turn")
-
     async def interrupt_turn(self) -> None:
         # ACP: the client answers every pending request "cancelled" and sends session/cancel;
         # the prompt then resolves with stopReason "cancelled".
-        for native_ref in list(self._requests):
-            _, method, context = self._requests[native_ref]
-            await self._answer(native_ref, self._result(method, context, "cancel", None))
-        try:
+        await self._cancel_requests()
+        with contextlib.suppress(ConnectionError):
             await self.rpc.notify("session/cancel", {"sessionId": self.native_thread_ref})
-        except ConnectionError:
-            pass
-
-    async def respond(self, native_ref: str, decision: str | None,
-                      answers: Mapping[str, Any] | None) -> None:
-        if native_ref not in self._requests:
-            raise RuntimeError(f"no pending request {native_ref} on this session")
-        _, method, context = self._requests[native_ref]
-        await self._answer(native_ref, self._result(method, context, decision, answers))
 
     def _result(self, method: str, context: Any, decision: str | None,
                 answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
-        """The JSON-RPC result that answers a pending agent request (flavors add methods)."""
-        return _permission_outcome(decision, context)
-
-    async def _answer(self, native_ref: str, result: Mapping[str, Any]) -> None:
-        request_id, _, _ = self._requests.pop(native_ref)
-        try:
-            await self.rpc.respond(request_id, result)
-        except ConnectionError:
-            pass
-
-    async def _ask(self, request_id: Any, method: str, context: Any,
-                   request: RuntimeRequestOpened) -> Any:
-        """Hold an agent request open until the user's answer arrives through respond()."""
-        self._requests[request.native_ref] = (request_id, method, context)
-        await self.events.put(request)
-        return _DEFERRED
-
-    async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
+        return _permission_outcome(decision, context)  # flavors add methods
 
     # -- incoming --------------------------------------------------------------------------------
 
@@ -932,11 +971,6 @@ class AcpSession:
         elif kind == "plan":
             await self.events.put(PlanUpdate(entries=list(update.get("entries") or [])))
 
-    async def _on_close(self, returncode: int) -> None:
-        self.exit_reason = _exit_reason(self._closing, returncode)
-        self._requests.clear()
-        await self.events.put(None)
-
 
 def _permission_outcome(decision: str | None, options: Sequence[Mapping[str, Any]]
                         ) -> Mapping[str, Any]:
@@ -951,11 +985,7 @@ def _permission_outcome(decision: str | None, options: Sequence[Mapping[str, Any
 
 
 def _tool_output(update: Mapping[str, Any]) -> str | None:
-    texts = []
-    for block in update.get("content") or []:
-        inner = block.get("content") if isinstance(block, Mapping) else None
-        if isinstance(inner, Mapping) and inner.get("type") == "text":
-            texts.append(inner.get("text", ""))
+    texts = _texts(b.get("content") for b in update.get("content") or [] if isinstance(b, Mapping))
     if texts:
         return "\n".join(texts)
     raw = update.get("rawOutput")
@@ -973,9 +1003,7 @@ class AcpAdapter(_Adapter):
     """Any ACP agent started by command."""
 
     # supports_resume / supports_fork: where the agent's ``initialize`` advertises them
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True, supports_fork=True)
+    CAPABILITIES = Capabilities(supports_resume=True, supports_mcp=True, supports_fork=True)
     SESSION: type[AcpSession] = AcpSession
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
@@ -993,8 +1021,7 @@ class AcpAdapter(_Adapter):
     async def _open_probe(self, cwd: str) -> tuple[list[dict[str, Any]], Capabilities]:
         """A disposable ``initialize`` + ``session/new``: success proves the agent can run (and
         is authenticated); it yields the models and capabilities the agent advertises."""
-        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
-                                       env=self._env(""))
+        process = await self._spawn(self.config.command, cwd, self._env(""))
         session = AcpSession(adapter=self, process=process, runtime_mode="approval-required")
         try:
             await session.open(cwd=cwd, model=None, interaction_mode="default", resume_ref=None,
@@ -1014,17 +1041,11 @@ class AcpAdapter(_Adapter):
                            mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None
                            ) -> AcpSession:
         self._check_available()
-        env = self._env(thread_id)
-        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
-                                       env=env)
+        process = await self._spawn(self.config.command, cwd, self._env(thread_id))
         session = self.SESSION(adapter=self, process=process, runtime_mode=runtime_mode)
-        try:
-            await session.open(cwd=cwd, model=model, interaction_mode=interaction_mode,
-                               resume_ref=resume_ref, mcp=mcp, fork=fork)
-        except BaseException:
-            await session.close(grace=1.0)
-            raise
-        return session
+        return await _opened(session, session.open(
+            cwd=cwd, model=model, interaction_mode=interaction_mode, resume_ref=resume_ref,
+            mcp=mcp, fork=fork))
 
 
 # =============================================================================================
@@ -1199,15 +1220,9 @@ class AcpRegistryAdapter(AcpAdapter):
                     models=self.config.models or models)  # configured models win
             self._prepared = True
 
-    async def open_session(self, *, session_id: str, thread_id: str, cwd: str, model: str | None,
-                           runtime_mode: str, interaction_mode: str, resume_ref: str | None,
-                           mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None
-                           ) -> AcpSession:
+    async def open_session(self, **kwargs: Any) -> AcpSession:
         await self.prepare()
-        return await super().open_session(
-            session_id=session_id, thread_id=thread_id, cwd=cwd, model=model,
-            runtime_mode=runtime_mode, interaction_mode=interaction_mode, resume_ref=resume_ref,
-            mcp=mcp, fork=fork)
+        return await super().open_session(**kwargs)
 
     async def _install(self) -> RegistryAgent:
         """Read the catalog, prepare the distribution, and set the command the sessions run."""
@@ -1237,10 +1252,7 @@ class AcpRegistryAdapter(AcpAdapter):
         """``npm install --prefix`` of the pinned package into its own cache directory (never
         global: the user's system stays as it was); its bin is then run directly, not via npx."""
         assert agent.package is not None
-        npm = shutil.which("npm")
-        if npm is None:
-            raise RegistryError(f"ACP registry agent {agent.id} is distributed through npm, "
-                                "and npm is not installed")
+        npm = _installer("npm", "npm", agent)
         final = self._cache_dir / "npx" / _safe(agent.package)
         if not (final / _PREPARED).exists():
             partial = final.with_name(final.name + ".partial")
@@ -1263,10 +1275,7 @@ class AcpRegistryAdapter(AcpAdapter):
         """``uv tool install`` with its tool and bin directories inside the cache. Installed in
         place (no rename): a tool environment records its absolute path."""
         assert agent.package is not None
-        uv = shutil.which("uv")
-        if uv is None:
-            raise RegistryError(f"ACP registry agent {agent.id} is distributed through uvx, "
-                                "and uv is not installed")
+        uv = _installer("uv", "uvx", agent)
         home = self._cache_dir / "uvx" / _safe(agent.package)
         if not (home / _PREPARED).exists():
             shutil.rmtree(home, ignore_errors=True)
@@ -1293,15 +1302,14 @@ class AcpRegistryAdapter(AcpAdapter):
         """Run npm or uv in its own process group (killed if t3 stops meanwhile) with ``env`` on
         top of the server's environment; its output goes to the protocol log, the end of its
         stderr into the error."""
-        process = await _Process.spawn(command, cwd=str(cwd), owner=self.owner, env=env)
+        process = await self._spawn(command, str(cwd), env)
         try:
             out, err = await asyncio.wait_for(process.proc.communicate(), _INSTALL_TIMEOUT_S)
-        except TimeoutError:
+        except BaseException as exc:
             await process.stop(grace=0.0)
-            raise RegistryError(f"{' '.join(command[1:3])} {command[-1]} did not finish within "
-                                f"{_INSTALL_TIMEOUT_S:.0f} s") from None
-        except BaseException:
-            await process.stop(grace=0.0)
+            if isinstance(exc, TimeoutError):
+                raise RegistryError(f"{' '.join(command[1:3])} {command[-1]} did not finish "
+                                    f"within {_INSTALL_TIMEOUT_S:.0f} s") from None
             raise
         for line in (out + err).decode(errors="replace").splitlines():
             self.protocol_log.write(f"install {line}")
@@ -1320,6 +1328,13 @@ class AcpRegistryAdapter(AcpAdapter):
         except (JsonRpcError, ConnectionError, TimeoutError) as exc:
             raise RegistryError(f"ACP registry agent {self.config.agent} did not open a session "
                                 f"(readiness check): {exc or type(exc).__name__}") from exc
+
+
+def _installer(program: str, via: str, agent: RegistryAgent) -> str:
+    if (found := shutil.which(program)) is None:
+        raise RegistryError(f"ACP registry agent {agent.id} is distributed through {via}, "
+                            f"and {program} is not installed")
+    return found
 
 
 def _args_env(spec: Mapping[str, Any], where: str, bad: Any
@@ -1500,15 +1515,12 @@ def _refuse_unsafe(agent: RegistryAgent, names: Iterable[str]) -> None:
                                 f"holds an unsafe path {name!r} (absolute or with ..); refused")
 # Grok (grok agent stdio): the ACP adapter plus xAI's extensions
 #
-# Grok asks structured questions with the agent->client request ``x.ai/ask_user_question`` (ACP
-# extension spelling ``_x.ai/ask_user_question``), params ``{sessionId, toolCallId, questions:
-# [{question, header?, options: [{label, description?}], multiSelect?}], mode?}``, and wants
-# ``{outcome: "accepted", answers: {<question text>: label | [labels]}, annotations: {}}`` or
-# ``{outcome: "cancelled"}`` back. The grok CLI is not installable here: that shape is what other
-# ACP clients of grok send and receive (zed-industries/zed#58484, getpaseo/paseo#3491,
-# BytePioneer-AI/codex-host#205), so the mapping below is tolerant. ``x.ai/task_backgrounded``
-# notifications are only logged. ACP has no steering or fork: the orchestrator steers by
-# cancel-and-restart (capabilities) and forks by portable context.
+# Grok asks with the request ``x.ai/ask_user_question`` (or ``_x.ai/...``), params ``{sessionId,
+# toolCallId, questions: [{question, header?, options: [{label, description?}], multiSelect?}],
+# mode?}``, and wants ``{outcome: "accepted", answers: {<question text>: label | [labels]},
+# annotations: {}}`` or ``{outcome: "cancelled"}``. That shape is what other ACP clients of grok
+# use (zed-industries/zed#58484, getpaseo/paseo#3491); the CLI is not installable here, so the
+# mapping is tolerant. ``x.ai/task_backgrounded`` is only logged. Forks: by portable context.
 
 
 _GROK_ASK = ("x.ai/ask_user_question", "_x.ai/ask_user_question")
@@ -1598,39 +1610,21 @@ class GrokAdapter(AcpAdapter):
 _CLAUDE_EDIT_TOOLS = {"Edit", "Write", "MultiEdit", "NotebookEdit"}
 
 
-class ClaudeSession:
+class ClaudeSession(_Session):
     """One `claude -p` stream-json process serving one app thread; it lives across turns."""
 
     def __init__(self, *, adapter: ClaudeAdapter, process: _Process, session_ref: str,
                  runtime_mode: str, mcp_dir: str | None) -> None:
-        self._adapter = adapter
-        self._process = process
+        super().__init__(adapter, process)
         self._runtime_mode = runtime_mode
         self._mcp_dir = mcp_dir
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = session_ref
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
-        self._label = f"{adapter.info.instance_id}[{process.pid}]"
+        self.native_thread_ref = session_ref
         self._permissions: dict[str, Mapping[str, Any]] = {}
         self._requests = itertools.count(1)
         self._in_turn = False
         self._interrupted = False
-        self._closing = False
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
-
-    def alive(self) -> bool:
-        return self._process.alive()
-
-    async def _send(self, message: Mapping[str, Any]) -> None:
-        stdin = self._process.proc.stdin
-        if stdin is None or stdin.is_closing() or not self.alive():
-            raise ConnectionError(f"{self._label}: the provider process is not running")
-        line = json.dumps(message, separators=(",", ":"))
-        self._adapter.protocol_log.write(f"{self._label} -> {line}")
-        stdin.write(line.encode() + b"\n")
-        await stdin.drain()
 
     async def start_turn(self, text: str) -> None:
         if self._in_turn:
@@ -1639,42 +1633,29 @@ class ClaudeSession:
         await self._send({"type": "user", "session_id": "", "parent_tool_use_id": None,
                           "message": {"role": "user", "content": [{"type": "text", "text": text}]}})
 
-    async def steer_turn(self, text: str) -> None:
-        raise RuntimeError("t3 steers Claude Code by interrupt-and-restart")
-
     async def interrupt_turn(self) -> None:
         self._interrupted = True
         for native_ref in list(self._permissions):
             await self._answer(native_ref, {"behavior": "deny", "message": "Interrupted."})
-        try:
+        with contextlib.suppress(ConnectionError):
             await self._send({"type": "control_request", "request_id": f"t3-{next(self._requests)}",
                               "request": {"subtype": "interrupt"}})
-        except ConnectionError:
-            pass
 
     async def respond(self, native_ref: str, decision: str | None,
                       answers: Mapping[str, Any] | None) -> None:
         request = self._permissions.get(native_ref)
         if request is None:
             raise RuntimeError(f"no pending permission request {native_ref} on this session")
-        if decision in ("accept", "acceptForSession"):
-            await self._answer(native_ref, {"behavior": "allow",
-                                            "updatedInput": request.get("input") or {}})
-        else:
-            await self._answer(native_ref, {"behavior": "deny",
-                                            "message": "The user declined this tool call."})
+        await self._answer(native_ref, {"behavior": "allow",
+                                        "updatedInput": request.get("input") or {}}
+                           if decision in ("accept", "acceptForSession") else
+                           {"behavior": "deny", "message": "The user declined this tool call."})
 
     async def _answer(self, native_ref: str, response: Mapping[str, Any]) -> None:
         self._permissions.pop(native_ref, None)
-        try:
+        with contextlib.suppress(ConnectionError):
             await self._send({"type": "control_response", "response": {
                 "subtype": "success", "request_id": native_ref, "response": response}})
-        except ConnectionError:
-            pass
-
-    async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
 
     async def _read_stdout(self) -> None:
         try:
@@ -1747,17 +1728,12 @@ class ClaudeSession:
             detail={"toolName": tool, "input": request.get("input"),
                     "description": request.get("description")}))
 
-    async def _read_stderr(self) -> None:
-        await _log_stderr(self._process, self._adapter.protocol_log, self._label)
-
 
 class ClaudeAdapter(_Adapter):
     """Claude Code headless: `claude -p` with stream-json input and output and permission
     prompts over stdio; t3's MCP server via a private --mcp-config file."""
 
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True)
+    CAPABILITIES = Capabilities(supports_resume=True, supports_mcp=True)
     # Claude Code's model aliases: they follow Anthropic's current models, so they stay valid.
     MODELS = ({"id": "sonnet", "label": "Claude Sonnet (latest)"},
               {"id": "opus", "label": "Claude Opus (latest)"},
@@ -1781,9 +1757,8 @@ class ClaudeAdapter(_Adapter):
                            mcp: McpEndpoint | None) -> ClaudeSession:
         self._check_available()
         command = list(self.config.command)
-        for flag in ("--include-partial-messages",):
-            if flag not in command:
-                command.append(flag)
+        if "--include-partial-messages" not in command:
+            command.append("--include-partial-messages")
         if model:
             command += ["--model", model]
         mode = "plan" if interaction_mode == "plan" else \
@@ -1804,8 +1779,7 @@ class ClaudeAdapter(_Adapter):
                         "--allowedTools", f"mcp__{mcp.name}__*"]
         if instructions := self._instructions(mcp):  # the system prompt is per process
             command += ["--append-system-prompt", instructions]
-        env = self._env(thread_id)
-        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
+        process = await self._spawn(command, cwd, self._env(thread_id))
         return ClaudeSession(adapter=self, process=process, session_ref=session_ref,
                              runtime_mode=runtime_mode, mcp_dir=mcp_dir)
 
@@ -1827,8 +1801,7 @@ _CODEX_REQUEST_KINDS = {"item/commandExecution/requestApproval": "command",
                         "item/fileChange/requestApproval": "file-change",
                         "mcpServer/elicitation/request": "mcp-elicitation",
                         "item/tool/requestUserInput": "user_input"}
-_CODEX_DECISIONS = {"accept": "accept", "acceptForSession": "acceptForSession",
-                    "decline": "decline", "cancel": "cancel"}
+_CODEX_DECISIONS = ("accept", "acceptForSession", "decline", "cancel")
 _CODEX_TOOL_ITEMS = {"commandExecution": "execute", "fileChange": "edit", "mcpToolCall": "mcp"}
 _CODEX_TOOL_STATUS = {"inProgress": "running", "completed": "completed", "failed": "failed",
                       "declined": "failed"}
@@ -1846,39 +1819,21 @@ def _codex_mcp_servers(mcp: McpEndpoint) -> dict[str, Any]:
             f"{mcp.name}-direct": {**common, "enabled_tools": [_CODEX_WAIT_TOOL]}}
 
 
-class CodexSession:
+class CodexSession(_RpcSession):
     """One ``codex app-server`` process serving one app thread (one codex thread)."""
 
     def __init__(self, *, adapter: CodexAdapter, process: _Process, runtime_mode: str) -> None:
-        self._adapter = adapter
-        self._process = process
-        self._runtime_mode = runtime_mode
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
+        super().__init__(adapter, process, runtime_mode)
         self.forked = False  # opened by thread/fork (orchestrator "Fork and merge-back")
         self._turn_id: str | None = None
         self._ended_turns: set[str] = set()
         self._last_error: str | None = None
-        self._requests: dict[str, tuple[Any, str]] = {}  # native_ref -> (JSON-RPC id, method)
-        self._closing = False
-        self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log,
-                            label=f"{adapter.info.instance_id}[{process.pid}]",
-                            on_request=self._on_request, on_notification=self._on_notification,
-                            on_close=self._on_close)
-
-    def alive(self) -> bool:
-        return self._process.alive() and not self.rpc.closed
 
     # -- opening -------------------------------------------------------------------------------
 
     async def open(self, *, cwd: str, model: str | None, resume_ref: str | None,
                    mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None) -> None:
-        await self.rpc.request("initialize", {
-            "clientInfo": {"name": "t3", "title": "t3", "version": "0.1.0"},
-            "capabilities": {"experimentalApi": True}}, timeout=60)
-        await self.rpc.notify("initialized", {})
+        await _codex_initialize(self.rpc)
         approval, sandbox = _CODEX_MODES.get(self._runtime_mode, _CODEX_MODES["auto"])
         params: dict[str, Any] = {"cwd": cwd, "approvalPolicy": approval, "sandbox": sandbox}
         if model:
@@ -1948,9 +1903,7 @@ class CodexSession:
                                               "input": _codex_input(text)}, timeout=60)
 
     async def interrupt_turn(self) -> None:
-        for native_ref in list(self._requests):
-            _, method = self._requests[native_ref]
-            await self._answer(native_ref, _codex_answer(method, "cancel", None))
+        await self._cancel_requests()
         if self._turn_id is None:
             return
         try:
@@ -1959,23 +1912,9 @@ class CodexSession:
         except (JsonRpcError, ConnectionError) as exc:
             log.info("turn/interrupt not applied: %s", exc)
 
-    async def respond(self, native_ref: str, decision: str | None,
-                      answers: Mapping[str, Any] | None) -> None:
-        if native_ref not in self._requests:
-            raise RuntimeError(f"no pending request {native_ref} on this session")
-        _, method = self._requests[native_ref]
-        await self._answer(native_ref, _codex_answer(method, decision, answers))
-
-    async def _answer(self, native_ref: str, result: Mapping[str, Any]) -> None:
-        request_id, _ = self._requests.pop(native_ref)
-        try:
-            await self.rpc.respond(request_id, result)
-        except ConnectionError:
-            pass
-
-    async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
+    def _result(self, method: str, context: Any, decision: str | None,
+                answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        return _codex_answer(method, decision, answers)
 
     async def rollback(self, keep_turns: int) -> None:
         """Keep only the thread's first ``keep_turns`` turns (``thread/revert`` before the next
@@ -1997,12 +1936,9 @@ class CodexSession:
             raise JsonRpcError(-32601, f"t3 does not offer {method}")
         if self._runtime_mode == "full-access" and kind != "user_input":
             return _codex_answer(method, "accept", None)  # this mode never asks the user
-        native_ref = str(request_id)
-        self._requests[native_ref] = (request_id, method)
-        await self.events.put(RuntimeRequestOpened(
-            native_ref=native_ref, request_kind=kind, title=_codex_request_title(method, params),
-            detail=dict(params)))
-        return _DEFERRED
+        return await self._ask(request_id, method, None, RuntimeRequestOpened(
+            native_ref=str(request_id), request_kind=kind,
+            title=_codex_request_title(method, params), detail=dict(params)))
 
     async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
         if params.get("threadId") not in (None, self.native_thread_ref):
@@ -2035,8 +1971,7 @@ class CodexSession:
         self._turn_id = None
         if turn.get("id"):
             self._ended_turns.add(turn["id"])
-        for native_ref in list(self._requests):  # nothing can answer them any more
-            self._requests.pop(native_ref, None)
+        self._requests.clear()  # nothing can answer them any more
         status = turn.get("status")
         if status == "interrupted":
             await self.events.put(TurnEnded("interrupted"))
@@ -2047,10 +1982,12 @@ class CodexSession:
         else:
             await self.events.put(TurnEnded("completed"))
 
-    async def _on_close(self, returncode: int) -> None:
-        self.exit_reason = _exit_reason(self._closing, returncode)
-        self._requests.clear()
-        await self.events.put(None)
+
+async def _codex_initialize(rpc: _JsonRpc) -> None:
+    await rpc.request("initialize", {
+        "clientInfo": {"name": "t3", "title": "t3", "version": "0.1.0"},
+        "capabilities": {"experimentalApi": True}}, timeout=60)
+    await rpc.notify("initialized", {})
 
 
 def _codex_input(text: str) -> list[dict[str, Any]]:
@@ -2070,7 +2007,7 @@ def _codex_answer(method: str, decision: str | None, answers: Mapping[str, Any] 
                   "decline": "decline"}.get(decision or "cancel", "cancel")
         return {"action": action, "content": dict(answers) if answers and action == "accept"
                 else None, "_meta": None}
-    return {"decision": _CODEX_DECISIONS.get(decision or "cancel", "cancel")}
+    return {"decision": decision if decision in _CODEX_DECISIONS else "cancel"}
 
 
 def _codex_request_title(method: str, params: Mapping[str, Any]) -> str:
@@ -2103,8 +2040,7 @@ def _codex_tool_update(item: Mapping[str, Any]) -> ToolUpdate:
         if item.get("error"):
             output = (item.get("error") or {}).get("message")
         elif item.get("result") is not None:
-            texts = [c.get("text", "") for c in (item["result"].get("content") or [])
-                     if isinstance(c, Mapping) and c.get("type") == "text"]
+            texts = _texts(item["result"].get("content"))
             output = "\n".join(texts) if texts else json.dumps(item["result"])
     return ToolUpdate(native_id=str(item.get("id")),
                       status=_CODEX_TOOL_STATUS.get(str(item.get("status")), "running"),
@@ -2117,15 +2053,13 @@ class CodexAdapter(_Adapter):
     ``model/list`` (hidden models are legacy: found by search only; the default first) and
     ``account/read`` (no account while codex's provider needs an OpenAI login: not logged in)."""
 
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True, supports_fork=True,
+    CAPABILITIES = Capabilities(supports_active_steering=True, supports_resume=True,
+                                supports_mcp=True, supports_fork=True,
                                 supports_fork_from_turn=True, supports_rollback=True)
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
         with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
-            process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
-                                           env=self._env(""))
+            process = await self._spawn(self.config.command, cwd, self._env(""))
 
             async def ignore(*_: Any) -> None:
                 return None
@@ -2133,10 +2067,7 @@ class CodexAdapter(_Adapter):
                            label=f"{self.info.instance_id}[probe {process.pid}]",
                            on_request=ignore, on_notification=ignore, on_close=ignore)
             try:
-                await rpc.request("initialize", {
-                    "clientInfo": {"name": "t3", "title": "t3", "version": "0.1.0"},
-                    "capabilities": {"experimentalApi": True}})
-                await rpc.notify("initialized", {})
+                await _codex_initialize(rpc)
                 listed: list[Mapping[str, Any]] = []
                 cursor = None
                 for _ in range(10):
@@ -2161,16 +2092,10 @@ class CodexAdapter(_Adapter):
                            mcp: McpEndpoint | None, fork: Mapping[str, Any] | None = None
                            ) -> CodexSession:
         self._check_available()
-        env = self._env(thread_id)
-        process = await _Process.spawn(self.config.command, cwd=cwd, owner=self.owner,
-                                       env=env)
+        process = await self._spawn(self.config.command, cwd, self._env(thread_id))
         session = CodexSession(adapter=self, process=process, runtime_mode=runtime_mode)
-        try:
-            await session.open(cwd=cwd, model=model, resume_ref=resume_ref, mcp=mcp, fork=fork)
-        except BaseException:
-            await session.close(grace=1.0)
-            raise
-        return session
+        return await _opened(session, session.open(cwd=cwd, model=model, resume_ref=resume_ref,
+                                                   mcp=mcp, fork=fork))
 
 
 # =============================================================================================
@@ -2179,7 +2104,7 @@ class CodexAdapter(_Adapter):
 # pi's own JSONL protocol over stdio (research/agents.md §5, D§7.8): commands ``{type, id, ...}``
 # on stdin, responses ``{type: "response", id, command, success, data?, error?}`` and events
 # (no id) on stdout. Framing is LF only: pi's strings may hold U+2028/U+2029, which a line
-# splitter on "any line break" would cut, so t3 splits on b"\n" and strips one trailing CR.
+# splitter on "any line break" would cut, so t3 splits on b"\n" (``_read_json_lines``).
 
 
 _PI_REQUEST_TIMEOUT = 90.0  # pi answers its first command only once it has started (slow under load)
@@ -2196,18 +2121,20 @@ const PREFIX = "mcp__t3-code__";
 let nextId = 1;
 let sessionId: string | undefined;
 
-async function rpc(method: string, params: unknown, signal?: AbortSignal): Promise<any> {
-  const headers: Record<string, string> = {
-    "content-type": "application/json",
-    accept: "application/json, text/event-stream",
-    authorization: `Bearer ${TOKEN}`,
-    "mcp-protocol-version": "2025-06-18",
-  };
-  if (sessionId) headers["mcp-session-id"] = sessionId;
-  const res = await fetch(URL_, {
-    method: "POST", headers, signal,
-    body: JSON.stringify({ jsonrpc: "2.0", id: nextId++, method, params }),
+function post(message: Record<string, unknown>, signal?: AbortSignal): Promise<Response> {
+  return fetch(URL_, {
+    method: "POST", signal,
+    headers: {
+      "content-type": "application/json", accept: "application/json, text/event-stream",
+      authorization: `Bearer ${TOKEN}`, "mcp-protocol-version": "2025-06-18",
+      ...(sessionId ? { "mcp-session-id": sessionId } : {}),
+    },
+    body: JSON.stringify({ jsonrpc: "2.0", ...message }),
   });
+}
+
+async function rpc(method: string, params: unknown, signal?: AbortSignal): Promise<any> {
+  const res = await post({ id: nextId++, method, params }, signal);
   const sid = res.headers.get("mcp-session-id");
   if (sid) sessionId = sid;
   const body = await res.text();
@@ -2233,15 +2160,7 @@ export default async function (pi: ExtensionAPI) {
     protocolVersion: "2025-06-18", capabilities: {},
     clientInfo: { name: "t3-pi-bridge", version: "0.1.0" },
   });
-  await fetch(URL_, {
-    method: "POST",
-    headers: {
-      "content-type": "application/json", accept: "application/json, text/event-stream",
-      authorization: `Bearer ${TOKEN}`, "mcp-protocol-version": "2025-06-18",
-      ...(sessionId ? { "mcp-session-id": sessionId } : {}),
-    },
-    body: JSON.stringify({ jsonrpc: "2.0", method: "notifications/initialized" }),
-  }).then((r) => r.text()).catch(() => undefined);
+  await post({ method: "notifications/initialized" }).then((r) => r.text()).catch(() => undefined);
   const listed = await rpc("tools/list", {});
   for (const tool of listed?.tools ?? []) {
     const schema = tool.inputSchema ?? { type: "object", properties: {} };
@@ -2263,43 +2182,28 @@ export default async function (pi: ExtensionAPI) {
 """
 
 
-class PiSession:
+class PiSession(_Session):
     """One ``pi --mode rpc`` process serving one app thread; its session file is the native
     thread ref and lives across processes."""
 
     def __init__(self, *, adapter: PiAdapter, process: _Process, session_file: str) -> None:
-        self._adapter = adapter
-        self._process = process
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = session_file
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
-        self._label = f"{adapter.info.instance_id}[{process.pid}]"
+        super().__init__(adapter, process)
+        self.native_thread_ref = session_file
         self._ids = itertools.count(1)
         self._pending: dict[str, asyncio.Future[Mapping[str, Any]]] = {}
         self._in_turn = False
         self._interrupted = False
         self._last_error: str | None = None
-        self._closing = False
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
 
-    def alive(self) -> bool:
-        return self._process.alive()
-
     async def _request(self, kind: str, *, timeout: float = _PI_REQUEST_TIMEOUT,
                        **fields: Any) -> Mapping[str, Any]:
-        stdin = self._process.proc.stdin
-        if stdin is None or stdin.is_closing() or not self.alive():
-            raise ConnectionError(f"{self._label}: the provider process is not running")
         request_id = f"t3-{next(self._ids)}"
         future: asyncio.Future[Mapping[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        line = json.dumps({"type": kind, "id": request_id, **fields}, separators=(",", ":"))
-        self._adapter.protocol_log.write(f"{self._label} -> {line}")
         try:
-            stdin.write(line.encode() + b"\n")
-            await stdin.drain()
+            await self._send({"type": kind, "id": request_id, **fields})
             response = await asyncio.wait_for(future, timeout)
         finally:
             self._pending.pop(request_id, None)
@@ -2335,29 +2239,10 @@ class PiSession:
                       answers: Mapping[str, Any] | None) -> None:
         raise RuntimeError("pi raises no runtime requests")
 
-    async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
-
     async def _read_stdout(self) -> None:
-        stdout = self._process.proc.stdout
-        assert stdout is not None
-        buffer = b""
         try:
-            while True:
-                chunk = await stdout.read(1 << 16)
-                if not chunk:
-                    break
-                buffer += chunk
-                while (end := buffer.find(b"\n")) >= 0:
-                    raw, buffer = buffer[:end], buffer[end + 1:]
-                    if raw.endswith(b"\r"):
-                        raw = raw[:-1]
-                    await self._line(raw)
-                if len(buffer) > _LINE_LIMIT:
-                    raise ValueError("a protocol line exceeds the size limit")
-        except (ConnectionError, ValueError) as exc:
-            log.warning("%s: stopped reading: %s", self._label, exc)
+            await _read_json_lines(self._process, self._adapter.protocol_log, self._label,
+                                   self._route)
         finally:
             returncode = await self._process.proc.wait()
             self.exit_reason = _exit_reason(self._closing, returncode)
@@ -2365,18 +2250,6 @@ class PiSession:
                 if not future.done():
                     future.set_exception(ConnectionError("the provider process exited"))
             await self.events.put(None)
-
-    async def _line(self, raw: bytes) -> None:
-        text = raw.decode(errors="replace")
-        if not text.strip():
-            return
-        self._adapter.protocol_log.write(f"{self._label} <- {text}")
-        try:
-            message = json.loads(text)
-        except json.JSONDecodeError:
-            return
-        if isinstance(message, dict):
-            await self._route(message)
 
     async def _route(self, message: Mapping[str, Any]) -> None:
         kind = message.get("type")
@@ -2404,15 +2277,8 @@ class PiSession:
 
     async def _end_turn(self) -> None:
         self._in_turn = False
-        if self._interrupted:
-            await self.events.put(TurnEnded("interrupted"))
-        elif self._last_error:
-            await self.events.put(TurnEnded("failed", f"pi failed the turn: {self._last_error}"))
-        else:
-            await self.events.put(TurnEnded("completed"))
-
-    async def _read_stderr(self) -> None:
-        await _log_stderr(self._process, self._adapter.protocol_log, self._label)
+        await self.events.put(_turn_ended(interrupted=self._interrupted, failure=self._last_error
+                                          and f"pi failed the turn: {self._last_error}"))
 
 
 def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
@@ -2423,9 +2289,7 @@ def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
     result = message.get("result") if kind == "tool_execution_end" else \
         message.get("partialResult")
     if isinstance(result, Mapping):
-        texts = [c.get("text", "") for c in result.get("content") or []
-                 if isinstance(c, Mapping) and c.get("type") == "text"]
-        output = "\n".join(texts)
+        output = "\n".join(_texts(result.get("content")))
     status = ("failed" if message.get("isError") else "completed") \
         if kind == "tool_execution_end" else "running"
     title = f"{name} {args.get('command')}" if name == "bash" and isinstance(args, Mapping) \
@@ -2438,18 +2302,16 @@ def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
 
 
 class PiAdapter(_Adapter):
-    """``pi --mode rpc``, one process per session. pi has no permission prompts: its tools just
-    run, so runtime requests never arise and t3 cannot enforce any runtime mode but full-access
-    or the plan interaction mode: it offers only those (``RUNTIME_MODES``), so a narrower child
-    is refused rather than run unrestricted. Its models: ``pi --list-models``. Steering is native (``steer``: delivered before pi's next model call, same turn).
-    Conversations persist in ``--session <file>`` under ``<data-dir>/agents/pi-sessions/``, one
-    file per app thread, which is the native thread ref. pi has no MCP client: t3's MCP server
-    reaches it through a t3-owned extension (``<data-dir>/agents/pi-t3-mcp-extension.ts``) that
-    registers t3's tools as ``mcp__t3-code__<tool>`` and calls them over HTTP."""
+    """``pi --mode rpc``, one process per session. pi has no permission prompts, so t3 offers
+    only full-access and the default interaction mode (``RUNTIME_MODES``): a narrower child is
+    refused rather than run unrestricted. Models: ``pi --list-models``. Steering is native
+    (before pi's next model call). The native thread ref is the ``--session <file>`` under
+    ``<data-dir>/agents/pi-sessions/``, one per app thread. pi has no MCP client: a t3-owned
+    extension (``<data-dir>/agents/pi-t3-mcp-extension.ts``) registers t3's tools as
+    ``mcp__t3-code__<tool>`` and calls them over HTTP."""
 
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=True,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True)
+    CAPABILITIES = Capabilities(supports_active_steering=True, supports_resume=True,
+                                supports_mcp=True)
     RUNTIME_MODES = ("full-access",)
     INTERACTION_MODES = ("default",)
 
@@ -2497,7 +2359,7 @@ class PiAdapter(_Adapter):
             env["T3_MCP_BEARER_TOKEN"] = auth.removeprefix("Bearer ").strip()
         if instructions := self._instructions(mcp):  # the system prompt is per process
             command += ["--append-system-prompt", instructions]
-        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
+        process = await self._spawn(command, cwd, env)
         return PiSession(adapter=self, process=process, session_file=str(session_file))
 
 
@@ -2565,44 +2427,37 @@ async def _http_body_chunks(reader: asyncio.StreamReader, headers: Mapping[str, 
             yield chunk
 
 
-class OpenCodeSession:
+class OpenCodeSession(_Session):
     """One ``opencode serve`` process serving one app thread (one opencode session)."""
 
     def __init__(self, *, adapter: OpenCodeAdapter, process: _Process, port: int,
                  password: str, cwd: str, model: str | None, runtime_mode: str) -> None:
-        self._adapter = adapter
-        self._process = process
+        super().__init__(adapter, process)
         self._port = port
         self._auth = "Basic " + base64.b64encode(
             f"opencode:{password}".encode()).decode()
         self._cwd = cwd
         self._model = model
         self._runtime_mode = runtime_mode
-        self.pid: int | None = process.pid
-        self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
-        self.exit_reason: str | None = None
-        self._label = f"{adapter.info.instance_id}[{process.pid}]"
         self._in_turn = False
         self._busy = False  # the root session went busy in this turn
         self._interrupted = False
         self._error: str | None = None
-        self._closing = False
         self._permissions: dict[str, Mapping[str, Any]] = {}
         self._roles: dict[str, str] = {}  # message id -> role
         self._parts: dict[str, str] = {}  # part id -> part type
         self._sent: dict[str, int] = {}  # part id -> characters already emitted
         self._tools: dict[str, tuple[str, Any]] = {}  # part id -> (status, output) emitted
         self._system: str | None = None  # the orchestration instructions, when it has t3's MCP
-        self._listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._subscribed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_output(process.proc.stdout, "stdout")),
-                       loop.create_task(self._read_output(process.proc.stderr, "stderr")),
-                       loop.create_task(self._watch_exit())]
-
-    def alive(self) -> bool:
-        return self._process.alive()
+        self._listening: asyncio.Future[str] = loop.create_future()
+        self._subscribed: asyncio.Future[None] = loop.create_future()
+        # "listening on" may come on either stream
+        self._tasks = [loop.create_task(_log_output(stream, adapter.protocol_log,
+                                                    f"{self._label} {name}", self._on_output))
+                       for name, stream in (("stdout", process.proc.stdout),
+                                            ("stderr", process.proc.stderr))]
+        self._tasks.append(loop.create_task(self._watch_exit()))
 
     # -- HTTP ------------------------------------------------------------------------------------
 
@@ -2683,9 +2538,6 @@ class OpenCodeSession:
             self._in_turn = False
             raise
 
-    async def steer_turn(self, text: str) -> None:
-        raise RuntimeError("t3 steers opencode by interrupt-and-restart")
-
     async def interrupt_turn(self) -> None:
         self._interrupted = True
         for native_ref in list(self._permissions):
@@ -2711,23 +2563,15 @@ class OpenCodeSession:
             log.info("opencode permission reply not applied: %s", exc)
 
     async def close(self, *, grace: float = 3.0) -> None:
-        self._closing = True
-        await self._process.stop(grace=grace)
+        await super().close(grace=grace)
         for task in self._tasks:
             task.cancel()
 
     # -- incoming --------------------------------------------------------------------------------
 
-    async def _read_output(self, stream: asyncio.StreamReader | None, name: str) -> None:
-        assert stream is not None
-        while True:
-            raw = await stream.readline()
-            if not raw:
-                return
-            line = raw.decode(errors="replace").rstrip()
-            self._adapter.protocol_log.write(f"{self._label} {name} {line}")
-            if (found := _OPENCODE_LISTENING.search(line)) and not self._listening.done():
-                self._listening.set_result(found.group(1))
+    def _on_output(self, line: str) -> None:
+        if (found := _OPENCODE_LISTENING.search(line)) and not self._listening.done():
+            self._listening.set_result(found.group(1))
 
     async def _watch_exit(self) -> None:
         returncode = await self._process.proc.wait()
@@ -2866,22 +2710,15 @@ class OpenCodeSession:
         if not self._in_turn or not self._busy:
             return  # an idle from before this turn started
         self._in_turn = False
-        for native_ref in list(self._permissions):  # nothing can answer them any more
-            self._permissions.pop(native_ref, None)
-        if self._interrupted:
-            await self.events.put(TurnEnded("interrupted"))
-        elif self._error:
-            await self.events.put(TurnEnded("failed", f"opencode failed the turn: {self._error}"))
-        else:
-            await self.events.put(TurnEnded("completed"))
+        self._permissions.clear()  # nothing can answer them any more
+        await self.events.put(_turn_ended(interrupted=self._interrupted, failure=self._error
+                                          and f"opencode failed the turn: {self._error}"))
 
 
 class OpenCodeAdapter(_Adapter):
     """``opencode serve``: one HTTP server process per session, driven over REST and SSE."""
 
-    CAPABILITIES = Capabilities(supports_interrupt=True, supports_active_steering=False,
-                                supports_steering_by_restart=True, supports_queued_messages=True,
-                                supports_resume=True, supports_mcp=True)
+    CAPABILITIES = Capabilities(supports_resume=True, supports_mcp=True)
 
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
         """``opencode models``: one ``provider/model`` per line, in opencode's order. opencode
@@ -2913,15 +2750,10 @@ class OpenCodeAdapter(_Adapter):
         env = {"OPENCODE_DISABLE_AUTOUPDATE": "1", **self._env(
             thread_id, OPENCODE_CONFIG_CONTENT=self._config_content(runtime_mode),
             OPENCODE_SERVER_PASSWORD=password)}
-        process = await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
+        process = await self._spawn(command, cwd, env)
         session = OpenCodeSession(adapter=self, process=process, port=port, password=password,
                                   cwd=cwd, model=model, runtime_mode=runtime_mode)
-        try:
-            await session.open(resume_ref=resume_ref, mcp=mcp)
-        except BaseException:
-            await session.close(grace=1.0)
-            raise
-        return session
+        return await _opened(session, session.open(resume_ref=resume_ref, mcp=mcp))
 
 
 class UnavailableAdapter:
@@ -2950,7 +2782,8 @@ def _info(config: ProviderConfig, capabilities: Capabilities,
         constraints.append("disabled in the configuration")
     if not config.command:
         constraints.append("no command configured")
-    elif not _resolvable(config.command[0]):
+    elif not shutil.which(config.command[0]) and not (
+            os.path.isabs(config.command[0]) and os.access(config.command[0], os.X_OK)):
         constraints.append(f"executable not found: {config.command[0]}")
     return ProviderInfo(instance_id=config.instance_id, driver=config.driver,
                         display_name=config.display_name, models=config.models,
@@ -2959,28 +2792,15 @@ def _info(config: ProviderConfig, capabilities: Capabilities,
                         interaction_modes=interaction_modes)
 
 
-def _resolvable(executable: str) -> bool:
-    return shutil.which(executable) is not None or (os.path.isabs(executable)
-                                                    and os.access(executable, os.X_OK))
-
-
 def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str,
                   agents_dir: Path | None = None) -> Any:
     """The adapter of one instance; ``agents_dir`` (default ``<log_dir>/../agents``) holds what
     t3 installs for agents, e.g. the acpRegistry cache under ``registry/``."""
-    if config.driver == "acp":
-        return AcpAdapter(config, log_dir=log_dir, owner=owner)
     if config.driver == "acpRegistry":
         return AcpRegistryAdapter(config, log_dir=log_dir, owner=owner, cache_dir=(
             agents_dir or log_dir.parent / "agents") / "registry")
-    if config.driver == "grok":
-        return GrokAdapter(config, log_dir=log_dir, owner=owner)
-    if config.driver == "claudeAgent":
-        return ClaudeAdapter(config, log_dir=log_dir, owner=owner)
-    if config.driver == "codex":
-        return CodexAdapter(config, log_dir=log_dir, owner=owner)
-    if config.driver == "pi":
-        return PiAdapter(config, log_dir=log_dir, owner=owner)
-    if config.driver == "opencode":
-        return OpenCodeAdapter(config, log_dir=log_dir, owner=owner)
-    return UnavailableAdapter(config, _UNRUNNABLE[config.driver])
+    if config.driver in _UNRUNNABLE:
+        return UnavailableAdapter(config, _UNRUNNABLE[config.driver])
+    adapter = {"acp": AcpAdapter, "grok": GrokAdapter, "claudeAgent": ClaudeAdapter,
+               "codex": CodexAdapter, "pi": PiAdapter, "opencode": OpenCodeAdapter}
+    return adapter[config.driver](config, log_dir=log_dir, owner=owner)
