@@ -1764,10 +1764,9 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     mcp_server = build_mcp_server(toolkit, version=VERSION)
     # Streamable HTTP answers in SSE (progress notifications flow); a client that accepts only
     # JSON gets plain JSON answers from a second manager over the same server instead of a 406.
-    sse = StreamableHTTPSessionManager(app=mcp_server, stateless=True, json_response=False,
-                                       max_request_body_size=MAX_BODY_BYTES)
-    plain = StreamableHTTPSessionManager(app=mcp_server, stateless=True, json_response=True,
-                                         max_request_body_size=MAX_BODY_BYTES)
+    sse, plain = (StreamableHTTPSessionManager(app=mcp_server, stateless=True, json_response=j,
+                                               max_request_body_size=MAX_BODY_BYTES)
+                  for j in (False, True))
     client_token = ClientToken(data_dir / "client-token")
     web_view = WebView.load()
     if web_view is None:
@@ -1779,8 +1778,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                     hooks=webhook_endpoint(orch),
                     policy=HttpPolicy.for_server(config=config, host=host, port=port,
                                                  tls=hconfig.ssl_enabled))
-    stop = asyncio.Event()
-    http_stop = asyncio.Event()
+    stop, http_stop = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
