@@ -1224,7 +1224,7 @@ class ClientApi:
     async def list_pending_requests(self, params: Mapping[str, Any]) -> dict[str, Any]:
         import orchestrator as orch
         from tools import _request_summary
-        wanted = params.get("threadId")
+        wanted = self._checked(_WS_PENDING, params).get("threadId")
         requests = [orch.RuntimeRequest.from_json(r) for r in self.store.pending_requests()]
         return {"requests": [{**_request_summary(r), "threadId": r.thread_id,
                               "detail": r.detail}
@@ -1278,7 +1278,7 @@ class ClientApi:
         """The projects, threads and scheduled tasks (a snapshot, or those changed after
         ``afterSequence``), ``synchronized``, then a thread's shell, or a scheduled task as
         ``list_scheduled_tasks`` shows it, each time it changes."""
-        after = params.get("afterSequence")
+        after = self._checked(_WS_SHELL, params).get("afterSequence")
         subscription = self.orch.subscribe(max_bytes=_SUBSCRIBER_BYTES // 64)
         try:
             last = self.store.max_sequence()
@@ -1288,7 +1288,7 @@ class ClientApi:
                 await emit({"kind": "snapshot",
                             "snapshot": {**self._shell_snapshot(last), "schedules": schedules}})
             else:
-                for thread_id in self.store.threads_touched_after(int(after), limit=1000):
+                for thread_id in self.store.threads_touched_after(after, limit=1000):
                     await self._emit_shell(thread_id, last, emit)
             await emit({"kind": "synchronized", "sequence": last})
             while True:
@@ -1638,6 +1638,8 @@ def _wire_modes(a: Mapping[str, Any]) -> dict[str, Any]:
             "interactionMode": a.get("interactionMode", "inherit")}
 
 
+_WS_SHELL = _obj({"afterSequence": {"type": "integer", "minimum": 0}})
+_WS_PENDING = _obj({"threadId": _WIRE_REF})
 _WS_SEND = _obj({"threadId": _WIRE_REF, "message": _WIRE_TEXT,
                  "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
                  "target": _obj({"providerInstanceId": _WIRE_REF, "driverKind": _WIRE_REF,

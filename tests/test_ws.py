@@ -205,8 +205,24 @@ async def wait_for(client: server.WsClient, thread_id: str,
 
 def test_shell_stream_shows_threads_as_they_change(t3: T3Server) -> None:
     """subscribeShell: a snapshot of projects and threads, synchronized, then the shell of a
-    thread each time it changes, with its status."""
+    thread each time it changes, with its status. Bad parameters (its, and listPendingRequests')
+    are refused as invalid_request."""
+    async def refused(client: server.WsClient, method: str, params: dict[str, Any]) -> str:
+        async def drain() -> None:
+            async for _ in client.stream(method, params):
+                pass
+        with pytest.raises(server.WsError) as failure:  # an accepted stream runs into the timeout
+            await asyncio.wait_for(drain() if method == "subscribeShell"
+                                   else client.request(method, params), 10)
+        return failure.value.code
+
     async def body(client: server.WsClient) -> list[str]:
+        for method, params in (("subscribeShell", {"afterSequence": "7"}),
+                               ("subscribeShell", {"afterSequence": -1}),
+                               ("subscribeShell", {"afterSequence": True}),
+                               ("listPendingRequests", {"threadId": 5}),
+                               ("listPendingRequests", {"thread": "x"})):
+            assert await refused(client, method, params) == "invalid_request", (method, params)
         statuses: list[str] = []
         stream = client.stream("subscribeShell", {})
         async for item in stream:
