@@ -31,6 +31,16 @@ def refused(t3, *args: str) -> str:
     return done.stdout + done.stderr
 
 
+def two_runs(mcp) -> str:
+    """A thread whose run 1 plans the kiwi migration and run 2 picks the banana route; its id."""
+    tid = mcp.call("create_threads", {"threads": [{"prompt": "plan the kiwi migration"}]}
+                   ).structured["threads"][0]["threadId"]
+    assert wait(mcp, tid)["status"] == "completed"
+    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "now pick the banana route"})
+    assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+    return tid
+
+
 def test_fork_from_run_1_carries_only_run_1_and_merge_back_reaches_the_parent(
         t3_factory, agent_log_path: Path) -> None:
     """Fork a 2-run thread at run 1: the fork (lineage fork, listed) starts with a
@@ -40,11 +50,7 @@ def test_fork_from_run_1_carries_only_run_1_and_merge_back_reaches_the_parent(
     of a thread that is not a fork (or into another thread than its parent)."""
     t3 = t3_factory()
     mcp = t3.client()
-    tid = mcp.call("create_threads", {"threads": [{"prompt": "plan the kiwi migration"}]}
-                   ).structured["threads"][0]["threadId"]
-    assert wait(mcp, tid)["status"] == "completed"
-    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "now pick the banana route"})
-    assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+    tid = two_runs(mcp)
 
     assert "run_not_found" in refused(t3, "fork", tid, "--run", "9")
     assert "invalid_request" in refused(t3, "fork", tid, "--checkpoint", "nope")
@@ -96,11 +102,7 @@ def test_an_acp_agent_with_session_fork_forks_the_latest_run_natively(
     cannot be made so (ACP forks no earlier turn): a new session with the portable context."""
     t3 = t3_factory(providers=[scripted_provider(tmp_path, id="alpha", args=["--fork"])])
     mcp = t3.client()
-    tid = mcp.call("create_threads", {"threads": [{"prompt": "plan the kiwi migration"}]}
-                   ).structured["threads"][0]["threadId"]
-    assert wait(mcp, tid)["status"] == "completed"
-    sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "now pick the banana route"})
-    assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+    tid = two_runs(mcp)
     for args, text in ((("fork", tid), "explore natively"),
                        (("fork", tid, "--run", "1"), "explore from run 1")):
         fid = cli_json(t3, *args)["threadId"]
