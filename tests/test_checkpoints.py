@@ -13,7 +13,7 @@ from typing import Any
 
 import t3 as server
 from harness import McpClient, T3Server, wait_until
-from test_web import Steps, browser, create, lines_with, sent_by_page  # noqa: F401 (fixture)
+from test_web import Steps, browser, create, lines_with, log_in, sent_by_page  # noqa: F401 (fixture)
 from test_workspace import git, make_repo, user_state
 
 EDIT = ("WRITE_FILE a.txt one\\nthree\nWRITE_FILE src/new.py print('hi')\n"
@@ -224,9 +224,7 @@ def test_the_web_view_shows_a_runs_checkpoint_files_and_its_diff(
         "threads"][0]["threadId"], "timeoutMs": 30_000})
     page = browser.new_page()
     page.call("Runtime.enable")
-    page.navigate(t3.url + "/")
-    page.type_into("#token", t3.token)
-    page.click("#login button", text="Log in")
+    log_in(page, t3)
     page.click("nav a", text="edits")
     page.wait_for(lines_with("Checkpoint 1: 3 file(s) changed"))
     steps = Steps(page, tmp_path)

@@ -102,6 +102,13 @@ class Steps:
         return text
 
 
+def log_in(page: Any, t3: T3Server) -> None:
+    """Open the web view and log in with the client token."""
+    page.navigate(t3.url + "/")
+    page.type_into("#token", t3.token)
+    page.click("#login button", text="Log in")
+
+
 def sent_by_page(events: list[dict[str, Any]]) -> list[str]:
     """What the page sent: its HTTP requests and the methods of its WebSocket frames."""
     out = []
@@ -285,9 +292,7 @@ def test_web_view_lists_schedules_and_follows_their_runs_live(t3_factory, tmp_pa
     page.call("Runtime.enable")
     page.call("Log.enable")
     steps = Steps(page, tmp_path)
-    page.navigate(t3.url + "/")
-    page.type_into("#token", t3.token)
-    page.click("#login button", text="Log in")
+    log_in(page, t3)
     page.wait_for(lines_with("nightly", within="#schedules"))
     steps.shot("schedules", ("SCHEDULES",), ("every 15 min", "enabled"),
                ("next run", local_minute(start + 900)), ("never run", "0 runs"),
@@ -333,9 +338,7 @@ def test_web_view_shows_a_checkpoints_files_and_a_folded_handoff(
     assert mcp.call("t3_thread_wait", {"threadId": tid, "runId": sent["runId"],
                                        "timeoutMs": 30_000}).structured["status"] == "completed"
     page = browser.new_page()
-    page.navigate(t3.url + "/")
-    page.type_into("#token", t3.token)
-    page.click("#login button", text="Log in")
+    log_in(page, t3)
     page.click("nav a", text="switched")
     page.wait_for(lines_with("Handoff full_thread_summary to beta"))
     steps = Steps(page, tmp_path)
