@@ -13,7 +13,8 @@ from typing import Any
 
 import t3 as server
 from harness import McpClient, T3Server, wait_until
-from test_web import Steps, browser, create, lines_with, log_in, sent_by_page  # noqa: F401 (fixture)
+from test_web import (Steps, browser, create, lines_with, log_in,  # noqa: F401 (fixture)
+                      sent_by_page)
 from test_workspace import git, make_repo, user_state
 
 EDIT = ("WRITE_FILE a.txt one\\nthree\nWRITE_FILE src/new.py print('hi')\n"
