@@ -468,10 +468,15 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA foreign_keys = ON")
     conn.execute("PRAGMA busy_timeout = 5000")
-    conn.create_function("t3_fold", 1, _fold, deterministic=True)
+    add_functions(conn)
     if readonly:
         conn.execute("PRAGMA query_only = ON")
     return conn
+
+
+def add_functions(conn: sqlite3.Connection) -> None:
+    """The SQL functions projection writes use (any connection that writes projections)."""
+    conn.create_function("t3_fold", 1, _fold, deterministic=True)
 
 
 def _fold(text: Any) -> str:

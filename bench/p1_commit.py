@@ -93,7 +93,7 @@ def replay(path: Path, plans: list[Plan]) -> float:
     for pragma in ("journal_mode = WAL", "synchronous = FULL", "foreign_keys = ON",
                    "busy_timeout = 5000"):
         conn.execute(f"PRAGMA {pragma}")
-    conn.create_function("t3_fold", 1, s._fold, deterministic=True)  # the projection's
+    s.add_functions(conn)
     started = time.perf_counter()
     for plan in plans:
         conn.execute("BEGIN IMMEDIATE")

@@ -52,7 +52,7 @@ def bulk_fill(db_path: Path, template_thread: str, total_events: int) -> int:
     conn = sqlite3.connect(db_path, isolation_level=None)
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = OFF")
-    conn.create_function("t3_fold", 1, s._fold, deterministic=True)  # the projection's
+    s.add_functions(conn)
     # Each template event is prepared once with a marker in every id; a copy only replaces it.
     marker = "~bulk#"
     template = []
