@@ -3632,6 +3632,11 @@ class Orchestrator:
     """Serializes commands per thread and runs their effects. Start with ``start(task_group)``."""
 
     MAX_CONCURRENT_EFFECTS = 16
+    # Ingest commits queued at the single writer at once, over all sessions: every other command
+    # (a run's completion, a delegation, a user's send) waits behind at most these, not behind one
+    # commit per streaming session. A session waiting for a slot leaves its deltas queued, and
+    # they all go into the commit it then makes: the writer stays busy, the batches grow.
+    MAX_INGEST_COMMITS = 2
     MAX_CACHED_THREADS = 512
     INTERRUPT_GRACE_S = 10.0
     IDLE_RELEASE_S = 30 * 60.0  # a provider process with no turn for this long is stopped
@@ -3676,6 +3681,7 @@ class Orchestrator:
         self._line: list[tuple[str, str, str]] = []  # (thread id, run id, attempt id)
         self._effect_tasks: dict[str, asyncio.Task[None]] = {}
         self._effect_wake = asyncio.Event()
+        self._ingest_slots = asyncio.Semaphore(self.MAX_INGEST_COMMITS)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
 
@@ -4637,7 +4643,6 @@ class Orchestrator:
     async def _pump(self, live: _LiveSession) -> None:
         """Carry one session's events into ingest commands, in order, each after its commit."""
         events: asyncio.Queue[Any] = live.handle.events
-        loop = asyncio.get_running_loop()
         batch_no = 0
         ended = False
         try:
@@ -4646,31 +4651,19 @@ class Orchestrator:
                 if event is None:
                     break
                 batch = [event]
-                if isinstance(event, (TextDelta, ReasoningDelta)):
-                    deadline = loop.time() + self._coalesce_s
-                    while isinstance(batch[-1], (TextDelta, ReasoningDelta)):
-                        remaining = deadline - loop.time()
-                        if remaining <= 0:
-                            break
-                        try:  # what is queued already is taken without a timer task per event
-                            nxt = events.get_nowait() if not events.empty() \
-                                else await asyncio.wait_for(events.get(), remaining)
-                        except TimeoutError:
-                            break
-                        if nxt is None:
-                            ended = True
-                            break
-                        batch.append(nxt)
+                ended = await _coalesce(events, batch, self._coalesce_s)
                 if live.turn is None:
                     log.debug("dropping %d event(s) outside a turn on %s", len(batch),
                               live.session_id)
                     continue
                 run_id, attempt_id = live.turn
-                turn_ended = any(isinstance(e, TurnEnded) for e in batch)
-                if turn_ended:
-                    _store.crash_point("before-ingest:turn-ended")
-                batch_no += 1
-                await self._ingest(live, run_id, attempt_id, batch_no, _merge_deltas(batch))
+                async with self._ingest_slots:  # what came while it waited goes in too
+                    ended = await _coalesce(events, batch, 0.0) or ended
+                    turn_ended = any(isinstance(e, TurnEnded) for e in batch)
+                    if turn_ended:
+                        _store.crash_point("before-ingest:turn-ended")
+                    batch_no += 1
+                    await self._ingest(live, run_id, attempt_id, batch_no, _merge_deltas(batch))
                 if turn_ended and live.turn == (run_id, attempt_id):
                     live.turn = None
                     live.turn_ended.set()
@@ -4679,7 +4672,8 @@ class Orchestrator:
                     live.last_used = time.monotonic()
                     if self._line:
                         self._rebalance()  # runs wait for a slot: this idle session gives one
-                    live.idle_timer = loop.call_later(self.IDLE_RELEASE_S, self._release, live)
+                    live.idle_timer = asyncio.get_running_loop().call_later(
+                        self.IDLE_RELEASE_S, self._release, live)
         finally:
             await self._session_gone(live)
 
@@ -5249,6 +5243,27 @@ def steerable_run(state: ThreadState) -> Run | None:
 
 def _ms() -> int:
     return int(time.time() * 1000)
+
+
+async def _coalesce(events: asyncio.Queue[Any], batch: list[Any], window_s: float) -> bool:
+    """Extend ``batch`` while it ends in a delta: with what ``events`` holds already (no timer
+    task per event), then with what comes within ``window_s``. True once the end marker came."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + window_s
+    while isinstance(batch[-1], (TextDelta, ReasoningDelta)):
+        if events.empty():
+            if (remaining := deadline - loop.time()) <= 0:
+                return False
+            try:
+                nxt = await asyncio.wait_for(events.get(), remaining)
+            except TimeoutError:
+                return False
+        else:
+            nxt = events.get_nowait()
+        if nxt is None:
+            return True
+        batch.append(nxt)
+    return False
 
 
 def _merge_deltas(batch: Sequence[AdapterEvent]) -> tuple[AdapterEvent, ...]:

@@ -317,6 +317,58 @@ def test_two_processes_on_one_database(t3_factory: T3Factory, t3: T3Server,
     assert_consistent(t3)
 
 
+def test_a_held_writer_queues_at_most_two_ingest_commits_before_a_command(tmp_path: Path) -> None:
+    """Six sessions stream while the write lock is held outside: a command queued meanwhile
+    commits after at most MAX_INGEST_COMMITS ingest commits (not one per streaming session), and
+    every session's text arrives whole. In process (the layers t3.py builds, the scripted agent),
+    so the command is known to be queued at the writer before the lock is let go."""
+    from test_fuzz import InProcessTarget
+    target = InProcessTarget(tmp_path)
+    try:
+        created = target.call("create_threads", {"threads": [
+            {"prompt": f"SLOW:60 stream {i}"} for i in range(6)]}).structured["threads"]
+
+        def chunks() -> dict[int, int]:  # chunks each agent process has written so far
+            counts: dict[int, int] = {}
+            for line in agent_log(tmp_path / "agent.log"):
+                if line["dir"] == "out" and "chunk " in json.dumps(line["msg"]):
+                    counts[line["pid"]] = counts.get(line["pid"], 0) + 1
+            return counts
+
+        wait_until(lambda: len(chunks()) == 6, LONG, message="six sessions streaming")
+        with closing(sqlite3.connect(target.db_path, timeout=LONG, isolation_level=None)) as lock:
+            lock.execute("BEGIN IMMEDIATE")
+            held_from = lock.execute("SELECT MAX(sequence) FROM events").fetchone()[0]
+            before = chunks()
+            wait_until(lambda: all(n >= before[pid] + 3 for pid, n in chunks().items()), LONG,
+                       message="three more chunks from each session, the lock held")
+
+            async def queue_rename() -> asyncio.Task[o.DispatchResult]:
+                task = asyncio.ensure_future(target.orch.dispatch(o.UpdateThreadMetadata(
+                    command_id="rename-while-held", thread_id=target.thread_ids[1],
+                    action="rename", title="renamed while the writer was held")))
+                await asyncio.sleep(0)  # its first step runs to the writer's queue
+                assert not task.done()
+                return task
+
+            rename = target._run(queue_rename(), LONG)
+            lock.execute("ROLLBACK")
+        target._run(asyncio.wait_for(rename, LONG), LONG)
+        with closing(sqlite3.connect(target.db_path)) as db:
+            renamed_at = db.execute("SELECT MIN(sequence) FROM events WHERE command_id = ?",
+                                    ("rename-while-held",)).fetchone()[0]
+            ahead = db.execute("SELECT COUNT(DISTINCT command_id) FROM events WHERE sequence > ? "
+                               "AND sequence < ? AND command_id LIKE 'ingest:%'",
+                               (held_from, renamed_at)).fetchone()[0]
+        assert ahead <= o.Orchestrator.MAX_INGEST_COMMITS == 2, ahead
+        target.settle([t["threadId"] for t in created])
+        for i, thread in enumerate(created):
+            text = assistant_text(target, thread["threadId"])  # type: ignore[arg-type]
+            assert all(f"chunk {n} " in text for n in range(60)) and text.endswith("done"), i
+    finally:
+        target.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. A full disk
 
