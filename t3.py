@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import gc
 import hashlib
 import hmac
 import ipaddress
@@ -1781,6 +1782,10 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                     policy=HttpPolicy.for_server(config=config, host=host, port=port,
                                                  tls=hconfig.ssl_enabled))
     stop, http_stop = asyncio.Event(), asyncio.Event()
+    # What startup built (the MCP SDK's and pydantic's modules, the app) lives as long as the
+    # process: out of the collector's sight, a full collection walks only what serving made since
+    # (with 60 live agents: about 15k objects instead of 111k, 5 ms instead of 60 ms of CPU).
+    gc.freeze()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
