@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", type=int, help="delegated tasks (default 200, --quick 40)")
     p.add_argument("--chunks", type=int, default=600, help="SLOW:n chunks per child")
     p.add_argument("--chunk-delay", type=float, default=0.25, help="seconds between chunks")
+    p.add_argument("--keep", type=Path, help="copy the final database here (for a post-mortem)")
     args = p.parse_args(argv)
     n = args.tasks or (40 if args.quick else 200)
     with _bench.scratch_dir("p6") as tmp:
@@ -91,11 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         with _bench.t3_server(tmp, providers=providers,
                               extra=f"[limits]\nmax_live_agent_processes = {n + 8}\n") as server, \
                 server.client() as mcp:
-            figures = _fan_out(server, mcp, n, args.chunks)
+            figures = _fan_out(server, mcp, n, args.chunks, args.keep)
     return _report(n, args, figures)
 
 
-def _fan_out(server: _bench.T3Server, mcp: object, n: int, chunks: int) -> dict[str, object]:
+def _fan_out(server: _bench.T3Server, mcp: object, n: int, chunks: int,
+             keep: Path | None) -> dict[str, object]:
     db_path = str(server.data_dir / "t3.sqlite")
     db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     # Warm up: one delegation end to end, so imports and caches are in the baseline.
@@ -147,6 +149,9 @@ def _fan_out(server: _bench.T3Server, mcp: object, n: int, chunks: int) -> dict[
         children = db.execute("SELECT COUNT(*) FROM threads WHERE parent_thread_id = ?",
                               (parent,)).fetchone()[0]
         parent_wakes = [row[0] for row in db.execute(_PARENT_WAKE, (parent,))]
+        if keep:
+            with contextlib.closing(sqlite3.connect(keep)) as dest:
+                db.backup(dest)
     return {"baseline": baseline, "peak": peak, "wall": wall, "children": children,
             "samples": samples, "parent_wakes": parent_wakes}
 
