@@ -603,6 +603,7 @@ def _now_iso() -> str:
 
 
 _STOP = object()
+_MAX_BATCH = 256  # jobs sharing one transaction at most
 
 
 class Store:
@@ -623,22 +624,60 @@ class Store:
     # -- the writer thread -------------------------------------------------------------------
 
     def _write_loop(self) -> None:
-        conn = self._write_conn
+        """Group commit: every job queued while the previous transaction was committing goes
+        into the next one, so they share one fsync."""
         while True:
-            job = self._jobs.get()
-            if job is _STOP:
+            jobs = [self._jobs.get()]
+            while len(jobs) < _MAX_BATCH:
+                try:
+                    jobs.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            live = [job for job in jobs if job is not _STOP and job[1].set_running_or_notify_cancel()]
+            if len(live) == 1:
+                self._run_alone(*live[0])
+            elif live:
+                self._run_batch(live)
+            if _STOP in jobs:
                 break
-            fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                with _transaction(conn):
-                    result = fn(conn)
-            except BaseException as exc:  # handed to the awaiting caller, not swallowed
-                future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
-            else:
+        self._write_conn.close()
+
+    def _run_alone(self, fn: Callable[[sqlite3.Connection], Any],
+                   future: concurrent.futures.Future[Any]) -> None:
+        try:
+            with _transaction(self._write_conn) as conn:
+                result = fn(conn)
+        except BaseException as exc:  # handed to the awaiting caller, not swallowed
+            future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
+        else:
+            future.set_result(result)
+
+    def _run_batch(self, jobs: list[tuple[Callable[[sqlite3.Connection], Any],
+                                          concurrent.futures.Future[Any]]]) -> None:
+        """The jobs in one transaction, each in its own savepoint (a job that fails rolls back
+        only its own writes); every caller is answered after the COMMIT. If the transaction
+        itself is lost (a failed COMMIT, or SQLite rolling back everything on SQLITE_FULL or an
+        I/O error), each job runs again alone, so each caller gets its own outcome."""
+        conn, outcomes = self._write_conn, []
+        try:
+            with _transaction(conn):
+                for fn, future in jobs:
+                    conn.execute("SAVEPOINT job")
+                    try:
+                        outcomes.append((future, fn(conn), None))
+                    except Exception as exc:
+                        conn.execute("ROLLBACK TO job")  # raises if the transaction is gone
+                        outcomes.append((future, None, exc))
+                    conn.execute("RELEASE job")
+        except Exception:
+            for fn, future in jobs:
+                self._run_alone(fn, future)
+            return
+        for future, result, exc in outcomes:
+            if exc is None:
                 future.set_result(result)
-        conn.close()
+            else:
+                future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn(conn)`` in one BEGIN IMMEDIATE transaction on the writer thread."""
