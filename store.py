@@ -21,7 +21,6 @@ returns JSON-shaped dicts and leaves their meaning to ``orchestrator.py``.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -604,6 +603,19 @@ def _now_iso() -> str:
 
 _STOP = object()
 _MAX_BATCH = 256  # jobs sharing one transaction at most
+_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+_Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]
+
+
+def _answer(outcomes: list[_Outcome]) -> None:
+    """On the waiting loop: each caller's result or error (a caller gone by now is skipped)."""
+    for future, result, exc in outcomes:
+        if future.done():
+            continue
+        if exc is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
 
 
 class Store:
@@ -625,7 +637,8 @@ class Store:
 
     def _write_loop(self) -> None:
         """Group commit: every job queued while the previous transaction was committing goes
-        into the next one, so they share one fsync."""
+        into the next one, so they share one fsync. Each event loop that is waiting is woken
+        once per transaction, with all its answers."""
         while True:
             jobs = [self._jobs.get()]
             while len(jobs) < _MAX_BATCH:
@@ -633,35 +646,36 @@ class Store:
                     jobs.append(self._jobs.get_nowait())
                 except queue.Empty:
                     break
-            live = [job for job in jobs if job is not _STOP and job[1].set_running_or_notify_cancel()]
-            if len(live) == 1:
-                self._run_alone(*live[0])
-            elif live:
-                self._run_batch(live)
+            live = [job for job in jobs if job is not _STOP]
+            outcomes = (self._run_alone(*live[0]) if len(live) == 1
+                        else self._run_batch(live) if live else [])
+            by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
+            for outcome, (_, loop, _) in zip(outcomes, live, strict=True):
+                by_loop.setdefault(loop, []).append(outcome)
+            for loop, answers in by_loop.items():
+                with suppress(RuntimeError):  # that loop is closed: nobody waits
+                    loop.call_soon_threadsafe(_answer, answers)
             if _STOP in jobs:
                 break
         self._write_conn.close()
 
-    def _run_alone(self, fn: Callable[[sqlite3.Connection], Any],
-                   future: concurrent.futures.Future[Any]) -> None:
+    def _run_alone(self, fn: Callable[[sqlite3.Connection], Any], loop: Any, future: Any
+                   ) -> list[_Outcome]:
         try:
             with _transaction(self._write_conn) as conn:
-                result = fn(conn)
+                return [(future, fn(conn), None)]
         except BaseException as exc:  # handed to the awaiting caller, not swallowed
-            future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
-        else:
-            future.set_result(result)
+            return [(future, None, exc)]
 
-    def _run_batch(self, jobs: list[tuple[Callable[[sqlite3.Connection], Any],
-                                          concurrent.futures.Future[Any]]]) -> None:
+    def _run_batch(self, jobs: list[_Job]) -> list[_Outcome]:
         """The jobs in one transaction, each in its own savepoint (a job that fails rolls back
-        only its own writes); every caller is answered after the COMMIT. If the transaction
-        itself is lost (a failed COMMIT, or SQLite rolling back everything on SQLITE_FULL or an
-        I/O error), each job runs again alone, so each caller gets its own outcome."""
+        only its own writes); callers are answered after the COMMIT. If the transaction itself
+        is lost (a failed COMMIT, or SQLite rolling back everything on SQLITE_FULL or an I/O
+        error), each job runs again alone, so each caller gets its own outcome."""
         conn, outcomes = self._write_conn, []
         try:
             with _transaction(conn):
-                for fn, future in jobs:
+                for fn, _, future in jobs:
                     conn.execute("SAVEPOINT job")
                     try:
                         outcomes.append((future, fn(conn), None))
@@ -670,24 +684,19 @@ class Store:
                         outcomes.append((future, None, exc))
                     conn.execute("RELEASE job")
         except Exception:
-            for fn, future in jobs:
-                self._run_alone(fn, future)
-            return
-        for future, result, exc in outcomes:
-            if exc is None:
-                future.set_result(result)
-            else:
-                future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
+            return [outcome for job in jobs for outcome in self._run_alone(*job)]
+        return outcomes
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` in one BEGIN IMMEDIATE transaction on the writer thread."""
+        """Run ``fn(conn)`` in a BEGIN IMMEDIATE transaction on the writer thread (shared with
+        other jobs queued meanwhile, each in its own savepoint); return once it committed."""
         if self._closed:
             raise StoreError("the store is closed")
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put((fn, future))
-        # Shielded: once queued, the write happens; a cancelled caller must not leave the
-        # future unobserved, and a commit in flight cannot be recalled anyway.
-        return await asyncio.shield(asyncio.wrap_future(future))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, loop, future))
+        # Shielded: once queued, the write happens; a commit in flight cannot be recalled.
+        return await asyncio.shield(future)
 
     def close(self) -> None:
         if self._closed:
