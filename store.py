@@ -369,7 +369,7 @@ WHERE thread_id = ?
 # The threads of one project a list shows, newest activity first: a range of the partial index
 # threads_by_activity read backwards. Each filter is off when its parameter is NULL; each reads
 # the thread's own row (_REFRESH_LISTING), so a filtered list costs about what an unfiltered one
-# does.
+# does (the count is one pass either way; a filter that matches few makes the page read further).
 # A thread is snoozed while its snoozedUntil is ahead of :now, unless it has a pending request
 # or a run failed after it was snoozed (orchestrator.ThreadState.snoozed says the same).
 _SNOOZED = """(COALESCE(json_extract(t.payload_json, '$.snoozedUntil') > :now, 0)
@@ -392,8 +392,7 @@ WHERE t.project_id = :project AND t.deleted_at IS NULL
 _COUNT_LISTED_THREADS = "SELECT COUNT(*)" + _LISTED_THREADS
 _IDS_OF_LISTED_THREADS = f"SELECT t.thread_id {_LISTED_THREADS} ORDER BY t.activity_at DESC, " \
     "t.thread_id DESC"
-# One page of them (``page`` names its threads); the counts and the latest run are looked up for
-# the page's rows only.
+# One page of them; the counts and the latest run are looked up for the page's rows only.
 _PAGE_OF_LISTED_THREADS = f"""
 SELECT t.payload_json AS thread_json, t.activity_at,
        lr.run_id AS latest_run_id, lr.status AS latest_status,
@@ -403,7 +402,7 @@ SELECT t.payload_json AS thread_json, t.activity_at,
        (SELECT COUNT(*) FROM subagents s WHERE s.thread_id = t.thread_id AND s.status NOT IN
         ('completed', 'failed', 'cancelled', 'interrupted')) AS background_count,
        {_SNOOZED} AS snoozed
-FROM ({{page}}) page
+FROM ({_IDS_OF_LISTED_THREADS} LIMIT :limit OFFSET :offset) page
 JOIN threads t ON t.thread_id = page.thread_id
 LEFT JOIN runs lr ON lr.run_id = (SELECT r.run_id FROM runs r WHERE r.thread_id = t.thread_id
                                   ORDER BY r.ordinal DESC LIMIT 1)
@@ -759,16 +758,12 @@ class Store:
         try:
             conn.execute("BEGIN")
             try:
-                if statuses or title_contains:  # one pass finds the matches and their count
-                    ids = [r[0] for r in conn.execute(_IDS_OF_LISTED_THREADS, params)]
-                    total, params["ids"] = len(ids), json.dumps(ids[offset:offset + limit])
-                    page = "SELECT value AS thread_id FROM json_each(:ids)"
-                else:  # the count passes over them all; the page is a range of the index
-                    total = conn.execute(_COUNT_LISTED_THREADS, params).fetchone()[0]
-                    # A cursor past the end may be too big for an SQLite integer.
-                    params["offset"] = min(offset, total)
-                    page = f"{_IDS_OF_LISTED_THREADS} LIMIT :limit OFFSET :offset"
-                rows = conn.execute(_PAGE_OF_LISTED_THREADS.format(page=page), params).fetchall()
+                # The count passes over them all; the page is a range of the index, read until
+                # it holds `limit` matches (none is read once the offset is past the count).
+                total = conn.execute(_COUNT_LISTED_THREADS, params).fetchone()[0]
+                params["offset"] = min(offset, total)  # a cursor may be too big for SQLite
+                rows = conn.execute(_PAGE_OF_LISTED_THREADS, params).fetchall() \
+                    if offset < total else []
             finally:
                 conn.execute("COMMIT")
         except sqlite3.Error as exc:
