@@ -12,7 +12,9 @@ at once. `max_live_agent_processes` is raised to fit every task. Measures:
   a probe thread (its own provider entry, 50 ms chunks) and calls `t3_thread_wait` on each run;
   a sample is the run's `completedAt` (server clock, set in decide) to the wait returning
   (client clock, same machine). Samples count from the parent's creation to the last task's
-  completion; the ones taken while at least 95% of the tasks were live are also shown alone;
+  completion; the ones taken while at least 95% of the tasks were live are also shown alone,
+  and the same probe's samples just before the fan-out (no task live) are the side-by-side
+  reference for what the machine's load alone costs;
 - the parent's wake, from the server's own timestamps: a child run's `completedAt` to its task's
   `completedAt` (the finalization the parent's agent is woken by).
 Target: all complete, <= 1 MB server RSS per live task, wake p99 <= 50 ms.
@@ -81,23 +83,24 @@ def _ms(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = _bench.parser(__doc__.splitlines()[0])
     p.add_argument("--tasks", type=int, help="delegated tasks (default 200, --quick 40)")
-    p.add_argument("--chunks", type=int, default=600, help="SLOW:n chunks per child")
+    p.add_argument("--chunks", type=int, help="SLOW:n chunks per child (default 600, --quick 120)")
     p.add_argument("--chunk-delay", type=float, default=0.25, help="seconds between chunks")
     p.add_argument("--keep", type=Path, help="copy the final database here (for a post-mortem)")
     args = p.parse_args(argv)
     n = args.tasks or (40 if args.quick else 200)
+    args.chunks = args.chunks or (120 if args.quick else 600)
     with _bench.scratch_dir("p6") as tmp:
         providers = [scripted_provider(tmp, chunk_delay=args.chunk_delay),
                      scripted_provider(tmp, id="probe", chunk_delay=0.05)]
         with _bench.t3_server(tmp, providers=providers,
                               extra=f"[limits]\nmax_live_agent_processes = {n + 8}\n") as server, \
                 server.client() as mcp:
-            figures = _fan_out(server, mcp, n, args.chunks, args.keep)
+            figures = _fan_out(server, mcp, n, args.chunks, args.keep, 10 if args.quick else 40)
     return _report(n, args, figures)
 
 
-def _fan_out(server: _bench.T3Server, mcp: object, n: int, chunks: int,
-             keep: Path | None) -> dict[str, object]:
+def _fan_out(server: _bench.T3Server, mcp: object, n: int, chunks: int, keep: Path | None,
+             idle_samples: int) -> dict[str, object]:
     db_path = str(server.data_dir / "t3.sqlite")
     db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     # Warm up: one delegation end to end, so imports and caches are in the baseline.
@@ -132,11 +135,13 @@ def _fan_out(server: _bench.T3Server, mcp: object, n: int, chunks: int,
         return (done or 0) == n
 
     probe.start()
-    wait_until(lambda: samples or not probe.is_alive(), 120, message="the probe's first sample")
+    wait_until(lambda: len(samples) >= idle_samples or not probe.is_alive(), 300,
+               message="the probe's samples before the fan-out")
     if not probe.is_alive():
         raise RuntimeError("the wake probe stopped")
+    idle = [s for s, _ in samples]
     del samples[:]
-    started = time.perf_counter()
+    started, cpu_from = time.perf_counter(), _bench.cpu_seconds(server.pid)
     parent = mcp.call("create_threads", {"threads": [{"prompt": lines, "title": "fan-out"}]}
                       ).structured["threads"][0]["threadId"]
     try:
@@ -145,6 +150,7 @@ def _fan_out(server: _bench.T3Server, mcp: object, n: int, chunks: int,
         stop.set()
         probe.join()
     wall = time.perf_counter() - started
+    cpu = _bench.cpu_seconds(server.pid) - cpu_from
     with contextlib.closing(db):
         children = db.execute("SELECT COUNT(*) FROM threads WHERE parent_thread_id = ?",
                               (parent,)).fetchone()[0]
@@ -152,7 +158,8 @@ def _fan_out(server: _bench.T3Server, mcp: object, n: int, chunks: int,
         if keep:
             with contextlib.closing(sqlite3.connect(keep)) as dest:
                 db.backup(dest)
-    return {"baseline": baseline, "peak": peak, "wall": wall, "children": children,
+    return {"baseline": baseline, "peak": peak, "wall": wall, "cpu": cpu, "children": children,
+            "idle": idle,
             "samples": samples, "parent_wakes": parent_wakes}
 
 
@@ -163,17 +170,20 @@ def _report(n: int, args: object, f: dict[str, object]) -> int:
     wakes = [s for s, _ in f["samples"]]
     plateau = [s for s, live in f["samples"] if live >= 0.95 * n]
     p99 = _bench.percentile(wakes, 99) if wakes else float("inf")
+    idle_p99 = _bench.percentile(f["idle"], 99)
     ok = f["children"] == n and per_task <= 1 and p99 <= 0.050
     _bench.report(f"P6 fan-out ({n} delegated tasks, SLOW:{args.chunks} at "
                   f"{args.chunk_delay * 1e3:.0f} ms a chunk)", [
         ("tasks completed", f"{n} of {n} ({f['children']} child threads)"),
         ("wall time, parent created -> all completed", f"{f['wall']:.1f} s"),
+        ("server CPU over that time", f"{f['cpu']:.1f} s ({f['cpu'] / f['wall'] * 100:.0f}% of one core)"),
         ("peak live tasks (child runs starting/running)", str(peak["live"])),
         ("peak server child processes (agents)", str(peak["procs"])),
         ("server RSS baseline -> peak", f"{baseline / 1024:.1f} MB -> {peak['rss'] / 1024:.1f} MB "
                                         f"(+{growth_mb:.1f} MB)"),
         ("RSS growth per live task", f"{per_task:.2f} MB"),
-        ("wake during the run", _ms(wakes)),
+        ("wake before the fan-out (no live task)", _ms(f["idle"])),
+        ("wake during the run", f"{_ms(wakes)}; p99 {p99 / idle_p99:.1f}x the one before"),
         (f"wake with >= {0.95 * n:.0f} tasks live", _ms(plateau)),
         ("parent's wake (child done -> task done)", _ms(f["parent_wakes"])),
     ], verdict=f"{'PASS' if ok else 'MISS'}: target all complete, <= 1 MB per live task, "
