@@ -34,6 +34,9 @@ async def main() -> None:
     server = Server("echo", version="1", on_list_tools=list_tools, on_call_tool=call_tool)
     manager = StreamableHTTPSessionManager(app=server, stateless=True, json_response=False)
     sock = socket.socket()
+    # As hypercorn does for sockets it binds itself (and t3's listener for each connection):
+    # accepted sockets inherit it, so an answer's body does not wait for a delayed ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     config = hypercorn.config.Config()
