@@ -12,7 +12,11 @@ follow-up run, accepted in any state), 2 `t3_thread_wait` (timeoutMs 10,000: unt
 settles), 9 `t3_thread_read` and 6 `t3_thread_list`. An error is an exception, an `isError`
 result, or a wait whose run ended other than `completed`; a wait that times out is counted
 apart. The bench config raises `[limits] max_live_agent_processes` to 64 (default 16) so that
-every client's thread can keep its agent; nothing else is changed.
+every client's thread can keep its agent; nothing else is changed. Before the clock starts,
+each client lists the tools and calls each tool once (untimed). Also printed: CPU seconds per
+call of the server, of its exited children (agents, git) and of this process, whose echo/t3
+ratio is what the calls/s ratio tends to when the cores are the limit; under other load the
+phases' calls/s depend on the share of the cores each gets. `--quick`: 20 clients, 10 s.
 Target: 0 errors and t3 calls/s >= 0.5x the echo server's.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +58,11 @@ class Phase:
     @property
     def calls(self) -> int:
         return sum(len(v) for v in self.latencies.values())
+
+    @property
+    def cpu_per_call(self) -> float:
+        """Seconds of CPU per call of every process the phase ran (server, its children, us)."""
+        return (self.server_cpu + self.children_cpu + self.bench_cpu) / self.calls
 
 
 class _T3Mix:
@@ -164,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _bench.parser(__doc__.splitlines()[0]).parse_args(argv)
     clients, seconds = (20, 10.0) if args.quick else (50, 60.0)
     limits = "[limits]\nmax_live_agent_processes = 64\n"
+    load_before = os.getloadavg()[0]
     with _bench.scratch_dir("p7") as tmp, _bench.t3_server(tmp, extra=limits) as server, \
             echo_server() as echo_url:
         t3 = anyio.run(lambda: run_phase(server.mcp_url, server.token, pid=server.pid,
@@ -177,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             ("t3 calls/s", f"{rate['t3']:.1f} ({t3.calls} calls in {t3.elapsed:.1f} s)"),
             ("echo calls/s", f"{rate['echo']:.1f} ({echo.calls} calls in {echo.elapsed:.1f} s)"),
             ("ratio t3/echo", f"{ratio:.2f}"),
+            ("CPU per call, all processes", f"t3 {t3.cpu_per_call * 1e3:.2f} ms, echo "
+             f"{echo.cpu_per_call * 1e3:.2f} ms: echo/t3 {echo.cpu_per_call / t3.cpu_per_call:.2f}"
+             " (what the calls/s ratio tends to when the cores are the limit)"),
+            ("load average (1 min)", f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after"),
             ("errors", f"{len(t3.errors)} t3, {len(echo.errors)} echo"
                        + "".join(f"; {e[:300]}" for e in (t3.errors + echo.errors)[:3])),
             ("t3_thread_wait timeouts", str(t3.wait_timeouts))]
