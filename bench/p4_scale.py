@@ -7,8 +7,9 @@ copy is filled with a bulk loader to 10k and to 1M events: the events of one rea
 replayed as many new threads in project "bulk", every id in them suffixed per copy, through the
 same INSERT into `events` and the same projection writes `store.py` uses
 (`store.projection_writes`), in large transactions with synchronous=OFF. Not through `Store.commit`: a million fsynced commits
-would take hours. No command receipts or outbox rows are written for the bulk threads (the
-reads do not touch them). `--quick` uses 100k instead of 1M.
+would take hours. Each copy also gets the template thread's command receipts and (settled)
+outbox rows, ids suffixed, so those tables grow with the log as they do in use. `--quick` uses
+100k instead of 1M.
 
 Targets: read p50 on the big database <= 1.3x the small one; startup (process start to ready
 line) on the big database < 1 s. Startup is also shown minus the time a fresh interpreter
@@ -83,6 +84,8 @@ def bulk_fill(db_path: Path, template_thread: str, total_events: int) -> int:
                 conn.execute(sql, tuple(v.replace(marker, suffix) if isinstance(v, str) else v
                                         for v in params))
             have += 1
+        for sql in _COPY_ROWS:  # the thread's command receipts and settled outbox rows
+            conn.execute(sql, (suffix, suffix, template_thread))
         if copy % 2000 == 0:
             conn.execute("COMMIT")
             conn.execute("BEGIN")
@@ -90,6 +93,15 @@ def bulk_fill(db_path: Path, template_thread: str, total_events: int) -> int:
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
     return have
+
+
+_COPY_ROWS = ("INSERT INTO command_receipts SELECT command_id || ?1, command_type, fingerprint, "
+              "thread_id || ?2, status, result_sequence, result_json, error, accepted_at "
+              "FROM command_receipts WHERE thread_id = ?3",
+              "INSERT INTO effect_outbox SELECT effect_id || ?1, command_id || ?1, thread_id || ?2, "
+              "effect_type, payload_json, replay_safe, status, attempt_count, max_attempts, "
+              "available_at_ms, lease_owner, lease_expires_ms, last_error, created_at, updated_at "
+              "FROM effect_outbox WHERE thread_id = ?3 AND status IN ('succeeded', 'failed', 'cancelled')")
 
 
 BULK_LISTS = (("", {}), (" filtered", {"statuses": ["completed"], "titleContains": "no such"}))
