@@ -188,22 +188,28 @@ def _camel(name: str) -> str:
     return head + "".join(part.title() for part in rest)
 
 
+_NAMES: dict[type, tuple[tuple[str, str], ...]] = {}
+
+
+def _names(cls: type) -> tuple[tuple[str, str], ...]:
+    """A dataclass's (field name, camelCase key) pairs, computed once per class."""
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple((f.name, _camel(f.name)) for f in fields(cls))
+    return names
+
+
 class _Entity:
     kind: ClassVar[str]
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {}
     __slots__ = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {_camel(f.name): getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        return {key: getattr(self, name) for name, key in _names(type(self))}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Any:
-        values = {}
-        for f in fields(cls):  # type: ignore[arg-type]
-            key = _camel(f.name)
-            if key in data:
-                values[f.name] = data[key]
-        entity = cls(**values)
+        entity = cls(**{name: data[key] for name, key in _names(cls) if key in data})
         for name, allowed in cls._checks.items():
             if getattr(entity, name) not in allowed:
                 raise ValueError(f"{cls.__name__}.{name}: unknown value {getattr(entity, name)!r}")
@@ -1154,7 +1160,7 @@ def fingerprint_of(command: Any) -> str:
     def plain(value: Any) -> Any:
         if hasattr(value, "__dataclass_fields__"):
             return {"_": type(value).__name__,
-                    **{f.name: plain(getattr(value, f.name)) for f in fields(value)}}
+                    **{name: plain(getattr(value, name)) for name, _ in _names(type(value))}}
         if isinstance(value, (list, tuple, frozenset, set)):
             items = [plain(v) for v in value]
             return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
@@ -1199,6 +1205,7 @@ class Decision:
     effects: tuple[EffectRequest, ...]
     result: Mapping[str, Any]
     cancel_effect_types: tuple[str, ...] = ()
+    entities: tuple[Any, ...] = ()  # what each event records, for the in-memory state
 
     def commit(self, command: Any) -> _store.Commit:
         return _store.Commit(
@@ -1240,6 +1247,7 @@ class _Draft:
         self.changed: dict[tuple[str, str], Any] = {}
         # A draft for a second thread in the same command shares the event and effect lists.
         self.events: list[_store.NewEvent] = sharing.events if sharing else []
+        self.entities: list[Any] = sharing.entities if sharing else []
         self.effects: list[EffectRequest] = sharing.effects if sharing else []
         self.cancel_effect_types: list[str] = []
         self.next_position = state.next_position
@@ -1263,7 +1271,7 @@ class _Draft:
         else:
             self.changed[(entity.kind, entity.id)] = entity  # type: ignore[attr-defined]
         self._event(_owning_thread(entity), event_type or _EVENT_TYPE[entity.kind],
-                    entity.to_json())
+                    entity.to_json(), entity)
         return entity
 
     def update(self, kind: str, entity_id: str | None, **changes: Any) -> None:
@@ -1274,13 +1282,14 @@ class _Draft:
     def append(self, message: ConversationMessage, text: str) -> None:
         """Stream ``text`` onto an open message: it grows whole here, its event carries only
         ``text`` (store.TEXT_APPENDED)."""
-        self.changed[("message", message.id)] = replace(message, text=message.text + text,
-                                                        updated_at=self.now)
+        grown = self.changed[("message", message.id)] = replace(
+            message, text=message.text + text, updated_at=self.now)
         self._event(message.thread_id, _store.TEXT_APPENDED, {
             "id": message.id, "threadId": message.thread_id, "runId": message.run_id,
-            "text": text, "updatedAt": self.now})
+            "text": text, "updatedAt": self.now}, grown)
 
-    def _event(self, thread_id: str, event_type: str, payload: dict[str, Any]) -> None:
+    def _event(self, thread_id: str, event_type: str, payload: dict[str, Any], entity: Any) -> None:
+        self.entities.append(entity)
         self.events.append(_store.NewEvent(
             event_id=bounded_id(f"event:{self.command.command_id}:{len(self.events)}"),
             thread_id=thread_id, type=event_type, occurred_at=self.now, payload=payload))
@@ -1299,7 +1308,7 @@ class _Draft:
 
     def decision(self, result: Mapping[str, Any]) -> Decision:
         return Decision(tuple(self.events), tuple(self.effects), dict(result),
-                        tuple(self.cancel_effect_types))
+                        tuple(self.cancel_effect_types), tuple(self.entities))
 
 
 def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
@@ -3709,7 +3718,7 @@ class Orchestrator:
             if not outcome.committed:
                 return self._replay(command, outcome.receipt)
             _store.crash_point(f"after-commit:{command.type}")
-            self._apply(decision.events, outcome.sequences)
+            self._apply(decision.events, outcome.sequences, decision.entities)
             if self._subscriptions:
                 self._publish(command.command_id, decision.events, outcome)
         for effect_id in outcome.cancelled_effect_ids:
@@ -3737,19 +3746,20 @@ class Orchestrator:
             return False
         return True
 
-    def _apply(self, events: Sequence[_store.NewEvent], sequences: Sequence[int]) -> None:
+    def _apply(self, events: Sequence[_store.NewEvent], sequences: Sequence[int],
+               entities: Sequence[Any]) -> None:
+        """Committed events into the cached states; ``entities`` are what decide made of them
+        (the entity each event records), put as they are: no JSON round trip."""
         touched: set[str] = set()
-        for event, sequence in zip(events, sequences, strict=True):
+        for event, sequence, entity in zip(events, sequences, entities, strict=True):
             kind = _store.event_kind(event.type)
             state = self._states.get(event.thread_id)
             if state is None and kind in ("thread", "scheduled-task"):  # a new stream
                 state = self._states[event.thread_id] = ThreadState()
             touched.add(event.thread_id)
             if state is not None:
-                entity = state.apply(event.type, event.payload)
+                state.put(entity)
                 state.sequence = sequence
-            elif event.type != _store.TEXT_APPENDED:  # not cached: loaded when next needed
-                entity = _ENTITY_TYPES[kind].from_json(event.payload)
             if kind == "run" and entity.id in self._reserved and entity.status in RUN_TERMINAL:
                 del self._reserved[entity.id]  # it ended before its start ran: free its slot
                 asyncio.get_running_loop().call_soon(self._rebalance)

@@ -21,7 +21,6 @@ returns JSON-shaped dicts and leaves their meaning to ``orchestrator.py``.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -370,7 +369,7 @@ WHERE thread_id = ?
 # The threads of one project a list shows, newest activity first: a range of the partial index
 # threads_by_activity read backwards. Each filter is off when its parameter is NULL; each reads
 # the thread's own row (_REFRESH_LISTING), so a filtered list costs about what an unfiltered one
-# does.
+# does (the count is one pass either way; a filter that matches few makes the page read further).
 # A thread is snoozed while its snoozedUntil is ahead of :now, unless it has a pending request
 # or a run failed after it was snoozed (orchestrator.ThreadState.snoozed says the same).
 _SNOOZED = """(COALESCE(json_extract(t.payload_json, '$.snoozedUntil') > :now, 0)
@@ -393,8 +392,7 @@ WHERE t.project_id = :project AND t.deleted_at IS NULL
 _COUNT_LISTED_THREADS = "SELECT COUNT(*)" + _LISTED_THREADS
 _IDS_OF_LISTED_THREADS = f"SELECT t.thread_id {_LISTED_THREADS} ORDER BY t.activity_at DESC, " \
     "t.thread_id DESC"
-# One page of them (``page`` names its threads); the counts and the latest run are looked up for
-# the page's rows only.
+# One page of them; the counts and the latest run are looked up for the page's rows only.
 _PAGE_OF_LISTED_THREADS = f"""
 SELECT t.payload_json AS thread_json, t.activity_at,
        lr.run_id AS latest_run_id, lr.status AS latest_status,
@@ -404,7 +402,7 @@ SELECT t.payload_json AS thread_json, t.activity_at,
        (SELECT COUNT(*) FROM subagents s WHERE s.thread_id = t.thread_id AND s.status NOT IN
         ('completed', 'failed', 'cancelled', 'interrupted')) AS background_count,
        {_SNOOZED} AS snoozed
-FROM ({{page}}) page
+FROM ({_IDS_OF_LISTED_THREADS} LIMIT :limit OFFSET :offset) page
 JOIN threads t ON t.thread_id = page.thread_id
 LEFT JOIN runs lr ON lr.run_id = (SELECT r.run_id FROM runs r WHERE r.thread_id = t.thread_id
                                   ORDER BY r.ordinal DESC LIMIT 1)
@@ -603,6 +601,20 @@ def _now_iso() -> str:
 
 
 _STOP = object()
+_MAX_BATCH = 256  # jobs sharing one transaction at most
+_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+_Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]
+
+
+def _answer(outcomes: list[_Outcome]) -> None:
+    """On the waiting loop: each caller's result or error (a caller gone by now is skipped)."""
+    for future, result, exc in outcomes:
+        if future.done():
+            continue
+        if exc is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
 
 
 class Store:
@@ -623,32 +635,67 @@ class Store:
     # -- the writer thread -------------------------------------------------------------------
 
     def _write_loop(self) -> None:
-        conn = self._write_conn
+        """Group commit: every job queued while the previous transaction was committing goes
+        into the next one, so they share one fsync. Each event loop that is waiting is woken
+        once per transaction, with all its answers."""
         while True:
-            job = self._jobs.get()
-            if job is _STOP:
+            jobs = [self._jobs.get()]
+            while len(jobs) < _MAX_BATCH:
+                try:
+                    jobs.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            live = [job for job in jobs if job is not _STOP]
+            outcomes = (self._run_alone(*live[0]) if len(live) == 1
+                        else self._run_batch(live) if live else [])
+            by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
+            for outcome, (_, loop, _) in zip(outcomes, live, strict=True):
+                by_loop.setdefault(loop, []).append(outcome)
+            for loop, answers in by_loop.items():
+                with suppress(RuntimeError):  # that loop is closed: nobody waits
+                    loop.call_soon_threadsafe(_answer, answers)
+            if _STOP in jobs:
                 break
-            fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                with _transaction(conn):
-                    result = fn(conn)
-            except BaseException as exc:  # handed to the awaiting caller, not swallowed
-                future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
-            else:
-                future.set_result(result)
-        conn.close()
+        self._write_conn.close()
+
+    def _run_alone(self, fn: Callable[[sqlite3.Connection], Any], loop: Any, future: Any
+                   ) -> list[_Outcome]:
+        try:
+            with _transaction(self._write_conn) as conn:
+                return [(future, fn(conn), None)]
+        except BaseException as exc:  # handed to the awaiting caller, not swallowed
+            return [(future, None, exc)]
+
+    def _run_batch(self, jobs: list[_Job]) -> list[_Outcome]:
+        """The jobs in one transaction, each in its own savepoint (a job that fails rolls back
+        only its own writes); callers are answered after the COMMIT. If the transaction itself
+        is lost (a failed COMMIT, or SQLite rolling back everything on SQLITE_FULL or an I/O
+        error), each job runs again alone, so each caller gets its own outcome."""
+        conn, outcomes = self._write_conn, []
+        try:
+            with _transaction(conn):
+                for fn, _, future in jobs:
+                    conn.execute("SAVEPOINT job")
+                    try:
+                        outcomes.append((future, fn(conn), None))
+                    except Exception as exc:
+                        conn.execute("ROLLBACK TO job")  # raises if the transaction is gone
+                        outcomes.append((future, None, exc))
+                    conn.execute("RELEASE job")
+        except Exception:
+            return [outcome for job in jobs for outcome in self._run_alone(*job)]
+        return outcomes
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` in one BEGIN IMMEDIATE transaction on the writer thread."""
+        """Run ``fn(conn)`` in a BEGIN IMMEDIATE transaction on the writer thread (shared with
+        other jobs queued meanwhile, each in its own savepoint); return once it committed."""
         if self._closed:
             raise StoreError("the store is closed")
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put((fn, future))
-        # Shielded: once queued, the write happens; a cancelled caller must not leave the
-        # future unobserved, and a commit in flight cannot be recalled anyway.
-        return await asyncio.shield(asyncio.wrap_future(future))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, loop, future))
+        # Shielded: once queued, the write happens; a commit in flight cannot be recalled.
+        return await asyncio.shield(future)
 
     def close(self) -> None:
         if self._closed:
@@ -711,16 +758,12 @@ class Store:
         try:
             conn.execute("BEGIN")
             try:
-                if statuses or title_contains:  # one pass finds the matches and their count
-                    ids = [r[0] for r in conn.execute(_IDS_OF_LISTED_THREADS, params)]
-                    total, params["ids"] = len(ids), json.dumps(ids[offset:offset + limit])
-                    page = "SELECT value AS thread_id FROM json_each(:ids)"
-                else:  # the count passes over them all; the page is a range of the index
-                    total = conn.execute(_COUNT_LISTED_THREADS, params).fetchone()[0]
-                    # A cursor past the end may be too big for an SQLite integer.
-                    params["offset"] = min(offset, total)
-                    page = f"{_IDS_OF_LISTED_THREADS} LIMIT :limit OFFSET :offset"
-                rows = conn.execute(_PAGE_OF_LISTED_THREADS.format(page=page), params).fetchall()
+                # The count passes over them all; the page is a range of the index, read until
+                # it holds `limit` matches (none is read once the offset is past the count).
+                total = conn.execute(_COUNT_LISTED_THREADS, params).fetchone()[0]
+                params["offset"] = min(offset, total)  # a cursor may be too big for SQLite
+                rows = conn.execute(_PAGE_OF_LISTED_THREADS, params).fetchall() \
+                    if offset < total else []
             finally:
                 conn.execute("COMMIT")
         except sqlite3.Error as exc:

@@ -17,6 +17,10 @@ counts, cumulatively:
 - orphans:    provider processes of a killed server (T3_OWNER=<data dir>, another T3_SERVER_PID)
               still alive 5 s after the restart
 
+Lost and duplicates are checked incrementally (the ids acknowledged and the events committed since
+the last check), so a cycle does not slow down as the log grows; every 100th cycle and the last
+one re-check every acknowledged id.
+
 Usage: python bench/soak.py [--cycles 200] [--quick] [--seed N] [--keep FILE]
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import random
 import sqlite3
 import sys
@@ -62,6 +67,16 @@ class Acked:
     messages: set[str] = field(default_factory=set)
 
 
+@dataclass
+class Seen:
+    """What the incremental log checks have read so far."""
+    sequence: int = 0
+    commands: set[str] = field(default_factory=set)
+    titles: dict[str, str] = field(default_factory=dict)  # title -> thread id
+    texts: dict[str, str] = field(default_factory=dict)  # user message text -> message id
+    duplicates: int = 0
+
+
 def _env_of(pid: int) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -76,7 +91,8 @@ class Soak:
         self.client: McpClient = server.client()
         self.db_path = server.data_dir / "t3.sqlite"
         self.owner = str(server.data_dir.resolve())
-        self.acked, self.tally = Acked(), Tally()
+        self.acked, self.unverified, self.tally = Acked(), Acked(), Tally()
+        self.seen = Seen()
         self.known_threads: list[str] = []
         self.serial = 0
 
@@ -98,15 +114,17 @@ class Soak:
 
     def _record(self, tool: str, result: ToolResult) -> None:
         s = result.structured or {}
+        for acked in (self.acked, self.unverified):
+            if tool == "create_threads":
+                for t in s.get("threads", []):
+                    acked.threads.add(t["threadId"])
+                    if t.get("runId"):
+                        acked.runs.add(t["runId"])
+            else:
+                acked.runs.add(s["runId"])
+                acked.messages.add(s["messageId"])
         if tool == "create_threads":
-            for t in s.get("threads", []):
-                self.acked.threads.add(t["threadId"])
-                self.known_threads.append(t["threadId"])
-                if t.get("runId"):
-                    self.acked.runs.add(t["runId"])
-        else:
-            self.acked.runs.add(s["runId"])
-            self.acked.messages.add(s["messageId"])
+            self.known_threads += [t["threadId"] for t in s.get("threads", [])]
 
     def drive(self, seconds: float) -> list[tuple[str, dict[str, Any]]]:
         """Run the workload for `seconds`, then kill -9; return the calls left unanswered."""
@@ -195,30 +213,47 @@ class Soak:
                         if (env := _env_of(p)).get("T3_SERVER_PID") == str(pid)}
         return {run_id for run_id, thread_id in active if thread_id not in live_threads}
 
-    def check_log(self, cycle: int) -> None:
-        """Lost acknowledgements and duplicates, over everything so far."""
-        t = self.tally
+    def check_log(self, cycle: int, *, full: bool = False) -> None:
+        """Lost acknowledgements and duplicates. Incremental: only the ids acknowledged and the
+        events committed since the last check are read, so a check does not slow down as the log
+        grows; `full` re-checks every acknowledged id (every 100 cycles and at the end)."""
+        t, seen = self.tally, self.seen
+        fresh = self.acked if full else self.unverified
         with contextlib.closing(self._db()) as db:
-            threads = {r[0] for r in db.execute("SELECT thread_id FROM threads")}
-            runs = {r[0] for r in db.execute("SELECT run_id FROM runs")}
-            messages = {r[0] for r in db.execute("SELECT message_id FROM messages")}
-            lost = (len(self.acked.threads - threads) + len(self.acked.runs - runs)
-                    + len(self.acked.messages - messages))
-            split = db.execute("SELECT COUNT(*) FROM (SELECT command_id FROM events "
-                               "WHERE command_id IS NOT NULL GROUP BY command_id "
-                               "HAVING MAX(sequence) - MIN(sequence) + 1 <> COUNT(*))").fetchone()[0]
-            titles = db.execute("SELECT COUNT(*) FROM (SELECT json_extract(payload_json, '$.title') "
-                                "AS title FROM threads GROUP BY title HAVING COUNT(*) > 1)").fetchone()[0]
-            texts = db.execute("SELECT COUNT(*) FROM (SELECT json_extract(payload_json, '$.text') AS "
-                               "text FROM messages WHERE json_extract(payload_json, '$.role') = 'user' "
-                               "AND text LIKE 'soak-%' GROUP BY text HAVING COUNT(*) > 1)").fetchone()[0]
+            lost = sum(len(ids) - db.execute(f"SELECT COUNT(*) FROM {table} WHERE {column} IN "
+                                             f"({','.join('?' * len(ids))})", sorted(ids)).fetchone()[0]
+                       for table, column, ids in (("threads", "thread_id", fresh.threads),
+                                                  ("runs", "run_id", fresh.runs),
+                                                  ("messages", "message_id", fresh.messages)) if ids)
+            rows = db.execute("SELECT sequence, command_id, type, payload_json FROM events "
+                              "WHERE sequence > ? ORDER BY sequence", (seen.sequence,)).fetchall()
+        self.unverified = Acked()
+        blocks: dict[str, list[int]] = {}
+        for sequence, command_id, type_, payload_json in rows:
+            seen.sequence = sequence
+            if command_id is not None:
+                blocks.setdefault(command_id, []).append(sequence)
+            kind = type_.rsplit(".", 1)[0]
+            if kind not in ("thread", "message"):
+                continue
+            payload = json.loads(payload_json)
+            if kind == "thread" and payload.get("title", "").startswith("soak-"):
+                seen.duplicates += seen.titles.setdefault(payload["title"], payload["id"]) != payload["id"]
+            elif kind == "message" and payload.get("role") == "user" and \
+                    payload.get("text", "").startswith("soak-"):
+                seen.duplicates += seen.texts.setdefault(payload["text"], payload["id"]) != payload["id"]
+        for command_id, sequences in blocks.items():
+            # one command commits once, as one contiguous block; a command id already seen in an
+            # earlier check was committed twice
+            split = command_id in seen.commands or sequences[-1] - sequences[0] + 1 != len(sequences)
+            seen.duplicates += split
+            seen.commands.add(command_id)
         if lost:
             t.notes.append(f"cycle {cycle}: {lost} acknowledged ids missing")
-        if split + titles + texts > t.duplicates:
-            t.notes.append(f"cycle {cycle}: duplicates (split commands {split}, threads {titles}, "
-                           f"messages {texts})")
-        t.lost = lost
-        t.duplicates = split + titles + texts
+        if seen.duplicates > t.duplicates:
+            t.notes.append(f"cycle {cycle}: {seen.duplicates - t.duplicates} new duplicates")
+        t.lost = lost if full else t.lost + lost
+        t.duplicates = seen.duplicates
 
     def cycle(self, n: int) -> None:
         unanswered = self.drive(self.rng.uniform(0.3, 1.5))
@@ -227,7 +262,7 @@ class Soak:
         self.tally.restart_s.append(time.perf_counter() - started)
         self.check_after_restart(n)
         self.retry(unanswered)
-        self.check_log(n)
+        self.check_log(n, full=n % 100 == 0)
         self.tally.cycles += 1
 
 
@@ -241,12 +276,17 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     with _bench.scratch_dir("soak") as tmp, _bench.t3_server(tmp, chunk_delay=0.02) as server:
         soak = Soak(tmp, server, seed=args.seed)
+        mark = time.perf_counter()
         try:
             for n in range(1, cycles + 1):
                 soak.cycle(n)
+                if n == cycles and n % 100:
+                    soak.check_log(n, full=True)
                 if n % 10 == 0 or n == cycles:
-                    t = soak.tally
-                    print(f"cycle {n}/{cycles}: {time.perf_counter() - began:.0f} s, ok calls "
+                    t, last10 = soak.tally, time.perf_counter() - mark
+                    mark = time.perf_counter()
+                    print(f"cycle {n}/{cycles}: {mark - began:.0f} s ({last10 / 10:.1f} s per cycle "
+                          f"lately), ok calls "
                           f"{t.calls_ok}, lost {t.lost}, dup {t.duplicates}, stuck {t.stuck}, "
                           f"ghosts {t.ghosts}, orphans {t.orphans}", file=sys.stderr, flush=True)
         finally:

@@ -19,6 +19,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import closing
 from pathlib import Path
@@ -443,6 +444,60 @@ def test_a_commit_is_all_or_nothing(st: Store) -> None:
         _event("ev-1", "th-1", "thread.created", _thread("th-1"))], [_effect("eff-1", "th-1")])))
     assert ok.committed
     assert st.read("SELECT stream_version FROM events")[0][0] == 0
+
+
+def _behind_a_busy_writer(st: Store, jobs: Sequence[Callable[[], Any]]) -> tuple[list[Any], int]:
+    """Run `jobs` (each returns an awaitable of the store) queued while the writer is held busy;
+    their outcomes (results or exceptions) and how many transactions committed meanwhile."""
+    statements: list[str] = []
+    st._write_conn.set_trace_callback(statements.append)
+    gate = threading.Event()
+
+    async def main() -> list[Any]:
+        busy = asyncio.ensure_future(st.write(lambda conn: gate.wait(30)))
+        queued = [asyncio.ensure_future(job()) for job in jobs]
+        await asyncio.sleep(0)  # one pass of the loop: every job above is on the writer's queue
+        gate.set()
+        await busy
+        return await asyncio.gather(*queued, return_exceptions=True)
+
+    outcomes = _run(main())
+    st._write_conn.set_trace_callback(None)
+    return outcomes, statements.count("COMMIT")
+
+
+def test_commands_queued_behind_a_busy_writer_share_one_transaction(st: Store) -> None:
+    """Group commit: ten commits queued while the writer is busy commit together (one COMMIT, so
+    one fsync), and the one that breaks a CHECK fails alone, leaving nothing of itself."""
+    commits = [_commit(f"cmd-{i}", f"th-{i}", [_event(f"ev-{i}", f"th-{i}", "thread.created",
+                                                       _thread(f"th-{i}"))], [_effect(f"eff-{i}", f"th-{i}")])
+               for i in range(10)]
+    commits[4] = _commit("cmd-4", "th-4", [
+        _event("ev-4", "th-4", "thread.created", _thread("th-4")),
+        _event("ev-4b", "th-4", "run.created", _run_entity("run-4", "th-4", 1, "not-a-status"))])
+    outcomes, transactions = _behind_a_busy_writer(st, [lambda c=c: st.commit(c) for c in commits])
+    assert transactions <= 2  # the busy job's and the batch's (one, if the writer took all at once)
+    assert isinstance(outcomes[4], store.StoreError)
+    assert all(o.committed for i, o in enumerate(outcomes) if i != 4)
+    assert st.receipt("cmd-4") is None
+    assert {r[0] for r in st.read("SELECT thread_id FROM threads")} == {f"th-{i}" for i in range(10)} - {"th-4"}
+    assert _count(st, "effect_outbox") == 9 and _count(st, "events") == 9
+
+
+def test_a_batch_whose_transaction_is_lost_runs_each_job_alone(st: Store) -> None:
+    """A job that ends the shared transaction (as SQLite does on SQLITE_FULL or an I/O error)
+    costs the others nothing: each job runs again in its own transaction; only it fails."""
+    def rogue(conn: sqlite3.Connection) -> None:
+        conn.execute("ROLLBACK")
+
+    commits = [_commit(f"cmd-{i}", f"th-{i}", [_event(f"ev-{i}", f"th-{i}", "thread.created",
+                                                       _thread(f"th-{i}"))]) for i in range(4)]
+    jobs = [lambda c=c: st.commit(c) for c in commits]
+    jobs.insert(2, lambda: st.write(rogue))
+    outcomes, _ = _behind_a_busy_writer(st, jobs)
+    assert isinstance(outcomes[2], store.StoreError)
+    assert [o.committed for o in outcomes[:2] + outcomes[3:]] == [True] * 4
+    assert _count(st, "threads") == 4
 
 
 def test_cancel_effect_types_cancels_unsettled_rows_of_the_thread(st: Store) -> None:
