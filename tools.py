@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -620,6 +621,20 @@ def tool_input(name: str, arguments: Mapping[str, Any]) -> Any:
     return validate(_BY_NAME[name].input_schema, dict(arguments))
 
 
+@functools.cache
+def _published_tools() -> dict[str, types.Tool]:
+    """Every tool as tools/list shows it, built once: also where the SDK looks up the input
+    schema a call's ``Mcp-Param-*`` headers are checked against (given no lookup, it runs a
+    whole tools/list for every call that has arguments)."""
+    return {t.name: types.Tool(name=t.name, description=t.description,
+                               input_schema=_public_schema(t.input_schema),
+                               output_schema=published_output(t),
+                               annotations=types.ToolAnnotations(
+                                   read_only_hint=t.read_only, destructive_hint=t.destructive,
+                                   open_world_hint=False))
+            for t in TOOLS}
+
+
 def published_output(tool: _Tool) -> dict[str, Any]:
     """The tool's outputSchema as listed: its success shape or the typed failure (MCP does not
     ask it of errors, but gemini-cli 0.61 and opencode 1.18 check it anyway)."""
@@ -639,13 +654,7 @@ class Toolkit:
         self.threads = orch.ThreadService(orchestrator)
 
     def list_tools(self) -> list[types.Tool]:
-        return [types.Tool(name=t.name, description=t.description,
-                           input_schema=_public_schema(t.input_schema),
-                           output_schema=published_output(t),
-                           annotations=types.ToolAnnotations(
-                               read_only_hint=t.read_only, destructive_hint=t.destructive,
-                               open_world_hint=False))
-                for t in TOOLS]
+        return list(_published_tools().values())
 
     async def call(self, name: str, arguments: Mapping[str, Any] | None, *,
                    progress: Callable[[float, str], Awaitable[None]] | None = None
@@ -1645,4 +1654,9 @@ def build_mcp_server(toolkit: Toolkit, *, version: str) -> Server:
                                   "t3 hit an internal error; see the server log.")
         return _result(payload, is_error=False)
 
-    return Server("t3", version=version, on_list_tools=list_tools, on_call_tool=call_tool)
+    def input_schema(name: str) -> Mapping[str, Any] | None:
+        tool = _published_tools().get(name)
+        return None if tool is None else tool.input_schema
+
+    return Server("t3", version=version, on_list_tools=list_tools, on_call_tool=call_tool,
+                  get_tool_input_schema=input_schema)

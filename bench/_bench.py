@@ -100,10 +100,12 @@ def rss_kb(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a live process, all its threads, in seconds (Linux)."""
+def cpu_seconds(pid: int, *, children: bool = False) -> float:
+    """User + system CPU time of a live process, all its threads, in seconds (Linux); with
+    `children`, that of its children it has waited for instead (exited agents, git)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    first = 13 if children else 11
+    return (int(fields[first]) + int(fields[first + 1])) / os.sysconf("SC_CLK_TCK")
 
 
 def report(title: str, rows: Sequence[tuple[str, str]], *, verdict: str) -> None:

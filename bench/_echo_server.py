@@ -31,9 +31,15 @@ async def main() -> None:
         return types.CallToolResult(content=[types.TextContent(type="text", text=json.dumps(payload))],
                                     structured_content=payload, is_error=False)
 
-    server = Server("echo", version="1", on_list_tools=list_tools, on_call_tool=call_tool)
+    # As t3 does: the SDK checks a call's Mcp-Param-* headers against this schema, and without
+    # the lookup it runs a whole tools/list for every call.
+    server = Server("echo", version="1", on_list_tools=list_tools, on_call_tool=call_tool,
+                    get_tool_input_schema=lambda name: ECHO.input_schema if name == "echo" else None)
     manager = StreamableHTTPSessionManager(app=server, stateless=True, json_response=False)
     sock = socket.socket()
+    # As hypercorn does for sockets it binds itself (and t3's listener for each connection):
+    # accepted sockets inherit it, so an answer's body does not wait for a delayed ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     config = hypercorn.config.Config()

@@ -34,7 +34,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 __all__ = ["REPO", "T3_PY", "ACP_AGENT", "ServerStartError", "T3Server", "Progress", "ToolResult", "McpClient",
-           "RawResponse", "raw_request", "raw_post", "wait_until", "agent_log", "count_prompts",
+           "mcp_session", "RawResponse", "raw_request", "raw_post", "wait_until", "agent_log", "count_prompts",
            "output_problems", "mcp_results",
            "scripted_provider", "write_config", "pids_alive", "processes_matching", "kill_matching", "child_pids",
            "process_group", "start_time", "leaked_processes", "describe_process", "KEPT_MARKERS",
@@ -250,7 +250,9 @@ class ToolResult:
 
 
 @contextlib.asynccontextmanager
-async def _connect(url: str, token: str, mode: str) -> AsyncIterator[Client]:
+async def mcp_session(url: str, token: str, mode: str = "auto") -> AsyncIterator[Client]:
+    """One SDK `Client` session on its own HTTP connection pool, for async code (McpClient
+    wraps it for sync code; bench/p7_clients.py runs 50 of them on one event loop)."""
     headers = {"Authorization": f"Bearer {token}"}
     async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300)) as http:
         async with Client(streamable_http_client(url, http_client=http), mode=mode) as client:
@@ -276,7 +278,7 @@ class McpClient:
             if self._session is not None and self._session[2] == url:
                 return self._session[1]
             self._close_session()
-            cm = self._portal.wrap_async_context_manager(_connect(url, self._token, self._mode))
+            cm = self._portal.wrap_async_context_manager(mcp_session(url, self._token, self._mode))
             try:
                 self._session = (cm, cm.__enter__(), url)
             except BaseExceptionGroup as group:

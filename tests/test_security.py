@@ -559,6 +559,18 @@ def test_connection_cap(t3_factory) -> None:
     assert t3.stderr_text().count("connections open ([server] max_connections)") == 1
 
 
+def test_accepted_connections_send_without_nagle_delay() -> None:
+    """t3's listener hands asyncio connections with TCP_NODELAY set (asyncio sets it only when
+    a socket's proto is IPPROTO_TCP, which an accepted plain socket's is not): without it a
+    response's body waited behind its headers for the client's delayed ACK, about 40 ms."""
+    import t3 as server_module
+    listener = server_module._listen("127.0.0.1", 0, cap=4, tls=False)
+    with listener, socket.create_connection(listener.getsockname(), timeout=10):
+        conn, _ = listener.accept()
+        with conn:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
 def test_non_loopback_host_warns_about_clear_text_tokens(t3_factory) -> None:
     """Listening beyond loopback without certfile/keyfile prints a warning on startup."""
     t3 = t3_factory(args=["--host", "0.0.0.0"])
