@@ -3119,7 +3119,9 @@ _COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] =
     **_THREAD_COMMANDS}
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(*, people: bool = True) -> argparse.ArgumentParser:
+    """The command line; with ``people=False`` only ``serve`` and ``token`` (what
+    ``_names_no_command_for_people`` says is enough)."""
     def options(parser: argparse.ArgumentParser, default: Any) -> None:
         # Subcommands repeat the options with SUPPRESS defaults so that
         # `t3.py --port 0 serve` and `t3.py serve --port 0` both work.
@@ -3148,8 +3150,22 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--rotate", action="store_true",
                        help="write a new token and print it; a running server refuses the old "
                             "one from then on")
-    _cli_parsers(sub)
+    if people:
+        _cli_parsers(sub)
     return parser
+
+
+def _names_no_command_for_people(argv: Sequence[str]) -> bool:
+    """True when ``argv`` serves, prints the token or fails the same without the commands for
+    people: then their ~30 parsers are not built (argparse looks up translations for each, a
+    sizable part of a server's startup). When unsure it says False, and the full parser reads
+    every command line."""
+    words = [a for i, a in enumerate(argv)
+             if not a.startswith("-") and not (i and argv[i - 1] in _SERVE_OPTIONS)]
+    return not {"-h", "--help"} & set(argv) and (not words or words[0] in ("serve", "token"))
+
+
+_SERVE_OPTIONS = ("--data-dir", "--config", "--host", "--port")
 
 
 def _cli_parsers(sub: Any) -> None:
@@ -3336,7 +3352,8 @@ def _schedule_parser(parser: argparse.ArgumentParser, runtime_modes: Any) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(people=not _names_no_command_for_people(argv)).parse_args(argv)
     if args.command in _COMMANDS:
         return run_command(args)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,

@@ -333,3 +333,24 @@ def test_help_documents_every_command_and_the_exit_codes(
     assert all(option in help_of("schedule") for option in (
         "--every", "--at", "--weekdays", "--webhook", "--secret", "--id", "--run-now",
         "--rotate-hook-token", "--disable"))
+
+
+@pytest.mark.parametrize(("argv", "lazy"), [
+    ([], True), (["serve"], True), (["--port=0"], True), (["--port", "0"], True),
+    (["--port", "0", "--data-dir", "/d", "serve", "--config", "/c"], True),
+    (["token", "--rotate", "--data-dir", "threads"], True), (["--data-dir", "show", "token"], True),
+    (["threads"], False), (["--port", "0", "show", "th-1"], False), (["bogus"], False),
+    (["--data", "/d", "serve"], False), (["serve", "--help"], False), (["-h"], False)])
+def test_serving_parses_its_command_line_as_the_full_parser_does(argv: list[str],
+                                                                 lazy: bool) -> None:
+    """Serve and token skip the people commands' parsers: a command line read without them
+    gives what the full parser gives; one that names such a command, asks for help or is unsure
+    (an abbreviated option) gets them all."""
+    def parse(people: bool) -> object:
+        try:
+            return server._parser(people=people).parse_args(argv)
+        except SystemExit as exc:
+            return exc.code
+    assert server._names_no_command_for_people(argv) == lazy
+    if lazy:
+        assert parse(False) == parse(True)

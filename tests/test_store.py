@@ -803,6 +803,28 @@ def test_real_schema_step_by_step_equals_fresh(tmp_path: Path) -> None:
     assert _schema(a) == _schema(b)
 
 
+# What a (re)start reads before and right after it writes server.json: recovery, the outbox
+# worker's first claim and wait, the scheduler's resume and first pass.
+_STARTUP_READS = {"recovery": (store._THREADS_NEEDING_RECOVERY, ()),
+                  "claim": (store._CLAIM_EFFECT, {"owner": "w", "now": 1, "lease": 1, "stamp": "s"}),
+                  "next effect": (store._NEXT_DUE, ()), "tasks": (store._SCHEDULED_TASKS, ()),
+                  "due tasks": (store._DUE_TASKS, ("x",)), "next task": (store._NEXT_DUE_TASK, ()),
+                  "pending requests": (store._PENDING_REQUESTS, ())}
+
+
+def test_what_a_restart_reads_does_not_grow_with_the_log(st: Store) -> None:
+    """Each read a restart makes searches an index or scans a partial index of live rows only:
+    none scans a table or a whole index (both grow with the log)."""
+    partial = {r[0] for r in st.read("SELECT name FROM sqlite_master WHERE type = 'index' "
+                                     "AND sql LIKE '% WHERE %'")}
+    for name, (sql, params) in _STARTUP_READS.items():
+        plan = [r["detail"] for r in st.read("EXPLAIN QUERY PLAN " + sql, params)]
+        for detail in plan:
+            if detail.startswith("SCAN ") and not detail.startswith("SCAN ("):
+                index = re.search(r"USING (?:COVERING )?INDEX (\S+)", detail)
+                assert index and index.group(1) in partial, f"{name}: {detail}"
+
+
 # ---------------------------------------------------------------------------------------------
 # A crash between the statements of one commit
 
