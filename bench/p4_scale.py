@@ -63,6 +63,12 @@ def bulk_fill(db_path: Path, template_thread: str, total_events: int) -> int:
         template.append((version, type_, occurred_at, text,
                          s.projection_writes(type_, body, text)))
     have = conn.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+    # The template's receipts and settled outbox rows, read once (command_receipts has no
+    # index by thread: a lookup per copy would make the fill quadratic).
+    conn.execute("CREATE TEMP TABLE template_receipts AS SELECT * FROM command_receipts "
+                 "WHERE thread_id = ?", (template_thread,))
+    conn.execute("CREATE TEMP TABLE template_outbox AS SELECT * FROM effect_outbox WHERE "
+                 "thread_id = ? AND status IN ('succeeded', 'failed', 'cancelled')", (template_thread,))
     copy = 0
     conn.execute("BEGIN")
     while have < total_events:
@@ -80,7 +86,7 @@ def bulk_fill(db_path: Path, template_thread: str, total_events: int) -> int:
                                         for v in params))
             have += 1
         for sql in _COPY_ROWS:  # the thread's command receipts and settled outbox rows
-            conn.execute(sql, (suffix, suffix, template_thread))
+            conn.execute(sql, (suffix, suffix))
         if copy % 2000 == 0:
             conn.execute("COMMIT")
             conn.execute("BEGIN")
@@ -92,11 +98,11 @@ def bulk_fill(db_path: Path, template_thread: str, total_events: int) -> int:
 
 _COPY_ROWS = ("INSERT INTO command_receipts SELECT command_id || ?1, command_type, fingerprint, "
               "thread_id || ?2, status, result_sequence, result_json, error, accepted_at "
-              "FROM command_receipts WHERE thread_id = ?3",
+              "FROM temp.template_receipts",
               "INSERT INTO effect_outbox SELECT effect_id || ?1, command_id || ?1, thread_id || ?2, "
               "effect_type, payload_json, replay_safe, status, attempt_count, max_attempts, "
               "available_at_ms, lease_owner, lease_expires_ms, last_error, created_at, updated_at "
-              "FROM effect_outbox WHERE thread_id = ?3 AND status IN ('succeeded', 'failed', 'cancelled')")
+              "FROM temp.template_outbox")
 
 
 BULK_LISTS = (("", {}), (" filtered", {"statuses": ["completed"], "titleContains": "no such"}))
