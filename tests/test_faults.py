@@ -347,7 +347,9 @@ def test_a_held_writer_queues_at_most_two_ingest_commits_before_a_command(tmp_pa
                 task = asyncio.ensure_future(target.orch.dispatch(o.UpdateThreadMetadata(
                     command_id="rename-while-held", thread_id=target.thread_ids[1],
                     action="rename", title="renamed while the writer was held")))
-                await asyncio.sleep(0)  # its first step runs to the writer's queue
+                stepped = asyncio.get_running_loop().create_future()  # set after the task's
+                asyncio.get_running_loop().call_soon(stepped.set_result, None)  # first step,
+                await stepped  # which runs to the writer's queue
                 assert not task.done()
                 return task
 

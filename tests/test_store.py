@@ -456,8 +456,9 @@ def _behind_a_busy_writer(st: Store, jobs: Sequence[Callable[[], Any]]) -> tuple
     async def main() -> list[Any]:
         busy = asyncio.ensure_future(st.write(lambda conn: gate.wait(30)))
         queued = [asyncio.ensure_future(job()) for job in jobs]
-        await asyncio.sleep(0)  # one pass of the loop: every job above is on the writer's queue
-        gate.set()
+        # Ready callbacks run in order: each job's first step (which queues it at the writer)
+        # runs before the gate opens.
+        asyncio.get_running_loop().call_soon(gate.set)
         await busy
         return await asyncio.gather(*queued, return_exceptions=True)
 
