@@ -167,6 +167,10 @@ def test_bound_runs_post_into_the_thread_and_unbound_ones_launch_with_the_tasks_
     bound, free = calls[0]["result"], calls[1]["result"]
     assert bound["boundThreadId"] == made["threadId"] and free["boundThreadId"] is None
     assert free["runtimeMode"] == "approval-required" and free["providerInstanceId"] == "beta"
+    # The fire posts a new run into the thread once the turn that scheduled it has ended (a fire
+    # during that turn would steer it instead: another case).
+    assert mcp.call("t3_thread_wait", {"threadId": made["threadId"]}).structured["status"] \
+        == "completed"
     advance(t3, 60)
     fired = {t["title"]: t for t in (settled(mcp, bound["scheduledTaskId"], 1),
                                      settled(mcp, free["scheduledTaskId"], 1))}
