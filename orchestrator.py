@@ -630,7 +630,10 @@ class ThreadState:
     sequence: int = 0
 
     def apply(self, event_type: str, payload: Mapping[str, Any]) -> Any:
-        """Put one committed event's entity (an appended text grows its open message); it."""
+        """Put one committed event's entity, rebuilt from its payload (an appended text grows
+        its open message); it. What an event means for the state, as a reader of the log sees
+        it: the decide tests replay decisions through it. The orchestrator itself puts the
+        entities decide made (``Decision.entities``), which are the same without the rebuild."""
         if event_type == _store.TEXT_APPENDED:
             message = self.entities["message"].get(payload["id"])
             if message is None:
