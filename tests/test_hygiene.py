@@ -90,3 +90,12 @@ def test_network_audit_allows_the_registry_and_its_dns() -> None:
     without_registry = [line for line in TRACE if "203.0.113.9" not in line]
     assert [s.address for s in violations(without_registry, registry=registry, nameservers=["10.0.0.53"])] == \
         ["10.0.0.53", "2001:db8::7"]
+
+
+def test_the_repository_tracks_no_built_artefacts() -> None:
+    """Wheels, archives and shared objects stay out of git: the repository holds the project."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    built = [f for f in tracked if f.endswith((".whl", ".tar.gz", ".zip", ".so", ".pyc"))]
+    assert built == []
