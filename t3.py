@@ -612,7 +612,9 @@ class Route:
 
     methods: tuple[str, ...]
     handler: ASGIApp
-    check_origin: bool = True  # webhooks (/hooks/...) opt out: other sites' servers call them
+    # False for webhooks: their senders send no Origin, and no page of the server's posts to
+    # them, so only [server] allowed_origins may.
+    own_origin: bool = True
     websocket: ASGIApp | None = None  # what serves a WebSocket upgrade of this path
 
 
@@ -623,7 +625,8 @@ class HttpPolicy:
     Origin rule keeps pages open in the user's browser from calling the server."""
 
     hosts: frozenset[str]  # besides loopback addresses and localhost
-    origins: frozenset[str]
+    own_origins: frozenset[str]
+    listed_origins: frozenset[str]  # [server] allowed_origins
 
     @classmethod
     def for_server(cls, *, config: Config, host: str, port: int, tls: bool) -> HttpPolicy:
@@ -633,8 +636,8 @@ class HttpPolicy:
         names = ["127.0.0.1", "localhost", "[::1]", *(f"[{h}]" if ":" in h else h for h in bound)]
         scheme = "https" if tls else "http"
         return cls(hosts=frozenset([*bound, *config.allowed_hosts]),
-                   origins=frozenset([*(f"{scheme}://{name}:{port}" for name in names),
-                                      *(o.lower() for o in config.allowed_origins)]))
+                   own_origins=frozenset(f"{scheme}://{name}:{port}" for name in names),
+                   listed_origins=frozenset(o.lower() for o in config.allowed_origins))
 
     def host_allowed(self, value: str) -> bool:
         value = value.strip().lower()
@@ -644,8 +647,9 @@ class HttpPolicy:
         name = parsed.group("v6") or parsed.group("name")
         return _is_loopback(name) or name in self.hosts or value in self.hosts
 
-    def origin_allowed(self, value: str) -> bool:
-        return value.strip().lower().rstrip("/") in self.origins
+    def origin_allowed(self, value: str, *, own: bool = True) -> bool:
+        value = value.strip().lower().rstrip("/")
+        return value in self.listed_origins or (own and value in self.own_origins)
 
 
 _HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^:\[\]/@\s]+))(?::\d{1,5})?")
@@ -724,7 +728,7 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
     if web_view is not None:
         routes["/"] = Route(methods=("GET", "HEAD"), handler=web_view)
     hook_route = None if hooks is None else Route(
-        methods=("POST", "PUT", "PATCH"), handler=hooks, check_origin=False)
+        methods=("POST", "PUT", "PATCH"), handler=hooks, own_origin=False)
 
     def route_of(path: str) -> Route | None:
         return hook_route if path.startswith("/hooks/") else routes.get(path)
@@ -796,8 +800,8 @@ def _refusal(scope: MutableMapping[str, Any], route: Route | None,
         log.warning("refused %r %r: Host %r is not a name of this server", method, path, host)
         return (403, "host_not_allowed", "The Host header must name a loopback address or an "
                 "entry of [server] allowed_hosts.", ())
-    if origin is not None and (route is None or route.check_origin) \
-            and not policy.origin_allowed(origin):
+    if origin is not None and \
+            not policy.origin_allowed(origin, own=route is None or route.own_origin):
         log.warning("refused %r %r: Origin %r is not allowed", method, path, origin)
         return (403, "origin_not_allowed", "Requests from this Origin are refused; "
                 "[server] allowed_origins lists the ones accepted.", ())

@@ -258,8 +258,8 @@ def test_wrong_tokens_unknown_and_deleted_hooks_are_one_404_and_a_paused_hook_is
         t3_factory) -> None:
     """A wrong token, an unknown task, a thread's id and a deleted task all get the same 404
     hook_not_found; a paused hook is 409 until resumed; GET is 405 (the token not echoed);
-    PUT and PATCH deliver; another site's Origin is accepted but a foreign Host is not; none
-    of it writes, and the token never reaches stderr."""
+    PUT and PATCH deliver; a foreign Host is 403; none of it writes, and the token never
+    reaches stderr."""
     t3 = t3_factory(env=CLOCK)
     mcp = t3.client()
     made, other = make_hook(mcp, title="one"), make_hook(mcp, title="two")
@@ -282,12 +282,32 @@ def test_wrong_tokens_unknown_and_deleted_hooks_are_one_404_and_a_paused_hook_is
     assert refused(github(url, PUSH), 409, "hook_disabled")
     assert last_sequence(t3) == before
     mcp.call("schedule_task", {"scheduledTaskId": made["scheduledTaskId"], "enabled": True})
-    answers = [github(url, PUSH, method="PUT", headers={"Origin": "https://github.com"}),
-               github(url, PUSH, method="PATCH")]
+    answers = [github(url, PUSH, method="PUT"), github(url, PUSH, method="PATCH")]
     assert [a.status for a in answers] == [202, 202], answers
     assert mcp.call("delete_scheduled_task", {"scheduledTaskId": made["scheduledTaskId"]}).ok
     assert refused(github(url, PUSH), 404, "hook_not_found")
     assert token not in t3.stderr_text()
+
+
+def test_an_origin_not_listed_is_403_writes_nothing_and_takes_no_place_in_the_rate(
+        t3_factory) -> None:
+    """A request carrying an Origin that `allowed_origins` does not list is 403
+    origin_not_allowed, a text/plain one (what a page may send without asking) and the server's
+    own Origin included; it writes nothing and takes no place in the 60 a minute. With no Origin
+    (as webhook senders send) or a listed one, the delivery is 202."""
+    t3 = t3_factory(env=CLOCK, extra='[server]\nallowed_origins = ["https://hooks.example"]\n')
+    mcp = t3.client()
+    made = make_hook(mcp, filters=[{"path": "never", "equals": True}])  # all skipped: fast
+    url, before = made["hookUrl"], last_sequence(t3)
+    for origin in ("https://evil.example", t3.url, "null", "https://hooks.example.evil"):
+        for kind in ("text/plain", "application/json"):
+            answer = raw_post(url, b'{"ref": "x"}', {"Content-Type": kind, "Origin": origin})
+            assert refused(answer, 403, "origin_not_allowed"), (origin, kind, answer)
+    assert last_sequence(t3) == before and deliveries(t3, made["scheduledTaskId"]) == []
+    taken = [github(url, PUSH, headers={"Origin": "https://hooks.example"}),
+             *(github(url, {"n": n}) for n in range(59))]
+    assert [r.json()["outcome"] for r in taken] == ["skipped"] * 60, taken[-1]
+    assert refused(github(url, PUSH), 429, "rate_limited")
 
 
 def test_deliveries_wait_in_line_and_run_one_at_a_time(t3_factory, agent_log_path: Path
