@@ -30,6 +30,7 @@ import enum
 import functools
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import math
@@ -61,6 +62,7 @@ __all__ = [
     "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "RateLimited",
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
     "handoff_text", "handoff_line", "handoff_prompt", "Workspaces", "AdvancePreparation",
+    "parse_json", "json_too_deep", "MAX_JSON_DEPTH",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -175,6 +177,29 @@ def bounded_id(text: str) -> str:
         return text
     digest = hashlib.sha256(text.encode()).hexdigest()[:32]
     return f"{text[:MAX_ID_CHARS - len(digest) - 1]}~{digest}"
+
+
+MAX_JSON_DEPTH = 128
+# What cannot nest: a string (escapes and all, closed or not), a run of other characters.
+_FLAT_JSON = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[^"\[\]{}]+', re.DOTALL)
+_NESTING = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads`` for what comes from outside t3 (a request body, a /ws frame, an agent's
+    line): nesting past MAX_JSON_DEPTH is a ValueError, as malformed JSON is, where json.loads
+    would raise RecursionError (or hand on what code that recurses into it cannot take)."""
+    if isinstance(text, (bytes, bytearray)):
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    if json_too_deep(text):
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return json.loads(text)
+
+
+def json_too_deep(text: str) -> bool:
+    """Whether brackets outside strings nest past MAX_JSON_DEPTH (few brackets: no scan)."""
+    return text.count("[") + text.count("{") > MAX_JSON_DEPTH and max(itertools.accumulate(
+        map(_NESTING.__getitem__, _FLAT_JSON.sub("", text))), default=0) > MAX_JSON_DEPTH
 
 
 # =============================================================================================
@@ -2753,7 +2778,7 @@ class _Delivery:
                 REDACTED if _SECRET_NAME.search(name) else _blank_secret(schedule, value))
         self.text = request.body.decode("utf-8", "replace")
         try:
-            self.json: Any = json.loads(self.text)
+            self.json: Any = parse_json(self.text)
         except ValueError:
             self.json = _MISSING
 
@@ -4061,15 +4086,19 @@ class Orchestrator:
         return task  # type: ignore[no-any-return]
 
     async def receive_webhook(self, task_id: str, request: WebhookRequest) -> Mapping[str, Any]:
-        """A delivery whose token t3.py checked: signature (``invalid_signature``), rate
-        (``RateLimited``), then its record (``hook_disabled``, ``queue_full`` or an outcome),
-        answered once committed. Refusals write nothing."""
+        """A delivery whose token t3.py checked: signature (``invalid_signature``), nesting
+        (``invalid_request``), rate (``RateLimited``), then its record (``hook_disabled``,
+        ``queue_full`` or an outcome), answered once committed. Refusals write nothing and take
+        no place in the rate."""
         task = await self.webhook_task(task_id)
         if task is None:
             raise T3Error("No webhook at this address.", code="hook_not_found")
         if not signature_valid(task.schedule, request):
             raise T3Error("The signature header does not hold the body's HMAC-SHA256.",
                           code="invalid_signature")
+        if json_too_deep(request.body.decode("utf-8", "replace")):
+            raise T3Error(f"The body nests deeper than {MAX_JSON_DEPTH} levels.",
+                          code="invalid_request")
         self._admit_delivery(task_id)
         key = delivery_key(task.schedule, request)
         command = ReceiveWebhookDelivery(

@@ -59,7 +59,7 @@ from typing import Any
 from urllib.parse import quote
 
 from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderInfo, ReasoningDelta,
-                          RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded)
+                          RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded, parse_json)
 
 __all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "AcpAdapter",
            "AcpRegistryAdapter", "GrokAdapter", "ClaudeAdapter", "CodexAdapter", "PiAdapter",
@@ -464,9 +464,9 @@ async def _json_line(raw: bytes, protocol_log: _ProtocolLog, label: str,
         return
     protocol_log.write(f"{label} <- {line}")
     try:
-        message = json.loads(line)
-    except json.JSONDecodeError:
-        log.warning("%s: ignoring a line that is not JSON", label)
+        message = parse_json(line)
+    except ValueError as exc:
+        log.warning("%s: ignoring a line that is not JSON: %s", label, exc)
         return
     if isinstance(message, dict):
         await on_message(message)
@@ -1109,7 +1109,7 @@ def read_registry(source: str) -> Mapping[str, Any]:
     if len(raw) > _REGISTRY_MAX_BYTES:
         raise RegistryError(f"the ACP registry {source} is larger than {_REGISTRY_MAX_BYTES} bytes")
     try:
-        data = json.loads(raw)
+        data = parse_json(raw)
     except ValueError as exc:
         raise RegistryError(f"the ACP registry {source} is not JSON: {exc}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("agents"), list):
@@ -1745,8 +1745,8 @@ class ClaudeAdapter(_Adapter):
         environment counts)."""
         _, out = await self._cli_output("auth", "status", "--json")
         try:
-            status = json.loads(out)
-        except json.JSONDecodeError:
+            status = parse_json(out)
+        except ValueError:
             status = {}
         logged_in = status.get("loggedIn") is not False if isinstance(status, dict) else True
         return [dict(m) for m in self.MODELS], None if logged_in else \
@@ -2488,7 +2488,7 @@ class OpenCodeSession(_Session):
             self._adapter.protocol_log.write(f"{self._label} <- {status} {text}")
             if status >= 300:
                 raise _HttpError(status, text)
-            return json.loads(text) if text.strip() else None
+            return parse_json(text) if text.strip() else None
 
         return await asyncio.wait_for(exchange(), timeout)
 
@@ -2607,8 +2607,8 @@ class OpenCodeSession(_Session):
                     if not self._subscribed.done():
                         self._subscribed.set_result(None)
                     try:
-                        event = json.loads(data)
-                    except json.JSONDecodeError:
+                        event = parse_json(data)
+                    except ValueError:
                         continue
                     if isinstance(event, dict):
                         await self._route(str(event.get("type")), event.get("properties") or {})

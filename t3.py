@@ -854,7 +854,7 @@ def _bounded_body(app: ASGIApp) -> ASGIApp:
 
 # A delivery refused after its body was read: the status for each of the orchestrator's codes.
 _HOOK_STATUS = {"hook_not_found": 404, "hook_disabled": 409, "invalid_signature": 401,
-                "rate_limited": 429, "queue_full": 429}
+                "invalid_request": 400, "rate_limited": 429, "queue_full": 429}
 
 
 def webhook_endpoint(orch: Any) -> ASGIApp:
@@ -1396,17 +1396,18 @@ class _WsConnection:
                     await self._send({"type": "websocket.close", "code": 1001})
 
     def _start(self, text: str) -> None:
+        from orchestrator import parse_json
         try:
-            frame = json.loads(text)
-        except ValueError:
-            frame = None
+            frame, unparsed = parse_json(text), ""
+        except ValueError as exc:
+            frame, unparsed = None, f" ({exc})"
         request_id = frame.get("id") if isinstance(frame, dict) else None
         failure = None
         if not isinstance(frame, dict) or not isinstance(frame.get("method"), str) or \
                 not isinstance(frame.get("params", {}), dict) or \
                 not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
             failure = WsFailure("invalid_request", 'a frame is {"id": string or integer, '
-                                '"method": string, "params": object}')
+                                f'"method": string, "params": object}}{unparsed}')
         elif request_id in self._tasks:
             failure = WsFailure("invalid_request", f"request id {request_id!r} is in use")
         elif len(self._tasks) >= self.MAX_IN_FLIGHT:

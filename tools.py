@@ -1553,10 +1553,10 @@ def _parse_schedule(schedule: Any) -> dict[str, Any]:
     """A schedule object, or the same as a JSON string (models often send one)."""
     if isinstance(schedule, str):
         try:
-            schedule = json.loads(schedule)
-        except ValueError:
+            schedule = orch.parse_json(schedule)
+        except ValueError as exc:
             raise ToolFailure("invalid_request", "schedule: not an object, nor JSON of "
-                              "one") from None
+                              f"one ({exc})") from None
     return orch.validate_schedule(schedule)
 
 

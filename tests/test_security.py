@@ -34,6 +34,8 @@ from harness import (ACP_AGENT, T3_PY, McpClient, RawResponse, ServerStartError,
                      agent_log, pids_alive, raw_post, raw_request, scripted_provider, wait_until)
 from real_cli import text
 from test_registry import ArchiveServer, binary_registry, registry_provider, settled
+from test_webhooks import CLOCK, PUSH, github, last_sequence, make_hook
+from test_ws import StalledReader
 
 
 def call_line(tool: str, args: dict) -> str:
@@ -472,6 +474,61 @@ def test_allowed_origins_and_hosts_admit_what_they_name(t3_factory) -> None:
     assert_refused(healthz(t3, Host="box.lan:8081"), 403, "host_not_allowed")
     assert_refused(healthz(t3, Origin="https://app.example.evil"), 403, "origin_not_allowed")
     assert_refused(healthz(t3, Host="evil.example"), 403, "host_not_allowed")
+
+
+def test_json_nested_200000_deep_is_a_typed_refusal_on_every_edge(t3_factory) -> None:
+    """A body or frame nested 200,000 deep gets a typed answer, never a 500, a traceback or a
+    dropped connection: to a webhook 400 invalid_request, writing nothing and taking no place in
+    its 60 a minute; on /ws an invalid_request frame, and the connection serves the next
+    request; on /mcp a JSON-RPC parse error (400), and as a schedule's JSON string
+    invalid_request."""
+    from wsproto.events import TextMessage
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    deep = "[" * 200_000 + "]" * 200_000
+    made = make_hook(mcp, filters=[{"path": "never", "equals": True}])  # all skipped: fast
+    before = last_sequence(t3)
+    for kind in ("application/json", "text/plain"):
+        answer = raw_post(made["hookUrl"], deep.encode(), {"Content-Type": kind})
+        assert_refused(answer, 400, "invalid_request")
+    assert last_sequence(t3) == before
+    taken = [github(made["hookUrl"], {"n": n}) for n in range(60)]
+    assert [r.json()["outcome"] for r in taken] == ["skipped"] * 60, taken[-1]
+    assert_refused(github(made["hookUrl"], PUSH), 429, "rate_limited")
+
+    ws = StalledReader(t3)
+    with ws.sock:
+        ws.sock.sendall(ws.ws.send(TextMessage(data=deep)))
+        ws.read_until(lambda: ws.frames)
+        assert ws.frames[0]["id"] is None, ws.frames
+        assert ws.frames[0]["error"]["code"] == "invalid_request", ws.frames
+        ws.send({"id": 1, "method": "listThreads", "params": {}})
+        ws.read_until(lambda: len(ws.frames) == 2)
+        assert ws.frames[1]["id"] == 1 and "threads" in ws.frames[1]["result"], ws.frames
+
+    answer = raw_post(t3.mcp_url, deep.encode(), {
+        "Authorization": f"Bearer {t3.token}", "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream"})
+    assert answer.status == 400 and answer.json()["error"]["code"] == -32700, answer
+    refused = mcp.call("schedule_task", {"prompt": "p", "title": "t", "schedule": deep})
+    assert not refused.ok and refused.structured["code"] == "invalid_request", refused
+    assert "Traceback" not in t3.stderr_text()
+
+
+def test_an_agents_line_nested_200000_deep_is_skipped_and_reading_goes_on(
+        tmp_path: Path) -> None:
+    """A provider's stdout line nested 200,000 deep is logged as not JSON and dropped, and the
+    next line is read as usual (it once raised RecursionError, which ended the reader)."""
+    import asyncio
+    seen: list[dict] = []
+
+    async def on_message(message: dict) -> None:
+        seen.append(message)
+    log = providers._ProtocolLog(tmp_path / "provider.log")
+    for line in (b"[" * 200_000 + b"]" * 200_000, b'{"jsonrpc": "2.0", "id": 1}'):
+        asyncio.run(providers._json_line(line, log, "scripted", on_message))
+    log.close()
+    assert seen == [{"jsonrpc": "2.0", "id": 1}]
 
 
 def test_get_mcp_is_405(t3: T3Server) -> None:
