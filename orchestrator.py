@@ -4006,9 +4006,10 @@ class Orchestrator:
             thread_id=task_id, trigger=trigger, due_at=due_at))
 
     async def _run_scheduled(self, task_id: str, fire_key: str, prompt: str) -> None:
-        """A fire's run: posted into the bound thread (mode auto), or a fresh thread with the
-        task's provider and modes. Every id derives from the fire key, so a replay after a crash
-        finds what it already did."""
+        """A fire's run: queued in the bound thread behind its running turn (steering could
+        restart that turn, and a fire from a tool call in it would lose the call's result), or
+        a fresh thread with the task's provider and modes. Every id derives from the fire key,
+        so a replay after a crash finds what it already did."""
         state = await self.state(task_id)
         task = state.entities["scheduled-task"].get(task_id) if state else None
         if task is None or task.last_fire_key != fire_key:
@@ -4017,7 +4018,7 @@ class Orchestrator:
         try:
             if task.bound_thread_id:
                 sent = await self.threads.send(
-                    task.bound_thread_id, text=prompt, mode="auto",
+                    task.bound_thread_id, text=prompt, mode="queue",
                     command_id=bounded_id(f"command:{fire_key}"),
                     message_id=bounded_id(f"message:{fire_key}"), **made)
                 thread_id, run_id = task.bound_thread_id, sent["runId"]

@@ -168,7 +168,7 @@ def test_bound_runs_post_into_the_thread_and_unbound_ones_launch_with_the_tasks_
     assert bound["boundThreadId"] == made["threadId"] and free["boundThreadId"] is None
     assert free["runtimeMode"] == "approval-required" and free["providerInstanceId"] == "beta"
     # The fire posts a new run into the thread once the turn that scheduled it has ended (a fire
-    # during that turn would steer it instead: another case).
+    # during that turn queues behind it: test_a_bound_fire_from_inside_its_threads_turn_...).
     assert mcp.call("t3_thread_wait", {"threadId": made["threadId"]}).structured["status"] \
         == "completed"
     advance(t3, 60)
@@ -182,6 +182,35 @@ def test_bound_runs_post_into_the_thread_and_unbound_ones_launch_with_the_tasks_
         "[Triggered by schedule task: free]\n\nfree work"]
     assert "[Triggered by schedule task: bound]\n\nbound work" in prompts(
         tmp_path / "agent-alpha.log")
+
+
+def test_a_bound_fire_from_inside_its_threads_turn_queues_behind_that_turn(
+        t3_factory, agent_log_path: Path) -> None:
+    """An agent's `schedule_task {runNow: true}` into its own thread, mid-turn, neither steers
+    nor restarts that turn: the turn completes once, with the tool's result and the rest of its
+    work in the thread, and the fired run is a run of its own that starts after it ended."""
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    call = call_line("schedule_task", {"prompt": "ECHO_PROMPT", "title": "now", "runNow": True,
+                                       "schedule": {"type": "interval", "everyMs": 3_600_000}})
+    made = mcp.call("create_threads", {"threads": [{"prompt": f"{call}\nSLOW:40"}]}
+                    ).structured["threads"][0]
+    [called] = wait_until(lambda: [e for e in agent_log(agent_log_path) if e["dir"] == "mcp"], 30)
+    fired = settled(mcp, called["result"]["scheduledTaskId"], 1)
+    assert (fired["lastRunStatus"], fired["lastRunThreadId"]) == ("succeeded", made["threadId"])
+    read = mcp.call("t3_thread_read", {"threadId": made["threadId"], "view": "messages"}
+                    ).structured
+    runs = {r["runId"]: r for r in read["recentRuns"]}
+    turn, later = runs[made["runId"]], runs[fired["lastRunId"]]
+    assert (turn["status"], turn["attemptCount"]) == ("completed", 1), turn
+    assert later["status"] == "completed" and turn["completedAt"] <= later["startedAt"]
+    [answer] = [i["text"] for i in read["items"]
+                if i["type"] == "assistant_message" and i["runId"] == made["runId"]]
+    assert f'"scheduledTaskId":"{fired["scheduledTaskId"]}"' in answer and "done" in answer
+    stops = [e["msg"]["result"]["stopReason"] for e in agent_log(agent_log_path)
+             if e["dir"] == "out" and "stopReason" in (e["msg"].get("result") or {})]
+    assert stops == ["end_turn", "end_turn"]  # no turn was cancelled
+    assert prompts(agent_log_path)[1] == "[Triggered by schedule task: now]\n\nECHO_PROMPT"
 
 
 def test_an_agent_changes_or_deletes_only_tasks_its_own_modes_cover(
