@@ -109,18 +109,35 @@ class Workspaces:
         """The repository's work tree root holding ``cwd``, or None when it is not in one, or
         when only a repository around the data directory holds it (a scratch folder in a home
         directory kept in git is no project: capturing it would copy the whole home)."""
+        found = await self._repository(cwd)
+        return found[0] if found else None
+
+    async def _repository(self, cwd: str) -> tuple[str, str] | None:
+        """``top_level`` and the repository's git directory."""
         try:
-            root = (await _git(cwd, "rev-parse", "--show-toplevel")).strip() or None
-        except (GitError, OSError):
+            root, git_dir = (await _git(cwd, "rev-parse", "--show-toplevel",
+                                        "--absolute-git-dir")).splitlines()
+        except (GitError, OSError, ValueError):
             return None
-        if root and _within(cwd, self._data_dir) and not _within(root, self._data_dir):
+        if _within(cwd, self._data_dir) and not _within(root, self._data_dir):
             return None
-        return root
+        return root, git_dir
+
+    async def _work_tree(self, cwd: str) -> str | None:
+        """``top_level``, for reading and writing its files: refused when the repository's
+        ``core.worktree`` sets its work tree where its ``.git`` is not (anywhere, the home
+        folder too, from one line in a config file an agent may edit)."""
+        found = await self._repository(cwd)
+        if found and _git_dir_in(found[0]) != os.path.realpath(found[1]):
+            raise GitError(f"core.worktree: the repository {found[1]} sets its work tree at "
+                           f"{found[0]}, which does not hold it; t3 reads and writes no files "
+                           "there")
+        return found[0] if found else None
 
     async def capture(self, cwd: str, ref: str) -> str | None:
         """Record the workspace under ``ref``; the commit id, or None when ``cwd`` is not in a
         git repository. Raises GitError when git fails."""
-        root = await self.top_level(cwd)
+        root = await self._work_tree(cwd)
         if root is None:
             return None
         index = self._index_dir / f"index-{uuid.uuid4().hex}"
@@ -183,7 +200,7 @@ class Workspaces:
     async def restore(self, cwd: str, commit: str) -> None:
         """Make the workspace's files what checkpoint ``commit`` recorded (tracked and untracked,
         ignored files kept); the index afterwards matches HEAD for those paths again."""
-        root = await self.top_level(cwd)
+        root = await self._work_tree(cwd)
         if root is None:
             raise GitError(f"{cwd} is not in a git repository")
         async with self._lock(root):
@@ -298,6 +315,20 @@ class Workspaces:
 
     def _lock(self, root: str) -> asyncio.Lock:
         return self._locks.setdefault(os.path.realpath(root), asyncio.Lock())
+
+
+def _git_dir_in(root: str) -> str | None:
+    """The git directory ``root/.git`` is (a folder) or names (a ``gitdir:`` file), or None."""
+    dot = os.path.join(root, ".git")
+    try:
+        if os.path.isdir(dot):
+            return os.path.realpath(dot)
+        with open(dot, encoding="utf-8", errors="replace") as f:
+            line = f.readline(4096)
+    except OSError:
+        return None
+    named = line.removeprefix("gitdir:").strip() if line.startswith("gitdir:") else None
+    return os.path.realpath(os.path.join(root, named)) if named else None
 
 
 def _within(path: str, folder: str) -> bool:

@@ -360,6 +360,25 @@ def test_no_command_a_repository_config_names_runs(
     assert {p.name for p in marks.iterdir()} == user
 
 
+def test_a_core_worktree_pointing_away_from_the_repository_is_refused(tmp_path: Path) -> None:
+    """`core.worktree` aimed at another folder (a home folder, say) makes captures and restores
+    fail naming the key: nothing of that folder is read into a checkpoint, nothing removed."""
+    repo = make_repo(tmp_path / "repo")
+    spaces = spaces_in(tmp_path)
+    commit = run(spaces.capture(str(repo), checkpoint_ref("t", 0)))
+    elsewhere = tmp_path / "home"
+    elsewhere.mkdir()
+    (elsewhere / "secret.txt").write_text("private\n")
+    with (repo / ".git" / "config").open("a") as f:
+        f.write(f"[core]\n\tworktree = {elsewhere}\n")
+    with pytest.raises(GitError, match="core.worktree"):
+        run(spaces.capture(str(repo), checkpoint_ref("t", 1)))
+    with pytest.raises(GitError, match="core.worktree"):
+        run(spaces.restore(str(repo), commit))
+    assert (elsewhere / "secret.txt").read_text() == "private\n"
+    assert git(repo, "for-each-ref", "refs/t3").count("\n") == 1
+
+
 def test_a_git_file_pointing_at_a_planted_git_directory_runs_nothing_either(
         tmp_path: Path) -> None:
     """A worktree's `.git` file rewritten to name a git directory the agent wrote inside it:
