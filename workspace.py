@@ -5,10 +5,11 @@ provider adapters, and ``decide`` stays pure. Every git call is ``git`` as an as
 subprocess with a clean environment (no GIT_DIR, GIT_INDEX_FILE or hooks path of ours or the
 user's shell leaks in), arguments after ``--`` or ``--end-of-options`` where a name comes from a
 client, and a timeout. A repository's own config is written by whoever edits its files (an agent
-that may not run commands, too), so no setting there makes t3's git run a command: each call first
-lists the config (which runs nothing) and overrides every command-naming key the repository or a
-file it includes sets with the user's global or system value, or switches it off; hooks,
-fsmonitor, pagers, editors, the ``ext::`` transport and submodule recursion are always off.
+that may not run commands, too), so no setting there makes t3's git run a command: each call that
+could run one first lists the config (which runs nothing) and overrides every command-naming key
+the repository or a file it includes sets with the user's global or system value, or switches it
+off; hooks, fsmonitor, pagers, editors, the ``ext::`` transport and submodule recursion are always
+off. Captures and restores refuse a ``core.worktree`` that leads away from the repository.
 
 A checkpoint is a commit made from a temporary index (``GIT_INDEX_FILE`` in
 ``<data-dir>/git-index/``): the workspace's tracked and untracked, non-ignored files, kept under
@@ -385,9 +386,8 @@ def _overrides(listing: str) -> dict[str, str]:
     env = {"GIT_PROXY_COMMAND": ""} if any(  # its first value wins, so only this beats it
         own and key == "core.gitproxy" for own, key, _ in entries) else {}
     for i, (key, value) in enumerate(pairs):
-        env |= {f"GIT_CONFIG_KEY_{i}": key, f"GIT_CONFIG_VALUE_{i}": value,
-                "GIT_CONFIG_COUNT": str(i + 1)}
-    return env
+        env |= {f"GIT_CONFIG_KEY_{i}": key, f"GIT_CONFIG_VALUE_{i}": value}
+    return env | {"GIT_CONFIG_COUNT": str(len(pairs))}
 
 
 def _family(key: str) -> str:
