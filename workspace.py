@@ -4,7 +4,12 @@ The orchestrator never imports this file: t3.py hands it a ``Workspaces`` the wa
 provider adapters, and ``decide`` stays pure. Every git call is ``git`` as an asyncio
 subprocess with a clean environment (no GIT_DIR, GIT_INDEX_FILE or hooks path of ours or the
 user's shell leaks in), arguments after ``--`` or ``--end-of-options`` where a name comes from a
-client, and a timeout.
+client, and a timeout. A repository's own config is written by whoever edits its files (an agent
+that may not run commands, too), so no setting there makes t3's git run a command: each call that
+could run one first lists the config (which runs nothing) and overrides every command-naming key
+the repository or a file it includes sets with the user's global or system value, or switches it
+off; hooks, fsmonitor, pagers, editors, the ``ext::`` transport and submodule recursion are always
+off. Captures and restores refuse a ``core.worktree`` that leads away from the repository.
 
 A checkpoint is a commit made from a temporary index (``GIT_INDEX_FILE`` in
 ``<data-dir>/git-index/``): the workspace's tracked and untracked, non-ignored files, kept under
@@ -42,6 +47,21 @@ _GIT_VARIABLES = re.compile(r"GIT_[A-Z_]+")
 # in the user's repositories and get the umask t3 was started with (as agents do).
 CHILD_UMASK: int | None = None
 _BRANCH = re.compile(r"[A-Za-z0-9._/-]{1,200}")
+# Keys naming a command, and what stands for them when a repository sets them (the user's own
+# global and system values follow, so theirs win, e.g. git-lfs's filter). An empty value switches
+# a filter, the helper list, askpass and the alternates command off; gitProxy is below.
+_NEUTRAL = ((re.compile(r"filter\..+\.(clean|smudge|process)|credential\.(.+\.)?helper"
+                        r"|core\.(askpass|alternaterefscommand)"), ""),
+            (re.compile(r"filter\..+\.required"), "false"),
+            (re.compile(r"core\.sshcommand"), "ssh"))
+_FIXED = ("core.hooksPath=/dev/null", "core.fsmonitor=false", "protocol.ext.allow=never",
+          "submodule.recurse=false", "core.quotePath=false")
+# Plumbing that reads no index or attributes and opens no connection: it runs no command a
+# config names beside _FIXED, so it skips the listing (most of a checkpoint's git calls).
+_INERT = frozenset({"rev-parse", "update-ref", "for-each-ref", "commit-tree"})
+# Diffs run no external diff or textconv program, whichever config names one.
+_DIFF = ("diff", "--no-color", "--no-renames", "--no-ext-diff", "--no-textconv",
+         "--submodule=short")
 
 
 class GitError(Exception):
@@ -90,18 +110,35 @@ class Workspaces:
         """The repository's work tree root holding ``cwd``, or None when it is not in one, or
         when only a repository around the data directory holds it (a scratch folder in a home
         directory kept in git is no project: capturing it would copy the whole home)."""
+        found = await self._repository(cwd)
+        return found[0] if found else None
+
+    async def _repository(self, cwd: str) -> tuple[str, str] | None:
+        """``top_level`` and the repository's git directory."""
         try:
-            root = (await _git(cwd, "rev-parse", "--show-toplevel")).strip() or None
-        except (GitError, OSError):
+            root, git_dir = (await _git(cwd, "rev-parse", "--show-toplevel",
+                                        "--absolute-git-dir")).splitlines()
+        except (GitError, OSError, ValueError):
             return None
-        if root and _within(cwd, self._data_dir) and not _within(root, self._data_dir):
+        if _within(cwd, self._data_dir) and not _within(root, self._data_dir):
             return None
-        return root
+        return root, git_dir
+
+    async def _work_tree(self, cwd: str) -> str | None:
+        """``top_level``, for reading and writing its files: refused when the repository's
+        ``core.worktree`` sets its work tree where its ``.git`` is not (anywhere, the home
+        folder too, from one line in a config file an agent may edit)."""
+        found = await self._repository(cwd)
+        if found and _git_dir_in(found[0]) != os.path.realpath(found[1]):
+            raise GitError(f"core.worktree: the repository {found[1]} sets its work tree at "
+                           f"{found[0]}, which does not hold it; t3 reads and writes no files "
+                           "there")
+        return found[0] if found else None
 
     async def capture(self, cwd: str, ref: str) -> str | None:
         """Record the workspace under ``ref``; the commit id, or None when ``cwd`` is not in a
         git repository. Raises GitError when git fails."""
-        root = await self.top_level(cwd)
+        root = await self._work_tree(cwd)
         if root is None:
             return None
         index = self._index_dir / f"index-{uuid.uuid4().hex}"
@@ -145,27 +182,26 @@ class Workspaces:
         root = await self.top_level(cwd) or cwd
         base = before or (await _git(root, "hash-object", "-t", "tree", "--stdin",
                                      stdin=b"")).strip()
-        statuses = (await _git(root, "diff", "--no-color", "--no-renames", "--name-status", "-z",
-                               base, after, "--")).split("\0")
+        statuses = (await _git(root, *_DIFF, "--name-status", "-z", base, after, "--")
+                    ).split("\0")
         kinds = {"A": "added", "M": "modified", "D": "deleted", "T": "type_changed"}
         kind_of = {path: kinds.get(code[:1], "modified")
                    for code, path in zip(statuses[0::2], statuses[1::2]) if path}
         files = []
-        numstat = await _git(root, "diff", "--no-color", "--no-renames", "--numstat", "-z",
-                             base, after, "--")
+        numstat = await _git(root, *_DIFF, "--numstat", "-z", base, after, "--")
         for entry in numstat.split("\0"):
             if entry:
                 added, deleted, path = entry.split("\t", 2)
                 files.append(FileChange(path, kind_of.get(path, "modified"),
                                         int(added) if added.isdigit() else 0,
                                         int(deleted) if deleted.isdigit() else 0))
-        text = await _git(root, "diff", "--no-color", "--no-renames", base, after, "--")
+        text = await _git(root, *_DIFF, base, after, "--")
         return Diff(tuple(files), text[:MAX_DIFF_CHARS], len(text) > MAX_DIFF_CHARS)
 
     async def restore(self, cwd: str, commit: str) -> None:
         """Make the workspace's files what checkpoint ``commit`` recorded (tracked and untracked,
         ignored files kept); the index afterwards matches HEAD for those paths again."""
-        root = await self.top_level(cwd)
+        root = await self._work_tree(cwd)
         if root is None:
             raise GitError(f"{cwd} is not in a git repository")
         async with self._lock(root):
@@ -200,7 +236,10 @@ class Workspaces:
             if from_origin:
                 if await _maybe(repo, "remote", "get-url", "origin") is None:
                     raise GitError(f"startFromOrigin: {repo} has no remote named origin")
-                await _git(repo, "fetch", "--quiet", "origin", "--", base_ref)
+                # remote.<name>.uploadpack: the first value set wins, so only this flag beats
+                # a repository's own; a submodule's fetch would read its own config
+                await _git(repo, "fetch", "--quiet", "--no-recurse-submodules",
+                           "--upload-pack=git-upload-pack", "origin", "--", base_ref)
                 base = f"origin/{base_ref}"
             if await _maybe(repo, "rev-parse", "--verify", "--quiet",
                             f"{base}^{{commit}}") is None:
@@ -279,6 +318,20 @@ class Workspaces:
         return self._locks.setdefault(os.path.realpath(root), asyncio.Lock())
 
 
+def _git_dir_in(root: str) -> str | None:
+    """The git directory ``root/.git`` is (a folder) or names (a ``gitdir:`` file), or None."""
+    dot = os.path.join(root, ".git")
+    try:
+        if os.path.isdir(dot):
+            return os.path.realpath(dot)
+        with open(dot, encoding="utf-8", errors="replace") as f:
+            line = f.readline(4096)
+    except OSError:
+        return None
+    named = line.removeprefix("gitdir:").strip() if line.startswith("gitdir:") else None
+    return os.path.realpath(os.path.join(root, named)) if named else None
+
+
 def _within(path: str, folder: str) -> bool:
     real = os.path.realpath(path)
     return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
@@ -311,13 +364,47 @@ def _umask() -> int:
 
 async def _git(cwd: str, *args: str, env: dict[str, str] | None = None,
                stdin: bytes | None = None) -> str:
+    """``git args`` in ``cwd`` with none of the repository's command-naming settings in force."""
+    listing = "" if args[0] in _INERT else await _run(
+        cwd, ("config", "--list", "--show-scope", "-z"), {}, None)
+    return await _run(cwd, args, {**_overrides(listing), **(env or {})}, stdin)
+
+
+def _overrides(listing: str) -> dict[str, str]:
+    """The environment that overrides, for one git call, each command-naming key a
+    repository's own config sets (``listing``: ``git config --list --show-scope -z``)."""
+    fields = listing.split("\0")
+    entries = [(scope not in ("global", "system"), *item.partition("\n")[::2])
+               for scope, item in zip(fields[0::2], fields[1::2])]
+    reset: dict[str, str] = {}
+    for own, key, _ in entries:
+        neutral = next((value for pattern, value in _NEUTRAL if pattern.fullmatch(key)), None)
+        if own and neutral is not None:
+            reset.setdefault(_family(key), neutral)
+    pairs = [*reset.items(), *((key, value) for own, key, value in entries
+                               if not own and _family(key) in reset)]
+    env = {"GIT_PROXY_COMMAND": ""} if any(  # its first value wins, so only this beats it
+        own and key == "core.gitproxy" for own, key, _ in entries) else {}
+    for i, (key, value) in enumerate(pairs):
+        env |= {f"GIT_CONFIG_KEY_{i}": key, f"GIT_CONFIG_VALUE_{i}": value}
+    return env | {"GIT_CONFIG_COUNT": str(len(pairs))}
+
+
+def _family(key: str) -> str:
+    """The key whose empty value resets ``key``: the credential helpers are one list."""
+    return "credential.helper" if key.startswith("credential.") and key.endswith(".helper") \
+        else key
+
+
+async def _run(cwd: str, args: tuple[str, ...], env: dict[str, str],
+               stdin: bytes | None) -> str:
     clean = {k: v for k, v in os.environ.items() if not _GIT_VARIABLES.fullmatch(k)}
     clean.update({"GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C",
-                  **(env or {})})
+                  "GIT_EDITOR": ":", **env})
+    fixed = [arg for setting in _FIXED for arg in ("-c", setting)]
     proc = await asyncio.create_subprocess_exec(
-        "git", "-c", "core.hooksPath=/dev/null", "-c", "core.quotePath=false", *args, cwd=cwd,
-        env=clean, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, umask=_umask())
+        "git", "--no-pager", *fixed, *args, cwd=cwd, env=clean, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, umask=_umask())
     try:
         async with asyncio.timeout(GIT_TIMEOUT_S):
             out, err = await proc.communicate(stdin)

@@ -183,6 +183,47 @@ def test_a_git_failure_makes_an_error_checkpoint_and_the_run_completes(
     assert found["status"] == "error" and "update-ref" in found["reason"]
 
 
+def test_an_agent_editing_only_files_gets_no_command_run_by_t3s_git(
+        tmp_path: Path, t3_factory: Any) -> None:
+    """An auto-accept-edits agent rewrites `.git/config` with a core.fsmonitor, a clean and
+    smudge filter and a textconv and external diff for the files `.gitattributes` selects: its
+    turn's checkpoint is ready, t3_thread_diff shows the change, and a worktree launch from its
+    branch starts, with none of those commands run."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    repo = project_repo(tmp_path)
+    (repo / ".gitattributes").write_text("*.txt filter=evil diff=evil\n")
+    git(repo, "add", ".gitattributes")
+    git(repo, "commit", "-qm", "attributes")
+    t3 = t3_factory()
+    mcp = t3.client()
+
+    def m(name: str) -> str:
+        return f'"touch {marks}/{name}; false"'
+    config = "\\n".join([
+        "[core]", "repositoryformatversion = 0", "bare = false", f"fsmonitor = {m('fsmonitor')}",
+        '[filter "evil"]', f"clean = {m('clean')}", f"smudge = {m('smudge')}", "required = true",
+        '[diff "evil"]', f"textconv = {m('textconv')}", "[diff]", f"external = {m('external')}"])
+    tid = mcp.call("create_threads", {"threads": [{
+        "prompt": f"WRITE_FILE .git/config {config}\nWRITE_FILE a.txt changed",
+        "runtimeMode": "auto-accept-edits"}]}).structured["threads"][0]["threadId"]
+    waited = mcp.call("t3_thread_wait", {"threadId": tid, "timeoutMs": 30_000}).structured
+    assert waited["status"] == "completed", waited
+    assert "fsmonitor" in (repo / ".git" / "config").read_text()
+    ran = lambda: sorted(p.name for p in marks.iterdir())  # noqa: E731
+    assert ran() == []
+    cps = checkpoints(t3, tid)
+    assert cps[1]["status"] == "ready" and "a.txt" in by_path(cps[1]["files"]), cps[1]
+    found = mcp.call("t3_thread_diff", {"threadId": tid, "ordinal": 1}).structured
+    assert ran() == [] and found["status"] == "ready" and "+changed" in found["diff"], found
+    launched = mcp.call("t3_thread_launch", {"message": "ECHO_CWD", "workspaceStrategy": {
+        "type": "worktree", "baseRef": "main"}}).structured
+    waited = mcp.call("t3_thread_wait", {"threadId": launched["threadId"],
+                                         "timeoutMs": 30_000}).structured
+    assert waited["status"] == "completed", waited
+    assert ran() == []
+    assert (Path(launched["worktreePath"]) / "a.txt").read_text() == "one\ntwo\n"
+
 def test_kill_9_during_a_capture_leaves_no_index_or_ref_and_the_run_completes_after_restart(
         tmp_path: Path, t3_factory: Any) -> None:
     """The server SIGKILLs itself inside run 1's capture (its temporary index written, no ref

@@ -5,8 +5,11 @@ files back; worktrees are made from a ref (or origin's, freshly fetched), found,
 from __future__ import annotations
 
 import asyncio
+import http.server
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -210,3 +213,186 @@ def test_a_repository_without_an_index_or_commits_is_captured(tmp_path: Path) ->
     commit = run(spaces_in(tmp_path).capture(str(repo), checkpoint_ref("t", 0)))
     assert git(repo, "ls-tree", "-r", "--name-only", commit).split() == ["first.txt"]
     assert not (repo / ".git" / "index").exists()  # still none of the user's
+
+
+# -- a repository's own config names no command t3's git runs -------------------------------------
+
+ATTRIBUTES = "*.txt filter=evil diff=evil\n*.bin filter=proc\n*.dat filter=userlfs\n"
+
+
+def user_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, marks: Path) -> None:
+    """A HOME whose global config has a git-lfs-like filter and a credential helper: the user's
+    own, which keep working."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".gitconfig").write_text(
+        f'[filter "userlfs"]\n\tclean = "touch {marks}/user-clean; cat"\n'
+        f'\tsmudge = "touch {marks}/user-smudge; cat"\n\trequired = true\n'
+        f'[credential]\n\thelper = "!touch {marks}/user-cred; true"\n')
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+
+
+def script(tmp_path: Path, marks: Path, name: str) -> str:
+    """An executable that leaves a marker (for the keys git runs without a shell)."""
+    path = tmp_path / "bin" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"#!/bin/sh\ntouch {marks}/{name}\nexit 1\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def planted(case: str, tmp_path: Path, origin: Path, marks: Path, port: int
+            ) -> tuple[str, dict[str, str], str]:
+    """What an agent that only edits files writes for ``case``: lines for `.git/config`,
+    files (relative to the repository), and the URL it gives `origin`."""
+    def m(name: str) -> str:  # git appends arguments through "$@"
+        return f"touch {marks}/{name}; false"
+    url, files = str(origin), {}
+    config = {
+        "fsmonitor, pager, editor": f'[core]\n\tfsmonitor = "{m("fsmonitor")}"\n'
+        f'\tpager = "{m("pager")}"\n\teditor = "{m("editor")}"\n'
+        f'[pager]\n\tdiff = "{m("pager-diff")}"\n[sequence]\n\teditor = "{m("seq-editor")}"\n',
+        "filter clean, smudge, process": f'[filter "evil"]\n\tclean = "{m("clean")}"\n'
+        f'\tsmudge = "{m("smudge")}"\n\trequired = true\n'
+        f'[filter "proc"]\n\tprocess = "{m("process")}"\n'
+        f'[filter "userlfs"]\n\tclean = "{m("hijack")}"\n\tsmudge = "{m("hijack")}"\n',
+        "diff external, textconv, command": f'[diff]\n\texternal = "{m("external")}"\n'
+        f'[diff "evil"]\n\ttextconv = "{m("textconv")}"\n\tcommand = "{m("command")}"\n',
+        "include, includeIf": '[include]\n\tpath = ../included.cfg\n'
+        '[includeIf "gitdir:/"]\n\tpath = ../included-if.cfg\n',
+        "sshCommand": f'[core]\n\tsshCommand = "{m("ssh")}"\n',
+        "uploadpack": f'[remote "origin"]\n\tuploadpack = "{m("uploadpack")}"\n',
+        "ext:: url": "[protocol]\n\tallow = always\n",
+        "insteadOf to ext::": f'[url "ext::sh -c touch% {marks}/insteadof"]\n'
+        f"\tinsteadOf = {origin}\n[protocol]\n\tallow = always\n",
+        "gitProxy": f"[core]\n\tgitProxy = {script(tmp_path, marks, 'proxy')}\n",
+        "credential.helper, askPass": f'[credential]\n\thelper = "!{m("cred")}"\n'
+        f'[credential "http://127.0.0.1:{port}"]\n\thelper = "!{m("cred-url")}"\n'
+        f"[core]\n\taskPass = {script(tmp_path, marks, 'askpass')}\n",
+        "alternateRefsCommand": f'[core]\n\talternateRefsCommand = "{m("altrefs")}"\n',
+    }[case]
+    if case == "include, includeIf":
+        files = {"included.cfg": f'[filter "evil"]\n\tclean = "{m("include")}"\n',
+                 "included-if.cfg": f'[filter "proc"]\n\tprocess = "{m("include-if")}"\n'}
+    elif case == "alternateRefsCommand":
+        git(tmp_path, "init", "-q", "--bare", "alt.git")
+        files = {".git/objects/info/alternates": f"{tmp_path}/alt.git/objects\n"}
+    url = {"sshCommand": "ssh://127.0.0.1:1/x", "ext:: url": f"ext::sh -c touch% {marks}/ext",
+           "gitProxy": "git://127.0.0.1:1/x",
+           "credential.helper, askPass": f"http://127.0.0.1:{port}/x.git"}.get(case, url)
+    return config, files, url
+
+
+class _Unauthorized(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Basic realm="x"')
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+TRANSPORT = {"sshCommand", "ext:: url", "insteadOf to ext::", "gitProxy",
+             "credential.helper, askPass"}
+
+
+@pytest.mark.parametrize("case", [
+    "fsmonitor, pager, editor", "filter clean, smudge, process",
+    "diff external, textconv, command", "include, includeIf", "sshCommand", "uploadpack",
+    "ext:: url", "insteadOf to ext::", "gitProxy", "credential.helper, askPass",
+    "alternateRefsCommand"])
+def test_no_command_a_repository_config_names_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """With a command-naming key planted in `.git/config` (and `.gitattributes` selecting its
+    driver), a capture, a diff, a restore, a worktree from the planted branch and a fetch from
+    origin run none of it; the user's global filter and credential helper still run."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    user_home(tmp_path, monkeypatch, marks)
+    origin = tmp_path / "origin.git"
+    git(tmp_path, "init", "-q", "--bare", "-b", "main", str(origin))
+    repo = make_repo(tmp_path / "repo")
+    for name, text in {".gitattributes": ATTRIBUTES, "blob.bin": "b\n", "data.dat": "d\n"}.items():
+        (repo / name).write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "attributes")
+    git(repo, "branch", "agent")
+    git(repo, "remote", "add", "origin", str(origin))
+    git(repo, "push", "-q", "origin", "main")
+    listener = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unauthorized)
+    threading.Thread(target=listener.serve_forever, daemon=True).start()
+    config, files, url = planted(case, tmp_path, origin, marks, listener.server_address[1])
+    shutil.rmtree(marks)  # the user's filter ran for the commits above
+    marks.mkdir()
+    dot_config = repo / ".git" / "config"  # the agent's edits: files only
+    dot_config.write_text(dot_config.read_text().replace(str(origin), url) + config)
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    (repo / "a.txt").write_text("edited\n")
+    (repo / "data.dat").write_text("edited\n")
+    spaces = spaces_in(tmp_path)
+
+    async def scenario() -> bool:
+        first = await spaces.capture(str(repo), checkpoint_ref("t", 0))
+        (repo / "a.txt").write_text("edited again\n")
+        second = await spaces.capture(str(repo), checkpoint_ref("t", 1))
+        assert first and second
+        assert "a.txt" in {f.path for f in (await spaces.diff(str(repo), first, second)).files}
+        await spaces.restore(str(repo), first)
+        made = await spaces.add_worktree(str(repo), "w1", base_ref="agent", branch="t3/w1")
+        assert (Path(made) / "data.dat").read_text() == "d\n"
+        try:
+            await spaces.add_worktree(str(repo), "w2", base_ref="main", branch="t3/w2",
+                                      from_origin=True)
+            return True
+        except GitError:
+            return False
+    try:
+        fetched = run(scenario())
+    finally:
+        listener.shutdown()
+        listener.server_close()
+    assert fetched == (case not in TRANSPORT)
+    user = {"user-clean", "user-smudge"} | ({"user-cred"} if "credential" in case else set())
+    assert {p.name for p in marks.iterdir()} == user
+
+
+def test_a_core_worktree_pointing_away_from_the_repository_is_refused(tmp_path: Path) -> None:
+    """`core.worktree` aimed at another folder (a home folder, say) makes captures and restores
+    fail naming the key: nothing of that folder is read into a checkpoint, nothing removed."""
+    repo = make_repo(tmp_path / "repo")
+    spaces = spaces_in(tmp_path)
+    commit = run(spaces.capture(str(repo), checkpoint_ref("t", 0)))
+    elsewhere = tmp_path / "home"
+    elsewhere.mkdir()
+    (elsewhere / "secret.txt").write_text("private\n")
+    with (repo / ".git" / "config").open("a") as f:
+        f.write(f"[core]\n\tworktree = {elsewhere}\n")
+    with pytest.raises(GitError, match="core.worktree"):
+        run(spaces.capture(str(repo), checkpoint_ref("t", 1)))
+    with pytest.raises(GitError, match="core.worktree"):
+        run(spaces.restore(str(repo), commit))
+    assert (elsewhere / "secret.txt").read_text() == "private\n"
+    assert git(repo, "for-each-ref", "refs/t3").count("\n") == 1
+
+
+def test_a_git_file_pointing_at_a_planted_git_directory_runs_nothing_either(
+        tmp_path: Path) -> None:
+    """A worktree's `.git` file rewritten to name a git directory the agent wrote inside it:
+    git reads that directory's config, and so does t3's listing, so its filter is off too."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    repo = make_repo(tmp_path / "repo")
+    spaces = spaces_in(tmp_path)
+    tree = Path(run(spaces.add_worktree(str(repo), "w", base_ref="main", branch="t3/w")))
+    for name, text in {"evil/HEAD": "ref: refs/heads/main\n", "evil/objects/info/keep": "",
+                       "evil/refs/heads/keep": "", ".git": "gitdir: evil\n",
+                       "evil/config": f'[filter "evil"]\n\tclean = "touch {marks}/clean"\n',
+                       ".gitattributes": "*.txt filter=evil\n"}.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(text)
+    assert run(spaces.capture(str(tree), checkpoint_ref("t", 1)))
+    assert list(marks.iterdir()) == []
