@@ -2895,7 +2895,12 @@ def _schedule_params(args: argparse.Namespace) -> dict[str, Any]:
     prompt = args.prompt_option if args.prompt_option is not None else args.prompt
     signature = _given(header=args.secret_header, prefix=args.prefix, secret=(
         sys.stdin.read().rstrip("\n") if args.secret == "-" else args.secret))
-    if signature and not (args.webhook and {"header", "secret"} <= set(signature)):
+    if args.standard_webhooks:
+        if not args.webhook or set(signature) != {"secret"}:
+            raise refuse("--standard-webhooks goes with --webhook and --secret whsec_... "
+                         "(its headers are fixed: no --secret-header or --prefix)")
+        signature["scheme"] = "standard-webhooks"
+    elif signature and not (args.webhook and {"header", "secret"} <= set(signature)):
         raise refuse("--secret-header and --secret (and --prefix) go together, with --webhook")
     if args.weekdays is not None and args.at is None:
         raise refuse("--weekdays goes with --at")
@@ -3332,6 +3337,8 @@ def _schedule_parser(parser: argparse.ArgumentParser, runtime_modes: Any) -> Non
                                              "HMAC-SHA256 signature")
     add("--secret", metavar="S", help="with --webhook: the signing secret (`-`: standard input)")
     add("--prefix", metavar="P", help="with --webhook: the signature's prefix, e.g. sha256=")
+    add("--standard-webhooks", action="store_true", help="with --webhook and --secret whsec_...: "
+        "check Standard Webhooks signatures (webhook-id, webhook-timestamp, webhook-signature)")
     add("--title", help="title (default: from PROMPT)")
     add("--provider", help="provider instance id (default: the first available)")
     add("--project", help="project id (default: the first configured)")

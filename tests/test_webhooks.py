@@ -10,6 +10,7 @@ so "a minute" is exact and nothing waits for real time."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import calendar
 import hashlib
 import hmac
@@ -32,6 +33,7 @@ START = calendar.timegm((2026, 3, 6, 17, 0, 0))
 CLOCK = {"T3_TEST_HOOKS": "1", "T3_TEST_CLOCK": str(START)}
 SECRET = "It's a Secret to Everybody"
 SIGNED = {"header": "X-Hub-Signature-256", "secret": SECRET, "prefix": "sha256="}
+WHSEC = "whsec_" + base64.b64encode(b"a Standard Webhooks key, 32 byte").decode()
 PUSH = {"ref": "refs/heads/main", "repository": {"full_name": "octo/hello"},
         "pusher": {"name": "mona"}, "commits": [{"id": "abc"}]}
 
@@ -63,6 +65,21 @@ def github(url: str, payload: Any, *, event: str = "push", delivery: str | None 
         "X-Hub-Signature-256": "sha256=" + hmac.new(secret.encode(), body,
                                                     hashlib.sha256).hexdigest(),
         **(headers or {})})
+
+
+def standard(url: str, body: bytes, *, msg_id: str, stamp: int, secret: str = WHSEC,
+             signature: str | None = None) -> RawResponse:
+    """One Standard Webhooks delivery: ``webhook-signature: v1,<base64 HMAC-SHA256 of
+    id.timestamp.body under the whsec_ secret's key>``, unless ``signature`` says otherwise."""
+    return raw_post(url, body, {"Content-Type": "application/json", "webhook-id": msg_id,
+                                "webhook-timestamp": str(stamp), "webhook-signature":
+                                signature or v1(body, msg_id, stamp, secret)})
+
+
+def v1(body: bytes, msg_id: str, stamp: int, secret: str = WHSEC) -> str:
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    return "v1," + base64.b64encode(hmac.new(key, f"{msg_id}.{stamp}.".encode() + body,
+                                             hashlib.sha256).digest()).decode()
 
 
 def ws(t3: T3Server, method: str, params: dict[str, Any] | None = None) -> Any:
@@ -137,7 +154,8 @@ def test_a_github_delivery_runs_once_with_its_templated_prompt_and_a_redacted_lo
     log = deliveries(t3, made["scheduledTaskId"])
     assert [(d["outcome"], d["deliveryKey"]) for d in log] == [("duplicate", "d-1"),
                                                                ("succeeded", "d-1")]
-    assert log[0]["reason"] == f"delivery d-1 came before: {first.json()['deliveryId']}"
+    assert log[0]["reason"] == \
+        f"the same signed delivery came before: {first.json()['deliveryId']}"
     ran = log[1]
     assert ran["id"] == first.json()["deliveryId"]
     assert (ran["runThreadId"], ran["runId"]) == (done["lastRunThreadId"], done["lastRunId"])
@@ -356,7 +374,7 @@ def test_a_too_long_prompt_fails_and_an_old_delivery_expires_without_running(
     mcp = t3.client()
     made = make_hook(mcp, prompt="{{body.text}}", maxDeliveryAgeMinutes=5)
     url = made["hookUrl"]
-    long = github(url, {"text": "x" * 120_001})
+    long = github(url, {"text": "x" * 120_001}, headers={"Webhook-Timestamp": str(START)})
     old = github(url, {"text": "hi"}, headers={"Webhook-Timestamp": str(START - 360)})
     odd = github(url, {"text": "hi"}, headers={"Webhook-Timestamp": "yesterday"})
     assert [r.json()["outcome"] for r in (long, old, odd)] == ["failed", "expired", "expired"]
@@ -368,3 +386,59 @@ def test_a_too_long_prompt_fails_and_an_old_delivery_expires_without_running(
     fresh = github(url, {"text": "hi"}, headers={
         "Webhook-Timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(START - 240))})
     assert fresh.json()["outcome"] == "running"
+
+
+def test_replays_are_duplicates_or_expired_whatever_delivery_id_they_carry(t3_factory) -> None:
+    """With maxDeliveryAgeMinutes, a delivery without a timestamp is expired. A GitHub-signed
+    body sent again within that window is a duplicate with a new or no delivery id (after it,
+    it runs again). Standard Webhooks: a v1 signature over id.timestamp.body passes (one good
+    entry among several), a wrong key, body, id or a body-only HMAC is 401; a replay is a
+    duplicate, then, past the window, expired."""
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    bare = make_hook(mcp, title="bare", maxDeliveryAgeMinutes=5)
+    assert github(bare["hookUrl"], PUSH).json()["outcome"] == "expired"
+    assert deliveries(t3, bare["scheduledTaskId"])[0]["reason"].startswith(
+        "it has no timestamp header")
+
+    hub = make_hook(mcp, title="hub", signature=SIGNED, maxDeliveryAgeMinutes=5)
+    body = json.dumps(PUSH).encode()
+    signed = {"X-Hub-Signature-256": "sha256=" + hmac.new(SECRET.encode(), body,
+                                                           hashlib.sha256).hexdigest()}
+    stamp = {"Webhook-Timestamp": str(START)}
+    assert github(hub["hookUrl"], PUSH, delivery="d-1", headers=stamp).json()["outcome"] == \
+        "running"
+    settled(mcp, hub["scheduledTaskId"], 1)
+    copies = [github(hub["hookUrl"], PUSH, delivery="d-2", headers=stamp),
+              raw_post(hub["hookUrl"], body, {**signed, "Webhook-Timestamp": str(START + 60)})]
+    assert [c.json()["outcome"] for c in copies] == ["duplicate", "duplicate"]
+    assert task(mcp, hub["scheduledTaskId"])["runCount"] == 1
+    ws(t3, "advanceTestClock", {"seconds": 301})
+    later = {"Webhook-Timestamp": str(START + 301)}
+    assert github(hub["hookUrl"], PUSH, delivery="d-3", headers=later).json()["outcome"] == \
+        "running"
+    settled(mcp, hub["scheduledTaskId"], 2)
+
+    std = make_hook(mcp, title="std", maxDeliveryAgeMinutes=5,
+                    signature={"scheme": "standard-webhooks", "secret": WHSEC})
+    assert std["schedule"]["signature"] == {"scheme": "standard-webhooks"}
+    url, now = std["hookUrl"], START + 301
+    mac = "v1," + base64.b64encode(hmac.new(SECRET.encode(), body, hashlib.sha256).digest()
+                                   ).decode()
+    wrong_key = "whsec_" + base64.b64encode(b"another key").decode()
+    for refused_one in (standard(url, body, msg_id="m-1", stamp=now, secret=wrong_key),
+                        standard(url, body, msg_id="m-1", stamp=now, signature=mac),
+                        raw_post(url, body, {"webhook-signature": mac})):
+        assert refused(refused_one, 401, "invalid_signature"), refused_one
+    tampered = standard(url, body + b" ", msg_id="m-1", stamp=now, signature=v1(body, "m-1", now))
+    assert refused(tampered, 401, "invalid_signature")
+    assert standard(url, body, msg_id="m-1", stamp=now).json()["outcome"] == "running"
+    settled(mcp, std["scheduledTaskId"], 1)
+    several = f"v1,bm9wZQ== {v1(body, 'm-1', now)}"
+    assert standard(url, body, msg_id="m-1", stamp=now, signature=several).json()[
+        "outcome"] == "duplicate"
+    ws(t3, "advanceTestClock", {"seconds": 301})
+    assert standard(url, body, msg_id="m-1", stamp=now).json()["outcome"] == "expired"
+    assert standard(url, body, msg_id="m-2", stamp=now + 301).json()["outcome"] == "running"
+    settled(mcp, std["scheduledTaskId"], 2)
+
