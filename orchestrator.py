@@ -1838,8 +1838,23 @@ def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str,
                 if turn is not None and turn.status == "running":
                     d.put(replace(turn, status=event.status, completed_at=d.now))
             continue
-        run = _ingest_one(d, run, attempt, c, event)
+        run = _ingest_one(d, run, attempt, c, _without_hook_tokens(event))
     return {"runId": c.run_id}
+
+
+def _without_hook_tokens(event: AdapterEvent) -> AdapterEvent:
+    """Provider output with hook URLs' tokens blanked: an agent that came upon one (in a file, a
+    message) never passes it into events that other agents read."""
+    if isinstance(event, (TextDelta, ReasoningDelta)):  # the stream: one test per chunk
+        return event if "/hooks/" not in event.text else type(event)(redact_hook_tokens(event.text))
+    changes: dict[str, Any] = {}
+    for name, value in ((f.name, getattr(event, f.name)) for f in fields(event)):
+        if isinstance(value, str) and "/hooks/" in value:
+            changes[name] = redact_hook_tokens(value)
+        elif isinstance(value, (Mapping, list, tuple)) and "/hooks/" in (
+                text := json.dumps(value, ensure_ascii=False, default=str)):
+            changes[name] = json.loads(redact_hook_tokens(text))
+    return replace(event, **changes) if changes else event
 
 
 def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents,
@@ -2627,6 +2642,8 @@ DELIVERY_ID_HEADERS = ("x-github-delivery", "webhook-id", "x-request-id")
 TIMESTAMP_HEADERS = ("webhook-timestamp", "x-webhook-timestamp")
 STANDARD_WEBHOOKS = "standard-webhooks"  # webhook-id, webhook-timestamp, webhook-signature
 REDACTED = "<redacted>"
+# A hook URL's token (43 URL-safe characters: secrets.token_urlsafe(32)) after its task's id.
+_HOOK_TOKEN = re.compile(r"(/hooks/scheduled-task[^/\s\"'<>?#]*/)[\w-]{43}(?![\w-])", re.ASCII)
 _WEBHOOK_KEYS = ("type", "signature", "filters", "maxDeliveryAgeMinutes", "deliveryIdHeader",
                  "timestampHeader")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")
@@ -2746,6 +2763,12 @@ def delivery_key(schedule: Mapping[str, Any], request: WebhookRequest) -> str | 
         else DELIVERY_ID_HEADERS
     value = next((v.strip() for n in names if (v := request.header(n)) and v.strip()), None)
     return bounded_id(value) if value else None
+
+
+def redact_hook_tokens(text: str) -> str:
+    """``text`` with every hook URL's token blanked (``/hooks/<task>/<redacted>``): what
+    providers, tool results and logs carry never hands a live hook to whoever reads them."""
+    return _HOOK_TOKEN.sub(rf"\g<1>{REDACTED}", text) if "/hooks/" in text else text
 
 
 def _signed_content(schedule: Mapping[str, Any], request: WebhookRequest) -> bytes | None:

@@ -412,9 +412,9 @@ _SCHEDULE_RESULT = {
     "lastRunThreadId": OPT_STRING, "lastRunId": OPT_STRING, "runCount": INTEGER,
     "providerInstanceId": OPT_STRING, "model": OPT_STRING, "runtimeMode": RUNTIME,
     "interactionMode": INTERACTION, "createdBy": ACTOR, "creationSource": SOURCE,
-    "createdAt": STRING, "updatedAt": STRING, "hookUrl": STRING,
+    "createdAt": STRING, "updatedAt": STRING, "hookUrl": STRING, "hookNote": STRING,
     "deliveries": _list({"type": "object"})}
-SCHEDULE_OUTPUT = _shape(_SCHEDULE_RESULT, optional=["hookUrl", "deliveries"])
+SCHEDULE_OUTPUT = _shape(_SCHEDULE_RESULT, optional=["hookUrl", "hookNote", "deliveries"])
 LIST_SCHEDULES_OUTPUT = _shape({"tasks": _list(SCHEDULE_OUTPUT)})
 DELETE_SCHEDULE_OUTPUT = _shape({"scheduledTaskId": STRING, "deleted": BOOLEAN})
 UPDATE_OUTPUT = _shape({"threadId": STRING, "action": _enum(orch.METADATA_ACTIONS),
@@ -587,8 +587,9 @@ TOOLS: tuple[_Tool, ...] = (
           "'interval', everyMs} (at least 60000), {type: 'fixed_time', timeOfDay: 'HH:MM', "
           "weekdays?: [0-6, 0 = Sunday]} in the server's local time, or {type: 'webhook', "
           "signature?: {header, secret, prefix?}, filters?: [{path, equals}], "
-          "maxDeliveryAgeMinutes?, deliveryIdHeader?, timestampHeader?} (the result's hookUrl, "
-          "shown once, triggers it; the prompt is then a template filled from each delivery: "
+          "maxDeliveryAgeMinutes?, deliveryIdHeader?, timestampHeader?} (signature may also be "
+          "{scheme: 'standard-webhooks', secret: 'whsec_...'}; a person mints the hook's URL, "
+          "see the result's hookNote; the prompt is then a template filled from each delivery: "
           "{{body.a.b}}, {{headers.name}}, {{query.name}}, {{body}}). By default "
           "each run posts into this thread; bindToCurrentThread false launches a fresh thread "
           "per run. Provider, model and modes inherit (never broader than yours). enabled "
@@ -669,7 +670,8 @@ class Toolkit:
         args = validate(tool.input_schema, dict(arguments or {}))
         handler = getattr(self, "_" + tool.handler)
         try:
-            return await handler(scope, args, progress)  # type: ignore[no-any-return]
+            result = await handler(scope, args, progress)
+            return _without_hook_tokens(result) if scope.kind == "thread" else result
         except orch.T3Error as exc:
             raise ToolFailure(exc.code if exc.code in FAILURE_CODES else "orchestration_error",
                               str(exc)) from exc
@@ -1372,7 +1374,9 @@ class Toolkit:
                               f"in project {project.id} (the client token has none)")
         info, model = self.threads.resolve_target(args.get("target"), caller)
         runtime, interaction = self.threads.modes(args, caller)
-        token = secrets.token_urlsafe(32) if schedule["type"] == "webhook" else None
+        # An agent never holds a hook's token: a person mints its URL (_task_summary's hookNote).
+        token = secrets.token_urlsafe(32) if schedule["type"] == "webhook" and caller is None \
+            else None
         key = self._key(args)
         return orch.UpsertScheduledTask(
             command_id=self._id("command", transport, scope.key, "schedule-task", key),
@@ -1402,9 +1406,9 @@ class Toolkit:
             runtime, interaction = self.threads.modes(
                 {"runtimeMode": task.runtime_mode, "interactionMode": task.interaction_mode,
                  **args}, caller)
-        rotate = args.get("rotateHookToken") or (
+        rotate = caller is None and (args.get("rotateHookToken") or (
             schedule is not None and schedule["type"] == "webhook"
-            and task.hook_token_sha256 is None)
+            and task.hook_token_sha256 is None))
         token = secrets.token_urlsafe(32) if rotate else None
         return orch.UpsertScheduledTask(
             command_id=self._id("command", transport, scope.key, "schedule-task-update",
@@ -1488,6 +1492,11 @@ class Toolkit:
             # The id may hold a % (clientRequestId is quoted into it): quote it once more.
             summary["hookUrl"] = (f"{self.ctx.base_url}/hooks/"
                                   f"{urllib.parse.quote(task.id, safe=':~')}/{hook_token}")
+        elif task.schedule.get("type") == "webhook" and not task.hook_token_sha256:
+            summary["hookNote"] = (
+                "This hook has no URL yet: a person makes one, shown to them once, with "
+                f"`python t3.py schedule --id {task.id} --rotate-hook-token` (or /ws "
+                "scheduleTask with rotateHookToken).")
         if deliveries and task.schedule.get("type") == "webhook":
             summary["deliveries"] = self.store.deliveries(task.id)
         return summary
@@ -1547,6 +1556,13 @@ def _made_by(transport: str) -> dict[str, str]:
     """Who made a thing: over MCP an agent (or a client acting as one); over /ws a person."""
     return _AGENT_MADE if transport == "mcp" else {
         "created_by": orch.Actor.USER, "creation_source": orch.CreationSource(transport)}
+
+
+def _without_hook_tokens(result: dict[str, Any]) -> dict[str, Any]:
+    """A tool result for an agent with hook URLs' tokens blanked (a person's message may hold
+    one): no agent reads another's live hook."""
+    text = json.dumps(result, ensure_ascii=False)
+    return json.loads(orch.redact_hook_tokens(text)) if "/hooks/" in text else result
 
 
 def _parse_schedule(schedule: Any) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from harness import McpClient, RawResponse, T3Server, agent_log, raw_post, raw_request, wait_until
+from harness import (McpClient, RawResponse, T3Server, agent_log, raw_post, raw_request,
+                     scripted_provider, wait_until, write_config)
 
 import t3 as server
 from test_schedules import prompts, settled, task
@@ -442,3 +443,62 @@ def test_replays_are_duplicates_or_expired_whatever_delivery_id_they_carry(t3_fa
     assert standard(url, body, msg_id="m-2", stamp=now + 301).json()["outcome"] == "running"
     settled(mcp, std["scheduledTaskId"], 2)
 
+
+def test_no_agent_holds_a_live_hook_token_and_a_person_sees_it_once(t3_factory, tmp_path: Path
+                                                                     ) -> None:
+    """An approval-required agent's webhook task gets no token (its result says how a person
+    makes the URL); the person's /ws rotate shows the URL once and it works. The URL the person
+    then gives an agent, echoed back, is blanked in that agent's events; an agent in another
+    project reading both threads' activity sees no token; nor does any protocol log, or any
+    event but the person's own message."""
+    (tmp_path / "w1").mkdir()
+    (tmp_path / "w2").mkdir()
+    t3 = t3_factory(env=CLOCK, config=write_config(tmp_path, projects=[
+        {"id": "proj", "path": str(tmp_path / "w1")}, {"id": "p2", "path": str(tmp_path / "w2")}],
+        providers=[scripted_provider(tmp_path, id="one"), scripted_provider(tmp_path, id="two")]))
+    mcp = t3.client()
+    line = "CALL_TOOL schedule_task " + json.dumps({
+        "prompt": "triage {{body.ref}}", "schedule": {"type": "webhook", "signature": SIGNED},
+        "bindToCurrentThread": False})
+
+    def start(prompt: str, project: str, provider: str, **entry: Any) -> str:
+        made = mcp.call("create_threads", {"projectId": project, "threads": [{
+            "prompt": prompt, "target": {"providerInstanceId": provider}, **entry}]})
+        return str(made.structured["threads"][0]["threadId"])
+    maker = start(line, "proj", "one", runtimeMode="approval-required")
+    [call] = wait_until(lambda: [e for e in agent_log(tmp_path / "agent-one.log")
+                                 if e["dir"] == "mcp"], 30)
+    made = call["result"]
+    assert "hookUrl" not in made and "--rotate-hook-token" in made["hookNote"], made
+    task_id = made["scheduledTaskId"]
+    assert ws(t3, "listScheduledTasks", {"scheduledTaskId": task_id})["tasks"][0]["hookNote"]
+
+    minted = ws(t3, "scheduleTask", {"scheduledTaskId": task_id, "rotateHookToken": True})
+    url = minted["hookUrl"]
+    token = url.rsplit("/", 1)[1]
+    assert github(url, PUSH).json()["outcome"] == "running"
+    settled(mcp, task_id, 1)
+    [listed] = ws(t3, "listScheduledTasks", {"scheduledTaskId": task_id})["tasks"]
+    assert "hookUrl" not in listed and "hookNote" not in listed
+
+    echo = start(f"ECHO_PROMPT deploy with {url} please", "proj", "one")
+    assert mcp.call("t3_thread_wait", {"threadId": echo}).structured["status"] == "completed"
+    reads = [f"CALL_TOOL t3_thread_read {json.dumps({'threadId': t, 'view': v})}"
+             for t in (maker, echo) for v in ("activity", "messages")]
+    start("\n".join(reads), "p2", "two")
+    results = wait_until(lambda: len(r := [e for e in agent_log(tmp_path / "agent-two.log")
+                                          if e["dir"] == "mcp"]) == 4 and r, 30)
+    assert all(not r["isError"] for r in results), results
+    assert "deploy with http" in json.dumps(results) and token not in json.dumps(results)
+    echoed = mcp.call("t3_thread_read", {"threadId": echo}).structured
+    assert "/<redacted> please" in json.dumps(echoed), echoed
+
+    t3.stop()
+    for path in (t3.data_dir / "logs").rglob("*"):
+        assert not path.is_file() or token.encode() not in path.read_bytes(), path
+    assert token not in t3.stderr_text()
+    with closing(sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True)) as db:
+        holding = [(kind, json.loads(payload)) for kind, payload in db.execute(
+            "SELECT type, payload_json FROM events WHERE instr(payload_json, ?)", (token,))]
+    assert holding and all(kind == "message.updated" and payload["role"] == "user"
+                           for kind, payload in holding), holding
