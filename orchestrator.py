@@ -2870,8 +2870,8 @@ class _Delivery:
         return None
 
     def too_old(self, now: float) -> str | None:
-        """Why the delivery is expired: its timestamp header is missing, unreadable, or older
-        than ``maxDeliveryAgeMinutes``; None without a limit."""
+        """Why the delivery is expired: its timestamp header is missing, unreadable, or further
+        than ``maxDeliveryAgeMinutes`` from now (either way); None without a limit."""
         limit = self.schedule.get("maxDeliveryAgeMinutes")
         names = [self.schedule["timestampHeader"]] if self.schedule.get("timestampHeader") \
             else TIMESTAMP_HEADERS
@@ -2887,6 +2887,8 @@ class _Delivery:
                 "or an HTTP date)"
         if now - sent > limit * 60:
             return f"sent {now - sent:.0f} s ago, more than maxDeliveryAgeMinutes ({limit})"
+        if sent - now > limit * 60:  # else a copy could outlive its dedupe (_delivery_command_id)
+            return f"stamped {sent - now:.0f} s ahead, more than maxDeliveryAgeMinutes ({limit})"
         return None
 
 
@@ -4164,8 +4166,9 @@ class Orchestrator:
 
     def _delivery_command_id(self, task: ScheduledTask, request: WebhookRequest) -> str:
         """``webhook:<task>:<replay key>``: a copy meets that receipt and is a duplicate. A signed
-        copy is one only within ``maxDeliveryAgeMinutes`` of the first (forever without it);
-        after that the same content counts anew under the next id (``:<n>``)."""
+        copy is one for twice ``maxDeliveryAgeMinutes`` after the first (forever without it), as
+        long as the first's stamp (which may be that far ahead or behind) keeps a copy from
+        expiring; after that the same content counts anew under the next id (``:<n>``)."""
         key = replay_key(task.schedule, request)
         if key is None:
             return self._new_id("webhook")
@@ -4174,7 +4177,7 @@ class Orchestrator:
         while key.startswith("signed:") and window is not None and \
                 (seen := self._store.receipt(command_id)) is not None and \
                 epoch_of(seen.result.get("receivedAt") or iso_time(0)) <= \
-                self._wall() - window * 60:
+                self._wall() - 2 * window * 60:
             n += 1
             command_id = bounded_id(f"webhook:{task.id}:{key}:{n}")
         return command_id

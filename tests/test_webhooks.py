@@ -390,11 +390,12 @@ def test_a_too_long_prompt_fails_and_an_old_delivery_expires_without_running(
 
 
 def test_replays_are_duplicates_or_expired_whatever_delivery_id_they_carry(t3_factory) -> None:
-    """With maxDeliveryAgeMinutes, a delivery without a timestamp is expired. A GitHub-signed
-    body sent again within that window is a duplicate with a new or no delivery id (after it,
-    it runs again). Standard Webhooks: a v1 signature over id.timestamp.body passes (one good
-    entry among several), a wrong key, body, id or a body-only HMAC is 401; a replay is a
-    duplicate, then, past the window, expired."""
+    """With maxDeliveryAgeMinutes, a delivery without a timestamp, or stamped too far ahead, is
+    expired. A GitHub-signed body sent again within twice that window is a duplicate with a new
+    or no delivery id (after it, it runs again). Standard Webhooks: a v1 signature over
+    id.timestamp.body passes (one good entry among several), a wrong key, body, id or a
+    body-only HMAC is 401; a replay is a duplicate, then, once its signed stamp is too old,
+    expired."""
     t3 = t3_factory(env=CLOCK)
     mcp = t3.client()
     bare = make_hook(mcp, title="bare", maxDeliveryAgeMinutes=5)
@@ -414,8 +415,8 @@ def test_replays_are_duplicates_or_expired_whatever_delivery_id_they_carry(t3_fa
               raw_post(hub["hookUrl"], body, {**signed, "Webhook-Timestamp": str(START + 60)})]
     assert [c.json()["outcome"] for c in copies] == ["duplicate", "duplicate"]
     assert task(mcp, hub["scheduledTaskId"])["runCount"] == 1
-    ws(t3, "advanceTestClock", {"seconds": 301})
-    later = {"Webhook-Timestamp": str(START + 301)}
+    ws(t3, "advanceTestClock", {"seconds": 601})
+    later = {"Webhook-Timestamp": str(START + 601)}
     assert github(hub["hookUrl"], PUSH, delivery="d-3", headers=later).json()["outcome"] == \
         "running"
     settled(mcp, hub["scheduledTaskId"], 2)
@@ -423,7 +424,7 @@ def test_replays_are_duplicates_or_expired_whatever_delivery_id_they_carry(t3_fa
     std = make_hook(mcp, title="std", maxDeliveryAgeMinutes=5,
                     signature={"scheme": "standard-webhooks", "secret": WHSEC})
     assert std["schedule"]["signature"] == {"scheme": "standard-webhooks"}
-    url, now = std["hookUrl"], START + 301
+    url, now = std["hookUrl"], START + 601
     mac = "v1," + base64.b64encode(hmac.new(SECRET.encode(), body, hashlib.sha256).digest()
                                    ).decode()
     wrong_key = "whsec_" + base64.b64encode(b"another key").decode()
@@ -438,9 +439,16 @@ def test_replays_are_duplicates_or_expired_whatever_delivery_id_they_carry(t3_fa
     several = f"v1,bm9wZQ== {v1(body, 'm-1', now)}"
     assert standard(url, body, msg_id="m-1", stamp=now, signature=several).json()[
         "outcome"] == "duplicate"
-    ws(t3, "advanceTestClock", {"seconds": 301})
+    ws(t3, "advanceTestClock", {"seconds": 301})  # remembered for twice the window
+    assert standard(url, body, msg_id="m-1", stamp=now, signature=several).json()[
+        "outcome"] == "duplicate"
+    ws(t3, "advanceTestClock", {"seconds": 300})
     assert standard(url, body, msg_id="m-1", stamp=now).json()["outcome"] == "expired"
-    assert standard(url, body, msg_id="m-2", stamp=now + 301).json()["outcome"] == "running"
+    ahead = standard(url, body, msg_id="m-3", stamp=now + 601 + 301)
+    assert ahead.json()["outcome"] == "expired"
+    assert deliveries(t3, std["scheduledTaskId"])[0]["reason"] == \
+        "stamped 301 s ahead, more than maxDeliveryAgeMinutes (5)"
+    assert standard(url, body, msg_id="m-2", stamp=now + 601).json()["outcome"] == "running"
     settled(mcp, std["scheduledTaskId"], 2)
 
 
