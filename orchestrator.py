@@ -21,6 +21,7 @@ Rules that hold everywhere below:
 from __future__ import annotations
 
 import asyncio
+import base64
 import calendar
 import collections
 import contextlib
@@ -1862,8 +1863,23 @@ def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str,
                 if turn is not None and turn.status == "running":
                     d.put(replace(turn, status=event.status, completed_at=d.now))
             continue
-        run = _ingest_one(d, run, attempt, c, event)
+        run = _ingest_one(d, run, attempt, c, _without_hook_tokens(event))
     return {"runId": c.run_id}
+
+
+def _without_hook_tokens(event: AdapterEvent) -> AdapterEvent:
+    """Provider output with hook URLs' tokens blanked: an agent that came upon one (in a file, a
+    message) never passes it into events that other agents read."""
+    if isinstance(event, (TextDelta, ReasoningDelta)):  # the stream: one test per chunk
+        return event if "/hooks/" not in event.text else type(event)(redact_hook_tokens(event.text))
+    changes: dict[str, Any] = {}
+    for name, value in ((f.name, getattr(event, f.name)) for f in fields(event)):
+        if isinstance(value, str) and "/hooks/" in value:
+            changes[name] = redact_hook_tokens(value)
+        elif isinstance(value, (Mapping, list, tuple)) and "/hooks/" in (
+                text := json.dumps(value, ensure_ascii=False, default=str)):
+            changes[name] = json.loads(redact_hook_tokens(text))
+    return replace(event, **changes) if changes else event
 
 
 def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents,
@@ -2637,8 +2653,8 @@ def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[st
 # Webhooks (SPEC 7): a webhook task runs once per delivery to its URL. t3.py checks the token
 # and bounds the body; the runtime checks signature and rate; one command records the delivery
 # with its outcome and, when the task is idle, fires it in that commit. Deliveries wait in line,
-# one run at a time: settling a run fires the next. A delivery id header makes the command id,
-# so a second copy finds the receipt and is recorded as a duplicate.
+# one run at a time: settling a run fires the next. What the signature covers (else a delivery id
+# header) makes the command id, so a second copy finds the receipt and is recorded a duplicate.
 
 
 HOOK_BODY_MAX_BYTES = 1024 * 1024  # t3.py refuses a longer body (413) before reading it
@@ -2647,9 +2663,12 @@ MAX_WAITING_DELIVERIES = 20  # queued + running, per task
 DELIVERY_EXCERPT_BYTES = 64 * 1024
 MAX_FILLED_PROMPT_CHARS = 120_000
 MAX_HOOK_FILTERS = 20
-DELIVERY_ID_HEADERS = ("x-github-delivery", "x-request-id")
+DELIVERY_ID_HEADERS = ("x-github-delivery", "webhook-id", "x-request-id")
 TIMESTAMP_HEADERS = ("webhook-timestamp", "x-webhook-timestamp")
+STANDARD_WEBHOOKS = "standard-webhooks"  # webhook-id, webhook-timestamp, webhook-signature
 REDACTED = "<redacted>"
+# A hook URL's token (43 URL-safe characters: secrets.token_urlsafe(32)) after its task's id.
+_HOOK_TOKEN = re.compile(r"(/hooks/scheduled-task[^/\s\"'<>?#]*/)[\w-]{43}(?![\w-])", re.ASCII)
 _WEBHOOK_KEYS = ("type", "signature", "filters", "maxDeliveryAgeMinutes", "deliveryIdHeader",
                  "timestampHeader")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")
@@ -2675,9 +2694,17 @@ def _validate_webhook(schedule: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise fail(unknown[0], f"unknown field; a webhook takes {', '.join(_WEBHOOK_KEYS[1:])}")
     checked: dict[str, Any] = {"type": "webhook"}
-    if (sig := schedule.get("signature")) is not None:
+    if isinstance(sig := schedule.get("signature"), Mapping) and \
+            sig.get("scheme") == STANDARD_WEBHOOKS:
+        if set(sig) != {"scheme", "secret"} or not _standard_key(sig["secret"]):
+            raise fail("signature", f"{{scheme: {STANDARD_WEBHOOKS}, secret: whsec_<base64>}}")
+        if schedule.get("timestampHeader") is not None:
+            raise fail("timestampHeader", "the scheme's signed webhook-timestamp is the one read")
+        checked["signature"] = {"scheme": STANDARD_WEBHOOKS, "secret": sig["secret"]}
+    elif sig is not None:
         if not isinstance(sig, Mapping) or set(sig) - {"header", "secret", "prefix"}:
-            raise fail("signature", "an object {header, secret, prefix?}")
+            raise fail("signature", "an object {header, secret, prefix?}, or {scheme: "
+                       f"{STANDARD_WEBHOOKS}, secret}}")
         secret, prefix = sig.get("secret"), sig.get("prefix", "")
         if not isinstance(secret, str) or not 1 <= len(secret) <= 1024:
             raise fail("signature.secret", "a string of 1 to 1,024 characters")
@@ -2722,26 +2749,72 @@ class WebhookRequest:
 
 
 def signature_valid(schedule: Mapping[str, Any], request: WebhookRequest) -> bool:
-    """No signature asked for, or the header holds prefix + HMAC-SHA256(secret, raw body) in hex
-    (GitHub: ``X-Hub-Signature-256: sha256=<hex>``), compared in constant time."""
+    """No signature asked for; or the header holds prefix + HMAC-SHA256(secret, raw body) in hex
+    (GitHub: ``X-Hub-Signature-256: sha256=<hex>``); or, for Standard Webhooks, one of the
+    space-separated ``v1,<base64>`` in ``webhook-signature`` is the HMAC-SHA256 of
+    ``<webhook-id>.<webhook-timestamp>.<body>`` under the secret's key. Constant-time compares."""
     sig = schedule.get("signature")
     if not sig:
         return True
+    signed = _signed_content(schedule, request)
+    if sig.get("scheme") == STANDARD_WEBHOOKS:
+        expected = base64.b64encode(hmac.new(_standard_key(sig["secret"]) or b"", signed or b"",
+                                             hashlib.sha256).digest()).decode()
+        given = (request.header("webhook-signature") or "").split()
+        # compare_digest takes only ASCII text: a value with other characters matches nothing.
+        return signed is not None and any(
+            g.isascii() and g.startswith("v1,") and hmac.compare_digest(g[3:], expected)
+            for g in given)
     given = (request.header(sig["header"]) or "").strip()
     prefix = sig.get("prefix", "")
     expected = hmac.new(sig["secret"].encode(), request.body, hashlib.sha256).hexdigest()
-    # compare_digest takes only ASCII text: a value with other characters matches nothing.
     return given.isascii() and given.startswith(prefix) and \
         hmac.compare_digest(given[len(prefix):].lower(), expected)
 
 
+def replay_key(schedule: Mapping[str, Any], request: WebhookRequest) -> str | None:
+    """What names the delivery for dedupe. A signed one: the hash of what its signature covers,
+    so a copy is known whatever delivery id it carries. Else the task's ``deliveryIdHeader``, or
+    ``X-GitHub-Delivery``, ``webhook-id`` or ``X-Request-Id``; None when absent (never a
+    duplicate then)."""
+    if schedule.get("signature") and (signed := _signed_content(schedule, request)) is not None:
+        return "signed:" + hashlib.sha256(signed).hexdigest()
+    return delivery_key(schedule, request)
+
+
 def delivery_key(schedule: Mapping[str, Any], request: WebhookRequest) -> str | None:
-    """What names the delivery for dedupe: the task's ``deliveryIdHeader``, else
-    ``X-GitHub-Delivery`` or ``X-Request-Id``; None when absent (then it is never a duplicate)."""
+    """The delivery id header's value, as the log shows it (None when absent)."""
     names = [schedule["deliveryIdHeader"]] if schedule.get("deliveryIdHeader") \
         else DELIVERY_ID_HEADERS
     value = next((v.strip() for n in names if (v := request.header(n)) and v.strip()), None)
     return bounded_id(value) if value else None
+
+
+def redact_hook_tokens(text: str) -> str:
+    """``text`` with every hook URL's token blanked (``/hooks/<task>/<redacted>``): what
+    providers, tool results and logs carry never hands a live hook to whoever reads them."""
+    return _HOOK_TOKEN.sub(rf"\g<1>{REDACTED}", text) if "/hooks/" in text else text
+
+
+def _signed_content(schedule: Mapping[str, Any], request: WebhookRequest) -> bytes | None:
+    """The bytes the task's signature covers: the body, or for Standard Webhooks
+    ``<webhook-id>.<webhook-timestamp>.<body>`` (None without those headers)."""
+    if (schedule.get("signature") or {}).get("scheme") != STANDARD_WEBHOOKS:
+        return request.body
+    msg_id, stamp = request.header("webhook-id"), request.header("webhook-timestamp")
+    if not msg_id or not stamp:
+        return None
+    return f"{msg_id}.{stamp}.".encode("latin-1") + request.body  # the header bytes as sent
+
+
+def _standard_key(secret: Any) -> bytes | None:
+    """A Standard Webhooks secret ``whsec_<base64>`` as its HMAC key (None if it is not one)."""
+    if not isinstance(secret, str) or not secret.startswith("whsec_") or len(secret) > 1024:
+        return None
+    try:
+        return base64.b64decode(secret[6:], validate=True) or None
+    except ValueError:
+        return None
 
 
 def delivery_excerpt(schedule: Mapping[str, Any], body: bytes,
@@ -2822,20 +2895,25 @@ class _Delivery:
         return None
 
     def too_old(self, now: float) -> str | None:
-        """Why the delivery is expired: its timestamp header is older than
-        ``maxDeliveryAgeMinutes``, or unreadable; None without a limit or a timestamp."""
+        """Why the delivery is expired: its timestamp header is missing, unreadable, or further
+        than ``maxDeliveryAgeMinutes`` from now (either way); None without a limit."""
         limit = self.schedule.get("maxDeliveryAgeMinutes")
         names = [self.schedule["timestampHeader"]] if self.schedule.get("timestampHeader") \
             else TIMESTAMP_HEADERS
         name, value = next(((n, v) for n in names if (v := self.request.header(n))), ("", None))
-        if limit is None or value is None:
+        if limit is None:
             return None
+        if value is None:  # else a replay would only have to leave its stamp out
+            return f"it has no timestamp header ({', '.join(names)}) and " \
+                f"maxDeliveryAgeMinutes is {limit}"
         sent = _timestamp(value)
         if sent is None:
             return f"its {name} header is not a time (epoch seconds or milliseconds, ISO 8601, " \
                 "or an HTTP date)"
         if now - sent > limit * 60:
             return f"sent {now - sent:.0f} s ago, more than maxDeliveryAgeMinutes ({limit})"
+        if sent - now > limit * 60:  # else a copy could outlive its dedupe (_delivery_command_id)
+            return f"stamped {sent - now:.0f} s ahead, more than maxDeliveryAgeMinutes ({limit})"
         return None
 
 
@@ -2870,9 +2948,9 @@ class ReceiveWebhookDelivery:
     outcome, and queue its run unless it is a duplicate, expired, skipped or failed."""
 
     type: ClassVar[str] = "webhook-delivery.receive"
-    # The same delivery (task + delivery id header) is one command, however its copy differs.
-    fingerprint_fields: ClassVar[tuple[str, ...]] = ("thread_id", "delivery_key")
-    command_id: str  # webhook:<task>:<delivery key> when it has one, else random
+    # The command id holds what names the delivery (``replay_key``): a copy is the same command.
+    fingerprint_fields: ClassVar[tuple[str, ...]] = ("thread_id",)
+    command_id: str  # webhook:<task>:<replay key>[:<n>] when it has one, else random
     thread_id: str  # the task's id
     delivery_id: str
     request: WebhookRequest
@@ -2897,8 +2975,9 @@ def _decide_receive_delivery(d: _Draft, c: ReceiveWebhookDelivery, **_: Any
         body_truncated=len(c.request.body) > DELIVERY_EXCERPT_BYTES, query=view.query,
         delivery_key=c.delivery_key, updated_at=d.now, ordinal=task.delivery_count)
     if c.duplicate_of is not None:
-        delivery = replace(delivery, outcome="duplicate",
-                           reason=f"delivery {c.delivery_key} came before: {c.duplicate_of}")
+        delivery = replace(delivery, outcome="duplicate", reason=(
+            "the same signed delivery" if task.schedule.get("signature") else
+            f"delivery {c.delivery_key}") + f" came before: {c.duplicate_of}")
     elif (why := view.too_old(epoch_of(d.now))) is not None:
         delivery = replace(delivery, outcome="expired", reason=why)
     elif (why := view.unmatched_filter()) is not None:
@@ -2917,7 +2996,7 @@ def _decide_receive_delivery(d: _Draft, c: ReceiveWebhookDelivery, **_: Any
     else:
         d.put(delivery)
     d.put(task)
-    return {"deliveryId": delivery.id,
+    return {"deliveryId": delivery.id, "receivedAt": d.now,
             "outcome": d.get("webhook-delivery", delivery.id).outcome}
 
 
@@ -4095,17 +4174,16 @@ class Orchestrator:
         if task is None:
             raise T3Error("No webhook at this address.", code="hook_not_found")
         if not signature_valid(task.schedule, request):
-            raise T3Error("The signature header does not hold the body's HMAC-SHA256.",
-                          code="invalid_signature")
+            raise T3Error("The signature does not match: no HMAC-SHA256 of the delivery under "
+                          "the task's secret.", code="invalid_signature")
         if json_too_deep(request.body.decode("utf-8", "replace")):
             raise T3Error(f"The body nests deeper than {MAX_JSON_DEPTH} levels.",
                           code="invalid_request")
         self._admit_delivery(task_id)
-        key = delivery_key(task.schedule, request)
         command = ReceiveWebhookDelivery(
-            command_id=bounded_id(f"webhook:{task_id}:{key}") if key else
-            self._new_id("webhook"), thread_id=task_id,
-            delivery_id=self._new_id("webhook-delivery"), request=request, delivery_key=key,
+            command_id=self._delivery_command_id(task, request), thread_id=task_id,
+            delivery_id=self._new_id("webhook-delivery"), request=request,
+            delivery_key=delivery_key(task.schedule, request),
             body_excerpt=delivery_excerpt(task.schedule, request.body, self._redact))
         result = await self.dispatch(command)
         if result.replayed:  # this delivery came before: log the copy as its duplicate
@@ -4114,7 +4192,25 @@ class Orchestrator:
                 duplicate_of=result.result["deliveryId"]))
         log.info("webhook delivery %s to scheduled task %s: %s", result.result["deliveryId"],
                  task_id, result.result["outcome"])
-        return result.result
+        return {k: result.result[k] for k in ("deliveryId", "outcome")}
+
+    def _delivery_command_id(self, task: ScheduledTask, request: WebhookRequest) -> str:
+        """``webhook:<task>:<replay key>``: a copy meets that receipt and is a duplicate. A signed
+        copy is one for twice ``maxDeliveryAgeMinutes`` after the first (forever without it), as
+        long as the first's stamp (which may be that far ahead or behind) keeps a copy from
+        expiring; after that the same content counts anew under the next id (``:<n>``)."""
+        key = replay_key(task.schedule, request)
+        if key is None:
+            return self._new_id("webhook")
+        command_id, n = bounded_id(f"webhook:{task.id}:{key}"), 0
+        window = task.schedule.get("maxDeliveryAgeMinutes")
+        while key.startswith("signed:") and window is not None and \
+                (seen := self._store.receipt(command_id)) is not None and \
+                epoch_of(seen.result.get("receivedAt") or iso_time(0)) <= \
+                self._wall() - 2 * window * 60:
+            n += 1
+            command_id = bounded_id(f"webhook:{task.id}:{key}:{n}")
+        return command_id
 
     def _admit_delivery(self, task_id: str) -> None:
         """At most HOOK_DELIVERIES_PER_MINUTE per hook in any 60 s, kept in memory (a restart

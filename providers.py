@@ -59,7 +59,8 @@ from typing import Any
 from urllib.parse import quote
 
 from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderInfo, ReasoningDelta,
-                          RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded, parse_json)
+                          RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded, parse_json,
+                          redact_hook_tokens)
 
 __all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "AcpAdapter",
            "AcpRegistryAdapter", "GrokAdapter", "ClaudeAdapter", "CodexAdapter", "PiAdapter",
@@ -172,7 +173,9 @@ _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
 def redact(text: str) -> str:
-    """Blank out credentials anywhere in a protocol line (``_SECRET``), in any letter case."""
+    """Blank out credentials anywhere in a protocol line (``_SECRET``), in any letter case, and
+    hook URLs' tokens."""
+    text = redact_hook_tokens(text)
     lowered = text.lower()
     # Most lines hold no secret's word: skip the scan (spelled out, as this runs per line).
     if "bearer" not in lowered and "token" not in lowered and "key" not in lowered and \

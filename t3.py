@@ -79,6 +79,8 @@ class Config:
     credential_idle_s: int = 7_200
     max_delegation_depth: int = 5
     max_live_agent_processes: int = 16
+    max_scheduled_tasks_per_project: int = 20
+    min_agent_task_interval_s: int = 900
     allowed_origins: tuple[str, ...] = ()  # besides the server's own http://127.0.0.1:<port> etc.
     allowed_hosts: tuple[str, ...] = ()  # Host header names besides loopback addresses
     max_connections: int = 512
@@ -92,7 +94,8 @@ _SECTIONS = {"server": {"host", "port", "allowed_origins", "allowed_hosts", "max
              "providers": {"id", "driver", "command", "env", "models", "enabled", "displayName",
                            "agent", "registry", "instructions", "allow_unverified"},
              "limits": {"credential_max_lifetime_s", "credential_idle_s", "max_delegation_depth",
-                        "max_live_agent_processes"}}
+                        "max_live_agent_processes", "max_scheduled_tasks_per_project",
+                        "min_agent_task_interval_s"}}
 
 
 _Fail = Callable[[str, "int | None", "str | None", str], ConfigError]
@@ -128,6 +131,9 @@ def load_config(path: Path, *, cwd: Path) -> Config:
             raise fail("limits", None, key, "unknown key")
         if not isinstance(limits[key], int) or isinstance(limits[key], bool) or limits[key] <= 0:
             raise fail("limits", None, key, "must be a positive integer")
+    if limits.get("min_agent_task_interval_s", 60) < 60:
+        raise fail("limits", None, "min_agent_task_interval_s", "must be at least 60 (no task "
+                   "runs more often than once a minute)")
     return Config(**_server_section(data.get("server", {}), fail, base=path.parent),
                   projects=_project_entries(data.get("projects", []), fail, cwd=cwd),
                   providers=providers, **limits)
@@ -1874,7 +1880,9 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     context = ServerContext(environment_id=environment_id, projects=[
         Project(p["id"], p["path"], p["title"], tuple(p.get("setup", ())))
         for p in config.projects], data_dir=data_dir,
-        max_delegation_depth=config.max_delegation_depth, base_url=base_url)
+        max_delegation_depth=config.max_delegation_depth, base_url=base_url,
+        max_scheduled_tasks_per_project=config.max_scheduled_tasks_per_project,
+        min_agent_task_interval_s=config.min_agent_task_interval_s)
     return orch, adapters, Toolkit(orch, store, context)
 
 
@@ -2900,7 +2908,12 @@ def _schedule_params(args: argparse.Namespace) -> dict[str, Any]:
     prompt = args.prompt_option if args.prompt_option is not None else args.prompt
     signature = _given(header=args.secret_header, prefix=args.prefix, secret=(
         sys.stdin.read().rstrip("\n") if args.secret == "-" else args.secret))
-    if signature and not (args.webhook and {"header", "secret"} <= set(signature)):
+    if args.standard_webhooks:
+        if not args.webhook or set(signature) != {"secret"}:
+            raise refuse("--standard-webhooks goes with --webhook and --secret whsec_... "
+                         "(its headers are fixed: no --secret-header or --prefix)")
+        signature["scheme"] = "standard-webhooks"
+    elif signature and not (args.webhook and {"header", "secret"} <= set(signature)):
         raise refuse("--secret-header and --secret (and --prefix) go together, with --webhook")
     if args.weekdays is not None and args.at is None:
         raise refuse("--weekdays goes with --at")
@@ -3337,6 +3350,8 @@ def _schedule_parser(parser: argparse.ArgumentParser, runtime_modes: Any) -> Non
                                              "HMAC-SHA256 signature")
     add("--secret", metavar="S", help="with --webhook: the signing secret (`-`: standard input)")
     add("--prefix", metavar="P", help="with --webhook: the signature's prefix, e.g. sha256=")
+    add("--standard-webhooks", action="store_true", help="with --webhook and --secret whsec_...: "
+        "check Standard Webhooks signatures (webhook-id, webhook-timestamp, webhook-signature)")
     add("--title", help="title (default: from PROMPT)")
     add("--provider", help="provider instance id (default: the first available)")
     add("--project", help="project id (default: the first configured)")

@@ -98,6 +98,8 @@ class ServerContext:
     projects: list[Project]
     data_dir: Path
     max_delegation_depth: int = 5
+    max_scheduled_tasks_per_project: int = 20  # agents make no task beyond it
+    min_agent_task_interval_s: int = 900  # the shortest interval of an agent's task
     base_url: str = "http://127.0.0.1"  # the server's own URL (webhook URLs name it)
     scratch_project: Project = field(init=False)
 
@@ -412,9 +414,9 @@ _SCHEDULE_RESULT = {
     "lastRunThreadId": OPT_STRING, "lastRunId": OPT_STRING, "runCount": INTEGER,
     "providerInstanceId": OPT_STRING, "model": OPT_STRING, "runtimeMode": RUNTIME,
     "interactionMode": INTERACTION, "createdBy": ACTOR, "creationSource": SOURCE,
-    "createdAt": STRING, "updatedAt": STRING, "hookUrl": STRING,
+    "createdAt": STRING, "updatedAt": STRING, "hookUrl": STRING, "hookNote": STRING,
     "deliveries": _list({"type": "object"})}
-SCHEDULE_OUTPUT = _shape(_SCHEDULE_RESULT, optional=["hookUrl", "deliveries"])
+SCHEDULE_OUTPUT = _shape(_SCHEDULE_RESULT, optional=["hookUrl", "hookNote", "deliveries"])
 LIST_SCHEDULES_OUTPUT = _shape({"tasks": _list(SCHEDULE_OUTPUT)})
 DELETE_SCHEDULE_OUTPUT = _shape({"scheduledTaskId": STRING, "deleted": BOOLEAN})
 UPDATE_OUTPUT = _shape({"threadId": STRING, "action": _enum(orch.METADATA_ACTIONS),
@@ -587,8 +589,9 @@ TOOLS: tuple[_Tool, ...] = (
           "'interval', everyMs} (at least 60000), {type: 'fixed_time', timeOfDay: 'HH:MM', "
           "weekdays?: [0-6, 0 = Sunday]} in the server's local time, or {type: 'webhook', "
           "signature?: {header, secret, prefix?}, filters?: [{path, equals}], "
-          "maxDeliveryAgeMinutes?, deliveryIdHeader?, timestampHeader?} (the result's hookUrl, "
-          "shown once, triggers it; the prompt is then a template filled from each delivery: "
+          "maxDeliveryAgeMinutes?, deliveryIdHeader?, timestampHeader?} (signature may also be "
+          "{scheme: 'standard-webhooks', secret: 'whsec_...'}; a person mints the hook's URL, "
+          "see the result's hookNote; the prompt is then a template filled from each delivery: "
           "{{body.a.b}}, {{headers.name}}, {{query.name}}, {{body}}). By default "
           "each run posts into this thread; bindToCurrentThread false launches a fresh thread "
           "per run. Provider, model and modes inherit (never broader than yours). enabled "
@@ -652,6 +655,7 @@ class Toolkit:
                  ) -> None:
         self.orch, self.store, self.ctx = orchestrator, store, context
         self.threads = orch.ThreadService(orchestrator)
+        self._making_task = asyncio.Lock()  # a project's task count holds until its commit
 
     def list_tools(self) -> list[types.Tool]:
         return list(_published_tools().values())
@@ -669,7 +673,8 @@ class Toolkit:
         args = validate(tool.input_schema, dict(arguments or {}))
         handler = getattr(self, "_" + tool.handler)
         try:
-            return await handler(scope, args, progress)  # type: ignore[no-any-return]
+            result = await handler(scope, args, progress)
+            return _without_hook_tokens(result) if scope.kind == "thread" else result
         except orch.T3Error as exc:
             raise ToolFailure(exc.code if exc.code in FAILURE_CODES else "orchestration_error",
                               str(exc)) from exc
@@ -1345,13 +1350,22 @@ class Toolkit:
         caller = (await self._agent_caller(scope, "schedule_task"))[0] \
             if scope.kind == "thread" else None
         schedule = _parse_schedule(args["schedule"]) if "schedule" in args else None
+        limit = self.ctx.min_agent_task_interval_s
+        if caller is not None and schedule is not None and schedule["type"] == "interval" and \
+                schedule["everyMs"] < limit * 1000:
+            raise ToolFailure("capability_denied", f"schedule.everyMs: an agent's task runs at "
+                              f"most every {limit} s, min_agent_task_interval_s = {limit} "
+                              "([limits] in t3.toml)")
         if "scheduledTaskId" in args:
             task = await self._visible_task(scope, caller, args["scheduledTaskId"],
                                             changing=True)
             command, token = self._task_update(scope, caller, task, args, schedule, transport)
+            await self.orch.dispatch(command)
         else:
             command, token = self._task_create(scope, caller, args, schedule, transport)
-        await self.orch.dispatch(command)
+            async with self._making_task:
+                self._within_task_cap(caller, command)
+                await self.orch.dispatch(command)
         if args.get("runNow"):
             await self.orch.fire(command.thread_id, trigger="manual")
         task = await self._visible_task(scope, caller, command.thread_id)
@@ -1363,7 +1377,12 @@ class Toolkit:
         if schedule is None or "prompt" not in args:
             raise ToolFailure("invalid_request", "prompt: a new scheduled task needs a prompt "
                               "and a schedule (or give scheduledTaskId to change one)")
-        project = self.ctx.project(args.get("projectId") or _home_project(caller))
+        home = caller.thread.project_id if caller and caller.thread else None
+        if caller is not None and (home == self.ctx.scratch_project.id
+                                   or args.get("projectId", home) != home):
+            raise ToolFailure("capability_denied", f"projectId: an agent schedules tasks only in "
+                              f"its own thread's project ({home}, not a scratch folder)")
+        project = self.ctx.project(home or args.get("projectId"))
         here = caller is not None and caller.thread is not None and \
             caller.thread.project_id == project.id
         bind = args.get("bindToCurrentThread", here)
@@ -1372,7 +1391,9 @@ class Toolkit:
                               f"in project {project.id} (the client token has none)")
         info, model = self.threads.resolve_target(args.get("target"), caller)
         runtime, interaction = self.threads.modes(args, caller)
-        token = secrets.token_urlsafe(32) if schedule["type"] == "webhook" else None
+        # An agent never holds a hook's token: a person mints its URL (_task_summary's hookNote).
+        token = secrets.token_urlsafe(32) if schedule["type"] == "webhook" and caller is None \
+            else None
         key = self._key(args)
         return orch.UpsertScheduledTask(
             command_id=self._id("command", transport, scope.key, "schedule-task", key),
@@ -1389,6 +1410,8 @@ class Toolkit:
     def _task_update(self, scope: Scope, caller: ThreadState | None, task: orch.ScheduledTask,
                      args: _Args, schedule: dict[str, Any] | None, transport: str
                      ) -> tuple[orch.UpsertScheduledTask, str | None]:
+        if caller is not None:
+            _agent_may_change(caller, task, args, schedule)
         bind = args.get("bindToCurrentThread")
         if bind and (caller is None or caller.thread is None
                      or caller.thread.project_id != task.project_id):
@@ -1402,9 +1425,9 @@ class Toolkit:
             runtime, interaction = self.threads.modes(
                 {"runtimeMode": task.runtime_mode, "interactionMode": task.interaction_mode,
                  **args}, caller)
-        rotate = args.get("rotateHookToken") or (
+        rotate = caller is None and (args.get("rotateHookToken") or (
             schedule is not None and schedule["type"] == "webhook"
-            and task.hook_token_sha256 is None)
+            and task.hook_token_sha256 is None))
         token = secrets.token_urlsafe(32) if rotate else None
         return orch.UpsertScheduledTask(
             command_id=self._id("command", transport, scope.key, "schedule-task-update",
@@ -1442,10 +1465,27 @@ class Toolkit:
                                   "those modes (or the client) may change it") from exc
         return task  # type: ignore[no-any-return]
 
+    def _within_task_cap(self, caller: ThreadState | None,
+                         command: orch.UpsertScheduledTask) -> None:
+        """An agent adds no task to a project that holds max_scheduled_tasks_per_project (a
+        retry of one it made is no new task)."""
+        cap, project = self.ctx.max_scheduled_tasks_per_project, command.project_id
+        if caller is None or self.store.receipt(command.command_id) is not None:
+            return
+        if (held := sum(t["projectId"] == project for t in self.store.scheduled_tasks())) >= cap:
+            raise ToolFailure("capability_denied", f"project {project} holds {held} scheduled "
+                              f"tasks, max_scheduled_tasks_per_project = {cap} ([limits] in "
+                              "t3.toml): delete one first")
+
     async def _list_schedules(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         caller = await self._caller_thread(scope)
-        wanted = args.get("projectId") or (caller.thread.project_id
-                                           if caller and caller.thread else None)
+        wanted = args.get("projectId")
+        if scope.kind == "thread":
+            home = caller.thread.project_id if caller and caller.thread else ""
+            if wanted not in (None, home):
+                raise ToolFailure("capability_denied", f"projectId: an agent lists only its "
+                                  f"own project's tasks ({home})")
+            wanted = home
         tasks = [orch.ScheduledTask.from_json(t) for t in self.store.scheduled_tasks()]
         return {"tasks": [self._task_summary(t, deliveries=args.get("includeDeliveries"))
                           for t in tasks if wanted in (None, t.project_id)
@@ -1488,6 +1528,11 @@ class Toolkit:
             # The id may hold a % (clientRequestId is quoted into it): quote it once more.
             summary["hookUrl"] = (f"{self.ctx.base_url}/hooks/"
                                   f"{urllib.parse.quote(task.id, safe=':~')}/{hook_token}")
+        elif task.schedule.get("type") == "webhook" and not task.hook_token_sha256:
+            summary["hookNote"] = (
+                "This hook has no URL yet: a person makes one, shown to them once, with "
+                f"`python t3.py schedule --id {task.id} --rotate-hook-token` (or /ws "
+                "scheduleTask with rotateHookToken).")
         if deliveries and task.schedule.get("type") == "webhook":
             summary["deliveries"] = self.store.deliveries(task.id)
         return summary
@@ -1547,6 +1592,36 @@ def _made_by(transport: str) -> dict[str, str]:
     """Who made a thing: over MCP an agent (or a client acting as one); over /ws a person."""
     return _AGENT_MADE if transport == "mcp" else {
         "created_by": orch.Actor.USER, "creation_source": orch.CreationSource(transport)}
+
+
+def _agent_may_change(caller: ThreadState, task: orch.ScheduledTask, args: _Args,
+                      schedule: dict[str, Any] | None) -> None:
+    """An agent never holds a hook's token (a person rotates it), and changes a task's prompt or
+    a webhook's schedule (signature, filters) only on a task its own thread made: else it could
+    turn a person's signed hook into an unsigned one that runs its words."""
+    assert caller.thread is not None
+    if args.get("rotateHookToken"):
+        raise ToolFailure("capability_denied", "rotateHookToken: a person rotates a hook's "
+                          "token (python t3.py schedule --id ID --rotate-hook-token, or /ws "
+                          "scheduleTask); an agent never holds one")
+    if task.creator_thread_id == caller.thread.id:
+        return
+    for name, changed in (
+            ("prompt", args.get("prompt", task.prompt) != task.prompt),
+            ("schedule", schedule is not None and schedule != task.schedule
+             and "webhook" in (schedule["type"], task.schedule["type"]))):
+        if changed:
+            maker = f"thread {task.creator_thread_id}" if task.creator_thread_id else "a person"
+            raise ToolFailure("capability_denied", f"{name}: scheduled task {task.id} was made "
+                              f"by {maker}; an agent changes the prompt, signature and filters "
+                              "only of tasks its thread made")
+
+
+def _without_hook_tokens(result: dict[str, Any]) -> dict[str, Any]:
+    """A tool result for an agent with hook URLs' tokens blanked (a person's message may hold
+    one): no agent reads another's live hook."""
+    text = json.dumps(result, ensure_ascii=False)
+    return json.loads(orch.redact_hook_tokens(text)) if "/hooks/" in text else result
 
 
 def _parse_schedule(schedule: Any) -> dict[str, Any]:

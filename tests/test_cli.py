@@ -228,7 +228,8 @@ def test_schedule_schedules_and_unschedule_follow_the_clock(t3_factory) -> None:
     """`schedule` makes tasks the user's (creationSource cli) and prints their id; `schedules`
     lists them in words with next run, last run and run count (paused ones with --all), and
     shows the run count and next run move after the clock does; `--id` by a unique part
-    changes and runs one now; a webhook task prints its URL once; usage errors exit 2, a
+    changes and runs one now; a webhook task prints its URL once (--standard-webhooks takes the
+    Standard Webhooks scheme); usage errors exit 2, a
     refused schedule 1; `unschedule` deletes."""
     t3 = t3_factory(env=CLOCK)
     made = cli(t3, "schedule", "check the build", "--every", "15m", "--title", "nightly")
@@ -267,10 +268,14 @@ def test_schedule_schedules_and_unschedule_follow_the_clock(t3_factory) -> None:
     assert {t["scheduledTaskId"] for t in json.loads(everything)["tasks"]} == {
         nightly, standup["scheduledTaskId"], hook_id}
     assert row_of(cli(t3, "schedules").stdout, hook_id)[2] == "webhook"
+    standard = ok_json(t3, "schedule", "on event", "--webhook", "--standard-webhooks",
+                       "--secret", "whsec_" + "QUJD" * 8)
+    assert standard["schedule"]["signature"] == {"scheme": "standard-webhooks"}
 
     for usage in (["schedule", "no schedule"], ["schedule", "x", "--every", "15m", "--at", "9:00"],
                   ["schedule", "x", "--every", "15m", "--weekdays", "mon"],
-                  ["schedule", "x", "--every", "soon"], ["schedule", "x", "--secret", "s"]):
+                  ["schedule", "x", "--every", "soon"], ["schedule", "x", "--secret", "s"],
+                  ["schedule", "x", "--webhook", "--standard-webhooks"]):
         assert cli(t3, *usage).returncode == 2, usage
     for refused in (["--every", "30s"], ["--at", "25:00"]):  # the server checks values
         done = cli(t3, "schedule", "x", *refused)

@@ -1420,7 +1420,7 @@ def test_deliveries_fire_one_at_a_time_in_arrival_order() -> None:
     sim = Sim()
     sim.do(upsert_task("hook", {"type": "webhook"}, prompt="n={{body.n}}"))
     first = receive(sim, 1)
-    assert first.result == {"deliveryId": "d1", "outcome": "running"}
+    assert first.result == {"deliveryId": "d1", "receivedAt": NOW, "outcome": "running"}
     fire_key = "scheduled-task:hook:d1:webhook"
     assert [(e.effect_type, e.payload["fireKey"], e.payload["prompt"]) for e in first.effects] \
         == [("scheduled-task.run", fire_key, "[Triggered by schedule task: Nightly]\n\nn=1")]
@@ -1446,8 +1446,8 @@ def test_deliveries_fire_one_at_a_time_in_arrival_order() -> None:
 
 
 def test_a_delivery_is_recorded_as_duplicate_expired_skipped_or_failed_without_a_run() -> None:
-    """A duplicate, a delivery older than maxDeliveryAgeMinutes (or with an unreadable stamp),
-    one a filter skips, one whose prompt is too long: each recorded, none fired; a paused
+    """A duplicate, a delivery older than maxDeliveryAgeMinutes (or with an unreadable stamp, or
+    none), one a filter skips, one whose prompt is too long: each recorded, none fired; a paused
     task refuses (hook_disabled) and writes nothing."""
     sim = Sim()
     sim.do(upsert_task("hook", {"type": "webhook", "maxDeliveryAgeMinutes": 5,
@@ -1457,12 +1457,14 @@ def test_a_delivery_is_recorded_as_duplicate_expired_skipped_or_failed_without_a
     assert changed(stale, "webhook-delivery")[0].reason == \
         "sent 301 s ago, more than maxDeliveryAgeMinutes (5)"
     assert receive(sim, 1, Webhook_Timestamp="later").result["outcome"] == "expired"
-    assert receive(sim, 2).result["outcome"] == "skipped"
+    assert changed(receive(sim, 1), "webhook-delivery")[0].reason.startswith(
+        "it has no timestamp header (webhook-timestamp, x-webhook-timestamp)")
+    assert receive(sim, 2, Webhook_Timestamp=str(int(now))).result["outcome"] == "skipped"
     dup = sim.do(o.ReceiveWebhookDelivery(command_id="x", thread_id="hook", delivery_id="dx",
                                           request=request({"n": 1}), body_excerpt="",
                                           delivery_key="k", duplicate_of="d0"))
     assert dup.result["outcome"] == "duplicate" and dup.effects == ()
-    big = o.WebhookRequest(method="POST", headers=(), query=(),
+    big = o.WebhookRequest(method="POST", headers=(("webhook-timestamp", str(int(now))),), query=(),
                            body=o.json.dumps({"n": 1, "pad": "x" * 120_000}).encode())
     long = sim.do(o.ReceiveWebhookDelivery(command_id="y", thread_id="hook", delivery_id="dy",
                                            request=big, body_excerpt=""))

@@ -149,7 +149,7 @@ def test_bound_runs_post_into_the_thread_and_unbound_ones_launch_with_the_tasks_
     t3 = t3_factory(env=CLOCK, providers=[scripted_provider(tmp_path, id="alpha"),
                                           scripted_provider(tmp_path, id="beta")])
     mcp = t3.client()
-    every = {"type": "interval", "everyMs": 60_000}
+    every = {"type": "interval", "everyMs": 900_000}
     lines = [call_line("schedule_task", {"prompt": "bound work", "schedule": every,
                                          "title": "bound"}),
              call_line("schedule_task", {"prompt": "free work", "schedule": every,
@@ -171,7 +171,7 @@ def test_bound_runs_post_into_the_thread_and_unbound_ones_launch_with_the_tasks_
     # during that turn queues behind it: test_a_bound_fire_from_inside_its_threads_turn_...).
     assert mcp.call("t3_thread_wait", {"threadId": made["threadId"]}).structured["status"] \
         == "completed"
-    advance(t3, 60)
+    advance(t3, 900)
     fired = {t["title"]: t for t in (settled(mcp, bound["scheduledTaskId"], 1),
                                      settled(mcp, free["scheduledTaskId"], 1))}
     assert fired["bound"]["lastRunThreadId"] == made["threadId"]

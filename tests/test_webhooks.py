@@ -10,6 +10,7 @@ so "a minute" is exact and nothing waits for real time."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import calendar
 import hashlib
 import hmac
@@ -23,7 +24,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from harness import McpClient, RawResponse, T3Server, agent_log, raw_post, raw_request, wait_until
+from harness import (McpClient, RawResponse, T3Server, agent_log, raw_post, raw_request,
+                     scripted_provider, wait_until, write_config)
 
 import t3 as server
 from test_schedules import prompts, settled, task
@@ -32,6 +34,7 @@ START = calendar.timegm((2026, 3, 6, 17, 0, 0))
 CLOCK = {"T3_TEST_HOOKS": "1", "T3_TEST_CLOCK": str(START)}
 SECRET = "It's a Secret to Everybody"
 SIGNED = {"header": "X-Hub-Signature-256", "secret": SECRET, "prefix": "sha256="}
+WHSEC = "whsec_" + base64.b64encode(b"a Standard Webhooks key, 32 byte").decode()
 PUSH = {"ref": "refs/heads/main", "repository": {"full_name": "octo/hello"},
         "pusher": {"name": "mona"}, "commits": [{"id": "abc"}]}
 
@@ -63,6 +66,21 @@ def github(url: str, payload: Any, *, event: str = "push", delivery: str | None 
         "X-Hub-Signature-256": "sha256=" + hmac.new(secret.encode(), body,
                                                     hashlib.sha256).hexdigest(),
         **(headers or {})})
+
+
+def standard(url: str, body: bytes, *, msg_id: str, stamp: int, secret: str = WHSEC,
+             signature: str | None = None) -> RawResponse:
+    """One Standard Webhooks delivery: ``webhook-signature: v1,<base64 HMAC-SHA256 of
+    id.timestamp.body under the whsec_ secret's key>``, unless ``signature`` says otherwise."""
+    return raw_post(url, body, {"Content-Type": "application/json", "webhook-id": msg_id,
+                                "webhook-timestamp": str(stamp), "webhook-signature":
+                                signature or v1(body, msg_id, stamp, secret)})
+
+
+def v1(body: bytes, msg_id: str, stamp: int, secret: str = WHSEC) -> str:
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    return "v1," + base64.b64encode(hmac.new(key, f"{msg_id}.{stamp}.".encode() + body,
+                                             hashlib.sha256).digest()).decode()
 
 
 def ws(t3: T3Server, method: str, params: dict[str, Any] | None = None) -> Any:
@@ -137,7 +155,8 @@ def test_a_github_delivery_runs_once_with_its_templated_prompt_and_a_redacted_lo
     log = deliveries(t3, made["scheduledTaskId"])
     assert [(d["outcome"], d["deliveryKey"]) for d in log] == [("duplicate", "d-1"),
                                                                ("succeeded", "d-1")]
-    assert log[0]["reason"] == f"delivery d-1 came before: {first.json()['deliveryId']}"
+    assert log[0]["reason"] == \
+        f"the same signed delivery came before: {first.json()['deliveryId']}"
     ran = log[1]
     assert ran["id"] == first.json()["deliveryId"]
     assert (ran["runThreadId"], ran["runId"]) == (done["lastRunThreadId"], done["lastRunId"])
@@ -376,7 +395,7 @@ def test_a_too_long_prompt_fails_and_an_old_delivery_expires_without_running(
     mcp = t3.client()
     made = make_hook(mcp, prompt="{{body.text}}", maxDeliveryAgeMinutes=5)
     url = made["hookUrl"]
-    long = github(url, {"text": "x" * 120_001})
+    long = github(url, {"text": "x" * 120_001}, headers={"Webhook-Timestamp": str(START)})
     old = github(url, {"text": "hi"}, headers={"Webhook-Timestamp": str(START - 360)})
     odd = github(url, {"text": "hi"}, headers={"Webhook-Timestamp": "yesterday"})
     assert [r.json()["outcome"] for r in (long, old, odd)] == ["failed", "expired", "expired"]
@@ -388,3 +407,126 @@ def test_a_too_long_prompt_fails_and_an_old_delivery_expires_without_running(
     fresh = github(url, {"text": "hi"}, headers={
         "Webhook-Timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(START - 240))})
     assert fresh.json()["outcome"] == "running"
+
+
+def test_replays_are_duplicates_or_expired_whatever_delivery_id_they_carry(t3_factory) -> None:
+    """With maxDeliveryAgeMinutes, a delivery without a timestamp, or stamped too far ahead, is
+    expired. A GitHub-signed body sent again within twice that window is a duplicate with a new
+    or no delivery id (after it, it runs again). Standard Webhooks: a v1 signature over
+    id.timestamp.body passes (one good entry among several), a wrong key, body, id or a
+    body-only HMAC is 401; a replay is a duplicate, then, once its signed stamp is too old,
+    expired."""
+    t3 = t3_factory(env=CLOCK)
+    mcp = t3.client()
+    bare = make_hook(mcp, title="bare", maxDeliveryAgeMinutes=5)
+    assert github(bare["hookUrl"], PUSH).json()["outcome"] == "expired"
+    assert deliveries(t3, bare["scheduledTaskId"])[0]["reason"].startswith(
+        "it has no timestamp header")
+
+    hub = make_hook(mcp, title="hub", signature=SIGNED, maxDeliveryAgeMinutes=5)
+    body = json.dumps(PUSH).encode()
+    signed = {"X-Hub-Signature-256": "sha256=" + hmac.new(SECRET.encode(), body,
+                                                           hashlib.sha256).hexdigest()}
+    stamp = {"Webhook-Timestamp": str(START)}
+    assert github(hub["hookUrl"], PUSH, delivery="d-1", headers=stamp).json()["outcome"] == \
+        "running"
+    settled(mcp, hub["scheduledTaskId"], 1)
+    copies = [github(hub["hookUrl"], PUSH, delivery="d-2", headers=stamp),
+              raw_post(hub["hookUrl"], body, {**signed, "Webhook-Timestamp": str(START + 60)})]
+    assert [c.json()["outcome"] for c in copies] == ["duplicate", "duplicate"]
+    assert task(mcp, hub["scheduledTaskId"])["runCount"] == 1
+    ws(t3, "advanceTestClock", {"seconds": 601})
+    later = {"Webhook-Timestamp": str(START + 601)}
+    assert github(hub["hookUrl"], PUSH, delivery="d-3", headers=later).json()["outcome"] == \
+        "running"
+    settled(mcp, hub["scheduledTaskId"], 2)
+
+    std = make_hook(mcp, title="std", maxDeliveryAgeMinutes=5,
+                    signature={"scheme": "standard-webhooks", "secret": WHSEC})
+    assert std["schedule"]["signature"] == {"scheme": "standard-webhooks"}
+    url, now = std["hookUrl"], START + 601
+    mac = "v1," + base64.b64encode(hmac.new(SECRET.encode(), body, hashlib.sha256).digest()
+                                   ).decode()
+    wrong_key = "whsec_" + base64.b64encode(b"another key").decode()
+    for refused_one in (standard(url, body, msg_id="m-1", stamp=now, secret=wrong_key),
+                        standard(url, body, msg_id="m-1", stamp=now, signature=mac),
+                        raw_post(url, body, {"webhook-signature": mac})):
+        assert refused(refused_one, 401, "invalid_signature"), refused_one
+    tampered = standard(url, body + b" ", msg_id="m-1", stamp=now, signature=v1(body, "m-1", now))
+    assert refused(tampered, 401, "invalid_signature")
+    assert standard(url, body, msg_id="m-1", stamp=now).json()["outcome"] == "running"
+    settled(mcp, std["scheduledTaskId"], 1)
+    several = f"v1,bm9wZQ== {v1(body, 'm-1', now)}"
+    assert standard(url, body, msg_id="m-1", stamp=now, signature=several).json()[
+        "outcome"] == "duplicate"
+    ws(t3, "advanceTestClock", {"seconds": 301})  # remembered for twice the window
+    assert standard(url, body, msg_id="m-1", stamp=now, signature=several).json()[
+        "outcome"] == "duplicate"
+    ws(t3, "advanceTestClock", {"seconds": 300})
+    assert standard(url, body, msg_id="m-1", stamp=now).json()["outcome"] == "expired"
+    ahead = standard(url, body, msg_id="m-3", stamp=now + 601 + 301)
+    assert ahead.json()["outcome"] == "expired"
+    assert deliveries(t3, std["scheduledTaskId"])[0]["reason"] == \
+        "stamped 301 s ahead, more than maxDeliveryAgeMinutes (5)"
+    assert standard(url, body, msg_id="m-2", stamp=now + 601).json()["outcome"] == "running"
+    settled(mcp, std["scheduledTaskId"], 2)
+
+
+def test_no_agent_holds_a_live_hook_token_and_a_person_sees_it_once(t3_factory, tmp_path: Path
+                                                                     ) -> None:
+    """An approval-required agent's webhook task gets no token (its result says how a person
+    makes the URL); the person's /ws rotate shows the URL once and it works. The URL the person
+    then gives an agent, echoed back, is blanked in that agent's events; an agent in another
+    project reading both threads' activity sees no token; nor does any protocol log, or any
+    event but the person's own message."""
+    (tmp_path / "w1").mkdir()
+    (tmp_path / "w2").mkdir()
+    t3 = t3_factory(env=CLOCK, config=write_config(tmp_path, projects=[
+        {"id": "proj", "path": str(tmp_path / "w1")}, {"id": "p2", "path": str(tmp_path / "w2")}],
+        providers=[scripted_provider(tmp_path, id="one"), scripted_provider(tmp_path, id="two")]))
+    mcp = t3.client()
+    line = "CALL_TOOL schedule_task " + json.dumps({
+        "prompt": "triage {{body.ref}}", "schedule": {"type": "webhook", "signature": SIGNED},
+        "bindToCurrentThread": False})
+
+    def start(prompt: str, project: str, provider: str, **entry: Any) -> str:
+        made = mcp.call("create_threads", {"projectId": project, "threads": [{
+            "prompt": prompt, "target": {"providerInstanceId": provider}, **entry}]})
+        return str(made.structured["threads"][0]["threadId"])
+    maker = start(line, "proj", "one", runtimeMode="approval-required")
+    [call] = wait_until(lambda: [e for e in agent_log(tmp_path / "agent-one.log")
+                                 if e["dir"] == "mcp"], 30)
+    made = call["result"]
+    assert "hookUrl" not in made and "--rotate-hook-token" in made["hookNote"], made
+    task_id = made["scheduledTaskId"]
+    assert ws(t3, "listScheduledTasks", {"scheduledTaskId": task_id})["tasks"][0]["hookNote"]
+
+    minted = ws(t3, "scheduleTask", {"scheduledTaskId": task_id, "rotateHookToken": True})
+    url = minted["hookUrl"]
+    token = url.rsplit("/", 1)[1]
+    assert github(url, PUSH).json()["outcome"] == "running"
+    settled(mcp, task_id, 1)
+    [listed] = ws(t3, "listScheduledTasks", {"scheduledTaskId": task_id})["tasks"]
+    assert "hookUrl" not in listed and "hookNote" not in listed
+
+    echo = start(f"ECHO_PROMPT deploy with {url} please", "proj", "one")
+    assert mcp.call("t3_thread_wait", {"threadId": echo}).structured["status"] == "completed"
+    reads = [f"CALL_TOOL t3_thread_read {json.dumps({'threadId': t, 'view': v})}"
+             for t in (maker, echo) for v in ("activity", "messages")]
+    start("\n".join(reads), "p2", "two")
+    results = wait_until(lambda: len(r := [e for e in agent_log(tmp_path / "agent-two.log")
+                                          if e["dir"] == "mcp"]) == 4 and r, 30)
+    assert all(not r["isError"] for r in results), results
+    assert "deploy with http" in json.dumps(results) and token not in json.dumps(results)
+    echoed = mcp.call("t3_thread_read", {"threadId": echo}).structured
+    assert "/<redacted> please" in json.dumps(echoed), echoed
+
+    t3.stop()
+    for path in (t3.data_dir / "logs").rglob("*"):
+        assert not path.is_file() or token.encode() not in path.read_bytes(), path
+    assert token not in t3.stderr_text()
+    with closing(sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True)) as db:
+        holding = [(kind, json.loads(payload)) for kind, payload in db.execute(
+            "SELECT type, payload_json FROM events WHERE instr(payload_json, ?)", (token,))]
+    assert holding and all(kind == "message.updated" and payload["role"] == "user"
+                           for kind, payload in holding), holding
