@@ -42,6 +42,8 @@ _GIT_VARIABLES = re.compile(r"GIT_[A-Z_]+")
 # in the user's repositories and get the umask t3 was started with (as agents do).
 CHILD_UMASK: int | None = None
 _BRANCH = re.compile(r"[A-Za-z0-9._/-]{1,200}")
+_BASE_REFS = ("refs/heads/", "refs/tags/", "refs/remotes/")  # what a launch may start from
+_COMMIT_ID = re.compile(r"[0-9a-f]{7,64}")
 
 
 class GitError(Exception):
@@ -201,12 +203,12 @@ class Workspaces:
                 if await _maybe(repo, "remote", "get-url", "origin") is None:
                     raise GitError(f"startFromOrigin: {repo} has no remote named origin")
                 await _git(repo, "fetch", "--quiet", "origin", "--", base_ref)
-                base = f"origin/{base_ref}"
-            if await _maybe(repo, "rev-parse", "--verify", "--quiet",
-                            f"{base}^{{commit}}") is None:
+                base = f"refs/remotes/origin/{base_ref}"
+            start = await _launch_base(repo, base, reachable=False)
+            if start is None:
                 raise GitError(f"baseRef: no commit {base!r} in {repo}")
             self.worktrees_dir.mkdir(mode=0o700, exist_ok=True)
-            await _git(repo, "worktree", "add", "--quiet", "-b", branch, str(path), base)
+            await _git(repo, "worktree", "add", "--quiet", "-b", branch, str(path), start)
         return str(path)
 
     async def remove_worktree(self, repo: str, path: str, branch: str | None = None) -> None:
@@ -246,11 +248,13 @@ class Workspaces:
         if await _maybe(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"):
             return f"branch: {branch!r} already exists"
         if from_origin:
+            if base_ref.startswith("refs/"):
+                return f"startFromOrigin: baseRef {base_ref!r} is not a branch name of origin"
             if await _maybe(repo, "remote", "get-url", "origin") is None:
                 return f"startFromOrigin: {repo} has no remote named origin"
-        elif await _maybe(repo, "rev-parse", "--verify", "--quiet",
-                          f"{base_ref}^{{commit}}") is None:
-            return f"baseRef: no commit {base_ref!r} in {repo}"
+        elif await _launch_base(repo, base_ref, reachable=True) is None:
+            return (f"baseRef: no commit {base_ref!r} in {repo} that a branch, tag or "
+                    "remote-tracking branch names or holds (t3's own refs never are one)")
         return None
 
     async def run_setup(self, cwd: str, command: str) -> tuple[int, str]:
@@ -282,6 +286,31 @@ class Workspaces:
 def _within(path: str, folder: str) -> bool:
     real = os.path.realpath(path)
     return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+async def _launch_base(repo: str, base_ref: str, *, reachable: bool) -> str | None:
+    """What git starts a launch's worktree from: the full name of the branch, tag or
+    remote-tracking branch ``base_ref`` names (a short name is looked up under refs/heads/,
+    refs/tags/, refs/remotes/, in that order: git's own lookup also tries refs/<name> and
+    $GIT_DIR/<name>, where t3's checkpoints and files an agent wrote live), else the commit id it
+    is, with ``reachable`` only one such a ref holds; None when it is none of these. A checkpoint
+    holds what an agent wrote: a worktree (and its setup) made from one would run it."""
+    names = [base_ref] if base_ref.startswith(_BASE_REFS) else \
+        [] if base_ref.startswith("refs/") else [f"{space}{base_ref}" for space in _BASE_REFS]
+    found = (await _git(repo, "for-each-ref", "--format=%(refname)", "--", *names)).split() \
+        if names else []
+    for name in names:
+        if name in found:
+            commit = await _maybe(repo, "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}")
+            return name if commit else None
+    if not _COMMIT_ID.fullmatch(base_ref):
+        return None
+    commit = await _maybe(repo, "rev-parse", "--verify", "--quiet", f"{base_ref}^{{commit}}")
+    if commit and reachable and not await _maybe(
+            repo, "for-each-ref", "--count=1", "--format=%(refname)", f"--contains={commit}",
+            *(space.rstrip("/") for space in _BASE_REFS)):
+        return None
+    return commit
 
 
 def ref_problem(value: str, what: str) -> str | None:

@@ -390,3 +390,84 @@ def sleepers(command: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+# -- who may run setup, and from where --------------------------------------------------------
+
+def launch_line(base_ref: str, **extra: Any) -> str:
+    """A CALL_TOOL line for the scripted agent: t3_thread_launch into a worktree of base_ref."""
+    return "CALL_TOOL t3_thread_launch " + json.dumps({
+        "message": "ECHO_CWD", "workspaceStrategy": {"type": "worktree", "baseRef": base_ref},
+        **extra})
+
+
+def launches(log: Path) -> list[dict[str, Any]]:
+    """What each t3_thread_launch the scripted agents made answered (structured), in order."""
+    return [e["result"] for e in agent_log(log) if e["dir"] == "mcp"
+            and e["tool"] == "t3_thread_launch"]
+
+
+def thread_ids(mcp: McpClient) -> list[str]:
+    return [t["threadId"] for t in mcp.call("t3_thread_list", {}).structured["threads"]]
+
+
+def test_an_agent_cannot_launch_from_its_own_checkpoint(
+        t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
+    """An agent that rewrote scripts/bootstrap.sh launches from its own checkpoint (the
+    refs/t3/... ref, the t3/... short name git would also find, the checkpoint's commit id):
+    each launch is invalid_request and nothing is written (no thread, worktree or branch)."""
+    from workspace import checkpoint_ref
+    repo = make_repo(tmp_path, origin=False)
+    t3 = start(t3_factory, tmp_path, repo, setup=["sh scripts/bootstrap.sh"])
+    mcp = t3.client()
+    agent = launch(mcp, "root", message="WRITE_FILE scripts/bootstrap.sh touch pwned",
+                   runtimeMode="auto-accept-edits").structured
+    assert finished(mcp, agent["threadId"])["status"] == "completed"
+    ref = checkpoint_ref(agent["threadId"], 1)
+    commit = git(repo, "rev-parse", ref).strip()
+    assert "touch pwned" in git(repo, "show", f"{commit}:scripts/bootstrap.sh")
+    before = (user_state(repo), worktrees(repo), thread_ids(mcp))
+    sent = mcp.call("t3_thread_send", {"threadId": agent["threadId"], "message": "\n".join(
+        launch_line(base) for base in (ref, ref.removeprefix("refs/"), commit, commit[:12]))})
+    assert sent.ok, sent.structured
+    assert finished(mcp, agent["threadId"])["status"] == "completed"
+    answers = launches(agent_log_path)
+    assert [a.get("code") for a in answers] == ["invalid_request"] * 4, answers
+    assert all("t3's own refs never are one" in a["message"] for a in answers), answers
+    after = (user_state(repo), worktrees(repo), thread_ids(mcp))
+    assert after == before and list((t3.data_dir / "worktrees").iterdir()) == []
+
+
+def test_a_launch_base_is_a_branch_a_tag_a_remote_branch_or_a_commit_they_hold(
+        tmp_path: Path) -> None:
+    """worktree_problem (every launch's check) admits branches, tags and remote-tracking
+    branches by short or full name and commit ids one of them holds; it refuses t3's refs, other
+    refs (refs/notes, refs/stash), a commit only such a ref holds, and a ref planted at
+    refs/<name> where git's own lookup would find it before the branch."""
+    repo = make_repo(tmp_path)
+    git(repo, "fetch", "-q", "origin")
+    git(repo, "tag", "-a", "-m", "v", "v1", "main")
+    first = git(repo, "rev-parse", "main").strip()
+    git(repo, "stash", "-q")
+    hidden = git(repo, "rev-parse", "refs/stash").strip()
+    git(repo, "update-ref", "refs/t3/checkpoints/x/1", hidden)
+    git(repo, "update-ref", "refs/notes/x", hidden)
+    git(repo, "update-ref", "refs/topic", hidden)  # git's `topic` would be this one
+    git(repo, "branch", "topic", "main")
+    (tmp_path / "data").mkdir(mode=0o700)
+    spaces = Workspaces(tmp_path / "data")
+
+    def problem(base: str) -> str | None:
+        return asyncio.run(spaces.worktree_problem(str(repo), base_ref=base, branch="t3/new",
+                                                   from_origin=False))
+    for good in ("main", "refs/heads/main", "v1", "refs/tags/v1", "origin/main",
+                 "refs/remotes/origin/main", first, first[:10]):
+        assert problem(good) is None, good
+    for bad in ("refs/t3/checkpoints/x/1", "t3/checkpoints/x/1", "refs/notes/x", "refs/stash",
+                "stash", hidden, hidden[:10]):
+        assert "no commit" in (problem(bad) or ""), bad
+    made = asyncio.run(spaces.add_worktree(str(repo), "w", base_ref="topic", branch="t3/w"))
+    assert git(Path(made), "rev-parse", "HEAD").strip() == first  # the branch, not refs/topic
+    assert asyncio.run(spaces.worktree_problem(
+        str(repo), base_ref="refs/t3/checkpoints/x/1", branch="t3/o", from_origin=True))
+
