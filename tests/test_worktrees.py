@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from harness import McpClient, T3Server, agent_log, wait_until, write_config
+from test_tokens import session_token
 
 import t3 as server
 from workspace import Workspaces
@@ -407,8 +408,27 @@ def launches(log: Path) -> list[dict[str, Any]]:
             and e["tool"] == "t3_thread_launch"]
 
 
+def agent_launches(mcp: McpClient, log: Path, mode: str, *bases: str) -> list[dict[str, Any]]:
+    """A thread in runtime mode ``mode`` whose agent launches one worktree thread per base:
+    what the launches answered."""
+    before = len(launches(log))
+    parent = launch(mcp, "root", message="\n".join(map(launch_line, bases)),
+                    runtimeMode=mode).structured
+    assert finished(mcp, parent["threadId"])["status"] == "completed"
+    return launches(log)[before:]
+
+
 def thread_ids(mcp: McpClient) -> list[str]:
     return [t["threadId"] for t in mcp.call("t3_thread_list", {}).structured["threads"]]
+
+
+def pending(mcp: McpClient, thread_id: str) -> list[dict[str, Any]]:
+    return mcp.call("t3_pending_request", {"threadId": thread_id,
+                                           "action": "list"}).structured["requests"]
+
+
+def setup_item(mcp: McpClient, thread_id: str) -> dict[str, Any]:
+    return next(i for i in read(mcp, thread_id)["items"] if i["type"] == "workspace_setup")
 
 
 def test_an_agent_cannot_launch_from_its_own_checkpoint(
@@ -471,3 +491,77 @@ def test_a_launch_base_is_a_branch_a_tag_a_remote_branch_or_a_commit_they_hold(
     assert asyncio.run(spaces.worktree_problem(
         str(repo), base_ref="refs/t3/checkpoints/x/1", branch="t3/o", from_origin=True))
 
+
+def test_an_agents_launch_asks_before_its_setup_runs_and_the_answer_holds_across_a_restart(
+        t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
+    """An auto-accept-edits agent launches two worktree threads into a project whose setup
+    writes a marker: each first run waits `preparing` on a pending command approval listing the
+    commands (t3_pending_request, listPendingRequests through the CLI, the timeline), with no
+    marker, also after a restart; the launching agent may not answer it. Accepted by the client
+    token, setup runs and the agent starts; declined through the CLI, the agent starts without
+    it and the "Preparing workspace" item says so."""
+    repo = make_repo(tmp_path, origin=False)
+    t3 = start(t3_factory, tmp_path, repo, setup=["echo ran > setup-marker.txt"])
+    mcp = t3.client()
+    children = agent_launches(mcp, agent_log_path, "auto-accept-edits", "main", "main")
+    assert all("threadId" in child for child in children), children
+    launcher = McpClient(t3.mcp_url, session_token(agent_log_path))
+    requests = {}
+    for child in children:
+        thread_id = child["threadId"]
+        wait_until(lambda: pending(mcp, thread_id), 30, message="the setup approval is asked")
+        [request] = pending(mcp, thread_id)
+        detail = mcp.call("t3_pending_request", {"threadId": thread_id, "action": "read",
+                                                 "requestId": request["requestId"]}).structured
+        assert request["kind"] == "command" and "echo ran > setup-marker.txt" in request["title"]
+        assert detail["request"]["detail"] == {"commands": ["echo ran > setup-marker.txt"],
+                                               "cwd": child["worktreePath"]}
+        assert setup_item(mcp, thread_id)["status"] == "waiting"
+        asked = [i for i in read(mcp, thread_id)["items"] if i["type"] == "approval_request"]
+        assert [i["status"] for i in asked] == ["waiting"]
+        refused = launcher.call("t3_pending_request", {
+            "threadId": thread_id, "action": "respond", "requestId": request["requestId"],
+            "decision": "accept"})
+        assert refused.failure_code == "capability_denied", refused.text
+        requests[thread_id] = request["requestId"]
+    launcher.close()
+    listed = json.loads(t3.cli("requests", "--json").stdout)["requests"]
+    assert sorted(r["requestId"] for r in listed) == sorted(requests.values())
+    t3.restart()
+    accepted, declined = (c["threadId"] for c in children)
+    assert [len(pending(mcp, t)) for t in requests] == [1, 1]
+    assert [read(mcp, t)["recentRuns"][0]["status"] for t in requests] == ["preparing"] * 2
+    assert not any((Path(c["worktreePath"]) / "setup-marker.txt").exists() for c in children)
+    answered = mcp.call("t3_pending_request", {"threadId": accepted, "action": "respond",
+                                               "requestId": requests[accepted],
+                                               "decision": "accept"})
+    assert answered.ok, answered.structured
+    assert finished(mcp, accepted)["status"] == "completed"
+    assert (Path(children[0]["worktreePath"]) / "setup-marker.txt").read_text() == "ran\n"
+    assert reply(mcp, accepted) == children[0]["worktreePath"]
+    assert setup_item(mcp, accepted)["status"] == "completed"
+    done = t3.cli("answer", requests[declined], "decline")
+    assert done.returncode == 0, done.stderr
+    assert finished(mcp, declined)["status"] == "completed"
+    assert reply(mcp, declined) == children[1]["worktreePath"]
+    assert not (Path(children[1]["worktreePath"]) / "setup-marker.txt").exists()
+    note = setup_item(mcp, declined)
+    assert note["status"] == "completed" and note["text"].startswith(
+        "The setup commands were declined; the agent starts without them:\n"
+        "$ echo ran > setup-marker.txt"), note
+
+
+def test_a_persons_launch_and_a_full_access_agents_launch_run_setup_without_asking(
+        t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
+    """The client token's launch and a full-access agent's launch run the setup at once: the
+    marker is there when the agent starts, and no approval was ever asked."""
+    repo = make_repo(tmp_path, origin=False)
+    t3 = start(t3_factory, tmp_path, repo, setup=["echo ran > setup-marker.txt"])
+    mcp = t3.client()
+    children = [launch(mcp, {"type": "worktree", "baseRef": "main"}).structured,
+                *agent_launches(mcp, agent_log_path, "full-access", "main")]
+    for child in children:
+        assert finished(mcp, child["threadId"])["status"] == "completed"
+        assert (Path(child["worktreePath"]) / "setup-marker.txt").read_text() == "ran\n"
+        assert not any(i["type"] == "approval_request"
+                       for i in read(mcp, child["threadId"])["items"])
