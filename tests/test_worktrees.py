@@ -4,7 +4,9 @@ show where it runs: a new worktree under `<data-dir>/worktrees/` on a branch of 
 user's checkout untouched), an existing worktree (refused when it is not one of the project's),
 `startFromOrigin`, the project's setup commands (their output in the timeline, a failure fails
 the launch), a launch killed mid-way finished after the restart, and `create_threads` inheriting
-the caller's worktree; `/ws launchThread` through the CLI's `new --worktree`."""
+the caller's worktree; `/ws launchThread` through the CLI's `new --worktree`; where a launch may
+start from (never t3's checkpoints) and whose launch runs setup unasked (an agent's below
+full-access waits for an approval)."""
 
 from __future__ import annotations
 
@@ -462,7 +464,7 @@ def test_a_launch_base_is_a_branch_a_tag_a_remote_branch_or_a_commit_they_hold(
         tmp_path: Path) -> None:
     """worktree_problem (every launch's check) admits branches, tags and remote-tracking
     branches by short or full name and commit ids one of them holds; it refuses t3's refs, other
-    refs (refs/notes, refs/stash), a commit only such a ref holds, and a ref planted at
+    refs (refs/notes, refs/stash, HEAD), a commit only such a ref holds, and a ref planted at
     refs/<name> where git's own lookup would find it before the branch."""
     repo = make_repo(tmp_path)
     git(repo, "fetch", "-q", "origin")
@@ -484,7 +486,7 @@ def test_a_launch_base_is_a_branch_a_tag_a_remote_branch_or_a_commit_they_hold(
                  "refs/remotes/origin/main", first, first[:10]):
         assert problem(good) is None, good
     for bad in ("refs/t3/checkpoints/x/1", "t3/checkpoints/x/1", "refs/notes/x", "refs/stash",
-                "stash", hidden, hidden[:10]):
+                "stash", "HEAD", hidden, hidden[:10]):
         assert "no commit" in (problem(bad) or ""), bad
     made = asyncio.run(spaces.add_worktree(str(repo), "w", base_ref="topic", branch="t3/w"))
     assert git(Path(made), "rev-parse", "HEAD").strip() == first  # the branch, not refs/topic
@@ -494,16 +496,16 @@ def test_a_launch_base_is_a_branch_a_tag_a_remote_branch_or_a_commit_they_hold(
 
 def test_an_agents_launch_asks_before_its_setup_runs_and_the_answer_holds_across_a_restart(
         t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
-    """An auto-accept-edits agent launches two worktree threads into a project whose setup
+    """An auto-accept-edits agent launches three worktree threads into a project whose setup
     writes a marker: each first run waits `preparing` on a pending command approval listing the
     commands (t3_pending_request, listPendingRequests through the CLI, the timeline), with no
     marker, also after a restart; the launching agent may not answer it. Accepted by the client
     token, setup runs and the agent starts; declined through the CLI, the agent starts without
-    it and the "Preparing workspace" item says so."""
+    it and the "Preparing workspace" item says so; interrupted, the request is cancelled."""
     repo = make_repo(tmp_path, origin=False)
     t3 = start(t3_factory, tmp_path, repo, setup=["echo ran > setup-marker.txt"])
     mcp = t3.client()
-    children = agent_launches(mcp, agent_log_path, "auto-accept-edits", "main", "main")
+    children = agent_launches(mcp, agent_log_path, "auto-accept-edits", *["main"] * 3)
     assert all("threadId" in child for child in children), children
     launcher = McpClient(t3.mcp_url, session_token(agent_log_path))
     requests = {}
@@ -528,9 +530,9 @@ def test_an_agents_launch_asks_before_its_setup_runs_and_the_answer_holds_across
     listed = json.loads(t3.cli("requests", "--json").stdout)["requests"]
     assert sorted(r["requestId"] for r in listed) == sorted(requests.values())
     t3.restart()
-    accepted, declined = (c["threadId"] for c in children)
-    assert [len(pending(mcp, t)) for t in requests] == [1, 1]
-    assert [read(mcp, t)["recentRuns"][0]["status"] for t in requests] == ["preparing"] * 2
+    accepted, declined, dropped = (c["threadId"] for c in children)
+    assert [len(pending(mcp, t)) for t in requests] == [1, 1, 1]
+    assert [read(mcp, t)["recentRuns"][0]["status"] for t in requests] == ["preparing"] * 3
     assert not any((Path(c["worktreePath"]) / "setup-marker.txt").exists() for c in children)
     answered = mcp.call("t3_pending_request", {"threadId": accepted, "action": "respond",
                                                "requestId": requests[accepted],
@@ -549,6 +551,10 @@ def test_an_agents_launch_asks_before_its_setup_runs_and_the_answer_holds_across
     assert note["status"] == "completed" and note["text"].startswith(
         "The setup commands were declined; the agent starts without them:\n"
         "$ echo ran > setup-marker.txt"), note
+    assert mcp.call("t3_thread_interrupt", {"threadId": dropped}).structured["status"] == \
+        "interrupted"
+    assert pending(mcp, dropped) == [] and finished(mcp, dropped)["status"] == "interrupted"
+    assert not (Path(children[2]["worktreePath"]) / "setup-marker.txt").exists()
 
 
 def test_a_persons_launch_and_a_full_access_agents_launch_run_setup_without_asking(
