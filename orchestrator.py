@@ -1743,6 +1743,10 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
                                                 "answers": c.answers,
                                                 "answeredBy": c.answered_by}))
     _question_closed(d, request)
+    if request.response_capability.get("setup"):
+        _setup_answered(d, c, request, declined)
+        return {"threadId": request.thread_id, "requestId": request.id, "status": "resolved",
+                "decision": c.decision}
     d.effect("runtime-request.respond", {
         "requestId": request.id, "runId": request.run_id,
         "providerSessionId": request.response_capability.get("providerSessionId"),
@@ -1946,10 +1950,11 @@ def _ingest_tool(d: _Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) ->
                   completed_at=ended))
 
 
-def _ingest_request(d: _Draft, run: Run, attempt: RunAttempt, session_id: str,
+def _ingest_request(d: _Draft, run: Run, attempt: RunAttempt, session_id: str | None,
                     event: RuntimeRequestOpened) -> None:
-    """A provider's question or approval request: its node, request and turn item, once."""
-    request_id = bounded_id(f"runtime-request:{session_id}:{event.native_ref}")
+    """A provider's question or approval request (``session_id`` None: t3's own, a launch's
+    setup commands): its node, request and turn item, once."""
+    request_id = bounded_id(f"runtime-request:{session_id or run.id}:{event.native_ref}")
     if d.get("runtime-request", request_id) is not None:
         return
     root_id = attempt.root_node_id
@@ -1966,7 +1971,8 @@ def _ingest_request(d: _Draft, run: Run, attempt: RunAttempt, session_id: str,
         kind_=event.request_kind, status="pending", title=event.title,
         detail=event.detail, created_at=d.now, native_request_ref=event.native_ref,
         provider_turn_id=attempt.provider_turn_id,
-        response_capability={"type": "live", "providerSessionId": session_id}))
+        response_capability={"type": "live", **(
+            {"providerSessionId": session_id} if session_id else {"setup": True})}))
     _put_item(d, _request_item_id(request_id), run, node_id, node_kind, "waiting",
               title=event.title, text=event.title, data={
                   "requestId": request_id, "requestKind": event.request_kind, **event.detail})
@@ -2110,9 +2116,8 @@ def _decide_end_session(d: _Draft, c: EndProviderSession, **_: Any) -> Mapping[s
 
 def _expire_requests(d: _Draft, session_id: str | None, reason: str) -> None:
     for request in d.all("runtime-request"):
-        if request.status == "pending" and (
-                session_id is None or request.response_capability.get("providerSessionId")
-                == session_id):
+        asker = request.response_capability.get("providerSessionId")
+        if request.status == "pending" and asker and session_id in (None, asker):
             d.put(replace(request, status="expired", resolved_at=d.now, status_reason=reason,
                           response_capability={"type": "not_resumable", "reason": reason}))
             _question_closed(d, request)
@@ -2132,9 +2137,11 @@ def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
     for turn in d.all("provider-turn"):
         if turn.status == "running":
             d.put(replace(turn, status="interrupted", completed_at=d.now))
+    asking = {r.run_id for r in d.state.pending_requests()
+              if r.response_capability.get("setup")}  # no session of it ended
     for run in d.runs():
         if run.status in (RunStatus.STARTING, RunStatus.RUNNING, RunStatus.PREPARING) and \
-                run.id not in c.resumable_run_ids:
+                run.id not in c.resumable_run_ids | asking:
             _end_run(d, d.get("run", run.id), RunStatus.INTERRUPTED, c.reason)
             ended.append(run.id)
         elif run.awaiting_agent_slot:  # the line was in memory: it queues up again
@@ -3197,9 +3204,14 @@ CLIENT_COMMANDS = (*CLIENT_COMMANDS, *THREAD_LIFECYCLE)
 
 # =============================================================================================
 # Workspace preparation (research/t3code.md 6.17). A launch into a new worktree starts its first
-# run ``preparing`` with a "Preparing workspace" item (phase worktree, setup, ready or failed;
-# text: the setup output). ``workspace.prepare`` makes the worktree, runs the setup commands,
-# then releases or fails the run. Replay-safe: a rerun first removes what a dead attempt left.
+# run ``preparing`` with a "Preparing workspace" item (phase worktree, approval, setup, ready or
+# failed; text: the setup output). ``workspace.prepare`` makes the worktree, runs the setup
+# commands, then releases or fails the run. Replay-safe: a rerun first removes what a dead
+# attempt left. Setup commands run what the worktree holds, which an agent may have written: an
+# agent's launch below full-access (``askSetup``) asks first: a pending command approval of the
+# new run that t3 itself asks (no provider session is behind it, so none ending expires it);
+# accepted, a second ``workspace.prepare`` runs them in the worktree made for the question;
+# declined, the run starts without them.
 
 
 class Workspaces(Protocol):
@@ -3235,13 +3247,18 @@ class AdvancePreparation:
     command_id: str
     thread_id: str
     run_id: str
-    phase: str  # setup | ready | failed
+    phase: str  # approval | setup | ready | failed
     output: str = ""
     reason: str = ""
+    setup: tuple[str, ...] = ()  # approval: the commands asked about
 
 
 def _preparation_item_id(run_id: str) -> str:
     return bounded_id(f"turn-item:{run_id}:workspace")
+
+
+def _setup_request_id(run_id: str) -> str:
+    return bounded_id(f"runtime-request:{run_id}:setup")
 
 
 def _begin_preparation(d: _Draft, run: Run, preparation: Mapping[str, Any]) -> None:
@@ -3255,10 +3272,18 @@ def _decide_preparation(d: _Draft, c: AdvancePreparation, **kw: Any) -> Mapping[
     item = d.get("turn-item", _preparation_item_id(c.run_id))
     if run is None or item is None or run.status != RunStatus.PREPARING:
         raise CommandRejected("the run is not preparing its workspace")
+    if c.phase == "approval" and d.get("runtime-request", _setup_request_id(run.id)):
+        return {"runId": run.id, "status": run.status, "phase": item.data["phase"]}  # a replay
     done = {"ready": "completed", "failed": "failed"}.get(c.phase)
-    d.put(replace(item, status=done or "running", text=c.output or None,
-                  data={"phase": c.phase}, updated_at=d.now,
+    d.put(replace(item, status=done or ("waiting" if c.phase == "approval" else "running"),
+                  text=c.output or None, data={"phase": c.phase}, updated_at=d.now,
                   completed_at=d.now if done else None))
+    if c.phase == "approval":
+        _ingest_request(d, run, d.get("run-attempt", run.active_attempt_id), None,
+                        RuntimeRequestOpened("setup", "command", (
+                            "Run the project's setup commands in the new worktree: "
+                            + "; ".join(c.setup))[:500],
+                            {"commands": list(c.setup), "cwd": d.thread.worktree_path}))
     if c.phase == "failed":
         return _decide_fail_run(d, FailRun(
             command_id=c.command_id, thread_id=c.thread_id, run_id=run.id, attempt_id=None,
@@ -3271,6 +3296,21 @@ def _decide_preparation(d: _Draft, c: AdvancePreparation, **kw: Any) -> Mapping[
 
 
 _HANDLERS[AdvancePreparation] = _decide_preparation
+
+
+def _setup_answered(d: _Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
+                    declined: bool) -> None:
+    """Accepted: the commands run (``workspace.prepare`` again, in the worktree already made).
+    Declined (or cancelled): the run starts without them, its item saying so."""
+    commands = request.detail["commands"]
+    note = "The setup commands were declined; the agent starts without them:\n" + "".join(
+        f"$ {command}\n" for command in commands)
+    _decide_preparation(d, AdvancePreparation(
+        command_id=c.command_id, thread_id=c.thread_id, run_id=request.run_id,
+        phase="ready" if declined else "setup", output=note if declined else ""))
+    if not declined:
+        d.effect("workspace.prepare", {"runId": request.run_id, "setup": commands,
+                                       "approved": True}, request.id)
 
 
 # =============================================================================================
@@ -4519,26 +4559,28 @@ class Orchestrator:
 
     async def _prepare_workspace(self, row: _store.EffectRow) -> None:
         """Make a launch's worktree (first removing what a killed attempt left, branch too) and
-        run its setup commands; release the run, or fail it (a failed setup keeps the worktree)."""
+        run its setup commands, or ask first (``askSetup``) and end; ``approved``: run them in
+        the worktree made before. Release the run, or fail it (a failed setup keeps the
+        worktree)."""
         p = row.payload
         state = await self.state(row.thread_id)
         thread = state.thread if state else None
         run = state.run(p["runId"]) if state else None
-        if thread is None or run is None or run.status != RunStatus.PREPARING:
+        if thread is None or run is None or run.status != RunStatus.PREPARING or (
+                not p.get("approved") and _setup_request_id(run.id) in
+                state.entities["runtime-request"]):  # a replay: the question was asked
             return
         if self.workspaces is None or not thread.worktree_path or not thread.branch:
             raise _PermanentEffectError("this server cannot make worktrees")
         path, output = thread.worktree_path, ""
         try:
-            if row.attempt_count > 1 or os.path.lexists(path):
-                await self.workspaces.remove_worktree(p["repo"], path, thread.branch)
-            try:
-                await self.workspaces.add_worktree(
-                    p["repo"], os.path.basename(path), base_ref=p["baseRef"],
-                    branch=thread.branch, from_origin=p["fromOrigin"])
-            except Exception as exc:
-                raise T3Error(f"The worktree could not be made: {exc}") from exc
-            _store.crash_point("workspace.prepare:after-worktree")
+            if not p.get("approved"):
+                await self._make_worktree(row, path, thread.branch)
+                if p.get("askSetup"):
+                    asked = "".join(f"$ {command}\n" for command in p["setup"])
+                    await self._advance_preparation(run, "approval", "Waiting for approval to "
+                                                    f"run:\n{asked}", setup=p["setup"])
+                    return
             for command in p["setup"]:
                 output = f"{output}$ {command}\n"[-PREPARATION_OUTPUT_CHARS:]
                 await self._advance_preparation(run, "setup", output)
@@ -4558,11 +4600,24 @@ class Orchestrator:
         with contextlib.suppress(CommandRejected):
             await self._advance_preparation(run, "ready", output)
 
+    async def _make_worktree(self, row: _store.EffectRow, path: str, branch: str) -> None:
+        p = row.payload
+        assert self.workspaces is not None
+        if row.attempt_count > 1 or os.path.lexists(path):
+            await self.workspaces.remove_worktree(p["repo"], path, branch)
+        try:
+            await self.workspaces.add_worktree(
+                p["repo"], os.path.basename(path), base_ref=p["baseRef"], branch=branch,
+                from_origin=p["fromOrigin"])
+        except Exception as exc:
+            raise T3Error(f"The worktree could not be made: {exc}") from exc
+        _store.crash_point("workspace.prepare:after-worktree")
+
     async def _advance_preparation(self, run: Run, phase: str, output: str,
-                                   reason: str = "") -> None:
+                                   reason: str = "", setup: Sequence[str] = ()) -> None:
         await self.dispatch(AdvancePreparation(
             command_id=self._new_id("command:prepare"), thread_id=run.thread_id,
-            run_id=run.id, phase=phase, output=output, reason=reason))
+            run_id=run.id, phase=phase, output=output, reason=reason, setup=tuple(setup)))
 
     # -- provider sessions -----------------------------------------------------------------------
 

@@ -1030,8 +1030,12 @@ class Toolkit:
             workspace, binding = str(Path(project.path) / _folder_name(thread_id)), {}
         else:
             project = self.ctx.project(args.get("projectId") or _home_project(caller))
+            # An agent below full-access may have written what setup would run (a script, a
+            # Makefile, package.json): its launch's setup waits for an approval.
+            ask = caller is not None and caller.thread is not None and \
+                caller.thread.runtime_mode != orch.RuntimeMode.FULL_ACCESS
             workspace, binding = await self._bind_workspace(
-                kind, strategy, project, thread_id, bool(args.get("message")))
+                kind, strategy, project, thread_id, bool(args.get("message")), ask)
         entry = {"prompt": args.get("message"), "title": args.get("title"),
                  "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
                  "interactionMode": args.get("interactionMode", "inherit")}
@@ -1056,10 +1060,11 @@ class Toolkit:
                 "worktreePath": command.worktree_path}
 
     async def _bind_workspace(self, kind: str, strategy: Any, project: Project, thread_id: str,
-                              has_message: bool) -> tuple[str, dict[str, Any]]:
+                              has_message: bool, ask_setup: bool) -> tuple[str, dict[str, Any]]:
         """A launch's workspace and the CreateThread fields that bind the thread to it; bad
         input is refused before anything is made. A new worktree's path and default branch
-        derive from the thread id, so a retried launch asks for the same one."""
+        derive from the thread id, so a retried launch asks for the same one; ``ask_setup``:
+        its setup commands wait for an approval."""
         git = self.orch.workspaces
         if kind == "root":
             return project.path, {}
@@ -1094,7 +1099,8 @@ class Toolkit:
             raise ToolFailure("invalid_request", f"workspaceStrategy: {problem}")
         return path, {"branch": branch, "worktree_path": path, "preparation": {
             "repo": repo, "baseRef": strategy["baseRef"], "fromOrigin": from_origin,
-            "setup": list(project.setup)}}
+            "setup": list(project.setup), **({"askSetup": True} if ask_setup and project.setup
+                                             else {})}}
 
     async def _list_threads(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         caller = await self._caller_thread(scope)

@@ -62,6 +62,8 @@ _INERT = frozenset({"rev-parse", "update-ref", "for-each-ref", "commit-tree"})
 # Diffs run no external diff or textconv program, whichever config names one.
 _DIFF = ("diff", "--no-color", "--no-renames", "--no-ext-diff", "--no-textconv",
          "--submodule=short")
+_BASE_REFS = ("refs/heads/", "refs/tags/", "refs/remotes/")  # what a launch may start from
+_COMMIT_ID = re.compile(r"[0-9a-f]{7,64}")
 
 
 class GitError(Exception):
@@ -240,12 +242,12 @@ class Workspaces:
                 # a repository's own; a submodule's fetch would read its own config
                 await _git(repo, "fetch", "--quiet", "--no-recurse-submodules",
                            "--upload-pack=git-upload-pack", "origin", "--", base_ref)
-                base = f"origin/{base_ref}"
-            if await _maybe(repo, "rev-parse", "--verify", "--quiet",
-                            f"{base}^{{commit}}") is None:
+                base = f"refs/remotes/origin/{base_ref}"
+            start = await _launch_base(repo, base, reachable=False)
+            if start is None:
                 raise GitError(f"baseRef: no commit {base!r} in {repo}")
             self.worktrees_dir.mkdir(mode=0o700, exist_ok=True)
-            await _git(repo, "worktree", "add", "--quiet", "-b", branch, str(path), base)
+            await _git(repo, "worktree", "add", "--quiet", "-b", branch, str(path), start)
         return str(path)
 
     async def remove_worktree(self, repo: str, path: str, branch: str | None = None) -> None:
@@ -285,11 +287,13 @@ class Workspaces:
         if await _maybe(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"):
             return f"branch: {branch!r} already exists"
         if from_origin:
+            if base_ref.startswith("refs/"):
+                return f"startFromOrigin: baseRef {base_ref!r} is not a branch name of origin"
             if await _maybe(repo, "remote", "get-url", "origin") is None:
                 return f"startFromOrigin: {repo} has no remote named origin"
-        elif await _maybe(repo, "rev-parse", "--verify", "--quiet",
-                          f"{base_ref}^{{commit}}") is None:
-            return f"baseRef: no commit {base_ref!r} in {repo}"
+        elif await _launch_base(repo, base_ref, reachable=True) is None:
+            return (f"baseRef: no commit {base_ref!r} in {repo} that a branch, tag or "
+                    "remote-tracking branch names or holds (t3's own refs never are one)")
         return None
 
     async def run_setup(self, cwd: str, command: str) -> tuple[int, str]:
@@ -335,6 +339,31 @@ def _git_dir_in(root: str) -> str | None:
 def _within(path: str, folder: str) -> bool:
     real = os.path.realpath(path)
     return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+async def _launch_base(repo: str, base_ref: str, *, reachable: bool) -> str | None:
+    """What git starts a launch's worktree from: the full name of the branch, tag or
+    remote-tracking branch ``base_ref`` names (a short name is looked up under refs/heads/,
+    refs/tags/, refs/remotes/, in that order: git's own lookup also tries refs/<name> and
+    $GIT_DIR/<name>, where t3's checkpoints and files an agent wrote live), else the commit id it
+    is, with ``reachable`` only one such a ref holds; None when it is none of these. A checkpoint
+    holds what an agent wrote: a worktree (and its setup) made from one would run it."""
+    names = [base_ref] if base_ref.startswith(_BASE_REFS) else \
+        [] if base_ref.startswith("refs/") else [f"{space}{base_ref}" for space in _BASE_REFS]
+    found = (await _git(repo, "for-each-ref", "--format=%(refname)", "--", *names)).split() \
+        if names else []
+    for name in names:
+        if name in found:
+            commit = await _maybe(repo, "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}")
+            return name if commit else None
+    if not _COMMIT_ID.fullmatch(base_ref):
+        return None
+    commit = await _maybe(repo, "rev-parse", "--verify", "--quiet", f"{base_ref}^{{commit}}")
+    if commit and reachable and not await _maybe(
+            repo, "for-each-ref", "--count=1", "--format=%(refname)", f"--contains={commit}",
+            *(space.rstrip("/") for space in _BASE_REFS)):
+        return None
+    return commit
 
 
 def ref_problem(value: str, what: str) -> str | None:

@@ -4,7 +4,9 @@ show where it runs: a new worktree under `<data-dir>/worktrees/` on a branch of 
 user's checkout untouched), an existing worktree (refused when it is not one of the project's),
 `startFromOrigin`, the project's setup commands (their output in the timeline, a failure fails
 the launch), a launch killed mid-way finished after the restart, and `create_threads` inheriting
-the caller's worktree; `/ws launchThread` through the CLI's `new --worktree`."""
+the caller's worktree; `/ws launchThread` through the CLI's `new --worktree`; where a launch may
+start from (never t3's checkpoints) and whose launch runs setup unasked (an agent's below
+full-access waits for an approval)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 from harness import McpClient, T3Server, agent_log, wait_until, write_config
+from test_tokens import session_token
 
 import t3 as server
 from workspace import Workspaces
@@ -390,3 +393,181 @@ def sleepers(command: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+# -- who may run setup, and from where --------------------------------------------------------
+
+def launch_line(base_ref: str, **extra: Any) -> str:
+    """A CALL_TOOL line for the scripted agent: t3_thread_launch into a worktree of base_ref."""
+    return "CALL_TOOL t3_thread_launch " + json.dumps({
+        "message": "ECHO_CWD", "workspaceStrategy": {"type": "worktree", "baseRef": base_ref},
+        **extra})
+
+
+def launches(log: Path) -> list[dict[str, Any]]:
+    """What each t3_thread_launch the scripted agents made answered (structured), in order."""
+    return [e["result"] for e in agent_log(log) if e["dir"] == "mcp"
+            and e["tool"] == "t3_thread_launch"]
+
+
+def agent_launches(mcp: McpClient, log: Path, mode: str, *bases: str) -> list[dict[str, Any]]:
+    """A thread in runtime mode ``mode`` whose agent launches one worktree thread per base:
+    what the launches answered."""
+    before = len(launches(log))
+    parent = launch(mcp, "root", message="\n".join(map(launch_line, bases)),
+                    runtimeMode=mode).structured
+    assert finished(mcp, parent["threadId"])["status"] == "completed"
+    return launches(log)[before:]
+
+
+def thread_ids(mcp: McpClient) -> list[str]:
+    return [t["threadId"] for t in mcp.call("t3_thread_list", {}).structured["threads"]]
+
+
+def pending(mcp: McpClient, thread_id: str) -> list[dict[str, Any]]:
+    return mcp.call("t3_pending_request", {"threadId": thread_id,
+                                           "action": "list"}).structured["requests"]
+
+
+def setup_item(mcp: McpClient, thread_id: str) -> dict[str, Any]:
+    return next(i for i in read(mcp, thread_id)["items"] if i["type"] == "workspace_setup")
+
+
+def test_an_agent_cannot_launch_from_its_own_checkpoint(
+        t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
+    """An agent that rewrote scripts/bootstrap.sh launches from its own checkpoint (the
+    refs/t3/... ref, the t3/... short name git would also find, the checkpoint's commit id):
+    each launch is invalid_request and nothing is written (no thread, worktree or branch)."""
+    from workspace import checkpoint_ref
+    repo = make_repo(tmp_path, origin=False)
+    t3 = start(t3_factory, tmp_path, repo, setup=["sh scripts/bootstrap.sh"])
+    mcp = t3.client()
+    agent = launch(mcp, "root", message="WRITE_FILE scripts/bootstrap.sh touch pwned",
+                   runtimeMode="auto-accept-edits").structured
+    assert finished(mcp, agent["threadId"])["status"] == "completed"
+    ref = checkpoint_ref(agent["threadId"], 1)
+    commit = git(repo, "rev-parse", ref).strip()
+    assert "touch pwned" in git(repo, "show", f"{commit}:scripts/bootstrap.sh")
+    before = (user_state(repo), worktrees(repo), thread_ids(mcp))
+    sent = mcp.call("t3_thread_send", {"threadId": agent["threadId"], "message": "\n".join(
+        launch_line(base) for base in (ref, ref.removeprefix("refs/"), commit, commit[:12]))})
+    assert sent.ok, sent.structured
+    assert finished(mcp, agent["threadId"])["status"] == "completed"
+    answers = launches(agent_log_path)
+    assert [a.get("code") for a in answers] == ["invalid_request"] * 4, answers
+    assert all("t3's own refs never are one" in a["message"] for a in answers), answers
+    after = (user_state(repo), worktrees(repo), thread_ids(mcp))
+    assert after == before and list((t3.data_dir / "worktrees").iterdir()) == []
+
+
+def test_a_launch_base_is_a_branch_a_tag_a_remote_branch_or_a_commit_they_hold(
+        tmp_path: Path) -> None:
+    """worktree_problem (every launch's check) admits branches, tags and remote-tracking
+    branches by short or full name and commit ids one of them holds; it refuses t3's refs, other
+    refs (refs/notes, refs/stash, HEAD), a commit only such a ref holds, and a ref planted at
+    refs/<name> where git's own lookup would find it before the branch."""
+    repo = make_repo(tmp_path)
+    git(repo, "fetch", "-q", "origin")
+    git(repo, "tag", "-a", "-m", "v", "v1", "main")
+    first = git(repo, "rev-parse", "main").strip()
+    git(repo, "stash", "-q")
+    hidden = git(repo, "rev-parse", "refs/stash").strip()
+    git(repo, "update-ref", "refs/t3/checkpoints/x/1", hidden)
+    git(repo, "update-ref", "refs/notes/x", hidden)
+    git(repo, "update-ref", "refs/topic", hidden)  # git's `topic` would be this one
+    git(repo, "branch", "topic", "main")
+    (tmp_path / "data").mkdir(mode=0o700)
+    spaces = Workspaces(tmp_path / "data")
+
+    def problem(base: str) -> str | None:
+        return asyncio.run(spaces.worktree_problem(str(repo), base_ref=base, branch="t3/new",
+                                                   from_origin=False))
+    for good in ("main", "refs/heads/main", "v1", "refs/tags/v1", "origin/main",
+                 "refs/remotes/origin/main", first, first[:10]):
+        assert problem(good) is None, good
+    for bad in ("refs/t3/checkpoints/x/1", "t3/checkpoints/x/1", "refs/notes/x", "refs/stash",
+                "stash", "HEAD", hidden, hidden[:10]):
+        assert "no commit" in (problem(bad) or ""), bad
+    made = asyncio.run(spaces.add_worktree(str(repo), "w", base_ref="topic", branch="t3/w"))
+    assert git(Path(made), "rev-parse", "HEAD").strip() == first  # the branch, not refs/topic
+    assert asyncio.run(spaces.worktree_problem(
+        str(repo), base_ref="refs/t3/checkpoints/x/1", branch="t3/o", from_origin=True))
+
+
+def test_an_agents_launch_asks_before_its_setup_runs_and_the_answer_holds_across_a_restart(
+        t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
+    """An auto-accept-edits agent launches three worktree threads into a project whose setup
+    writes a marker: each first run waits `preparing` on a pending command approval listing the
+    commands (t3_pending_request, listPendingRequests through the CLI, the timeline), with no
+    marker, also after a restart; the launching agent may not answer it. Accepted by the client
+    token, setup runs and the agent starts; declined through the CLI, the agent starts without
+    it and the "Preparing workspace" item says so; interrupted, the request is cancelled."""
+    repo = make_repo(tmp_path, origin=False)
+    t3 = start(t3_factory, tmp_path, repo, setup=["echo ran > setup-marker.txt"])
+    mcp = t3.client()
+    children = agent_launches(mcp, agent_log_path, "auto-accept-edits", *["main"] * 3)
+    assert all("threadId" in child for child in children), children
+    launcher = McpClient(t3.mcp_url, session_token(agent_log_path))
+    requests = {}
+    for child in children:
+        thread_id = child["threadId"]
+        wait_until(lambda: pending(mcp, thread_id), 30, message="the setup approval is asked")
+        [request] = pending(mcp, thread_id)
+        detail = mcp.call("t3_pending_request", {"threadId": thread_id, "action": "read",
+                                                 "requestId": request["requestId"]}).structured
+        assert request["kind"] == "command" and "echo ran > setup-marker.txt" in request["title"]
+        assert detail["request"]["detail"] == {"commands": ["echo ran > setup-marker.txt"],
+                                               "cwd": child["worktreePath"]}
+        assert setup_item(mcp, thread_id)["status"] == "waiting"
+        asked = [i for i in read(mcp, thread_id)["items"] if i["type"] == "approval_request"]
+        assert [i["status"] for i in asked] == ["waiting"]
+        refused = launcher.call("t3_pending_request", {
+            "threadId": thread_id, "action": "respond", "requestId": request["requestId"],
+            "decision": "accept"})
+        assert refused.failure_code == "capability_denied", refused.text
+        requests[thread_id] = request["requestId"]
+    launcher.close()
+    listed = json.loads(t3.cli("requests", "--json").stdout)["requests"]
+    assert sorted(r["requestId"] for r in listed) == sorted(requests.values())
+    t3.restart()
+    accepted, declined, dropped = (c["threadId"] for c in children)
+    assert [len(pending(mcp, t)) for t in requests] == [1, 1, 1]
+    assert [read(mcp, t)["recentRuns"][0]["status"] for t in requests] == ["preparing"] * 3
+    assert not any((Path(c["worktreePath"]) / "setup-marker.txt").exists() for c in children)
+    answered = mcp.call("t3_pending_request", {"threadId": accepted, "action": "respond",
+                                               "requestId": requests[accepted],
+                                               "decision": "accept"})
+    assert answered.ok, answered.structured
+    assert finished(mcp, accepted)["status"] == "completed"
+    assert (Path(children[0]["worktreePath"]) / "setup-marker.txt").read_text() == "ran\n"
+    assert reply(mcp, accepted) == children[0]["worktreePath"]
+    assert setup_item(mcp, accepted)["status"] == "completed"
+    done = t3.cli("answer", requests[declined], "decline")
+    assert done.returncode == 0, done.stderr
+    assert finished(mcp, declined)["status"] == "completed"
+    assert reply(mcp, declined) == children[1]["worktreePath"]
+    assert not (Path(children[1]["worktreePath"]) / "setup-marker.txt").exists()
+    note = setup_item(mcp, declined)
+    assert note["status"] == "completed" and note["text"].startswith(
+        "The setup commands were declined; the agent starts without them:\n"
+        "$ echo ran > setup-marker.txt"), note
+    assert mcp.call("t3_thread_interrupt", {"threadId": dropped}).structured["status"] == \
+        "interrupted"
+    assert pending(mcp, dropped) == [] and finished(mcp, dropped)["status"] == "interrupted"
+    assert not (Path(children[2]["worktreePath"]) / "setup-marker.txt").exists()
+
+
+def test_a_persons_launch_and_a_full_access_agents_launch_run_setup_without_asking(
+        t3_factory, tmp_path: Path, agent_log_path: Path) -> None:
+    """The client token's launch and a full-access agent's launch run the setup at once: the
+    marker is there when the agent starts, and no approval was ever asked."""
+    repo = make_repo(tmp_path, origin=False)
+    t3 = start(t3_factory, tmp_path, repo, setup=["echo ran > setup-marker.txt"])
+    mcp = t3.client()
+    children = [launch(mcp, {"type": "worktree", "baseRef": "main"}).structured,
+                *agent_launches(mcp, agent_log_path, "full-access", "main")]
+    for child in children:
+        assert finished(mcp, child["threadId"])["status"] == "completed"
+        assert (Path(child["worktreePath"]) / "setup-marker.txt").read_text() == "ran\n"
+        assert not any(i["type"] == "approval_request"
+                       for i in read(mcp, child["threadId"])["items"])
