@@ -2098,6 +2098,9 @@ def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
             ended.append(run.id)
         elif run.awaiting_agent_slot:  # the line was in memory: it queues up again
             _restart_waiting(d, run)
+    for task in d.all("subagent"):  # no wait outlives the server: its completion wakes
+        if task.completion_wake == "settled_only" and task.status not in TASK_TERMINAL:
+            d.put(replace(task, completion_wake="always", updated_at=d.now))
     _promote_queued(d)
     return {"threadId": c.thread_id, "interruptedRunIds": ended}
 

@@ -833,26 +833,27 @@ class Toolkit:
         timed_out = False
         if args.get("mode") == "wait":
             timed_out = not await self._wait_task(parent_id, task_id, args, progress)
-            if timed_out and not self.orch.stopping:
-                # The child keeps running; its completion must now wake the parent mid-turn.
-                await self.orch.dispatch(orch.SetWakePolicy(
-                    command_id=self._id("command", "mcp", scope.key, "delegate-task-wake-policy",
-                                        key), thread_id=parent_id, task_id=task_id,
-                    completion_wake="always"))
+            await self._wait_ended(parent_id, task_id, self._id(
+                "command", "mcp", scope.key, "delegate-task-wake-policy", key))
         shaped = await self._task_result(parent_id, task_id)
         shaped["waitTimedOut"] = timed_out and shaped["status"] not in orch.TASK_TERMINAL
-        if args.get("mode") == "wait" and shaped["hasPendingQuestion"]:
-            await self._question_delivered(parent_id, task_id)
         return shaped
 
-    async def _question_delivered(self, parent_id: str, task_id: str) -> None:
-        """The wait showed the agent its child's question: no catch-up wake for it."""
+    async def _wait_ended(self, parent_id: str, task_id: str, command_id: str) -> None:
+        """A wait that showed the agent its child's question: no notice or catch-up wake for
+        it. One that ends before the result (timed out, or a question or approval ended it):
+        the completion must now wake the parent, mid-turn or not. In that order, so the
+        question's notice is never queued."""
         task = (await self._thread(parent_id)).entities["subagent"][task_id]
         question, _ = orch.task_attention(await self._thread(task.child_thread_id), task)
         if question is not None:
             await self.orch.dispatch(orch.SettleTaskQuestion(
                 command_id=self._id("command", "question-delivered", question.id),
                 thread_id=parent_id, task_id=task_id, request_id=question.id))
+        if task.status not in orch.TASK_TERMINAL and not self.orch.stopping:
+            await self.orch.dispatch(orch.SetWakePolicy(
+                command_id=command_id, thread_id=parent_id, task_id=task_id,
+                completion_wake="always"))
 
     async def _wait_task(self, parent_id: str, task_id: str, args: _Args,
                          progress: Callable[[float, str], Awaitable[None]] | None) -> bool:

@@ -393,3 +393,40 @@ def test_agent_batch_threads_and_async_polling(t3_factory, tmp_path: Path) -> No
     done = wait_until(lambda: (r := polled())["workState"] == "result_available" and r, 60)
     assert done["status"] == "completed" and "chunk 9" in done["summary"]
     assert done["resultContextTransferId"].startswith("context-transfer:subagent_result:")
+
+
+def test_a_wait_ended_by_a_question_still_gets_the_completion_wake(t3_factory,
+                                                                   tmp_path: Path) -> None:
+    """A parent's wait ends on its child's question and its turn goes on; the question is
+    answered and the child finishes while that run is live (then the server is killed and
+    restarted): the completion wakes the parent exactly once."""
+    t3 = t3_factory(providers=[scripted_provider(tmp_path, id="alpha"),
+                               scripted_provider(tmp_path, id="grok", driver="grok")])
+    mcp = t3.client()
+    parent = create(mcp, call_line("delegate_task", {
+        "task": "ASK_QUESTION", "title": "asker", "target": {"providerInstanceId": "grok"},
+        "mode": "wait", "timeoutMs": 60_000}) + "\nSLOW:2000",
+        target={"providerInstanceId": "alpha"})
+    tid = parent["threadId"]
+    [ended] = wait_until(lambda: mcp_calls(tmp_path / "agent-alpha.log"), 30)
+    result = ended["result"]
+    assert result["hasPendingQuestion"] is True and result["waitTimedOut"] is False
+    child_id = result["childThreadId"]
+    [question] = mcp.call("t3_pending_request", {"threadId": child_id, "action": "list"}
+                          ).structured["requests"]
+    assert mcp.call("t3_pending_request", {"threadId": child_id, "action": "respond",
+                                           "requestId": question["requestId"],
+                                           "answers": {"q0": "red"}}).ok
+    assert wait(mcp, child_id)["status"] == "completed"
+    wait_until(lambda: [i["status"] for i in items(mcp, tid) if i["type"] == "subagent"] == [
+        "completed"], 30)
+    first = mcp.call("t3_thread_read", {"threadId": tid}).structured["recentRuns"][-1]
+    assert first["status"] == "running"  # the finalization met the parent's live run
+    t3.kill9()
+    t3.restart()
+    wait_until(lambda: runs_settled(mcp, tid, 2), 60)
+    [wake] = wake_prompts(tmp_path / "agent-alpha.log")
+    assert result["taskId"] in wake and "completed" in wake
+    runs = mcp.call("t3_thread_read", {"threadId": tid}).structured["recentRuns"]
+    assert [(r["ordinal"], r["status"]) for r in runs] == [(2, "completed"), (1, "interrupted")]
+
