@@ -57,6 +57,8 @@ _AGENT_MADE = {"created_by": orch.Actor.AGENT, "creation_source": orch.CreationS
 READ_BUDGET_CHARS = 30_000
 DEFAULT_ITEM_CHARS = 20_000
 TRUNCATION_MARK = "\n…[truncated]"
+MIN_ITEM_CHARS = 1_000  # an item cut to fit a page keeps at least this much of its text
+TRANSFER_SUMMARY_CHARS = 1_000  # a read's transfer summary (the whole is the task's result)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1151,28 +1153,34 @@ class Toolkit:
         else:
             after = args.get("afterPosition", -1)
             candidates = [r for r in rows if r.position > after]
+        run_limit = args.get("runLimit", 10)
+        result = {"thread": self._detail(state), "transfers": await self._transfers(state),
+                  "recentRuns": [
+                      self._run_summary(state, r) for r in state.runs[::-1][:run_limit]],
+                  "items": [], "nextPosition": None, "hasMore": False, "earlierPosition": None,
+                  "link": self.ctx.link(state.thread.id if state.thread else "")}
+        room = READ_BUDGET_CHARS - _chars(result) - 30  # the budget holds the whole result
         page: list[dict[str, Any]] = []
-        used = 0
-        for row in candidates:
-            if len(page) >= limit or (page and used >= READ_BUDGET_CHARS):
-                break
+        for row in candidates[:limit]:
             item = self._timeline_item(state, row, max_chars)
-            used += len(json.dumps(item))
+            size = _chars(item) + 2
+            if page and size > room:
+                break  # left to the next page
+            if size > room:  # the first item is cut to fit: every page moves on
+                item = self._timeline_item(state, row, max(MIN_ITEM_CHARS, len(
+                    item["text"] or "") - (size - room) - _chars(TRUNCATION_MARK)))
+                size = _chars(item) + 2
+            room -= size
             page.append(item)
         if newest_first:
             page.reverse()
         first = page[0]["position"] if page else None
         last = page[-1]["position"] if page else None
-        has_older = first is not None and any(r.position < first for r in rows)
-        has_newer = last is not None and any(r.position > last for r in rows)
-        run_limit = args.get("runLimit", 10)
-        return {"thread": self._detail(state), "transfers": await self._transfers(state),
-                "recentRuns": [
-                    self._run_summary(state, r) for r in state.runs[::-1][:run_limit]],
-                "items": page, "nextPosition": last if last is not None
-                else args.get("afterPosition"), "hasMore": has_newer,
-                "earlierPosition": first if has_older else None,
-                "link": self.ctx.link(state.thread.id if state.thread else "")}
+        return {**result, "items": page,
+                "nextPosition": last if last is not None else args.get("afterPosition"),
+                "hasMore": last is not None and any(r.position > last for r in rows),
+                "earlierPosition": first if first is not None and any(
+                    r.position < first for r in rows) else None}
 
     async def _thread_diff(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self.threads.diff(args["threadId"], run_id=args.get("runId"),
@@ -1187,6 +1195,7 @@ class Toolkit:
             own += [t for t in parent.entities["context-transfer"].values()
                     if state.thread.id in (t.source_thread_id, t.target_thread_id)]
         return [{**{k: v for k, v in t.to_json().items() if k not in ("threadId", "data")},
+                 "summary": _bounded(t.summary, TRANSFER_SUMMARY_CHARS),
                  **{k: v for k, v in (t.data or {}).items() if k in ("sourcePoint",
                                                                      "resolution")}}
                 for t in sorted(own, key=lambda t: (t.created_at, t.id))]
@@ -1238,8 +1247,7 @@ class Toolkit:
             created_by, source = (("system", "server") if item.type.startswith("run_interrupt")
                                   else ("agent", "provider"))
         truncated = text is not None and len(text) > max_chars
-        if truncated and text is not None:
-            text = text[:max(0, max_chars - len(TRUNCATION_MARK))] + TRUNCATION_MARK
+        text = _bounded(text, max_chars)
         return {"position": item.position, "visibility": "local",
                 "sourceThreadId": item.thread_id, "itemId": item.id, "runId": item.run_id,
                 "messageId": item.message_id, "role": message.role if message else None,
@@ -1599,6 +1607,17 @@ def _pull_request(url: str) -> dict[str, Any]:
         raise ToolFailure("invalid_request", "url: not a pull request URL (expected "
                                              "http(s)://host/owner/repo/pull/NUMBER)")
     return {"repository": match[1], "number": int(match[2]), "url": url}
+
+
+def _chars(value: Any) -> int:
+    """How many characters ``value`` takes in a tool result's text."""
+    return len(json.dumps(value, ensure_ascii=False))
+
+
+def _bounded(text: str | None, max_chars: int) -> str | None:
+    if text is None or len(text) <= max_chars:
+        return text
+    return text[:max(0, max_chars - len(TRUNCATION_MARK))] + TRUNCATION_MARK
 
 
 def _thread_state(thread: Mapping[str, Any], row: Mapping[str, Any]) -> dict[str, Any]:
