@@ -834,7 +834,8 @@ class Toolkit:
             task_id = result.result["taskId"]
         timed_out = False
         if args.get("mode") == "wait":
-            timed_out = not await self._wait_task(parent_id, task_id, args, progress)
+            timed_out = not await self._wait_task(parent_id, task_id, args, progress,
+                                                  _lender(scope))
             await self._wait_ended(parent_id, task_id, self._id(
                 "command", "mcp", scope.key, "delegate-task-wake-policy", key))
         shaped = await self._task_result(parent_id, task_id)
@@ -858,7 +859,8 @@ class Toolkit:
                 completion_wake="always"))
 
     async def _wait_task(self, parent_id: str, task_id: str, args: _Args,
-                         progress: Callable[[float, str], Awaitable[None]] | None) -> bool:
+                         progress: Callable[[float, str], Awaitable[None]] | None,
+                         lender: tuple[str, str] | None) -> bool:
         parent = await self._thread(parent_id)
         task = parent.entities["subagent"][task_id]
         child_id = task.child_thread_id
@@ -872,16 +874,17 @@ class Toolkit:
         timeout_s = args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not self.orch.stopping:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            if await self.orch.wait_until([parent_id, child_id], settled,
-                                          min(remaining, PROGRESS_EVERY_S)):
-                return True
-            if progress is not None and not self.orch.stopping:
-                await progress(timeout_s - max(0.0, deadline - loop.time()),
-                               "waiting for the delegated task")
+        with self.orch.lending(lender, child_id):  # the child never waits for the parent's slot
+            while not self.orch.stopping:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                if await self.orch.wait_until([parent_id, child_id], settled,
+                                              min(remaining, PROGRESS_EVERY_S)):
+                    return True
+                if progress is not None and not self.orch.stopping:
+                    await progress(timeout_s - max(0.0, deadline - loop.time()),
+                                   "waiting for the delegated task")
         return False
 
     async def _task_result(self, parent_id: str, task_id: str) -> dict[str, Any]:
@@ -1274,7 +1277,7 @@ class Toolkit:
                     progress: Callable[[float, str], Awaitable[None]] | None) -> dict[str, Any]:
         return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
                                        timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000,
-                                       progress=progress)
+                                       progress=progress, lender=_lender(scope))
 
     async def _interrupt(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         thread_id = args["threadId"]
@@ -1607,6 +1610,13 @@ def _pull_request(url: str) -> dict[str, Any]:
         raise ToolFailure("invalid_request", "url: not a pull request URL (expected "
                                              "http(s)://host/owner/repo/pull/NUMBER)")
     return {"repository": match[1], "number": int(match[2]), "url": url}
+
+
+def _lender(scope: Scope) -> tuple[str, str] | None:
+    """The agent whose process slot its wait lends (a client caller holds none)."""
+    if scope.kind != "thread" or not scope.thread_id or not scope.provider_session_id:
+        return None
+    return scope.thread_id, scope.provider_session_id
 
 
 def _chars(value: Any) -> int:
