@@ -39,7 +39,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -2146,6 +2146,9 @@ def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
             ended.append(run.id)
         elif run.awaiting_agent_slot:  # the line was in memory: it queues up again
             _restart_waiting(d, run)
+    for task in d.all("subagent"):  # no wait outlives the server: its completion wakes
+        if task.completion_wake == "settled_only" and task.status not in TASK_TERMINAL:
+            d.put(replace(task, completion_wake="always", updated_at=d.now))
     _promote_queued(d)
     return {"threadId": c.thread_id, "interruptedRunIds": ended}
 
@@ -3803,7 +3806,7 @@ class Orchestrator:
                  wall: Callable[[], float] = time.time,
                  coalesce_s: float = 0.02, backoff_base_ms: int = 100,
                  credentials: SessionCredentials | None = None,
-                 max_live_agent_processes: int = 16,
+                 max_live_agent_processes: int = 16, max_delegation_depth: int = 5,
                  redact: Callable[[str], str] | None = None,
                  workspaces: Workspaces | None = None) -> None:
         self._store = store
@@ -3830,11 +3833,15 @@ class Orchestrator:
         self._live: dict[str, _LiveSession] = {}
         self._subscriptions: set[Subscription] = set()
         # Agent process slots: live sessions + sessions opening + slots granted to a run whose
-        # start has not run yet never exceed _max_live; runs without one wait in _line (FIFO).
+        # start has not run yet never exceed _max_live, but for runs on a slot lent by an agent
+        # blocked in a wait (_waits, _loans); runs without one wait in _line (FIFO).
         self._max_live = max_live_agent_processes
-        self._opening = 0
+        self._max_loans = max_live_agent_processes * max_delegation_depth
+        self._opening: set[str] = set()  # run ids
         self._reserved: dict[str, str] = {}  # run id -> thread id
         self._line: list[tuple[str, str, str]] = []  # (thread id, run id, attempt id)
+        self._waits: list[tuple[str, str, str]] = []  # (thread id, session id, awaited thread)
+        self._loans: dict[str, str] = {}  # run id -> session id of the agent that lent a slot
         self._effect_tasks: dict[str, asyncio.Task[None]] = {}
         self._effect_wake = asyncio.Event()
         self._ingest_slots = asyncio.Semaphore(self.MAX_INGEST_COMMITS)
@@ -4695,15 +4702,15 @@ class Orchestrator:
             raise _PermanentEffectError(f"provider instance {run.provider_instance_id!r} is not "
                                         "configured on this server")
         if live is not None:  # replaced: its slot passes to the new session
-            self._opening += 1
+            self._opening.add(run.id)
             await live.handle.close()
             await live.pump_done.wait()
-        elif not await self._claim_slot(run.id):
+        elif not await self._claim_slot(run.id, thread.id):
             return None
         try:
             return await self._open_session(state, run, adapter), True
         finally:
-            self._opening -= 1
+            self._opening.discard(run.id)
 
     async def _open_session(self, state: ThreadState, run: Run, adapter: ProviderAdapter
                             ) -> _LiveSession:
@@ -4769,22 +4776,73 @@ class Orchestrator:
         self._rebalance()
 
     def _slots_used(self) -> int:
-        return len(self._live) + self._opening + len(self._reserved)
+        """Agent processes that count against the cap: live, opening and granted ones, but a run
+        on a slot lent by an agent still blocked in its wait. A loan lasts for the borrower's
+        turn (or until its lender's session ends); ended ones are dropped here first."""
+        sessions = {live.session_id for live in self._live.values()}
+        turns = {live.turn[0] for live in self._live.values() if live.turn}
+        self._loans = {run: s for run, s in self._loans.items() if s in sessions and (
+            run in self._reserved or run in self._opening or run in turns)}
+        lent = sum(1 for s in self._loans.values() if self._blocked(s))
+        return len(self._live) + len(self._opening) + len(self._reserved) - lent
 
-    async def _claim_slot(self, run_id: str) -> bool:
+    def _blocked(self, session_id: str) -> bool:
+        """That session's agent is blocked in a wait: its turn runs and a tool call waits."""
+        return any(w[1] == session_id for w in self._waits) and any(
+            live.session_id == session_id and live.turn is not None
+            for live in self._live.values())
+
+    @contextlib.contextmanager
+    def lending(self, lender: tuple[str, str] | None, thread_id: str) -> Iterator[None]:
+        """While an agent (``lender``: its thread and session) is blocked in a wait on a thread's
+        work, its slot is lent to that work: the wait never keeps what it waits on in line."""
+        if lender is None:
+            yield
+            return
+        entry = (*lender, thread_id)
+        self._waits.append(entry)
+        self._rebalance()
+        try:
+            yield
+        finally:
+            self._waits.remove(entry)
+            self._rebalance()
+
+    def _lender_for(self, thread_id: str) -> str | None:
+        """The session of an agent blocked in a wait on this thread or one it was delegated from
+        (nested work), with no slot lent yet, oldest wait first. A run on a loan may lend in turn
+        (a nested wait); at most max_live x max_delegation_depth runs are on loan at once."""
+        if not self._waits or len(self._loans) >= self._max_loans:
+            return None
+        work: list[str] = []
+        while thread_id and thread_id not in work:
+            work.append(thread_id)
+            state = self._states.get(thread_id)
+            lineage = state.thread.lineage if state and state.thread else {}
+            thread_id = lineage.get("parentThreadId") if lineage.get(
+                "relationshipToParent") == "subagent" else None
+        lent = set(self._loans.values())
+        return next((session for _, session, awaited in self._waits if awaited in work
+                     and session not in lent and self._blocked(session)), None)
+
+    async def _claim_slot(self, run_id: str, thread_id: str) -> bool:
         """Hold a slot for a new process (``_opening`` until live): a granted one; else, if no run
-        waits in line, a free one or one freed by stopping the least recently used idle session."""
+        waits in line, a free one or one freed by stopping the least recently used idle session;
+        else one lent by an agent that waits on this run's work."""
         granted = self._reserved.pop(run_id, None) is not None
         if not granted and (self._line or self._slots_used() >= self._max_live):
             idle = None if self._line else self._idle_sessions()[:1]
-            if not idle:
+            if idle:
+                self._opening.add(run_id)
+                idle[0].closing_reason = "Stopped to free an agent process slot."
+                await idle[0].handle.close()
+                await idle[0].pump_done.wait()
+                return True
+            lender = self._lender_for(thread_id)
+            if lender is None:
                 return False
-            self._opening += 1
-            idle[0].closing_reason = "Stopped to free an agent process slot."
-            await idle[0].handle.close()
-            await idle[0].pump_done.wait()
-            return True
-        self._opening += 1
+            self._loans[run_id] = lender
+        self._opening.add(run_id)
         return True
 
     def _idle_sessions(self) -> list[_LiveSession]:
@@ -4806,18 +4864,27 @@ class Orchestrator:
         self._rebalance()
 
     def _rebalance(self) -> None:
-        """Give free slots to the runs in line, oldest first; when more runs wait than slots are
-        on their way to freeing, stop idle sessions (least recently used first) to free more."""
+        """Give free slots to the runs in line, oldest first, and lent ones to the runs agents
+        wait on; when more runs wait than slots are on their way to freeing, or loans that ended
+        left more processes than the cap, stop idle sessions (least recently used first)."""
         if self.stopping:
             return
         while self._line and self._slots_used() < self._max_live:
-            thread_id, run_id, attempt_id = self._line.pop(0)
-            self._reserved[run_id] = thread_id
-            self._spawn(self._grant_slot(thread_id, run_id, attempt_id), f"slot {run_id}")
+            self._grant(*self._line.pop(0))
+        for entry in list(self._line):
+            if (lender := self._lender_for(entry[0])) is not None:
+                self._line.remove(entry)
+                self._loans[entry[1]] = lender
+                self._grant(*entry)
         freeing = sum(1 for s in self._live.values() if s.closing_reason is not None)
-        for idle in self._idle_sessions()[:max(0, len(self._line) - freeing)]:
+        over = max(0, self._slots_used() - self._max_live)
+        for idle in self._idle_sessions()[:max(0, over + len(self._line) - freeing)]:
             idle.closing_reason = "Stopped to free an agent process slot."
             self._spawn(idle.handle.close(), f"release {idle.session_id}")
+
+    def _grant(self, thread_id: str, run_id: str, attempt_id: str) -> None:
+        self._reserved[run_id] = thread_id
+        self._spawn(self._grant_slot(thread_id, run_id, attempt_id), f"slot {run_id}")
 
     async def _grant_slot(self, thread_id: str, run_id: str, attempt_id: str) -> None:
         if not await self._try_dispatch(GrantAgentSlot(
@@ -4864,8 +4931,7 @@ class Orchestrator:
                     if self._credentials:
                         self._credentials.set_active(live.session_id, False)
                     live.last_used = time.monotonic()
-                    if self._line:
-                        self._rebalance()  # runs wait for a slot: this idle session gives one
+                    self._rebalance()  # this idle session may give a slot, its loan has ended
                     live.idle_timer = asyncio.get_running_loop().call_later(
                         self.IDLE_RELEASE_S, self._release, live)
         finally:
@@ -5088,11 +5154,12 @@ class ThreadService:
                 "delivery": result.result.get("delivery")}
 
     async def wait(self, thread_id: str, *, run_id: str | None, timeout_s: float,
-                   progress: Callable[[float, str], Awaitable[None]] | None = None
-                   ) -> dict[str, Any]:
+                   progress: Callable[[float, str], Awaitable[None]] | None = None,
+                   lender: tuple[str, str] | None = None) -> dict[str, Any]:
         """Until the run (``run_id``, else the latest) is terminal or one of its requests needs
         an answer, or the timeout; woken by commits, with ``progress`` every PROGRESS_EVERY_S.
-        A timeout never cancels the work; shutdown ends the wait with the state as it is."""
+        A timeout never cancels the work; shutdown ends the wait with the state as it is. An
+        agent that waits (``lender``) lends its process slot to the thread's work meanwhile."""
         state = await self.thread(thread_id)
         if run_id is not None and state.run(run_id) is None:
             raise T3Error(f"run {run_id} was not found in {thread_id}", code="run_not_found")
@@ -5110,15 +5177,16 @@ class ThreadService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         done = settled(state)
-        while not done and not self.orch.stopping:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            done = await self.orch.wait_until([thread_id], lambda s: settled(s[thread_id]),
-                                              min(remaining, self.PROGRESS_EVERY_S))
-            if not done and progress is not None and not self.orch.stopping:
-                await progress(timeout_s - max(0.0, deadline - loop.time()),
-                               "waiting for the run to finish")
+        with self.orch.lending(lender, thread_id):
+            while not done and not self.orch.stopping:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                done = await self.orch.wait_until([thread_id], lambda s: settled(s[thread_id]),
+                                                  min(remaining, self.PROGRESS_EVERY_S))
+                if not done and progress is not None and not self.orch.stopping:
+                    await progress(timeout_s - max(0.0, deadline - loop.time()),
+                                   "waiting for the run to finish")
         state = await self.thread(thread_id)
         current = state.run(pinned)
         pending = [q for q in state.pending_requests() if q.run_id == pinned]

@@ -1868,6 +1868,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     orch = Orchestrator(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                             credentials=credentials, workspaces=Workspaces(data_dir),
                             max_live_agent_processes=config.max_live_agent_processes,
+                            max_delegation_depth=config.max_delegation_depth,
                             redact=prov.redact,
                             **({"clock": clock.iso, "wall": clock.now} if clock else {}))
     await store.sync_projects(config.projects)

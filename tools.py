@@ -57,6 +57,8 @@ _AGENT_MADE = {"created_by": orch.Actor.AGENT, "creation_source": orch.CreationS
 READ_BUDGET_CHARS = 30_000
 DEFAULT_ITEM_CHARS = 20_000
 TRUNCATION_MARK = "\n…[truncated]"
+MIN_ITEM_CHARS = 1_000  # an item cut to fit a page keeps at least this much of its text
+TRANSFER_SUMMARY_CHARS = 1_000  # a read's transfer summary (the whole is the task's result)
 
 
 @dataclass(frozen=True, slots=True)
@@ -837,30 +839,33 @@ class Toolkit:
             task_id = result.result["taskId"]
         timed_out = False
         if args.get("mode") == "wait":
-            timed_out = not await self._wait_task(parent_id, task_id, args, progress)
-            if timed_out and not self.orch.stopping:
-                # The child keeps running; its completion must now wake the parent mid-turn.
-                await self.orch.dispatch(orch.SetWakePolicy(
-                    command_id=self._id("command", "mcp", scope.key, "delegate-task-wake-policy",
-                                        key), thread_id=parent_id, task_id=task_id,
-                    completion_wake="always"))
+            timed_out = not await self._wait_task(parent_id, task_id, args, progress,
+                                                  _lender(scope))
+            await self._wait_ended(parent_id, task_id, self._id(
+                "command", "mcp", scope.key, "delegate-task-wake-policy", key))
         shaped = await self._task_result(parent_id, task_id)
         shaped["waitTimedOut"] = timed_out and shaped["status"] not in orch.TASK_TERMINAL
-        if args.get("mode") == "wait" and shaped["hasPendingQuestion"]:
-            await self._question_delivered(parent_id, task_id)
         return shaped
 
-    async def _question_delivered(self, parent_id: str, task_id: str) -> None:
-        """The wait showed the agent its child's question: no catch-up wake for it."""
+    async def _wait_ended(self, parent_id: str, task_id: str, command_id: str) -> None:
+        """A wait that showed the agent its child's question: no notice or catch-up wake for
+        it. One that ends before the result (timed out, or a question or approval ended it):
+        the completion must now wake the parent, mid-turn or not. In that order, so the
+        question's notice is never queued."""
         task = (await self._thread(parent_id)).entities["subagent"][task_id]
         question, _ = orch.task_attention(await self._thread(task.child_thread_id), task)
         if question is not None:
             await self.orch.dispatch(orch.SettleTaskQuestion(
                 command_id=self._id("command", "question-delivered", question.id),
                 thread_id=parent_id, task_id=task_id, request_id=question.id))
+        if task.status not in orch.TASK_TERMINAL and not self.orch.stopping:
+            await self.orch.dispatch(orch.SetWakePolicy(
+                command_id=command_id, thread_id=parent_id, task_id=task_id,
+                completion_wake="always"))
 
     async def _wait_task(self, parent_id: str, task_id: str, args: _Args,
-                         progress: Callable[[float, str], Awaitable[None]] | None) -> bool:
+                         progress: Callable[[float, str], Awaitable[None]] | None,
+                         lender: tuple[str, str] | None) -> bool:
         parent = await self._thread(parent_id)
         task = parent.entities["subagent"][task_id]
         child_id = task.child_thread_id
@@ -874,16 +879,17 @@ class Toolkit:
         timeout_s = args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not self.orch.stopping:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            if await self.orch.wait_until([parent_id, child_id], settled,
-                                          min(remaining, PROGRESS_EVERY_S)):
-                return True
-            if progress is not None and not self.orch.stopping:
-                await progress(timeout_s - max(0.0, deadline - loop.time()),
-                               "waiting for the delegated task")
+        with self.orch.lending(lender, child_id):  # the child never waits for the parent's slot
+            while not self.orch.stopping:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                if await self.orch.wait_until([parent_id, child_id], settled,
+                                              min(remaining, PROGRESS_EVERY_S)):
+                    return True
+                if progress is not None and not self.orch.stopping:
+                    await progress(timeout_s - max(0.0, deadline - loop.time()),
+                                   "waiting for the delegated task")
         return False
 
     async def _task_result(self, parent_id: str, task_id: str) -> dict[str, Any]:
@@ -1161,28 +1167,34 @@ class Toolkit:
         else:
             after = args.get("afterPosition", -1)
             candidates = [r for r in rows if r.position > after]
+        run_limit = args.get("runLimit", 10)
+        result = {"thread": self._detail(state), "transfers": await self._transfers(state),
+                  "recentRuns": [
+                      self._run_summary(state, r) for r in state.runs[::-1][:run_limit]],
+                  "items": [], "nextPosition": None, "hasMore": False, "earlierPosition": None,
+                  "link": self.ctx.link(state.thread.id if state.thread else "")}
+        room = READ_BUDGET_CHARS - _chars(result) - 30  # the budget holds the whole result
         page: list[dict[str, Any]] = []
-        used = 0
-        for row in candidates:
-            if len(page) >= limit or (page and used >= READ_BUDGET_CHARS):
-                break
+        for row in candidates[:limit]:
             item = self._timeline_item(state, row, max_chars)
-            used += len(json.dumps(item))
+            size = _chars(item) + 2
+            if page and size > room:
+                break  # left to the next page
+            if size > room:  # the first item is cut to fit: every page moves on
+                item = self._timeline_item(state, row, max(MIN_ITEM_CHARS, len(
+                    item["text"] or "") - (size - room) - _chars(TRUNCATION_MARK)))
+                size = _chars(item) + 2
+            room -= size
             page.append(item)
         if newest_first:
             page.reverse()
         first = page[0]["position"] if page else None
         last = page[-1]["position"] if page else None
-        has_older = first is not None and any(r.position < first for r in rows)
-        has_newer = last is not None and any(r.position > last for r in rows)
-        run_limit = args.get("runLimit", 10)
-        return {"thread": self._detail(state), "transfers": await self._transfers(state),
-                "recentRuns": [
-                    self._run_summary(state, r) for r in state.runs[::-1][:run_limit]],
-                "items": page, "nextPosition": last if last is not None
-                else args.get("afterPosition"), "hasMore": has_newer,
-                "earlierPosition": first if has_older else None,
-                "link": self.ctx.link(state.thread.id if state.thread else "")}
+        return {**result, "items": page,
+                "nextPosition": last if last is not None else args.get("afterPosition"),
+                "hasMore": last is not None and any(r.position > last for r in rows),
+                "earlierPosition": first if first is not None and any(
+                    r.position < first for r in rows) else None}
 
     async def _thread_diff(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self.threads.diff(args["threadId"], run_id=args.get("runId"),
@@ -1197,6 +1209,7 @@ class Toolkit:
             own += [t for t in parent.entities["context-transfer"].values()
                     if state.thread.id in (t.source_thread_id, t.target_thread_id)]
         return [{**{k: v for k, v in t.to_json().items() if k not in ("threadId", "data")},
+                 "summary": _bounded(t.summary, TRANSFER_SUMMARY_CHARS),
                  **{k: v for k, v in (t.data or {}).items() if k in ("sourcePoint",
                                                                      "resolution")}}
                 for t in sorted(own, key=lambda t: (t.created_at, t.id))]
@@ -1248,8 +1261,7 @@ class Toolkit:
             created_by, source = (("system", "server") if item.type.startswith("run_interrupt")
                                   else ("agent", "provider"))
         truncated = text is not None and len(text) > max_chars
-        if truncated and text is not None:
-            text = text[:max(0, max_chars - len(TRUNCATION_MARK))] + TRUNCATION_MARK
+        text = _bounded(text, max_chars)
         return {"position": item.position, "visibility": "local",
                 "sourceThreadId": item.thread_id, "itemId": item.id, "runId": item.run_id,
                 "messageId": item.message_id, "role": message.role if message else None,
@@ -1276,7 +1288,7 @@ class Toolkit:
                     progress: Callable[[float, str], Awaitable[None]] | None) -> dict[str, Any]:
         return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
                                        timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000,
-                                       progress=progress)
+                                       progress=progress, lender=_lender(scope))
 
     async def _interrupt(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         thread_id = args["threadId"]
@@ -1679,6 +1691,24 @@ def _pull_request(url: str) -> dict[str, Any]:
         raise ToolFailure("invalid_request", "url: not a pull request URL (expected "
                                              "http(s)://host/owner/repo/pull/NUMBER)")
     return {"repository": match[1], "number": int(match[2]), "url": url}
+
+
+def _lender(scope: Scope) -> tuple[str, str] | None:
+    """The agent whose process slot its wait lends (a client caller holds none)."""
+    if scope.kind != "thread" or not scope.thread_id or not scope.provider_session_id:
+        return None
+    return scope.thread_id, scope.provider_session_id
+
+
+def _chars(value: Any) -> int:
+    """How many characters ``value`` takes in a tool result's text."""
+    return len(json.dumps(value, ensure_ascii=False))
+
+
+def _bounded(text: str | None, max_chars: int) -> str | None:
+    if text is None or len(text) <= max_chars:
+        return text
+    return text[:max(0, max_chars - len(TRUNCATION_MARK))] + TRUNCATION_MARK
 
 
 def _thread_state(thread: Mapping[str, Any], row: Mapping[str, Any]) -> dict[str, Any]:

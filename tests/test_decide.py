@@ -974,6 +974,20 @@ def test_wait_mode_task_does_not_wake_a_live_parent() -> None:
     assert "provider-turn.start" in effect_types(decision)
 
 
+def test_no_wait_outlives_a_restart_so_a_wait_mode_task_wakes_its_parent() -> None:
+    """After a restart no wait delivers a wait-mode task's result: recovery makes it wake the
+    parent, also when the parent runs again by the time the task finishes."""
+    world = World(running_sim())
+    world.delegate(wake="settled_only")
+    world.parent.recover()
+    world.parent.send("a new turn")
+    assert world.parent.run(2).status == "starting"
+    world.finalize()
+    wake = world.states[THREAD].runs[-1]
+    assert (wake.ordinal, wake.status) == (3, "queued")
+    assert TASK_ID in world.states[THREAD].entities["message"][wake.user_message_id].text
+
+
 def test_cancelled_task_settles_interrupted_without_a_wake() -> None:
     """After task_cancel, a late success counts as interrupted and no wake is delivered."""
     world = World(running_sim())

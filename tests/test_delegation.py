@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,81 @@ def test_agent_batch_threads_and_async_polling(t3_factory, tmp_path: Path) -> No
     done = wait_until(lambda: (r := polled())["workState"] == "result_available" and r, 60)
     assert done["status"] == "completed" and "chunk 9" in done["summary"]
     assert done["resultContextTransferId"].startswith("context-transfer:subagent_result:")
+
+
+def test_a_wait_ended_by_a_question_still_gets_the_completion_wake(t3_factory,
+                                                                   tmp_path: Path) -> None:
+    """A parent's wait ends on its child's question and its turn goes on; the question is
+    answered and the child finishes while that run is live (then the server is killed and
+    restarted): the completion wakes the parent exactly once."""
+    t3 = t3_factory(providers=[scripted_provider(tmp_path, id="alpha"),
+                               scripted_provider(tmp_path, id="grok", driver="grok")])
+    mcp = t3.client()
+    parent = create(mcp, call_line("delegate_task", {
+        "task": "ASK_QUESTION", "title": "asker", "target": {"providerInstanceId": "grok"},
+        "mode": "wait", "timeoutMs": 60_000}) + "\nSLOW:2000",
+        target={"providerInstanceId": "alpha"})
+    tid = parent["threadId"]
+    [ended] = wait_until(lambda: mcp_calls(tmp_path / "agent-alpha.log"), 30)
+    result = ended["result"]
+    assert result["hasPendingQuestion"] is True and result["waitTimedOut"] is False
+    child_id = result["childThreadId"]
+    [question] = mcp.call("t3_pending_request", {"threadId": child_id, "action": "list"}
+                          ).structured["requests"]
+    assert mcp.call("t3_pending_request", {"threadId": child_id, "action": "respond",
+                                           "requestId": question["requestId"],
+                                           "answers": {"q0": "red"}}).ok
+    assert wait(mcp, child_id)["status"] == "completed"
+    wait_until(lambda: [i["status"] for i in items(mcp, tid) if i["type"] == "subagent"] == [
+        "completed"], 30)
+    first = mcp.call("t3_thread_read", {"threadId": tid}).structured["recentRuns"][-1]
+    assert first["status"] == "running"  # the finalization met the parent's live run
+    t3.kill9()
+    t3.restart()
+    wait_until(lambda: runs_settled(mcp, tid, 2), 60)
+    [wake] = wake_prompts(tmp_path / "agent-alpha.log")
+    assert result["taskId"] in wake and "completed" in wake
+    runs = mcp.call("t3_thread_read", {"threadId": tid}).structured["recentRuns"]
+    assert [(r["ordinal"], r["status"]) for r in runs] == [(2, "completed"), (1, "interrupted")]
+
+
+
+def test_waiting_parents_lend_their_agent_slots_to_their_children(t3_factory,
+                                                                  tmp_path: Path) -> None:
+    """With max_live_agent_processes = 2, four parents each wait 60 s on a child: every child
+    starts within seconds of being asked for and every wait ends with the child's result."""
+    t3 = t3_factory(providers=two_agents(tmp_path),
+                    extra="[limits]\nmax_live_agent_processes = 2\n")
+    mcp = t3.client()
+    made = mcp.call("create_threads", {"threads": [{"prompt": call_line("delegate_task", {
+        "task": f"ECHO_PROMPT child {i}", "target": {"providerInstanceId": "beta"},
+        "mode": "wait", "timeoutMs": 60_000}), "target": {"providerInstanceId": "alpha"}}
+        for i in range(4)]})
+    assert made.ok, made.structured
+    parents = [t["threadId"] for t in made.structured["threads"]]
+    for i, parent in enumerate(parents):  # far below the waits' 60 s
+        assert wait(mcp, parent, timeoutMs=30_000)["status"] == "completed"
+        [result] = tool_results(mcp, parent)
+        assert (result["status"], result["waitTimedOut"]) == ("completed", False)
+        assert result["summary"] == f"ECHO_PROMPT child {i}"
+        [run] = mcp.call("t3_thread_read", {"threadId": result["childThreadId"]}).structured[
+            "recentRuns"]
+        asked, started = (datetime.fromisoformat(run[k]) for k in ("requestedAt", "startedAt"))
+        assert (started - asked).total_seconds() < 5, run
+
+
+def test_nested_waits_borrow_down_the_chain(t3_factory, tmp_path: Path) -> None:
+    """With max_live_agent_processes = 1, a parent waits on a child that waits on a grandchild:
+    each waiting agent lends its slot on, and the parent's wait ends with the whole result."""
+    t3 = t3_factory(providers=two_agents(tmp_path),
+                    extra="[limits]\nmax_live_agent_processes = 1\n")
+    mcp = t3.client()
+    child_task = call_line("delegate_task", {"task": "ECHO_PROMPT grandchild", "mode": "wait",
+                                             "timeoutMs": 60_000})
+    parent = create(mcp, call_line("delegate_task", {
+        "task": child_task, "target": {"providerInstanceId": "beta"}, "mode": "wait",
+        "timeoutMs": 60_000}), target={"providerInstanceId": "alpha"})
+    assert wait(mcp, parent["threadId"], timeoutMs=30_000)["status"] == "completed"
+    [result] = tool_results(mcp, parent["threadId"])
+    assert (result["status"], result["waitTimedOut"]) == ("completed", False)
+    assert '"summary":"ECHO_PROMPT grandchild"' in result["summary"]

@@ -53,7 +53,7 @@ def thread_text(mcp: McpClient, thread_id: str) -> str:
 
 
 def test_stalled_readers_neither_block_nor_bloat_the_server(t3: T3Server, mcp: McpClient) -> None:
-    """100 clients that never read a ~100 KB answer each (and 10 that never read a wait's
+    """100 clients that never read a ~60 KB answer each (and 10 that never read a wait's
     progress) leave the server answering others at once and running turns, cost a bounded amount
     of memory each, and the server still serves after they hang up."""
     big = mcp.call("create_threads", {"threads": [{"prompt": "x" * 100_000}]}).structured
@@ -63,7 +63,7 @@ def test_stalled_readers_neither_block_nor_bloat_the_server(t3: T3Server, mcp: M
     slow_id = slow["threads"][0]["threadId"]
     read_args = {"threadId": big_id, "afterPosition": -1, "maxCharsPerItem": 50_000}
     answer_size = len(json.dumps(mcp.call("t3_thread_read", read_args).raw.model_dump()))
-    assert answer_size > 100_000
+    assert answer_size > 55_000  # a full page, as its text and its structuredContent
     baseline = rss_bytes(t3.pid)
 
     sockets = [stalled_call(t3, "t3_thread_read", read_args, i) for i in range(STALLED)]
@@ -81,8 +81,8 @@ def test_stalled_readers_neither_block_nor_bloat_the_server(t3: T3Server, mcp: M
         done = mcp.call("t3_thread_wait", {"threadId": other["threads"][0]["threadId"],
                                            "timeoutMs": 60_000}).structured
         assert done["status"] == "completed"
-        # Each stalled answer costs a bounded amount while in flight (measured: ~0.5 MB for a
-        # ~100 KB answer: its copies as objects, JSON and SSE bytes).
+        # Each stalled answer costs a bounded amount while in flight: its copies as objects,
+        # JSON and SSE bytes (~0.5 MB was measured for a ~100 KB answer).
         assert (stalled - baseline) / len(sockets) < 1024 * 1024, (stalled, baseline)
         # The stalled waits keep being sent progress while the slow turn streams; what the
         # server holds for them must not grow with it (the first other turn above may leave

@@ -291,10 +291,10 @@ def test_read_pagination_and_budget(mcp: McpClient) -> None:
     tid = created["threadId"]
     wait(mcp, tid)
     for i in range(4):
-        mcp.call("t3_thread_send", {"threadId": tid, "message": f"{i} " + "y" * 9_000})
+        mcp.call("t3_thread_send", {"threadId": tid, "message": f"{i} " + "y" * 7_000})
         wait(mcp, tid)
     positions, cursor, pages = [], -1, 0
-    while True:  # every user and assistant text is ~9,000 chars: about 3 fit in one read
+    while True:  # every user and assistant text is ~7,000 chars: about 3 fit in one read
         page = read(mcp, tid, afterPosition=cursor, limit=100)
         assert len(json.dumps(page["items"])) < 30_000 + 10_000
         positions += [i["position"] for i in page["items"]]
@@ -309,6 +309,42 @@ def test_read_pagination_and_budget(mcp: McpClient) -> None:
     assert older["earlierPosition"] == 6 and older["hasMore"] is True
     bounded = read(mcp, tid, afterPosition=1, limit=1, maxCharsPerItem=100)["items"][0]
     assert bounded["textTruncated"] is True and len(bounded["text"]) == 100
+
+
+def test_read_pages_hold_the_whole_result_within_the_budget(mcp: McpClient) -> None:
+    """Four 20,000-character messages and their echoes: every read result, envelope and items,
+    stays within 30,000 characters, paging either way reaches every item exactly once, and an
+    item too big for any page comes cut to fit, saying so."""
+    tid = create(mcp, "FAST:1 a")["threadId"]
+    wait(mcp, tid)
+    for i in range(4):
+        mcp.call("t3_thread_send", {"threadId": tid, "message": f"{i} " + "z" * 19_998})
+        wait(mcp, tid)
+
+    def page(**args: object) -> dict:
+        result = mcp.call("t3_thread_read", {"threadId": tid, "limit": 100, **args})
+        assert result.ok and result.text is not None and len(result.text) <= 30_000, \
+            len(result.text or "")
+        return result.structured
+    forward, cursor = [], -1
+    while True:
+        read_page = page(afterPosition=cursor)
+        forward += [i["position"] for i in read_page["items"]]
+        cursor = read_page["nextPosition"]
+        if not read_page["hasMore"]:
+            break
+    backward, before = [], 10
+    while before is not None:
+        read_page = page(beforePosition=before)
+        backward = [i["position"] for i in read_page["items"]] + backward
+        before = read_page["earlierPosition"]
+    assert forward == backward == list(range(10))
+    mcp.call("t3_thread_send", {"threadId": tid, "message": "w" * 45_000})
+    wait(mcp, tid)
+    cut = page(afterPosition=9, maxCharsPerItem=50_000)
+    [item] = cut["items"]
+    assert item["position"] == 10 and item["textTruncated"] is True and cut["hasMore"] is True
+    assert item["text"].startswith("w" * 20_000) and item["text"].endswith("[truncated]")
 
 
 def test_launch_root_and_scratch(mcp: McpClient, t3: T3Server) -> None:
@@ -567,8 +603,8 @@ def test_a_long_stream_is_appended_not_rewritten(mcp: McpClient, t3: T3Server) -
     appends = [size for type_, size in events if type_ == "message-text.appended"]
     assert len(appends) >= 3, events  # it streamed over several commits
     assert row + sum(size for _, size in events) < 4 * len(expected), (row, events)
-    [item] = [i for i in read(mcp, created["threadId"], afterPosition=-1,
-                              maxCharsPerItem=50_000)["items"] if i["type"] == "assistant_message"]
+    [item, *_] = read(mcp, created["threadId"], afterPosition=0, maxCharsPerItem=50_000)["items"]
+    assert item["type"] == "assistant_message"
     assert item["textTruncated"] and expected.startswith(item["text"].removesuffix("\n…[truncated]"))
     # Replay equivalence with the appends: projections rebuilt from the log (in a copy of the
     # database) equal the live ones.
