@@ -2252,6 +2252,9 @@ def run_command(args: argparse.Namespace) -> int:
     exit code; nothing but the command's output goes to stdout."""
     with contextlib.suppress(AttributeError, ValueError):  # text an ASCII terminal cannot show
         sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+    # Ctrl-C is how a follow ends, yet a command started as a script's background job inherits
+    # SIGINT ignored, and then asyncio.run installs no handler: the follower never stopped.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return asyncio.run(_connected(args))
     except CliError as exc:

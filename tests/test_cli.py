@@ -66,12 +66,13 @@ def test_new_and_show_until_done_print_the_streamed_answer(t3: T3Server) -> None
 
 def test_show_follow_json_sees_the_answer_grow_and_ctrl_c_ends_it(t3: T3Server) -> None:
     """A follower subscribed before the run starts gets one JSON object per line: the assistant
-    message growing chunk by chunk, then the run completed; Ctrl-C ends it with exit 0."""
+    message growing chunk by chunk, then the run completed; Ctrl-C ends it with exit 0, also
+    when it was started as a script's background job (with SIGINT ignored)."""
     thread_id = new(t3)  # idle: nothing happens before the follower is subscribed
     follower = subprocess.Popen(
         [sys.executable, str(T3_PY), "show", thread_id, "--follow", "--json", "--data-dir",
          str(t3.data_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=t3.env)
+        env=t3.env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in follower.stdout],
                               daemon=True)
