@@ -1509,7 +1509,7 @@ def _wire(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[s
 _WIRE_ID = {"type": "string", "minLength": 1, "maxLength": 256}
 _WIRE_REF = {"type": "string", "minLength": 1, "maxLength": 512}
 _WIRE_TEXT = {"type": "string", "minLength": 1, "maxLength": 120_000}
-_WIRE_TITLE = {"type": "string", "maxLength": 512}
+_WIRE_TITLE = {"type": "string", "maxLength": 512, "line": True}  # tools.validate's keyword
 _WIRE_REASON = {"type": "string", "maxLength": 2000}
 _WIRE_SOURCE = {"type": "string"}  # checked by ClientApi._source
 _WIRE_SELECTION = _obj({"instanceId": _WIRE_REF, "model": _WIRE_REF})
@@ -3015,7 +3015,7 @@ def _thread_parsers(command: Callable[[str, str, str], argparse.ArgumentParser])
     rename.add_argument("title", metavar="TITLE", nargs="?")
     rename.add_argument("--regenerate", action="store_true")
     command("link-pr THREAD URL", "link a pull request to a thread",
-            "Link the pull request at URL (http(s)://host/owner/repo/pull/N) to a thread.")
+            "Link the pull request at URL (https://host/owner/repo/pull/N) to a thread.")
     for name, summary in (
             ("unlink-pr", "remove a thread's pull request link"),
             ("archive", "archive a thread: it leaves the list (threads --archived shows it); "

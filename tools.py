@@ -130,6 +130,9 @@ def _text(max_len: int) -> dict[str, Any]:
     return {"type": "string", "minLength": 1, "maxLength": max_len, "trim": True}
 
 
+TITLE = {**_text(512), "line": True}  # "line", ours as "trim": no orch.CONTROL_CHARACTERS
+
+
 RUNTIME_INPUT = {"type": "string", "enum": ["inherit", *orch.RuntimeMode]}
 INTERACTION_INPUT = {"type": "string", "enum": ["inherit", *orch.InteractionMode]}
 TARGET = {"type": "object", "additionalProperties": False, "properties": {
@@ -173,6 +176,9 @@ def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             raise ToolFailure("invalid_request",
                               f"{name}: longer than {schema['maxLength']} characters")
+        if schema.get("line") and (bad := [c for c in value if ord(c) in orch.CONTROL_CHARACTERS]):
+            raise ToolFailure("invalid_request", f"{name}: holds control character U+"
+                                                 f"{ord(bad[0]):04X} (one line of plain text)")
     if "enum" in schema and value not in schema["enum"]:
         raise ToolFailure("invalid_request",
                           f"{name}: must be one of {', '.join(map(str, schema['enum']))}")
@@ -235,9 +241,9 @@ def _is_type(value: Any, kind: str) -> bool:
 
 
 def _public_schema(schema: Any) -> Any:
-    """The schema as published: without our private ``trim`` keyword."""
+    """The schema as published: without our private ``trim`` and ``line`` keywords."""
     if isinstance(schema, dict):
-        return {k: _public_schema(v) for k, v in schema.items() if k != "trim"}
+        return {k: _public_schema(v) for k, v in schema.items() if k not in ("trim", "line")}
     if isinstance(schema, list):
         return [_public_schema(v) for v in schema]
     return schema
@@ -400,7 +406,7 @@ class _Tool:
     destructive: bool = False
 
 
-_CREATE_ENTRY = _object({"prompt": _text(120_000), "title": _text(512), "target": TARGET,
+_CREATE_ENTRY = _object({"prompt": _text(120_000), "title": TITLE, "target": TARGET,
                          "runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT})
 
 ROLES = ["implementation", "research", "review", "design", "test", "general"]
@@ -446,7 +452,7 @@ TOOLS: tuple[_Tool, ...] = (
           "with a message naming the task, so end your turn instead of polling; mode 'wait' "
           "blocks until the result or timeoutMs (the child keeps running after a timeout; use "
           "task_status). Reuse clientRequestId when retrying the same task.",
-          _object({"task": _text(120_000), "target": TARGET, "title": _text(512),
+          _object({"task": _text(120_000), "target": TARGET, "title": TITLE,
                    "role": {"type": "string", "enum": ROLES},
                    "mode": {"type": "string", "enum": ["async", "wait"]},
                    "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS},
@@ -480,7 +486,7 @@ TOOLS: tuple[_Tool, ...] = (
           "worktreePath, branch?} (a worktree of the project's repository), or scratch: true "
           "(a fresh folder outside any project). Pass the task in message. Launch has no "
           "retry key of its own: after a lost response, list threads before launching again.",
-          _object({"projectId": _text(256), "title": _text(512), "message": _text(120_000),
+          _object({"projectId": _text(256), "title": TITLE, "message": _text(120_000),
                    "target": TARGET, "runtimeMode": RUNTIME_INPUT,
                    "interactionMode": INTERACTION_INPUT,
                    "workspaceStrategy": WORKSPACE_STRATEGY,
@@ -529,10 +535,10 @@ TOOLS: tuple[_Tool, ...] = (
           "when retrying.",
           _object({**_OWN_THREAD, "action": {"type": "string",
                                              "enum": ["rename", "regenerate_title"]},
-                   "title": _text(512)}, ["action"]),
+                   "title": TITLE}, ["action"]),
           "update_thread", UPDATE_OUTPUT, destructive=True),
     _Tool("link_pull_request",
-          "Link a pull request to a thread (threadId, else your own): its http(s) URL, like "
+          "Link a pull request to a thread (threadId, else your own): its https URL, like "
           "https://github.com/owner/repo/pull/123. Replaces an earlier link.",
           _object({**_OWN_THREAD, "url": _text(2048)}, ["url"]), "link_pull_request",
           UPDATE_OUTPUT, destructive=True),
@@ -595,7 +601,7 @@ TOOLS: tuple[_Tool, ...] = (
           "false pauses; runNow fires once now.",
           _object({"scheduledTaskId": _text(512), "prompt": _text(120_000),
                    "schedule": {"anyOf": [{"type": "object"}, {"type": "string"}]},
-                   "title": _text(512), "enabled": {"type": "boolean"},
+                   "title": TITLE, "enabled": {"type": "boolean"},
                    "bindToCurrentThread": {"type": "boolean"}, "projectId": _text(256),
                    "target": TARGET, "runtimeMode": RUNTIME_INPUT,
                    "interactionMode": INTERACTION_INPUT, "runNow": {"type": "boolean"},
@@ -1587,16 +1593,19 @@ def _live_run(state: ThreadState, scope: Scope) -> orch.Run | None:
     return run
 
 
-_PULL_REQUEST_URL = re.compile(
-    r"https?://[^/\s?#]+/([^/\s?#]+/[^/\s?#]+)/(?:pull|pulls|-/merge_requests)/(\d{1,9})/?")
+# Only https, an ASCII host with no user info before it (``https://github.com@evil.example/``
+# goes to evil.example) and ASCII names: what a person reads is where the link goes.
+_PULL_REQUEST_URL = re.compile(r"https://[A-Za-z0-9.-]+(?::\d{1,5})?/([\w.~%+-]+/[\w.~%+-]+)/"
+                               r"(?:pull|pulls|-/merge_requests)/(\d{1,9})/?", re.ASCII)
 
 
 def _pull_request(url: str) -> dict[str, Any]:
     """A pull (or merge) request's URL as {repository, number, url}; anything else is refused."""
     match = _PULL_REQUEST_URL.fullmatch(url)
     if match is None:
-        raise ToolFailure("invalid_request", "url: not a pull request URL (expected "
-                                             "http(s)://host/owner/repo/pull/NUMBER)")
+        raise ToolFailure("invalid_request", "url: not a pull request URL (expected https://"
+                                             "host/owner/repo/pull/NUMBER: an ASCII host, no "
+                                             "user info, no control characters)")
     return {"repository": match[1], "number": int(match[2]), "url": url}
 
 
