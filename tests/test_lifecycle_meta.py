@@ -91,8 +91,8 @@ def test_rename_regenerate_link_unlink_everywhere_and_retries_replay(t3: T3Serve
     assert [t["linkedPullRequest"] for t in shells if t["threadId"] == tid] == [
         linked["linkedPullRequest"]]
     text = t3.cli("threads").stdout
-    assert f"{tid}  {titled}  [PR acme/widgets#42]" in text
-    assert f"| PR {PR}" in t3.cli("show", tid).stdout
+    assert f"{tid}  {titled}  [PR github.com/acme/widgets#42]" in text
+    assert f"| PR github.com/acme/widgets#42 {PR}" in t3.cli("show", tid).stdout
 
     # The same through /ws and the CLI, as a person.
     assert ws(t3, "unlinkPullRequest", {"threadId": tid})["linkedPullRequest"] is None
