@@ -351,3 +351,27 @@ def test_web_view_shows_a_checkpoints_files_and_a_folded_handoff(
     page.wait_for(lines_with("Canonical conversation context:"))
     steps.shot("handoff-open", ("Covered app runs: 1-1",),
                ("- User: WRITE_FILE notes/plan.txt kiwi\\nmango",))
+
+
+def test_web_view_survives_a_malformed_link_and_names_a_prs_host(
+        t3: T3Server, tmp_path: Path, browser: Browser) -> None:
+    """A malformed `#thread=` fragment (`%E0%A4%A`) opens no thread, yet the page logs in,
+    connects and opens the thread a person clicks; a pull request is named by its link's
+    host."""
+    mcp = t3.client()
+    thread_id = create(mcp, prompt="hello there", title="with a PR")
+    pr = "https://github.com/acme/widgets/pull/42"
+    assert mcp.call("link_pull_request", {"threadId": thread_id, "url": pr}).ok
+    page = browser.new_page()
+    page.call("Runtime.enable")
+    steps = Steps(page, tmp_path)
+    page.navigate(t3.url + "/#thread=%E0%A4%A")
+    page.type_into("#token", t3.token)
+    page.click("#login button", text="Log in")
+    page.wait_for(lines_with("with a PR", within="nav"))
+    steps.shot("malformed-link", ("live",), ("Select a thread on the left.",))
+    page.click("nav a", text="with a PR")
+    page.wait_for(lines_with("Pull request: github.com/acme/widgets#42", within="main"))
+    assert page.evaluate("document.querySelector('main a[target]').href") == pr
+    assert [e for e in browser.events if e["method"] == "Runtime.exceptionThrown"] == []
+    mcp.close()
