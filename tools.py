@@ -121,6 +121,15 @@ class ServerContext:
     def link(self, thread_id: str) -> str:
         return f"t3-thread://v2/{self.environment_id}/{thread_id}"
 
+    def links(self, thread_id: str) -> dict[str, str]:
+        """A thread's ``link``, which t3's own clients open; for a person (the client token)
+        also ``webUrl``, the thread in this server's web view, which any browser opens."""
+        scope = current_scope.get()
+        if scope is None or scope.kind != "client":
+            return {"link": self.link(thread_id)}
+        return {"link": self.link(thread_id), "webUrl": f"{self.base_url}/#thread="
+                                                        f"{urllib.parse.quote(thread_id, safe='')}"}
+
 
 # =============================================================================================
 # Schemas and validation
@@ -290,7 +299,8 @@ FAILURE_OUTPUT = _shape({"_tag": _enum(["OrchestratorMcpFailure"]),
 
 _CREATED = {"threadId": STRING, "runId": OPT_STRING, "status": THREAD_STATUS, "title": STRING,
             "createdBy": ACTOR, "creationSource": SOURCE, "providerInstanceId": STRING,
-            "model": OPT_STRING, "projectId": STRING, "link": STRING}
+            "model": OPT_STRING, "projectId": STRING, "link": STRING, "webUrl": STRING}
+_WEB = ["webUrl"]  # only in the client token's results (ServerContext.links)
 _LINEAGE = {"parentThreadId": OPT_STRING, "relationshipToParent": OPT_STRING}
 PULL_REQUEST = _nullable(_shape({"repository": STRING, "number": INTEGER, "url": STRING}))
 TITLE_REGENERATION = _nullable(_shape({"requestId": STRING, "startedAt": STRING}))
@@ -304,7 +314,7 @@ _THREAD_SHELL = _shape({
     "model": OPT_STRING, "runtimeMode": RUNTIME, "interactionMode": INTERACTION,
     "branch": OPT_STRING, "worktreePath": OPT_STRING, **_LINEAGE,
     "itemCount": INTEGER, "pendingRequestCount": INTEGER, "createdAt": STRING,
-    "updatedAt": STRING, "link": STRING, **_THREAD_STATE})
+    "updatedAt": STRING, "link": STRING, "webUrl": STRING, **_THREAD_STATE}, _WEB)
 _THREAD_DETAIL = _shape({
     "threadId": STRING, "projectId": STRING, "title": STRING, "createdBy": ACTOR,
     "creationSource": SOURCE, "status": THREAD_STATUS, "latestRunId": OPT_STRING,
@@ -313,7 +323,7 @@ _THREAD_DETAIL = _shape({
     "worktreePath": OPT_STRING, "workspacePath": OPT_STRING, **_LINEAGE, "runCount": INTEGER,
     "itemCount": INTEGER, "pendingRequestCount": INTEGER, **_THREAD_STATE,
     "titleRegeneration": TITLE_REGENERATION, "createdAt": STRING, "updatedAt": STRING,
-    "link": STRING})
+    "link": STRING, "webUrl": STRING}, _WEB)
 _RUN_SUMMARY = _shape({
     "runId": STRING, "ordinal": INTEGER, "status": _enum(list(RunStatus)),
     "statusReason": OPT_STRING, "providerInstanceId": STRING, "model": OPT_STRING,
@@ -361,17 +371,17 @@ CAPABILITIES_OUTPUT = _shape({
                         for k, v in FEATURES.items()})})
 TASK_CANCEL_OUTPUT = _shape({"taskId": STRING, "status": _enum(
     [*sorted(orch.TASK_TERMINAL), "cancel_requested"])})
-CREATE_OUTPUT = _shape({"threads": _list(_shape(_CREATED))})
+CREATE_OUTPUT = _shape({"threads": _list(_shape(_CREATED, _WEB))})
 LAUNCH_OUTPUT = _shape({**_CREATED, "workspaceStrategy": _enum(
     ["root", "scratch", "worktree", "existing_worktree"]), "workspacePath": STRING,
-    "branch": OPT_STRING, "worktreePath": OPT_STRING})
+    "branch": OPT_STRING, "worktreePath": OPT_STRING}, _WEB)
 LIST_OUTPUT = _shape({"projectId": STRING, "currentThreadId": OPT_STRING,
                       "threads": _list(_THREAD_SHELL), "nextCursor": OPT_INTEGER,
                       "total": INTEGER})
 READ_OUTPUT = _shape({"thread": _THREAD_DETAIL, "transfers": _list(_TRANSFER),
                       "recentRuns": _list(_RUN_SUMMARY), "items": _list(_TIMELINE_ITEM),
                       "nextPosition": OPT_INTEGER, "hasMore": BOOLEAN,
-                      "earlierPosition": OPT_INTEGER, "link": STRING})
+                      "earlierPosition": OPT_INTEGER, "link": STRING, "webUrl": STRING}, _WEB)
 SEND_OUTPUT = _shape({"threadId": STRING, "messageId": STRING, "runId": STRING,
                       "status": _nullable(_enum(list(RunStatus))),
                       "delivery": _nullable(_enum(["started", "queued", "steered",
@@ -718,7 +728,7 @@ class Toolkit:
                 "createdBy": thread.created_by, "creationSource": thread.creation_source,
                 "providerInstanceId": thread.provider_instance_id,
                 "model": thread.model_selection.get("model"), "projectId": thread.project_id,
-                "link": self.ctx.link(thread.id)}
+                **self.ctx.links(thread.id)}
 
     async def _create(self, command: orch.CreateThread) -> dict[str, Any]:
         result = await self.orch.dispatch(command)
@@ -1136,7 +1146,7 @@ class Toolkit:
                 "relationshipToParent": thread["lineage"].get("relationshipToParent"),
                 "itemCount": row["itemCount"], "pendingRequestCount": row["pendingRequestCount"],
                 "createdAt": thread["createdAt"], "updatedAt": row["updatedAt"],
-                "link": self.ctx.link(thread["id"]), **_thread_state(thread, row)}
+                **self.ctx.links(thread["id"]), **_thread_state(thread, row)}
 
     async def _read_thread(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         state = await self._thread(args["threadId"])
@@ -1177,7 +1187,7 @@ class Toolkit:
                 "items": page, "nextPosition": last if last is not None
                 else args.get("afterPosition"), "hasMore": has_newer,
                 "earlierPosition": first if has_older else None,
-                "link": self.ctx.link(state.thread.id if state.thread else "")}
+                **self.ctx.links(state.thread.id if state.thread else "")}
 
     async def _thread_diff(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         return await self.threads.diff(args["threadId"], run_id=args.get("runId"),
@@ -1220,7 +1230,7 @@ class Toolkit:
                 "titleRegeneration": thread.title_regeneration, "createdAt": thread.created_at,
                 "updatedAt": max([thread.updated_at, *(t for t in (
                     (latest.requested_at, latest.completed_at) if latest else ()) if t)]),
-                "link": self.ctx.link(thread.id)}
+                **self.ctx.links(thread.id)}
 
     @staticmethod
     def _run_summary(state: ThreadState, run: orch.Run) -> dict[str, Any]:

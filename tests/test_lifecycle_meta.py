@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,34 @@ def test_ws_and_the_cli_refuse_them_too_and_change_nothing(t3: T3Server, mcp: Mc
         "t3: invalid_request: title: holds control character U+001B (one line of plain text)\n")
     [shell] = mcp.call("t3_thread_list", {}).structured["threads"]
     assert (shell["title"], shell["linkedPullRequest"]["url"]) == ("Kept", PR)
+
+
+def test_results_for_a_person_carry_a_web_url_and_an_agents_do_not(tmp_path: Path) -> None:
+    """Each result that names a thread's t3-thread:// link carries, for the client token,
+    webUrl: that thread in the server's web view (`<url>/#thread=<id, URL-encoded>`); an
+    agent's results keep the link alone. Both match the tools' output schemas."""
+    async def scenario(w: World) -> None:
+        await w.thread("t1")
+        made = (await w.call(CLIENT, "create_threads", {"threads": [{"prompt": "p"}]}))[
+            "threads"][0]
+        web = f"http://127.0.0.1/#thread={urllib.parse.quote(made['threadId'], safe='')}"
+        assert "%3A" in web and made["webUrl"] == web
+        read = await w.call(CLIENT, "t3_thread_read", {"threadId": made["threadId"]})
+        assert read["webUrl"] == read["thread"]["webUrl"] == web
+        listed = (await w.call(CLIENT, "t3_thread_list", {}))["threads"]
+        assert all(t["webUrl"].endswith(urllib.parse.quote(t["threadId"], safe=""))
+                   for t in listed) and len(listed) == 2
+        launched = await w.call(CLIENT, "t3_thread_launch", {"title": "launched"})
+        assert launched["webUrl"].startswith("http://127.0.0.1/#thread=thread%3A")
+        me = agent("t1")
+        for result in (
+                (await w.call(me, "create_threads", {"threads": [{"prompt": "p"}]}))[
+                    "threads"][0],
+                await w.call(me, "t3_thread_read", {"threadId": "t1"}),
+                (await w.call(me, "t3_thread_read", {"threadId": "t1"}))["thread"],
+                *(await w.call(me, "t3_thread_list", {}))["threads"]):
+            assert "webUrl" not in result and result["link"].startswith("t3-thread://v2/")
+    run(tmp_path, scenario)
 
 
 def test_a_stale_regeneration_never_overwrites_a_later_rename() -> None:
