@@ -63,7 +63,7 @@ __all__ = [
     "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "RateLimited",
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
     "handoff_text", "handoff_line", "handoff_prompt", "Workspaces", "AdvancePreparation",
-    "parse_json", "json_too_deep", "MAX_JSON_DEPTH",
+    "parse_json", "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -130,6 +130,11 @@ class RuntimeMode(enum.StrEnum):
 
 
 RUNTIME_RANK = {m: i for i, m in enumerate(RuntimeMode)}
+# What a terminal or a page acts on instead of showing: C0 controls (ESC begins the sequences
+# that set a window's title, write the clipboard, clear the screen), DEL, C1, and the bidi
+# controls that reorder the text around them. A title holds none; the CLI shows each escaped.
+CONTROL_CHARACTERS = frozenset([*range(0x20), *range(0x7F, 0xA0), 0x061C, 0x200E, 0x200F,
+                                *range(0x202A, 0x202F), *range(0x2066, 0x206A)])
 
 
 class InteractionMode(enum.StrEnum):
@@ -5434,8 +5439,9 @@ class ThreadService:
     def title(title: str | None, prompt: str | None, fallback: str) -> str:
         if title:
             return title
-        if prompt:
-            line = " ".join(prompt.split())
+        if prompt:  # a made title holds no control character either
+            line = " ".join("".join(c for c in prompt if ord(c) not in CONTROL_CHARACTERS
+                                    or c.isspace()).split())
             return line if len(line) <= 80 else line[:77] + "..."
         return fallback
 

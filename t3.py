@@ -1520,7 +1520,7 @@ def _wire(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[s
 _WIRE_ID = {"type": "string", "minLength": 1, "maxLength": 256}
 _WIRE_REF = {"type": "string", "minLength": 1, "maxLength": 512}
 _WIRE_TEXT = {"type": "string", "minLength": 1, "maxLength": 120_000}
-_WIRE_TITLE = {"type": "string", "maxLength": 512}
+_WIRE_TITLE = {"type": "string", "maxLength": 512, "line": True}  # tools.validate's keyword
 _WIRE_REASON = {"type": "string", "maxLength": 2000}
 _WIRE_SOURCE = {"type": "string"}  # checked by ClientApi._source
 _WIRE_SELECTION = _obj({"instanceId": _WIRE_REF, "model": _WIRE_REF})
@@ -2261,15 +2261,33 @@ class CliError(Exception):
         self.exit = exit
 
 
+def inert(text: str) -> str:
+    """``text`` as a terminal shows it without acting on it: every control character but
+    newline and tab (orchestrator.CONTROL_CHARACTERS: an agent's title, message or file name
+    could set the window title, write the clipboard or clear the screen) escaped, as ``\\x1b``
+    or ``<U+202E>``. Everything the commands print for people passes here; --json does not."""
+    return text.translate(_inert_table())
+
+
+@functools.cache
+def _inert_table() -> dict[int, str]:
+    from orchestrator import CONTROL_CHARACTERS
+    return {c: f"\\x{c:02x}" if c < 0xA0 else f"<U+{c:04X}>"
+            for c in CONTROL_CHARACTERS - {ord("\n"), ord("\t")}}
+
+
 def run_command(args: argparse.Namespace) -> int:
     """One command for people: connect, run, print. Every failure is one line on stderr and an
     exit code; nothing but the command's output goes to stdout."""
     with contextlib.suppress(AttributeError, ValueError):  # text an ASCII terminal cannot show
         sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+    # Ctrl-C is how a follow ends, yet a command started as a script's background job inherits
+    # SIGINT ignored, and then asyncio.run installs no handler: the follower never stopped.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return asyncio.run(_connected(args))
     except CliError as exc:
-        print(f"t3: {exc}", file=sys.stderr)
+        print(inert(f"t3: {exc}"), file=sys.stderr)
         return exc.exit
     except KeyboardInterrupt:
         if getattr(args, "follow", False):  # Ctrl-C is how a follow ends
@@ -2346,7 +2364,7 @@ def _unreachable(data_dir: Path, server: Mapping[str, Any], exc: BaseException) 
 
 def _out(args: argparse.Namespace, document: Any, text: str) -> int:
     """With --json the document (one line), else the text for people; 0, success."""
-    print(json.dumps(document, ensure_ascii=False) if args.json else text, flush=True)
+    print(json.dumps(document, ensure_ascii=False) if args.json else inert(text), flush=True)
     return 0
 
 
@@ -2390,8 +2408,8 @@ async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
             projectId=args.project, statuses=args.status, titleContains=args.title,
             archived=args.archived or None, snoozed=args.snoozed)})
     rows = [f"{t['status']:<11} {t['threadId']}  {t['title']}"
-            + (f"  [PR {pr['repository']}#{pr['number']}]" if (pr := t["linkedPullRequest"])
-               else "") + ("  [snoozed]" if t["snoozed"] else "")
+            + (f"  [PR {_pr_words(pr)}]" if (pr := t["linkedPullRequest"]) else "")
+            + ("  [snoozed]" if t["snoozed"] else "")
             + (f"  [{t['pendingRequestCount']} pending]" if t["pendingRequestCount"] else "")
             + (f"  ({'fork' if t['relationshipToParent'] == 'fork' else 'task'} of "
                f"{t['parentThreadId']})" if t["parentThreadId"] else "")
@@ -2399,6 +2417,11 @@ async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
     if listed["total"] > len(rows):
         rows.append(f"({listed['total'] - len(rows)} more; --limit shows up to 100)")
     return _out(args, listed, "\n".join(rows) or f"no threads in project {listed['projectId']}")
+
+
+def _pr_words(pr: Mapping[str, Any]) -> str:
+    """A linked pull request for people: the host its link goes to, then owner/repo#N."""
+    return f"{urllib.parse.urlsplit(pr['url']).hostname}/{pr['repository']}#{pr['number']}"
 
 
 def _strategy_arg(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -2711,10 +2734,11 @@ class _Timeline:
                 self._line({"kind": "run", **run})
         else:
             t, latest = self.thread, self._latest()
-            print(f"{t.get('title')}  {t.get('id')}\n"
-                  f"{latest['status'] if latest else 'idle'} | {t.get('providerInstanceId')}/"
-                  f"{(t.get('modelSelection') or {}).get('model')} | {t.get('runtimeMode')}"
-                  + (f" | PR {pr['url']}" if (pr := t.get("linkedPullRequest")) else ""))
+            self._say(f"{t.get('title')}  {t.get('id')}\n"
+                      f"{latest['status'] if latest else 'idle'} | {t.get('providerInstanceId')}"
+                      f"/{(t.get('modelSelection') or {}).get('model')} | {t.get('runtimeMode')}"
+                      + (f" | PR {_pr_words(pr)} {pr['url']}"
+                         if (pr := t.get("linkedPullRequest")) else ""))
         for item in self._ordered():
             self._show(item)
         sys.stdout.flush()  # followed, a message still streaming keeps its line open
@@ -2786,18 +2810,19 @@ class _Timeline:
                 if self._open != item["id"]:
                     self.end_line()
                     self._open = item["id"]
-                sys.stdout.write(text[len(before[2]):])
+                self._say(text[len(before[2]):], end="")
             return
         self.end_line()
         if item["runId"] != self._run and item["runId"] in self.runs:
             self._run = item["runId"]
             run = self.runs[item["runId"]]
-            print(f"--- run {run['ordinal']} ({run['status']}) on {run['providerInstanceId']}")
+            self._say(f"--- run {run['ordinal']} ({run['status']}) on "
+                      f"{run['providerInstanceId']}")
         if item["type"] in ("assistant_message", "reasoning"):
-            sys.stdout.write(_rendered(item, text))  # the line stays open: more may stream
+            self._say(_rendered(item, text), end="")  # the line stays open: more may stream
             self._open = item["id"]
         else:
-            print(_rendered(item, text))
+            self._say(_rendered(item, text))
 
     def _run_changed(self, run: Mapping[str, Any]) -> None:
         from orchestrator import RUN_TERMINAL
@@ -2807,7 +2832,7 @@ class _Timeline:
             self._ended.add(run["id"])
             self.end_line()
             reason = f": {run['statusReason']}" if run.get("statusReason") else ""
-            print(f"--- run {run['ordinal']} {run['status']}{reason}")
+            self._say(f"--- run {run['ordinal']} {run['status']}{reason}")
 
     def end_line(self) -> None:
         if self._open is not None:
@@ -2817,6 +2842,10 @@ class _Timeline:
     @staticmethod
     def _line(document: Mapping[str, Any]) -> None:
         print(json.dumps(document, ensure_ascii=False), flush=True)
+
+    @staticmethod
+    def _say(text: str, end: str = "\n") -> None:
+        sys.stdout.write(inert(text) + end)
 
 
 _LABELS = {"tool_call": "tool", "approval_request": "approval", "user_input_request": "question",
@@ -3008,7 +3037,7 @@ async def _cmd_link_pr(client: WsClient, args: argparse.Namespace) -> int:
                                      ("unlinkPullRequest", {"threadId": thread_id})))
     pr = updated["linkedPullRequest"]
     return _out(args, updated, f"{thread_id}: " + (
-        f"{pr['repository']}#{pr['number']} {pr['url']}" if pr else "no pull request linked"))
+        f"{_pr_words(pr)} {pr['url']}" if pr else "no pull request linked"))
 
 
 async def _cmd_lifecycle(client: WsClient, args: argparse.Namespace) -> int:
@@ -3031,7 +3060,7 @@ def _thread_parsers(command: Callable[[str, str, str], argparse.ArgumentParser])
     rename.add_argument("title", metavar="TITLE", nargs="?")
     rename.add_argument("--regenerate", action="store_true")
     command("link-pr THREAD URL", "link a pull request to a thread",
-            "Link the pull request at URL (http(s)://host/owner/repo/pull/N) to a thread.")
+            "Link the pull request at URL (https://host/owner/repo/pull/N) to a thread.")
     for name, summary in (
             ("unlink-pr", "remove a thread's pull request link"),
             ("archive", "archive a thread: it leaves the list (threads --archived shows it); "

@@ -125,6 +125,15 @@ class ServerContext:
     def link(self, thread_id: str) -> str:
         return f"t3-thread://v2/{self.environment_id}/{thread_id}"
 
+    def links(self, thread_id: str) -> dict[str, str]:
+        """A thread's ``link``, which t3's own clients open; for a person (the client token)
+        also ``webUrl``, the thread in this server's web view, which any browser opens."""
+        scope = current_scope.get()
+        if scope is None or scope.kind != "client":
+            return {"link": self.link(thread_id)}
+        return {"link": self.link(thread_id), "webUrl": f"{self.base_url}/#thread="
+                                                        f"{urllib.parse.quote(thread_id, safe='')}"}
+
 
 # =============================================================================================
 # Schemas and validation
@@ -132,6 +141,9 @@ class ServerContext:
 
 def _text(max_len: int) -> dict[str, Any]:
     return {"type": "string", "minLength": 1, "maxLength": max_len, "trim": True}
+
+
+TITLE = {**_text(512), "line": True}  # "line", ours as "trim": no orch.CONTROL_CHARACTERS
 
 
 RUNTIME_INPUT = {"type": "string", "enum": ["inherit", *orch.RuntimeMode]}
@@ -177,6 +189,9 @@ def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             raise ToolFailure("invalid_request",
                               f"{name}: longer than {schema['maxLength']} characters")
+        if schema.get("line") and (bad := [c for c in value if ord(c) in orch.CONTROL_CHARACTERS]):
+            raise ToolFailure("invalid_request", f"{name}: holds control character U+"
+                                                 f"{ord(bad[0]):04X} (one line of plain text)")
     if "enum" in schema and value not in schema["enum"]:
         raise ToolFailure("invalid_request",
                           f"{name}: must be one of {', '.join(map(str, schema['enum']))}")
@@ -239,9 +254,9 @@ def _is_type(value: Any, kind: str) -> bool:
 
 
 def _public_schema(schema: Any) -> Any:
-    """The schema as published: without our private ``trim`` keyword."""
+    """The schema as published: without our private ``trim`` and ``line`` keywords."""
     if isinstance(schema, dict):
-        return {k: _public_schema(v) for k, v in schema.items() if k != "trim"}
+        return {k: _public_schema(v) for k, v in schema.items() if k not in ("trim", "line")}
     if isinstance(schema, list):
         return [_public_schema(v) for v in schema]
     return schema
@@ -288,7 +303,8 @@ FAILURE_OUTPUT = _shape({"_tag": _enum(["OrchestratorMcpFailure"]),
 
 _CREATED = {"threadId": STRING, "runId": OPT_STRING, "status": THREAD_STATUS, "title": STRING,
             "createdBy": ACTOR, "creationSource": SOURCE, "providerInstanceId": STRING,
-            "model": OPT_STRING, "projectId": STRING, "link": STRING}
+            "model": OPT_STRING, "projectId": STRING, "link": STRING, "webUrl": STRING}
+_WEB = ["webUrl"]  # only in the client token's results (ServerContext.links)
 _LINEAGE = {"parentThreadId": OPT_STRING, "relationshipToParent": OPT_STRING}
 PULL_REQUEST = _nullable(_shape({"repository": STRING, "number": INTEGER, "url": STRING}))
 TITLE_REGENERATION = _nullable(_shape({"requestId": STRING, "startedAt": STRING}))
@@ -302,7 +318,7 @@ _THREAD_SHELL = _shape({
     "model": OPT_STRING, "runtimeMode": RUNTIME, "interactionMode": INTERACTION,
     "branch": OPT_STRING, "worktreePath": OPT_STRING, **_LINEAGE,
     "itemCount": INTEGER, "pendingRequestCount": INTEGER, "createdAt": STRING,
-    "updatedAt": STRING, "link": STRING, **_THREAD_STATE})
+    "updatedAt": STRING, "link": STRING, "webUrl": STRING, **_THREAD_STATE}, _WEB)
 _THREAD_DETAIL = _shape({
     "threadId": STRING, "projectId": STRING, "title": STRING, "createdBy": ACTOR,
     "creationSource": SOURCE, "status": THREAD_STATUS, "latestRunId": OPT_STRING,
@@ -311,7 +327,7 @@ _THREAD_DETAIL = _shape({
     "worktreePath": OPT_STRING, "workspacePath": OPT_STRING, **_LINEAGE, "runCount": INTEGER,
     "itemCount": INTEGER, "pendingRequestCount": INTEGER, **_THREAD_STATE,
     "titleRegeneration": TITLE_REGENERATION, "createdAt": STRING, "updatedAt": STRING,
-    "link": STRING})
+    "link": STRING, "webUrl": STRING}, _WEB)
 _RUN_SUMMARY = _shape({
     "runId": STRING, "ordinal": INTEGER, "status": _enum(list(RunStatus)),
     "statusReason": OPT_STRING, "providerInstanceId": STRING, "model": OPT_STRING,
@@ -359,17 +375,17 @@ CAPABILITIES_OUTPUT = _shape({
                         for k, v in FEATURES.items()})})
 TASK_CANCEL_OUTPUT = _shape({"taskId": STRING, "status": _enum(
     [*sorted(orch.TASK_TERMINAL), "cancel_requested"])})
-CREATE_OUTPUT = _shape({"threads": _list(_shape(_CREATED))})
+CREATE_OUTPUT = _shape({"threads": _list(_shape(_CREATED, _WEB))})
 LAUNCH_OUTPUT = _shape({**_CREATED, "workspaceStrategy": _enum(
     ["root", "scratch", "worktree", "existing_worktree"]), "workspacePath": STRING,
-    "branch": OPT_STRING, "worktreePath": OPT_STRING})
+    "branch": OPT_STRING, "worktreePath": OPT_STRING}, _WEB)
 LIST_OUTPUT = _shape({"projectId": STRING, "currentThreadId": OPT_STRING,
                       "threads": _list(_THREAD_SHELL), "nextCursor": OPT_INTEGER,
                       "total": INTEGER})
 READ_OUTPUT = _shape({"thread": _THREAD_DETAIL, "transfers": _list(_TRANSFER),
                       "recentRuns": _list(_RUN_SUMMARY), "items": _list(_TIMELINE_ITEM),
                       "nextPosition": OPT_INTEGER, "hasMore": BOOLEAN,
-                      "earlierPosition": OPT_INTEGER, "link": STRING})
+                      "earlierPosition": OPT_INTEGER, "link": STRING, "webUrl": STRING}, _WEB)
 SEND_OUTPUT = _shape({"threadId": STRING, "messageId": STRING, "runId": STRING,
                       "status": _nullable(_enum(list(RunStatus))),
                       "delivery": _nullable(_enum(["started", "queued", "steered",
@@ -404,7 +420,7 @@ class _Tool:
     destructive: bool = False
 
 
-_CREATE_ENTRY = _object({"prompt": _text(120_000), "title": _text(512), "target": TARGET,
+_CREATE_ENTRY = _object({"prompt": _text(120_000), "title": TITLE, "target": TARGET,
                          "runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT})
 
 ROLES = ["implementation", "research", "review", "design", "test", "general"]
@@ -450,7 +466,7 @@ TOOLS: tuple[_Tool, ...] = (
           "with a message naming the task, so end your turn instead of polling; mode 'wait' "
           "blocks until the result or timeoutMs (the child keeps running after a timeout; use "
           "task_status). Reuse clientRequestId when retrying the same task.",
-          _object({"task": _text(120_000), "target": TARGET, "title": _text(512),
+          _object({"task": _text(120_000), "target": TARGET, "title": TITLE,
                    "role": {"type": "string", "enum": ROLES},
                    "mode": {"type": "string", "enum": ["async", "wait"]},
                    "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS},
@@ -484,7 +500,7 @@ TOOLS: tuple[_Tool, ...] = (
           "worktreePath, branch?} (a worktree of the project's repository), or scratch: true "
           "(a fresh folder outside any project). Pass the task in message. Launch has no "
           "retry key of its own: after a lost response, list threads before launching again.",
-          _object({"projectId": _text(256), "title": _text(512), "message": _text(120_000),
+          _object({"projectId": _text(256), "title": TITLE, "message": _text(120_000),
                    "target": TARGET, "runtimeMode": RUNTIME_INPUT,
                    "interactionMode": INTERACTION_INPUT,
                    "workspaceStrategy": WORKSPACE_STRATEGY,
@@ -533,10 +549,10 @@ TOOLS: tuple[_Tool, ...] = (
           "when retrying.",
           _object({**_OWN_THREAD, "action": {"type": "string",
                                              "enum": ["rename", "regenerate_title"]},
-                   "title": _text(512)}, ["action"]),
+                   "title": TITLE}, ["action"]),
           "update_thread", UPDATE_OUTPUT, destructive=True),
     _Tool("link_pull_request",
-          "Link a pull request to a thread (threadId, else your own): its http(s) URL, like "
+          "Link a pull request to a thread (threadId, else your own): its https URL, like "
           "https://github.com/owner/repo/pull/123. Replaces an earlier link.",
           _object({**_OWN_THREAD, "url": _text(2048)}, ["url"]), "link_pull_request",
           UPDATE_OUTPUT, destructive=True),
@@ -600,7 +616,7 @@ TOOLS: tuple[_Tool, ...] = (
           "false pauses; runNow fires once now.",
           _object({"scheduledTaskId": _text(512), "prompt": _text(120_000),
                    "schedule": {"anyOf": [{"type": "object"}, {"type": "string"}]},
-                   "title": _text(512), "enabled": {"type": "boolean"},
+                   "title": TITLE, "enabled": {"type": "boolean"},
                    "bindToCurrentThread": {"type": "boolean"}, "projectId": _text(256),
                    "target": TARGET, "runtimeMode": RUNTIME_INPUT,
                    "interactionMode": INTERACTION_INPUT, "runNow": {"type": "boolean"},
@@ -719,7 +735,7 @@ class Toolkit:
                 "createdBy": thread.created_by, "creationSource": thread.creation_source,
                 "providerInstanceId": thread.provider_instance_id,
                 "model": thread.model_selection.get("model"), "projectId": thread.project_id,
-                "link": self.ctx.link(thread.id)}
+                **self.ctx.links(thread.id)}
 
     async def _create(self, command: orch.CreateThread) -> dict[str, Any]:
         result = await self.orch.dispatch(command)
@@ -1147,7 +1163,7 @@ class Toolkit:
                 "relationshipToParent": thread["lineage"].get("relationshipToParent"),
                 "itemCount": row["itemCount"], "pendingRequestCount": row["pendingRequestCount"],
                 "createdAt": thread["createdAt"], "updatedAt": row["updatedAt"],
-                "link": self.ctx.link(thread["id"]), **_thread_state(thread, row)}
+                **self.ctx.links(thread["id"]), **_thread_state(thread, row)}
 
     async def _read_thread(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
         state = await self._thread(args["threadId"])
@@ -1172,7 +1188,7 @@ class Toolkit:
                   "recentRuns": [
                       self._run_summary(state, r) for r in state.runs[::-1][:run_limit]],
                   "items": [], "nextPosition": None, "hasMore": False, "earlierPosition": None,
-                  "link": self.ctx.link(state.thread.id if state.thread else "")}
+                  **self.ctx.links(state.thread.id if state.thread else "")}
         room = READ_BUDGET_CHARS - _chars(result) - 30  # the budget holds the whole result
         page: list[dict[str, Any]] = []
         for row in candidates[:limit]:
@@ -1238,7 +1254,7 @@ class Toolkit:
                 "titleRegeneration": thread.title_regeneration, "createdAt": thread.created_at,
                 "updatedAt": max([thread.updated_at, *(t for t in (
                     (latest.requested_at, latest.completed_at) if latest else ()) if t)]),
-                "link": self.ctx.link(thread.id)}
+                **self.ctx.links(thread.id)}
 
     @staticmethod
     def _run_summary(state: ThreadState, run: orch.Run) -> dict[str, Any]:
@@ -1680,16 +1696,19 @@ def _live_run(state: ThreadState, scope: Scope) -> orch.Run | None:
     return run
 
 
-_PULL_REQUEST_URL = re.compile(
-    r"https?://[^/\s?#]+/([^/\s?#]+/[^/\s?#]+)/(?:pull|pulls|-/merge_requests)/(\d{1,9})/?")
+# Only https, an ASCII host with no user info before it (``https://github.com@evil.example/``
+# goes to evil.example) and ASCII names: what a person reads is where the link goes.
+_PULL_REQUEST_URL = re.compile(r"https://[A-Za-z0-9.-]+(?::\d{1,5})?/([\w.~%+-]+/[\w.~%+-]+)/"
+                               r"(?:pull|pulls|-/merge_requests)/(\d{1,9})/?", re.ASCII)
 
 
 def _pull_request(url: str) -> dict[str, Any]:
     """A pull (or merge) request's URL as {repository, number, url}; anything else is refused."""
     match = _PULL_REQUEST_URL.fullmatch(url)
     if match is None:
-        raise ToolFailure("invalid_request", "url: not a pull request URL (expected "
-                                             "http(s)://host/owner/repo/pull/NUMBER)")
+        raise ToolFailure("invalid_request", "url: not a pull request URL (expected https://"
+                                             "host/owner/repo/pull/NUMBER: an ASCII host, no "
+                                             "user info, no control characters)")
     return {"repository": match[1], "number": int(match[2]), "url": url}
 
 

@@ -14,15 +14,17 @@ import queue
 import re
 import signal
 import subprocess
+import sqlite3
 import sys
 import threading
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import t3 as server
-from harness import T3_PY, T3Server, scripted_provider
+from harness import T3_PY, T3Server, raw_post, scripted_provider, wait_until
 
 
 def cli(t3: T3Server, *args: str) -> subprocess.CompletedProcess[str]:
@@ -66,12 +68,13 @@ def test_new_and_show_until_done_print_the_streamed_answer(t3: T3Server) -> None
 
 def test_show_follow_json_sees_the_answer_grow_and_ctrl_c_ends_it(t3: T3Server) -> None:
     """A follower subscribed before the run starts gets one JSON object per line: the assistant
-    message growing chunk by chunk, then the run completed; Ctrl-C ends it with exit 0."""
+    message growing chunk by chunk, then the run completed; Ctrl-C ends it with exit 0, also
+    when it was started as a script's background job (with SIGINT ignored)."""
     thread_id = new(t3)  # idle: nothing happens before the follower is subscribed
     follower = subprocess.Popen(
         [sys.executable, str(T3_PY), "show", thread_id, "--follow", "--json", "--data-dir",
          str(t3.data_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=t3.env)
+        env=t3.env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in follower.stdout],
                               daemon=True)
@@ -96,6 +99,68 @@ def test_show_follow_json_sees_the_answer_grow_and_ctrl_c_ends_it(t3: T3Server) 
     grown = [t for i, t in enumerate(texts) if i == 0 or t != texts[i - 1]]
     assert len(grown) >= 3 and all(b.startswith(a) for a, b in itertools.pairwise(grown))
     assert grown[-1] == "".join(f"chunk {i} " for i in range(20)) + "done"
+
+
+EVIL = "\x1b]0;pwned\x07 \x1b]52;c;ZXZpbA==\x07 \x1b[2J \x9b2J \u202eevil\u202c"
+SHOWN = "\\x1b]0;pwned\\x07 \\x1b]52;c;ZXZpbA==\\x07 \\x1b[2J \\x9b2J <U+202E>evil<U+202C>"
+
+
+def acts_on_a_terminal(text: str) -> bool:
+    """Whether ``text`` holds a character a terminal acts on: C0 but newline and tab, DEL, C1,
+    bidi marks, embeddings, overrides and isolates."""
+    return any(ord(c) in range(0x20) and c not in "\n\t" or ord(c) in range(0x7F, 0xA0)
+               or ord(c) in (0x61C, 0x200E, 0x200F, *range(0x202A, 0x202F),
+                             *range(0x2066, 0x206A)) for c in text)
+
+
+def test_what_the_cli_prints_for_people_is_inert_and_json_is_exact(t3_factory, tmp_path: Path
+                                                                   ) -> None:
+    """OSC 0, OSC 52, ESC[2J, a C1 CSI and bidi overrides in what an agent wrote (its message,
+    a file name in the diff), in a webhook body echoed back, and in a title and PR link an
+    older t3 stored, print escaped for people: the terminal shows them and acts on none; a PR
+    is named by its link's real host. --json keeps every string exact."""
+    from test_workspace import make_repo
+    make_repo(tmp_path / "workspace")
+    t3 = t3_factory()
+    name = "notes" + EVIL.replace(" ", "_") + ".txt"
+    thread_id = new(t3, f"WRITE_FILE {name} kiwi\nECHO_PROMPT {EVIL}")
+    assert cli(t3, "wait", thread_id).returncode == 0
+    made = cli(t3, "schedule", "note: {{body.note}}", "--webhook", "--title", "hook")
+    hook_url = made.stdout.splitlines()[1].rsplit(" ", 1)[1]
+    assert raw_post(hook_url, json.dumps({"note": EVIL}).encode(),
+                    {"Content-Type": "application/json"}).status == 202
+    ran = wait_until(lambda: [t for t in ok_json(t3, "schedules")["tasks"]
+                              if t["lastRunStatus"] == "succeeded"], 30, interval=0.3)[0][
+        "lastRunThreadId"]
+
+    shown, diff = cli(t3, "show", thread_id), cli(t3, "diff", thread_id)
+    hooked = cli(t3, "show", ran, "--until-done")
+    for done in (shown, diff, hooked):
+        assert done.returncode == 0 and not acts_on_a_terminal(done.stdout), done
+    assert f"ECHO_PROMPT {SHOWN}" in shown.stdout and SHOWN.replace(" ", "_") in diff.stdout
+    assert f"note: {SHOWN}" in hooked.stdout
+    items = ok_json(t3, "show", thread_id)["items"]
+    assert items[0]["text"] == f"WRITE_FILE {name} kiwi\nECHO_PROMPT {EVIL}"
+    assert [f["path"] for f in ok_json(t3, "diff", thread_id)["files"]] == [name]
+    assert any(f"note: {EVIL}" in i["text"] for i in ok_json(t3, "show", ran)["items"])
+
+    t3.stop()  # a title and a link as a t3 before these checks stored them
+    pr = {"repository": "acme\u202e/widgets", "number": 7,
+          "url": "https://github.com@evil.example/acme/widgets/pull/7"}
+    with closing(sqlite3.connect(t3.data_dir / "t3.sqlite")) as db, db:
+        db.execute("UPDATE threads SET payload_json = json_set(payload_json, '$.title', ?, "
+                   "'$.linkedPullRequest', json(?)) WHERE thread_id = ?",
+                   ("title " + EVIL, json.dumps(pr), thread_id))
+    t3.start()
+    listed, shown = cli(t3, "threads"), cli(t3, "show", thread_id)
+    for done in (listed, shown):
+        assert done.returncode == 0 and not acts_on_a_terminal(done.stdout), done
+    assert f"title {SHOWN}  [PR evil.example/acme<U+202E>/widgets#7]" in listed.stdout
+    assert shown.stdout.startswith(f"title {SHOWN}  {thread_id}\n")
+    assert "| PR evil.example/acme<U+202E>/widgets#7 https://github.com@evil" in shown.stdout
+    [row] = [t for t in ok_json(t3, "threads")["threads"] if t["threadId"] == thread_id]
+    assert (row["title"], row["linkedPullRequest"]) == ("title " + EVIL, pr)
+    assert ok_json(t3, "show", thread_id)["thread"]["title"] == "title " + EVIL
 
 
 def test_send_wait_interrupt_and_their_exit_codes(t3: T3Server) -> None:

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import providers
 import t3
 import tools
-from orchestrator import Orchestrator
+from orchestrator import CONTROL_CHARACTERS, Orchestrator
 from store import Store
 from tools import (
     FAILURE_CODES,
@@ -286,7 +286,9 @@ def _valid_of_kind(kind: str, schema: Mapping[str, Any], target: Target, tool: s
                    ) -> st.SearchStrategy[Any]:
     if kind == "string":
         low, high = schema.get("minLength", 0), schema.get("maxLength")
-        text = st.text(min_size=low, max_size=min(high or 64, 64))
+        text = st.text(st.characters(exclude_characters="".join(map(chr, CONTROL_CHARACTERS)))
+                       if schema.get("line") else st.characters(), min_size=low,
+                       max_size=min(high or 64, 64))
         if low and schema.get("trim"):
             text = text.filter(lambda s: len(s.strip()) >= low)
         return st.one_of(text, st.just("b" * high)) if high else text
@@ -361,6 +363,8 @@ def invalid_case(draw: st.DrawFn, tool: str, target: Target) -> tuple[dict[str, 
         mutations.append("too_long")
     if any(s.get("trim") and s.get("minLength") for _, s, _ in slots):
         mutations.append("blank")
+    if any(s.get("line") for _, s, _ in slots):
+        mutations.append("control")
     if any("minimum" in s or "maximum" in s for _, s, _ in slots):
         mutations.append("out_of_range")
     if any("enum" in s for _, s, _ in slots):
@@ -384,6 +388,7 @@ def invalid_case(draw: st.DrawFn, tool: str, target: Target) -> tuple[dict[str, 
         "wrong_type": slots,
         "too_long": [s for s in slots if "maxLength" in s[1]],
         "blank": [s for s in slots if s[1].get("trim") and s[1].get("minLength")],
+        "control": [s for s in slots if s[1].get("line")],
         "out_of_range": [s for s in slots if "minimum" in s[1] or "maximum" in s[1]],
         "not_in_enum": [s for s in slots if "enum" in s[1]],
     }[kind]
@@ -394,6 +399,8 @@ def invalid_case(draw: st.DrawFn, tool: str, target: Target) -> tuple[dict[str, 
         value = draw(st.sampled_from(["x", " ", "é", "\U0001F600"])) * (sub["maxLength"] + 1)
     elif kind == "blank":
         value = draw(st.sampled_from(["", " ", "\t\n ", "\u3000"]))
+    elif kind == "control":  # OSC 0, a C1 CSI, a bidi override, a line break
+        value = draw(st.sampled_from(["x\x1b]0;t\x07", "a\x9b2J", "\u202eexe", "a\nb"]))
     elif kind == "out_of_range":
         bounds = [sub["minimum"] - draw(st.integers(1, 10**12))] if "minimum" in sub else []
         bounds += [sub["maximum"] + draw(st.integers(1, 10**12))] if "maximum" in sub else []
@@ -469,8 +476,9 @@ def test_valid_and_boundary_arguments(target: Target, tool: str, data: st.DataOb
 @FUZZ
 @given(data=st.data())
 def test_invalid_arguments(target: Target, tool: str, data: st.DataObject) -> None:
-    """A call with one broken field (unknown, wrong type, missing, null, too long, blank, out of
-    range, not in the enum) is invalid_request naming that field, and writes nothing."""
+    """A call with one broken field (unknown, wrong type, missing, null, too long, blank, a
+    control character in a title, out of range, not in the enum) is invalid_request naming that
+    field, and writes nothing."""
     args, field = data.draw(invalid_case(tool, target), label="arguments")
     result = call_and_check(target, tool, args)
     assert result.failure_code == "invalid_request", (args, result.structured)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import orchestrator as o
 import t3 as server
@@ -89,8 +92,8 @@ def test_rename_regenerate_link_unlink_everywhere_and_retries_replay(t3: T3Serve
     assert [t["linkedPullRequest"] for t in shells if t["threadId"] == tid] == [
         linked["linkedPullRequest"]]
     text = t3.cli("threads").stdout
-    assert f"{tid}  {titled}  [PR acme/widgets#42]" in text
-    assert f"| PR {PR}" in t3.cli("show", tid).stdout
+    assert f"{tid}  {titled}  [PR github.com/acme/widgets#42]" in text
+    assert f"| PR github.com/acme/widgets#42 {PR}" in t3.cli("show", tid).stdout
 
     # The same through /ws and the CLI, as a person.
     assert ws(t3, "unlinkPullRequest", {"threadId": tid})["linkedPullRequest"] is None
@@ -147,6 +150,103 @@ def test_metadata_denials_follow_the_send_scope(tmp_path: Path) -> None:
         assert own["title"] == "Mine"  # its own thread needs no live run
         narrowed = await w.call(wide, "link_pull_request", {"threadId": "wide", "url": PR})
         assert narrowed["linkedPullRequest"]["repository"] == "acme/widgets"
+    run(tmp_path, scenario)
+
+
+# What a terminal acts on: OSC 0 (window title), OSC 52 (clipboard write), ESC[2J (clear), a C1
+# CSI, bidi overrides and isolates, a line break, NUL.
+BAD_TITLES = ["x\x1b]0;pwned\x07", "x\x1b]52;c;ZXZpbA==\x07", "x\x1b[2J", "x\x9b2J",
+              "gpj.\u202eexe", "a\u2066b", "two\nlines", "nul\x00"]
+BAD_PR_LINKS = [
+    "http://github.com/acme/widgets/pull/42",  # not https
+    "https://github.com@evil.example/acme/widgets/pull/42",  # user info: goes to evil.example
+    "https://user:pw@github.com/acme/widgets/pull/42",
+    "https://gith\u00fcb.com/acme/widgets/pull/42",  # a non-ASCII host
+    "https://github.com/acme\u202e/widgets/pull/42",  # a bidi-spoofed name
+    "https://github.com/acme/wid\x1b]0;x\x07gets/pull/42"]
+
+
+def test_titles_and_pr_links_a_person_could_misread_are_refused(tmp_path: Path) -> None:
+    """A title with a control character (C0, C1, bidi) and a PR link that is not https with an
+    ASCII host and no user info are invalid_request naming the field, and write nothing; a
+    title made from a prompt holds none of those characters."""
+    async def scenario(w: World) -> None:
+        await w.thread("t1")
+        me = agent("t1")
+        for title in BAD_TITLES:
+            for scope, tool, args, field in (
+                    (me, "t3_thread_update", {"action": "rename", "title": title}, "title"),
+                    (CLIENT, "create_threads", {"threads": [{"prompt": "p", "title": title}]},
+                     "threads[0].title"),
+                    (CLIENT, "t3_thread_launch", {"title": title}, "title"),
+                    (me, "delegate_task", {"task": "t", "title": title}, "title"),
+                    (CLIENT, "schedule_task", {"prompt": "p", "title": title, "schedule": {
+                        "type": "interval", "everyMs": 3_600_000}}, "title")):
+                message = await w.denied(scope, tool, args, "invalid_request")
+                assert message.startswith(f"{field}: holds control character"), message
+        for url in BAD_PR_LINKS:
+            message = await w.denied(me, "link_pull_request", {"url": url}, "invalid_request")
+            assert message.startswith("url: "), message
+        for url in ("https://github.com:443/acme/widgets/pull/42/",
+                    "https://gitlab.example/group/proj/-/merge_requests/7"):
+            assert (await w.call(me, "link_pull_request", {"url": url}))["linkedPullRequest"][
+                "url"] == url
+        made = await w.call(CLIENT, "create_threads", {"threads": [
+            {"prompt": "fix \x1b]0;pwned\x07the\u202e build\x9b"}]})
+        assert made["threads"][0]["title"] == "fix ]0;pwnedthe build"
+    run(tmp_path, scenario)
+
+
+def test_ws_and_the_cli_refuse_them_too_and_change_nothing(t3: T3Server, mcp: McpClient) -> None:
+    """/ws (updateThread, thread.create, launchThread, forkThread, linkPullRequest) and the CLI
+    (rename, new --title, link-pr) pass the same checks: invalid_request, the thread keeps its
+    title and link, no thread is made; the CLI's refusal line names the field."""
+    tid = created(mcp, "hello", title="Kept")
+    assert mcp.call("link_pull_request", {"threadId": tid, "url": PR}).ok
+    title, link = BAD_TITLES[0], BAD_PR_LINKS[1]
+    for method, params in (
+            ("updateThread", {"threadId": tid, "action": "rename", "title": title}),
+            ("dispatchCommand", {"type": "thread.create", "commandId": "c1", "title": title}),
+            ("launchThread", {"commandId": "c2", "title": title}),
+            ("forkThread", {"commandId": "c3", "sourceThreadId": tid, "title": title}),
+            ("linkPullRequest", {"threadId": tid, "url": link})):
+        with pytest.raises(server.WsError) as refused:
+            ws(t3, method, params)
+        assert refused.value.code == "invalid_request", (method, refused.value)
+    for args in (("rename", tid, title), ("new", "hi", "--title", title), ("link-pr", tid, link)):
+        done = t3.cli(*args)
+        assert done.returncode == 1 and done.stderr.startswith("t3: invalid_request: "), done
+    assert t3.cli("rename", tid, title).stderr == (
+        "t3: invalid_request: title: holds control character U+001B (one line of plain text)\n")
+    [shell] = mcp.call("t3_thread_list", {}).structured["threads"]
+    assert (shell["title"], shell["linkedPullRequest"]["url"]) == ("Kept", PR)
+
+
+def test_results_for_a_person_carry_a_web_url_and_an_agents_do_not(tmp_path: Path) -> None:
+    """Each result that names a thread's t3-thread:// link carries, for the client token,
+    webUrl: that thread in the server's web view (`<url>/#thread=<id, URL-encoded>`); an
+    agent's results keep the link alone. Both match the tools' output schemas."""
+    async def scenario(w: World) -> None:
+        await w.thread("t1")
+        made = (await w.call(CLIENT, "create_threads", {"threads": [{"prompt": "p"}]}))[
+            "threads"][0]
+        web = f"http://127.0.0.1/#thread={urllib.parse.quote(made['threadId'], safe='')}"
+        assert "%3A" in web and made["webUrl"] == web
+        read = await w.call(CLIENT, "t3_thread_read", {"threadId": made["threadId"]})
+        assert read["webUrl"] == read["thread"]["webUrl"] == web
+        listed = (await w.call(CLIENT, "t3_thread_list", {}))["threads"]
+        assert all(t["webUrl"].endswith(urllib.parse.quote(t["threadId"], safe=""))
+                   for t in listed) and len(listed) == 2
+        launched = await w.call(CLIENT, "t3_thread_launch", {"title": "launched"})
+        assert launched["webUrl"].startswith("http://127.0.0.1/#thread=thread%3A")
+        me = agent("t1")
+        for result in (
+                (await w.call(me, "create_threads", {"threads": [{"prompt": "p"}]}))[
+                    "threads"][0],
+                await w.call(me, "t3_thread_read", {"threadId": "t1"}),
+                (await w.call(me, "t3_thread_read", {"threadId": "t1"}))["thread"],
+                *(await w.call(me, "t3_thread_list", {}))["threads"]):
+            assert "webUrl" not in result and result["link"].startswith("t3-thread://v2/")
     run(tmp_path, scenario)
 
 

@@ -18,6 +18,7 @@ import json
 import re
 import socket
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -351,3 +352,39 @@ def test_web_view_shows_a_checkpoints_files_and_a_folded_handoff(
     page.wait_for(lines_with("Canonical conversation context:"))
     steps.shot("handoff-open", ("Covered app runs: 1-1",),
                ("- User: WRITE_FILE notes/plan.txt kiwi\\nmango",))
+
+
+def test_web_view_survives_a_malformed_link_and_opens_a_results_web_url(
+        t3: T3Server, tmp_path: Path, browser: Browser) -> None:
+    """A malformed `#thread=` fragment (`%E0%A4%A`) opens no thread, yet the page logs in,
+    connects and opens the thread a person clicks; a client-token result's webUrl, opened in a
+    new tab, logs in straight to its thread; a pull request is named by its link's host."""
+    mcp = t3.client()
+    thread_id = create(mcp, prompt="hello there", title="with a PR")
+    pr = "https://github.com/acme/widgets/pull/42"
+    assert mcp.call("link_pull_request", {"threadId": thread_id, "url": pr}).ok
+    page = browser.new_page()
+    page.call("Runtime.enable")
+    steps = Steps(page, tmp_path)
+    page.navigate(t3.url + "/#thread=%E0%A4%A")
+    page.type_into("#token", t3.token)
+    page.click("#login button", text="Log in")
+    page.wait_for(lines_with("with a PR", within="nav"))
+    steps.shot("malformed-link", ("live",), ("Select a thread on the left.",))
+    page.click("nav a", text="with a PR")
+    page.wait_for(lines_with("Pull request: github.com/acme/widgets#42", within="main"))
+    assert page.evaluate("document.querySelector('main a[target]').href") == pr
+
+    [shell] = [t for t in mcp.call("t3_thread_list", {}).structured["threads"]
+               if t["threadId"] == thread_id]
+    assert shell["webUrl"] == f"{t3.url}/#thread={urllib.parse.quote(thread_id, safe='')}"
+    opened = browser.new_page()  # a new tab: it logs in, then shows the thread it was sent to
+    opened.navigate(shell["webUrl"])
+    opened.type_into("#token", t3.token)
+    opened.click("#login button", text="Log in")
+    opened.wait_for(lines_with("You said: hello there", within="main"))
+    steps.page = opened
+    steps.shot("web-url", ("with a PR",), ("Pull request: github.com/acme/widgets#42",),
+               within="main")
+    assert [e for e in browser.events if e["method"] == "Runtime.exceptionThrown"] == []
+    mcp.close()
