@@ -3090,8 +3090,9 @@ DELETED = "The thread was deleted."
 
 def _end_owned(d: _Draft, reason: str) -> None:
     """A deleted thread leaves nothing going: its open delegated tasks, runs (queued ones
-    first, so that the last run's end publishes a delegated child's result), rollback,
-    requests and sessions end; its agent process is stopped and no start of it goes on."""
+    first, so that the last run's end publishes a delegated child's result; if none of them
+    ran, the deletion does), rollback, requests and sessions end; its agent process is stopped
+    and no start of it goes on."""
     for task in d.all("subagent"):
         if task.status not in TASK_TERMINAL:  # its child thread lives on, reporting to no one
             d.put(replace(task, status="cancelled", cancel_requested=True, result=reason,
@@ -3105,6 +3106,11 @@ def _end_owned(d: _Draft, reason: str) -> None:
     for run in d.runs():
         if run.status not in RUN_TERMINAL:
             _end_run(d, run, RunStatus.CANCELLED, reason)
+    task = _parent_task(d)
+    if task is not None and d.runs() and task_final_run(d.runs()) is None:  # none of it ran
+        first = d.runs()[0]
+        d.effect("subagent.finalize", {**task, "runId": first.id, "publish": True}, first.id,
+                 thread_id=task["parentThreadId"])
     for item in d.all("turn-item"):
         if item.type == "rollback" and item.status == "running":  # its effect then does nothing
             d.put(replace(item, status="cancelled", text=reason, updated_at=d.now,
