@@ -205,6 +205,8 @@ class Person:
             made = self._mcp("create_threads", {"threads": [{"prompt": prompt,
                                                              "runtimeMode": mode}]})
             self.live += [made["threads"][0]["threadId"]] if made else []
+        elif action == "wait":
+            self._mcp("t3_thread_wait", {"threadId": pick, "timeoutMs": 5_000})
         elif action == "send":
             self._mcp("t3_thread_send", {"threadId": pick, "message": f"more {self.n}",
                                          "mode": self.rng.choice(("auto", "queue"))})
@@ -270,20 +272,21 @@ class Person:
             assert read.failure_code == "thread_not_found", (where, thread_id, read.structured)
 
 
-ACTIONS = ("create", "send", "stop", "resume", "archive", "unarchive", "delete", "rollback",
-           "fork", "switch", "schedule")
+ACTIONS = ("create", "send", "wait", "stop", "resume", "archive", "unarchive", "delete",
+           "rollback", "fork", "switch", "schedule")
 
 
 def test_random_actions_with_kill9_always_come_back(t3_factory: Any, tmp_path: Path) -> None:
     """A person's actions (each of ACTIONS once, the rest drawn at random, more often create,
-    send and delete) in random order with kill -9 at random points: after each kill the server
+    wait and delete) in random order with kill -9 at random points: after each kill the server
     reaches ready, /healthz answers, every live thread reads and every deleted one is
     thread_not_found. T3_PROPERTY_SEED picks another sequence (CI: 20); T3_PROPERTY_STEPS a
     longer one."""
     seed = int(os.environ.get("T3_PROPERTY_SEED", "20"))
     steps = max(len(ACTIONS), int(os.environ.get("T3_PROPERTY_STEPS", "25")))
     rng = random.Random(seed)
-    plan = [*ACTIONS, *rng.choices(("create", "send", "delete", *ACTIONS), k=steps - len(ACTIONS))]
+    plan = [*ACTIONS, *rng.choices(("create", "wait", "delete", *ACTIONS),
+                                   k=steps - len(ACTIONS))]
     rng.shuffle(plan)
     kills = set(rng.sample(range(steps - 1), k=steps // 6)) | {steps - 1}
     make_repo(tmp_path / "workspace")
