@@ -1349,7 +1349,8 @@ def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
            providers: Mapping[str, ProviderInfo]) -> Decision:
     """State + command -> events + effect requests. Raises CommandRejected; never does I/O."""
     if not isinstance(command, (CreateThread, ForkThread, *_TASK_COMMANDS)) and (
-            state.thread is None or state.thread.deleted_at is not None):
+            state.thread is None or (state.thread.deleted_at is not None
+                                     and not isinstance(command, RecoverThread))):
         raise CommandRejected(f"thread {command.thread_id} was not found", code="thread_not_found")
     draft = _Draft(state, command, now)
     handler = _HANDLERS[type(command)]
@@ -1614,8 +1615,7 @@ def _interrupt(d: _Draft, run: Run, reason: str | None) -> str:
         # Nothing reached the provider yet: the run ends here and its start is called off.
         _end_run(d, run, RunStatus.INTERRUPTED,
                  reason or "Interrupted before the provider started.")
-        d.cancel_effect_types += ["provider-turn.start", "provider-turn.restart",
-                                  "workspace.prepare"]  # its setup command is killed
+        d.cancel_effect_types += _START_EFFECTS  # its setup command is killed
         for old in d.all("run-attempt"):  # a restart was cut short: stop the turn it replaced
             old_turn = d.get("provider-turn", old.provider_turn_id)
             if old.run_id == run.id and old_turn is not None and old_turn.status == "running":
@@ -1625,6 +1625,9 @@ def _interrupt(d: _Draft, run: Run, reason: str | None) -> str:
     d.effect("provider-turn.interrupt", {"runId": run.id, "attemptId": attempt.id,
                                          "reason": why}, attempt.id)
     return "interrupt_requested"
+
+
+_START_EFFECTS = ("provider-turn.start", "provider-turn.restart", "workspace.prepare")
 
 
 def _stop_reached(d: _Draft, run: Run) -> bool:
@@ -2130,18 +2133,26 @@ def _expire_requests(d: _Draft, session_id: str | None, reason: str) -> None:
                      updated_at=d.now, completed_at=d.now)
 
 
-def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
-    ended: list[str] = []
+def _end_sessions(d: _Draft, reason: str) -> None:
+    """No provider process of the thread is live: its sessions, requests and turns end."""
     for session in d.all("provider-session"):
         if session.status not in ("stopped", "error"):
-            d.put(replace(session, status="stopped", updated_at=d.now, last_error=c.reason))
-    _expire_requests(d, None, c.reason)
+            d.put(replace(session, status="stopped", updated_at=d.now, last_error=reason))
+    _expire_requests(d, None, reason)
     for pthread in d.all("provider-thread"):
         if pthread.status == "active":
             d.put(replace(pthread, status="idle", updated_at=d.now))
     for turn in d.all("provider-turn"):
         if turn.status == "running":
             d.put(replace(turn, status="interrupted", completed_at=d.now))
+
+
+def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
+    ended: list[str] = []
+    if d.thread is not None and d.thread.deleted_at is not None:  # deleted by an older t3
+        _end_owned(d, DELETED)
+        return {"threadId": c.thread_id, "interruptedRunIds": ended}
+    _end_sessions(d, c.reason)
     asking = {r.run_id for r in d.state.pending_requests()
               if r.response_capability.get("setup")}  # no session of it ended
     for run in d.runs():
@@ -3171,7 +3182,7 @@ def _decide_lifecycle(d: _Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[
         raise CommandRejected(f"thread {thread.id} has a pending request or a queued run",
                               code="invalid_request")
     active = next((r for r in d.runs() if r.status in RUN_BLOCKING), None)
-    if verb in ("archive", "delete") and active is not None:
+    if verb == "archive" and active is not None:
         raise CommandRejected(f"run {active.id} is {active.status}: interrupt it first",
                               code="invalid_request")
     changed: dict[str, Any] = {
@@ -3181,14 +3192,51 @@ def _decide_lifecycle(d: _Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[
         "snooze": {"snoozed_until": c.at, "snoozed_at": d.now},
         "unsnooze": {"snoozed_until": None, "snoozed_at": None}}[verb]
     thread = d.put(replace(thread, **changed, updated_at=d.now), f"thread.{verb}d")
-    if verb in ("archive", "delete"):  # after the change, so that none of them is promoted
+    if verb == "archive":  # after the change, so that none of them is promoted
         for run in d.runs():
             if run.status == RunStatus.QUEUED:
-                _decide_cancel_queued(d, CancelQueuedRun(c.command_id, thread.id, run.id))
+                _cancel_queued(d, run)
+    if verb == "delete":
+        _end_owned(d, DELETED)
     if verb == "delete" and thread.workspace:  # its checkpoints' hidden refs go with it
         d.effect("checkpoint.forget", {"workspace": thread.workspace}, thread.id)
     return {"threadId": thread.id, "archived": thread.archived_at is not None,
             "deleted": thread.deleted_at is not None, "snoozedUntil": thread.snoozed_until}
+
+
+DELETED = "The thread was deleted."
+
+
+def _end_owned(d: _Draft, reason: str) -> None:
+    """A deleted thread leaves nothing going: its open delegated tasks, runs (queued ones
+    first, so that the last run's end publishes a delegated child's result; if none of them
+    ran, the deletion does), rollback, requests and sessions end; its agent process is stopped
+    and no start of it goes on."""
+    for task in d.all("subagent"):
+        if task.status not in TASK_TERMINAL:  # its child thread lives on, reporting to no one
+            d.put(replace(task, status="cancelled", cancel_requested=True, result=reason,
+                          completed_at=d.now, updated_at=d.now))
+            d.update("node", task.id, status="cancelled", completed_at=d.now)
+            d.update("turn-item", _task_item_id(task.id), status="cancelled", updated_at=d.now,
+                     completed_at=d.now)
+    for run in d.runs():
+        if run.status == RunStatus.QUEUED:
+            _cancel_queued(d, run)
+    for run in d.runs():
+        if run.status not in RUN_TERMINAL:
+            _end_run(d, run, RunStatus.CANCELLED, reason)
+    task = _parent_task(d)
+    if task is not None and d.runs() and task_final_run(d.runs()) is None:  # none of it ran
+        first = d.runs()[0]
+        d.effect("subagent.finalize", {**task, "runId": first.id, "publish": True}, first.id,
+                 thread_id=task["parentThreadId"])
+    for item in d.all("turn-item"):
+        if item.type == "rollback" and item.status == "running":  # its effect then does nothing
+            d.put(replace(item, status="cancelled", text=reason, updated_at=d.now,
+                          completed_at=d.now))
+    _end_sessions(d, reason)
+    d.cancel_effect_types += _START_EFFECTS
+    d.effect("provider-session.stop", {"reason": reason}, "deleted")
 
 
 def title_fallback(state: ThreadState) -> str:
@@ -4011,13 +4059,17 @@ class Orchestrator:
                          done: Callable[[Mapping[str, ThreadState]], bool],
                          timeout_s: float) -> bool:
         """Wait for ``done(states)``, woken by commits to any of the threads; False on timeout
-        or shutdown. No polling: each check follows a commit."""
+        or shutdown, thread_not_found once one is deleted. No polling: each check follows a
+        commit."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             signals = [self._signal(t) for t in thread_ids]
             found = {t: await self.state(t) for t in thread_ids}
             states = {t: state for t, state in found.items() if state is not None}
+            gone = [t for t, s in states.items() if s.thread and s.thread.deleted_at]
+            if gone:  # deleted while (or before) it was waited on
+                raise T3Error(f"thread {gone[0]} was not found", code="thread_not_found")
             if done(states):
                 return True
             remaining = deadline - loop.time()
@@ -4083,16 +4135,36 @@ class Orchestrator:
         recovered = []
         stamp = self._clock()
         for thread_id in self._store.threads_needing_recovery():
-            pending_starts = {e.payload.get("runId") for e in self._store.pending_effects(thread_id)
-                              if (e.effect_type == "provider-turn.start" and e.attempt_count == 0)
-                              or e.effect_type == "workspace.prepare"}
-            result = await self.dispatch(RecoverThread(
-                command_id=bounded_id(f"recover:{thread_id}:{stamp}"), thread_id=thread_id,
-                reason=reason,
-                resumable_run_ids=frozenset(r for r in pending_starts if r)))
-            if result.result.get("interruptedRunIds"):
-                recovered.append(thread_id)
+            try:
+                if await self._recover_thread(thread_id, reason, stamp):
+                    recovered.append(thread_id)
+            except Exception as exc:  # one thread's state never stops startup
+                log.error("recovery of thread %s failed: %s", thread_id, exc, exc_info=exc)
+                await self._fail_runs(thread_id, stamp,
+                                      f"Recovery after a server restart failed: {exc}"[:2000])
         return recovered
+
+    async def _recover_thread(self, thread_id: str, reason: str, stamp: str) -> bool:
+        pending_starts = {e.payload.get("runId") for e in self._store.pending_effects(thread_id)
+                          if (e.effect_type == "provider-turn.start" and e.attempt_count == 0)
+                          or e.effect_type == "workspace.prepare"}
+        result = await self.dispatch(RecoverThread(
+            command_id=bounded_id(f"recover:{thread_id}:{stamp}"), thread_id=thread_id,
+            reason=reason, resumable_run_ids=frozenset(r for r in pending_starts if r)))
+        return bool(result.result.get("interruptedRunIds"))
+
+    async def _fail_runs(self, thread_id: str, stamp: str, reason: str) -> None:
+        """A thread whose recovery failed: its active runs fail, saying why, where they can."""
+        try:
+            state = await self.state(thread_id)
+            for run in state.runs if state is not None and state.thread is not None else ():
+                if run.status in RUN_BLOCKING:
+                    await self._try_dispatch(FailRun(
+                        command_id=bounded_id(f"command:recovery-failed:{run.id}:{stamp}"),
+                        thread_id=thread_id, run_id=run.id, attempt_id=None,
+                        status=RunStatus.FAILED, reason=reason), f"run {run.id}")
+        except Exception as exc:
+            log.error("could not record the failed recovery on thread %s: %s", thread_id, exc)
 
     # -- the scheduler ---------------------------------------------------------------------------
 
@@ -4197,15 +4269,19 @@ class Orchestrator:
         for task in self._store.scheduled_tasks():
             if task["lastRunStatus"] != "running" or not task.get("lastRunId"):
                 continue
-            thread = await self.state(task["lastRunThreadId"])
-            run = thread.run(task["lastRunId"]) if thread else None
-            if run is None:
-                await self._settle(task["id"], task["lastFireKey"], "failed",
-                                   error="Run was interrupted by a server restart.")
-                continue
-            self._scheduled_runs[run.id] = (task["id"], task["lastFireKey"])
-            if run.status in RUN_TERMINAL:
-                await self._settle_scheduled(run, restarted=run.status != RunStatus.COMPLETED)
+            try:
+                thread = await self.state(task["lastRunThreadId"])
+                run = thread.run(task["lastRunId"]) if thread else None
+                if run is None:
+                    await self._settle(task["id"], task["lastFireKey"], "failed",
+                                       error="Run was interrupted by a server restart.")
+                    continue
+                self._scheduled_runs[run.id] = (task["id"], task["lastFireKey"])
+                if run.status in RUN_TERMINAL:
+                    await self._settle_scheduled(run, restarted=run.status != RunStatus.COMPLETED)
+            except Exception as exc:  # one task's state never stops the scheduler
+                log.error("recovery of scheduled task %s failed: %s", task["id"], exc,
+                          exc_info=exc)
 
     # -- webhooks --------------------------------------------------------------------------------
 
@@ -4379,6 +4455,13 @@ class Orchestrator:
             await self._regenerate_title(p["threadId"], p["requestId"])
         elif row.effect_type == "workspace.prepare":
             await self._prepare_workspace(row)
+        elif row.effect_type == "provider-session.stop":  # the thread was deleted
+            if (live := self._live.get(row.thread_id)) is not None:
+                if self._credentials:  # its agent calls nothing from now on
+                    self._credentials.revoke(live.session_id)
+                live.closing_reason = p["reason"]
+                await live.handle.close()
+                await live.pump_done.wait()
         elif row.effect_type == "checkpoint.forget":
             if self.workspaces is not None:
                 await self.workspaces.delete_ref(

@@ -700,6 +700,36 @@ def test_recover_leaves_a_resumable_starting_run_alone() -> None:
     assert decision.result["interruptedRunIds"] == []
 
 
+def test_delete_ends_everything_the_thread_has_going_in_its_own_decision() -> None:
+    """thread.delete of a thread with a running run holding an approval, a queued run, an
+    open delegated task and a live session: all end in the deleting decision, the agent's stop
+    is an effect, starts are called off; the deleted child reports its task to the parent;
+    recovery of the deleted thread is accepted, anything else is thread_not_found."""
+    sim = running_sim()
+    sim.ingest(PERMISSION)
+    sim.send("later", mode="queue_after_active")
+    world = World(sim)
+    world.delegate()
+    deleted = sim.do(o.ChangeThreadLifecycle("cmd-delete", THREAD, "thread.delete"))
+    assert [r.status for r in sim.state.runs] == ["cancelled", "cancelled"]
+    assert sim.run().status_reason == "The thread was deleted."
+    assert sim.get("runtime-request", REQUEST_ID).status == "cancelled"
+    assert sim.get("provider-session", SESSION).status == "stopped"
+    assert sim.get("subagent", TASK_ID).status == "cancelled"
+    assert [e.effect_type for e in deleted.effects] == ["provider-session.stop",
+                                                        "checkpoint.forget"]
+    assert "provider-turn.start" in deleted.cancel_effect_types
+    child = world.child()
+    gone = world.do(o.ChangeThreadLifecycle("cmd-delete-child", child.thread.id,
+                                            "thread.delete"))
+    assert [(e.effect_type, e.thread_id, e.payload["publish"]) for e in gone.effects
+            if e.effect_type == "subagent.finalize"] == [("subagent.finalize", THREAD, True)]
+    assert sim.recover().events == ()
+    with pytest.raises(o.CommandRejected) as refused:
+        sim.send("again")
+    assert refused.value.code == "thread_not_found"
+
+
 # =============================================================================================
 # Workspace preparation (a launch into a new worktree)
 
