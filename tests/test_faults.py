@@ -85,8 +85,14 @@ def read(mcp: McpClient, thread_id: str) -> dict[str, Any]:
 
 
 def assistant_text(mcp: McpClient, thread_id: str) -> str:
-    return "".join(i["text"] or "" for i in read(mcp, thread_id)["items"]
-                   if i["type"] == "assistant_message")
+    """The thread's answers, read page by page (a read holds about 30,000 characters)."""
+    texts, after = [], -1
+    while True:
+        page = mcp.call("t3_thread_read", {"threadId": thread_id, "afterPosition": after}).structured
+        texts += [i["text"] or "" for i in page["items"] if i["type"] == "assistant_message"]
+        if not page["hasMore"]:
+            return "".join(texts)
+        after = page["nextPosition"]
 
 
 def run_of(mcp: McpClient, thread_id: str, run_id: str) -> dict[str, Any]:
