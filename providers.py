@@ -1810,6 +1810,7 @@ _CODEX_TOOL_STATUS = {"inProgress": "running", "completed": "completed", "failed
                       "declined": "failed"}
 _CODEX_PLAN_STATUS = {"pending": "pending", "inProgress": "in_progress", "completed": "completed"}
 _CODEX_WAIT_TOOL = "t3_thread_wait"  # served alone by the "-direct" registration
+_CODEX_MCP_STARTUP_S = 30  # codex's own limit per server is startup_timeout_sec (10 s)
 
 
 def _codex_mcp_servers(mcp: McpEndpoint) -> dict[str, Any]:
@@ -1817,7 +1818,8 @@ def _codex_mcp_servers(mcp: McpEndpoint) -> dict[str, Any]:
     ``t3_thread_wait``, ``t3-code-direct`` with only that one. t3's own tools are scoped to the
     thread by the credential, so codex runs them without asking."""
     common = {"url": mcp.url, "http_headers": dict(mcp.headers),
-              "default_tools_approval_mode": "approve"}
+              "default_tools_approval_mode": "approve",
+              "startup_timeout_sec": _CODEX_MCP_STARTUP_S}
     return {mcp.name: {**common, "disabled_tools": [_CODEX_WAIT_TOOL]},
             f"{mcp.name}-direct": {**common, "enabled_tools": [_CODEX_WAIT_TOOL]}}
 
@@ -1831,6 +1833,10 @@ class CodexSession(_RpcSession):
         self._turn_id: str | None = None
         self._ended_turns: set[str] = set()
         self._last_error: str | None = None
+        # t3's MCP servers still starting: codex builds a turn's tools from the servers ready
+        # when the turn starts, so a turn started earlier runs without t3's tools.
+        self._mcp_starting: set[str] = set()
+        self._mcp_settled = asyncio.Event()
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -1843,6 +1849,7 @@ class CodexSession(_RpcSession):
             params["model"] = model
         if mcp is not None:
             params["config"] = {"mcp_servers": _codex_mcp_servers(mcp)}
+            self._mcp_starting = set(params["config"]["mcp_servers"])
         result = await self._fork(fork, params) if fork else None
         if resume_ref:
             try:
@@ -1892,6 +1899,13 @@ class CodexSession(_RpcSession):
         if self._turn_id is not None:
             raise RuntimeError("a turn is already running on this session")
         self._last_error = None
+        if self._mcp_starting:
+            try:
+                await asyncio.wait_for(self._mcp_settled.wait(), _CODEX_MCP_STARTUP_S)
+            except TimeoutError:
+                log.warning("codex's MCP servers %s still starting after %d s; the turn starts "
+                            "without them", sorted(self._mcp_starting), _CODEX_MCP_STARTUP_S)
+                self._mcp_starting.clear()
         result = await self.rpc.request("turn/start", {
             "threadId": self.native_thread_ref, "input": _codex_input(text)}, timeout=60)
         turn_id = ((result or {}).get("turn") or {}).get("id")
@@ -1944,6 +1958,15 @@ class CodexSession(_RpcSession):
             title=_codex_request_title(method, params), detail=dict(params)))
 
     async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
+        if method == "mcpServer/startupStatus/updated" and params.get("status") != "starting":
+            # before thread/start answers, so before the thread id is known: names are this
+            # process's own
+            if params.get("status") != "ready":
+                log.warning("codex could not start MCP server %s: %s", params.get("name"),
+                            params.get("error") or params.get("status"))
+            self._mcp_starting.discard(params.get("name"))
+            if not self._mcp_starting:
+                self._mcp_settled.set()
         if params.get("threadId") not in (None, self.native_thread_ref):
             return
         if method == "item/agentMessage/delta":
