@@ -1175,20 +1175,6 @@ class RecoverThread:
     resumable_run_ids: frozenset[str] = frozenset()
 
 
-# What clients may send (/ws and MCP); the rest are the server's own: a client forging provider
-# output or recovery would falsify the record.
-CLIENT_COMMANDS = ("thread.create", "message.dispatch", "run.interrupt",
-                   "runtime-request.respond", "queued-run.cancel", "delegated_task.request",
-                   "delegated_task.wake-policy", "delegated_task.cancel", "thread.stop",
-                   "thread.resume")
-
-Command = (CreateThread | DispatchMessage | InterruptRun | RespondRuntimeRequest | CancelQueuedRun
-           | StopThread | ResumeThread
-           | DelegateTask | SetWakePolicy | RequestTaskCancel | FinalizeSubagent
-           | NotifyTaskQuestion | MarkRunStarted | AwaitAgentSlot | GrantAgentSlot
-           | IngestProviderEvents | CompleteRun | FailRun | EndProviderSession | RecoverThread)
-
-
 def fingerprint_of(command: Any) -> str:
     """A hash of what the command asks for, without its id: same id + other payload is refused."""
     def plain(value: Any) -> Any:
@@ -1345,19 +1331,42 @@ class _Draft:
                         tuple(self.cancel_effect_types), tuple(self.entities))
 
 
+@dataclass(frozen=True, slots=True)
+class _Registered:
+    decide: Callable[..., Mapping[str, Any]]
+    client_types: tuple[str, ...]  # the wire types a person's client may send
+    thread: bool  # the command acts on an existing thread (not a new one, not a scheduled task)
+
+
+_COMMANDS: dict[type, _Registered] = {}  # command class -> how it is decided
+_D = TypeVar("_D", bound=Callable[..., Mapping[str, Any]])
+
+
+def _decides(command_class: type, *, client: bool | tuple[str, ...] = False,
+             thread: bool = True) -> Callable[[_D], _D]:
+    """Register the decide function of ``command_class``; ``client``: a person's client may send
+    it (True: its ``type``; a tuple: each of the wire types the class takes)."""
+    types = (command_class.type,) if client is True else client or ()
+
+    def register(fn: _D) -> _D:
+        _COMMANDS[command_class] = _Registered(fn, types, thread)
+        return fn
+    return register
+
+
 def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
            providers: Mapping[str, ProviderInfo]) -> Decision:
     """State + command -> events + effect requests. Raises CommandRejected; never does I/O."""
-    if not isinstance(command, (CreateThread, ForkThread, *_TASK_COMMANDS)) and (
-            state.thread is None or (state.thread.deleted_at is not None
-                                     and not isinstance(command, RecoverThread))):
+    entry = _COMMANDS[type(command)]
+    if entry.thread and (state.thread is None or (state.thread.deleted_at is not None
+                                                  and not isinstance(command, RecoverThread))):
         raise CommandRejected(f"thread {command.thread_id} was not found", code="thread_not_found")
     draft = _Draft(state, command, now)
-    handler = _HANDLERS[type(command)]
-    result = handler(draft, command, new_id=new_id, providers=providers)
+    result = entry.decide(draft, command, new_id=new_id, providers=providers)
     return draft.decision(result)
 
 
+@_decides(CreateThread, client=True, thread=False)
 def _decide_create_thread(d: _Draft, c: CreateThread, *, providers: Mapping[str, ProviderInfo],
                           **_: Any) -> Mapping[str, Any]:
     if d.state.thread is not None:
@@ -1491,6 +1500,7 @@ def _registered(providers: Mapping[str, ProviderInfo], instance_id: str) -> Prov
     return providers[instance_id]
 
 
+@_decides(DispatchMessage, client=True)
 def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     thread = _sendable(d)
@@ -1592,6 +1602,7 @@ def _stop_and_queue_ahead(d: _Draft, c: DispatchMessage, run: Run) -> Mapping[st
     return {"runId": new.id, "delivery": "queued"}
 
 
+@_decides(InterruptRun, client=True)
 def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]:
     run = _run(d, c.run_id)
     if run.status in RUN_TERMINAL:
@@ -1706,6 +1717,7 @@ def _queue(d: _Draft) -> list[Run]:
                   key=lambda r: (r.queue_position or r.ordinal, r.ordinal))
 
 
+@_decides(StopThread, client=True)
 def _decide_stop(d: _Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
     """Hold the queue first, so that the turn this ends promotes nothing; a turn a Stop or an
     interrupt already reached is not asked again. A ``waiting`` run finishes its finalization."""
@@ -1721,6 +1733,7 @@ def _decide_stop(d: _Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
     return {"threadId": c.thread_id, "interruptedRunIds": stopped, "heldRunIds": held}
 
 
+@_decides(ResumeThread, client=True)
 def _decide_resume(d: _Draft, c: ResumeThread, **_: Any) -> Mapping[str, Any]:
     released = [r.id for r in _queue(d) if r.queue_held]
     for run_id in released:
@@ -1729,6 +1742,7 @@ def _decide_resume(d: _Draft, c: ResumeThread, **_: Any) -> Mapping[str, Any]:
     return {"threadId": c.thread_id, "releasedRunIds": released}
 
 
+@_decides(RespondRuntimeRequest, client=True)
 def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[str, Any]:
     request = d.get("runtime-request", c.request_id)
     if request is None:
@@ -1764,6 +1778,7 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
             "decision": c.decision}
 
 
+@_decides(CancelQueuedRun, client=True)
 def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[str, Any]:
     run = _run(d, c.run_id)
     if run.status != RunStatus.QUEUED:
@@ -1790,6 +1805,7 @@ def _current(d: _Draft, run_id: str, attempt_id: str) -> tuple[Run | None, RunAt
     return run, attempt
 
 
+@_decides(AwaitAgentSlot)
 def _decide_await_slot(d: _Draft, c: AwaitAgentSlot, **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if run is None or attempt is None or run.status != RunStatus.STARTING:
@@ -1799,6 +1815,7 @@ def _decide_await_slot(d: _Draft, c: AwaitAgentSlot, **_: Any) -> Mapping[str, A
     return {"runId": run.id, "status": RunStatus.QUEUED}
 
 
+@_decides(GrantAgentSlot)
 def _decide_grant_slot(d: _Draft, c: GrantAgentSlot, **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if run is None or attempt is None or not run.awaiting_agent_slot \
@@ -1814,6 +1831,7 @@ def _restart_waiting(d: _Draft, run: Run) -> None:
              f"{run.id}:slot")
 
 
+@_decides(MarkRunStarted)
 def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str, ProviderInfo],
                          **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
@@ -1863,6 +1881,7 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
             "mergeBackHandoffIds": merged}
 
 
+@_decides(IngestProviderEvents)
 def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if attempt is None:
@@ -2050,6 +2069,7 @@ def task_result(state: ThreadState, run: Run) -> str:
     return head + (f"\n\nProgress before it ended:\n{progress}" if progress else "")
 
 
+@_decides(CompleteRun)
 def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status != RunStatus.WAITING:
@@ -2091,6 +2111,7 @@ def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
     return made
 
 
+@_decides(FailRun)
 def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status in RUN_TERMINAL or run.status == RunStatus.QUEUED:
@@ -2109,6 +2130,7 @@ def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
     return {"runId": run.id, "status": run.status}
 
 
+@_decides(EndProviderSession)
 def _decide_end_session(d: _Draft, c: EndProviderSession, **_: Any) -> Mapping[str, Any]:
     session = d.get("provider-session", c.provider_session_id)
     if session is None or session.status in ("stopped", "error"):
@@ -2147,6 +2169,7 @@ def _end_sessions(d: _Draft, reason: str) -> None:
             d.put(replace(turn, status="interrupted", completed_at=d.now))
 
 
+@_decides(RecoverThread)
 def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
     ended: list[str] = []
     if d.thread is not None and d.thread.deleted_at is not None:  # deleted by an older t3
@@ -2169,6 +2192,7 @@ def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
     return {"threadId": c.thread_id, "interruptedRunIds": ended}
 
 
+@_decides(DelegateTask, client=True)
 def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     parent = d.thread
@@ -2224,6 +2248,7 @@ def _task(d: _Draft, task_id: str) -> Subagent:
     return task  # type: ignore[no-any-return]
 
 
+@_decides(SetWakePolicy, client=True)
 def _decide_wake_policy(d: _Draft, c: SetWakePolicy, **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if task.completion_wake != c.completion_wake:
@@ -2231,6 +2256,7 @@ def _decide_wake_policy(d: _Draft, c: SetWakePolicy, **_: Any) -> Mapping[str, A
     return {"taskId": task.id, "completionWake": c.completion_wake}
 
 
+@_decides(RequestTaskCancel, client=True)
 def _decide_task_cancel(d: _Draft, c: RequestTaskCancel, **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if not task.cancel_requested:
@@ -2238,6 +2264,7 @@ def _decide_task_cancel(d: _Draft, c: RequestTaskCancel, **_: Any) -> Mapping[st
     return {"taskId": task.id, "status": task.status}
 
 
+@_decides(FinalizeSubagent)
 def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
@@ -2304,6 +2331,7 @@ def _parent_task(d: _Draft) -> dict[str, str] | None:
             "taskId": thread.forked_from["nodeId"], "childThreadId": thread.id}
 
 
+@_decides(NotifyTaskQuestion)
 def _decide_task_question(d: _Draft, c: NotifyTaskQuestion, *,
                           providers: Mapping[str, ProviderInfo], **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
@@ -2329,6 +2357,7 @@ def _question_notice(task: Subagent, request_id: str, child_id: str, question: s
             f"t3_pending_request (threadId {child_id}, requestId {request_id}), or ask the user.")
 
 
+@_decides(SettleTaskQuestion)
 def _decide_settle_question(d: _Draft, c: SettleTaskQuestion, **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if (task.questions or {}).get(c.request_id) != {"state": "settled"}:
@@ -2582,6 +2611,7 @@ def _scheduled_task(d: _Draft, task_id: str) -> ScheduledTask:
     return task  # type: ignore[no-any-return]
 
 
+@_decides(UpsertScheduledTask, thread=False)
 def _decide_upsert_task(d: _Draft, c: UpsertScheduledTask, **_: Any) -> Mapping[str, Any]:
     task = d.get("scheduled-task", c.thread_id)
     changes = {k: v for k, v in (
@@ -2615,6 +2645,7 @@ def _decide_upsert_task(d: _Draft, c: UpsertScheduledTask, **_: Any) -> Mapping[
     return {"scheduledTaskId": task.id, "nextRunAt": updated.next_run_at}
 
 
+@_decides(DeleteScheduledTask, thread=False)
 def _decide_delete_task(d: _Draft, c: DeleteScheduledTask, **_: Any) -> Mapping[str, Any]:
     task = _scheduled_task(d, c.thread_id)
     d.put(replace(task, deleted_at=d.now, enabled=False, next_run_at=None, updated_at=d.now))
@@ -2625,6 +2656,7 @@ def _decide_delete_task(d: _Draft, c: DeleteScheduledTask, **_: Any) -> Mapping[
     return {"scheduledTaskId": task.id, "deleted": True}
 
 
+@_decides(FireScheduledTask, thread=False)
 def _decide_fire(d: _Draft, c: FireScheduledTask, **_: Any) -> Mapping[str, Any]:
     task = _scheduled_task(d, c.thread_id)
     now = epoch_of(d.now)
@@ -2657,6 +2689,7 @@ def _fired(d: _Draft, task: ScheduledTask, fire_key: str, prompt: str) -> Schedu
                    run_count=task.run_count + 1, updated_at=d.now)
 
 
+@_decides(SettleScheduledRun, thread=False)
 def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[str, Any]:
     task = d.get("scheduled-task", c.thread_id)
     if task is None or task.last_fire_key != c.fire_key or task.last_run_status != "running":
@@ -2985,6 +3018,7 @@ class ReceiveWebhookDelivery:
     duplicate_of: str | None = None  # the delivery first recorded under this key
 
 
+@_decides(ReceiveWebhookDelivery, thread=False)
 def _decide_receive_delivery(d: _Draft, c: ReceiveWebhookDelivery, **_: Any
                              ) -> Mapping[str, Any]:
     task = d.get("scheduled-task", c.thread_id)
@@ -3042,25 +3076,6 @@ def _fire_next_delivery(d: _Draft, task: ScheduledTask, *,
     fire_key = bounded_id(f"scheduled-task:{task.id}:{first.id}:webhook")
     d.put(replace(first, outcome="running", fire_key=fire_key, prompt=None, updated_at=d.now))
     return _fired(d, task, fire_key, first.prompt or "")
-
-
-_HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
-    DelegateTask: _decide_delegate, SetWakePolicy: _decide_wake_policy,
-    RequestTaskCancel: _decide_task_cancel, FinalizeSubagent: _decide_finalize,
-    NotifyTaskQuestion: _decide_task_question, SettleTaskQuestion: _decide_settle_question,
-    CreateThread: _decide_create_thread, DispatchMessage: _decide_dispatch,
-    InterruptRun: _decide_interrupt, RespondRuntimeRequest: _decide_respond,
-    CancelQueuedRun: _decide_cancel_queued, StopThread: _decide_stop, ResumeThread: _decide_resume,
-    MarkRunStarted: _decide_mark_started, AwaitAgentSlot: _decide_await_slot,
-    GrantAgentSlot: _decide_grant_slot, IngestProviderEvents: _decide_ingest,
-    CompleteRun: _decide_complete, FailRun: _decide_fail_run,
-    EndProviderSession: _decide_end_session, RecoverThread: _decide_recover,
-    UpsertScheduledTask: _decide_upsert_task, DeleteScheduledTask: _decide_delete_task,
-    FireScheduledTask: _decide_fire, SettleScheduledRun: _decide_settle_run,
-    ReceiveWebhookDelivery: _decide_receive_delivery,
-}
-_TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, SettleScheduledRun,
-                  ReceiveWebhookDelivery)
 
 
 # =============================================================================================
@@ -3139,6 +3154,7 @@ def metadata_result(thread: AppThread, action: str, command_id: str) -> dict[str
             "linkedPullRequest": thread.linked_pull_request, "updatedAt": thread.updated_at}
 
 
+@_decides(UpdateThreadMetadata)
 def _decide_metadata(d: _Draft, c: UpdateThreadMetadata, **_: Any) -> Mapping[str, Any]:
     thread = d.thread
     assert thread is not None
@@ -3155,6 +3171,7 @@ def _decide_metadata(d: _Draft, c: UpdateThreadMetadata, **_: Any) -> Mapping[st
     return metadata_result(thread, c.action, c.command_id)
 
 
+@_decides(CompleteTitleRegeneration)
 def _decide_title_complete(d: _Draft, c: CompleteTitleRegeneration, **_: Any
                            ) -> Mapping[str, Any]:
     thread = d.thread
@@ -3165,6 +3182,7 @@ def _decide_title_complete(d: _Draft, c: CompleteTitleRegeneration, **_: Any
     return metadata_result(thread, "regenerate_title", c.request_id)
 
 
+@_decides(ChangeThreadLifecycle, client=THREAD_LIFECYCLE)
 def _decide_lifecycle(d: _Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[str, Any]:
     thread = d.thread
     assert thread is not None
@@ -3252,12 +3270,6 @@ def _title_of(reply: str) -> str | None:
     return ThreadService.title(None, line, "") or None
 
 
-_HANDLERS.update({UpdateThreadMetadata: _decide_metadata,
-                  CompleteTitleRegeneration: _decide_title_complete,
-                  ChangeThreadLifecycle: _decide_lifecycle})
-CLIENT_COMMANDS = (*CLIENT_COMMANDS, *THREAD_LIFECYCLE)
-
-
 # =============================================================================================
 # Workspace preparation (research/t3code.md 6.17). A launch into a new worktree starts its first
 # run ``preparing`` with a "Preparing workspace" item (phase worktree, approval, setup, ready or
@@ -3323,6 +3335,7 @@ def _begin_preparation(d: _Draft, run: Run, preparation: Mapping[str, Any]) -> N
     d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
 
+@_decides(AdvancePreparation)
 def _decide_preparation(d: _Draft, c: AdvancePreparation, **kw: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     item = d.get("turn-item", _preparation_item_id(c.run_id))
@@ -3349,9 +3362,6 @@ def _decide_preparation(d: _Draft, c: AdvancePreparation, **kw: Any) -> Mapping[
         d.effect("provider-turn.start", {"runId": run.id, "attemptId": run.active_attempt_id},
                  run.id)
     return {"runId": run.id, "status": run.status, "phase": c.phase}
-
-
-_HANDLERS[AdvancePreparation] = _decide_preparation
 
 
 def _setup_answered(d: _Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
@@ -3395,6 +3405,7 @@ class SwitchProvider:
     runtime_mode: str  # the thread's, stepped down to what the new provider offers
 
 
+@_decides(SwitchProvider, client=True)
 def _decide_switch(d: _Draft, c: SwitchProvider, *, providers: Mapping[str, ProviderInfo],
                    **_: Any) -> Mapping[str, Any]:
     thread = _sendable(d)
@@ -3529,10 +3540,6 @@ def handoff_prompt(text: str, *handoffs: ContextHandoff | None) -> str:
                    f"{h.summary_text}\n\n" for h in given) + f"User message:\n{text}"
 
 
-_HANDLERS[SwitchProvider] = _decide_switch
-CLIENT_COMMANDS = (*CLIENT_COMMANDS, "provider.switch")
-
-
 # =============================================================================================
 # Fork and merge-back (research/t3code.md 1.4, 6.13, 6.14). ``thread.fork`` makes a thread
 # (lineage ``fork``) with a pending ``fork`` ContextTransfer: the source point (a completed run)
@@ -3579,6 +3586,7 @@ def view(state: ThreadState) -> _Draft:
     return _Draft(state, None, "")
 
 
+@_decides(ForkThread, thread=False)
 def _decide_fork(d: _Draft, c: ForkThread, **kw: Any) -> Mapping[str, Any]:
     result = _decide_create_thread(d, c.create, **kw)
     transfer = d.put(ContextTransfer(
@@ -3621,6 +3629,7 @@ def _take_fork(d: _Draft, run: Run, native: bool) -> str | None:
     return handoff_id
 
 
+@_decides(MergeBack)
 def _decide_merge_back(d: _Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
     thread = _sendable(d)
     superseded = [d.put(replace(t, status="superseded", updated_at=d.now)).id
@@ -3654,10 +3663,6 @@ def merge_back_head(fork_id: str, target_id: str, covered: Sequence[Run]) -> lis
     return ["Merge-back context from forked conversation.", f"Source thread: {fork_id}",
             f"Target thread: {target_id}",
             f"Covered fork runs: {covered[0].ordinal}-{covered[-1].ordinal}", "", "Fork delta:"]
-
-
-_HANDLERS[ForkThread] = _decide_fork
-_HANDLERS[MergeBack] = _decide_merge_back
 
 
 # =============================================================================================
@@ -3698,6 +3703,7 @@ def kept_before(runs: Sequence[Run], ordinal: int) -> int:
                 and r.status != RunStatus.ROLLED_BACK] + [0])
 
 
+@_decides(RollbackThread, client=True)
 def _decide_rollback(d: _Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any]:
     cp = d.get("checkpoint", c.checkpoint_id)
     if cp is None or cp.thread_id != c.thread_id:
@@ -3723,6 +3729,7 @@ def _decide_rollback(d: _Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any
             "rolledBackRunIds": later, "itemId": item.id}
 
 
+@_decides(FinishRollback)
 def _decide_finish_rollback(d: _Draft, c: FinishRollback, **_: Any) -> Mapping[str, Any]:
     item = d.get("turn-item", c.item_id)
     if item is None or item.status != "running":
@@ -3761,8 +3768,9 @@ def kept_turns(state: ThreadState, pthread_id: str, ordinal: int) -> int:
                and run.ordinal <= ordinal and run.status != RunStatus.ROLLED_BACK)
 
 
-_HANDLERS.update({RollbackThread: _decide_rollback, FinishRollback: _decide_finish_rollback})
-CLIENT_COMMANDS = (*CLIENT_COMMANDS, "checkpoint.rollback")
+# What a person's client may send (/ws and MCP); the rest are the server's own: a client forging
+# provider output or recovery would falsify the record.
+CLIENT_COMMANDS = tuple(t for entry in _COMMANDS.values() for t in entry.client_types)
 
 
 # =============================================================================================
