@@ -2355,8 +2355,8 @@ def _catch_up_questions(d: _Draft, run: Run) -> None:
                     task, request_id, q["childThreadId"], q["question"], True))
 
 
-# Known work of a delegated task (what its status reports on): its child's original run and the
-# follow-ups t3 itself started there (task wakes, question notices). Other runs are later work.
+# Known work of a delegated task (what task_status reports on): its child's original run and
+# the completion follow-ups t3 started there (task wakes, question notices); the rest is later.
 _FOLLOW_UP_MESSAGES = ("message:task-wake:", "message:task-question:")
 
 
