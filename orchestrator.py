@@ -63,7 +63,7 @@ __all__ = [
     "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "RateLimited",
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
     "handoff_text", "handoff_line", "handoff_prompt", "Workspaces", "AdvancePreparation",
-    "parse_json", "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS",
+    "parse_json", "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -146,8 +146,8 @@ INTERACTION_RANK = {m: i for i, m in enumerate(InteractionMode)}
 
 
 def mode_to_answer(request_kind: str) -> RuntimeMode | None:
-    """The narrowest runtime mode that may answer this kind of request for a descendant
-    (SPEC 5.1a): none for questions, auto-accept-edits for file reads and changes, else auto."""
+    """The narrowest runtime mode that may answer this kind of request for a descendant: none
+    for questions, auto-accept-edits for file reads and changes, else auto."""
     edits = RuntimeMode.AUTO_ACCEPT_EDITS
     needed = {"user_input": None, "file-read": edits, "file-change": edits}
     return needed.get(request_kind, RuntimeMode.AUTO)
@@ -230,10 +230,11 @@ def _names(cls: type) -> tuple[tuple[str, str], ...]:
     return names
 
 
+@dataclass(frozen=True, slots=True)
 class _Entity:
     kind: ClassVar[str]
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {}
-    __slots__ = ()
+    id: str
 
     def to_json(self) -> dict[str, Any]:
         return {key: getattr(self, name) for name, key in _names(type(self))}
@@ -250,7 +251,6 @@ class _Entity:
 @dataclass(frozen=True, slots=True)
 class AppThread(_Entity):
     kind: ClassVar[str] = "thread"
-    id: str
     project_id: str
     title: str
     provider_instance_id: str
@@ -280,7 +280,6 @@ class AppThread(_Entity):
 class Run(_Entity):
     kind: ClassVar[str] = "run"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": frozenset(RunStatus)}
-    id: str
     thread_id: str
     ordinal: int
     provider_instance_id: str
@@ -308,7 +307,6 @@ class Run(_Entity):
 class RunAttempt(_Entity):
     kind: ClassVar[str] = "run-attempt"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": _ATTEMPT_STATUSES}
-    id: str
     run_id: str
     thread_id: str
     attempt_ordinal: int
@@ -326,7 +324,6 @@ class RunAttempt(_Entity):
 class ExecutionNode(_Entity):
     kind: ClassVar[str] = "node"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": _NODE_STATUSES}
-    id: str
     thread_id: str
     run_id: str | None
     parent_node_id: str | None
@@ -347,7 +344,6 @@ class ProviderSession(_Entity):
     kind: ClassVar[str] = "provider-session"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {
         "status": frozenset({"starting", "ready", "running", "waiting", "stopped", "error"})}
-    id: str
     thread_id: str
     driver: str
     provider_instance_id: str
@@ -365,7 +361,6 @@ class ProviderThread(_Entity):
     kind: ClassVar[str] = "provider-thread"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {
         "status": frozenset({"not_loaded", "idle", "active", "archived", "closed", "error"})}
-    id: str
     app_thread_id: str
     driver: str
     provider_instance_id: str
@@ -383,7 +378,6 @@ class ProviderTurn(_Entity):
     kind: ClassVar[str] = "provider-turn"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": frozenset({
         "pending", "running", "completed", "interrupted", "failed", "cancelled"})}
-    id: str
     thread_id: str
     provider_thread_id: str
     node_id: str
@@ -399,7 +393,6 @@ class ProviderTurn(_Entity):
 class RuntimeRequest(_Entity):
     kind: ClassVar[str] = "runtime-request"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": _REQUEST_STATUSES}
-    id: str
     thread_id: str
     run_id: str
     node_id: str
@@ -421,7 +414,6 @@ class RuntimeRequest(_Entity):
 @dataclass(frozen=True, slots=True)
 class ConversationMessage(_Entity):
     kind: ClassVar[str] = "message"
-    id: str
     thread_id: str
     run_id: str | None
     node_id: str | None
@@ -441,7 +433,6 @@ class TurnItem(_Entity):
     kind: ClassVar[str] = "turn-item"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": frozenset({
         "pending", "running", "waiting", "completed", "failed", "cancelled", "interrupted"})}
-    id: str
     thread_id: str
     run_id: str | None
     node_id: str | None
@@ -469,7 +460,6 @@ class Subagent(_Entity):
 
     kind: ClassVar[str] = "subagent"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": TASK_STATUSES}
-    id: str
     thread_id: str
     run_id: str
     parent_node_id: str
@@ -499,7 +489,6 @@ class Subagent(_Entity):
 @dataclass(frozen=True, slots=True)
 class ContextTransfer(_Entity):
     kind: ClassVar[str] = "context-transfer"
-    id: str
     thread_id: str  # the thread that owns the record (a delegated task's parent)
     type: str  # subagent_spawn | subagent_result | fork | merge_back
     source_thread_id: str
@@ -523,7 +512,6 @@ class Checkpoint(_Entity):
     kind: ClassVar[str] = "checkpoint"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {
         "status": frozenset({"ready", "missing", "error", "stale"})}
-    id: str
     thread_id: str
     scope_id: str
     run_id: str | None
@@ -561,7 +549,6 @@ class ContextHandoff(_Entity):
     that failed (the whole thread). Deterministic text, no model call (``handoff_text``)."""
 
     kind: ClassVar[str] = "context-handoff"
-    id: str
     thread_id: str
     target_run_id: str
     from_provider_thread_ids: Sequence[str]
@@ -577,12 +564,11 @@ class ContextHandoff(_Entity):
 
 @dataclass(frozen=True, slots=True)
 class ScheduledTask(_Entity):
-    """Recurring work (SPEC 7): its prompt runs on a schedule, in its bound thread or in a fresh
+    """Recurring work: its prompt runs on a schedule, in its bound thread or in a fresh
     thread each time. A task is an event stream of its own, keyed by its id."""
 
     kind: ClassVar[str] = "scheduled-task"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"last_run_status": SCHEDULE_RUN_STATUSES}
-    id: str
     title: str
     prompt: str
     enabled: bool
@@ -622,7 +608,6 @@ class WebhookDelivery(_Entity):
 
     kind: ClassVar[str] = "webhook-delivery"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"outcome": DELIVERY_OUTCOMES}
-    id: str
     task_id: str
     received_at: str
     outcome: str  # queued | running | succeeded | failed | skipped | duplicate | expired
@@ -881,10 +866,17 @@ class InitialMessage:
 
 
 @dataclass(frozen=True, slots=True)
-class CreateThread:
-    type: ClassVar[str] = "thread.create"
+class _Command:
+    """What every command carries: its id (the same id again is answered from its receipt) and
+    the stream it is decided on, a thread's or a scheduled task's."""
+
     command_id: str
     thread_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CreateThread(_Command):
+    type: ClassVar[str] = "thread.create"
     project_id: str
     title: str
     provider_instance_id: str
@@ -905,14 +897,12 @@ class CreateThread:
 
 
 @dataclass(frozen=True, slots=True)
-class DispatchMessage:
+class DispatchMessage(_Command):
     type: ClassVar[str] = "message.dispatch"
     # The mode and target are derived from the thread's state when the call arrives; a retry of
     # the same message must get the first answer even after the state moved on.
     fingerprint_fields: ClassVar[tuple[str, ...]] = (
         "thread_id", "message_id", "text", "created_by", "creation_source")
-    command_id: str
-    thread_id: str
     message_id: str
     text: str
     created_by: str
@@ -929,19 +919,15 @@ class DispatchMessage:
 
 
 @dataclass(frozen=True, slots=True)
-class InterruptRun:
+class InterruptRun(_Command):
     type: ClassVar[str] = "run.interrupt"
-    command_id: str
-    thread_id: str
     run_id: str
     reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class RespondRuntimeRequest:
+class RespondRuntimeRequest(_Command):
     type: ClassVar[str] = "runtime-request.respond"
-    command_id: str
-    thread_id: str
     request_id: str
     decision: str | None = None
     answers: Mapping[str, Any] | None = None
@@ -955,35 +941,29 @@ class RespondRuntimeRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class CancelQueuedRun:
+class CancelQueuedRun(_Command):
     type: ClassVar[str] = "queued-run.cancel"
-    command_id: str
-    thread_id: str
     run_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class StopThread:
+class StopThread(_Command):
     """thread.stop (a person's Stop, and task_cancel on the child): interrupt the active turn and
     hold every queued turn, so nothing starts until ``thread.resume``."""
 
     type: ClassVar[str] = "thread.stop"
-    command_id: str
-    thread_id: str
     reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class ResumeThread:
+class ResumeThread(_Command):
     """thread.resume: release the held turns, in their queue order."""
 
     type: ClassVar[str] = "thread.resume"
-    command_id: str
-    thread_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class DelegateTask:
+class DelegateTask(_Command):
     """delegated_task.request: a child thread runs ``task`` (only it) for the parent's agent."""
 
     type: ClassVar[str] = "delegated_task.request"
@@ -991,8 +971,7 @@ class DelegateTask:
     fingerprint_fields: ClassVar[tuple[str, ...]] = (
         "thread_id", "task", "title", "provider_instance_id", "model", "runtime_mode",
         "interaction_mode")
-    command_id: str
-    thread_id: str  # the parent
+    # thread_id: the parent
     parent_run_id: str
     task: str
     title: str
@@ -1010,34 +989,29 @@ class DelegateTask:
 
 
 @dataclass(frozen=True, slots=True)
-class SetWakePolicy:
+class SetWakePolicy(_Command):
     type: ClassVar[str] = "delegated_task.wake-policy"
-    command_id: str
-    thread_id: str
     task_id: str
     completion_wake: str
 
 
 @dataclass(frozen=True, slots=True)
-class RequestTaskCancel:
+class RequestTaskCancel(_Command):
     """Mark a task cancelled by its parent: no automatic delivery; a late success is interrupted."""
 
     type: ClassVar[str] = "delegated_task.cancel"
-    command_id: str
-    thread_id: str
     task_id: str
     reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class FinalizeSubagent:
+class FinalizeSubagent(_Command):
     """The child's known work finished (``publish``): publish the result of its final work run
     ``run_id`` and wake the parent. Else ``run_id`` is later work: its result is recorded beside
     the published one, never replacing it."""
 
     type: ClassVar[str] = "subagent.finalize"
-    command_id: str
-    thread_id: str  # the parent
+    # thread_id: the parent
     task_id: str
     status: str
     result: str
@@ -1046,13 +1020,12 @@ class FinalizeSubagent:
 
 
 @dataclass(frozen=True, slots=True)
-class NotifyTaskQuestion:
+class NotifyTaskQuestion(_Command):
     """A delegated child asks a question: its parent's agent is told, unless it is already
     waiting on the task (the wait reports it) or the task was cancelled."""
 
     type: ClassVar[str] = "subagent.question"
-    command_id: str
-    thread_id: str  # the parent
+    # thread_id: the parent
     task_id: str
     request_id: str
     child_thread_id: str
@@ -1061,13 +1034,12 @@ class NotifyTaskQuestion:
 
 
 @dataclass(frozen=True, slots=True)
-class SettleTaskQuestion:
+class SettleTaskQuestion(_Command):
     """A child's question no longer needs a notice: a wait delivered it, or it was answered,
     dismissed or expired. A notice still queued for the parent is cancelled."""
 
     type: ClassVar[str] = "subagent.question-settled"
-    command_id: str
-    thread_id: str  # the parent
+    # thread_id: the parent
     task_id: str
     request_id: str
 
@@ -1076,33 +1048,27 @@ class SettleTaskQuestion:
 
 
 @dataclass(frozen=True, slots=True)
-class AwaitAgentSlot:
+class AwaitAgentSlot(_Command):
     """A starting run found every agent process slot taken: it waits ``queued``, saying why."""
 
     type: ClassVar[str] = "run.await-agent-slot"
-    command_id: str
-    thread_id: str
     run_id: str
     attempt_id: str
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
-class GrantAgentSlot:
+class GrantAgentSlot(_Command):
     """A slot freed for a run waiting for one: it starts again."""
 
     type: ClassVar[str] = "run.grant-agent-slot"
-    command_id: str
-    thread_id: str
     run_id: str
     attempt_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class MarkRunStarted:
+class MarkRunStarted(_Command):
     type: ClassVar[str] = "run.mark-started"
-    command_id: str
-    thread_id: str
     run_id: str
     attempt_id: str
     provider_session_id: str
@@ -1115,10 +1081,8 @@ class MarkRunStarted:
 
 
 @dataclass(frozen=True, slots=True)
-class IngestProviderEvents:
+class IngestProviderEvents(_Command):
     type: ClassVar[str] = "provider.ingest"
-    command_id: str
-    thread_id: str
     run_id: str
     attempt_id: str
     provider_session_id: str
@@ -1126,24 +1090,20 @@ class IngestProviderEvents:
 
 
 @dataclass(frozen=True, slots=True)
-class CompleteRun:
+class CompleteRun(_Command):
     """A waiting run's finalization; ``checkpoints`` are what its capture found (Orchestrator.
     _capture_checkpoints): {ordinal, status, ref?, commit?, files, reason?} each."""
 
     type: ClassVar[str] = "run.complete"
-    command_id: str
-    thread_id: str
     run_id: str
     checkpoints: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
-class FailRun:
+class FailRun(_Command):
     """An effect for this run failed for good, or its provider session ended under it."""
 
     type: ClassVar[str] = "run.fail"
-    command_id: str
-    thread_id: str
     run_id: str
     attempt_id: str | None
     status: str  # failed | interrupted
@@ -1155,38 +1115,20 @@ class FailRun:
 
 
 @dataclass(frozen=True, slots=True)
-class EndProviderSession:
+class EndProviderSession(_Command):
     type: ClassVar[str] = "provider-session.end"
-    command_id: str
-    thread_id: str
     provider_session_id: str
     status: str  # stopped | error
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
-class RecoverThread:
+class RecoverThread(_Command):
     """After a server restart: nothing of the old process is live any more."""
 
     type: ClassVar[str] = "thread.recover"
-    command_id: str
-    thread_id: str
     reason: str
     resumable_run_ids: frozenset[str] = frozenset()
-
-
-# What clients may send (/ws and MCP); the rest are the server's own: a client forging provider
-# output or recovery would falsify the record.
-CLIENT_COMMANDS = ("thread.create", "message.dispatch", "run.interrupt",
-                   "runtime-request.respond", "queued-run.cancel", "delegated_task.request",
-                   "delegated_task.wake-policy", "delegated_task.cancel", "thread.stop",
-                   "thread.resume")
-
-Command = (CreateThread | DispatchMessage | InterruptRun | RespondRuntimeRequest | CancelQueuedRun
-           | StopThread | ResumeThread
-           | DelegateTask | SetWakePolicy | RequestTaskCancel | FinalizeSubagent
-           | NotifyTaskQuestion | MarkRunStarted | AwaitAgentSlot | GrantAgentSlot
-           | IngestProviderEvents | CompleteRun | FailRun | EndProviderSession | RecoverThread)
 
 
 def fingerprint_of(command: Any) -> str:
@@ -1221,16 +1163,10 @@ class EffectRequest:
     payload: Mapping[str, Any]
     key: str  # makes the effect id deterministic within its command
 
-    REPLAY_SAFE: ClassVar[frozenset[str]] = frozenset({
-        "run.finalize", "subagent.finalize", "subagent.question", "subagent.question-settled",
-        "scheduled-task.run",  # its thread and message ids derive from the fire key
-        "thread-title.generate", "checkpoint.rollback",  # each of its steps is idempotent
-        "workspace.prepare",  # a second attempt first removes what the first one left
-        "checkpoint.forget"})  # deleting refs already gone is no error
-
     @property
     def replay_safe(self) -> bool:
-        return self.effect_type in self.REPLAY_SAFE
+        """A claim after a crash may run it again (``EFFECTS``, with the runtime below)."""
+        return EFFECTS[self.effect_type].replay_safe
 
 
 @dataclass(frozen=True, slots=True)
@@ -1248,12 +1184,13 @@ class Decision:
             effects=tuple(_store.NewEffect(
                 effect_id=bounded_id(f"effect:{command.command_id}:{e.effect_type}:{e.key}"),
                 thread_id=e.thread_id, effect_type=e.effect_type, payload=e.payload,
-                replay_safe=e.replay_safe) for e in self.effects),
+                replay_safe=e.replay_safe, max_attempts=EFFECTS[e.effect_type].attempts)
+                for e in self.effects),
             result=self.result, cancel_effect_types=self.cancel_effect_types)
 
 
 # =============================================================================================
-# decide: pure
+# decide (pure): the draft, the registry, threads, messages and the run queue
 
 
 _E = TypeVar("_E", bound="_Entity")
@@ -1303,7 +1240,7 @@ class _Draft:
         if isinstance(entity, AppThread):
             self.thread = entity
         else:
-            self.changed[(entity.kind, entity.id)] = entity  # type: ignore[attr-defined]
+            self.changed[(entity.kind, entity.id)] = entity
         self._event(_owning_thread(entity), event_type or _EVENT_TYPE[entity.kind],
                     entity.to_json(), entity)
         return entity
@@ -1345,19 +1282,42 @@ class _Draft:
                         tuple(self.cancel_effect_types), tuple(self.entities))
 
 
+@dataclass(frozen=True, slots=True)
+class _Registered:
+    decide: Callable[..., Mapping[str, Any]]
+    client_types: tuple[str, ...]  # the wire types a person's client may send
+    thread: bool  # the command acts on an existing thread (not a new one, not a scheduled task)
+
+
+_COMMANDS: dict[type, _Registered] = {}  # command class -> how it is decided
+_D = TypeVar("_D", bound=Callable[..., Mapping[str, Any]])
+
+
+def _decides(command_class: type[Any], *, client: bool | tuple[str, ...] = False,
+             thread: bool = True) -> Callable[[_D], _D]:
+    """Register the decide function of ``command_class``; ``client``: a person's client may send
+    it (True: its ``type``; a tuple: each of the wire types the class takes)."""
+    types = (command_class.type,) if client is True else client or ()
+
+    def register(fn: _D) -> _D:
+        _COMMANDS[command_class] = _Registered(fn, types, thread)
+        return fn
+    return register
+
+
 def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
            providers: Mapping[str, ProviderInfo]) -> Decision:
     """State + command -> events + effect requests. Raises CommandRejected; never does I/O."""
-    if not isinstance(command, (CreateThread, ForkThread, *_TASK_COMMANDS)) and (
-            state.thread is None or (state.thread.deleted_at is not None
-                                     and not isinstance(command, RecoverThread))):
+    entry = _COMMANDS[type(command)]
+    if entry.thread and (state.thread is None or (state.thread.deleted_at is not None
+                                                  and not isinstance(command, RecoverThread))):
         raise CommandRejected(f"thread {command.thread_id} was not found", code="thread_not_found")
     draft = _Draft(state, command, now)
-    handler = _HANDLERS[type(command)]
-    result = handler(draft, command, new_id=new_id, providers=providers)
+    result = entry.decide(draft, command, new_id=new_id, providers=providers)
     return draft.decision(result)
 
 
+@_decides(CreateThread, client=True, thread=False)
 def _decide_create_thread(d: _Draft, c: CreateThread, *, providers: Mapping[str, ProviderInfo],
                           **_: Any) -> Mapping[str, Any]:
     if d.state.thread is not None:
@@ -1491,6 +1451,7 @@ def _registered(providers: Mapping[str, ProviderInfo], instance_id: str) -> Prov
     return providers[instance_id]
 
 
+@_decides(DispatchMessage, client=True)
 def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     thread = _sendable(d)
@@ -1592,6 +1553,7 @@ def _stop_and_queue_ahead(d: _Draft, c: DispatchMessage, run: Run) -> Mapping[st
     return {"runId": new.id, "delivery": "queued"}
 
 
+@_decides(InterruptRun, client=True)
 def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]:
     run = _run(d, c.run_id)
     if run.status in RUN_TERMINAL:
@@ -1706,6 +1668,7 @@ def _queue(d: _Draft) -> list[Run]:
                   key=lambda r: (r.queue_position or r.ordinal, r.ordinal))
 
 
+@_decides(StopThread, client=True)
 def _decide_stop(d: _Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
     """Hold the queue first, so that the turn this ends promotes nothing; a turn a Stop or an
     interrupt already reached is not asked again. A ``waiting`` run finishes its finalization."""
@@ -1721,6 +1684,7 @@ def _decide_stop(d: _Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
     return {"threadId": c.thread_id, "interruptedRunIds": stopped, "heldRunIds": held}
 
 
+@_decides(ResumeThread, client=True)
 def _decide_resume(d: _Draft, c: ResumeThread, **_: Any) -> Mapping[str, Any]:
     released = [r.id for r in _queue(d) if r.queue_held]
     for run_id in released:
@@ -1729,6 +1693,7 @@ def _decide_resume(d: _Draft, c: ResumeThread, **_: Any) -> Mapping[str, Any]:
     return {"threadId": c.thread_id, "releasedRunIds": released}
 
 
+@_decides(RespondRuntimeRequest, client=True)
 def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[str, Any]:
     request = d.get("runtime-request", c.request_id)
     if request is None:
@@ -1764,6 +1729,7 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
             "decision": c.decision}
 
 
+@_decides(CancelQueuedRun, client=True)
 def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[str, Any]:
     run = _run(d, c.run_id)
     if run.status != RunStatus.QUEUED:
@@ -1790,6 +1756,7 @@ def _current(d: _Draft, run_id: str, attempt_id: str) -> tuple[Run | None, RunAt
     return run, attempt
 
 
+@_decides(AwaitAgentSlot)
 def _decide_await_slot(d: _Draft, c: AwaitAgentSlot, **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if run is None or attempt is None or run.status != RunStatus.STARTING:
@@ -1799,6 +1766,7 @@ def _decide_await_slot(d: _Draft, c: AwaitAgentSlot, **_: Any) -> Mapping[str, A
     return {"runId": run.id, "status": RunStatus.QUEUED}
 
 
+@_decides(GrantAgentSlot)
 def _decide_grant_slot(d: _Draft, c: GrantAgentSlot, **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if run is None or attempt is None or not run.awaiting_agent_slot \
@@ -1814,6 +1782,11 @@ def _restart_waiting(d: _Draft, run: Run) -> None:
              f"{run.id}:slot")
 
 
+# =============================================================================================
+# decide: provider turns: start, provider output, completion, failure, recovery
+
+
+@_decides(MarkRunStarted)
 def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str, ProviderInfo],
                          **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
@@ -1863,6 +1836,7 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
             "mergeBackHandoffIds": merged}
 
 
+@_decides(IngestProviderEvents)
 def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if attempt is None:
@@ -2050,6 +2024,7 @@ def task_result(state: ThreadState, run: Run) -> str:
     return head + (f"\n\nProgress before it ended:\n{progress}" if progress else "")
 
 
+@_decides(CompleteRun)
 def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status != RunStatus.WAITING:
@@ -2091,6 +2066,7 @@ def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
     return made
 
 
+@_decides(FailRun)
 def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status in RUN_TERMINAL or run.status == RunStatus.QUEUED:
@@ -2109,6 +2085,7 @@ def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
     return {"runId": run.id, "status": run.status}
 
 
+@_decides(EndProviderSession)
 def _decide_end_session(d: _Draft, c: EndProviderSession, **_: Any) -> Mapping[str, Any]:
     session = d.get("provider-session", c.provider_session_id)
     if session is None or session.status in ("stopped", "error"):
@@ -2147,6 +2124,7 @@ def _end_sessions(d: _Draft, reason: str) -> None:
             d.put(replace(turn, status="interrupted", completed_at=d.now))
 
 
+@_decides(RecoverThread)
 def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
     ended: list[str] = []
     if d.thread is not None and d.thread.deleted_at is not None:  # deleted by an older t3
@@ -2169,6 +2147,11 @@ def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
     return {"threadId": c.thread_id, "interruptedRunIds": ended}
 
 
+# =============================================================================================
+# decide: delegated tasks: the parent's record, results, wakes and questions
+
+
+@_decides(DelegateTask, client=True)
 def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     parent = d.thread
@@ -2224,6 +2207,7 @@ def _task(d: _Draft, task_id: str) -> Subagent:
     return task  # type: ignore[no-any-return]
 
 
+@_decides(SetWakePolicy, client=True)
 def _decide_wake_policy(d: _Draft, c: SetWakePolicy, **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if task.completion_wake != c.completion_wake:
@@ -2231,6 +2215,7 @@ def _decide_wake_policy(d: _Draft, c: SetWakePolicy, **_: Any) -> Mapping[str, A
     return {"taskId": task.id, "completionWake": c.completion_wake}
 
 
+@_decides(RequestTaskCancel, client=True)
 def _decide_task_cancel(d: _Draft, c: RequestTaskCancel, **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if not task.cancel_requested:
@@ -2238,6 +2223,7 @@ def _decide_task_cancel(d: _Draft, c: RequestTaskCancel, **_: Any) -> Mapping[st
     return {"taskId": task.id, "status": task.status}
 
 
+@_decides(FinalizeSubagent)
 def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
@@ -2304,6 +2290,7 @@ def _parent_task(d: _Draft) -> dict[str, str] | None:
             "taskId": thread.forked_from["nodeId"], "childThreadId": thread.id}
 
 
+@_decides(NotifyTaskQuestion)
 def _decide_task_question(d: _Draft, c: NotifyTaskQuestion, *,
                           providers: Mapping[str, ProviderInfo], **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
@@ -2329,6 +2316,7 @@ def _question_notice(task: Subagent, request_id: str, child_id: str, question: s
             f"t3_pending_request (threadId {child_id}, requestId {request_id}), or ask the user.")
 
 
+@_decides(SettleTaskQuestion)
 def _decide_settle_question(d: _Draft, c: SettleTaskQuestion, **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if (task.questions or {}).get(c.request_id) != {"state": "settled"}:
@@ -2367,8 +2355,8 @@ def _catch_up_questions(d: _Draft, run: Run) -> None:
                     task, request_id, q["childThreadId"], q["question"], True))
 
 
-# Known work of a delegated task (seed task_status): its child's original run and the completion
-# follow-ups t3 itself started there (task wakes, question notices). Other runs are later work.
+# Known work of a delegated task (what task_status reports on): its child's original run and
+# the completion follow-ups t3 started there (task wakes, question notices); the rest is later.
 _FOLLOW_UP_MESSAGES = ("message:task-wake:", "message:task-question:")
 
 
@@ -2437,9 +2425,9 @@ def _finalize_if_settled(d: _Draft, ended: Run | None = None) -> None:
 
 
 # =============================================================================================
-# Scheduled tasks (SPEC 7): schedules, their commands, and their decisions. A fire is a command
-# whose id is its fire key (task, due time, trigger), so it happens at most once, crash or not;
-# its run is an effect that is safe to replay (its own ids derive from the fire key).
+# Scheduled tasks: schedules, their commands, and their decisions. A fire is a command whose id is
+# its fire key (task, due time, trigger), so it happens at most once, crash or not; its run is an
+# effect that is safe to replay (its own ids derive from the fire key).
 
 
 MIN_INTERVAL_MS = 60_000
@@ -2514,12 +2502,11 @@ def epoch_of(iso: str) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class UpsertScheduledTask:
+class UpsertScheduledTask(_Command):
     """Create a task, or change one (fields left None stay as they are)."""
 
     type: ClassVar[str] = "scheduled-task.upsert"
-    command_id: str
-    thread_id: str  # the task's id: its stream
+    # thread_id: the task's id: its stream
     title: str | None = None
     prompt: str | None = None
     enabled: bool | None = None
@@ -2538,21 +2525,19 @@ class UpsertScheduledTask:
 
 
 @dataclass(frozen=True, slots=True)
-class DeleteScheduledTask:
+class DeleteScheduledTask(_Command):
     type: ClassVar[str] = "scheduled-task.delete"
-    command_id: str
-    thread_id: str  # the task's id
+    # thread_id: the task's id
 
 
 @dataclass(frozen=True, slots=True)
-class FireScheduledTask:
+class FireScheduledTask(_Command):
     """A task is due (trigger scheduled) or asked to run now (manual). The command id is the
     fire key. (A webhook delivery fires in the command that records it, or in the one that
     settles the run before it: ``_fire_next_delivery``.)"""
 
     type: ClassVar[str] = "scheduled-task.fire"
-    command_id: str
-    thread_id: str  # the task's id
+    # thread_id: the task's id
     trigger: str  # scheduled | manual
     due_at: str | None = None  # scheduled: the next_run_at this fire is for
 
@@ -2562,12 +2547,11 @@ class FireScheduledTask:
 
 
 @dataclass(frozen=True, slots=True)
-class SettleScheduledRun:
+class SettleScheduledRun(_Command):
     """What became of a fire: its run started (``run_id``), or ended (succeeded / failed)."""
 
     type: ClassVar[str] = "scheduled-task.settle"
-    command_id: str
-    thread_id: str  # the task's id
+    # thread_id: the task's id
     fire_key: str
     status: str  # running | succeeded | failed
     error: str | None = None
@@ -2582,6 +2566,7 @@ def _scheduled_task(d: _Draft, task_id: str) -> ScheduledTask:
     return task  # type: ignore[no-any-return]
 
 
+@_decides(UpsertScheduledTask, thread=False)
 def _decide_upsert_task(d: _Draft, c: UpsertScheduledTask, **_: Any) -> Mapping[str, Any]:
     task = d.get("scheduled-task", c.thread_id)
     changes = {k: v for k, v in (
@@ -2615,6 +2600,7 @@ def _decide_upsert_task(d: _Draft, c: UpsertScheduledTask, **_: Any) -> Mapping[
     return {"scheduledTaskId": task.id, "nextRunAt": updated.next_run_at}
 
 
+@_decides(DeleteScheduledTask, thread=False)
 def _decide_delete_task(d: _Draft, c: DeleteScheduledTask, **_: Any) -> Mapping[str, Any]:
     task = _scheduled_task(d, c.thread_id)
     d.put(replace(task, deleted_at=d.now, enabled=False, next_run_at=None, updated_at=d.now))
@@ -2625,6 +2611,7 @@ def _decide_delete_task(d: _Draft, c: DeleteScheduledTask, **_: Any) -> Mapping[
     return {"scheduledTaskId": task.id, "deleted": True}
 
 
+@_decides(FireScheduledTask, thread=False)
 def _decide_fire(d: _Draft, c: FireScheduledTask, **_: Any) -> Mapping[str, Any]:
     task = _scheduled_task(d, c.thread_id)
     now = epoch_of(d.now)
@@ -2657,6 +2644,7 @@ def _fired(d: _Draft, task: ScheduledTask, fire_key: str, prompt: str) -> Schedu
                    run_count=task.run_count + 1, updated_at=d.now)
 
 
+@_decides(SettleScheduledRun, thread=False)
 def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[str, Any]:
     task = d.get("scheduled-task", c.thread_id)
     if task is None or task.last_fire_key != c.fire_key or task.last_run_status != "running":
@@ -2676,11 +2664,11 @@ def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[st
 
 
 # =============================================================================================
-# Webhooks (SPEC 7): a webhook task runs once per delivery to its URL. t3.py checks the token
-# and bounds the body; the runtime checks signature and rate; one command records the delivery
-# with its outcome and, when the task is idle, fires it in that commit. Deliveries wait in line,
-# one run at a time: settling a run fires the next. What the signature covers (else a delivery id
-# header) makes the command id, so a second copy finds the receipt and is recorded a duplicate.
+# Webhooks: a webhook task runs once per delivery to its URL. t3.py checks the token and bounds the
+# body; the runtime checks signature and rate; one command records the delivery with its outcome
+# and, when the task is idle, fires it in that commit. Deliveries wait in line, one run at a time:
+# settling a run fires the next. What the signature covers (else a delivery id header) makes the
+# command id, so a second copy finds the receipt and is recorded a duplicate.
 
 
 HOOK_BODY_MAX_BYTES = 1024 * 1024  # t3.py refuses a longer body (413) before reading it
@@ -2969,15 +2957,15 @@ def _timestamp(value: str) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
-class ReceiveWebhookDelivery:
+class ReceiveWebhookDelivery(_Command):
     """A delivery passed its hook's token, signature and rate limit: record it, with its
     outcome, and queue its run unless it is a duplicate, expired, skipped or failed."""
 
     type: ClassVar[str] = "webhook-delivery.receive"
     # The command id holds what names the delivery (``replay_key``): a copy is the same command.
     fingerprint_fields: ClassVar[tuple[str, ...]] = ("thread_id",)
-    command_id: str  # webhook:<task>:<replay key>[:<n>] when it has one, else random
-    thread_id: str  # the task's id
+    # command_id: webhook:<task>:<replay key>[:<n>] when it has one, else random
+    # thread_id: the task's id
     delivery_id: str
     request: WebhookRequest
     body_excerpt: str  # the log's copy: ``delivery_excerpt``
@@ -2985,6 +2973,7 @@ class ReceiveWebhookDelivery:
     duplicate_of: str | None = None  # the delivery first recorded under this key
 
 
+@_decides(ReceiveWebhookDelivery, thread=False)
 def _decide_receive_delivery(d: _Draft, c: ReceiveWebhookDelivery, **_: Any
                              ) -> Mapping[str, Any]:
     task = d.get("scheduled-task", c.thread_id)
@@ -3044,30 +3033,11 @@ def _fire_next_delivery(d: _Draft, task: ScheduledTask, *,
     return _fired(d, task, fire_key, first.prompt or "")
 
 
-_HANDLERS: dict[type, Callable[..., Mapping[str, Any]]] = {
-    DelegateTask: _decide_delegate, SetWakePolicy: _decide_wake_policy,
-    RequestTaskCancel: _decide_task_cancel, FinalizeSubagent: _decide_finalize,
-    NotifyTaskQuestion: _decide_task_question, SettleTaskQuestion: _decide_settle_question,
-    CreateThread: _decide_create_thread, DispatchMessage: _decide_dispatch,
-    InterruptRun: _decide_interrupt, RespondRuntimeRequest: _decide_respond,
-    CancelQueuedRun: _decide_cancel_queued, StopThread: _decide_stop, ResumeThread: _decide_resume,
-    MarkRunStarted: _decide_mark_started, AwaitAgentSlot: _decide_await_slot,
-    GrantAgentSlot: _decide_grant_slot, IngestProviderEvents: _decide_ingest,
-    CompleteRun: _decide_complete, FailRun: _decide_fail_run,
-    EndProviderSession: _decide_end_session, RecoverThread: _decide_recover,
-    UpsertScheduledTask: _decide_upsert_task, DeleteScheduledTask: _decide_delete_task,
-    FireScheduledTask: _decide_fire, SettleScheduledRun: _decide_settle_run,
-    ReceiveWebhookDelivery: _decide_receive_delivery,
-}
-_TASK_COMMANDS = (UpsertScheduledTask, DeleteScheduledTask, FireScheduledTask, SettleScheduledRun,
-                  ReceiveWebhookDelivery)
-
-
 # =============================================================================================
-# Thread metadata and lifecycle (research/t3code.md 2.6, 6.2): titles, pull request links,
-# archive, delete, snooze, visit. Only archive and delete touch runs (cancel queued ones, refuse
-# while one is active). A title regeneration runs on a lane of its own (a slow provider never
-# holds up turns) and applies only while its marker is current, so a later rename wins.
+# Thread metadata and lifecycle: titles, pull request links, archive, delete, snooze, visit. Only
+# archive and delete touch runs (cancel queued ones, refuse while one is active). A title
+# regeneration runs on a lane of its own (a slow provider never holds up turns) and applies only
+# while its marker is current, so a later rename wins.
 
 
 THREAD_LIFECYCLE = ("thread.archive", "thread.unarchive", "thread.delete", "thread.snooze",
@@ -3080,12 +3050,10 @@ TITLE_PROMPT = ("<t3_title_request>\nReply with only a short title (at most 8 wo
 
 
 @dataclass(frozen=True, slots=True)
-class ChangeThreadLifecycle:
+class ChangeThreadLifecycle(_Command):
     """One of THREAD_LIFECYCLE; ``at`` is thread.snooze's snoozedUntil or thread.visit's
     visitedAt (t3's own time form, ``parse_time``)."""
 
-    command_id: str
-    thread_id: str
     type: str
     at: str | None = None
 
@@ -3097,10 +3065,8 @@ class ChangeThreadLifecycle:
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateThreadMetadata:
+class UpdateThreadMetadata(_Command):
     type: ClassVar[str] = "thread.metadata.update"
-    command_id: str
-    thread_id: str
     action: str  # METADATA_ACTIONS
     title: str | None = None  # rename only
     pull_request: Mapping[str, Any] | None = None  # link_pull_request only
@@ -3115,12 +3081,10 @@ class UpdateThreadMetadata:
 
 
 @dataclass(frozen=True, slots=True)
-class CompleteTitleRegeneration:
+class CompleteTitleRegeneration(_Command):
     """The title effect's answer: applied only if ``request_id`` is still the marker."""
 
     type: ClassVar[str] = "thread.title.regeneration.complete"
-    command_id: str
-    thread_id: str
     request_id: str
     title: str
 
@@ -3139,6 +3103,7 @@ def metadata_result(thread: AppThread, action: str, command_id: str) -> dict[str
             "linkedPullRequest": thread.linked_pull_request, "updatedAt": thread.updated_at}
 
 
+@_decides(UpdateThreadMetadata)
 def _decide_metadata(d: _Draft, c: UpdateThreadMetadata, **_: Any) -> Mapping[str, Any]:
     thread = d.thread
     assert thread is not None
@@ -3155,6 +3120,7 @@ def _decide_metadata(d: _Draft, c: UpdateThreadMetadata, **_: Any) -> Mapping[st
     return metadata_result(thread, c.action, c.command_id)
 
 
+@_decides(CompleteTitleRegeneration)
 def _decide_title_complete(d: _Draft, c: CompleteTitleRegeneration, **_: Any
                            ) -> Mapping[str, Any]:
     thread = d.thread
@@ -3165,6 +3131,7 @@ def _decide_title_complete(d: _Draft, c: CompleteTitleRegeneration, **_: Any
     return metadata_result(thread, "regenerate_title", c.request_id)
 
 
+@_decides(ChangeThreadLifecycle, client=THREAD_LIFECYCLE)
 def _decide_lifecycle(d: _Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[str, Any]:
     thread = d.thread
     assert thread is not None
@@ -3252,22 +3219,16 @@ def _title_of(reply: str) -> str | None:
     return ThreadService.title(None, line, "") or None
 
 
-_HANDLERS.update({UpdateThreadMetadata: _decide_metadata,
-                  CompleteTitleRegeneration: _decide_title_complete,
-                  ChangeThreadLifecycle: _decide_lifecycle})
-CLIENT_COMMANDS = (*CLIENT_COMMANDS, *THREAD_LIFECYCLE)
-
-
 # =============================================================================================
-# Workspace preparation (research/t3code.md 6.17). A launch into a new worktree starts its first
-# run ``preparing`` with a "Preparing workspace" item (phase worktree, approval, setup, ready or
-# failed; text: the setup output). ``workspace.prepare`` makes the worktree, runs the setup
-# commands, then releases or fails the run. Replay-safe: a rerun first removes what a dead
-# attempt left. Setup commands run what the worktree holds, which an agent may have written: an
-# agent's launch below full-access (``askSetup``) asks first: a pending command approval of the
-# new run that t3 itself asks (no provider session is behind it, so none ending expires it);
-# accepted, a second ``workspace.prepare`` runs them in the worktree made for the question;
-# declined, the run starts without them.
+# Workspace preparation. A launch into a new worktree starts its first run ``preparing`` with a
+# "Preparing workspace" item (phase worktree, approval, setup, ready or failed; text: the setup
+# output). ``workspace.prepare`` makes the worktree, runs the setup commands, then releases or
+# fails the run. Replay-safe: a rerun first removes what a dead attempt left. Setup commands run
+# what the worktree holds, which an agent may have written: an agent's launch below full-access
+# (``askSetup``) asks first: a pending command approval of the new run that t3 itself asks (no
+# provider session is behind it, so none ending expires it); accepted, a second
+# ``workspace.prepare`` runs them in the worktree made for the question; declined, the run starts
+# without them.
 
 
 class Workspaces(Protocol):
@@ -3298,10 +3259,8 @@ PREPARATION_OUTPUT_CHARS = 20_000
 
 
 @dataclass(frozen=True, slots=True)
-class AdvancePreparation:
+class AdvancePreparation(_Command):
     type: ClassVar[str] = "run.prepare"
-    command_id: str
-    thread_id: str
     run_id: str
     phase: str  # approval | setup | ready | failed
     output: str = ""
@@ -3323,6 +3282,7 @@ def _begin_preparation(d: _Draft, run: Run, preparation: Mapping[str, Any]) -> N
     d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
 
+@_decides(AdvancePreparation)
 def _decide_preparation(d: _Draft, c: AdvancePreparation, **kw: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     item = d.get("turn-item", _preparation_item_id(c.run_id))
@@ -3351,9 +3311,6 @@ def _decide_preparation(d: _Draft, c: AdvancePreparation, **kw: Any) -> Mapping[
     return {"runId": run.id, "status": run.status, "phase": c.phase}
 
 
-_HANDLERS[AdvancePreparation] = _decide_preparation
-
-
 def _setup_answered(d: _Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
                     declined: bool) -> None:
     """Accepted: the commands run (``workspace.prepare`` again, in the worktree already made).
@@ -3370,10 +3327,10 @@ def _setup_answered(d: _Draft, c: RespondRuntimeRequest, request: RuntimeRequest
 
 
 # =============================================================================================
-# Provider switch and context handoff (research/t3code.md 6.13, 6.14). ``provider.switch``
-# changes the instance (and model) a thread's next runs go to. A run on a provider thread that
-# missed earlier runs (never took part, or could not resume) carries a ContextHandoff: a
-# deterministic summary of what it missed, injected before the user's text.
+# Provider switch and context handoff. ``provider.switch`` changes the instance (and model) a
+# thread's next runs go to. A run on a provider thread that missed earlier runs (never took part,
+# or could not resume) carries a ContextHandoff: a deterministic summary of what it missed,
+# injected before the user's text.
 
 HANDOFF_BUDGET = 32_000  # characters of summary; the newest context is kept when cut
 HANDOFF_LINE = 240  # characters of one item line
@@ -3383,18 +3340,17 @@ _HANDOFF_HEADERS = {
 
 
 @dataclass(frozen=True, slots=True)
-class SwitchProvider:
+class SwitchProvider(_Command):
     type: ClassVar[str] = "provider.switch"
     # The runtime mode is derived from the thread's when the call arrives (as DispatchMessage's
     # mode): a retry after it changed is still the same request.
     fingerprint_fields: ClassVar[tuple[str, ...]] = ("thread_id", "provider_instance_id", "model")
-    command_id: str
-    thread_id: str
     provider_instance_id: str
     model: str | None
     runtime_mode: str  # the thread's, stepped down to what the new provider offers
 
 
+@_decides(SwitchProvider, client=True)
 def _decide_switch(d: _Draft, c: SwitchProvider, *, providers: Mapping[str, ProviderInfo],
                    **_: Any) -> Mapping[str, Any]:
     thread = _sendable(d)
@@ -3501,7 +3457,7 @@ def handoff_line(label: str, text: str) -> str:
 def handoff_text(*, strategy: str, from_drivers: Sequence[str], to_driver: str,
                  covered: Mapping[str, int], lines: Sequence[str],
                  budget: int = HANDOFF_BUDGET, head: Sequence[str] | None = None) -> str:
-    """The handoff summary (research/t3code.md 6.13), pure and deterministic; ``head``: the
+    """The handoff summary, pure and deterministic; ``head``: the
     lines before the items, when not a provider handoff's. Over ``budget`` characters the
     oldest item lines go first, replaced by one line saying how many."""
     head = "\n".join(head or [
@@ -3520,7 +3476,7 @@ def handoff_text(*, strategy: str, from_drivers: Sequence[str], to_driver: str,
 
 
 def handoff_prompt(text: str, *handoffs: ContextHandoff | None) -> str:
-    """What the provider is sent: the handoffs before the user's text (6.13's injection)."""
+    """What the provider is sent: the handoffs before the user's text."""
     given = [h for h in handoffs if h is not None]
     if not given:
         return text
@@ -3529,29 +3485,24 @@ def handoff_prompt(text: str, *handoffs: ContextHandoff | None) -> str:
                    f"{h.summary_text}\n\n" for h in given) + f"User message:\n{text}"
 
 
-_HANDLERS[SwitchProvider] = _decide_switch
-CLIENT_COMMANDS = (*CLIENT_COMMANDS, "provider.switch")
-
-
 # =============================================================================================
-# Fork and merge-back (research/t3code.md 1.4, 6.13, 6.14). ``thread.fork`` makes a thread
-# (lineage ``fork``) with a pending ``fork`` ContextTransfer: the source point (a completed run)
-# and a full_thread_summary up to it. At the fork's first run its session opens as a native
-# fork of the source's provider thread where the driver can (transfer consumed as
-# ``native_fork``), else the run carries the summary (``portable_context``). A point with a
-# ready checkpoint gives the fork its own worktree at that commit (first run ``preparing``);
-# outside git it shares the source's workspace. ``thread.merge_back`` records on the parent a
-# pending ``merge_back`` transfer of the fork's completed runs (superseding a pending one from
-# that fork); the parent's next run carries each as a MERGE_BACK_LABEL handoff.
+# Fork and merge-back. ``thread.fork`` makes a thread (lineage ``fork``) with a pending ``fork``
+# ContextTransfer: the source point (a completed run) and a full_thread_summary up to it. At the
+# fork's first run its session opens as a native fork of the source's provider thread where the
+# driver can (transfer consumed as ``native_fork``), else the run carries the summary
+# (``portable_context``). A point with a ready checkpoint gives the fork its own worktree at that
+# commit (first run ``preparing``); outside git it shares the source's workspace.
+# ``thread.merge_back`` records on the parent a pending ``merge_back`` transfer of the fork's
+# completed runs (superseding a pending one from that fork); the parent's next run carries each as
+# a MERGE_BACK_LABEL handoff.
 
 MERGE_BACK_LABEL = "merge_back / fork_delta_summary"
 
 
 @dataclass(frozen=True, slots=True)
-class ForkThread:
+class ForkThread(_Command):
     type: ClassVar[str] = "thread.fork"
-    command_id: str
-    thread_id: str  # the fork (the command's thread)
+    # thread_id: the fork (the command's thread)
     create: CreateThread  # the fork as made: lineage, forkedFrom, workspace; no message
     source_thread_id: str
     source_point: Mapping[str, Any]  # {type, runId, runOrdinal, checkpointId}
@@ -3561,10 +3512,9 @@ class ForkThread:
 
 
 @dataclass(frozen=True, slots=True)
-class MergeBack:
+class MergeBack(_Command):
     type: ClassVar[str] = "thread.merge_back"
-    command_id: str
-    thread_id: str  # the fork's parent (the command's thread)
+    # thread_id: the fork's parent (the command's thread)
     source_thread_id: str  # the fork
     delta: Mapping[str, Any]  # describe_handoff of the fork's runs (fork_delta_summary)
     created_by: str
@@ -3579,6 +3529,7 @@ def view(state: ThreadState) -> _Draft:
     return _Draft(state, None, "")
 
 
+@_decides(ForkThread, thread=False)
 def _decide_fork(d: _Draft, c: ForkThread, **kw: Any) -> Mapping[str, Any]:
     result = _decide_create_thread(d, c.create, **kw)
     transfer = d.put(ContextTransfer(
@@ -3621,6 +3572,7 @@ def _take_fork(d: _Draft, run: Run, native: bool) -> str | None:
     return handoff_id
 
 
+@_decides(MergeBack)
 def _decide_merge_back(d: _Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
     thread = _sendable(d)
     superseded = [d.put(replace(t, status="superseded", updated_at=d.now)).id
@@ -3650,38 +3602,30 @@ def _take_merge_backs(d: _Draft, run: Run) -> list[str]:
 
 
 def merge_back_head(fork_id: str, target_id: str, covered: Sequence[Run]) -> list[str]:
-    """The merge-back summary's lines before the fork's items (6.13)."""
+    """The merge-back summary's lines before the fork's items."""
     return ["Merge-back context from forked conversation.", f"Source thread: {fork_id}",
             f"Target thread: {target_id}",
             f"Covered fork runs: {covered[0].ordinal}-{covered[-1].ordinal}", "", "Fork delta:"]
 
 
-_HANDLERS[ForkThread] = _decide_fork
-_HANDLERS[MergeBack] = _decide_merge_back
-
-
 # =============================================================================================
-# Rollback (research/t3code.md 1.4, 6.12): ``checkpoint.rollback`` records a running
-# ``rollback`` item and a replay-safe effect; no run starts meanwhile. The effect restores the
-# files, deletes later refs, rolls back provider conversations natively where the driver can
-# (``supports_rollback``) and closes the live session; FinishRollback then marks later runs
-# ``rolled_back``, their checkpoints ``stale``, and resets the other provider threads (a fresh
-# session with a full handoff). Every step is idempotent; run ordinals keep increasing.
+# Rollback: ``checkpoint.rollback`` records a running ``rollback`` item and a replay-safe effect;
+# no run starts meanwhile. The effect restores the files, deletes later refs, rolls back provider
+# conversations natively where the driver can (``supports_rollback``) and closes the live session;
+# FinishRollback then marks later runs ``rolled_back``, their checkpoints ``stale``, and resets the
+# other provider threads (a fresh session with a full handoff). Every step is idempotent; run
+# ordinals keep increasing.
 
 
 @dataclass(frozen=True, slots=True)
-class RollbackThread:
+class RollbackThread(_Command):
     type: ClassVar[str] = "checkpoint.rollback"
-    command_id: str
-    thread_id: str
     checkpoint_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class FinishRollback:
+class FinishRollback(_Command):
     type: ClassVar[str] = "checkpoint.rollback-finish"
-    command_id: str
-    thread_id: str
     item_id: str
     native_provider_thread_ids: tuple[str, ...] = ()  # their conversations were rolled back
     failure: str | None = None  # the restore failed: nothing is marked
@@ -3698,6 +3642,7 @@ def kept_before(runs: Sequence[Run], ordinal: int) -> int:
                 and r.status != RunStatus.ROLLED_BACK] + [0])
 
 
+@_decides(RollbackThread, client=True)
 def _decide_rollback(d: _Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any]:
     cp = d.get("checkpoint", c.checkpoint_id)
     if cp is None or cp.thread_id != c.thread_id:
@@ -3723,6 +3668,7 @@ def _decide_rollback(d: _Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any
             "rolledBackRunIds": later, "itemId": item.id}
 
 
+@_decides(FinishRollback)
 def _decide_finish_rollback(d: _Draft, c: FinishRollback, **_: Any) -> Mapping[str, Any]:
     item = d.get("turn-item", c.item_id)
     if item is None or item.status != "running":
@@ -3761,17 +3707,17 @@ def kept_turns(state: ThreadState, pthread_id: str, ordinal: int) -> int:
                and run.ordinal <= ordinal and run.status != RunStatus.ROLLED_BACK)
 
 
-_HANDLERS.update({RollbackThread: _decide_rollback, FinishRollback: _decide_finish_rollback})
-CLIENT_COMMANDS = (*CLIENT_COMMANDS, "checkpoint.rollback")
+# What a person's client may send (/ws and MCP); the rest are the server's own: a client forging
+# provider output or recovery would falsify the record.
+CLIENT_COMMANDS = tuple(t for entry in _COMMANDS.values() for t in entry.client_types)
 
 
 # =============================================================================================
-# The runtime: dispatch, state, waits, the effect worker, live provider sessions
+# The runtime: dispatch, the state cache, waits, subscriptions, recovery, the effect worker
 
 
 def utc_now() -> str:
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+    return iso_time(time.time())
 
 
 def random_id(prefix: str) -> str:
@@ -3797,7 +3743,7 @@ class _LiveSession:
     thread_id: str
     instance_id: str
     model: str | None
-    handle: Any
+    handle: ProviderSessionHandle
     turn: tuple[str, str] | None = None  # (run_id, attempt_id)
     turn_ended: asyncio.Event = field(default_factory=asyncio.Event)
     interrupting: set[str] = field(default_factory=set)  # attempt ids with an interrupt sent
@@ -3841,7 +3787,10 @@ class Subscription:
 
 
 class Orchestrator:
-    """Serializes commands per thread and runs their effects. Start with ``start(task_group)``."""
+    """Serializes commands per thread, keeps the thread states they are decided on, wakes waits
+    and subscriptions, and runs the effect worker. Its parts: ``sessions`` (provider processes
+    and agent process slots) and ``scheduler`` (scheduled tasks and webhooks). Start with
+    ``start()`` inside the running loop."""
 
     MAX_CONCURRENT_EFFECTS = 16
     # Ingest commits queued at the single writer at once, over all sessions: every other command
@@ -3850,8 +3799,6 @@ class Orchestrator:
     # they all go into the commit it then makes: the writer stays busy, the batches grow.
     MAX_INGEST_COMMITS = 2
     MAX_CACHED_THREADS = 512
-    INTERRUPT_GRACE_S = 10.0
-    IDLE_RELEASE_S = 30 * 60.0  # a provider process with no turn for this long is stopped
 
     def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
@@ -3869,44 +3816,33 @@ class Orchestrator:
         self._clock = clock
         self._new_id = new_id
         self._lease_ms = lease_ms
-        self._coalesce_s = coalesce_s
         self._backoff_base_ms = backoff_base_ms
-        self._credentials = credentials
-        self._wall = wall  # epoch seconds, from the same clock as ``clock`` (tests move both)
         self.threads = ThreadService(self)
-        self._schedule_wake = asyncio.Event()
-        self._pass_waiters: list[asyncio.Future[None]] = []
-        self._scheduled_runs: dict[str, tuple[str, str]] = {}  # run id -> (task id, fire key)
-        self._redact = redact  # what webhook delivery logs keep of a body goes through it
-        self._hook_hits: dict[str, collections.deque[float]] = {}  # task id -> admitted at
         self._worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._states: dict[str, ThreadState] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._signals: dict[str, asyncio.Event] = {}
-        self._live: dict[str, _LiveSession] = {}
         self._subscriptions: set[Subscription] = set()
-        # Agent process slots: live sessions + sessions opening + slots granted to a run whose
-        # start has not run yet never exceed _max_live, but for runs on a slot lent by an agent
-        # blocked in a wait (_waits, _loans); runs without one wait in _line (FIFO).
-        self._max_live = max_live_agent_processes
-        self._max_loans = max_live_agent_processes * max_delegation_depth
-        self._opening: set[str] = set()  # run ids
-        self._reserved: dict[str, str] = {}  # run id -> thread id
-        self._line: list[tuple[str, str, str]] = []  # (thread id, run id, attempt id)
-        self._waits: list[tuple[str, str, str]] = []  # (thread id, session id, awaited thread)
-        self._loans: dict[str, str] = {}  # run id -> session id of the agent that lent a slot
         self._effect_tasks: dict[str, asyncio.Task[None]] = {}
         self._effect_wake = asyncio.Event()
-        self._ingest_slots = asyncio.Semaphore(self.MAX_INGEST_COMMITS)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
+        self.sessions = _Sessions(self, credentials=credentials, coalesce_s=coalesce_s,
+                                  max_live=max_live_agent_processes,
+                                  max_loans=max_live_agent_processes * max_delegation_depth)
+        self.scheduler = _Scheduler(self, wall=wall, redact=redact)
+        # What t3.py and tools.py call on the orchestrator, served by its parts.
+        self.lending = self.sessions.lending
+        self.fire, self.scheduler_pass = self.scheduler.fire, self.scheduler.scheduler_pass
+        self.webhook_task = self.scheduler.webhook_task
+        self.receive_webhook = self.scheduler.receive_webhook
+
+    # -- commands, the state cache, waits and subscriptions ---------------------------------------
 
     async def probe_providers(self) -> None:
         """Let every adapter that can ask its CLI for models and login state do so; each one
         bounds and caches its own probe (providers.py), so this is cheap after the first."""
         await asyncio.gather(*(a.probe() for a in self._adapters.values() if hasattr(a, "probe")))
-
-    # -- commands --------------------------------------------------------------------------------
 
     def now(self) -> str:
         """The orchestrator's clock (a test clock moves it)."""
@@ -3973,18 +3909,13 @@ class Orchestrator:
             if state is not None:
                 state.put(entity)
                 state.sequence = sequence
-            if kind == "run" and entity.id in self._reserved and entity.status in RUN_TERMINAL:
-                del self._reserved[entity.id]  # it ended before its start ran: free its slot
-                asyncio.get_running_loop().call_soon(self._rebalance)
-            if kind == "run" and entity.id in self._scheduled_runs and \
-                    entity.status in RUN_TERMINAL:
-                self._spawn(self._settle_scheduled(entity), f"settle {entity.id}")
+            if kind == "run" and entity.status in RUN_TERMINAL:
+                self.sessions.run_ended(entity.id)
+                self.scheduler.run_ended(entity)
             if kind == "scheduled-task":
-                self._schedule_wake.set()  # its timing or state changed: aim again
+                self.scheduler.reschedule()  # its timing or state changed: aim again
         for thread_id in touched:
             self._notify(thread_id)
-
-    # -- subscriptions (the /ws streams) ---------------------------------------------------------
 
     def subscribe(self, *, thread_id: str | None = None,
                   max_bytes: int = 8 * 1024 * 1024) -> Subscription:
@@ -4019,8 +3950,6 @@ class Orchestrator:
     def _lock(self, thread_id: str) -> asyncio.Lock:
         return self._locks.setdefault(thread_id, asyncio.Lock())
 
-    # -- reads and waits -------------------------------------------------------------------------
-
     async def state(self, thread_id: str) -> ThreadState | None:
         """The thread's current state (cached; loaded from the store on first use)."""
         state = self._states.pop(thread_id, None)
@@ -4041,7 +3970,7 @@ class Orchestrator:
                 return
             state = self._states[thread_id]
             lock = self._locks.get(thread_id)
-            if (lock is None or not lock.locked()) and thread_id not in self._live \
+            if (lock is None or not lock.locked()) and thread_id not in self.sessions.live \
                     and state.blocking_run() is None and not state.queued_runs():
                 del self._states[thread_id]
                 self._locks.pop(thread_id, None)
@@ -4082,11 +4011,11 @@ class Orchestrator:
                 for waiter in waiters:
                     waiter.cancel()
 
-    # -- lifecycle -------------------------------------------------------------------------------
+    # -- lifecycle and recovery -------------------------------------------------------------------
 
     def start(self) -> None:
         self._spawn(self._effect_loop(), "effect-worker")
-        self._spawn(self._scheduler_loop(), "scheduler")
+        self._spawn(self.scheduler.loop(), "scheduler")
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -4112,11 +4041,7 @@ class Orchestrator:
         for task in list(self._effect_tasks.values()):
             task.cancel()
         reason = "The t3 server shut down while this run was active."
-        for live in list(self._live.values()):
-            live.closing_reason = reason
-        await asyncio.gather(*(live.handle.close(grace=grace_s) for live in self._live.values()),
-                             return_exceptions=True)
-        await asyncio.gather(*(live.pump_done.wait() for live in list(self._live.values())))
+        await self.sessions.close_all(reason, grace_s)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -4166,193 +4091,7 @@ class Orchestrator:
         except Exception as exc:
             log.error("could not record the failed recovery on thread %s: %s", thread_id, exc)
 
-    # -- the scheduler ---------------------------------------------------------------------------
-
-    def reschedule(self) -> None:
-        """Look at what is due again now (the clock moved, or a task changed)."""
-        self._schedule_wake.set()
-
-    async def scheduler_pass(self) -> None:
-        """Wake the scheduler and return once a whole pass has fired what was due (tests that
-        move the clock use it to know what did, and did not, fire)."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._pass_waiters.append(waiter)
-        self.reschedule()
-        await waiter
-
-    async def _scheduler_loop(self) -> None:
-        """Fire every due task, then sleep until the next due time or a change: no polling."""
-        await self._resume_scheduled()
-        while not self.stopping:
-            self._schedule_wake.clear()
-            waiters, self._pass_waiters = self._pass_waiters, []
-            for task in self._store.due_tasks(iso_time(self._wall())):
-                try:
-                    await self.fire(task["id"], trigger="scheduled", due_at=task["nextRunAt"])
-                except CommandRejected as exc:  # changed meanwhile: the next pass sees how
-                    log.debug("scheduled task %s not fired: %s", task["id"], exc)
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
-            due = self._store.next_due_at()
-            timeout = None if due is None else max(0.0, epoch_of(due) - self._wall())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._schedule_wake.wait(), timeout)
-
-    async def fire(self, task_id: str, *, trigger: str,
-                   due_at: str | None = None) -> DispatchResult:
-        """Fire a task once: the command id is the fire key (the task, the due time and the
-        trigger), so a fire is recorded at most once, however often it is asked for."""
-        stamp = str(int(epoch_of(due_at or iso_time(self._wall())) * 1000))
-        return await self.dispatch(FireScheduledTask(
-            command_id=bounded_id(f"scheduled-task:{task_id}:{stamp}:{trigger}"),
-            thread_id=task_id, trigger=trigger, due_at=due_at))
-
-    async def _run_scheduled(self, task_id: str, fire_key: str, prompt: str) -> None:
-        """A fire's run: queued in the bound thread behind its running turn (steering could
-        restart that turn, and a fire from a tool call in it would lose the call's result), or
-        a fresh thread with the task's provider and modes. Every id derives from the fire key,
-        so a replay after a crash finds what it already did."""
-        state = await self.state(task_id)
-        task = state.entities["scheduled-task"].get(task_id) if state else None
-        if task is None or task.last_fire_key != fire_key:
-            return  # deleted, or a later fire replaced it
-        made = {"created_by": Actor.SYSTEM, "creation_source": CreationSource.SERVER}
-        try:
-            if task.bound_thread_id:
-                sent = await self.threads.send(
-                    task.bound_thread_id, text=prompt, mode="queue",
-                    command_id=bounded_id(f"command:{fire_key}"),
-                    message_id=bounded_id(f"message:{fire_key}"), **made)
-                thread_id, run_id = task.bound_thread_id, sent["runId"]
-            else:
-                thread_id = bounded_id(f"thread:{fire_key}")
-                created = await self.dispatch(self.threads.plan_create(
-                    command_id=bounded_id(f"command:{fire_key}"), thread_id=thread_id,
-                    project_id=task.project_id, workspace=task.workspace, caller=None,
-                    message_id=bounded_id(f"message:{fire_key}"), entry={
-                        "prompt": prompt, "title": task.title, "target": {
-                            "providerInstanceId": task.model_selection.get("instanceId"),
-                            **({"model": task.model_selection["model"]}
-                               if task.model_selection.get("model") else {})},
-                        "runtimeMode": task.runtime_mode,
-                        "interactionMode": task.interaction_mode}, **made))
-                run_id = created.result["runId"]
-        except T3Error as exc:
-            await self._settle(task_id, fire_key, "failed", error=str(exc))
-            return
-        await self._settle(task_id, fire_key, "running", run_thread_id=thread_id, run_id=run_id)
-        self._scheduled_runs[run_id] = (task_id, fire_key)
-        run = (await self.threads.thread(thread_id)).run(run_id)
-        if run is not None and run.status in RUN_TERMINAL:  # it ended before we watched
-            await self._settle_scheduled(run)
-
-    async def _settle_scheduled(self, run: Run, *, restarted: bool = False) -> None:
-        """A fired run ended: the task's last run succeeded or failed, with its reason."""
-        task_id, fire_key = self._scheduled_runs.pop(run.id, (None, None))
-        if task_id is None or fire_key is None:
-            return
-        reason = "Run was interrupted by a server restart." if restarted else \
-            run.status_reason or f"The run ended {run.status}."
-        await self._settle(task_id, fire_key,
-                           "succeeded" if run.status == RunStatus.COMPLETED else "failed",
-                           error=None if run.status == RunStatus.COMPLETED else reason)
-
-    async def _settle(self, task_id: str, fire_key: str, status: str, **fields: Any) -> None:
-        await self._try_dispatch(SettleScheduledRun(
-            command_id=bounded_id(f"command:settle:{fire_key}:{status}"), thread_id=task_id,
-            fire_key=fire_key, status=status, **fields), f"scheduled task {task_id}")
-
-    async def _resume_scheduled(self) -> None:
-        """After a restart: a fired run that ended meanwhile is settled, a running one watched; a
-        fire whose run had not started finishes through its outbox row (replay-safe)."""
-        for task in self._store.scheduled_tasks():
-            if task["lastRunStatus"] != "running" or not task.get("lastRunId"):
-                continue
-            try:
-                thread = await self.state(task["lastRunThreadId"])
-                run = thread.run(task["lastRunId"]) if thread else None
-                if run is None:
-                    await self._settle(task["id"], task["lastFireKey"], "failed",
-                                       error="Run was interrupted by a server restart.")
-                    continue
-                self._scheduled_runs[run.id] = (task["id"], task["lastFireKey"])
-                if run.status in RUN_TERMINAL:
-                    await self._settle_scheduled(run, restarted=run.status != RunStatus.COMPLETED)
-            except Exception as exc:  # one task's state never stops the scheduler
-                log.error("recovery of scheduled task %s failed: %s", task["id"], exc,
-                          exc_info=exc)
-
-    # -- webhooks --------------------------------------------------------------------------------
-
-    async def webhook_task(self, task_id: str) -> ScheduledTask | None:
-        """The webhook task with this id, unless deleted (t3.py checks the hook token on it)."""
-        state = await self.state(task_id)
-        task = state.entities["scheduled-task"].get(task_id) if state else None
-        if task is None or task.deleted_at is not None or task.schedule.get("type") != "webhook":
-            return None
-        return task  # type: ignore[no-any-return]
-
-    async def receive_webhook(self, task_id: str, request: WebhookRequest) -> Mapping[str, Any]:
-        """A delivery whose token t3.py checked: signature (``invalid_signature``), nesting
-        (``invalid_request``), rate (``RateLimited``), then its record (``hook_disabled``,
-        ``queue_full`` or an outcome), answered once committed. Refusals write nothing and take
-        no place in the rate."""
-        task = await self.webhook_task(task_id)
-        if task is None:
-            raise T3Error("No webhook at this address.", code="hook_not_found")
-        if not signature_valid(task.schedule, request):
-            raise T3Error("The signature does not match: no HMAC-SHA256 of the delivery under "
-                          "the task's secret.", code="invalid_signature")
-        if json_too_deep(request.body.decode("utf-8", "replace")):
-            raise T3Error(f"The body nests deeper than {MAX_JSON_DEPTH} levels.",
-                          code="invalid_request")
-        self._admit_delivery(task_id)
-        command = ReceiveWebhookDelivery(
-            command_id=self._delivery_command_id(task, request), thread_id=task_id,
-            delivery_id=self._new_id("webhook-delivery"), request=request,
-            delivery_key=delivery_key(task.schedule, request),
-            body_excerpt=delivery_excerpt(task.schedule, request.body, self._redact))
-        result = await self.dispatch(command)
-        if result.replayed:  # this delivery came before: log the copy as its duplicate
-            result = await self.dispatch(replace(
-                command, command_id=self._new_id("webhook"),
-                duplicate_of=result.result["deliveryId"]))
-        log.info("webhook delivery %s to scheduled task %s: %s", result.result["deliveryId"],
-                 task_id, result.result["outcome"])
-        return {k: result.result[k] for k in ("deliveryId", "outcome")}
-
-    def _delivery_command_id(self, task: ScheduledTask, request: WebhookRequest) -> str:
-        """``webhook:<task>:<replay key>``: a copy meets that receipt and is a duplicate. A signed
-        copy is one for twice ``maxDeliveryAgeMinutes`` after the first (forever without it), as
-        long as the first's stamp (which may be that far ahead or behind) keeps a copy from
-        expiring; after that the same content counts anew under the next id (``:<n>``)."""
-        key = replay_key(task.schedule, request)
-        if key is None:
-            return self._new_id("webhook")
-        command_id, n = bounded_id(f"webhook:{task.id}:{key}"), 0
-        window = task.schedule.get("maxDeliveryAgeMinutes")
-        while key.startswith("signed:") and window is not None and \
-                (seen := self._store.receipt(command_id)) is not None and \
-                epoch_of(seen.result.get("receivedAt") or iso_time(0)) <= \
-                self._wall() - 2 * window * 60:
-            n += 1
-            command_id = bounded_id(f"webhook:{task.id}:{key}:{n}")
-        return command_id
-
-    def _admit_delivery(self, task_id: str) -> None:
-        """At most HOOK_DELIVERIES_PER_MINUTE per hook in any 60 s, kept in memory (a restart
-        forgets it); refused requests do not count, so a sender that backs off gets through."""
-        now = self._wall()
-        hits = self._hook_hits.setdefault(task_id, collections.deque())
-        while hits and hits[0] <= now - 60:
-            hits.popleft()
-        if len(hits) >= HOOK_DELIVERIES_PER_MINUTE:
-            raise RateLimited(f"This hook takes at most {HOOK_DELIVERIES_PER_MINUTE} deliveries "
-                              "a minute.", retry_after_s=max(1, math.ceil(hits[0] + 60 - now)))
-        hits.append(now)
-
-    # -- the effect worker -----------------------------------------------------------------------
+    # -- the effect worker: claims outbox rows under a lease and runs them (EFFECTS) --------------
 
     async def _effect_loop(self) -> None:
         while not self.stopping:
@@ -4374,7 +4113,10 @@ class Orchestrator:
         try:
             if row.attempt_count > row.max_attempts:  # reclaimed after its last lease expired
                 raise _PermanentEffectError("no attempts left after the last lease expired")
-            await self._execute(row)
+            kind = EFFECTS.get(row.effect_type)
+            if kind is None:
+                raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
+            await kind.run(self, row)
         except asyncio.CancelledError:
             # Cancelled by a command (its row is already 'cancelled'), by losing the lease, or by
             # shutdown (close() releases the lease). Nothing to settle here.
@@ -4411,313 +4153,71 @@ class Orchestrator:
                                                error=message):
             return
         run_id = row.payload.get("runId")
-        if run_id and row.effect_type.startswith(("provider-turn.", "workspace.")):
+        if run_id and (kind := EFFECTS.get(row.effect_type)) is not None and kind.fails_run:
             await self._try_dispatch(FailRun(
                 command_id=bounded_id(f"command:effect-failed:{row.effect_id}"),
                 thread_id=row.thread_id, run_id=run_id, attempt_id=None, status=RunStatus.FAILED,
                 reason=f"{row.effect_type} failed after {row.attempt_count} attempt(s): "
                        f"{message}"))
 
-    async def _execute(self, row: _store.EffectRow) -> None:
-        p = row.payload
-        if row.effect_type == "provider-turn.start":
-            await self._start_attempt(row.thread_id, p["runId"], p["attemptId"])
-        elif row.effect_type == "provider-turn.restart":
-            await self._stop_turn(row.thread_id, p["interruptedAttemptId"])
-            await self._start_attempt(row.thread_id, p["runId"], p["attemptId"])
-        elif row.effect_type == "provider-turn.interrupt":
-            await self._interrupt(row.thread_id, p["runId"], p["attemptId"])
-        elif row.effect_type == "provider-turn.steer":
-            await self._steer(row.thread_id, p["runId"], p["attemptId"], p["messageId"])
-        elif row.effect_type == "runtime-request.respond":
-            live = self._live.get(row.thread_id)
-            if live is None or live.session_id != p["providerSessionId"]:
-                raise _PermanentEffectError("the provider session that asked is gone")
-            await live.handle.respond(p["nativeRequestRef"], p.get("decision"), p.get("answers"))
-        elif row.effect_type == "subagent.finalize":
-            await self._finalize_task(p["parentThreadId"], p["taskId"], p["childThreadId"],
-                                      p["runId"], p.get("publish", True))
-        elif row.effect_type == "subagent.question":
-            await self._try_dispatch(NotifyTaskQuestion(
-                command_id=bounded_id(f"command:task-question:{p['requestId']}"),
-                thread_id=p["parentThreadId"], task_id=p["taskId"],
-                request_id=p["requestId"], child_thread_id=p["childThreadId"],
-                question=p["question"], blocking=p.get("blocking", True)),
-                f"question of task {p['taskId']} not routed")
-        elif row.effect_type == "subagent.question-settled":
-            await self._try_dispatch(SettleTaskQuestion(
-                command_id=bounded_id(f"command:withdraw-question:{p['requestId']}"),
-                thread_id=p["parentThreadId"], task_id=p["taskId"], request_id=p["requestId"]),
-                f"question of task {p['taskId']} not withdrawn")
-        elif row.effect_type == "scheduled-task.run":
-            await self._run_scheduled(row.thread_id, p["fireKey"], p["prompt"])
-        elif row.effect_type == "thread-title.generate":
-            await self._regenerate_title(p["threadId"], p["requestId"])
-        elif row.effect_type == "workspace.prepare":
-            await self._prepare_workspace(row)
-        elif row.effect_type == "provider-session.stop":  # the thread was deleted
-            if (live := self._live.get(row.thread_id)) is not None:
-                if self._credentials:  # its agent calls nothing from now on
-                    self._credentials.revoke(live.session_id)
-                live.closing_reason = p["reason"]
-                await live.handle.close()
-                await live.pump_done.wait()
-        elif row.effect_type == "checkpoint.forget":
-            if self.workspaces is not None:
-                await self.workspaces.delete_ref(
-                    p["workspace"], self.workspaces.checkpoint_ref(row.thread_id, None))
-        elif row.effect_type == "checkpoint.rollback":
-            await self._rollback(row.thread_id, p["itemId"], p["checkpointId"])
-        elif row.effect_type == "run.finalize":
-            state = await self.state(row.thread_id)
-            run = state.run(p["runId"]) if state else None
-            if state is None or run is None or run.status != RunStatus.WAITING:
-                return  # already finalized (a replay after a crash): the effect is idempotent
-            found = await self._capture_checkpoints(state, run)
-            await self._try_dispatch(CompleteRun(
-                command_id=bounded_id(f"command:finalize:{p['runId']}"),
-                thread_id=row.thread_id, run_id=p["runId"], checkpoints=found))
-        else:
-            raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
 
-    # -- checkpoints (git work through self.workspaces) ------------------------------------------
+# =============================================================================================
+# Provider sessions and agent process slots
 
-    async def _capture_baseline(self, state: ThreadState, run: Run) -> None:
-        """Before a run's first attempt: capture the ``kept_before`` checkpoint unless the thread
-        has it ready. A git failure only loses the baseline; the turn goes on."""
-        thread, ws = state.thread, self.workspaces
-        before = kept_before(state.runs, run.ordinal)
-        previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id, before))
-        attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
-        if ws is None or thread is None or not thread.workspace or (
-                previous is not None and previous.status == "ready") or (
-                attempt is not None and attempt.attempt_ordinal > 1):
-            return
-        try:
-            await ws.capture(thread.workspace, ws.checkpoint_ref(thread.id, before))
-        except Exception as exc:
-            log.warning("baseline checkpoint of %s not captured: %s", run.id, exc)
 
-    async def _capture_checkpoints(self, state: ThreadState, run: Run
-                                   ) -> tuple[dict[str, Any], ...]:
-        """CompleteRun.checkpoints for a finished root turn: the baselines 0 and ``kept_before``
-        the thread lacks (ready when their ref exists) and the run's own capture with its files;
-        outside git all ``missing``, a git failure ``error``. A rerun only rewrites the ref."""
-        thread, ws, n = state.thread, self.workspaces, run.ordinal
-        assert thread is not None
-        have = {c.ordinal for c in state.entities["checkpoint"].values()}
-        prev = kept_before(state.runs, n)  # n-1 unless runs were rolled back
-        ordinals = [*sorted({0, prev} - have), n]
-        cwd = thread.workspace
-        if ws is None or not cwd or await ws.top_level(cwd) is None:
-            return tuple({"ordinal": o, "status": "missing"} for o in ordinals)
-        found: list[dict[str, Any]] = []
-        try:
-            for o in ordinals[:-1]:
-                ref = ws.checkpoint_ref(thread.id, o)
-                commit = await ws.ref_commit(cwd, ref)
-                found.append({"ordinal": o, "status": "ready" if commit else "missing",
-                              "ref": ref, "commit": commit})
-            before = await ws.ref_commit(cwd, ws.checkpoint_ref(thread.id, prev)) if n else None
-            ref = ws.checkpoint_ref(thread.id, n)
-            commit = await ws.capture(cwd, ref)
-            files = file_changes(await ws.diff(cwd, before, commit)) if before else []
-            found.append({"ordinal": n, "status": "ready", "ref": ref, "commit": commit,
-                          "files": files})
-        except Exception as exc:  # GitError, OSError: the run completes all the same
-            log.warning("checkpoint of %s failed: %s", run.id, exc)
-            found = [f for f in found if f["ordinal"] != n] + [
-                {"ordinal": n, "status": "error", "reason": str(exc)[:1000]}]
-        return tuple(found)
+class _Sessions:
+    """The live provider processes (at most one per thread), each with the pump that turns its
+    events into ingest commands, and the agent process slots that bound how many run at once
+    (``max_live_agent_processes``)."""
 
-    async def _rollback(self, thread_id: str, item_id: str, checkpoint: str) -> None:
-        """The ``checkpoint.rollback`` effect (see "Rollback"): restore, drop later refs, roll
-        back or close the provider conversations, then FinishRollback. Safe to run again."""
-        state = await self.state(thread_id)
-        item = state.entities["turn-item"].get(item_id) if state else None
-        if state is None or state.thread is None or item is None or item.status != "running":
-            return  # finished before a crash: nothing left to do
-        cp, ws, cwd = state.entities["checkpoint"][checkpoint], self.workspaces, \
-            state.thread.workspace
-        failure, native = None, []
-        try:
-            if ws is None or not cwd:
-                raise T3Error("this server has no git workspaces")
-            await ws.restore(cwd, cp.commit)
-            for later in state.entities["checkpoint"].values():
-                if later.ordinal > cp.ordinal and later.ref:
-                    await ws.delete_ref(cwd, later.ref)
-        except Exception as exc:  # GitError, OSError: said in the item, nothing marked
-            failure = f"the workspace was not restored: {exc}"[:2000]
-        live = self._live.get(thread_id)
-        if failure is None and live is not None:  # idle: no run may be active during a rollback
-            live.closing_reason = f"Closed by a rollback to checkpoint {cp.ordinal}."
-            await live.handle.close()
-            await live.pump_done.wait()
-        for pthread in state.entities["provider-thread"].values() if failure is None else ():
-            if (pthread.last_run_ordinal or 0) > cp.ordinal and await self._rollback_natively(
-                    state, pthread, kept_turns(state, pthread.id, cp.ordinal)):
-                native.append(pthread.id)
-        await self._try_dispatch(FinishRollback(
-            command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
-            item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
+    INTERRUPT_GRACE_S = 10.0
+    IDLE_RELEASE_S = 30 * 60.0  # a provider process with no turn for this long is stopped
 
-    async def _rollback_natively(self, state: ThreadState, pthread: ProviderThread,
-                                 keep: int) -> bool:
-        """Roll ``pthread``'s conversation back to its first ``keep`` turns in a short session;
-        False when the driver cannot (the next turn starts fresh with a handoff)."""
-        adapter = self._adapters.get(pthread.provider_instance_id)
-        thread = state.thread
-        if adapter is None or thread is None or not pthread.native_thread_ref or \
-                not adapter.info.capabilities.supports_rollback:
-            return False
-        handle = None
-        try:
-            handle = await adapter.open_session(
-                session_id=self._new_id("provider-session"), thread_id=thread.id,
-                cwd=thread.workspace or os.getcwd(), model=None,
-                runtime_mode=thread.runtime_mode, interaction_mode=thread.interaction_mode,
-                resume_ref=pthread.native_thread_ref, mcp=None)
-            if handle.native_thread_ref != pthread.native_thread_ref:
-                return False  # the conversation is gone: a fresh one gets the handoff
-            await handle.rollback(keep)  # type: ignore[attr-defined]
-            return True
-        except Exception as exc:
-            log.warning("native rollback of %s failed (%s); the next turn starts fresh",
-                        pthread.id, exc)
-            return False
-        finally:
-            if handle is not None:
-                await handle.close()
+    def __init__(self, orch: Orchestrator, *, credentials: SessionCredentials | None,
+                 coalesce_s: float, max_live: int, max_loans: int) -> None:
+        self.orch = orch
+        self._credentials = credentials
+        self._coalesce_s = coalesce_s
+        self.live: dict[str, _LiveSession] = {}  # thread id -> its session
+        self._ingest_slots = asyncio.Semaphore(Orchestrator.MAX_INGEST_COMMITS)
+        # Live sessions + sessions opening + slots granted to a run whose start has not run yet
+        # never exceed _max_live, but for runs on a slot lent by an agent blocked in a wait
+        # (_waits, _loans); runs without one wait in _line (FIFO).
+        self._max_live = max_live
+        self._max_loans = max_loans
+        self._opening: set[str] = set()  # run ids
+        self._reserved: dict[str, str] = {}  # run id -> thread id
+        self._line: list[tuple[str, str, str]] = []  # (thread id, run id, attempt id)
+        self._waits: list[tuple[str, str, str]] = []  # (thread id, session id, awaited thread)
+        self._loans: dict[str, str] = {}  # run id -> session id of the agent that lent a slot
 
-    async def _regenerate_title(self, thread_id: str, request_id: str) -> None:
-        """Ask the thread's provider for a title, else take ``title_fallback``; skipped once a
-        rename, another regeneration, archive or delete made this request stale."""
-        state = await self.state(thread_id)
-        thread = state.thread if state else None
-        if state is None or thread is None or thread.deleted_at is not None or \
-                (thread.title_regeneration or {}).get("requestId") != request_id:
-            return
-        first = state.runs[0] if state.runs else None
-        message = state.entities["message"].get(first.user_message_id) if first else None
-        title = (await self._ask_title(thread, message.text) if message else None) \
-            or title_fallback(state)
-        await self.dispatch(CompleteTitleRegeneration(
-            command_id=bounded_id(f"command:title:{request_id}"), thread_id=thread_id,
-            request_id=request_id, title=title))
+    def run_ended(self, run_id: str) -> None:
+        """A run ended before its start ran: the slot granted to it goes to the next in line."""
+        if self._reserved.pop(run_id, None) is not None:
+            asyncio.get_running_loop().call_soon(self.rebalance)
 
-    async def _ask_title(self, thread: AppThread, text: str) -> str | None:
-        """A one-shot session of the thread's provider (no history, no t3 tools, the narrowest
-        modes it offers) answers TITLE_PROMPT; None if it cannot within TITLE_TIMEOUT_S."""
-        adapter = self._adapters.get(thread.provider_instance_id)
-        if adapter is None or not adapter.info.available:
-            return None
-        narrowest = min(adapter.info.runtime_modes or list(RuntimeMode), key=RUNTIME_RANK.get)
-        handle, parts = None, []
-        try:
-            async with asyncio.timeout(TITLE_TIMEOUT_S):
-                handle = await adapter.open_session(
-                    session_id=self._new_id("provider-session"), thread_id=thread.id,
-                    cwd=thread.workspace or os.getcwd(),
-                    model=thread.model_selection.get("model"), runtime_mode=narrowest,
-                    interaction_mode=InteractionMode.PLAN, resume_ref=None, mcp=None)
-                await handle.start_turn(TITLE_PROMPT.format(text=text[:2000]))
-                while (event := await handle.events.get()) is not None:
-                    if isinstance(event, TextDelta):
-                        parts.append(event.text)
-                    elif isinstance(event, (TurnEnded, RuntimeRequestOpened)):
-                        break
-                if not isinstance(event, TurnEnded) or event.status != "completed":
-                    return None
-        except Exception as exc:  # any failure of the provider: the fallback title
-            log.info("no title from %s: %s", thread.provider_instance_id, exc)
-            return None
-        finally:
-            if handle is not None:
-                await handle.close()
-        return _title_of("".join(parts))
+    async def end(self, live: _LiveSession, reason: str, *, grace: float = 3.0) -> None:
+        """Close ``live`` saying why; return once its pump has recorded the end."""
+        live.closing_reason = reason
+        await live.handle.close(grace=grace)
+        await live.pump_done.wait()
 
-    async def _finalize_task(self, parent_id: str, task_id: str, child_id: str,
-                             run_id: str, publish: bool) -> None:
-        child = await self.state(child_id)
-        run = child.run(run_id) if child else None
-        if child is None or run is None:
-            raise _PermanentEffectError(f"the run {run_id} of task {task_id} is gone")
-        status = RunStatus.CANCELLED if run.status == RunStatus.ROLLED_BACK else run.status
-        await self._try_dispatch(FinalizeSubagent(
-            command_id=bounded_id(f"command:finalize-task:{task_id}:{run_id}"),
-            thread_id=parent_id, task_id=task_id, status=status,
-            result=task_result(child, run), run_id=run_id, publish=publish),
-            f"task {task_id} could not be finalized")
+    async def stop(self, thread_id: str, reason: str, *, revoke: bool = False) -> None:
+        """End the thread's session, if it has one; ``revoke``: its agent calls nothing more."""
+        if (live := self.live.get(thread_id)) is not None:
+            if revoke and self._credentials:
+                self._credentials.revoke(live.session_id)
+            await self.end(live, reason)
 
-    # -- workspace preparation -------------------------------------------------------------------
+    async def close_all(self, reason: str, grace_s: float) -> None:
+        for live in list(self.live.values()):
+            live.closing_reason = reason
+        await asyncio.gather(*(live.handle.close(grace=grace_s) for live in self.live.values()),
+                             return_exceptions=True)
+        await asyncio.gather(*(live.pump_done.wait() for live in list(self.live.values())))
 
-    async def _prepare_workspace(self, row: _store.EffectRow) -> None:
-        """Make a launch's worktree (first removing what a killed attempt left, branch too) and
-        run its setup commands, or ask first (``askSetup``) and end; ``approved``: run them in
-        the worktree made before. Release the run, or fail it (a failed setup keeps the
-        worktree)."""
-        p = row.payload
-        state = await self.state(row.thread_id)
-        thread = state.thread if state else None
-        run = state.run(p["runId"]) if state else None
-        if thread is None or run is None or run.status != RunStatus.PREPARING or (
-                not p.get("approved") and _setup_request_id(run.id) in
-                state.entities["runtime-request"]):  # a replay: the question was asked
-            return
-        if self.workspaces is None or not thread.worktree_path or not thread.branch:
-            raise _PermanentEffectError("this server cannot make worktrees")
-        path, output = thread.worktree_path, ""
-        try:
-            if not p.get("approved"):
-                await self._make_worktree(row, path, thread.branch)
-                if p.get("askSetup"):
-                    asked = "".join(f"$ {command}\n" for command in p["setup"])
-                    await self._advance_preparation(run, "approval", "Waiting for approval to "
-                                                    f"run:\n{asked}", setup=p["setup"])
-                    return
-            for command in p["setup"]:
-                output = f"{output}$ {command}\n"[-PREPARATION_OUTPUT_CHARS:]
-                await self._advance_preparation(run, "setup", output)
-                code, text = await self.workspaces.run_setup(path, command)
-                output = (output + text)[-PREPARATION_OUTPUT_CHARS:]
-                if code != 0:
-                    tail = " ".join(text.strip().splitlines()[-3:])
-                    raise T3Error(f"The setup command {command!r} exited with {code}"
-                                  f"{': ' + tail[-500:] if tail else ''} (the worktree is kept "
-                                  f"at {path})")
-        except CommandRejected:
-            return  # the run ended meanwhile (interrupted): nothing to release
-        except T3Error as exc:
-            with contextlib.suppress(CommandRejected):
-                await self._advance_preparation(run, "failed", output, str(exc))
-            return
-        with contextlib.suppress(CommandRejected):
-            await self._advance_preparation(run, "ready", output)
-
-    async def _make_worktree(self, row: _store.EffectRow, path: str, branch: str) -> None:
-        p = row.payload
-        assert self.workspaces is not None
-        if row.attempt_count > 1 or os.path.lexists(path):
-            await self.workspaces.remove_worktree(p["repo"], path, branch)
-        try:
-            await self.workspaces.add_worktree(
-                p["repo"], os.path.basename(path), base_ref=p["baseRef"], branch=branch,
-                from_origin=p["fromOrigin"])
-        except Exception as exc:
-            raise T3Error(f"The worktree could not be made: {exc}") from exc
-        _store.crash_point("workspace.prepare:after-worktree")
-
-    async def _advance_preparation(self, run: Run, phase: str, output: str,
-                                   reason: str = "", setup: Sequence[str] = ()) -> None:
-        await self.dispatch(AdvancePreparation(
-            command_id=self._new_id("command:prepare"), thread_id=run.thread_id,
-            run_id=run.id, phase=phase, output=output, reason=reason, setup=tuple(setup)))
-
-    # -- provider sessions -----------------------------------------------------------------------
-
-    async def _start_attempt(self, thread_id: str, run_id: str, attempt_id: str) -> None:
-        state = await self.state(thread_id)
+    async def start_attempt(self, thread_id: str, run_id: str, attempt_id: str) -> None:
+        state = await self.orch.state(thread_id)
         run = state.run(run_id) if state else None
         if state is None or run is None or run.status != RunStatus.STARTING \
                 or run.active_attempt_id != attempt_id:
@@ -4743,7 +4243,7 @@ class Orchestrator:
         if self._credentials:
             self._credentials.set_active(live.session_id, True)
         try:
-            started = await self.dispatch(MarkRunStarted(
+            started = await self.orch.dispatch(MarkRunStarted(
                 command_id=bounded_id(f"command:start:{attempt_id}"), thread_id=thread_id,
                 run_id=run_id, attempt_id=attempt_id, provider_session_id=live.session_id,
                 session_created=created, pid=live.handle.pid,
@@ -4755,8 +4255,8 @@ class Orchestrator:
         except CommandRejected:
             live.turn = None
             return
-        await self._capture_baseline(state, run)
-        state = await self.state(thread_id) or state
+        await _capture_baseline(self.orch.workspaces, state, run)
+        state = await self.orch.state(thread_id) or state
         handoffs = state.entities["context-handoff"]
         try:
             await live.handle.start_turn(handoff_prompt(
@@ -4765,7 +4265,7 @@ class Orchestrator:
                         "mergeBackHandoffIds") or ())))
         except Exception as exc:
             live.turn = None
-            await self.dispatch(FailRun(
+            await self.orch.dispatch(FailRun(
                 command_id=bounded_id(f"command:start-failed:{attempt_id}"), thread_id=thread_id,
                 run_id=run_id, attempt_id=attempt_id, status=RunStatus.FAILED,
                 reason=f"The provider did not accept the turn: {exc}"))
@@ -4776,8 +4276,8 @@ class Orchestrator:
         an agent process slot and none is free (the run then waits in line)."""
         thread = state.thread
         assert thread is not None
-        live = self._live.get(thread.id)
-        adapter = self._adapters.get(run.provider_instance_id)
+        live = self.live.get(thread.id)
+        adapter = self.orch._adapters.get(run.provider_instance_id)
         same = live is not None and (live.instance_id, live.model) == (
             run.provider_instance_id, run.model_selection.get("model"))
         if live is not None and live.handle.alive() and same:
@@ -4805,7 +4305,7 @@ class Orchestrator:
         thread = state.thread
         assert thread is not None
         pthread = state.entities["provider-thread"].get(run.provider_thread_id or "")
-        session_id = self._new_id("provider-session")
+        session_id = self.orch._new_id("provider-session")
         # The credential exists before the process does; it dies with the session.
         mcp = self._credentials.issue(thread_id=thread.id,
                                       provider_instance_id=run.provider_instance_id,
@@ -4829,8 +4329,8 @@ class Orchestrator:
                             last_used=time.monotonic())
         live.idle_timer = asyncio.get_running_loop().call_later(self.IDLE_RELEASE_S,
                                                                 self._release, live)
-        self._live[thread.id] = live
-        self._spawn(self._pump(live), f"pump {session_id}")
+        self.live[thread.id] = live
+        self.orch._spawn(self._pump(live), f"pump {session_id}")
         return live
 
     async def _native_fork(self, state: ThreadState, run: Run, adapter: ProviderAdapter
@@ -4844,7 +4344,7 @@ class Orchestrator:
         if transfer is None or not native or not caps.supports_fork or \
                 native["providerInstanceId"] != run.provider_instance_id:
             return None
-        source = await self.state(transfer.source_thread_id)
+        source = await self.orch.state(transfer.source_thread_id)
         pthread = source.entities["provider-thread"].get(native["providerThreadId"]) \
             if source else None
         if source is None or pthread is None or not pthread.native_thread_ref:
@@ -4855,30 +4355,28 @@ class Orchestrator:
             return None
         return {"ref": pthread.native_thread_ref, "dropTurns": later}
 
-    # -- agent process slots (max_live_agent_processes) -----------------------------------------
-
     def _started(self, run_id: str) -> None:
         """A start is over (or off): a slot granted to it and not used goes to the next run in
         line, as does one a failed start gave back."""
         self._reserved.pop(run_id, None)
-        self._rebalance()
+        self.rebalance()
 
     def _slots_used(self) -> int:
         """Agent processes that count against the cap: live, opening and granted ones, but a run
         on a slot lent by an agent still blocked in its wait. A loan lasts for the borrower's
         turn (or until its lender's session ends); ended ones are dropped here first."""
-        sessions = {live.session_id for live in self._live.values()}
-        turns = {live.turn[0] for live in self._live.values() if live.turn}
+        sessions = {live.session_id for live in self.live.values()}
+        turns = {live.turn[0] for live in self.live.values() if live.turn}
         self._loans = {run: s for run, s in self._loans.items() if s in sessions and (
             run in self._reserved or run in self._opening or run in turns)}
         lent = sum(1 for s in self._loans.values() if self._blocked(s))
-        return len(self._live) + len(self._opening) + len(self._reserved) - lent
+        return len(self.live) + len(self._opening) + len(self._reserved) - lent
 
     def _blocked(self, session_id: str) -> bool:
         """That session's agent is blocked in a wait: its turn runs and a tool call waits."""
         return any(w[1] == session_id for w in self._waits) and any(
             live.session_id == session_id and live.turn is not None
-            for live in self._live.values())
+            for live in self.live.values())
 
     @contextlib.contextmanager
     def lending(self, lender: tuple[str, str] | None, thread_id: str) -> Iterator[None]:
@@ -4889,12 +4387,12 @@ class Orchestrator:
             return
         entry = (*lender, thread_id)
         self._waits.append(entry)
-        self._rebalance()
+        self.rebalance()
         try:
             yield
         finally:
             self._waits.remove(entry)
-            self._rebalance()
+            self.rebalance()
 
     def _lender_for(self, thread_id: str) -> str | None:
         """The session of an agent blocked in a wait on this thread or one it was delegated from
@@ -4905,7 +4403,7 @@ class Orchestrator:
         work: list[str] = []
         while thread_id and thread_id not in work:
             work.append(thread_id)
-            state = self._states.get(thread_id)
+            state = self.orch._states.get(thread_id)
             lineage = state.thread.lineage if state and state.thread else {}
             thread_id = lineage.get("parentThreadId") if lineage.get(
                 "relationshipToParent") == "subagent" else None
@@ -4922,9 +4420,7 @@ class Orchestrator:
             idle = None if self._line else self._idle_sessions()[:1]
             if idle:
                 self._opening.add(run_id)
-                idle[0].closing_reason = "Stopped to free an agent process slot."
-                await idle[0].handle.close()
-                await idle[0].pump_done.wait()
+                await self.end(idle[0], "Stopped to free an agent process slot.")
                 return True
             lender = self._lender_for(thread_id)
             if lender is None:
@@ -4935,27 +4431,27 @@ class Orchestrator:
 
     def _idle_sessions(self) -> list[_LiveSession]:
         """Live sessions with no turn that nothing is stopping yet, least recently used first."""
-        idle = [s for s in self._live.values() if s.turn is None and s.closing_reason is None]
+        idle = [s for s in self.live.values() if s.turn is None and s.closing_reason is None]
         return sorted(idle, key=lambda s: s.last_used)
 
     async def _wait_in_line(self, state: ThreadState, run: Run) -> None:
         """No agent process slot: the run goes back to ``queued``, saying why, until
-        ``_rebalance`` grants it one (in the order runs started waiting)."""
-        if not await self._try_dispatch(AwaitAgentSlot(
+        ``rebalance`` grants it one (in the order runs started waiting)."""
+        if not await self.orch._try_dispatch(AwaitAgentSlot(
                 command_id=bounded_id(f"command:await-slot:{run.active_attempt_id}:"
-                                      f"{self._new_id('wait')}"),
+                                      f"{self.orch._new_id('wait')}"),
                 thread_id=run.thread_id, run_id=run.id, attempt_id=run.active_attempt_id or "",
                 reason=f"Waiting for a free agent process: max_live_agent_processes = "
                        f"{self._max_live} are running; it starts when one frees.")):
             return  # interrupted meanwhile
         self._line.append((run.thread_id, run.id, run.active_attempt_id or ""))
-        self._rebalance()
+        self.rebalance()
 
-    def _rebalance(self) -> None:
+    def rebalance(self) -> None:
         """Give free slots to the runs in line, oldest first, and lent ones to the runs agents
         wait on; when more runs wait than slots are on their way to freeing, or loans that ended
         left more processes than the cap, stop idle sessions (least recently used first)."""
-        if self.stopping:
+        if self.orch.stopping:
             return
         while self._line and self._slots_used() < self._max_live:
             self._grant(*self._line.pop(0))
@@ -4964,23 +4460,24 @@ class Orchestrator:
                 self._line.remove(entry)
                 self._loans[entry[1]] = lender
                 self._grant(*entry)
-        freeing = sum(1 for s in self._live.values() if s.closing_reason is not None)
+        freeing = sum(1 for s in self.live.values() if s.closing_reason is not None)
         over = max(0, self._slots_used() - self._max_live)
         for idle in self._idle_sessions()[:max(0, over + len(self._line) - freeing)]:
             idle.closing_reason = "Stopped to free an agent process slot."
-            self._spawn(idle.handle.close(), f"release {idle.session_id}")
+            self.orch._spawn(idle.handle.close(), f"release {idle.session_id}")
 
     def _grant(self, thread_id: str, run_id: str, attempt_id: str) -> None:
         self._reserved[run_id] = thread_id
-        self._spawn(self._grant_slot(thread_id, run_id, attempt_id), f"slot {run_id}")
+        self.orch._spawn(self._grant_slot(thread_id, run_id, attempt_id), f"slot {run_id}")
 
     async def _grant_slot(self, thread_id: str, run_id: str, attempt_id: str) -> None:
-        if not await self._try_dispatch(GrantAgentSlot(
-                command_id=bounded_id(f"command:grant-slot:{attempt_id}:{self._new_id('grant')}"),
+        grant = self.orch._new_id("grant")
+        if not await self.orch._try_dispatch(GrantAgentSlot(
+                command_id=bounded_id(f"command:grant-slot:{attempt_id}:{grant}"),
                 thread_id=thread_id, run_id=run_id, attempt_id=attempt_id)):
             # it ended while it waited: the slot goes to the next in line
             self._reserved.pop(run_id, None)
-            self._rebalance()
+            self.rebalance()
 
     def _renewal_due(self, live: _LiveSession, adapter: ProviderAdapter | None) -> bool:
         """The credential ended or is past half its life: the next turn runs in a resumed session
@@ -5019,7 +4516,7 @@ class Orchestrator:
                     if self._credentials:
                         self._credentials.set_active(live.session_id, False)
                     live.last_used = time.monotonic()
-                    self._rebalance()  # this idle session may give a slot, its loan has ended
+                    self.rebalance()  # this idle session may give a slot, its loan has ended
                     live.idle_timer = asyncio.get_running_loop().call_later(
                         self.IDLE_RELEASE_S, self._release, live)
         finally:
@@ -5034,7 +4531,7 @@ class Orchestrator:
         delay = 0.05
         while True:
             try:
-                await self.dispatch(command)
+                await self.orch.dispatch(command)
                 return
             except CommandRejected as exc:
                 log.warning("provider events for %s were not recorded: %s", attempt_id, exc)
@@ -5059,28 +4556,28 @@ class Orchestrator:
                                                    or live.closing_reason) else RunStatus.FAILED
                 live.turn = None
                 live.turn_ended.set()
-                await self._try_dispatch(FailRun(
+                await self.orch._try_dispatch(FailRun(
                     command_id=bounded_id(f"command:session-gone:{live.session_id}:{attempt_id}"),
                     thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
                     status=status, reason=reason))
-            await self._try_dispatch(EndProviderSession(
+            await self.orch._try_dispatch(EndProviderSession(
                 command_id=bounded_id(f"command:session-end:{live.session_id}"),
                 thread_id=live.thread_id, provider_session_id=live.session_id,
                 status="stopped" if live.closing_reason else "error", reason=reason))
         finally:
-            if self._live.get(live.thread_id) is live:
-                del self._live[live.thread_id]
+            if self.live.get(live.thread_id) is live:
+                del self.live[live.thread_id]
             live.pump_done.set()
-            self._rebalance()
+            self.rebalance()
 
     def _release(self, live: _LiveSession) -> None:
-        if live.turn is None and self._live.get(live.thread_id) is live:
+        if live.turn is None and self.live.get(live.thread_id) is live:
             live.closing_reason = "Stopped after being idle."
-            self._spawn(live.handle.close(), f"release {live.session_id}")
+            self.orch._spawn(live.handle.close(), f"release {live.session_id}")
 
-    async def _stop_turn(self, thread_id: str, attempt_id: str) -> None:
+    async def stop_turn(self, thread_id: str, attempt_id: str) -> None:
         """Interrupt the attempt's turn and wait for it to end; kill the process if it won't."""
-        live = self._live.get(thread_id)
+        live = self.live.get(thread_id)
         if live is None or live.turn is None or live.turn[1] != attempt_id:
             return
         live.interrupting.add(attempt_id)
@@ -5090,28 +4587,27 @@ class Orchestrator:
             await asyncio.wait_for(ended.wait(), self.INTERRUPT_GRACE_S)
         except TimeoutError:
             log.warning("provider ignored the interrupt of %s; killing its session", attempt_id)
-            live.closing_reason = "The provider did not stop the turn when asked; t3 ended it."
-            await live.handle.close(grace=1.0)
-            await live.pump_done.wait()
+            await self.end(live, "The provider did not stop the turn when asked; t3 ended it.",
+                           grace=1.0)
 
-    async def _interrupt(self, thread_id: str, run_id: str, attempt_id: str) -> None:
-        live = self._live.get(thread_id)
+    async def interrupt(self, thread_id: str, run_id: str, attempt_id: str) -> None:
+        live = self.live.get(thread_id)
         if live is None or live.turn != (run_id, attempt_id):
-            state = await self.state(thread_id)
+            state = await self.orch.state(thread_id)
             run = state.run(run_id) if state else None
             if run is not None and run.status == RunStatus.RUNNING and \
                     run.active_attempt_id == attempt_id:
-                await self.dispatch(FailRun(
+                await self.orch.dispatch(FailRun(
                     command_id=bounded_id(f"command:interrupt-orphan:{attempt_id}"),
                     thread_id=thread_id, run_id=run_id, attempt_id=attempt_id,
                     status=RunStatus.INTERRUPTED,
                     reason="Interrupted; its provider session was already gone."))
             return
-        await self._stop_turn(thread_id, attempt_id)
+        await self.stop_turn(thread_id, attempt_id)
 
-    async def _steer(self, thread_id: str, run_id: str, attempt_id: str, message_id: str) -> None:
-        live = self._live.get(thread_id)
-        state = await self.state(thread_id)
+    async def steer(self, thread_id: str, run_id: str, attempt_id: str, message_id: str) -> None:
+        live = self.live.get(thread_id)
+        state = await self.orch.state(thread_id)
         message = state.entities["message"].get(message_id) if state else None
         if live is None or live.turn != (run_id, attempt_id) or message is None:
             raise _PermanentEffectError("the turn to steer is no longer live")
@@ -5119,7 +4615,543 @@ class Orchestrator:
 
 
 # =============================================================================================
-# Thread management: one service for /mcp and /ws (the seed's ThreadManagementService)
+# Scheduled tasks and webhooks at runtime
+
+
+class _Scheduler:
+    """Fires what is due (no polling: it sleeps until the next due time or a change), runs each
+    fire's turn, settles the task when that run ends, and takes webhook deliveries."""
+
+    def __init__(self, orch: Orchestrator, *, wall: Callable[[], float],
+                 redact: Callable[[str], str] | None) -> None:
+        self.orch = orch
+        self._wall = wall  # epoch seconds, from the same clock as ``clock`` (tests move both)
+        self._redact = redact  # what webhook delivery logs keep of a body goes through it
+        self._schedule_wake = asyncio.Event()
+        self._pass_waiters: list[asyncio.Future[None]] = []
+        self._scheduled_runs: dict[str, tuple[str, str]] = {}  # run id -> (task id, fire key)
+        self._hook_hits: dict[str, collections.deque[float]] = {}  # task id -> admitted at
+
+    def run_ended(self, run: Run) -> None:
+        if run.id in self._scheduled_runs:
+            self.orch._spawn(self.settle_scheduled(run), f"settle {run.id}")
+
+    def reschedule(self) -> None:
+        """Look at what is due again now (the clock moved, or a task changed)."""
+        self._schedule_wake.set()
+
+    async def scheduler_pass(self) -> None:
+        """Wake the scheduler and return once a whole pass has fired what was due (tests that
+        move the clock use it to know what did, and did not, fire)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._pass_waiters.append(waiter)
+        self.reschedule()
+        await waiter
+
+    async def loop(self) -> None:
+        """Fire every due task, then sleep until the next due time or a change: no polling."""
+        await self._resume_scheduled()
+        while not self.orch.stopping:
+            self._schedule_wake.clear()
+            waiters, self._pass_waiters = self._pass_waiters, []
+            for task in self.orch._store.due_tasks(iso_time(self._wall())):
+                try:
+                    await self.fire(task["id"], trigger="scheduled", due_at=task["nextRunAt"])
+                except CommandRejected as exc:  # changed meanwhile: the next pass sees how
+                    log.debug("scheduled task %s not fired: %s", task["id"], exc)
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            due = self.orch._store.next_due_at()
+            timeout = None if due is None else max(0.0, epoch_of(due) - self._wall())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._schedule_wake.wait(), timeout)
+
+    async def fire(self, task_id: str, *, trigger: str,
+                   due_at: str | None = None) -> DispatchResult:
+        """Fire a task once: the command id is the fire key (the task, the due time and the
+        trigger), so a fire is recorded at most once, however often it is asked for."""
+        stamp = str(int(epoch_of(due_at or iso_time(self._wall())) * 1000))
+        return await self.orch.dispatch(FireScheduledTask(
+            command_id=bounded_id(f"scheduled-task:{task_id}:{stamp}:{trigger}"),
+            thread_id=task_id, trigger=trigger, due_at=due_at))
+
+    async def run_scheduled(self, task_id: str, fire_key: str, prompt: str) -> None:
+        """A fire's run: queued in the bound thread behind its running turn (steering could
+        restart that turn, and a fire from a tool call in it would lose the call's result), or
+        a fresh thread with the task's provider and modes. Every id derives from the fire key,
+        so a replay after a crash finds what it already did."""
+        state = await self.orch.state(task_id)
+        task = state.entities["scheduled-task"].get(task_id) if state else None
+        if task is None or task.last_fire_key != fire_key:
+            return  # deleted, or a later fire replaced it
+        made = {"created_by": Actor.SYSTEM, "creation_source": CreationSource.SERVER}
+        try:
+            if task.bound_thread_id:
+                sent = await self.orch.threads.send(
+                    task.bound_thread_id, text=prompt, mode="queue",
+                    command_id=bounded_id(f"command:{fire_key}"),
+                    message_id=bounded_id(f"message:{fire_key}"), **made)
+                thread_id, run_id = task.bound_thread_id, sent["runId"]
+            else:
+                thread_id = bounded_id(f"thread:{fire_key}")
+                created = await self.orch.dispatch(self.orch.threads.plan_create(
+                    command_id=bounded_id(f"command:{fire_key}"), thread_id=thread_id,
+                    project_id=task.project_id, workspace=task.workspace, caller=None,
+                    message_id=bounded_id(f"message:{fire_key}"), entry={
+                        "prompt": prompt, "title": task.title, "target": {
+                            "providerInstanceId": task.model_selection.get("instanceId"),
+                            **({"model": task.model_selection["model"]}
+                               if task.model_selection.get("model") else {})},
+                        "runtimeMode": task.runtime_mode,
+                        "interactionMode": task.interaction_mode}, **made))
+                run_id = created.result["runId"]
+        except T3Error as exc:
+            await self._settle(task_id, fire_key, "failed", error=str(exc))
+            return
+        await self._settle(task_id, fire_key, "running", run_thread_id=thread_id, run_id=run_id)
+        self._scheduled_runs[run_id] = (task_id, fire_key)
+        run = (await self.orch.threads.thread(thread_id)).run(run_id)
+        if run is not None and run.status in RUN_TERMINAL:  # it ended before we watched
+            await self.settle_scheduled(run)
+
+    async def settle_scheduled(self, run: Run, *, restarted: bool = False) -> None:
+        """A fired run ended: the task's last run succeeded or failed, with its reason."""
+        task_id, fire_key = self._scheduled_runs.pop(run.id, (None, None))
+        if task_id is None or fire_key is None:
+            return
+        reason = "Run was interrupted by a server restart." if restarted else \
+            run.status_reason or f"The run ended {run.status}."
+        await self._settle(task_id, fire_key,
+                           "succeeded" if run.status == RunStatus.COMPLETED else "failed",
+                           error=None if run.status == RunStatus.COMPLETED else reason)
+
+    async def _settle(self, task_id: str, fire_key: str, status: str, **fields: Any) -> None:
+        await self.orch._try_dispatch(SettleScheduledRun(
+            command_id=bounded_id(f"command:settle:{fire_key}:{status}"), thread_id=task_id,
+            fire_key=fire_key, status=status, **fields), f"scheduled task {task_id}")
+
+    async def _resume_scheduled(self) -> None:
+        """After a restart: a fired run that ended meanwhile is settled, a running one watched; a
+        fire whose run had not started finishes through its outbox row (replay-safe)."""
+        for task in self.orch._store.scheduled_tasks():
+            if task["lastRunStatus"] != "running" or not task.get("lastRunId"):
+                continue
+            try:
+                thread = await self.orch.state(task["lastRunThreadId"])
+                run = thread.run(task["lastRunId"]) if thread else None
+                if run is None:
+                    await self._settle(task["id"], task["lastFireKey"], "failed",
+                                       error="Run was interrupted by a server restart.")
+                    continue
+                self._scheduled_runs[run.id] = (task["id"], task["lastFireKey"])
+                if run.status in RUN_TERMINAL:
+                    await self.settle_scheduled(run, restarted=run.status != RunStatus.COMPLETED)
+            except Exception as exc:  # one task's state never stops the scheduler
+                log.error("recovery of scheduled task %s failed: %s", task["id"], exc,
+                          exc_info=exc)
+
+    async def webhook_task(self, task_id: str) -> ScheduledTask | None:
+        """The webhook task with this id, unless deleted (t3.py checks the hook token on it)."""
+        state = await self.orch.state(task_id)
+        task = state.entities["scheduled-task"].get(task_id) if state else None
+        if task is None or task.deleted_at is not None or task.schedule.get("type") != "webhook":
+            return None
+        return task  # type: ignore[no-any-return]
+
+    async def receive_webhook(self, task_id: str, request: WebhookRequest) -> Mapping[str, Any]:
+        """A delivery whose token t3.py checked: signature (``invalid_signature``), nesting
+        (``invalid_request``), rate (``RateLimited``), then its record (``hook_disabled``,
+        ``queue_full`` or an outcome), answered once committed. Refusals write nothing and take
+        no place in the rate."""
+        task = await self.webhook_task(task_id)
+        if task is None:
+            raise T3Error("No webhook at this address.", code="hook_not_found")
+        if not signature_valid(task.schedule, request):
+            raise T3Error("The signature does not match: no HMAC-SHA256 of the delivery under "
+                          "the task's secret.", code="invalid_signature")
+        if json_too_deep(request.body.decode("utf-8", "replace")):
+            raise T3Error(f"The body nests deeper than {MAX_JSON_DEPTH} levels.",
+                          code="invalid_request")
+        self._admit_delivery(task_id)
+        command = ReceiveWebhookDelivery(
+            command_id=self._delivery_command_id(task, request), thread_id=task_id,
+            delivery_id=self.orch._new_id("webhook-delivery"), request=request,
+            delivery_key=delivery_key(task.schedule, request),
+            body_excerpt=delivery_excerpt(task.schedule, request.body, self._redact))
+        result = await self.orch.dispatch(command)
+        if result.replayed:  # this delivery came before: log the copy as its duplicate
+            result = await self.orch.dispatch(replace(
+                command, command_id=self.orch._new_id("webhook"),
+                duplicate_of=result.result["deliveryId"]))
+        log.info("webhook delivery %s to scheduled task %s: %s", result.result["deliveryId"],
+                 task_id, result.result["outcome"])
+        return {k: result.result[k] for k in ("deliveryId", "outcome")}
+
+    def _delivery_command_id(self, task: ScheduledTask, request: WebhookRequest) -> str:
+        """``webhook:<task>:<replay key>``: a copy meets that receipt and is a duplicate. A signed
+        copy is one for twice ``maxDeliveryAgeMinutes`` after the first (forever without it), as
+        long as the first's stamp (which may be that far ahead or behind) keeps a copy from
+        expiring; after that the same content counts anew under the next id (``:<n>``)."""
+        key = replay_key(task.schedule, request)
+        if key is None:
+            return self.orch._new_id("webhook")
+        command_id, n = bounded_id(f"webhook:{task.id}:{key}"), 0
+        window = task.schedule.get("maxDeliveryAgeMinutes")
+        while key.startswith("signed:") and window is not None and \
+                (seen := self.orch._store.receipt(command_id)) is not None and \
+                epoch_of(seen.result.get("receivedAt") or iso_time(0)) <= \
+                self._wall() - 2 * window * 60:
+            n += 1
+            command_id = bounded_id(f"webhook:{task.id}:{key}:{n}")
+        return command_id
+
+    def _admit_delivery(self, task_id: str) -> None:
+        """At most HOOK_DELIVERIES_PER_MINUTE per hook in any 60 s, kept in memory (a restart
+        forgets it); refused requests do not count, so a sender that backs off gets through."""
+        now = self._wall()
+        hits = self._hook_hits.setdefault(task_id, collections.deque())
+        while hits and hits[0] <= now - 60:
+            hits.popleft()
+        if len(hits) >= HOOK_DELIVERIES_PER_MINUTE:
+            raise RateLimited(f"This hook takes at most {HOOK_DELIVERIES_PER_MINUTE} deliveries "
+                              "a minute.", retry_after_s=max(1, math.ceil(hits[0] + 60 - now)))
+        hits.append(now)
+
+
+# =============================================================================================
+# The effects: what each outbox row does, and whether a claim after a crash may run it again
+
+
+async def _capture_baseline(ws: Workspaces | None, state: ThreadState, run: Run) -> None:
+    """Before a run's first attempt: capture the ``kept_before`` checkpoint unless the thread
+    has it ready. A git failure only loses the baseline; the turn goes on."""
+    thread = state.thread
+    before = kept_before(state.runs, run.ordinal)
+    previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id, before))
+    attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
+    if ws is None or thread is None or not thread.workspace or (
+            previous is not None and previous.status == "ready") or (
+            attempt is not None and attempt.attempt_ordinal > 1):
+        return
+    try:
+        await ws.capture(thread.workspace, ws.checkpoint_ref(thread.id, before))
+    except Exception as exc:
+        log.warning("baseline checkpoint of %s not captured: %s", run.id, exc)
+
+
+async def _capture_checkpoints(ws: Workspaces | None, state: ThreadState, run: Run
+                               ) -> tuple[dict[str, Any], ...]:
+    """CompleteRun.checkpoints for a finished root turn: the baselines 0 and ``kept_before``
+    the thread lacks (ready when their ref exists) and the run's own capture with its files;
+    outside git all ``missing``, a git failure ``error``. A rerun only rewrites the ref."""
+    thread, n = state.thread, run.ordinal
+    assert thread is not None
+    have = {c.ordinal for c in state.entities["checkpoint"].values()}
+    prev = kept_before(state.runs, n)  # n-1 unless runs were rolled back
+    ordinals = [*sorted({0, prev} - have), n]
+    cwd = thread.workspace
+    if ws is None or not cwd or await ws.top_level(cwd) is None:
+        return tuple({"ordinal": o, "status": "missing"} for o in ordinals)
+    found: list[dict[str, Any]] = []
+    try:
+        for o in ordinals[:-1]:
+            ref = ws.checkpoint_ref(thread.id, o)
+            commit = await ws.ref_commit(cwd, ref)
+            found.append({"ordinal": o, "status": "ready" if commit else "missing",
+                          "ref": ref, "commit": commit})
+        before = await ws.ref_commit(cwd, ws.checkpoint_ref(thread.id, prev)) if n else None
+        ref = ws.checkpoint_ref(thread.id, n)
+        commit = await ws.capture(cwd, ref)
+        files = file_changes(await ws.diff(cwd, before, commit)) if before else []
+        found.append({"ordinal": n, "status": "ready", "ref": ref, "commit": commit,
+                      "files": files})
+    except Exception as exc:  # GitError, OSError: the run completes all the same
+        log.warning("checkpoint of %s failed: %s", run.id, exc)
+        found = [f for f in found if f["ordinal"] != n] + [
+            {"ordinal": n, "status": "error", "reason": str(exc)[:1000]}]
+    return tuple(found)
+
+
+async def _rollback(o: Orchestrator, thread_id: str, item_id: str, checkpoint: str) -> None:
+    """The ``checkpoint.rollback`` effect (see "Rollback"): restore, drop later refs, roll
+    back or close the provider conversations, then FinishRollback. Safe to run again."""
+    state = await o.state(thread_id)
+    item = state.entities["turn-item"].get(item_id) if state else None
+    if state is None or state.thread is None or item is None or item.status != "running":
+        return  # finished before a crash: nothing left to do
+    cp, ws, cwd = state.entities["checkpoint"][checkpoint], o.workspaces, \
+        state.thread.workspace
+    failure, native = None, []
+    try:
+        if ws is None or not cwd:
+            raise T3Error("this server has no git workspaces")
+        await ws.restore(cwd, cp.commit)
+        for later in state.entities["checkpoint"].values():
+            if later.ordinal > cp.ordinal and later.ref:
+                await ws.delete_ref(cwd, later.ref)
+    except Exception as exc:  # GitError, OSError: said in the item, nothing marked
+        failure = f"the workspace was not restored: {exc}"[:2000]
+    if failure is None:  # idle: no run may be active during a rollback
+        await o.sessions.stop(thread_id, f"Closed by a rollback to checkpoint {cp.ordinal}.")
+    for pthread in state.entities["provider-thread"].values() if failure is None else ():
+        if (pthread.last_run_ordinal or 0) > cp.ordinal and await _rollback_natively(
+                o, state, pthread, kept_turns(state, pthread.id, cp.ordinal)):
+            native.append(pthread.id)
+    await o._try_dispatch(FinishRollback(
+        command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
+        item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
+
+
+async def _rollback_natively(o: Orchestrator, state: ThreadState, pthread: ProviderThread,
+                             keep: int) -> bool:
+    """Roll ``pthread``'s conversation back to its first ``keep`` turns in a short session;
+    False when the driver cannot (the next turn starts fresh with a handoff)."""
+    adapter = o._adapters.get(pthread.provider_instance_id)
+    thread = state.thread
+    if adapter is None or thread is None or not pthread.native_thread_ref or \
+            not adapter.info.capabilities.supports_rollback:
+        return False
+    handle = None
+    try:
+        handle = await adapter.open_session(
+            session_id=o._new_id("provider-session"), thread_id=thread.id,
+            cwd=thread.workspace or os.getcwd(), model=None,
+            runtime_mode=thread.runtime_mode, interaction_mode=thread.interaction_mode,
+            resume_ref=pthread.native_thread_ref, mcp=None)
+        if handle.native_thread_ref != pthread.native_thread_ref:
+            return False  # the conversation is gone: a fresh one gets the handoff
+        await handle.rollback(keep)  # type: ignore[attr-defined]
+        return True
+    except Exception as exc:
+        log.warning("native rollback of %s failed (%s); the next turn starts fresh",
+                    pthread.id, exc)
+        return False
+    finally:
+        if handle is not None:
+            await handle.close()
+
+
+async def _regenerate_title(o: Orchestrator, thread_id: str, request_id: str) -> None:
+    """Ask the thread's provider for a title, else take ``title_fallback``; skipped once a
+    rename, another regeneration, archive or delete made this request stale."""
+    state = await o.state(thread_id)
+    thread = state.thread if state else None
+    if state is None or thread is None or thread.deleted_at is not None or \
+            (thread.title_regeneration or {}).get("requestId") != request_id:
+        return
+    first = state.runs[0] if state.runs else None
+    message = state.entities["message"].get(first.user_message_id) if first else None
+    title = (await _ask_title(o, thread, message.text) if message else None) \
+        or title_fallback(state)
+    await o.dispatch(CompleteTitleRegeneration(
+        command_id=bounded_id(f"command:title:{request_id}"), thread_id=thread_id,
+        request_id=request_id, title=title))
+
+
+async def _ask_title(o: Orchestrator, thread: AppThread, text: str) -> str | None:
+    """A one-shot session of the thread's provider (no history, no t3 tools, the narrowest
+    modes it offers) answers TITLE_PROMPT; None if it cannot within TITLE_TIMEOUT_S."""
+    adapter = o._adapters.get(thread.provider_instance_id)
+    if adapter is None or not adapter.info.available:
+        return None
+    narrowest = min(adapter.info.runtime_modes or list(RuntimeMode), key=RUNTIME_RANK.get)
+    handle, parts = None, []
+    try:
+        async with asyncio.timeout(TITLE_TIMEOUT_S):
+            handle = await adapter.open_session(
+                session_id=o._new_id("provider-session"), thread_id=thread.id,
+                cwd=thread.workspace or os.getcwd(),
+                model=thread.model_selection.get("model"), runtime_mode=narrowest,
+                interaction_mode=InteractionMode.PLAN, resume_ref=None, mcp=None)
+            await handle.start_turn(TITLE_PROMPT.format(text=text[:2000]))
+            while (event := await handle.events.get()) is not None:
+                if isinstance(event, TextDelta):
+                    parts.append(event.text)
+                elif isinstance(event, (TurnEnded, RuntimeRequestOpened)):
+                    break
+            if not isinstance(event, TurnEnded) or event.status != "completed":
+                return None
+    except Exception as exc:  # any failure of the provider: the fallback title
+        log.info("no title from %s: %s", thread.provider_instance_id, exc)
+        return None
+    finally:
+        if handle is not None:
+            await handle.close()
+    return _title_of("".join(parts))
+
+
+async def _finalize_task(o: Orchestrator, parent_id: str, task_id: str, child_id: str,
+                         run_id: str, publish: bool) -> None:
+    child = await o.state(child_id)
+    run = child.run(run_id) if child else None
+    if child is None or run is None:
+        raise _PermanentEffectError(f"the run {run_id} of task {task_id} is gone")
+    status = RunStatus.CANCELLED if run.status == RunStatus.ROLLED_BACK else run.status
+    await o._try_dispatch(FinalizeSubagent(
+        command_id=bounded_id(f"command:finalize-task:{task_id}:{run_id}"),
+        thread_id=parent_id, task_id=task_id, status=status,
+        result=task_result(child, run), run_id=run_id, publish=publish),
+        f"task {task_id} could not be finalized")
+
+
+async def _prepare_workspace(o: Orchestrator, row: _store.EffectRow) -> None:
+    """Make a launch's worktree (first removing what a killed attempt left, branch too) and run
+    its setup commands, or ask first (``askSetup``) and end; ``approved``: run them in the
+    worktree made before. Release the run, or fail it (a failed setup keeps the worktree)."""
+    p = row.payload
+    state = await o.state(row.thread_id)
+    thread = state.thread if state else None
+    run = state.run(p["runId"]) if state else None
+    if thread is None or run is None or run.status != RunStatus.PREPARING or (
+            not p.get("approved") and _setup_request_id(run.id) in
+            state.entities["runtime-request"]):  # a replay: the question was asked
+        return
+    if o.workspaces is None or not thread.worktree_path or not thread.branch:
+        raise _PermanentEffectError("this server cannot make worktrees")
+    path, output = thread.worktree_path, ""
+    try:
+        if not p.get("approved"):
+            await _make_worktree(o, row, path, thread.branch)
+            if p.get("askSetup"):
+                asked = "".join(f"$ {command}\n" for command in p["setup"])
+                await _advance_preparation(o, run, "approval", "Waiting for approval to "
+                                           f"run:\n{asked}", setup=p["setup"])
+                return
+        for command in p["setup"]:
+            output = f"{output}$ {command}\n"[-PREPARATION_OUTPUT_CHARS:]
+            await _advance_preparation(o, run, "setup", output)
+            code, text = await o.workspaces.run_setup(path, command)
+            output = (output + text)[-PREPARATION_OUTPUT_CHARS:]
+            if code != 0:
+                tail = " ".join(text.strip().splitlines()[-3:])
+                raise T3Error(f"The setup command {command!r} exited with {code}"
+                              f"{': ' + tail[-500:] if tail else ''} (the worktree is kept "
+                              f"at {path})")
+    except CommandRejected:
+        return  # the run ended meanwhile (interrupted): nothing to release
+    except T3Error as exc:
+        with contextlib.suppress(CommandRejected):
+            await _advance_preparation(o, run, "failed", output, str(exc))
+        return
+    with contextlib.suppress(CommandRejected):
+        await _advance_preparation(o, run, "ready", output)
+
+
+async def _make_worktree(o: Orchestrator, row: _store.EffectRow, path: str, branch: str) -> None:
+    p = row.payload
+    assert o.workspaces is not None
+    if row.attempt_count > 1 or os.path.lexists(path):
+        await o.workspaces.remove_worktree(p["repo"], path, branch)
+    try:
+        await o.workspaces.add_worktree(
+            p["repo"], os.path.basename(path), base_ref=p["baseRef"], branch=branch,
+            from_origin=p["fromOrigin"])
+    except Exception as exc:
+        raise T3Error(f"The worktree could not be made: {exc}") from exc
+    _store.crash_point("workspace.prepare:after-worktree")
+
+
+async def _advance_preparation(o: Orchestrator, run: Run, phase: str, output: str,
+                               reason: str = "", setup: Sequence[str] = ()) -> None:
+    await o.dispatch(AdvancePreparation(
+        command_id=o._new_id("command:prepare"), thread_id=run.thread_id,
+        run_id=run.id, phase=phase, output=output, reason=reason, setup=tuple(setup)))
+
+
+async def _respond(o: Orchestrator, row: _store.EffectRow) -> None:
+    p = row.payload
+    live = o.sessions.live.get(row.thread_id)
+    if live is None or live.session_id != p["providerSessionId"]:
+        raise _PermanentEffectError("the provider session that asked is gone")
+    await live.handle.respond(p["nativeRequestRef"], p.get("decision"), p.get("answers"))
+
+
+async def _restart(o: Orchestrator, row: _store.EffectRow) -> None:
+    p = row.payload
+    await o.sessions.stop_turn(row.thread_id, p["interruptedAttemptId"])
+    await o.sessions.start_attempt(row.thread_id, p["runId"], p["attemptId"])
+
+
+async def _route_question(o: Orchestrator, row: _store.EffectRow) -> None:
+    p = row.payload
+    await o._try_dispatch(NotifyTaskQuestion(
+        command_id=bounded_id(f"command:task-question:{p['requestId']}"),
+        thread_id=p["parentThreadId"], task_id=p["taskId"], request_id=p["requestId"],
+        child_thread_id=p["childThreadId"], question=p["question"],
+        blocking=p.get("blocking", True)), f"question of task {p['taskId']} not routed")
+
+
+async def _withdraw_question(o: Orchestrator, row: _store.EffectRow) -> None:
+    p = row.payload
+    await o._try_dispatch(SettleTaskQuestion(
+        command_id=bounded_id(f"command:withdraw-question:{p['requestId']}"),
+        thread_id=p["parentThreadId"], task_id=p["taskId"], request_id=p["requestId"]),
+        f"question of task {p['taskId']} not withdrawn")
+
+
+async def _forget_checkpoints(o: Orchestrator, row: _store.EffectRow) -> None:
+    if o.workspaces is not None:
+        await o.workspaces.delete_ref(row.payload["workspace"],
+                                      o.workspaces.checkpoint_ref(row.thread_id, None))
+
+
+async def _finalize_run(o: Orchestrator, row: _store.EffectRow) -> None:
+    run_id = row.payload["runId"]
+    state = await o.state(row.thread_id)
+    run = state.run(run_id) if state else None
+    if state is None or run is None or run.status != RunStatus.WAITING:
+        return  # already finalized (a replay after a crash): the effect is idempotent
+    found = await _capture_checkpoints(o.workspaces, state, run)
+    await o._try_dispatch(CompleteRun(command_id=bounded_id(f"command:finalize:{run_id}"),
+                                      thread_id=row.thread_id, run_id=run_id, checkpoints=found))
+
+
+_Runner = Callable[["Orchestrator", _store.EffectRow], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class _EffectKind:
+    run: _Runner
+    replay_safe: bool = False  # a claim after a crash may run it again (else it is cancelled)
+    fails_run: bool = False  # failing for good fails the run it serves
+    attempts: int = 5
+
+
+EFFECTS: dict[str, _EffectKind] = {
+    "provider-turn.start": _EffectKind(lambda o, row: o.sessions.start_attempt(
+        row.thread_id, row.payload["runId"], row.payload["attemptId"]), fails_run=True),
+    "provider-turn.restart": _EffectKind(_restart, fails_run=True),
+    "provider-turn.interrupt": _EffectKind(lambda o, row: o.sessions.interrupt(
+        row.thread_id, row.payload["runId"], row.payload["attemptId"]), fails_run=True),
+    "provider-turn.steer": _EffectKind(lambda o, row: o.sessions.steer(
+        row.thread_id, row.payload["runId"], row.payload["attemptId"],
+        row.payload["messageId"]), fails_run=True),
+    "runtime-request.respond": _EffectKind(_respond),
+    "provider-session.stop": _EffectKind(lambda o, row: o.sessions.stop(  # the thread was deleted
+        row.thread_id, row.payload["reason"], revoke=True)),
+    "run.finalize": _EffectKind(_finalize_run, replay_safe=True),
+    "subagent.finalize": _EffectKind(lambda o, row: _finalize_task(
+        o, row.payload["parentThreadId"], row.payload["taskId"], row.payload["childThreadId"],
+        row.payload["runId"], row.payload.get("publish", True)), replay_safe=True),
+    "subagent.question": _EffectKind(_route_question, replay_safe=True),
+    "subagent.question-settled": _EffectKind(_withdraw_question, replay_safe=True),
+    # its thread and message ids derive from the fire key
+    "scheduled-task.run": _EffectKind(lambda o, row: o.scheduler.run_scheduled(
+        row.thread_id, row.payload["fireKey"], row.payload["prompt"]), replay_safe=True),
+    # each step of these two is idempotent
+    "thread-title.generate": _EffectKind(lambda o, row: _regenerate_title(
+        o, row.payload["threadId"], row.payload["requestId"]), replay_safe=True),
+    "checkpoint.rollback": _EffectKind(lambda o, row: _rollback(
+        o, row.thread_id, row.payload["itemId"], row.payload["checkpointId"]), replay_safe=True),
+    # a second attempt first removes what the first one left
+    "workspace.prepare": _EffectKind(_prepare_workspace, replay_safe=True, fails_run=True),
+    "checkpoint.forget": _EffectKind(_forget_checkpoints, replay_safe=True),  # gone refs: no error
+}
+
+
+# =============================================================================================
+# Thread management: one service for /mcp and /ws
 
 
 class ThreadService:
@@ -5623,7 +5655,7 @@ def _merge_deltas(batch: Sequence[AdapterEvent]) -> tuple[AdapterEvent, ...]:
     for event in batch:
         last = merged[-1] if merged else None
         if isinstance(event, (TextDelta, ReasoningDelta)) and type(last) is type(event):
-            merged[-1] = type(event)(last.text + event.text)  # type: ignore[union-attr]
+            merged[-1] = type(event)(last.text + event.text)
         else:
             merged.append(event)
     return tuple(merged)
