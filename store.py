@@ -264,7 +264,7 @@ def _pluck(payload: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
-# Streamed text is appended, not rewritten (SPEC 3): while a message streams, each ingest commit
+# Streamed text is appended, not rewritten: while a message streams, each ingest commit
 # records only its new text as a TEXT_APPENDED event ({id, threadId, runId, text, updatedAt}),
 # which projects nothing. The message's row keeps what it was opened with; the row and the event
 # log hold the whole entity again when it closes. So the bytes written per delta do not grow

@@ -44,7 +44,13 @@ import uuid
 from collections.abc import (AsyncIterator, Awaitable, Callable, Iterator, Mapping,
                              MutableMapping, Sequence)
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the layers' types, for annotations: t3.py imports the layers when it serves
+    from orchestrator import Orchestrator, ProviderAdapter
+    from store import Store
+    from tools import Toolkit
 
 __all__ = ["VERSION", "main", "Config", "ConfigError", "load_config", "DataDirError",
            "open_data_dir", "ClientToken", "Credentials", "HttpPolicy", "Route", "WebView",
@@ -2048,9 +2054,10 @@ class TestClock:
         self.advanced += seconds
 
 
-def build_adapters(config: Config, data_dir: Path, prov: Any) -> dict[str, Any]:
+def build_adapters(config: Config, data_dir: Path, prov: ModuleType) -> dict[str, ProviderAdapter]:
     """One adapter per configured provider instance (or per detected CLI when none are configured).
-    Their processes are tagged with the data dir, so a later server can find its orphans."""
+    Their processes are tagged with the data dir, so a later server can find its orphans. The
+    ``acpRegistry`` driver is registry.py's, imported only when an instance uses it."""
     configs = [prov.ProviderConfig(instance_id=p["id"], driver=p["driver"], command=p["command"],
                                    env=p["env"], models=p["models"], enabled=p["enabled"],
                                    display_name=p["displayName"], agent=p["agent"],
@@ -2058,9 +2065,17 @@ def build_adapters(config: Config, data_dir: Path, prov: Any) -> dict[str, Any]:
                                    allow_unverified=p["allowUnverified"])
                for p in config.providers] if config.providers is not None \
         else prov.detect_providers()
-    return {c.instance_id: prov.build_adapter(c, log_dir=data_dir / "logs", owner=str(data_dir),
-                                              agents_dir=data_dir / "agents")
-            for c in configs}
+    adapters: dict[str, ProviderAdapter] = {}
+    for c in configs:
+        if c.driver == "acpRegistry":
+            from registry import AcpRegistryAdapter
+            adapters[c.instance_id] = AcpRegistryAdapter(
+                c, log_dir=data_dir / "logs", owner=str(data_dir),
+                cache_dir=data_dir / "agents" / "registry")
+        else:
+            adapters[c.instance_id] = prov.build_adapter(c, log_dir=data_dir / "logs",
+                                                         owner=str(data_dir))
+    return adapters
 
 
 class _LiveProviderInfo(Mapping[str, Any]):
