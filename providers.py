@@ -44,10 +44,11 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping,
+                             Sequence)
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderAdapter, ProviderInfo,
@@ -365,14 +366,13 @@ class _Process:
     async def stop(self, *, grace: float) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.is_closing():
             self.proc.stdin.close()
-        if await self._exited_within(grace):
-            self._kill_group(signal.SIGKILL)  # grandchildren that kept running
-            return
-        self._kill_group(signal.SIGTERM)
-        if not await self._exited_within(2.0):
-            self._kill_group(signal.SIGKILL)
-            await self._exited_within(5.0)
-        self._kill_group(signal.SIGKILL)
+        if not await self._exited_within(grace):
+            self._kill_group(signal.SIGTERM)
+            if not await self._exited_within(2.0):
+                self._kill_group(signal.SIGKILL)
+                await self._exited_within(5.0)
+        self._kill_group(signal.SIGKILL)  # grandchildren that kept running
+        await asyncio.wait({self._reaper}, timeout=1.0)  # it ends with the process
 
     async def _exited_within(self, seconds: float) -> bool:
         try:
@@ -396,6 +396,37 @@ async def _log_output(stream: asyncio.StreamReader | None, protocol_log: _Protoc
         protocol_log.write(f"{prefix} {line}")
         if on_line is not None:
             on_line(line)
+
+
+class _Tasks:
+    """The background tasks of one session (its readers, the agent requests it serves), each
+    held until it ends. ``end`` waits for them once the process is gone (they reach EOF), then
+    cancels what is left: none outlives its session, none is fire-and-forget."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task[Any]] = set()
+
+    def start(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
+
+    async def end(self, *, within: float) -> None:
+        tasks = self._running - {asyncio.current_task()}
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=within)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
+
+
+def _fail_pending(futures: Iterable[asyncio.Future[Any]]) -> None:
+    """Requests that wait for an answer the gone process will never give."""
+    for future in futures:
+        if not future.done():
+            future.set_exception(ConnectionError("the provider process exited"))
 
 
 def _texts(blocks: Iterable[Any] | None) -> list[str]:
@@ -584,9 +615,13 @@ async def _write_json_line(process: _Process, protocol_log: _ProtocolLog, label:
 
 class _Session:
     """What every driver's session shares: one provider process serving one app thread, its
-    adapter events (``events``; None = the process is gone, with ``exit_reason``), its stop."""
+    adapter events (``events``; None = the process is gone, with ``exit_reason``), its
+    background tasks (``_tasks``) and its stop. A driver reading JSON lines on stdout defines
+    ``_route`` and starts ``_read()``; one holding requests open defines ``_forget``."""
 
-    def __init__(self, adapter: Any, process: _Process) -> None:
+    TASKS_GRACE_S = 2.0  # close(): how long the readers get to reach EOF before they are cancelled
+
+    def __init__(self, adapter: _Adapter, process: _Process) -> None:
         self._adapter = adapter
         self._process = process
         self._label = f"{adapter.info.instance_id}[{process.pid}]"
@@ -595,6 +630,7 @@ class _Session:
         self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
         self.exit_reason: str | None = None
         self._closing = False
+        self._tasks = _Tasks()
 
     def alive(self) -> bool:
         return self._process.alive()
@@ -606,16 +642,45 @@ class _Session:
     async def close(self, *, grace: float = 3.0) -> None:
         self._closing = True
         await self._process.stop(grace=grace)
+        await self._tasks.end(within=self.TASKS_GRACE_S)
 
     async def _send(self, message: Mapping[str, Any]) -> None:
         await _write_json_line(self._process, self._adapter.protocol_log, self._label, message)
+
+    def _read(self) -> None:
+        """Read the process: each JSON line on stdout to ``_route``, stderr into the log."""
+        self._tasks.start(self._read_stdout())
+        self._tasks.start(self._read_stderr())
+
+    async def _route(self, message: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def _read_stdout(self) -> None:
+        try:
+            await _read_json_lines(self._process, self._adapter.protocol_log, self._label,
+                                   self._route)
+        finally:
+            await self._ended()
 
     async def _read_stderr(self) -> None:
         await _log_output(self._process.proc.stderr, self._adapter.protocol_log,
                           f"{self._label} stderr")
 
+    async def _ended(self) -> None:
+        """The process is gone: why (``exit_reason``), what it can no longer answer is dropped
+        (``_forget``), then None on ``events``."""
+        self.exit_reason = _exit_reason(self._closing, await self._process.proc.wait())
+        self._forget()
+        await self.events.put(None)
 
-async def _opened(session: Any, opening: Awaitable[None]) -> Any:
+    def _forget(self) -> None:
+        """Drop the requests only the gone process could have answered."""
+
+
+_S = TypeVar("_S", bound=_Session)
+
+
+async def _opened(session: _S, opening: Awaitable[None]) -> _S:
     """``session`` once ``opening`` has run; a session that fails to open is closed."""
     try:
         await opening
@@ -636,22 +701,25 @@ class JsonRpcError(Exception):
 
 
 class _JsonRpc:
-    """Requests and notifications both ways over a process's stdin/stdout."""
+    """Requests and notifications both ways over a process's stdin/stdout. Its readers and the
+    agent requests it serves run in ``tasks``; ``on_close`` runs once stdout has ended."""
 
     def __init__(self, process: _Process, *, protocol_log: _ProtocolLog, label: str,
-                 on_request: Any, on_notification: Any, on_close: Any) -> None:
+                 tasks: _Tasks,
+                 on_request: Callable[[Any, str, Mapping[str, Any]], Awaitable[Any]],
+                 on_notification: Callable[[str, Mapping[str, Any]], Awaitable[None]],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
         self._process = process
         self._log = protocol_log
         self._label = label
+        self._tasks = tasks
         self._on_request = on_request
         self._on_notification = on_notification
         self._on_close = on_close
         self._ids = itertools.count(1)
         self._pending: dict[Any, asyncio.Future[Any]] = {}
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_stdout()),
-                       loop.create_task(_log_output(process.proc.stderr, protocol_log,
-                                                    f"{label} stderr"))]
+        tasks.start(self._read_stdout())
+        tasks.start(_log_output(process.proc.stderr, protocol_log, f"{label} stderr"))
         self.closed = False
 
     async def request(self, method: str, params: Mapping[str, Any], *,
@@ -688,15 +756,12 @@ class _JsonRpc:
             await _read_json_lines(self._process, self._log, self._label, self._route)
         finally:
             self.closed = True
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(ConnectionError("the provider process exited"))
-            returncode = await self._process.proc.wait()
-            await self._on_close(returncode)
+            _fail_pending(self._pending.values())
+            await self._on_close()
 
     async def _route(self, message: dict[str, Any]) -> None:
         if "method" in message and "id" in message:
-            asyncio.get_running_loop().create_task(self._serve(message))
+            self._tasks.start(self._serve(message))
         elif "method" in message:
             await self._on_notification(message["method"], message.get("params") or {})
         elif "id" in message:
@@ -721,10 +786,6 @@ class _JsonRpc:
         except ConnectionError:
             pass
 
-    def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
 
 _DEFERRED = object()  # a request handler that answers later through respond()
 
@@ -732,20 +793,33 @@ _DEFERRED = object()  # a request handler that answers later through respond()
 class _RpcSession(_Session):
     """A session over ``_JsonRpc`` whose agent requests wait open for the user's answer."""
 
-    def __init__(self, adapter: Any, process: _Process, runtime_mode: str) -> None:
+    def __init__(self, adapter: _Adapter, process: _Process, runtime_mode: str) -> None:
         super().__init__(adapter, process)
         self._runtime_mode = runtime_mode
         # native_ref -> (JSON-RPC id, method, what answering it needs)
         self._requests: dict[str, tuple[Any, str, Any]] = {}
         self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log, label=self._label,
-                            on_request=self._on_request, on_notification=self._on_notification,
-                            on_close=self._on_close)
+                            tasks=self._tasks, on_request=self._on_request,
+                            on_notification=self._on_notification, on_close=self._ended)
 
     def alive(self) -> bool:
         return self._process.alive() and not self.rpc.closed
 
-    # A driver defines _on_request, _on_notification and _result (the JSON-RPC result that
-    # answers a pending agent request).
+    # -- what a driver defines -------------------------------------------------------------------
+
+    async def _on_request(self, request_id: Any, method: str, params: Mapping[str, Any]) -> Any:
+        """The answer to an agent's request, or ``_ask(...)`` to hold it open for the user."""
+        raise NotImplementedError
+
+    async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _result(self, method: str, context: Any, decision: str | None,
+                answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        """The JSON-RPC result that answers a pending agent request with the user's decision."""
+        raise NotImplementedError
+
+    # -- pending agent requests ------------------------------------------------------------------
 
     async def respond(self, native_ref: str, decision: str | None,
                       answers: Mapping[str, Any] | None) -> None:
@@ -770,10 +844,8 @@ class _RpcSession(_Session):
         await self.events.put(request)
         return _DEFERRED
 
-    async def _on_close(self, returncode: int) -> None:
-        self.exit_reason = _exit_reason(self._closing, returncode)
+    def _forget(self) -> None:
         self._requests.clear()
-        await self.events.put(None)
 
 
 # =============================================================================================
@@ -906,7 +978,7 @@ class AcpSession(_RpcSession):
             prompt.insert(0, {"type": "text", "text": f"<{_INSTRUCTIONS_TAG}>\n"
                               f"{self._instructions}\n</{_INSTRUCTIONS_TAG}>"})
             self._instructions = None
-        self._prompt_task = asyncio.get_running_loop().create_task(self._prompt(prompt))
+        self._prompt_task = self._tasks.start(self._prompt(prompt))
 
     async def _prompt(self, prompt: list[dict[str, Any]]) -> None:
         try:
@@ -1153,8 +1225,7 @@ class ClaudeSession(_Session):
         self._requests = itertools.count(1)
         self._in_turn = False
         self._interrupted = False
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
+        self._read()
 
     async def start_turn(self, text: str) -> None:
         if self._in_turn:
@@ -1187,17 +1258,10 @@ class ClaudeSession(_Session):
             await self._send({"type": "control_response", "response": {
                 "subtype": "success", "request_id": native_ref, "response": response}})
 
-    async def _read_stdout(self) -> None:
-        try:
-            await _read_json_lines(self._process, self._adapter.protocol_log, self._label,
-                                   self._route)
-        finally:
-            returncode = await self._process.proc.wait()
-            self.exit_reason = _exit_reason(self._closing, returncode)
-            self._permissions.clear()
-            if self._mcp_dir:
-                shutil.rmtree(self._mcp_dir, ignore_errors=True)
-            await self.events.put(None)
+    def _forget(self) -> None:
+        self._permissions.clear()
+        if self._mcp_dir:
+            shutil.rmtree(self._mcp_dir, ignore_errors=True)
 
     async def _route(self, message: Mapping[str, Any]) -> None:
         kind = message.get("type")
@@ -1592,8 +1656,9 @@ class CodexAdapter(_Adapter):
 
             async def ignore(*_: Any) -> None:
                 return None
+            tasks = _Tasks()
             rpc = _JsonRpc(process, protocol_log=self.protocol_log,
-                           label=f"{self.info.instance_id}[probe {process.pid}]",
+                           label=f"{self.info.instance_id}[probe {process.pid}]", tasks=tasks,
                            on_request=ignore, on_notification=ignore, on_close=ignore)
             try:
                 await _codex_initialize(rpc)
@@ -1606,8 +1671,8 @@ class CodexAdapter(_Adapter):
                         break
                 account = await rpc.request("account/read", {"refreshToken": False}) or {}
             finally:
-                rpc.cancel()
                 await process.stop(grace=1.0)
+                await tasks.end(within=1.0)
         listed.sort(key=lambda m: not m.get("isDefault"))
         models = [{"id": m["id"], "label": m.get("displayName"),
                    **({"legacy": True} if m.get("hidden") else {})}
@@ -1723,8 +1788,7 @@ class PiSession(_Session):
         self._in_turn = False
         self._interrupted = False
         self._last_error: str | None = None
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
+        self._read()
 
     async def _request(self, kind: str, *, timeout: float = _PI_REQUEST_TIMEOUT,
                        **fields: Any) -> Mapping[str, Any]:
@@ -1768,17 +1832,8 @@ class PiSession(_Session):
                       answers: Mapping[str, Any] | None) -> None:
         raise RuntimeError("pi raises no runtime requests")
 
-    async def _read_stdout(self) -> None:
-        try:
-            await _read_json_lines(self._process, self._adapter.protocol_log, self._label,
-                                   self._route)
-        finally:
-            returncode = await self._process.proc.wait()
-            self.exit_reason = _exit_reason(self._closing, returncode)
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(ConnectionError("the provider process exited"))
-            await self.events.put(None)
+    def _forget(self) -> None:
+        _fail_pending(self._pending.values())
 
     async def _route(self, message: Mapping[str, Any]) -> None:
         kind = message.get("type")
@@ -1981,12 +2036,11 @@ class OpenCodeSession(_Session):
         loop = asyncio.get_running_loop()
         self._listening: asyncio.Future[str] = loop.create_future()
         self._subscribed: asyncio.Future[None] = loop.create_future()
-        # "listening on" may come on either stream
-        self._tasks = [loop.create_task(_log_output(stream, adapter.protocol_log,
-                                                    f"{self._label} {name}", self._on_output))
-                       for name, stream in (("stdout", process.proc.stdout),
-                                            ("stderr", process.proc.stderr))]
-        self._tasks.append(loop.create_task(self._watch_exit()))
+        for name, stream in (("stdout", process.proc.stdout), ("stderr", process.proc.stderr)):
+            # "listening on" may come on either stream
+            self._tasks.start(_log_output(stream, adapter.protocol_log, f"{self._label} {name}",
+                                          self._on_output))
+        self._tasks.start(self._ended())
 
     # -- HTTP ------------------------------------------------------------------------------------
 
@@ -2028,7 +2082,7 @@ class OpenCodeSession(_Session):
             await asyncio.wait_for(asyncio.shield(self._listening), 60)
         except TimeoutError:
             raise RuntimeError("opencode serve did not start listening within 60 s") from None
-        self._tasks.append(asyncio.get_running_loop().create_task(self._read_events()))
+        self._tasks.start(self._read_events())
         await asyncio.wait_for(asyncio.shield(self._subscribed), 30)
         self._system = self._adapter._instructions(mcp)
         if mcp is not None:
@@ -2091,26 +2145,18 @@ class OpenCodeSession(_Session):
         except (_HttpError, ConnectionError, OSError) as exc:
             log.info("opencode permission reply not applied: %s", exc)
 
-    async def close(self, *, grace: float = 3.0) -> None:
-        await super().close(grace=grace)
-        for task in self._tasks:
-            task.cancel()
-
     # -- incoming --------------------------------------------------------------------------------
 
     def _on_output(self, line: str) -> None:
         if (found := _OPENCODE_LISTENING.search(line)) and not self._listening.done():
             self._listening.set_result(found.group(1))
 
-    async def _watch_exit(self) -> None:
-        returncode = await self._process.proc.wait()
-        self.exit_reason = _exit_reason(self._closing, returncode)
+    def _forget(self) -> None:
         for future in (self._listening, self._subscribed):
             if not future.done():
                 future.set_exception(ConnectionError(
-                    f"opencode serve exited (exit code {returncode})"))
+                    f"opencode serve exited (exit code {self._process.proc.returncode})"))
         self._permissions.clear()
-        await self.events.put(None)
 
     async def _read_events(self) -> None:
         try:
@@ -2140,14 +2186,14 @@ class OpenCodeSession(_Session):
                     except ValueError:
                         continue
                     if isinstance(event, dict):
-                        await self._route(str(event.get("type")), event.get("properties") or {})
+                        await self._on_event(str(event.get("type")), event.get("properties") or {})
         except (ConnectionError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
             if not self._closing:
                 log.warning("%s: event stream ended: %s", self._label, exc)
             if not self._subscribed.done():
                 self._subscribed.set_exception(ConnectionError(str(exc)))
 
-    async def _route(self, kind: str, props: Mapping[str, Any]) -> None:
+    async def _on_event(self, kind: str, props: Mapping[str, Any]) -> None:
         # Only the root session (this thread's) streams text and ends the turn; child sessions
         # (opencode's subagents) still raise permission asks, which t3 answers the same way.
         root = self.native_thread_ref

@@ -48,9 +48,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the layers' types, for annotations: t3.py imports the layers when it serves
-    from orchestrator import Orchestrator, ProviderAdapter
+    from orchestrator import McpEndpoint, Orchestrator, ProviderAdapter, ProviderInfo
     from store import Store
-    from tools import Toolkit
+    from tools import Scope, Toolkit
 
 __all__ = ["VERSION", "main", "Config", "ConfigError", "load_config", "DataDirError",
            "open_data_dir", "ClientToken", "Credentials", "HttpPolicy", "Route", "WebView",
@@ -282,7 +282,7 @@ def _line_of(text: str, section: str, index: int | None, key: str | None) -> int
 
 
 # =============================================================================================
-# Data directory: private to the user who runs t3 (SPEC 1.2)
+# Data directory: private to the user who runs t3
 
 
 class DataDirError(Exception):
@@ -504,7 +504,8 @@ class Credentials:
         self.max_lifetime_s, self.idle_s, self.mcp_url = max_lifetime_s, idle_s, mcp_url
         self._clock = clock
 
-    def issue(self, *, thread_id: str, provider_instance_id: str, provider_session_id: str) -> Any:
+    def issue(self, *, thread_id: str, provider_instance_id: str,
+              provider_session_id: str) -> McpEndpoint:
         """A new credential for one provider session, as the MCP endpoint its agent is given.
         Only the token's hash is kept; the raw token lives in the returned endpoint alone."""
         from orchestrator import McpEndpoint
@@ -545,7 +546,7 @@ class Credentials:
         if digest is not None:
             self._sessions.pop(digest, None)
 
-    def resolve(self, token: str) -> Any:
+    def resolve(self, token: str) -> Scope | None:
         credential = self._sessions.get(_hash(token))
         if credential is None or self._live(credential.session_id) is not credential:
             return None
@@ -569,7 +570,7 @@ class Credentials:
 
 @dataclasses.dataclass(slots=True)
 class _SessionCredential:
-    scope: Any
+    scope: Scope
     session_id: str
     issued: float
     touched: float
@@ -612,7 +613,7 @@ def bearer_auth(app: ASGIApp, *, credentials: Credentials, client_token: ClientT
 
 
 # =============================================================================================
-# The ASGI app: routes, and what every request passes before a route runs (SPEC 1.5)
+# The ASGI app: routes, and what every request passes before a route runs
 
 
 BODY_TIMEOUT_S = 10.0  # for a whole request body, counted from when it may be read
@@ -869,8 +870,8 @@ _HOOK_STATUS = {"hook_not_found": 404, "hook_disabled": 409, "invalid_signature"
                 "invalid_request": 400, "rate_limited": 429, "queue_full": 429}
 
 
-def webhook_endpoint(orch: Any) -> ASGIApp:
-    """``POST/PUT/PATCH /hooks/{scheduledTaskId}/{hookToken}`` (SPEC 7), the HTTP part. Before
+def webhook_endpoint(orch: Orchestrator) -> ASGIApp:
+    """``POST/PUT/PATCH /hooks/{scheduledTaskId}/{hookToken}``, the HTTP part. Before
     the body is read: the token against the task's hash in constant time (wrong: the same 404 as
     an unknown hook), 409 paused, 413 over 1 MiB declared. Then the body whole (within
     ``BODY_TIMEOUT_S``), ``Orchestrator.receive_webhook``, and 202 ``{deliveryId, outcome}``."""
@@ -1703,7 +1704,7 @@ async def serve(args: argparse.Namespace) -> int:
         os.umask(prov.CHILD_UMASK)
 
 
-async def _serve(args: argparse.Namespace, prov: Any) -> int:
+async def _serve(args: argparse.Namespace, prov: ModuleType) -> int:
     from store import DatabaseTooNew, Store, StoreError
 
     try:
@@ -1750,8 +1751,8 @@ async def _serve(args: argparse.Namespace, prov: Any) -> int:
         lock.release()
 
 
-async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Any, host: str,
-               port: int, server_json: Path, *, prov: Any) -> int:
+async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Store, host: str,
+               port: int, server_json: Path, *, prov: ModuleType) -> int:
     import hypercorn.asyncio.run
     import hypercorn.config
     import hypercorn.utils
@@ -1842,7 +1843,7 @@ def _announce(server_json: Path, *, url: str, ws_url: str, port: int, environmen
           f"{server_json.parent / 'client-token'})", file=sys.stderr, flush=True)
 
 
-async def _shut_down(*, orch: Any, clients: ClientApi, server: asyncio.Task[Any],
+async def _shut_down(*, orch: Orchestrator, clients: ClientApi, server: asyncio.Task[Any],
                      http_stop: asyncio.Event, sock: _Listener, grace_s: float) -> None:
     """Stop taking work, end waits and /ws connections, stop HTTP, then the agents."""
     orch.begin_shutdown()  # waits return their current state before HTTP closes
@@ -1858,9 +1859,10 @@ async def _shut_down(*, orch: Any, clients: ClientApi, server: asyncio.Task[Any]
     await orch.close()
 
 
-async def _start_domain(config: Config, data_dir: Path, store: Any, environment_id: str,
-                        credentials: Credentials, *, prov: Any, base_url: str,
-                        clock: TestClock | None) -> tuple[Any, dict[str, Any], Any]:
+async def _start_domain(config: Config, data_dir: Path, store: Store, environment_id: str,
+                        credentials: Credentials, *, prov: ModuleType, base_url: str,
+                        clock: TestClock | None
+                        ) -> tuple[Orchestrator, dict[str, ProviderAdapter], Toolkit]:
     """Adapters, the orchestrator (recovered and started) and the toolkit over it; git work
     (workspace.py) is handed to the orchestrator as the adapters are."""
     orphans = prov.kill_orphans(str(data_dir))
@@ -1893,7 +1895,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     return orch, adapters, Toolkit(orch, store, context)
 
 
-def _report_providers(adapters: Mapping[str, Any], *, detected: bool,
+def _report_providers(adapters: Mapping[str, ProviderAdapter], *, detected: bool,
                       detectable: Sequence[str]) -> None:
     """One stderr line per provider instance: its driver, whether it can run, and why not. (An
     acpRegistry instance is still preparing here; it logs again once it is ready or failed.)"""
@@ -2078,14 +2080,14 @@ def build_adapters(config: Config, data_dir: Path, prov: ModuleType) -> dict[str
     return adapters
 
 
-class _LiveProviderInfo(Mapping[str, Any]):
+class _LiveProviderInfo(Mapping[str, "ProviderInfo"]):
     """Each adapter's ``info`` as it is now, for the orchestrator and tools: an instance still
     being prepared (acpRegistry) becomes available, or fails with a reason, after startup."""
 
-    def __init__(self, adapters: Mapping[str, Any]) -> None:
+    def __init__(self, adapters: Mapping[str, ProviderAdapter]) -> None:
         self._adapters = adapters
 
-    def __getitem__(self, instance_id: str) -> Any:
+    def __getitem__(self, instance_id: str) -> ProviderInfo:
         return self._adapters[instance_id].info
 
     def __iter__(self) -> Iterator[str]:
