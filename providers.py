@@ -51,11 +51,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderAdapter, ProviderInfo,
+from orchestrator import (AdapterEvent, Capabilities, McpEndpoint, PlanUpdate, ProviderInfo,
                           ReasoningDelta, RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded,
                           parse_json, redact_hook_tokens)
 
-__all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "AcpAdapter",
+__all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "Adapter", "AcpAdapter",
            "GrokAdapter", "ClaudeAdapter", "CodexAdapter", "PiAdapter", "OpenCodeAdapter",
            "UnavailableAdapter", "DETECTABLE", "build_adapter", "detect_providers",
            "kill_orphans", "redact"]
@@ -276,7 +276,7 @@ class _ProtocolLog:
         return os.fdopen(fd, "ab", buffering=64 * 1024)  # closed in close()
 
 
-class _SessionEvents(asyncio.Queue[Any]):
+class _SessionEvents(asyncio.Queue[AdapterEvent | None]):
     """A session's adapter events. The end of a turn or of the process first flushes the
     protocol log, so an ended turn's traffic is on disk before t3 records that it ended."""
 
@@ -284,7 +284,7 @@ class _SessionEvents(asyncio.Queue[Any]):
         super().__init__()
         self._protocol_log = protocol_log
 
-    def put_nowait(self, item: Any) -> None:
+    def put_nowait(self, item: AdapterEvent | None) -> None:
         if item is None or isinstance(item, TurnEnded):
             self._protocol_log.flush()
         super().put_nowait(item)
@@ -497,6 +497,18 @@ async def _json_line(raw: bytes, protocol_log: _ProtocolLog, label: str,
         await on_message(message)
 
 
+async def _write_json_line(process: _Process, protocol_log: _ProtocolLog, label: str,
+                           message: Mapping[str, Any]) -> None:
+    """Write one JSON object as a line to the provider's stdin (logged redacted)."""
+    stdin = process.proc.stdin
+    if stdin is None or stdin.is_closing() or not process.alive():
+        raise ConnectionError(f"{label}: the provider process is not running")
+    line = json.dumps(message, separators=(",", ":"))
+    protocol_log.write(f"{label} -> {line}")
+    stdin.write(line.encode() + b"\n")
+    await stdin.drain()
+
+
 def kill_orphans(owner: str) -> int:
     """Kill processes a previous t3 on this data directory started: those whose environment has
     the entry ``T3_OWNER=<owner>`` (a whole entry: ``FOO=T3_OWNER=<owner>`` is not one)."""
@@ -521,6 +533,10 @@ def kill_orphans(owner: str) -> int:
             except (ProcessLookupError, PermissionError):
                 pass
     return killed
+
+
+# =============================================================================================
+# The adapter and the session every driver builds on
 
 
 class _Adapter:
@@ -601,23 +617,48 @@ class _Adapter:
         return await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
 
 
-async def _write_json_line(process: _Process, protocol_log: _ProtocolLog, label: str,
-                           message: Mapping[str, Any]) -> None:
-    """Write one JSON object as a line to the provider's stdin (logged redacted)."""
-    stdin = process.proc.stdin
-    if stdin is None or stdin.is_closing() or not process.alive():
-        raise ConnectionError(f"{label}: the provider process is not running")
-    line = json.dumps(message, separators=(",", ":"))
-    protocol_log.write(f"{label} -> {line}")
-    stdin.write(line.encode() + b"\n")
-    await stdin.drain()
+class UnavailableAdapter:
+    """A configured instance whose driver this t3 cannot run yet."""
+
+    def __init__(self, config: ProviderConfig, reason: str) -> None:
+        self.info = ProviderInfo(instance_id=config.instance_id, driver=config.driver,
+                                 display_name=config.display_name, models=config.models,
+                                 capabilities=Capabilities(), available=False,
+                                 constraints=(reason,))
+
+    def close(self) -> None:
+        pass
+
+    async def open_session(self, **_: Any) -> Any:
+        raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
+                           + "; ".join(self.info.constraints))
+
+
+def _info(config: ProviderConfig, capabilities: Capabilities,
+          runtime_modes: Sequence[str] | None = None,
+          interaction_modes: Sequence[str] | None = None) -> ProviderInfo:
+    """What an instance offers, and why it cannot run if it cannot."""
+    constraints = []
+    if not config.enabled:
+        constraints.append("disabled in the configuration")
+    if not config.command:
+        constraints.append("no command configured")
+    elif not shutil.which(config.command[0]) and not (
+            os.path.isabs(config.command[0]) and os.access(config.command[0], os.X_OK)):
+        constraints.append(f"executable not found: {config.command[0]}")
+    return ProviderInfo(instance_id=config.instance_id, driver=config.driver,
+                        display_name=config.display_name, models=config.models,
+                        capabilities=capabilities, available=not constraints,
+                        constraints=tuple(constraints), runtime_modes=runtime_modes,
+                        interaction_modes=interaction_modes)
 
 
 class _Session:
     """What every driver's session shares: one provider process serving one app thread, its
     adapter events (``events``; None = the process is gone, with ``exit_reason``), its
-    background tasks (``_tasks``) and its stop. A driver reading JSON lines on stdout defines
-    ``_route`` and starts ``_read()``; one holding requests open defines ``_forget``."""
+    background tasks (``_tasks``), the agent requests it holds open for the user (``_requests``)
+    and its stop. A driver reading JSON lines on stdout defines ``_route`` and starts
+    ``_read()``; one with more to drop once the process is gone extends ``_forget``."""
 
     TASKS_GRACE_S = 2.0  # close(): how long the readers get to reach EOF before they are cancelled
 
@@ -627,10 +668,11 @@ class _Session:
         self._label = f"{adapter.info.instance_id}[{process.pid}]"
         self.pid: int | None = process.pid
         self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
+        self.events: asyncio.Queue[AdapterEvent | None] = _SessionEvents(adapter.protocol_log)
         self.exit_reason: str | None = None
         self._closing = False
         self._tasks = _Tasks()
+        self._requests: dict[str, Any] = {}  # native_ref -> what answering a held request needs
 
     def alive(self) -> bool:
         return self._process.alive()
@@ -673,8 +715,14 @@ class _Session:
         self._forget()
         await self.events.put(None)
 
+    async def _hold(self, request: RuntimeRequestOpened, context: Any) -> None:
+        """Hold an agent's request open until the user's answer arrives through respond()."""
+        self._requests[request.native_ref] = context
+        await self.events.put(request)
+
     def _forget(self) -> None:
-        """Drop the requests only the gone process could have answered."""
+        """Drop what only the gone process could have answered: its held requests, ..."""
+        self._requests.clear()
 
 
 _S = TypeVar("_S", bound=_Session)
@@ -791,13 +839,12 @@ _DEFERRED = object()  # a request handler that answers later through respond()
 
 
 class _RpcSession(_Session):
-    """A session over ``_JsonRpc`` whose agent requests wait open for the user's answer."""
+    """A session over ``_JsonRpc`` whose agent requests wait open for the user's answer (held
+    as native_ref -> (JSON-RPC id, method, context))."""
 
     def __init__(self, adapter: _Adapter, process: _Process, runtime_mode: str) -> None:
         super().__init__(adapter, process)
         self._runtime_mode = runtime_mode
-        # native_ref -> (JSON-RPC id, method, what answering it needs)
-        self._requests: dict[str, tuple[Any, str, Any]] = {}
         self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log, label=self._label,
                             tasks=self._tasks, on_request=self._on_request,
                             on_notification=self._on_notification, on_close=self._ended)
@@ -839,13 +886,8 @@ class _RpcSession(_Session):
 
     async def _ask(self, request_id: Any, method: str, context: Any,
                    request: RuntimeRequestOpened) -> Any:
-        """Hold an agent request open until the user's answer arrives through respond()."""
-        self._requests[request.native_ref] = (request_id, method, context)
-        await self.events.put(request)
+        await self._hold(request, (request_id, method, context))
         return _DEFERRED
-
-    def _forget(self) -> None:
-        self._requests.clear()
 
 
 # =============================================================================================
@@ -1221,8 +1263,7 @@ class ClaudeSession(_Session):
         self._runtime_mode = runtime_mode
         self._mcp_dir = mcp_dir
         self.native_thread_ref = session_ref
-        self._permissions: dict[str, Mapping[str, Any]] = {}
-        self._requests = itertools.count(1)
+        self._control_ids = itertools.count(1)
         self._in_turn = False
         self._interrupted = False
         self._read()
@@ -1236,15 +1277,16 @@ class ClaudeSession(_Session):
 
     async def interrupt_turn(self) -> None:
         self._interrupted = True
-        for native_ref in list(self._permissions):
+        for native_ref in list(self._requests):
             await self._answer(native_ref, {"behavior": "deny", "message": "Interrupted."})
         with contextlib.suppress(ConnectionError):
-            await self._send({"type": "control_request", "request_id": f"t3-{next(self._requests)}",
+            await self._send({"type": "control_request",
+                              "request_id": f"t3-{next(self._control_ids)}",
                               "request": {"subtype": "interrupt"}})
 
     async def respond(self, native_ref: str, decision: str | None,
                       answers: Mapping[str, Any] | None) -> None:
-        request = self._permissions.get(native_ref)
+        request = self._requests.get(native_ref)
         if request is None:
             raise RuntimeError(f"no pending permission request {native_ref} on this session")
         await self._answer(native_ref, {"behavior": "allow",
@@ -1253,13 +1295,13 @@ class ClaudeSession(_Session):
                            {"behavior": "deny", "message": "The user declined this tool call."})
 
     async def _answer(self, native_ref: str, response: Mapping[str, Any]) -> None:
-        self._permissions.pop(native_ref, None)
+        self._requests.pop(native_ref, None)
         with contextlib.suppress(ConnectionError):
             await self._send({"type": "control_response", "response": {
                 "subtype": "success", "request_id": native_ref, "response": response}})
 
     def _forget(self) -> None:
-        self._permissions.clear()
+        super()._forget()
         if self._mcp_dir:
             shutil.rmtree(self._mcp_dir, ignore_errors=True)
 
@@ -1310,7 +1352,7 @@ class ClaudeSession(_Session):
                 "error": f"t3 does not handle {request.get('subtype')}"}})
             return
         tool = str(request.get("tool_name") or "")
-        self._permissions[request_id] = request
+        self._requests[request_id] = request
         if self._runtime_mode in ("full-access", "auto") or tool.startswith("mcp__t3-code__"):
             await self.respond(request_id, "accept", None)  # this mode never asks the user
             return
@@ -1833,6 +1875,7 @@ class PiSession(_Session):
         raise RuntimeError("pi raises no runtime requests")
 
     def _forget(self) -> None:
+        super()._forget()
         _fail_pending(self._pending.values())
 
     async def _route(self, message: Mapping[str, Any]) -> None:
@@ -2027,7 +2070,6 @@ class OpenCodeSession(_Session):
         self._busy = False  # the root session went busy in this turn
         self._interrupted = False
         self._error: str | None = None
-        self._permissions: dict[str, Mapping[str, Any]] = {}
         self._roles: dict[str, str] = {}  # message id -> role
         self._parts: dict[str, str] = {}  # part id -> part type
         self._sent: dict[str, int] = {}  # part id -> characters already emitted
@@ -2123,7 +2165,7 @@ class OpenCodeSession(_Session):
 
     async def interrupt_turn(self) -> None:
         self._interrupted = True
-        for native_ref in list(self._permissions):
+        for native_ref in list(self._requests):
             await self._reply(native_ref, "reject")
         if not self._in_turn:
             return
@@ -2134,12 +2176,12 @@ class OpenCodeSession(_Session):
 
     async def respond(self, native_ref: str, decision: str | None,
                       answers: Mapping[str, Any] | None) -> None:
-        if native_ref not in self._permissions:
+        if native_ref not in self._requests:
             raise RuntimeError(f"no pending permission request {native_ref} on this session")
         await self._reply(native_ref, _OPENCODE_REPLIES.get(decision or "", "reject"))
 
     async def _reply(self, native_ref: str, reply: str) -> None:
-        self._permissions.pop(native_ref, None)
+        self._requests.pop(native_ref, None)
         try:
             await self._request("POST", f"/permission/{native_ref}/reply", {"reply": reply})
         except (_HttpError, ConnectionError, OSError) as exc:
@@ -2152,11 +2194,11 @@ class OpenCodeSession(_Session):
             self._listening.set_result(found.group(1))
 
     def _forget(self) -> None:
+        super()._forget()
         for future in (self._listening, self._subscribed):
             if not future.done():
                 future.set_exception(ConnectionError(
                     f"opencode serve exited (exit code {self._process.proc.returncode})"))
-        self._permissions.clear()
 
     async def _read_events(self) -> None:
         try:
@@ -2213,7 +2255,7 @@ class OpenCodeSession(_Session):
         elif kind == "permission.asked":
             await self._on_permission(props)
         elif kind == "permission.replied":
-            self._permissions.pop(str(props.get("requestID") or props.get("permissionID")), None)
+            self._requests.pop(str(props.get("requestID") or props.get("permissionID")), None)
         elif kind == "session.status" and props.get("sessionID") == root:
             status = (props.get("status") or {}).get("type")
             if status == "busy":
@@ -2265,7 +2307,7 @@ class OpenCodeSession(_Session):
 
     async def _on_permission(self, props: Mapping[str, Any]) -> None:
         native_ref = str(props.get("id"))
-        self._permissions[native_ref] = props
+        self._requests[native_ref] = props
         permission = str(props.get("permission") or "")
         if self._runtime_mode in ("full-access", "auto") or \
                 (self._runtime_mode == "auto-accept-edits" and permission in _OPENCODE_EDIT_TOOLS):
@@ -2285,7 +2327,7 @@ class OpenCodeSession(_Session):
         if not self._in_turn or not self._busy:
             return  # an idle from before this turn started
         self._in_turn = False
-        self._permissions.clear()  # nothing can answer them any more
+        self._requests.clear()  # nothing can answer them any more
         await self.events.put(_turn_ended(interrupted=self._interrupted, failure=self._error
                                           and f"opencode failed the turn: {self._error}"))
 
@@ -2331,47 +2373,20 @@ class OpenCodeAdapter(_Adapter):
         return await _opened(session, session.open(resume_ref=resume_ref, mcp=mcp))
 
 
-class UnavailableAdapter:
-    """A configured instance whose driver this t3 cannot run yet."""
-
-    def __init__(self, config: ProviderConfig, reason: str) -> None:
-        self.info = ProviderInfo(instance_id=config.instance_id, driver=config.driver,
-                                 display_name=config.display_name, models=config.models,
-                                 capabilities=Capabilities(), available=False,
-                                 constraints=(reason,))
-
-    def close(self) -> None:
-        pass
-
-    async def open_session(self, **_: Any) -> Any:
-        raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                           + "; ".join(self.info.constraints))
+# =============================================================================================
+# One adapter per configured instance
 
 
-def _info(config: ProviderConfig, capabilities: Capabilities,
-          runtime_modes: Sequence[str] | None = None,
-          interaction_modes: Sequence[str] | None = None) -> ProviderInfo:
-    """What an instance offers, and why it cannot run if it cannot."""
-    constraints = []
-    if not config.enabled:
-        constraints.append("disabled in the configuration")
-    if not config.command:
-        constraints.append("no command configured")
-    elif not shutil.which(config.command[0]) and not (
-            os.path.isabs(config.command[0]) and os.access(config.command[0], os.X_OK)):
-        constraints.append(f"executable not found: {config.command[0]}")
-    return ProviderInfo(instance_id=config.instance_id, driver=config.driver,
-                        display_name=config.display_name, models=config.models,
-                        capabilities=capabilities, available=not constraints,
-                        constraints=tuple(constraints), runtime_modes=runtime_modes,
-                        interaction_modes=interaction_modes)
+# What t3.py holds per instance: an orchestrator.ProviderAdapter that also has close().
+Adapter = (AcpAdapter | ClaudeAdapter | CodexAdapter | PiAdapter | OpenCodeAdapter
+           | UnavailableAdapter)
 
 
-def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str) -> ProviderAdapter:
+def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str) -> Adapter:
     """The adapter of one instance (``acpRegistry``'s is registry.py's, built by t3.py)."""
     if config.driver in _UNRUNNABLE:
         return UnavailableAdapter(config, _UNRUNNABLE[config.driver])
-    adapter: dict[str, Callable[..., ProviderAdapter]] = {
+    adapter: dict[str, Callable[..., Adapter]] = {
         "acp": AcpAdapter, "grok": GrokAdapter, "claudeAgent": ClaudeAdapter,
         "codex": CodexAdapter, "pi": PiAdapter, "opencode": OpenCodeAdapter}
     if config.driver not in adapter:

@@ -28,7 +28,7 @@ import tarfile
 import urllib.parse
 import urllib.request
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -324,7 +324,7 @@ def _installer(program: str, via: str, agent: RegistryAgent) -> str:
     return found
 
 
-def _args_env(spec: Mapping[str, Any], where: str, bad: Any
+def _args_env(spec: Mapping[str, Any], where: str, bad: Callable[[str, str], RegistryError]
               ) -> tuple[tuple[str, ...], dict[str, str]]:
     args, env = spec.get("args", []), spec.get("env", {})
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):

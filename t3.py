@@ -48,7 +48,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the layers' types, for annotations: t3.py imports the layers when it serves
-    from orchestrator import McpEndpoint, Orchestrator, ProviderAdapter, ProviderInfo
+    import hypercorn.config
+    from orchestrator import McpEndpoint, Orchestrator, ProviderInfo
+    from providers import Adapter
     from store import Store
     from tools import Scope, Toolkit
 
@@ -1808,15 +1810,15 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         # server is up meanwhile and lists them unavailable with "preparing ...".
         preparing = [tasks.create_task(a.prepare(), name=f"prepare-{k}")
                      for k, a in adapters.items() if hasattr(a, "prepare")]
-        server = loop.create_task(hypercorn.asyncio.run.worker_serve(
+        server = tasks.create_task(_until_stopped(hypercorn.asyncio.run.worker_serve(
             hypercorn.utils.wrap_app(app, hconfig.wsgi_max_body_size, "asgi"), hconfig,
             sockets=hypercorn.config.Sockets(secure_sockets=[sock] if hconfig.ssl_enabled else [],
                                              insecure_sockets=[] if hconfig.ssl_enabled else [sock],
                                              quic_sockets=[]),
-            shutdown_trigger=http_stop.wait))
+            shutdown_trigger=http_stop.wait)))
         _announce(server_json, url=url, ws_url=f"{'wss' if hconfig.ssl_enabled else 'ws'}://"
                   f"{url_host}:{port}/ws", port=port, environment_id=environment_id)
-        stopped = loop.create_task(stop.wait())
+        stopped = tasks.create_task(stop.wait())
         await asyncio.wait({server, stopped}, return_when=asyncio.FIRST_COMPLETED)
         log.info("shutting down")
         for task in preparing:
@@ -1830,6 +1832,12 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         sock.close()
     log.info("stopped")
     return 0
+
+
+async def _until_stopped(serving: Awaitable[None]) -> None:
+    """Hypercorn's serving: when it fails, the server shuts down as on a signal."""
+    with contextlib.suppress(Exception):
+        await serving
 
 
 def _announce(server_json: Path, *, url: str, ws_url: str, port: int, environment_id: str) -> None:
@@ -1854,31 +1862,30 @@ async def _shut_down(*, orch: Orchestrator, clients: ClientApi, server: asyncio.
         # Hypercorn waits, without end, to flush what a client that reads nothing was sent;
         # cutting the connections ends that wait.
         sock.abort_connections()
-    with contextlib.suppress(Exception):
-        await server
+    await server
     await orch.close()
 
 
 async def _start_domain(config: Config, data_dir: Path, store: Store, environment_id: str,
                         credentials: Credentials, *, prov: ModuleType, base_url: str,
                         clock: TestClock | None
-                        ) -> tuple[Orchestrator, dict[str, ProviderAdapter], Toolkit]:
+                        ) -> tuple[Orchestrator, dict[str, Adapter], Toolkit]:
     """Adapters, the orchestrator (recovered and started) and the toolkit over it; git work
     (workspace.py) is handed to the orchestrator as the adapters are."""
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
-    from orchestrator import Orchestrator
+    from orchestrator import Orchestrator, utc_now
     from tools import Project, ServerContext, Toolkit
     from workspace import Workspaces  # made under the data-dir lock: it clears stray indexes
     adapters = build_adapters(config, data_dir, prov)
     _report_providers(adapters, detected=config.providers is None, detectable=prov.DETECTABLE)
     orch = Orchestrator(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
-                            credentials=credentials, workspaces=Workspaces(data_dir),
-                            max_live_agent_processes=config.max_live_agent_processes,
-                            max_delegation_depth=config.max_delegation_depth,
-                            redact=prov.redact,
-                            **({"clock": clock.iso, "wall": clock.now} if clock else {}))
+                        credentials=credentials, workspaces=Workspaces(data_dir),
+                        max_live_agent_processes=config.max_live_agent_processes,
+                        max_delegation_depth=config.max_delegation_depth, redact=prov.redact,
+                        clock=clock.iso if clock else utc_now,
+                        wall=clock.now if clock else time.time)
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.")
@@ -1895,7 +1902,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
     return orch, adapters, Toolkit(orch, store, context)
 
 
-def _report_providers(adapters: Mapping[str, ProviderAdapter], *, detected: bool,
+def _report_providers(adapters: Mapping[str, Adapter], *, detected: bool,
                       detectable: Sequence[str]) -> None:
     """One stderr line per provider instance: its driver, whether it can run, and why not. (An
     acpRegistry instance is still preparing here; it logs again once it is ready or failed.)"""
@@ -1918,7 +1925,7 @@ def _report_providers(adapters: Mapping[str, ProviderAdapter], *, detected: bool
           "tasks are refused (provider_unavailable).", file=sys.stderr)
 
 
-def _hypercorn_config(config: Config, hypercorn: Any) -> Any:
+def _hypercorn_config(config: Config, hypercorn: ModuleType) -> hypercorn.config.Config | None:
     """Hypercorn's settings, or None (said on stderr) when the TLS files cannot be used."""
     hconfig = hypercorn.config.Config()
     hconfig.graceful_timeout = 3.0
@@ -2028,6 +2035,10 @@ class _Connection(socket.socket):
         super().close()
 
 
+# ---------------------------------------------------------------------------------------------
+# Test hooks, inert unless T3_TEST_HOOKS=1 (store.py has the others: crash points, a full disk)
+
+
 class TestClock:
     """The server's clock when tests move it (``T3_TEST_CLOCK`` epoch seconds, only with
     ``T3_TEST_HOOKS=1``): it stands still but for ``advance`` (/ws ``advanceTestClock``).
@@ -2056,7 +2067,11 @@ class TestClock:
         self.advanced += seconds
 
 
-def build_adapters(config: Config, data_dir: Path, prov: ModuleType) -> dict[str, ProviderAdapter]:
+# ---------------------------------------------------------------------------------------------
+# Provider adapters, as the orchestrator and tools are handed them
+
+
+def build_adapters(config: Config, data_dir: Path, prov: ModuleType) -> dict[str, Adapter]:
     """One adapter per configured provider instance (or per detected CLI when none are configured).
     Their processes are tagged with the data dir, so a later server can find its orphans. The
     ``acpRegistry`` driver is registry.py's, imported only when an instance uses it."""
@@ -2067,7 +2082,7 @@ def build_adapters(config: Config, data_dir: Path, prov: ModuleType) -> dict[str
                                    allow_unverified=p["allowUnverified"])
                for p in config.providers] if config.providers is not None \
         else prov.detect_providers()
-    adapters: dict[str, ProviderAdapter] = {}
+    adapters: dict[str, Adapter] = {}
     for c in configs:
         if c.driver == "acpRegistry":
             from registry import AcpRegistryAdapter
@@ -2084,7 +2099,7 @@ class _LiveProviderInfo(Mapping[str, "ProviderInfo"]):
     """Each adapter's ``info`` as it is now, for the orchestrator and tools: an instance still
     being prepared (acpRegistry) becomes available, or fails with a reason, after startup."""
 
-    def __init__(self, adapters: Mapping[str, ProviderAdapter]) -> None:
+    def __init__(self, adapters: Mapping[str, Adapter]) -> None:
         self._adapters = adapters
 
     def __getitem__(self, instance_id: str) -> ProviderInfo:
