@@ -13,6 +13,7 @@ environment so a restarted server can find and kill what a killed one left (``ki
 Its environment is the server's minus t3's own variables (``_T3_VARIABLES``: the data dir, test
 hooks, per-session values), plus the instance's ``env``, plus what the driver sets per session.
 Stop = close stdin, wait, SIGTERM the group, wait, SIGKILL the group: no grandchild survives.
+A session's tasks (its readers, the agent requests it serves) are its own: close() ends them.
 Raw protocol traffic goes to rotating files under ``<data-dir>/logs/`` with credentials redacted;
 never to SQLite.
 
@@ -600,8 +601,7 @@ class _Adapter:
 
     def _check_available(self) -> None:
         if not self.info.available:
-            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                               + "; ".join(self.info.constraints))
+            raise _cannot_run(self.info)
 
     def _instructions(self, mcp: McpEndpoint | None) -> str | None:
         """The orchestration instructions for a session, when it has t3's MCP server."""
@@ -630,8 +630,11 @@ class UnavailableAdapter:
         pass
 
     async def open_session(self, **_: Any) -> Any:
-        raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                           + "; ".join(self.info.constraints))
+        raise _cannot_run(self.info)
+
+
+def _cannot_run(info: ProviderInfo) -> RuntimeError:
+    return RuntimeError(f"provider {info.instance_id} cannot run: " + "; ".join(info.constraints))
 
 
 def _info(config: ProviderConfig, capabilities: Capabilities,
