@@ -13,16 +13,15 @@ environment so a restarted server can find and kill what a killed one left (``ki
 Its environment is the server's minus t3's own variables (``_T3_VARIABLES``: the data dir, test
 hooks, per-session values), plus the instance's ``env``, plus what the driver sets per session.
 Stop = close stdin, wait, SIGTERM the group, wait, SIGKILL the group: no grandchild survives.
+A session's tasks (its readers, the agent requests it serves) are its own: close() ends them.
 Raw protocol traffic goes to rotating files under ``<data-dir>/logs/`` with credentials redacted;
 never to SQLite.
 
 Drivers here: ``acp`` (JSON-RPC 2.0 over stdio NDJSON: gemini --acp, claude-agent-acp,
-codex-acp, ...), ``grok`` (the same plus xAI's extensions), ``acpRegistry`` (an agent named in an
-ACP registry JSON: its binary, npm or uv distribution is installed into
-``<data-dir>/agents/registry/`` by ``prepare()``, which t3.py runs in the background at startup,
-then it runs as ``acp``), ``claudeAgent`` (claude -p stream-json), ``codex`` (codex app-server),
-``pi`` (pi --mode rpc) and ``opencode`` (opencode serve, REST + SSE). An adapter's ``info`` may
-change after startup (an acpRegistry instance becomes available once prepared).
+codex-acp, ...), ``grok`` (the same plus xAI's extensions), ``claudeAgent`` (claude -p
+stream-json), ``codex`` (codex app-server), ``pi`` (pi --mode rpc) and ``opencode`` (opencode
+serve, REST + SSE). ``acpRegistry`` (an agent installed from an ACP registry, then run as
+``acp``) is registry.py's, built by t3.py; its ``info`` changes once it is prepared.
 This module never touches the database and imports only the domain's types.
 """
 
@@ -33,44 +32,38 @@ import base64
 import contextlib
 import ctypes
 import hashlib
-import ipaddress
 import itertools
 import json
 import logging
 import os
-import platform
 import re
 import shutil
 import signal
 import socket
 import string
 import sys
-import tarfile
 import tempfile
 import time
-import urllib.parse
-import urllib.request
 import uuid
-import zipfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path, PurePosixPath
-from typing import Any
+from collections.abc import (AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping,
+                             Sequence)
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import quote
 
-from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ProviderInfo, ReasoningDelta,
-                          RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded, parse_json,
-                          redact_hook_tokens)
+from orchestrator import (AdapterEvent, Capabilities, McpEndpoint, PlanUpdate, ProviderInfo,
+                          ReasoningDelta, RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded,
+                          parse_json, redact_hook_tokens)
 
-__all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "AcpAdapter",
-           "AcpRegistryAdapter", "GrokAdapter", "ClaudeAdapter", "CodexAdapter", "PiAdapter",
-           "OpenCodeAdapter", "UnavailableAdapter", "RegistryAgent", "RegistryError",
-           "DETECTABLE", "build_adapter", "detect_providers", "kill_orphans", "read_registry",
-           "redact", "registry_platform", "select_agent"]
+__all__ = ["DRIVERS", "ORCHESTRATION_INSTRUCTIONS", "ProviderConfig", "Adapter", "AcpAdapter",
+           "GrokAdapter", "ClaudeAdapter", "CodexAdapter", "PiAdapter", "OpenCodeAdapter",
+           "UnavailableAdapter", "DETECTABLE", "build_adapter", "detect_providers",
+           "kill_orphans", "redact"]
 
 log = logging.getLogger("t3.providers")
 
-# Drivers of the seed that cannot run here: configured, they are listed unavailable with this.
+# Drivers t3 knows of but cannot run: configured, they are listed unavailable with this.
 _UNRUNNABLE = {
     "cursor": "Cursor runs only through its TypeScript SDK (@cursor/sdk); t3 has no Cursor CLI "
               "driver",
@@ -96,7 +89,7 @@ DETECTABLE = tuple(command[0] for _, _, command in _DETECTABLE)  # executables l
 
 _LINE_LIMIT = 64 * 1024 * 1024
 
-# What an agent with t3's MCP server is told about it (D§4.5), in t3's words. Each driver delivers
+# What an agent with t3's MCP server is told about it, in t3's words. Each driver delivers
 # it its own way: a system or developer prompt where the CLI has one, else a separate prompt block
 # before the user's first prompt (ACP). Only sessions that have the MCP endpoint get it.
 ORCHESTRATION_INSTRUCTIONS = """\
@@ -284,7 +277,7 @@ class _ProtocolLog:
         return os.fdopen(fd, "ab", buffering=64 * 1024)  # closed in close()
 
 
-class _SessionEvents(asyncio.Queue[Any]):
+class _SessionEvents(asyncio.Queue[AdapterEvent | None]):
     """A session's adapter events. The end of a turn or of the process first flushes the
     protocol log, so an ended turn's traffic is on disk before t3 records that it ended."""
 
@@ -292,7 +285,7 @@ class _SessionEvents(asyncio.Queue[Any]):
         super().__init__()
         self._protocol_log = protocol_log
 
-    def put_nowait(self, item: Any) -> None:
+    def put_nowait(self, item: AdapterEvent | None) -> None:
         if item is None or isinstance(item, TurnEnded):
             self._protocol_log.flush()
         super().put_nowait(item)
@@ -374,14 +367,13 @@ class _Process:
     async def stop(self, *, grace: float) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.is_closing():
             self.proc.stdin.close()
-        if await self._exited_within(grace):
-            self._kill_group(signal.SIGKILL)  # grandchildren that kept running
-            return
-        self._kill_group(signal.SIGTERM)
-        if not await self._exited_within(2.0):
-            self._kill_group(signal.SIGKILL)
-            await self._exited_within(5.0)
-        self._kill_group(signal.SIGKILL)
+        if not await self._exited_within(grace):
+            self._kill_group(signal.SIGTERM)
+            if not await self._exited_within(2.0):
+                self._kill_group(signal.SIGKILL)
+                await self._exited_within(5.0)
+        self._kill_group(signal.SIGKILL)  # grandchildren that kept running
+        await asyncio.wait({self._reaper}, timeout=1.0)  # it ends with the process
 
     async def _exited_within(self, seconds: float) -> bool:
         try:
@@ -405,6 +397,37 @@ async def _log_output(stream: asyncio.StreamReader | None, protocol_log: _Protoc
         protocol_log.write(f"{prefix} {line}")
         if on_line is not None:
             on_line(line)
+
+
+class _Tasks:
+    """The background tasks of one session (its readers, the agent requests it serves), each
+    held until it ends. ``end`` waits for them once the process is gone (they reach EOF), then
+    cancels what is left: none outlives its session, none is fire-and-forget."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task[Any]] = set()
+
+    def start(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
+
+    async def end(self, *, within: float) -> None:
+        tasks = self._running - {asyncio.current_task()}
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=within)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
+
+
+def _fail_pending(futures: Iterable[asyncio.Future[Any]]) -> None:
+    """Requests that wait for an answer the gone process will never give."""
+    for future in futures:
+        if not future.done():
+            future.set_exception(ConnectionError("the provider process exited"))
 
 
 def _texts(blocks: Iterable[Any] | None) -> list[str]:
@@ -475,6 +498,18 @@ async def _json_line(raw: bytes, protocol_log: _ProtocolLog, label: str,
         await on_message(message)
 
 
+async def _write_json_line(process: _Process, protocol_log: _ProtocolLog, label: str,
+                           message: Mapping[str, Any]) -> None:
+    """Write one JSON object as a line to the provider's stdin (logged redacted)."""
+    stdin = process.proc.stdin
+    if stdin is None or stdin.is_closing() or not process.alive():
+        raise ConnectionError(f"{label}: the provider process is not running")
+    line = json.dumps(message, separators=(",", ":"))
+    protocol_log.write(f"{label} -> {line}")
+    stdin.write(line.encode() + b"\n")
+    await stdin.drain()
+
+
 def kill_orphans(owner: str) -> int:
     """Kill processes a previous t3 on this data directory started: those whose environment has
     the entry ``T3_OWNER=<owner>`` (a whole entry: ``FOO=T3_OWNER=<owner>`` is not one)."""
@@ -499,6 +534,10 @@ def kill_orphans(owner: str) -> int:
             except (ProcessLookupError, PermissionError):
                 pass
     return killed
+
+
+# =============================================================================================
+# The adapter and the session every driver builds on
 
 
 class _Adapter:
@@ -562,8 +601,7 @@ class _Adapter:
 
     def _check_available(self) -> None:
         if not self.info.available:
-            raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                               + "; ".join(self.info.constraints))
+            raise _cannot_run(self.info)
 
     def _instructions(self, mcp: McpEndpoint | None) -> str | None:
         """The orchestration instructions for a session, when it has t3's MCP server."""
@@ -579,31 +617,65 @@ class _Adapter:
         return await _Process.spawn(command, cwd=cwd, owner=self.owner, env=env)
 
 
-async def _write_json_line(process: _Process, protocol_log: _ProtocolLog, label: str,
-                           message: Mapping[str, Any]) -> None:
-    """Write one JSON object as a line to the provider's stdin (logged redacted)."""
-    stdin = process.proc.stdin
-    if stdin is None or stdin.is_closing() or not process.alive():
-        raise ConnectionError(f"{label}: the provider process is not running")
-    line = json.dumps(message, separators=(",", ":"))
-    protocol_log.write(f"{label} -> {line}")
-    stdin.write(line.encode() + b"\n")
-    await stdin.drain()
+class UnavailableAdapter:
+    """A configured instance whose driver this t3 cannot run yet."""
+
+    def __init__(self, config: ProviderConfig, reason: str) -> None:
+        self.info = ProviderInfo(instance_id=config.instance_id, driver=config.driver,
+                                 display_name=config.display_name, models=config.models,
+                                 capabilities=Capabilities(), available=False,
+                                 constraints=(reason,))
+
+    def close(self) -> None:
+        pass
+
+    async def open_session(self, **_: Any) -> Any:
+        raise _cannot_run(self.info)
+
+
+def _cannot_run(info: ProviderInfo) -> RuntimeError:
+    return RuntimeError(f"provider {info.instance_id} cannot run: " + "; ".join(info.constraints))
+
+
+def _info(config: ProviderConfig, capabilities: Capabilities,
+          runtime_modes: Sequence[str] | None = None,
+          interaction_modes: Sequence[str] | None = None) -> ProviderInfo:
+    """What an instance offers, and why it cannot run if it cannot."""
+    constraints = []
+    if not config.enabled:
+        constraints.append("disabled in the configuration")
+    if not config.command:
+        constraints.append("no command configured")
+    elif not shutil.which(config.command[0]) and not (
+            os.path.isabs(config.command[0]) and os.access(config.command[0], os.X_OK)):
+        constraints.append(f"executable not found: {config.command[0]}")
+    return ProviderInfo(instance_id=config.instance_id, driver=config.driver,
+                        display_name=config.display_name, models=config.models,
+                        capabilities=capabilities, available=not constraints,
+                        constraints=tuple(constraints), runtime_modes=runtime_modes,
+                        interaction_modes=interaction_modes)
 
 
 class _Session:
     """What every driver's session shares: one provider process serving one app thread, its
-    adapter events (``events``; None = the process is gone, with ``exit_reason``), its stop."""
+    adapter events (``events``; None = the process is gone, with ``exit_reason``), its
+    background tasks (``_tasks``), the agent requests it holds open for the user (``_requests``)
+    and its stop. A driver reading JSON lines on stdout defines ``_route`` and starts
+    ``_read()``; one with more to drop once the process is gone extends ``_forget``."""
 
-    def __init__(self, adapter: Any, process: _Process) -> None:
+    TASKS_GRACE_S = 2.0  # close(): how long the readers get to reach EOF before they are cancelled
+
+    def __init__(self, adapter: _Adapter, process: _Process) -> None:
         self._adapter = adapter
         self._process = process
         self._label = f"{adapter.info.instance_id}[{process.pid}]"
         self.pid: int | None = process.pid
         self.native_thread_ref: str | None = None
-        self.events: asyncio.Queue[Any] = _SessionEvents(adapter.protocol_log)
+        self.events: asyncio.Queue[AdapterEvent | None] = _SessionEvents(adapter.protocol_log)
         self.exit_reason: str | None = None
         self._closing = False
+        self._tasks = _Tasks()
+        self._requests: dict[str, Any] = {}  # native_ref -> what answering a held request needs
 
     def alive(self) -> bool:
         return self._process.alive()
@@ -615,16 +687,51 @@ class _Session:
     async def close(self, *, grace: float = 3.0) -> None:
         self._closing = True
         await self._process.stop(grace=grace)
+        await self._tasks.end(within=self.TASKS_GRACE_S)
 
     async def _send(self, message: Mapping[str, Any]) -> None:
         await _write_json_line(self._process, self._adapter.protocol_log, self._label, message)
+
+    def _read(self) -> None:
+        """Read the process: each JSON line on stdout to ``_route``, stderr into the log."""
+        self._tasks.start(self._read_stdout())
+        self._tasks.start(self._read_stderr())
+
+    async def _route(self, message: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def _read_stdout(self) -> None:
+        try:
+            await _read_json_lines(self._process, self._adapter.protocol_log, self._label,
+                                   self._route)
+        finally:
+            await self._ended()
 
     async def _read_stderr(self) -> None:
         await _log_output(self._process.proc.stderr, self._adapter.protocol_log,
                           f"{self._label} stderr")
 
+    async def _ended(self) -> None:
+        """The process is gone: why (``exit_reason``), what it can no longer answer is dropped
+        (``_forget``), then None on ``events``."""
+        self.exit_reason = _exit_reason(self._closing, await self._process.proc.wait())
+        self._forget()
+        await self.events.put(None)
 
-async def _opened(session: Any, opening: Awaitable[None]) -> Any:
+    async def _hold(self, request: RuntimeRequestOpened, context: Any) -> None:
+        """Hold an agent's request open until the user's answer arrives through respond()."""
+        self._requests[request.native_ref] = context
+        await self.events.put(request)
+
+    def _forget(self) -> None:
+        """Drop what only the gone process could have answered: its held requests, ..."""
+        self._requests.clear()
+
+
+_S = TypeVar("_S", bound=_Session)
+
+
+async def _opened(session: _S, opening: Awaitable[None]) -> _S:
     """``session`` once ``opening`` has run; a session that fails to open is closed."""
     try:
         await opening
@@ -645,22 +752,25 @@ class JsonRpcError(Exception):
 
 
 class _JsonRpc:
-    """Requests and notifications both ways over a process's stdin/stdout."""
+    """Requests and notifications both ways over a process's stdin/stdout. Its readers and the
+    agent requests it serves run in ``tasks``; ``on_close`` runs once stdout has ended."""
 
     def __init__(self, process: _Process, *, protocol_log: _ProtocolLog, label: str,
-                 on_request: Any, on_notification: Any, on_close: Any) -> None:
+                 tasks: _Tasks,
+                 on_request: Callable[[Any, str, Mapping[str, Any]], Awaitable[Any]],
+                 on_notification: Callable[[str, Mapping[str, Any]], Awaitable[None]],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
         self._process = process
         self._log = protocol_log
         self._label = label
+        self._tasks = tasks
         self._on_request = on_request
         self._on_notification = on_notification
         self._on_close = on_close
         self._ids = itertools.count(1)
         self._pending: dict[Any, asyncio.Future[Any]] = {}
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_stdout()),
-                       loop.create_task(_log_output(process.proc.stderr, protocol_log,
-                                                    f"{label} stderr"))]
+        tasks.start(self._read_stdout())
+        tasks.start(_log_output(process.proc.stderr, protocol_log, f"{label} stderr"))
         self.closed = False
 
     async def request(self, method: str, params: Mapping[str, Any], *,
@@ -697,15 +807,12 @@ class _JsonRpc:
             await _read_json_lines(self._process, self._log, self._label, self._route)
         finally:
             self.closed = True
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(ConnectionError("the provider process exited"))
-            returncode = await self._process.proc.wait()
-            await self._on_close(returncode)
+            _fail_pending(self._pending.values())
+            await self._on_close()
 
     async def _route(self, message: dict[str, Any]) -> None:
         if "method" in message and "id" in message:
-            asyncio.get_running_loop().create_task(self._serve(message))
+            self._tasks.start(self._serve(message))
         elif "method" in message:
             await self._on_notification(message["method"], message.get("params") or {})
         elif "id" in message:
@@ -730,31 +837,39 @@ class _JsonRpc:
         except ConnectionError:
             pass
 
-    def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
 
 _DEFERRED = object()  # a request handler that answers later through respond()
 
 
 class _RpcSession(_Session):
-    """A session over ``_JsonRpc`` whose agent requests wait open for the user's answer."""
+    """A session over ``_JsonRpc`` whose agent requests wait open for the user's answer (held
+    as native_ref -> (JSON-RPC id, method, context))."""
 
-    def __init__(self, adapter: Any, process: _Process, runtime_mode: str) -> None:
+    def __init__(self, adapter: _Adapter, process: _Process, runtime_mode: str) -> None:
         super().__init__(adapter, process)
         self._runtime_mode = runtime_mode
-        # native_ref -> (JSON-RPC id, method, what answering it needs)
-        self._requests: dict[str, tuple[Any, str, Any]] = {}
         self.rpc = _JsonRpc(process, protocol_log=adapter.protocol_log, label=self._label,
-                            on_request=self._on_request, on_notification=self._on_notification,
-                            on_close=self._on_close)
+                            tasks=self._tasks, on_request=self._on_request,
+                            on_notification=self._on_notification, on_close=self._ended)
 
     def alive(self) -> bool:
         return self._process.alive() and not self.rpc.closed
 
-    # A driver defines _on_request, _on_notification and _result (the JSON-RPC result that
-    # answers a pending agent request).
+    # -- what a driver defines -------------------------------------------------------------------
+
+    async def _on_request(self, request_id: Any, method: str, params: Mapping[str, Any]) -> Any:
+        """The answer to an agent's request, or ``_ask(...)`` to hold it open for the user."""
+        raise NotImplementedError
+
+    async def _on_notification(self, method: str, params: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _result(self, method: str, context: Any, decision: str | None,
+                answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        """The JSON-RPC result that answers a pending agent request with the user's decision."""
+        raise NotImplementedError
+
+    # -- pending agent requests ------------------------------------------------------------------
 
     async def respond(self, native_ref: str, decision: str | None,
                       answers: Mapping[str, Any] | None) -> None:
@@ -774,15 +889,8 @@ class _RpcSession(_Session):
 
     async def _ask(self, request_id: Any, method: str, context: Any,
                    request: RuntimeRequestOpened) -> Any:
-        """Hold an agent request open until the user's answer arrives through respond()."""
-        self._requests[request.native_ref] = (request_id, method, context)
-        await self.events.put(request)
+        await self._hold(request, (request_id, method, context))
         return _DEFERRED
-
-    async def _on_close(self, returncode: int) -> None:
-        self.exit_reason = _exit_reason(self._closing, returncode)
-        self._requests.clear()
-        await self.events.put(None)
 
 
 # =============================================================================================
@@ -915,7 +1023,7 @@ class AcpSession(_RpcSession):
             prompt.insert(0, {"type": "text", "text": f"<{_INSTRUCTIONS_TAG}>\n"
                               f"{self._instructions}\n</{_INSTRUCTIONS_TAG}>"})
             self._instructions = None
-        self._prompt_task = asyncio.get_running_loop().create_task(self._prompt(prompt))
+        self._prompt_task = self._tasks.start(self._prompt(prompt))
 
     async def _prompt(self, prompt: list[dict[str, Any]]) -> None:
         try:
@@ -1052,478 +1160,14 @@ class AcpAdapter(_Adapter):
 
 
 # =============================================================================================
-# ACP Registry: an agent named in a registry JSON, prepared into t3's cache, then run as `acp`
-
-
-_REGISTRY_MAX_BYTES = 16 * 1024 * 1024
-_NETWORK_TIMEOUT_S = 60.0
-_INSTALL_TIMEOUT_S = 900.0
-_PREPARED = ".t3-prepared"  # written last: a directory without it is not a usable install
-_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
-# Package specs go on npm's / uv's command line: no leading dash, no spaces, no paths.
-_NPM_PACKAGE = re.compile(r"^(@[a-z0-9][\w.-]*/)?[a-z0-9][\w.-]*(@[\w.+-]+)?$", re.IGNORECASE)
-_UV_PACKAGE = re.compile(r"^[A-Za-z0-9][\w.-]*(\[[\w,.-]+\])?((==|@)[\w.+!-]+)?$")
-_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar")
-_CACHE_LOCKS: dict[Path, asyncio.Lock] = {}  # one preparation at a time per cache
-
-
-class RegistryError(Exception):
-    """The registry, an agent's entry in it, or its distribution cannot be used."""
-
-
-@dataclass(frozen=True, slots=True)
-class RegistryAgent:
-    """One agent's entry as the catalog validated it, with the distribution chosen for this
-    platform: ``binary`` (archive, cmd, sha256), else ``npx`` or ``uvx`` (a pinned package)."""
-
-    id: str
-    name: str
-    version: str
-    kind: str
-    platform: str
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    package: str | None = None
-    archive: str | None = None
-    cmd: str | None = None
-    sha256: str | None = None
-
-
-def registry_platform() -> str:
-    """This machine as the registry names platforms: ``<os>-<arch>``, e.g. ``linux-x86_64``."""
-    system = {"win32": "windows"}.get(sys.platform, sys.platform)
-    machine = platform.machine().lower()
-    return f"{system}-" + {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(machine,
-                                                                                     machine)
-
-
-def read_registry(source: str) -> Mapping[str, Any]:
-    """The registry JSON from an https URL (``_open_url``) or a file path. Blocking: run it in
-    a thread."""
-    try:
-        if source.startswith(("http://", "https://")):
-            with _open_url(source, "the ACP registry") as response:
-                raw = response.read(_REGISTRY_MAX_BYTES + 1)
-        else:
-            with open(source, "rb") as f:
-                raw = f.read(_REGISTRY_MAX_BYTES + 1)
-    except (OSError, ValueError) as exc:  # URLError is an OSError
-        raise RegistryError(f"cannot read the ACP registry {source}: {exc}") from exc
-    if len(raw) > _REGISTRY_MAX_BYTES:
-        raise RegistryError(f"the ACP registry {source} is larger than {_REGISTRY_MAX_BYTES} bytes")
-    try:
-        data = parse_json(raw)
-    except ValueError as exc:
-        raise RegistryError(f"the ACP registry {source} is not JSON: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("agents"), list):
-        raise RegistryError(f'the ACP registry {source} has no "agents" list')
-    return data
-
-
-def select_agent(registry: Mapping[str, Any], agent_id: str, *, platform_key: str,
-                 allow_unverified: bool = False) -> RegistryAgent:
-    """Validate ``agent_id``'s entry and choose its distribution: the binary for
-    ``platform_key`` if declared, else npx, else uvx. A binary needs an https archive and a
-    declared sha256 (without one only if ``allow_unverified``). Never starts a process."""
-    entries = [a for a in registry["agents"] if isinstance(a, dict)]
-    entry = next((a for a in entries if a.get("id") == agent_id), None)
-    if entry is None:
-        known = ", ".join(sorted(str(a.get("id")) for a in entries)) or "none"
-        raise RegistryError(f"agent {agent_id!r} is not in the ACP registry (it lists: {known})")
-
-    def bad(where: str, problem: str) -> RegistryError:
-        return RegistryError(f"ACP registry agent {agent_id}: {where}: {problem}")
-
-    version = entry.get("version")
-    if not isinstance(version, str) or not _VERSION.match(version):
-        raise bad("version", "must be a version string")
-    name = entry.get("name")
-    display = name if isinstance(name, str) else agent_id
-    distribution = entry.get("distribution")
-    if not isinstance(distribution, dict):
-        raise bad("distribution", "must be an object")
-    binary = distribution.get("binary")
-    if binary is not None and not isinstance(binary, dict):
-        raise bad("distribution.binary", "must be an object keyed by platform")
-    if binary and platform_key in binary:
-        where = f"distribution.binary.{platform_key}"
-        target = binary[platform_key]
-        if not isinstance(target, dict):
-            raise bad(where, "must be an object")
-        archive, cmd, sha256 = target.get("archive"), target.get("cmd"), target.get("sha256")
-        if not isinstance(archive, str) or _insecure(archive):
-            raise bad(f"{where}.archive", f"{archive!r} is refused: {_HTTPS_ONLY}")
-        if not isinstance(cmd, str) or not _inside(cmd) or PurePosixPath(cmd).name in ("", "."):
-            raise bad(f"{where}.cmd", "must be a relative path to a file inside the archive")
-        if sha256 is not None and not (isinstance(sha256, str)
-                                       and re.fullmatch(r"[0-9a-fA-F]{64}", sha256)):
-            raise bad(f"{where}.sha256", "must be 64 hex digits")
-        if sha256 is None and not allow_unverified:
-            raise bad(f"{where}.sha256", "is not declared: t3 runs a downloaded binary only "
-                      "when its checksum is known (allow_unverified = true on the instance runs "
-                      "it anyway)")
-        args, env = _args_env(target, where, bad)
-        return RegistryAgent(id=agent_id, name=display, version=version, kind="binary",
-                             platform=platform_key, args=args, env=env, archive=archive, cmd=cmd,
-                             sha256=sha256.lower() if sha256 else None)
-    for kind, pattern in (("npx", _NPM_PACKAGE), ("uvx", _UV_PACKAGE)):
-        spec = distribution.get(kind)
-        if spec is None:
-            continue
-        where = f"distribution.{kind}"
-        if not isinstance(spec, dict):
-            raise bad(where, "must be an object")
-        package = spec.get("package")
-        if not isinstance(package, str) or not pattern.match(package):
-            raise bad(f"{where}.package", f"is not a {kind} package name ({package!r})")
-        args, env = _args_env(spec, where, bad)
-        return RegistryAgent(id=agent_id, name=display, version=version, kind=kind,
-                             platform=platform_key, args=args, env=env,
-                             package=_pinned(kind, package, version))
-    raise bad("distribution", f"declares no binary for {platform_key} and no npx or uvx package")
-
-
-class AcpRegistryAdapter(AcpAdapter):
-    """An agent named in an ACP registry: resolved, prepared into ``<data-dir>/agents/registry``
-    and proven by a disposable ``session/new``, then run exactly as the ``acp`` driver."""
-
-    def __init__(self, config: ProviderConfig, *, log_dir: Path, owner: str,
-                 cache_dir: Path) -> None:
-        super().__init__(config, log_dir=log_dir, owner=owner)
-        self._cache_dir = cache_dir
-        self._command_override = list(config.command)  # a local executable instead of ours (seed)
-        self._env_configured = dict(config.env)
-        self._lock = asyncio.Lock()
-        self._prepared = not config.enabled  # a disabled instance has nothing to prepare
-        reason = f"preparing {config.agent}" if config.enabled else "disabled in the configuration"
-        self.info = replace(self.info, available=False, constraints=(reason,))
-
-    async def prepare(self) -> None:
-        """Resolve, install and probe the agent, once (a second caller waits for the first);
-        afterwards ``info`` says whether the instance can run and, if not, why. Raises only
-        on cancellation."""
-        async with self._lock:
-            if self._prepared:
-                return
-            try:
-                agent = await self._install()
-                models, capabilities = await self._probe()
-            except Exception as exc:  # noqa: BLE001  # any failure is this instance's reason
-                # shown to MCP callers; it may quote an installer's output
-                reason = redact(str(exc) if isinstance(exc, RegistryError) else
-                                f"ACP registry agent {self.config.agent} could not be prepared: "
-                                f"{exc}")  # not "preparing ...": that is the in-progress state
-                log.warning("provider %s unavailable: %s", self.info.instance_id, reason)
-                self.info = replace(self.info, constraints=(reason,))
-            else:
-                log.info("provider %s ready: %s %s (%s)", self.info.instance_id, agent.id,
-                         agent.version, agent.kind)
-                self.info = replace(
-                    self.info, available=True, constraints=(), capabilities=capabilities,
-                    models=self.config.models or models)  # configured models win
-            self._prepared = True
-
-    async def open_session(self, **kwargs: Any) -> AcpSession:
-        await self.prepare()
-        return await super().open_session(**kwargs)
-
-    async def _install(self) -> RegistryAgent:
-        """Read the catalog, prepare the distribution, and set the command the sessions run."""
-        assert self.config.agent is not None and self.config.registry is not None
-        registry = await asyncio.to_thread(read_registry, self.config.registry)
-        agent = select_agent(registry, self.config.agent, platform_key=registry_platform(),
-                             # a configured command: nothing is downloaded, nothing to verify
-                             allow_unverified=self.config.allow_unverified
-                             or bool(self._command_override))
-        self.info = replace(self.info, constraints=(f"preparing {agent.id} {agent.version}",))
-        if self._command_override:
-            executable = self._command_override
-        else:
-            async with _CACHE_LOCKS.setdefault(self._cache_dir, asyncio.Lock()):
-                if agent.kind == "binary":
-                    path = await asyncio.to_thread(_prepare_binary, agent, self._cache_dir)
-                elif agent.kind == "npx":
-                    path = await self._prepare_npx(agent)
-                else:
-                    path = await self._prepare_uvx(agent)
-            executable = [str(path)]
-        self.config.command = [*executable, *agent.args]
-        self.config.env = {**agent.env, **self._env_configured}
-        return agent
-
-    async def _prepare_npx(self, agent: RegistryAgent) -> Path:
-        """``npm install --prefix`` of the pinned package into its own cache directory (never
-        global: the user's system stays as it was); its bin is then run directly, not via npx."""
-        assert agent.package is not None
-        npm = _installer("npm", "npm", agent)
-        final = self._cache_dir / "npx" / _safe(agent.package)
-        if not (final / _PREPARED).exists():
-            partial = final.with_name(final.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            try:
-                await self._run_installer(
-                    [npm, "install", "--prefix", str(partial), "--no-audit", "--no-fund",
-                     "--loglevel=error", agent.package], cwd=partial, env={})
-                _npm_executable(partial, agent)
-                (partial / _PREPARED).write_text(agent.package + "\n")
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(partial, final)  # npm's .bin links are relative: the move keeps them
-            except BaseException:
-                shutil.rmtree(partial, ignore_errors=True)
-                raise
-        return _npm_executable(final, agent)
-
-    async def _prepare_uvx(self, agent: RegistryAgent) -> Path:
-        """``uv tool install`` with its tool and bin directories inside the cache. Installed in
-        place (no rename): a tool environment records its absolute path."""
-        assert agent.package is not None
-        uv = _installer("uv", "uvx", agent)
-        home = self._cache_dir / "uvx" / _safe(agent.package)
-        if not (home / _PREPARED).exists():
-            shutil.rmtree(home, ignore_errors=True)
-            home.mkdir(parents=True)
-            try:
-                await self._run_installer(
-                    [uv, "tool", "install", "--force", agent.package], cwd=home,
-                    env={"UV_TOOL_DIR": str(home / "tools"), "UV_TOOL_BIN_DIR": str(home / "bin")})
-                (home / _PREPARED).write_text(agent.package + "\n")
-            except BaseException:
-                shutil.rmtree(home, ignore_errors=True)
-                raise
-        bins = sorted((home / "bin").iterdir()) if (home / "bin").is_dir() else []
-        wanted = re.split(r"[\[=@]", agent.package)[0]
-        chosen = next((b for b in bins if b.name in (wanted, agent.id)), None) or \
-            (bins[0] if len(bins) == 1 else None)
-        if chosen is None:
-            raise RegistryError(f"ACP registry agent {agent.id}: uv installed {len(bins)} "
-                                f"executables for {agent.package} and none is named {wanted}")
-        return chosen
-
-    async def _run_installer(self, command: list[str], *, cwd: Path,
-                             env: Mapping[str, str]) -> None:
-        """Run npm or uv in its own process group (killed if t3 stops meanwhile) with ``env`` on
-        top of the server's environment; its output goes to the protocol log, the end of its
-        stderr into the error."""
-        process = await self._spawn(command, str(cwd), env)
-        try:
-            out, err = await asyncio.wait_for(process.proc.communicate(), _INSTALL_TIMEOUT_S)
-        except BaseException as exc:
-            await process.stop(grace=0.0)
-            if isinstance(exc, TimeoutError):
-                raise RegistryError(f"{' '.join(command[1:3])} {command[-1]} did not finish "
-                                    f"within {_INSTALL_TIMEOUT_S:.0f} s") from None
-            raise
-        for line in (out + err).decode(errors="replace").splitlines():
-            self.protocol_log.write(f"install {line}")
-        if process.proc.returncode != 0:
-            tail = " / ".join(err.decode(errors="replace").strip().splitlines()[-3:])
-            raise RegistryError(f"{Path(command[0]).name} {command[1]} {command[-1]} exited with "
-                                f"code {process.proc.returncode}: {tail}")
-
-    async def probe(self) -> None:
-        """Nothing: preparing (started with the server) probes; an install is not waited for."""
-
-    async def _probe(self) -> tuple[list[dict[str, Any]], Capabilities]:
-        self._cache_dir.mkdir(parents=True, exist_ok=True)  # also with a configured command
-        try:
-            return await self._open_probe(str(self._cache_dir))
-        except (JsonRpcError, ConnectionError, TimeoutError) as exc:
-            raise RegistryError(f"ACP registry agent {self.config.agent} did not open a session "
-                                f"(readiness check): {exc or type(exc).__name__}") from exc
-
-
-def _installer(program: str, via: str, agent: RegistryAgent) -> str:
-    if (found := shutil.which(program)) is None:
-        raise RegistryError(f"ACP registry agent {agent.id} is distributed through {via}, "
-                            f"and {program} is not installed")
-    return found
-
-
-def _args_env(spec: Mapping[str, Any], where: str, bad: Any
-              ) -> tuple[tuple[str, ...], dict[str, str]]:
-    args, env = spec.get("args", []), spec.get("env", {})
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise bad(f"{where}.args", "must be a list of strings")
-    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-        raise bad(f"{where}.env", "must be an object of strings")
-    return tuple(args), dict(env)
-
-
-def _pinned(kind: str, package: str, version: str) -> str:
-    """The package spec at an exact version: the registry's own pin, else the entry's version."""
-    if kind == "npx":
-        return package if "@" in package[1:] else f"{package}@{version}"
-    name, _, pin = package.partition("@")
-    return f"{name}=={pin}" if pin else package if "==" in package else f"{package}=={version}"
-
-
-def _safe(name: str) -> str:
-    """A package spec or id as one directory name."""
-    return re.sub(r"[^A-Za-z0-9._@+=-]", "+", name).lstrip(".") or "_"
-
-
-def _inside(name: str) -> bool:
-    """A relative archive path that stays inside the directory it is unpacked into."""
-    path = PurePosixPath(name.replace("\\", "/"))
-    return not path.is_absolute() and ".." not in path.parts and not re.match(r"^[A-Za-z]:", name)
-
-
-def _npm_executable(prefix: Path, agent: RegistryAgent) -> Path:
-    """The installed package's bin: the only one, else the one named like the package or agent."""
-    assert agent.package is not None
-    name = agent.package[:agent.package.index("@", 1)] if "@" in agent.package[1:] \
-        else agent.package
-    try:
-        manifest = json.loads((prefix / "node_modules" / name / "package.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise RegistryError(f"ACP registry agent {agent.id}: npm installed no readable "
-                            f"package.json for {name}: {exc}") from exc
-    bins = manifest.get("bin")
-    short = name.rsplit("/", 1)[-1]
-    names = [short] if isinstance(bins, str) else list(bins) if isinstance(bins, dict) else []
-    chosen = names[0] if len(names) == 1 else next((n for n in names if n in (short, agent.id)),
-                                                  None)
-    if chosen is None:
-        raise RegistryError(f"ACP registry agent {agent.id}: {name} declares bins {names}, "
-                            f"none named {short} or {agent.id}")
-    return prefix / "node_modules" / ".bin" / chosen
-
-
-def _prepare_binary(agent: RegistryAgent, cache_dir: Path) -> Path:
-    """Download, verify and unpack a binary distribution into its versioned cache directory
-    (once); returns its executable. Blocking: run it in a thread. A failure leaves nothing."""
-    assert agent.archive is not None and agent.cmd is not None
-    final = cache_dir / "bin" / _safe(agent.id) / _safe(agent.version) / agent.platform
-    if (final / _PREPARED).exists():
-        return final / agent.cmd
-    partial = final.with_name(final.name + ".partial")
-    download = final.with_name(final.name + ".download")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        digest = _download(agent.archive, download, agent.id)
-        if agent.sha256 is None:  # select_agent let it through: allow_unverified
-            log.warning("ACP registry agent %s: installing %s (sha256 %s) unverified: the "
-                        "registry declares no sha256 and the instance allows that",
-                        agent.id, agent.archive, digest)
-        elif digest != agent.sha256:
-            raise RegistryError(
-                f"ACP registry agent {agent.id}: the archive {agent.archive} failed its checksum: "
-                f"expected sha256 {agent.sha256}, got {digest}; nothing was installed")
-        _unpack(download, partial, agent)
-        executable = partial / agent.cmd
-        if not executable.is_file():
-            raise RegistryError(f"ACP registry agent {agent.id}: the archive {agent.archive} "
-                                f"has no file {agent.cmd} (distribution.binary.{agent.platform}"
-                                ".cmd)")
-        executable.chmod(executable.stat().st_mode | 0o111)
-        (partial / _PREPARED).write_text(json.dumps({"archive": agent.archive,
-                                                     "sha256": digest}) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(partial, final)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    finally:
-        download.unlink(missing_ok=True)
-        for directory in (final.parent, final.parent.parent):  # <agent>/<version>, if empty now
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-    return final / agent.cmd
-
-
-def _download(url: str, into: Path, agent_id: str) -> str:
-    """Stream ``url`` (``_open_url``) into a file; returns its sha256 (hex)."""
-    digest = hashlib.sha256()
-    try:
-        with _open_url(url, f"ACP registry agent {agent_id}: the archive") as response, \
-                open(into, "wb") as f:
-            while chunk := response.read(1 << 16):
-                digest.update(chunk)
-                f.write(chunk)
-    except (OSError, ValueError) as exc:
-        raise RegistryError(f"ACP registry agent {agent_id}: cannot download {url}: {exc}") \
-            from exc
-    return digest.hexdigest()
-
-
-_HTTPS_ONLY = "t3 downloads over https only; plain http only from this machine's loopback " \
-    "(127.0.0.0/8, ::1, localhost)"
-
-
-def _insecure(url: str) -> bool:
-    """Not an https URL, nor an http one to this machine's loopback (tests, a local mirror)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme == "https":
-        return not parts.hostname
-    if parts.scheme != "http" or not parts.hostname:
-        return True
-    if parts.hostname == "localhost":
-        return False
-    try:
-        return not ipaddress.ip_address(parts.hostname).is_loopback
-    except ValueError:  # a host name
-        return True
-
-
-class _RedirectGuard(urllib.request.HTTPRedirectHandler):
-    """A redirect is followed only to where t3 would download from anyway, and never from https
-    down to http."""
-
-    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
-                         headers: Any, newurl: str) -> urllib.request.Request | None:
-        from_https = urllib.parse.urlsplit(req.full_url).scheme == "https"
-        if _insecure(newurl) or (from_https and urllib.parse.urlsplit(newurl).scheme != "https"):
-            raise RegistryError(f"{req.full_url} redirects to {newurl}, refused: {_HTTPS_ONLY}")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-_OPENER = urllib.request.build_opener(_RedirectGuard)
-
-
-def _open_url(url: str, what: str) -> Any:
-    """Open ``url`` for reading under t3's rule for downloads (``_insecure``, redirects too)."""
-    if _insecure(url):
-        raise RegistryError(f"{what} {url} is refused: {_HTTPS_ONLY}")
-    return _OPENER.open(url, timeout=_NETWORK_TIMEOUT_S)
-
-
-def _unpack(archive: Path, into: Path, agent: RegistryAgent) -> None:
-    """Unpack a tar (any compression) or zip archive, refusing any member that would land
-    outside ``into``; any other file is the executable itself."""
-    assert agent.archive is not None and agent.cmd is not None
-    url_path = urllib.parse.urlparse(agent.archive).path.lower()
-    try:
-        if url_path.endswith(_TAR_SUFFIXES):
-            with tarfile.open(archive) as tar:
-                _refuse_unsafe(agent, (m.name for m in tar.getmembers()))
-                tar.extractall(into, filter="data")  # also refuses links leading outside
-        elif url_path.endswith(".zip"):
-            with zipfile.ZipFile(archive) as zipped:
-                _refuse_unsafe(agent, zipped.namelist())
-                zipped.extractall(into)
-        else:
-            (into / agent.cmd).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(archive, into / agent.cmd)
-    except (tarfile.TarError, zipfile.BadZipFile) as exc:
-        raise RegistryError(f"ACP registry agent {agent.id}: cannot unpack {agent.archive}: "
-                            f"{exc}") from exc
-
-
-def _refuse_unsafe(agent: RegistryAgent, names: Iterable[str]) -> None:
-    for name in names:
-        if not _inside(name):
-            raise RegistryError(f"ACP registry agent {agent.id}: the archive {agent.archive} "
-                                f"holds an unsafe path {name!r} (absolute or with ..); refused")
 # Grok (grok agent stdio): the ACP adapter plus xAI's extensions
 #
 # Grok asks with the request ``x.ai/ask_user_question`` (or ``_x.ai/...``), params ``{sessionId,
 # toolCallId, questions: [{question, header?, options: [{label, description?}], multiSelect?}],
 # mode?}``, and wants ``{outcome: "accepted", answers: {<question text>: label | [labels]},
-# annotations: {}}`` or ``{outcome: "cancelled"}``. That shape is what other ACP clients of grok
-# use (zed-industries/zed#58484, getpaseo/paseo#3491); the CLI is not installable here, so the
-# mapping is tolerant. ``x.ai/task_backgrounded`` is only logged. Forks: by portable context.
+# annotations: {}}`` or ``{outcome: "cancelled"}``: the shape other ACP clients of grok answer
+# with. The CLI is not installable here, so the mapping is tolerant. ``x.ai/task_backgrounded``
+# is only logged. Forks: by portable context.
 
 
 _GROK_ASK = ("x.ai/ask_user_question", "_x.ai/ask_user_question")
@@ -1622,12 +1266,10 @@ class ClaudeSession(_Session):
         self._runtime_mode = runtime_mode
         self._mcp_dir = mcp_dir
         self.native_thread_ref = session_ref
-        self._permissions: dict[str, Mapping[str, Any]] = {}
-        self._requests = itertools.count(1)
+        self._control_ids = itertools.count(1)
         self._in_turn = False
         self._interrupted = False
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
+        self._read()
 
     async def start_turn(self, text: str) -> None:
         if self._in_turn:
@@ -1638,15 +1280,16 @@ class ClaudeSession(_Session):
 
     async def interrupt_turn(self) -> None:
         self._interrupted = True
-        for native_ref in list(self._permissions):
+        for native_ref in list(self._requests):
             await self._answer(native_ref, {"behavior": "deny", "message": "Interrupted."})
         with contextlib.suppress(ConnectionError):
-            await self._send({"type": "control_request", "request_id": f"t3-{next(self._requests)}",
+            await self._send({"type": "control_request",
+                              "request_id": f"t3-{next(self._control_ids)}",
                               "request": {"subtype": "interrupt"}})
 
     async def respond(self, native_ref: str, decision: str | None,
                       answers: Mapping[str, Any] | None) -> None:
-        request = self._permissions.get(native_ref)
+        request = self._requests.get(native_ref)
         if request is None:
             raise RuntimeError(f"no pending permission request {native_ref} on this session")
         await self._answer(native_ref, {"behavior": "allow",
@@ -1655,22 +1298,15 @@ class ClaudeSession(_Session):
                            {"behavior": "deny", "message": "The user declined this tool call."})
 
     async def _answer(self, native_ref: str, response: Mapping[str, Any]) -> None:
-        self._permissions.pop(native_ref, None)
+        self._requests.pop(native_ref, None)
         with contextlib.suppress(ConnectionError):
             await self._send({"type": "control_response", "response": {
                 "subtype": "success", "request_id": native_ref, "response": response}})
 
-    async def _read_stdout(self) -> None:
-        try:
-            await _read_json_lines(self._process, self._adapter.protocol_log, self._label,
-                                   self._route)
-        finally:
-            returncode = await self._process.proc.wait()
-            self.exit_reason = _exit_reason(self._closing, returncode)
-            self._permissions.clear()
-            if self._mcp_dir:
-                shutil.rmtree(self._mcp_dir, ignore_errors=True)
-            await self.events.put(None)
+    def _forget(self) -> None:
+        super()._forget()
+        if self._mcp_dir:
+            shutil.rmtree(self._mcp_dir, ignore_errors=True)
 
     async def _route(self, message: Mapping[str, Any]) -> None:
         kind = message.get("type")
@@ -1719,7 +1355,7 @@ class ClaudeSession(_Session):
                 "error": f"t3 does not handle {request.get('subtype')}"}})
             return
         tool = str(request.get("tool_name") or "")
-        self._permissions[request_id] = request
+        self._requests[request_id] = request
         if self._runtime_mode in ("full-access", "auto") or tool.startswith("mcp__t3-code__"):
             await self.respond(request_id, "accept", None)  # this mode never asks the user
             return
@@ -1790,9 +1426,8 @@ class ClaudeAdapter(_Adapter):
 # =============================================================================================
 # Codex (codex app-server)
 #
-# JSON-RPC over stdio, one JSON object per line (research/agents.md §2, D§7.3). Codex's own
-# messages carry no "jsonrpc" field; the ones t3 sends do, which codex accepts. One process per
-# session, one codex thread per process.
+# JSON-RPC over stdio, one JSON object per line. Codex's own messages carry no "jsonrpc" field;
+# the ones t3 sends do, which codex accepts. One process per session, one codex thread per process.
 
 
 # runtime mode -> (approvalPolicy, sandbox)
@@ -1814,7 +1449,7 @@ _CODEX_MCP_STARTUP_S = 30  # codex's own limit per server is startup_timeout_sec
 
 
 def _codex_mcp_servers(mcp: McpEndpoint) -> dict[str, Any]:
-    """The seed's two registrations of t3's MCP server: ``t3-code`` with every tool but
+    """Two registrations of t3's MCP server: ``t3-code`` with every tool but
     ``t3_thread_wait``, ``t3-code-direct`` with only that one. t3's own tools are scoped to the
     thread by the credential, so codex runs them without asking."""
     common = {"url": mcp.url, "http_headers": dict(mcp.headers),
@@ -2089,8 +1724,9 @@ class CodexAdapter(_Adapter):
 
             async def ignore(*_: Any) -> None:
                 return None
+            tasks = _Tasks()
             rpc = _JsonRpc(process, protocol_log=self.protocol_log,
-                           label=f"{self.info.instance_id}[probe {process.pid}]",
+                           label=f"{self.info.instance_id}[probe {process.pid}]", tasks=tasks,
                            on_request=ignore, on_notification=ignore, on_close=ignore)
             try:
                 await _codex_initialize(rpc)
@@ -2103,8 +1739,8 @@ class CodexAdapter(_Adapter):
                         break
                 account = await rpc.request("account/read", {"refreshToken": False}) or {}
             finally:
-                rpc.cancel()
                 await process.stop(grace=1.0)
+                await tasks.end(within=1.0)
         listed.sort(key=lambda m: not m.get("isDefault"))
         models = [{"id": m["id"], "label": m.get("displayName"),
                    **({"legacy": True} if m.get("hidden") else {})}
@@ -2127,16 +1763,16 @@ class CodexAdapter(_Adapter):
 # =============================================================================================
 # Pi (pi --mode rpc)
 #
-# pi's own JSONL protocol over stdio (research/agents.md §5, D§7.8): commands ``{type, id, ...}``
-# on stdin, responses ``{type: "response", id, command, success, data?, error?}`` and events
-# (no id) on stdout. Framing is LF only: pi's strings may hold U+2028/U+2029, which a line
-# splitter on "any line break" would cut, so t3 splits on b"\n" (``_read_json_lines``).
+# pi's own JSONL protocol over stdio: commands ``{type, id, ...}`` on stdin, responses ``{type:
+# "response", id, command, success, data?, error?}`` and events (no id) on stdout. Framing is LF
+# only: pi's strings may hold U+2028/U+2029, which a line splitter on "any line break" would cut,
+# so t3 splits on b"\n" (``_read_json_lines``).
 
 
 _PI_REQUEST_TIMEOUT = 90.0  # pi answers its first command only once it has started (slow under load)
 _PI_EXTENSION_NAME = "pi-t3-mcp-extension.ts"
-# The MCP bridge (seed "Pi V2"): t3's tools as pi tools named mcp__t3-code__<tool>, each calling
-# t3's MCP server over HTTP with the session's credential. Written into the data dir's cache.
+# The MCP bridge: t3's tools as pi tools named mcp__t3-code__<tool>, each calling t3's MCP server
+# over HTTP with the session's credential. Written into the data dir's cache.
 _PI_MCP_EXTENSION = r"""// Written by t3: forwards t3's MCP tools into pi (pi has no MCP client). Do not edit.
 import type { ExtensionAPI } from "@mariozechner/pi-coding-agent";
 import { Type } from "typebox";
@@ -2220,8 +1856,7 @@ class PiSession(_Session):
         self._in_turn = False
         self._interrupted = False
         self._last_error: str | None = None
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_stdout()), loop.create_task(self._read_stderr())]
+        self._read()
 
     async def _request(self, kind: str, *, timeout: float = _PI_REQUEST_TIMEOUT,
                        **fields: Any) -> Mapping[str, Any]:
@@ -2265,17 +1900,9 @@ class PiSession(_Session):
                       answers: Mapping[str, Any] | None) -> None:
         raise RuntimeError("pi raises no runtime requests")
 
-    async def _read_stdout(self) -> None:
-        try:
-            await _read_json_lines(self._process, self._adapter.protocol_log, self._label,
-                                   self._route)
-        finally:
-            returncode = await self._process.proc.wait()
-            self.exit_reason = _exit_reason(self._closing, returncode)
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(ConnectionError("the provider process exited"))
-            await self.events.put(None)
+    def _forget(self) -> None:
+        super()._forget()
+        _fail_pending(self._pending.values())
 
     async def _route(self, message: Mapping[str, Any]) -> None:
         kind = message.get("type")
@@ -2392,9 +2019,9 @@ class PiAdapter(_Adapter):
 # =============================================================================================
 # OpenCode (opencode serve)
 #
-# HTTP REST plus one SSE stream (research/agents.md §6, D§7.7). One `opencode serve` process per
-# session, bound to 127.0.0.1 on a free port and guarded by a random server password; one
-# opencode session per app thread. Stdlib HTTP/1.1 over asyncio streams.
+# HTTP REST plus one SSE stream. One `opencode serve` process per session, bound to 127.0.0.1 on
+# a free port and guarded by a random server password; one opencode session per app thread.
+# Stdlib HTTP/1.1 over asyncio streams.
 
 
 _OPENCODE_LISTENING = re.compile(r"listening on (http://[^\s]+)")
@@ -2469,7 +2096,6 @@ class OpenCodeSession(_Session):
         self._busy = False  # the root session went busy in this turn
         self._interrupted = False
         self._error: str | None = None
-        self._permissions: dict[str, Mapping[str, Any]] = {}
         self._roles: dict[str, str] = {}  # message id -> role
         self._parts: dict[str, str] = {}  # part id -> part type
         self._sent: dict[str, int] = {}  # part id -> characters already emitted
@@ -2478,12 +2104,11 @@ class OpenCodeSession(_Session):
         loop = asyncio.get_running_loop()
         self._listening: asyncio.Future[str] = loop.create_future()
         self._subscribed: asyncio.Future[None] = loop.create_future()
-        # "listening on" may come on either stream
-        self._tasks = [loop.create_task(_log_output(stream, adapter.protocol_log,
-                                                    f"{self._label} {name}", self._on_output))
-                       for name, stream in (("stdout", process.proc.stdout),
-                                            ("stderr", process.proc.stderr))]
-        self._tasks.append(loop.create_task(self._watch_exit()))
+        for name, stream in (("stdout", process.proc.stdout), ("stderr", process.proc.stderr)):
+            # "listening on" may come on either stream
+            self._tasks.start(_log_output(stream, adapter.protocol_log, f"{self._label} {name}",
+                                          self._on_output))
+        self._tasks.start(self._ended())
 
     # -- HTTP ------------------------------------------------------------------------------------
 
@@ -2525,7 +2150,7 @@ class OpenCodeSession(_Session):
             await asyncio.wait_for(asyncio.shield(self._listening), 60)
         except TimeoutError:
             raise RuntimeError("opencode serve did not start listening within 60 s") from None
-        self._tasks.append(asyncio.get_running_loop().create_task(self._read_events()))
+        self._tasks.start(self._read_events())
         await asyncio.wait_for(asyncio.shield(self._subscribed), 30)
         self._system = self._adapter._instructions(mcp)
         if mcp is not None:
@@ -2566,7 +2191,7 @@ class OpenCodeSession(_Session):
 
     async def interrupt_turn(self) -> None:
         self._interrupted = True
-        for native_ref in list(self._permissions):
+        for native_ref in list(self._requests):
             await self._reply(native_ref, "reject")
         if not self._in_turn:
             return
@@ -2577,21 +2202,16 @@ class OpenCodeSession(_Session):
 
     async def respond(self, native_ref: str, decision: str | None,
                       answers: Mapping[str, Any] | None) -> None:
-        if native_ref not in self._permissions:
+        if native_ref not in self._requests:
             raise RuntimeError(f"no pending permission request {native_ref} on this session")
         await self._reply(native_ref, _OPENCODE_REPLIES.get(decision or "", "reject"))
 
     async def _reply(self, native_ref: str, reply: str) -> None:
-        self._permissions.pop(native_ref, None)
+        self._requests.pop(native_ref, None)
         try:
             await self._request("POST", f"/permission/{native_ref}/reply", {"reply": reply})
         except (_HttpError, ConnectionError, OSError) as exc:
             log.info("opencode permission reply not applied: %s", exc)
-
-    async def close(self, *, grace: float = 3.0) -> None:
-        await super().close(grace=grace)
-        for task in self._tasks:
-            task.cancel()
 
     # -- incoming --------------------------------------------------------------------------------
 
@@ -2599,15 +2219,12 @@ class OpenCodeSession(_Session):
         if (found := _OPENCODE_LISTENING.search(line)) and not self._listening.done():
             self._listening.set_result(found.group(1))
 
-    async def _watch_exit(self) -> None:
-        returncode = await self._process.proc.wait()
-        self.exit_reason = _exit_reason(self._closing, returncode)
+    def _forget(self) -> None:
+        super()._forget()
         for future in (self._listening, self._subscribed):
             if not future.done():
                 future.set_exception(ConnectionError(
-                    f"opencode serve exited (exit code {returncode})"))
-        self._permissions.clear()
-        await self.events.put(None)
+                    f"opencode serve exited (exit code {self._process.proc.returncode})"))
 
     async def _read_events(self) -> None:
         try:
@@ -2637,14 +2254,14 @@ class OpenCodeSession(_Session):
                     except ValueError:
                         continue
                     if isinstance(event, dict):
-                        await self._route(str(event.get("type")), event.get("properties") or {})
+                        await self._on_event(str(event.get("type")), event.get("properties") or {})
         except (ConnectionError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
             if not self._closing:
                 log.warning("%s: event stream ended: %s", self._label, exc)
             if not self._subscribed.done():
                 self._subscribed.set_exception(ConnectionError(str(exc)))
 
-    async def _route(self, kind: str, props: Mapping[str, Any]) -> None:
+    async def _on_event(self, kind: str, props: Mapping[str, Any]) -> None:
         # Only the root session (this thread's) streams text and ends the turn; child sessions
         # (opencode's subagents) still raise permission asks, which t3 answers the same way.
         root = self.native_thread_ref
@@ -2664,7 +2281,7 @@ class OpenCodeSession(_Session):
         elif kind == "permission.asked":
             await self._on_permission(props)
         elif kind == "permission.replied":
-            self._permissions.pop(str(props.get("requestID") or props.get("permissionID")), None)
+            self._requests.pop(str(props.get("requestID") or props.get("permissionID")), None)
         elif kind == "session.status" and props.get("sessionID") == root:
             status = (props.get("status") or {}).get("type")
             if status == "busy":
@@ -2716,7 +2333,7 @@ class OpenCodeSession(_Session):
 
     async def _on_permission(self, props: Mapping[str, Any]) -> None:
         native_ref = str(props.get("id"))
-        self._permissions[native_ref] = props
+        self._requests[native_ref] = props
         permission = str(props.get("permission") or "")
         if self._runtime_mode in ("full-access", "auto") or \
                 (self._runtime_mode == "auto-accept-edits" and permission in _OPENCODE_EDIT_TOOLS):
@@ -2736,7 +2353,7 @@ class OpenCodeSession(_Session):
         if not self._in_turn or not self._busy:
             return  # an idle from before this turn started
         self._in_turn = False
-        self._permissions.clear()  # nothing can answer them any more
+        self._requests.clear()  # nothing can answer them any more
         await self.events.put(_turn_ended(interrupted=self._interrupted, failure=self._error
                                           and f"opencode failed the turn: {self._error}"))
 
@@ -2782,51 +2399,22 @@ class OpenCodeAdapter(_Adapter):
         return await _opened(session, session.open(resume_ref=resume_ref, mcp=mcp))
 
 
-class UnavailableAdapter:
-    """A configured instance whose driver this t3 cannot run yet."""
-
-    def __init__(self, config: ProviderConfig, reason: str) -> None:
-        self.info = ProviderInfo(instance_id=config.instance_id, driver=config.driver,
-                                 display_name=config.display_name, models=config.models,
-                                 capabilities=Capabilities(), available=False,
-                                 constraints=(reason,))
-
-    def close(self) -> None:
-        pass
-
-    async def open_session(self, **_: Any) -> Any:
-        raise RuntimeError(f"provider {self.info.instance_id} cannot run: "
-                           + "; ".join(self.info.constraints))
+# =============================================================================================
+# One adapter per configured instance
 
 
-def _info(config: ProviderConfig, capabilities: Capabilities,
-          runtime_modes: Sequence[str] | None = None,
-          interaction_modes: Sequence[str] | None = None) -> ProviderInfo:
-    """What an instance offers, and why it cannot run if it cannot."""
-    constraints = []
-    if not config.enabled:
-        constraints.append("disabled in the configuration")
-    if not config.command:
-        constraints.append("no command configured")
-    elif not shutil.which(config.command[0]) and not (
-            os.path.isabs(config.command[0]) and os.access(config.command[0], os.X_OK)):
-        constraints.append(f"executable not found: {config.command[0]}")
-    return ProviderInfo(instance_id=config.instance_id, driver=config.driver,
-                        display_name=config.display_name, models=config.models,
-                        capabilities=capabilities, available=not constraints,
-                        constraints=tuple(constraints), runtime_modes=runtime_modes,
-                        interaction_modes=interaction_modes)
+# What t3.py holds per instance: an orchestrator.ProviderAdapter that also has close().
+Adapter = (AcpAdapter | ClaudeAdapter | CodexAdapter | PiAdapter | OpenCodeAdapter
+           | UnavailableAdapter)
 
 
-def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str,
-                  agents_dir: Path | None = None) -> Any:
-    """The adapter of one instance; ``agents_dir`` (default ``<log_dir>/../agents``) holds what
-    t3 installs for agents, e.g. the acpRegistry cache under ``registry/``."""
-    if config.driver == "acpRegistry":
-        return AcpRegistryAdapter(config, log_dir=log_dir, owner=owner, cache_dir=(
-            agents_dir or log_dir.parent / "agents") / "registry")
+def build_adapter(config: ProviderConfig, *, log_dir: Path, owner: str) -> Adapter:
+    """The adapter of one instance (``acpRegistry``'s is registry.py's, built by t3.py)."""
     if config.driver in _UNRUNNABLE:
         return UnavailableAdapter(config, _UNRUNNABLE[config.driver])
-    adapter = {"acp": AcpAdapter, "grok": GrokAdapter, "claudeAgent": ClaudeAdapter,
-               "codex": CodexAdapter, "pi": PiAdapter, "opencode": OpenCodeAdapter}
+    adapter: dict[str, Callable[..., Adapter]] = {
+        "acp": AcpAdapter, "grok": GrokAdapter, "claudeAgent": ClaudeAdapter,
+        "codex": CodexAdapter, "pi": PiAdapter, "opencode": OpenCodeAdapter}
+    if config.driver not in adapter:
+        raise ValueError(f"driver {config.driver} is not built here")
     return adapter[config.driver](config, log_dir=log_dir, owner=owner)

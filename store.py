@@ -77,10 +77,14 @@ class FingerprintMismatch(StoreError):
     """This command id was already used for a different command payload."""
 
 
-# Test hooks (README "Fault injection"), read once at import. They act only together with the
-# switch T3_TEST_HOOKS=1, so a stray variable cannot crash or cap a real server. T3_CRASH_AT: the
-# process SIGKILLs itself at the one named point (unset, every crash_point is a no-op).
-# T3_MAX_PAGE_COUNT: the writer connection's max_page_count, a full disk on demand.
+# ---------------------------------------------------------------------------------------------
+# Test hooks (README "Fault injection"), inert unless T3_TEST_HOOKS=1
+
+
+# Read once at import, and only together with the switch, so a stray variable cannot crash or
+# cap a real server. T3_CRASH_AT: the process SIGKILLs itself at the one named point (unset,
+# every crash_point is a no-op). T3_MAX_PAGE_COUNT: the writer connection's max_page_count, a
+# full disk on demand.
 _TEST_HOOKS = os.environ.get("T3_TEST_HOOKS") == "1"
 _CRASH_AT = (os.environ.get("T3_CRASH_AT") or None) if _TEST_HOOKS else None
 _MAX_PAGE_COUNT = (os.environ.get("T3_MAX_PAGE_COUNT") or None) if _TEST_HOOKS else None
@@ -264,7 +268,7 @@ def _pluck(payload: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
-# Streamed text is appended, not rewritten (SPEC 3): while a message streams, each ingest commit
+# Streamed text is appended, not rewritten: while a message streams, each ingest commit
 # records only its new text as a TEXT_APPENDED event ({id, threadId, runId, text, updatedAt}),
 # which projects nothing. The message's row keeps what it was opened with; the row and the event
 # log hold the whole entity again when it closes. So the bytes written per delta do not grow
@@ -671,7 +675,8 @@ class Store:
         only its own writes); callers are answered after the COMMIT. If the transaction itself
         is lost (a failed COMMIT, or SQLite rolling back everything on SQLITE_FULL or an I/O
         error), each job runs again alone, so each caller gets its own outcome."""
-        conn, outcomes = self._write_conn, []
+        conn = self._write_conn
+        outcomes: list[_Outcome] = []
         try:
             with _transaction(conn):
                 for fn, _, future in jobs:

@@ -44,7 +44,15 @@ import uuid
 from collections.abc import (AsyncIterator, Awaitable, Callable, Iterator, Mapping,
                              MutableMapping, Sequence)
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the layers' types, for annotations: t3.py imports the layers when it serves
+    import hypercorn.config
+    from orchestrator import McpEndpoint, Orchestrator, ProviderInfo
+    from providers import Adapter
+    from store import Store
+    from tools import Scope, Toolkit
 
 __all__ = ["VERSION", "main", "Config", "ConfigError", "load_config", "DataDirError",
            "open_data_dir", "ClientToken", "Credentials", "HttpPolicy", "Route", "WebView",
@@ -276,7 +284,7 @@ def _line_of(text: str, section: str, index: int | None, key: str | None) -> int
 
 
 # =============================================================================================
-# Data directory: private to the user who runs t3 (SPEC 1.2)
+# Data directory: private to the user who runs t3
 
 
 class DataDirError(Exception):
@@ -498,7 +506,8 @@ class Credentials:
         self.max_lifetime_s, self.idle_s, self.mcp_url = max_lifetime_s, idle_s, mcp_url
         self._clock = clock
 
-    def issue(self, *, thread_id: str, provider_instance_id: str, provider_session_id: str) -> Any:
+    def issue(self, *, thread_id: str, provider_instance_id: str,
+              provider_session_id: str) -> McpEndpoint:
         """A new credential for one provider session, as the MCP endpoint its agent is given.
         Only the token's hash is kept; the raw token lives in the returned endpoint alone."""
         from orchestrator import McpEndpoint
@@ -539,7 +548,7 @@ class Credentials:
         if digest is not None:
             self._sessions.pop(digest, None)
 
-    def resolve(self, token: str) -> Any:
+    def resolve(self, token: str) -> Scope | None:
         credential = self._sessions.get(_hash(token))
         if credential is None or self._live(credential.session_id) is not credential:
             return None
@@ -563,7 +572,7 @@ class Credentials:
 
 @dataclasses.dataclass(slots=True)
 class _SessionCredential:
-    scope: Any
+    scope: Scope
     session_id: str
     issued: float
     touched: float
@@ -606,7 +615,7 @@ def bearer_auth(app: ASGIApp, *, credentials: Credentials, client_token: ClientT
 
 
 # =============================================================================================
-# The ASGI app: routes, and what every request passes before a route runs (SPEC 1.5)
+# The ASGI app: routes, and what every request passes before a route runs
 
 
 BODY_TIMEOUT_S = 10.0  # for a whole request body, counted from when it may be read
@@ -863,8 +872,8 @@ _HOOK_STATUS = {"hook_not_found": 404, "hook_disabled": 409, "invalid_signature"
                 "invalid_request": 400, "rate_limited": 429, "queue_full": 429}
 
 
-def webhook_endpoint(orch: Any) -> ASGIApp:
-    """``POST/PUT/PATCH /hooks/{scheduledTaskId}/{hookToken}`` (SPEC 7), the HTTP part. Before
+def webhook_endpoint(orch: Orchestrator) -> ASGIApp:
+    """``POST/PUT/PATCH /hooks/{scheduledTaskId}/{hookToken}``, the HTTP part. Before
     the body is read: the token against the task's hash in constant time (wrong: the same 404 as
     an unknown hook), 409 paused, 413 over 1 MiB declared. Then the body whole (within
     ``BODY_TIMEOUT_S``), ``Orchestrator.receive_webhook``, and 202 ``{deliveryId, outcome}``."""
@@ -1697,7 +1706,7 @@ async def serve(args: argparse.Namespace) -> int:
         os.umask(prov.CHILD_UMASK)
 
 
-async def _serve(args: argparse.Namespace, prov: Any) -> int:
+async def _serve(args: argparse.Namespace, prov: ModuleType) -> int:
     from store import DatabaseTooNew, Store, StoreError
 
     try:
@@ -1744,8 +1753,8 @@ async def _serve(args: argparse.Namespace, prov: Any) -> int:
         lock.release()
 
 
-async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Any, host: str,
-               port: int, server_json: Path, *, prov: Any) -> int:
+async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Store, host: str,
+               port: int, server_json: Path, *, prov: ModuleType) -> int:
     import hypercorn.asyncio.run
     import hypercorn.config
     import hypercorn.utils
@@ -1801,15 +1810,15 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
         # server is up meanwhile and lists them unavailable with "preparing ...".
         preparing = [tasks.create_task(a.prepare(), name=f"prepare-{k}")
                      for k, a in adapters.items() if hasattr(a, "prepare")]
-        server = loop.create_task(hypercorn.asyncio.run.worker_serve(
+        server = tasks.create_task(_until_stopped(hypercorn.asyncio.run.worker_serve(
             hypercorn.utils.wrap_app(app, hconfig.wsgi_max_body_size, "asgi"), hconfig,
             sockets=hypercorn.config.Sockets(secure_sockets=[sock] if hconfig.ssl_enabled else [],
                                              insecure_sockets=[] if hconfig.ssl_enabled else [sock],
                                              quic_sockets=[]),
-            shutdown_trigger=http_stop.wait))
+            shutdown_trigger=http_stop.wait)))
         _announce(server_json, url=url, ws_url=f"{'wss' if hconfig.ssl_enabled else 'ws'}://"
                   f"{url_host}:{port}/ws", port=port, environment_id=environment_id)
-        stopped = loop.create_task(stop.wait())
+        stopped = tasks.create_task(stop.wait())
         await asyncio.wait({server, stopped}, return_when=asyncio.FIRST_COMPLETED)
         log.info("shutting down")
         for task in preparing:
@@ -1825,6 +1834,12 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     return 0
 
 
+async def _until_stopped(serving: Awaitable[None]) -> None:
+    """Hypercorn's serving: when it fails, the server shuts down as on a signal."""
+    with contextlib.suppress(Exception):
+        await serving
+
+
 def _announce(server_json: Path, *, url: str, ws_url: str, port: int, environment_id: str) -> None:
     """server.json (how the commands for people find the server), then the ready line."""
     _write_private_atomic(server_json, json.dumps({
@@ -1836,7 +1851,7 @@ def _announce(server_json: Path, *, url: str, ws_url: str, port: int, environmen
           f"{server_json.parent / 'client-token'})", file=sys.stderr, flush=True)
 
 
-async def _shut_down(*, orch: Any, clients: ClientApi, server: asyncio.Task[Any],
+async def _shut_down(*, orch: Orchestrator, clients: ClientApi, server: asyncio.Task[Any],
                      http_stop: asyncio.Event, sock: _Listener, grace_s: float) -> None:
     """Stop taking work, end waits and /ws connections, stop HTTP, then the agents."""
     orch.begin_shutdown()  # waits return their current state before HTTP closes
@@ -1847,30 +1862,30 @@ async def _shut_down(*, orch: Any, clients: ClientApi, server: asyncio.Task[Any]
         # Hypercorn waits, without end, to flush what a client that reads nothing was sent;
         # cutting the connections ends that wait.
         sock.abort_connections()
-    with contextlib.suppress(Exception):
-        await server
+    await server
     await orch.close()
 
 
-async def _start_domain(config: Config, data_dir: Path, store: Any, environment_id: str,
-                        credentials: Credentials, *, prov: Any, base_url: str,
-                        clock: TestClock | None) -> tuple[Any, dict[str, Any], Any]:
+async def _start_domain(config: Config, data_dir: Path, store: Store, environment_id: str,
+                        credentials: Credentials, *, prov: ModuleType, base_url: str,
+                        clock: TestClock | None
+                        ) -> tuple[Orchestrator, dict[str, Adapter], Toolkit]:
     """Adapters, the orchestrator (recovered and started) and the toolkit over it; git work
     (workspace.py) is handed to the orchestrator as the adapters are."""
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
-    from orchestrator import Orchestrator
+    from orchestrator import Orchestrator, utc_now
     from tools import Project, ServerContext, Toolkit
     from workspace import Workspaces  # made under the data-dir lock: it clears stray indexes
     adapters = build_adapters(config, data_dir, prov)
     _report_providers(adapters, detected=config.providers is None, detectable=prov.DETECTABLE)
     orch = Orchestrator(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
-                            credentials=credentials, workspaces=Workspaces(data_dir),
-                            max_live_agent_processes=config.max_live_agent_processes,
-                            max_delegation_depth=config.max_delegation_depth,
-                            redact=prov.redact,
-                            **({"clock": clock.iso, "wall": clock.now} if clock else {}))
+                        credentials=credentials, workspaces=Workspaces(data_dir),
+                        max_live_agent_processes=config.max_live_agent_processes,
+                        max_delegation_depth=config.max_delegation_depth, redact=prov.redact,
+                        clock=clock.iso if clock else utc_now,
+                        wall=clock.now if clock else time.time)
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.")
@@ -1887,7 +1902,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Any, environment_
     return orch, adapters, Toolkit(orch, store, context)
 
 
-def _report_providers(adapters: Mapping[str, Any], *, detected: bool,
+def _report_providers(adapters: Mapping[str, Adapter], *, detected: bool,
                       detectable: Sequence[str]) -> None:
     """One stderr line per provider instance: its driver, whether it can run, and why not. (An
     acpRegistry instance is still preparing here; it logs again once it is ready or failed.)"""
@@ -1910,7 +1925,7 @@ def _report_providers(adapters: Mapping[str, Any], *, detected: bool,
           "tasks are refused (provider_unavailable).", file=sys.stderr)
 
 
-def _hypercorn_config(config: Config, hypercorn: Any) -> Any:
+def _hypercorn_config(config: Config, hypercorn: ModuleType) -> hypercorn.config.Config | None:
     """Hypercorn's settings, or None (said on stderr) when the TLS files cannot be used."""
     hconfig = hypercorn.config.Config()
     hconfig.graceful_timeout = 3.0
@@ -2020,6 +2035,10 @@ class _Connection(socket.socket):
         super().close()
 
 
+# ---------------------------------------------------------------------------------------------
+# Test hooks, inert unless T3_TEST_HOOKS=1 (store.py has the others: crash points, a full disk)
+
+
 class TestClock:
     """The server's clock when tests move it (``T3_TEST_CLOCK`` epoch seconds, only with
     ``T3_TEST_HOOKS=1``): it stands still but for ``advance`` (/ws ``advanceTestClock``).
@@ -2048,9 +2067,14 @@ class TestClock:
         self.advanced += seconds
 
 
-def build_adapters(config: Config, data_dir: Path, prov: Any) -> dict[str, Any]:
+# ---------------------------------------------------------------------------------------------
+# Provider adapters, as the orchestrator and tools are handed them
+
+
+def build_adapters(config: Config, data_dir: Path, prov: ModuleType) -> dict[str, Adapter]:
     """One adapter per configured provider instance (or per detected CLI when none are configured).
-    Their processes are tagged with the data dir, so a later server can find its orphans."""
+    Their processes are tagged with the data dir, so a later server can find its orphans. The
+    ``acpRegistry`` driver is registry.py's, imported only when an instance uses it."""
     configs = [prov.ProviderConfig(instance_id=p["id"], driver=p["driver"], command=p["command"],
                                    env=p["env"], models=p["models"], enabled=p["enabled"],
                                    display_name=p["displayName"], agent=p["agent"],
@@ -2058,19 +2082,27 @@ def build_adapters(config: Config, data_dir: Path, prov: Any) -> dict[str, Any]:
                                    allow_unverified=p["allowUnverified"])
                for p in config.providers] if config.providers is not None \
         else prov.detect_providers()
-    return {c.instance_id: prov.build_adapter(c, log_dir=data_dir / "logs", owner=str(data_dir),
-                                              agents_dir=data_dir / "agents")
-            for c in configs}
+    adapters: dict[str, Adapter] = {}
+    for c in configs:
+        if c.driver == "acpRegistry":
+            from registry import AcpRegistryAdapter
+            adapters[c.instance_id] = AcpRegistryAdapter(
+                c, log_dir=data_dir / "logs", owner=str(data_dir),
+                cache_dir=data_dir / "agents" / "registry")
+        else:
+            adapters[c.instance_id] = prov.build_adapter(c, log_dir=data_dir / "logs",
+                                                         owner=str(data_dir))
+    return adapters
 
 
-class _LiveProviderInfo(Mapping[str, Any]):
+class _LiveProviderInfo(Mapping[str, "ProviderInfo"]):
     """Each adapter's ``info`` as it is now, for the orchestrator and tools: an instance still
     being prepared (acpRegistry) becomes available, or fails with a reason, after startup."""
 
-    def __init__(self, adapters: Mapping[str, Any]) -> None:
+    def __init__(self, adapters: Mapping[str, Adapter]) -> None:
         self._adapters = adapters
 
-    def __getitem__(self, instance_id: str) -> Any:
+    def __getitem__(self, instance_id: str) -> ProviderInfo:
         return self._adapters[instance_id].info
 
     def __iter__(self) -> Iterator[str]:

@@ -267,8 +267,8 @@ class Workspaces:
         listing = await _git(repo, "worktree", "list", "--porcelain", "-z")
         wanted = os.path.realpath(path)
         for record in listing.split("\0\0"):
-            fields = dict(line.split(" ", 1) if " " in line else (line, "")
-                          for line in record.split("\0") if line)
+            fields = {key: value for key, _, value in
+                      (line.partition(" ") for line in record.split("\0") if line)}
             if "worktree" in fields and os.path.realpath(fields["worktree"]) == wanted:
                 return fields.get("branch", "").removeprefix("refs/heads/")
         return None

@@ -30,6 +30,7 @@ import pytest
 
 import orchestrator as orch
 import providers
+import registry
 from harness import (ACP_AGENT, T3_PY, McpClient, RawResponse, ServerStartError, T3Server,
                      agent_log, pids_alive, raw_post, raw_request, scripted_provider, wait_until)
 from real_cli import text
@@ -1063,7 +1064,7 @@ def constraints_once_prepared(mcp: Any, instance_id: str) -> list[str]:
     ("https:///no-host", True)])
 def test_downloads_need_https_or_loopback_http(url: str, refused: bool) -> None:
     """The download rule: https anywhere, plain http only to 127.0.0.0/8, ::1 or localhost."""
-    assert providers._insecure(url) is refused
+    assert registry._insecure(url) is refused
 
 
 def test_a_registry_over_http_from_another_host_is_refused(t3_factory: Any) -> None:
@@ -1108,8 +1109,8 @@ def test_a_redirect_to_plain_http_elsewhere_is_refused(t3_factory: Any, tmp_path
 
 def test_a_redirect_never_goes_from_https_down_to_http() -> None:
     """From https, a redirect to plain http is refused even to loopback; to https it is followed."""
-    guard, request = providers._RedirectGuard(), urllib.request.Request("https://cdn.example/r")
-    with pytest.raises(providers.RegistryError, match="redirects to http://127.0.0.1/r, refused"):
+    guard, request = registry._RedirectGuard(), urllib.request.Request("https://cdn.example/r")
+    with pytest.raises(registry.RegistryError, match="redirects to http://127.0.0.1/r, refused"):
         guard.redirect_request(request, None, 302, "Found", {}, "http://127.0.0.1/r")
     followed = guard.redirect_request(request, None, 302, "Found", {}, "https://mirror.example/r")
     assert followed is not None and followed.full_url == "https://mirror.example/r"
