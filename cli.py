@@ -1,13 +1,11 @@
-"""cli.py: the commands for people (``python t3.py threads|show|new|send|wait|...``).
+"""cli.py: the commands for people (``python t3.py threads|show|new|send|wait|...``), which
+``t3.py`` parses and hands to ``run_command``; the server never imports this module.
 
-Each command finds the server through ``<data-dir>/server.json``, talks to it only through /ws
-with the client token, and prints for people (inert: no control character reaches the
-terminal) or one JSON document with --json; its exit code (``CLI_EXIT_CODES``) is stable. It
-prints what the server shapes and derives no state of its own: ``show`` prints the thread's
-entities as the server sends them, and an open message's text as ``readThread`` reads it (the
-server appends streamed text; this never does). ``t3.py`` parses the command line and calls
-``run_command``; the server never imports this module. From ``t3.py`` it takes only what the
-server shares with it: the client token's reader and the /ws protocol version.
+Each command finds the server through ``<data-dir>/server.json`` and talks to it only through
+/ws with the client token (``WsClient``). It prints for people, inert (no control character
+reaches the terminal), or one JSON document with --json; its exit code is stable. It prints
+what the server shapes and adds up nothing: ``show`` reads a streaming message's text with
+``readThread``. From ``t3.py`` it takes the client token's reader and the protocol version.
 """
 
 from __future__ import annotations
@@ -26,11 +24,17 @@ import sys
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (AcceptConnection, CloseConnection, Ping, RejectConnection, RejectData,
+                            Request, TextMessage)
+
 import t3
+from orchestrator import (CONTROL_CHARACTERS, DECISIONS, RUN_TERMINAL, InteractionMode,
+                          RunStatus, RuntimeMode, epoch_of)
 
 __all__ = ["WsClient", "WsError", "CLI_EXIT_CODES", "CliError", "add_parsers", "run_command",
            "inert"]
@@ -55,16 +59,13 @@ class WsClient:
     subscription's items. Frames are read by one task and handed to the request they answer."""
 
     def __init__(self, url: str, token: str) -> None:
-        self.url = urllib.parse.urlsplit(url)
-        self.token = token
+        self.url, self.token = urllib.parse.urlsplit(url), token
         self._ids = iter(range(1, 1 << 62))
         self._waiting: dict[int, asyncio.Queue[dict[str, Any] | None]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
 
     async def __aenter__(self) -> WsClient:
-        from wsproto import ConnectionType, WSConnection
-        from wsproto.events import Request
         tls = ssl.create_default_context() if self.url.scheme in ("wss", "https") else None
         reader, self._writer = await asyncio.open_connection(
             self.url.hostname, self.url.port or (443 if tls else 80), ssl=tls)
@@ -86,7 +87,6 @@ class WsClient:
                 await self._writer.wait_closed()
 
     async def _handshake(self, reader: asyncio.StreamReader) -> None:
-        from wsproto.events import AcceptConnection, RejectConnection, RejectData
         status, body = None, b""
         while True:
             chunk = await reader.read(65536)
@@ -108,7 +108,6 @@ class WsClient:
                                       detail=detail)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        from wsproto.events import CloseConnection, Ping, TextMessage
         text: list[str] = []
         try:
             while chunk := await reader.read(65536):
@@ -121,8 +120,7 @@ class WsClient:
                         if event.message_finished:
                             frame = json.loads("".join(text))
                             text.clear()
-                            queue = self._waiting.get(frame.get("id"))
-                            if queue is not None:
+                            if (queue := self._waiting.get(frame.get("id"))) is not None:
                                 queue.put_nowait(frame)
                     elif isinstance(event, CloseConnection):
                         return
@@ -142,7 +140,6 @@ class WsClient:
         return request_id, queue
 
     def _frame(self, request_id: int, method: str, params: Mapping[str, Any]) -> None:
-        from wsproto.events import TextMessage
         self._send(TextMessage(data=json.dumps({"id": request_id, "method": method,
                                                 "params": dict(params)})))
 
@@ -154,7 +151,7 @@ class WsClient:
             del self._waiting[request_id]
 
     async def stream(self, method: str, params: Mapping[str, Any] | None = None
-                     ) -> AsyncIterator[dict[str, Any]]:
+                     ) -> AsyncGenerator[dict[str, Any], None]:
         """The items of a subscription, until it ends (an error is raised)."""
         request_id, queue = self._open(method, params or {})
         ended = False
@@ -182,9 +179,8 @@ def _outcome(frame: Mapping[str, Any] | None) -> Any:
 
 
 # =============================================================================================
-# Commands for people: each finds the server through <data-dir>/server.json, talks to it only
-# through /ws (WsClient, with the client token) and prints for people, or one JSON document
-# with --json. Its exit code (CLI_EXIT_CODES) is stable: scripts may rely on it.
+# Commands for people: finding and reaching the server, printing, exit codes (scripts rely on
+# them); then the commands that start, steer, wait for and answer threads.
 
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER, EXIT_UNFINISHED, EXIT_NOT_COMPLETED = 1, 2, 3, 4, 5
@@ -227,7 +223,6 @@ def inert(text: str) -> str:
 
 @functools.cache
 def _inert_table() -> dict[int, str]:
-    from orchestrator import CONTROL_CHARACTERS
     return {c: f"\\x{c:02x}" if c < 0xA0 else f"<U+{c:04X}>"
             for c in CONTROL_CHARACTERS - {ord("\n"), ord("\t")}}
 
@@ -246,9 +241,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(inert(f"t3: {exc}"), file=sys.stderr)
         return exc.exit
     except KeyboardInterrupt:
-        if getattr(args, "follow", False):  # Ctrl-C is how a follow ends
-            return 0
-        return 130
+        return 0 if getattr(args, "follow", False) else 130  # Ctrl-C is how a follow ends
 
 
 async def _connected(args: argparse.Namespace) -> int:
@@ -353,9 +346,6 @@ async def _thread_ref(client: WsClient, text: str) -> str:
         snapshot = (await anext(shell))["snapshot"]
     found = _pick(snapshot["threads"], text, key="threadId", what="thread")
     return str(found["threadId"]) if found else text
-
-
-# -- the commands ----------------------------------------------------------------------------
 
 
 async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
@@ -536,17 +526,15 @@ async def _cmd_answer(client: WsClient, args: argparse.Namespace) -> int:
     result = await client.request("dispatchCommand", {
         "type": "runtime-request.respond", "commandId": uuid.uuid4().hex,
         "creationSource": "cli", "threadId": request["threadId"],
-        "requestId": request["requestId"], **await _response(client, request, args.answer)})
+        "requestId": request["requestId"], **_response(request, args.answer)})
     return _out(args, result, f"answered {request['requestId']}: "
                               f"{result['result'].get('status', 'resolved')}")
 
 
-async def _response(client: WsClient, request: Mapping[str, Any], texts: Sequence[str]
-                    ) -> dict[str, Any]:
+def _response(request: Mapping[str, Any], texts: Sequence[str]) -> dict[str, Any]:
     """``decision`` for a decision word (a question takes only decline and cancel), else
     ``answers``: a JSON object as given, or one TEXT per question of the request, in order
     (for a multi-select question, labels separated by commas)."""
-    from orchestrator import DECISIONS
     question = request["kind"] == "user_input"
     if len(texts) == 1 and texts[0] in DECISIONS and (
             not question or texts[0] in ("decline", "cancel")):
@@ -559,10 +547,7 @@ async def _response(client: WsClient, request: Mapping[str, Any], texts: Sequenc
             if isinstance(answers := json.loads(texts[0]), dict):
                 return {"answers": answers}
         raise CliError("the answers are not a JSON object", exit=EXIT_USAGE)
-    got = await client.request("getThreadProjection", {"threadId": request["threadId"]})
-    entity = next((r for r in got["projection"]["runtimeRequests"]
-                   if r["id"] == request["requestId"]), {})
-    questions = (entity.get("detail") or {}).get("questions") or []
+    questions = (request.get("detail") or {}).get("questions") or []
     if len(questions) != len(texts):
         asked = "".join(f"; {i + 1}. {q.get('question')}" for i, q in enumerate(questions))
         raise CliError(f"this request asks {len(questions)} question(s){asked}: give one TEXT "
@@ -611,26 +596,30 @@ async def _task_tree(client: WsClient, thread_id: str, seen: set[str]) -> dict[s
             "status": latest["status"] if latest else "idle", "tasks": tasks}
 
 
+# =============================================================================================
+# Commands for people: show, a thread's timeline as the server shapes it (followed: as it
+# changes, through subscribeThread).
+
+
 async def _cmd_show(client: WsClient, args: argparse.Namespace) -> int:
     thread_id = await _thread_ref(client, args.thread)
-    view = _Timeline(json_lines=args.json)
+    view = _Timeline(client, thread_id, json_lines=args.json)
     if not (args.follow or args.until_done):
-        got = await client.request("getThreadProjection", {"threadId": thread_id})
-        view.load(got["projection"])
+        view.load((await client.request("getThreadProjection", {"threadId": thread_id}))[
+            "projection"])
         if args.json:
-            _out(args, view.document(), "")
-        else:
-            view.print_all()
-            view.end_line()
+            return _out(args, view.document(), "")
+        view.print_all()
+        view.end_line()
         return 0
     try:
-        return await _follow(client, thread_id, view, until_done=args.until_done)
+        return await _follow(client, view, until_done=args.until_done)
     finally:  # Ctrl-C, or the server gone
         view.end_line()
 
 
-async def _follow(client: WsClient, thread_id: str, view: _Timeline, *, until_done: bool) -> int:
-    params: dict[str, Any] = {"threadId": thread_id}
+async def _follow(client: WsClient, view: _Timeline, *, until_done: bool) -> int:
+    params: dict[str, Any] = {"threadId": view.thread_id}
     while True:  # again from the last sequence seen when the stream fell behind
         try:
             async with contextlib.aclosing(client.stream("subscribeThread", params)) as stream:
@@ -640,10 +629,9 @@ async def _follow(client: WsClient, thread_id: str, view: _Timeline, *, until_do
                         view.print_all()
                         continue
                     if item["kind"] == "event":
-                        view.apply(item["event"])
+                        await view.apply(item["event"])
                     params["afterSequence"] = item["sequence"]
                     if until_done and (code := view.finished()) is not None:
-                        view.close()
                         return code
         except WsError as exc:
             if exc.code != "resubscribe":
@@ -653,10 +641,12 @@ async def _follow(client: WsClient, thread_id: str, view: _Timeline, *, until_do
 class _Timeline:
     """A thread's timeline for people, in position order, a line where the run changes; followed,
     a growing message prints only its new text. With ``json_lines``: each new or changed item or
-    run is one JSON line instead (``{"kind": "thread" | "run" | "item", ...}``)."""
+    run is one JSON line instead (``{"kind": "thread" | "run" | "item", ...}``). Each entity is
+    as the server last sent it (in the snapshot, then whole in an event), but for the streamed
+    text of an open message: that it reads from the server (readThread), never adds up."""
 
-    def __init__(self, *, json_lines: bool) -> None:
-        self.json_lines = json_lines
+    def __init__(self, client: WsClient, thread_id: str, *, json_lines: bool) -> None:
+        self.client, self.thread_id, self.json_lines = client, thread_id, json_lines
         self.thread: dict[str, Any] = {}
         self.runs: dict[str, dict[str, Any]] = {}
         self.items: dict[str, dict[str, Any]] = {}
@@ -680,18 +670,17 @@ class _Timeline:
             self._item_of[entity["messageId"]] = entity["id"]
 
     def document(self) -> dict[str, Any]:
-        return {"thread": self.thread, "runs": sorted(self.runs.values(), key=lambda r: r[
-            "ordinal"]), "items": [self._shape(i) for i in self._ordered()]}
+        return {"thread": self.thread, "runs": self._runs(),
+                "items": [self._shape(i) for i in self._ordered()]}
 
     def print_all(self) -> None:
+        t, runs = self.thread, self._runs()
         if self.json_lines:
-            self._line({"kind": "thread", **self.thread})
-            for run in sorted(self.runs.values(), key=lambda r: r["ordinal"]):
-                self._line({"kind": "run", **run})
+            for line in [{"kind": "thread", **t}, *({"kind": "run", **r} for r in runs)]:
+                self._line(line)
         else:
-            t, latest = self.thread, self._latest()
             self._say(f"{t.get('title')}  {t.get('id')}\n"
-                      f"{latest['status'] if latest else 'idle'} | {t.get('providerInstanceId')}"
+                      f"{runs[-1]['status'] if runs else 'idle'} | {t.get('providerInstanceId')}"
                       f"/{(t.get('modelSelection') or {}).get('model')} | {t.get('runtimeMode')}"
                       + (f" | PR {_pr_words(pr)} {pr['url']}"
                          if (pr := t.get("linkedPullRequest")) else ""))
@@ -699,67 +688,66 @@ class _Timeline:
             self._show(item)
         sys.stdout.flush()  # followed, a message still streaming keeps its line open
 
-    def apply(self, event: Mapping[str, Any]) -> None:
+    async def apply(self, event: Mapping[str, Any]) -> None:
         kind, payload = event["type"].rsplit(".", 1)[0], event["payload"]  # thread.archived...
+        item_id = payload["id"] if kind == "turn-item" else self._item_of.get(payload.get("id", ""))
+        before = self.runs.get(payload["id"]) if kind == "run" else None
         if kind == "thread":
             self.thread = payload
-        elif kind == "run":
-            before = self.runs.get(payload["id"])
+        elif kind == "message-text" and item_id in self.items:  # an open message grew
+            self.messages[payload["id"]] = {**self.messages.get(payload["id"], {}),
+                                            "text": await self._text_now(self.items[item_id])}
+        elif kind in ("run", "message", "turn-item"):
             self._put(kind, payload)
-            if before is None or before["status"] != payload["status"]:
-                self._run_changed(payload)
-        elif kind in ("message", "turn-item", "message-text"):
-            if kind == "message-text":  # an open message's new text (store.TEXT_APPENDED)
-                before = self.messages.get(payload["id"], {})
-                kind, payload = "message", {**before, **payload,
-                                            "text": before.get("text", "") + payload["text"]}
-            self._put(kind, payload)
-            item_id = payload["id"] if kind == "turn-item" else self._item_of.get(payload["id"])
-            if item_id in self.items:
-                self._show(self.items[item_id])
+        if kind == "run" and (before is None or before["status"] != payload["status"]):
+            self._run_changed(payload)
+        elif item_id in self.items:
+            self._show(self.items[item_id])
         sys.stdout.flush()
 
-    def close(self) -> None:
-        """A follow ends: a run that ended before the follow began gets its end line too."""
-        latest = self._latest()
-        if not self.json_lines and latest and latest["id"] not in self._ended:
-            self._run_changed(latest)
+    async def _text_now(self, item: Mapping[str, Any]) -> str:
+        """A message item's text as the server has it now (as it was when longer than one
+        readThread page holds: the message's close brings it whole)."""
+        read = await self.client.request("readThread", {
+            "threadId": self.thread_id, "view": "activity", "afterPosition": item["position"] - 1,
+            "limit": 1, "runLimit": 1, "maxCharsPerItem": 50_000})
+        found = next((i for i in read["items"] if i["itemId"] == item["id"]), None)
+        return str((self._shape(item) if found is None or found["textTruncated"] else found)[
+            "text"])
 
     def finished(self) -> int | None:
-        """None while the latest run goes on; else the exit code `wait` would give."""
-        from orchestrator import RUN_TERMINAL
-        latest = self._latest()
-        if latest is None or latest["status"] == "completed":
-            return 0
-        return EXIT_NOT_COMPLETED if latest["status"] in RUN_TERMINAL else None
+        """None while the latest run goes on; else, its end line printed (also for a run that
+        ended before the follow began), the exit code `wait` would give."""
+        status = runs[-1]["status"] if (runs := self._runs()) else "completed"
+        if status != "completed" and status not in RUN_TERMINAL:
+            return None
+        if not self.json_lines and runs and runs[-1]["id"] not in self._ended:
+            self._run_changed(runs[-1])
+        return 0 if status == "completed" else EXIT_NOT_COMPLETED
 
-    def _latest(self) -> dict[str, Any] | None:
-        return max(self.runs.values(), key=lambda r: r["ordinal"], default=None)
+    def _runs(self) -> list[dict[str, Any]]:
+        return sorted(self.runs.values(), key=lambda r: r["ordinal"])
 
     def _ordered(self) -> list[dict[str, Any]]:
         return sorted(self.items.values(), key=lambda i: i["position"])
 
-    def _text(self, item: Mapping[str, Any]) -> str:
-        if item.get("messageId"):
-            return str((self.messages.get(item["messageId"]) or {}).get("text") or "")
-        return str(item.get("text") or "")
-
     def _shape(self, item: Mapping[str, Any]) -> dict[str, Any]:
+        """A turn item as --json shows it: a message's item with the message's text and role."""
         message = self.messages.get(item.get("messageId") or "") or {}
+        text = message.get("text") if item.get("messageId") else item.get("text")
         return {"position": item["position"], "itemId": item["id"], "runId": item["runId"],
                 "type": item["type"], "status": item["status"], "title": item.get("title"),
-                "text": self._text(item), "role": message.get("role"),
-                "data": item.get("data")}
+                "text": str(text or ""), "role": message.get("role"), "data": item.get("data")}
 
     def _show(self, item: Mapping[str, Any]) -> None:
-        text = self._text(item)
-        now = (item["status"], item.get("title"), text)
+        shaped = self._shape(item)
+        now = (item["status"], item.get("title"), text := shaped["text"])
         before = self._shown.get(item["id"])
         if before == now:
             return
         self._shown[item["id"]] = now
         if self.json_lines:
-            self._line({"kind": "item", **self._shape(item)})
+            self._line({"kind": "item", **shaped})
             return
         if item.get("messageId") and before is not None and text.startswith(before[2]):
             if text != before[2]:  # the message grew: only its new text
@@ -769,19 +757,15 @@ class _Timeline:
                 self._say(text[len(before[2]):], end="")
             return
         self.end_line()
-        if item["runId"] != self._run and item["runId"] in self.runs:
+        if item["runId"] != self._run and (run := self.runs.get(item["runId"])):
             self._run = item["runId"]
-            run = self.runs[item["runId"]]
             self._say(f"--- run {run['ordinal']} ({run['status']}) on "
                       f"{run['providerInstanceId']}")
-        if item["type"] in ("assistant_message", "reasoning"):
-            self._say(_rendered(item, text), end="")  # the line stays open: more may stream
-            self._open = item["id"]
-        else:
-            self._say(_rendered(item, text))
+        streams = item["type"] in ("assistant_message", "reasoning")  # its line stays open
+        self._say(_rendered(shaped), end="" if streams else "\n")
+        self._open = item["id"] if streams else None
 
     def _run_changed(self, run: Mapping[str, Any]) -> None:
-        from orchestrator import RUN_TERMINAL
         if self.json_lines:
             self._line({"kind": "run", **run})
         elif run["status"] in RUN_TERMINAL:
@@ -809,15 +793,12 @@ _LABELS = {"tool_call": "tool", "approval_request": "approval", "user_input_requ
            "workspace_setup": "workspace"}
 
 
-def _rendered(item: Mapping[str, Any], text: str) -> str:
+def _rendered(item: Mapping[str, Any]) -> str:
     """One timeline item for people (a message's text, or a labelled line with its details)."""
-    kind, data = item["type"], item.get("data") or {}
-    if kind == "user_message":
-        return "> " + text.replace("\n", "\n> ")
-    if kind == "assistant_message":
-        return text
-    if kind == "reasoning":
-        return "(thinking) " + text
+    kind, data, text = item["type"], item.get("data") or {}, str(item["text"])
+    if kind in ("user_message", "assistant_message", "reasoning"):
+        return {"user_message": "> " + text.replace("\n", "\n> "),
+                "reasoning": "(thinking) " + text}.get(kind, text)
     title = item.get("title") or ""
     if kind == "checkpoint":  # the files the run changed
         text = "\n".join(f"{f['kind']} +{f['additions']} -{f['deletions']} {f['path']}"
@@ -966,14 +947,13 @@ def _weekdays(text: str) -> list[int]:
 
 def _local_time(iso: str | None) -> str:
     """A time t3 wrote, in this machine's time zone, to the minute; "-" for none."""
-    from orchestrator import epoch_of
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch_of(iso))) if iso else "-"
 
 
 # =============================================================================================
 # Commands for people: a thread's title, pull request link and place (rename, link-pr,
-# unlink-pr, archive, unarchive, delete, snooze, unsnooze, visit), over the metadata tools' /ws
-# methods and the thread.* client commands.
+# unlink-pr, archive, unarchive, delete, snooze, unsnooze, visit), its provider and history
+# (switch, rollback, fork, merge-back) and what its runs changed (diff).
 
 
 async def _cmd_rename(client: WsClient, args: argparse.Namespace) -> int:
@@ -1030,12 +1010,6 @@ def _thread_parsers(command: Callable[[str, str, str], argparse.ArgumentParser])
         "wakes early only for a pending request or a failed run."))
 
 
-_THREAD_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
-    "rename": _cmd_rename, "link-pr": _cmd_link_pr, "unlink-pr": _cmd_link_pr,
-    **{name: _cmd_lifecycle for name in ("archive", "unarchive", "delete", "snooze",
-                                         "unsnooze", "visit")}}
-
-
 async def _cmd_switch(client: WsClient, args: argparse.Namespace) -> int:
     thread_id = await _thread_ref(client, args.thread)
     done = (await client.request("dispatchCommand", {
@@ -1056,10 +1030,6 @@ async def _cmd_rollback(client: WsClient, args: argparse.Namespace) -> int:
          f"rolled back)" if done["status"] == "completed" else
          f"rollback of {thread_id} {done['status']}: {done['reason'] or 'still restoring'}")
     return 0 if done["status"] == "completed" else EXIT_FAILED
-
-
-# =============================================================================================
-# Commands for people: fork a thread and merge a fork back, over /ws forkThread and mergeBack.
 
 
 async def _cmd_fork(client: WsClient, args: argparse.Namespace) -> int:
@@ -1083,11 +1053,6 @@ async def _cmd_merge_back(client: WsClient, args: argparse.Namespace) -> int:
     covered = done["coveredRunOrdinals"]
     return _out(args, done, f"merge-back of {fork_id} (runs {covered['from']}-{covered['to']}) "
                 f"goes to {done['threadId']} with its next message")
-
-
-# =============================================================================================
-# Commands for people: what a thread's runs changed in its workspace (diff), over /ws
-# getTurnDiff and getFullThreadDiff.
 
 
 async def _cmd_diff(client: WsClient, args: argparse.Namespace) -> int:
@@ -1115,12 +1080,13 @@ _COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] =
     "requests": _cmd_requests, "switch": _cmd_switch, "rollback": _cmd_rollback,
     "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
     "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, "diff": _cmd_diff,
-    "fork": _cmd_fork, "merge-back": _cmd_merge_back,
-    **_THREAD_COMMANDS}
+    "fork": _cmd_fork, "merge-back": _cmd_merge_back, "rename": _cmd_rename,
+    "link-pr": _cmd_link_pr, "unlink-pr": _cmd_link_pr, **{name: _cmd_lifecycle for name in (
+        "archive", "unarchive", "delete", "snooze", "unsnooze", "visit")}}
+
 
 def add_parsers(sub: Any) -> None:
     """The commands for people, each with --data-dir and --json."""
-    from orchestrator import InteractionMode, RunStatus, RuntimeMode
 
     def command(usage: str, summary: str, description: str) -> argparse.ArgumentParser:
         """The parser of ``usage``: a command's name, then its required positionals (THREAD)."""
@@ -1156,7 +1122,7 @@ def add_parsers(sub: Any) -> None:
     show.add_argument("--until-done", action="store_true",
                       help="follow until the latest run ends (exit codes as for wait)")
     _new_parser(command("new", "start a thread", "Start a thread (and its first run, given "
-                        "TEXT); print its id."), RuntimeMode, InteractionMode)
+                        "TEXT); print its id."))
     send = command("send THREAD", "send a message to a thread",
                    "Send TEXT to a thread: auto starts an idle thread or steers its active "
                    "turn; queue runs it after; steer and restart need an active turn.")
@@ -1180,7 +1146,7 @@ def add_parsers(sub: Any) -> None:
     wait.add_argument("--run", help="this run instead of the latest")
     wait.add_argument("--timeout", type=float, metavar="SECONDS",
                       help="give up after this long (default: no limit); the run goes on")
-    _control_parsers(command, RuntimeMode)
+    _control_parsers(command)
     _thread_parsers(command)
     diff = command("diff THREAD", "what a thread's runs changed in its workspace",
                    "Print the files a thread changed (kind, lines added and deleted) and the "
@@ -1204,8 +1170,7 @@ def _fork_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -
             "context handoff with that thread's next message.")
 
 
-def _new_parser(new: argparse.ArgumentParser, RuntimeMode: Any,  # noqa: N803 - the enums
-                InteractionMode: Any) -> None:
+def _new_parser(new: argparse.ArgumentParser) -> None:
     new.add_argument("text", metavar="TEXT", nargs="?", help="the first message")
     new.add_argument("--provider", help="provider instance id (default: the first available)")
     new.add_argument("--model", help="model (default: the provider's first)")
@@ -1226,8 +1191,7 @@ def _new_parser(new: argparse.ArgumentParser, RuntimeMode: Any,  # noqa: N803 - 
     new.add_argument("--interaction-mode", choices=list(InteractionMode))
 
 
-def _control_parsers(command: Callable[[str, str, str], argparse.ArgumentParser],
-                     RuntimeMode: Any) -> None:  # noqa: N803 - the enum, as in add_parsers
+def _control_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
     """Commands that steer threads and answer them: interrupt, stop, resume, requests, answer,
     tasks, and the scheduled tasks'."""
     interrupt = command("interrupt THREAD", "interrupt a thread's active run",
@@ -1262,13 +1226,12 @@ def _control_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]
     _schedule_parser(command("schedule", "create or change a scheduled task", (
         "Create a scheduled task: PROMPT runs on a schedule (--every, --at, or --webhook), each "
         "time in a fresh thread of the project; print its id, and a webhook task's URL (shown "
-        "only then). With --id ID, change a task instead: only what is given changes.")),
-        RuntimeMode)
+        "only then). With --id ID, change a task instead: only what is given changes.")))
     command("unschedule ID", "delete a scheduled task",
             "Delete a scheduled task for good (the threads of its past runs stay).")
 
 
-def _schedule_parser(parser: argparse.ArgumentParser, runtime_modes: Any) -> None:
+def _schedule_parser(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("prompt", metavar="PROMPT", nargs="?", help="what each run is asked (`-`: standard input)")
     add("--id", metavar="ID", help="change this task instead of creating one")
@@ -1291,7 +1254,7 @@ def _schedule_parser(parser: argparse.ArgumentParser, runtime_modes: Any) -> Non
     add("--title", help="title (default: from PROMPT)")
     add("--provider", help="provider instance id (default: the first available)")
     add("--project", help="project id (default: the first configured)")
-    add("--runtime-mode", choices=list(runtime_modes),
+    add("--runtime-mode", choices=list(RuntimeMode),
         help="what each run's agent may do without asking")
     enabled = parser.add_mutually_exclusive_group()
     enabled.add_argument("--enable", dest="enabled", action="store_const", const=True,

@@ -2,14 +2,15 @@
 
 ``python t3.py [serve]`` runs one local server (hypercorn on 127.0.0.1): MCP tools at ``/mcp``,
 the client API at ``/ws``, the web view (``ui.html``) at ``/``; ``python t3.py token
-[--rotate]`` prints (or replaces) the client token; the other commands are for people and talk
-to a running server only through ``/ws``. This file owns configuration (``t3.toml``), the data
-directory (private: 0700 and 0600, no symlink followed; its lock, the client token,
-``server.json``), credentials and bearer auth, the ASGI app and its routes (Host and Origin
-checked, auth before the body is read, bodies bounded in size and time), the /ws protocol
-(parsing and shaping only: the rules are ``orchestrator.ThreadService``'s, as for MCP), the
-capped listening socket, and startup/shutdown order. It wires the layers and decides nothing:
-``store.py`` <- ``orchestrator.py`` <- ``tools.py``, with ``providers.py`` handed in here.
+[--rotate]`` prints (or replaces) the client token; the other commands are for people
+(``cli.py``, imported only for them) and talk to a running server only through ``/ws``. This
+file owns configuration (``t3.toml``), the data directory (private: 0700 and 0600, no symlink
+followed; its lock, the client token, ``server.json``), credentials and bearer auth, the ASGI
+app and its routes (Host and Origin checked, auth before the body is read, bodies bounded in
+size and time), the /ws protocol (parsing and shaping only: the rules are
+``orchestrator.ThreadService``'s, as for MCP), the capped listening socket, and startup/shutdown
+order. It wires the layers and decides nothing: ``store.py`` <- ``orchestrator.py`` <-
+``tools.py``, with ``providers.py`` handed in here.
 """
 
 from __future__ import annotations
