@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import t3 as server
+from cli import WsClient, WsError
 from harness import McpClient, T3Server, wait_until
 from test_web import (Steps, browser, create, lines_with, log_in,  # noqa: F401 (fixture)
                       sent_by_page)
@@ -23,7 +23,7 @@ EDIT = ("WRITE_FILE a.txt one\\nthree\nWRITE_FILE src/new.py print('hi')\n"
 
 def ws(t3: T3Server, method: str, params: dict[str, Any]) -> Any:
     async def call() -> Any:
-        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+        async with WsClient(t3.url + "/ws", t3.token) as client:
             return await client.request(method, params)
     return asyncio.run(call())
 
@@ -142,7 +142,7 @@ def test_diffs_of_a_run_and_of_the_thread_over_mcp_ws_and_the_cli(
     try:
         ws(t3, "getTurnDiff", {"threadId": tid})
         raise AssertionError("getTurnDiff without a run was accepted")
-    except server.WsError as exc:
+    except WsError as exc:
         assert exc.code == "invalid_request"
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 import t3 as server
+from cli import WsClient
 from harness import T3_PY, T3Server, raw_post, scripted_provider, wait_until
 
 
@@ -270,7 +271,7 @@ def advance_until_run(t3: T3Server, seconds: float, task_id: str, runs: int) -> 
     """Move the server's clock over /ws, then follow the shell stream (no polling) until the
     task's ``runs``-th run has ended."""
     async def run() -> None:
-        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+        async with WsClient(t3.url + "/ws", t3.token) as client:
             stream = client.stream("subscribeShell", {})
             tasks = (await anext(stream))["snapshot"]["schedules"]
             await client.request("advanceTestClock", {"seconds": seconds})

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import orchestrator as o
-import t3 as server
+from cli import WsClient, WsError
 from harness import McpClient, T3Server, agent_log, pids_alive, raw_request, wait_until
 from test_delegation import call_line, tool_results
 from test_tool_denials import World, run
@@ -26,7 +26,7 @@ from test_workspace import make_repo
 
 def ws(t3: T3Server, method: str, params: dict[str, Any]) -> Any:
     async def call() -> Any:
-        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+        async with WsClient(t3.url + "/ws", t3.token) as client:
             return await client.request(method, params)
     return asyncio.run(call())
 
@@ -254,7 +254,7 @@ class Person:
             params = {**params, "commandId": f"{params['type']}:{self.n}"}
         try:
             return ws(self.t3, method, params)
-        except server.WsError as exc:
+        except WsError as exc:
             assert exc.code and exc.status is None, (method, params, exc)
             return None
 

@@ -22,7 +22,7 @@ from test_schedules import prompts
 from test_worktrees import git, make_repo, session_cwds
 
 import orchestrator as o
-import t3 as server
+from cli import WsError
 
 
 def refused(t3, *args: str) -> str:
@@ -77,7 +77,7 @@ def test_fork_from_run_1_carries_only_run_1_and_merge_back_reaches_the_parent(
 
     other = mcp.call("create_threads", {"threads": [{"title": "other"}]}
                      ).structured["threads"][0]["threadId"]
-    with pytest.raises(server.WsError) as failure:
+    with pytest.raises(WsError) as failure:
         ws(t3, "mergeBack", {"commandId": "m0", "sourceThreadId": fid, "targetThreadId": other})
     assert failure.value.code == "invalid_request"
     merged = cli_json(t3, "merge-back", fid)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import orchestrator as o
-import t3 as server
+from cli import WsClient, WsError
 from harness import McpClient, T3Server, wait_until
 from test_tool_denials import CLIENT, World, agent, run
 
@@ -23,7 +23,7 @@ PR = "https://github.com/acme/widgets/pull/42"
 
 def ws(t3: T3Server, method: str, params: dict[str, Any] | None = None) -> Any:
     async def call() -> Any:
-        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+        async with WsClient(t3.url + "/ws", t3.token) as client:
             return await client.request(method, params or {})
     return asyncio.run(call())
 
@@ -210,7 +210,7 @@ def test_ws_and_the_cli_refuse_them_too_and_change_nothing(t3: T3Server, mcp: Mc
             ("launchThread", {"commandId": "c2", "title": title}),
             ("forkThread", {"commandId": "c3", "sourceThreadId": tid, "title": title}),
             ("linkPullRequest", {"threadId": tid, "url": link})):
-        with pytest.raises(server.WsError) as refused:
+        with pytest.raises(WsError) as refused:
             ws(t3, method, params)
         assert refused.value.code == "invalid_request", (method, refused.value)
     for args in (("rename", tid, title), ("new", "hi", "--title", title), ("link-pr", tid, link)):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import t3 as server
+from cli import WsError
 from fake_model import FakeModelServer
 from harness import T3Server, agent_log, wait_until
 from real_cli import codex_provider, create
@@ -89,7 +89,7 @@ def test_rollback_refusals_are_typed_and_change_nothing(tmp_path: Path, t3_facto
     before = (projection(t3, tid), (repo / "a.txt").read_text())
 
     def refused(params: dict[str, Any]) -> str:
-        with pytest.raises(server.WsError) as failed:
+        with pytest.raises(WsError) as failed:
             ws(t3, "rollbackThread", params)
         return f"{failed.value.code}: {failed.value}"
     assert "invalid_request" in refused({"threadId": tid, "checkpointId": checkpoints(

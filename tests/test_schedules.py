@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import t3 as server
+from cli import WsClient
 from orchestrator import iso_time as iso
 from harness import McpClient, T3Server, agent_log, scripted_provider, wait_until
 
@@ -24,7 +24,7 @@ CLOCK = {"T3_TEST_HOOKS": "1", "T3_TEST_CLOCK": str(START), "TZ": "America/New_Y
 def advance(t3: T3Server, seconds: float) -> None:
     """Move the server's clock; returns once the scheduler has fired what became due."""
     async def run() -> None:
-        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+        async with WsClient(t3.url + "/ws", t3.token) as client:
             await client.request("advanceTestClock", {"seconds": seconds})
     asyncio.run(run())
 

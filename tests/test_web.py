@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-import t3 as server
+from cli import WsClient
 from browser import Browser, Page, find_chromium
 from harness import REPO, McpClient, T3Server, raw_request, scripted_provider
 
@@ -281,7 +281,7 @@ def test_web_view_lists_schedules_and_follows_their_runs_live(t3_factory, tmp_pa
 
     def ws(method: str, params: dict[str, Any]) -> Any:
         async def run() -> Any:
-            async with server.WsClient(t3.url + "/ws", t3.token) as client:
+            async with WsClient(t3.url + "/ws", t3.token) as client:
                 return await client.request(method, params)
         return asyncio.run(run())
     nightly = ws("scheduleTask", {"prompt": "check the build", "title": "nightly",

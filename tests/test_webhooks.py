@@ -28,6 +28,7 @@ from harness import (McpClient, RawResponse, T3Server, agent_log, raw_post, raw_
                      scripted_provider, wait_until, write_config)
 
 import t3 as server
+from cli import WsClient
 from test_schedules import prompts, settled, task
 
 START = calendar.timegm((2026, 3, 6, 17, 0, 0))
@@ -85,7 +86,7 @@ def v1(body: bytes, msg_id: str, stamp: int, secret: str = WHSEC) -> str:
 
 def ws(t3: T3Server, method: str, params: dict[str, Any] | None = None) -> Any:
     async def call() -> Any:
-        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+        async with WsClient(t3.url + "/ws", t3.token) as client:
             return await client.request(method, params or {})
     return asyncio.run(call())
 

@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 
 import orchestrator
-import t3 as server
+from cli import WsClient, WsError
 from harness import T3Server, raw_request, scripted_provider
 
 
-def ws(t3: T3Server, body: Callable[[server.WsClient], Awaitable[Any]]) -> Any:
+def ws(t3: T3Server, body: Callable[[WsClient], Awaitable[Any]]) -> Any:
     """Run ``body`` with a client connected to the server's /ws."""
     async def run() -> Any:
-        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+        async with WsClient(t3.url + "/ws", t3.token) as client:
             return await body(client)
     return asyncio.run(run())
 
@@ -73,7 +73,7 @@ def test_protocol_gate_comes_before_auth_and_auth_before_frames(t3: T3Server) ->
     assert upgrade(t3, "/ws", {"Origin": "http://evil.example"})[0] == 403
     assert upgrade(t3, "/nowhere?orchestrationProtocol=2")[0] == 404
     assert raw_request("GET", t3.url + "/ws").status == 426
-    with pytest.raises(server.WsError) as refused:
+    with pytest.raises(WsError) as refused:
         ws(T3ServerToken(t3, "not-the-token"), lambda c: c.request("listThreads"))
     assert refused.value.status == 401
 
@@ -88,7 +88,7 @@ class T3ServerToken:
 def test_dispatch_then_subscribe_after_n_gets_exactly_the_rest(t3: T3Server) -> None:
     """message.dispatch over /ws starts a run recorded as the user's; subscribeThread from N
     replays exactly the stored events after N in order, then the live ones, none twice."""
-    async def body(client: server.WsClient) -> tuple[str, int, list[int]]:
+    async def body(client: WsClient) -> tuple[str, int, list[int]]:
         created = await client.request("dispatchCommand", {
             "type": "thread.create", "commandId": "c1", "title": "over ws",
             "creationSource": "cli"})
@@ -128,7 +128,7 @@ def test_every_client_command_can_be_dispatched(t3_factory, tmp_path: Path) -> N
     the server's own commands are refused."""
     t3 = t3_factory(providers=[scripted_provider(tmp_path, chunk_delay=0.05)])
 
-    async def body(client: server.WsClient) -> set[str]:
+    async def body(client: WsClient) -> set[str]:
         done: set[str] = set()
 
         async def send(command: dict[str, Any]) -> dict[str, Any]:
@@ -173,7 +173,7 @@ def test_every_client_command_can_be_dispatched(t3_factory, tmp_path: Path) -> N
                             ("thread.unarchive", {}), ("thread.delete", {})):
             await send({"type": kind, "commandId": kind, "threadId": idle, **extra})
         for internal in ("provider.ingest", "thread.recover", "run.fail"):
-            with pytest.raises(server.WsError) as refused:
+            with pytest.raises(WsError) as refused:
                 await client.request("dispatchCommand", {"type": internal, "commandId": "z"})
             assert refused.value.code == "invalid_request"
         return done
@@ -181,7 +181,7 @@ def test_every_client_command_can_be_dispatched(t3_factory, tmp_path: Path) -> N
     assert ws(t3, body) | {"checkpoint.rollback"} == set(orchestrator.CLIENT_COMMANDS)
 
 
-async def wait_for(client: server.WsClient, thread_id: str,
+async def wait_for(client: WsClient, thread_id: str,
                    done: Callable[[dict[str, Any]], bool]) -> bool:
     """Follow the thread's stream until its projection (snapshot, then events applied as
     entities) satisfies ``done``."""
@@ -207,16 +207,16 @@ def test_shell_stream_shows_threads_as_they_change(t3: T3Server) -> None:
     """subscribeShell: a snapshot of projects and threads, synchronized, then the shell of a
     thread each time it changes, with its status. Bad parameters (its, and listPendingRequests')
     are refused as invalid_request."""
-    async def refused(client: server.WsClient, method: str, params: dict[str, Any]) -> str:
+    async def refused(client: WsClient, method: str, params: dict[str, Any]) -> str:
         async def drain() -> None:
             async for _ in client.stream(method, params):
                 pass
-        with pytest.raises(server.WsError) as failure:  # an accepted stream runs into the timeout
+        with pytest.raises(WsError) as failure:  # an accepted stream runs into the timeout
             await asyncio.wait_for(drain() if method == "subscribeShell"
                                    else client.request(method, params), 10)
         return failure.value.code
 
-    async def body(client: server.WsClient) -> list[str]:
+    async def body(client: WsClient) -> list[str]:
         for method, params in (("subscribeShell", {"afterSequence": "7"}),
                                ("subscribeShell", {"afterSequence": -1}),
                                ("subscribeShell", {"afterSequence": True}),
@@ -253,7 +253,7 @@ def test_schedules_over_ws_are_the_users_and_stream_in_the_shell(t3_factory) -> 
     create = {"prompt": "check the build", "title": "nightly", "schedule": every,
               "clientRequestId": "c1", "creationSource": "cli"}
 
-    async def body(client: server.WsClient) -> dict[str, Any]:
+    async def body(client: WsClient) -> dict[str, Any]:
         out: dict[str, Any] = {"seen": [], "refusals": []}
         stream = client.stream("subscribeShell", {})
         out["snapshot"] = (await anext(stream))["snapshot"]
@@ -277,7 +277,7 @@ def test_schedules_over_ws_are_the_users_and_stream_in_the_shell(t3_factory) -> 
                        {"scheduledTaskId": task_id}):
             try:
                 await client.request("scheduleTask", params)
-            except server.WsError as exc:
+            except WsError as exc:
                 out["refusals"].append(exc.code)
         again = client.stream("subscribeShell", {"afterSequence": out["seen"][-1]["sequence"] - 1})
         out["replayed"] = []
@@ -379,7 +379,7 @@ def test_a_subscriber_that_never_reads_is_cut_off_and_resumes_without_gaps(
 
     async def answer() -> int:
         """One long streamed answer; the server's RSS (KiB) once it is recorded."""
-        async with server.WsClient(t3.url + "/ws", t3.token) as other:
+        async with WsClient(t3.url + "/ws", t3.token) as other:
             sent = await other.request("sendToThread", {"threadId": thread_id,
                                                         "message": f"FAST:{n}:400"})
             assert (await other.request("waitForThread", {
@@ -413,7 +413,7 @@ def event_bytes(t3: T3Server, thread_id: str) -> int:
                           (thread_id,)).fetchone()[0]
 
 
-async def collect_after(client: server.WsClient, thread_id: str, after: int) -> list[int]:
+async def collect_after(client: WsClient, thread_id: str, after: int) -> list[int]:
     got: list[int] = []
     stream = client.stream("subscribeThread", {"threadId": thread_id, "afterSequence": after})
     async for item in stream:
