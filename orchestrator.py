@@ -4070,8 +4070,13 @@ class Orchestrator:
         return recovered
 
     async def _recover_thread(self, thread_id: str, reason: str, stamp: str) -> bool:
+        # A start may run again when no agent can have had its prompt: never claimed, or
+        # claimed but its run still ``starting`` (the prompt goes out only after MarkRunStarted).
+        state = await self.state(thread_id)
+        starting = {r.id for r in state.runs if r.status == RunStatus.STARTING} if state else set()
         pending_starts = {e.payload.get("runId") for e in self._store.pending_effects(thread_id)
-                          if (e.effect_type == "provider-turn.start" and e.attempt_count == 0)
+                          if (e.effect_type == "provider-turn.start"
+                              and (e.attempt_count == 0 or e.payload.get("runId") in starting))
                           or e.effect_type == "workspace.prepare"}
         result = await self.dispatch(RecoverThread(
             command_id=bounded_id(f"recover:{thread_id}:{stamp}"), thread_id=thread_id,
@@ -5119,8 +5124,11 @@ class _EffectKind:
 
 
 EFFECTS: dict[str, _EffectKind] = {
+    # start_attempt starts only a run still ``starting``, and MarkRunStarted commits before the
+    # prompt goes out: a claim the crash cut short has sent nothing, so it may run again
     "provider-turn.start": _EffectKind(lambda o, row: o.sessions.start_attempt(
-        row.thread_id, row.payload["runId"], row.payload["attemptId"]), fails_run=True),
+        row.thread_id, row.payload["runId"], row.payload["attemptId"]), replay_safe=True,
+        fails_run=True),
     "provider-turn.restart": _EffectKind(_restart, fails_run=True),
     "provider-turn.interrupt": _EffectKind(lambda o, row: o.sessions.interrupt(
         row.thread_id, row.payload["runId"], row.payload["attemptId"]), fails_run=True),

@@ -191,6 +191,26 @@ def test_kill9_after_a_send_commits_resumes_it_once(t3_factory: T3Factory,
     assert_consistent(t3)
 
 
+def test_kill9_after_a_start_is_claimed_before_the_prompt_goes_out_runs_it_once(
+        t3_factory: T3Factory, agent_log_path: Path) -> None:
+    """Crash after the effect worker claimed a run's start but before the run was marked started
+    (the prompt goes out only after that): no agent saw the prompt, so the restart runs the
+    turn, once, instead of calling it interrupted."""
+    t3 = t3_factory(env={"T3_TEST_HOOKS": "1", "T3_CRASH_AT": "before-commit:run.mark-started"})
+    mcp = t3.client()
+    created = mcp.call("create_threads", {"threads": [{"prompt": "first"}]}, timeout=LONG)
+    [thread] = created.structured["threads"]
+    crashed_and_restarted(t3, agent_pids(agent_log_path))
+
+    assert scalar(t3, "SELECT attempt_count FROM effect_outbox WHERE effect_type = "
+                      "'provider-turn.start'") >= 1, "the start had been claimed"
+    assert wait_run(mcp, thread["threadId"], thread["runId"])["status"] == "completed"
+    assert assistant_text(mcp, thread["threadId"]).count("You said: first") == 1
+    assert count_prompts(agent_log_path) == 1
+    assert_settled(t3)
+    assert_consistent(t3)
+
+
 @pytest.mark.parametrize("point, prompt, status, kept", [
     # (c) the provider is streaming: the first batch of deltas has committed
     ("after-commit:provider.ingest", "SLOW:40 stream", "interrupted", "chunk 0"),
