@@ -5,7 +5,7 @@ input JSON Schema (``anyOf``, never a ``type`` array, so every client takes it) 
 shape of its result, who may call it (``client``: the client token, over MCP or as a person over
 /ws; ``thread``: an agent inside a t3 thread) and a handler, a plain method of ``Toolkit``. MCP
 publishes the operations that are tools; ``t3.py``'s /ws methods call the same entries by their
-/ws names (``dispatchCommand`` takes the seed's wire commands). Arguments are checked here
+/ws names (``dispatchCommand`` takes T3 Code's wire commands). Arguments are checked here
 against that one schema (the SDK's low-level server does not): unknown fields are refused, and a
 violation is ``invalid_request`` naming the field. Handlers check the caller's scope, make
 orchestrator commands with ids derived from ``clientRequestId`` and the caller, and shape
@@ -438,8 +438,8 @@ PENDING_REQUEST_OUTPUT = {"type": "object", "anyOf": [  # one shape per action
             "decision": OPT_STRING})]}
 
 
-# /ws's seed shapes, and the client commands of dispatchCommand in the seed's wire form: what
-# the seed always sends and the server derives itself (createdBy, createdAt, ...) is checked or
+# /ws's shapes, and the client commands of dispatchCommand in T3 Code's wire form: what
+# a T3 client always sends and the server derives itself (createdBy, createdAt, ...) is checked or
 # ignored, never refused as unknown.
 OBJECT: Mapping[str, Any] = {"type": "object"}
 SEED_TITLE = {"type": "string", "maxLength": 512, "line": True}  # (may be empty: none given)
@@ -1462,7 +1462,7 @@ class Toolkit:
 
     async def _answering_thread(self, scope: Scope, target: ThreadState,
                                 request: orch.RuntimeRequest) -> str:
-        """SPEC 5.1a: an agent answers only its descendants' requests, with a live run, and only
+        """An agent answers only its descendants' requests, with a live run, and only
         what its own runtime mode allows without asking; else it could approve its own work
         through another thread, voiding approval-required."""
         caller = await self._caller_thread(scope)
@@ -1508,7 +1508,7 @@ class Toolkit:
 
 
 async def _launch_thread(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
-    """t3_thread_launch in the seed's launchThread shape; the result carries the projection."""
+    """t3_thread_launch in T3 Code's launchThread shape; the result carries the projection."""
     selection = args.get("modelSelection") or {}
     target = {k: v for k, v in (("providerInstanceId", selection.get("instanceId")),
                                 ("model", selection.get("model"))) if v}
@@ -1591,7 +1591,7 @@ async def _webhook_deliveries(kit: Toolkit, call: Call, args: _Args) -> dict[str
 
 
 async def _dispatch_command(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
-    """Any client command (orchestrator.CLIENT_COMMANDS) in the seed's wire form."""
+    """Any client command (orchestrator.CLIENT_COMMANDS) in T3 Code's wire form."""
     try:
         command = await _wire_command(kit, call, args)
     except ValueError as exc:  # a contradiction the command itself refuses
@@ -1880,10 +1880,10 @@ OPERATIONS: tuple[Operation, ...] = (
         _object({"scheduledTaskId": _text(512)}, ["scheduledTaskId"]),
         Toolkit._delete_schedule, DELETE_SCHEDULE_OUTPUT, ws=("deleteScheduledTask",),
         destructive=True),
-    # A person's (the client token over /ws): the seed's own methods.
-    _ws("dispatchCommand", "Any client command in the seed's wire form.",
+    # A person's (the client token over /ws): T3 Code's own methods.
+    _ws("dispatchCommand", "Any client command in T3 Code's wire form.",
         {"anyOf": list(_WIRE_COMMANDS.values())}, _dispatch_command),
-    _ws("launchThread", "t3_thread_launch in the seed's form; answered with the projection.",
+    _ws("launchThread", "t3_thread_launch in T3 Code's form; answered with the projection.",
         _object({"commandId": CLIENT_REQUEST_ID, "projectId": _text(256), "title": SEED_TITLE,
                  "modelSelection": _SELECTION, **_MODES, "scratch": {"type": "boolean"},
                  "workspaceStrategy": WORKSPACE_STRATEGY, "initialMessage": _INITIAL},
