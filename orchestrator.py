@@ -5249,9 +5249,7 @@ class ThreadService:
         restart: the active provider turn, which must exist. A ``target`` naming another
         provider instance or model switches the thread first: the message is a new run there
         (auto never steers across a switch)."""
-        state = await self.thread(thread_id)
-        if state.thread is not None and state.thread.archived_at is not None:
-            raise T3Error(f"thread {thread_id} is archived", code="thread_not_sendable")
+        state = await self.thread(thread_id)  # (an archived thread: decide refuses, once)
         steerable = steerable_run(state)
         if target is not None:
             switch = await self.plan_switch(thread_id, target,
@@ -5534,18 +5532,22 @@ class ThreadService:
                           f"({', '.join(advertised)})", code="model_unavailable")
         return info, model
 
-    def modes(self, args: Mapping[str, Any], caller: ThreadState | None) -> tuple[str, str]:
-        """``runtimeMode`` / ``interactionMode`` with ``inherit`` resolved (the caller's, else
-        full-access and default), never broader than the caller's."""
+    def modes(self, args: Mapping[str, Any], caller: ThreadState | None,
+              info: ProviderInfo | None = None) -> tuple[str, str]:
+        """``runtimeMode`` / ``interactionMode`` with ``inherit`` (or left out) resolved (the
+        caller's, else full-access and default), never broader than the caller's; with
+        ``info``, what that provider runs (``step_down``)."""
         parent = caller.thread if caller is not None else None
-        runtime = args.get("runtimeMode", "inherit")
+        given = args.get("runtimeMode", "inherit")
+        runtime = parent.runtime_mode if parent and given == "inherit" else \
+            RuntimeMode.FULL_ACCESS if given == "inherit" else given
         interaction = args.get("interactionMode", "inherit")
-        if runtime == "inherit":
-            runtime = parent.runtime_mode if parent else RuntimeMode.FULL_ACCESS
         if interaction == "inherit":
             interaction = parent.interaction_mode if parent else InteractionMode.DEFAULT
         if parent is not None:
             self.ceiling(parent, runtime, interaction)
+        if info is not None:
+            runtime = self.step_down(info, runtime, given != "inherit", interaction)
         return runtime, interaction
 
     @staticmethod
@@ -5574,9 +5576,7 @@ class ThreadService:
         """One new thread's command with provider, model and modes resolved (``entry``: prompt,
         title, target, runtimeMode, interactionMode); refuses before anything is written."""
         info, model = self.resolve_target(entry.get("target"), caller)
-        runtime, interaction = self.modes(entry, caller)
-        runtime = self.step_down(info, runtime, entry.get("runtimeMode", "inherit") != "inherit",
-                                 interaction)
+        runtime, interaction = self.modes(entry, caller, info)
         prompt = entry.get("prompt")
         return CreateThread(
             command_id=command_id, thread_id=thread_id, project_id=project_id,

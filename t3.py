@@ -1012,9 +1012,10 @@ def _by_accept(sse: ASGIApp, plain: ASGIApp) -> ASGIApp:
 
 
 # =============================================================================================
-# The /ws client API (SPEC 8) for the CLI and the web view: {"id", "method", "params"} gets
-# {"id", "result"} or {"id", "error": {"code", "message"}}; a stream sends {"id", "item"} until
-# unsubscribed or too far behind. The rules are ThreadService's and the tools': this parses.
+# The /ws client API for the CLI and the web view: {"id", "method", "params"} gets {"id",
+# "result"} or {"id", "error": {"code", "message"}}; a stream sends {"id", "item"} until
+# unsubscribed or too far behind. A method is an operation of tools.OPERATIONS, run for a person
+# (the client token); this frames it. Streams and the test clock are /ws's own.
 
 
 PROTOCOL_VERSION = 2
@@ -1022,17 +1023,24 @@ _PROTOCOL_REFUSAL = {"code": "orchestration_protocol_incompatible",
                      "message": "Update this client to one that supports orchestration "
                                 "protocol 2.", "orchestrationProtocolVersion": PROTOCOL_VERSION}
 _SUBSCRIBER_BYTES = 4 * 1024 * 1024  # a stream this far behind its reader is cut off
-
-
-class WsFailure(Exception):
-    """A /ws request failed; ``body`` is its error object."""
-
-    def __init__(self, code: str, message: str, **detail: Any) -> None:
-        super().__init__(message)
-        self.body = {"code": code, "message": message, **detail}
-
+_AFTER = {"type": "integer", "minimum": 0}
+_STREAM_PARAMS = {"subscribeThread": {"type": "object", "additionalProperties": False,
+                                      "properties": {"threadId": {"type": "string",
+                                                                  "minLength": 1},
+                                                     "afterSequence": _AFTER},
+                                      "required": ["threadId"]},
+                  "subscribeShell": {"type": "object", "additionalProperties": False,
+                                     "properties": {"afterSequence": _AFTER}}}
 
 Emit = Callable[[Any], Awaitable[None]]  # a stream item: a dict, or prebuilt JSON text
+
+
+def _failure(code: str, message: str, **detail: Any) -> Exception:
+    """A /ws refusal of its own, in the one error tree (``detail``: more fields of the body)."""
+    from orchestrator import T3Error
+    failure = T3Error(message, code=code)
+    failure.detail = detail  # type: ignore[attr-defined]
+    return failure
 
 
 class ClientApi:
@@ -1044,235 +1052,49 @@ class ClientApi:
         from tools import Scope
         self.orch, self.toolkit, self.store, self.test_clock = orch, toolkit, store, test_clock
         self.connections: set[_WsConnection] = set()
-        self.threads = toolkit.threads
         self.scope = Scope(kind="client", key="client")
-
-        def tool(name: str) -> Callable[[Mapping[str, Any]], Awaitable[Any]]:
-            return functools.partial(toolkit.call_as, self.scope, name)  # run for the person
-        self._methods: dict[str, Callable[[Mapping[str, Any]], Awaitable[Any]]] = {
-            "dispatchCommand": self.dispatch_command, "launchThread": self.launch_thread,
-            "forkThread": self.fork_thread, "mergeBack": self.merge_back,
-            "sendToThread": self.send_to_thread, "waitForThread": self.wait_for_thread,
-            "interruptThread": self.interrupt_thread, "listThreads": tool("t3_thread_list"),
-            "rollbackThread": self.rollback_thread,
-            "readThread": tool("t3_thread_read"), "getThreadProjection": self.get_thread_projection,
-            "listPendingRequests": self.list_pending_requests,
-            "listWebhookDeliveries": self.list_webhook_deliveries,
-            "listScheduledTasks": tool("list_scheduled_tasks"),
-            "getTurnDiff": self.get_turn_diff, "getFullThreadDiff": lambda p: toolkit.call_as(
-                self.scope, "t3_thread_diff", {"threadId": _thread_id(p)}),
-            "scheduleTask": lambda p: self._as_person("schedule_task", p, toolkit.schedule),
-            "deleteScheduledTask": lambda p: self._as_person("delete_scheduled_task", p,
-                                                             toolkit.delete_schedule),
-            **({"advanceTestClock": self.advance_test_clock} if test_clock else {}),
-            "updateThread": tool("t3_thread_update"), "linkPullRequest": tool("link_pull_request"),
-            "unlinkPullRequest": tool("unlink_pull_request")}
         self._streams: dict[str, Callable[[Mapping[str, Any], Emit], Awaitable[None]]] = {
             "subscribeThread": self.subscribe_thread, "subscribeShell": self.subscribe_shell}
 
     async def call(self, method: str, params: Mapping[str, Any], emit: Emit) -> Any:
         """One method (``orchestration.`` prefix optional); a stream returns when it ends."""
+        from tools import BY_WS_NAME, Call, validate
         name = method.removeprefix("orchestration.")
         if name in self._streams:
-            return await self._streams[name](params, emit)
-        if name in self._methods:
-            return await self._methods[name](params)
-        raise WsFailure("invalid_request", f"unknown method {method!r}; the methods are "
-                        f"{', '.join([*self._methods, *self._streams, 'unsubscribe'])}")
-
-    def _source(self, params: Mapping[str, Any]) -> str:
+            return await self._streams[name](validate(_STREAM_PARAMS[name], dict(params)), emit)
+        if name == "advanceTestClock" and self.test_clock is not None:
+            return await self.advance_test_clock(params)
+        if name not in BY_WS_NAME:
+            raise _failure("invalid_request", f"unknown method {method!r}; the methods are "
+                           f"{', '.join([*BY_WS_NAME, *self._streams, 'unsubscribe'])}")
         source = params.get("creationSource", "web")
         if source not in ("web", "cli"):
-            raise WsFailure("invalid_request", "creationSource: must be web or cli")
-        return str(source)
-
-    @staticmethod
-    def _checked(schema: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-        from tools import validate
-        return validate(schema, dict(params))  # type: ignore[no-any-return]
-
-    def _command_id(self, args: Mapping[str, Any], what: str) -> str:
-        """A thread method's command id: its clientRequestId (else a fresh one) in its own space."""
-        key = args.get("clientRequestId") or uuid.uuid4().hex
-        return self.toolkit._id("command", "ws", "client", what, args["threadId"], key)
-
-    # -- commands and the thread service ---------------------------------------------------------
-
-    async def dispatch_command(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Any client command (``orchestrator.CLIENT_COMMANDS``) in its wire form."""
-        import orchestrator as orch
-        kind = params.get("type")
-        if kind not in orch.CLIENT_COMMANDS:
-            raise WsFailure("invalid_request", f"type: must be one of "
-                            f"{', '.join(orch.CLIENT_COMMANDS)} (the server's own commands, such "
-                            "as provider ingest, are not sent by clients)")
-        args = self._checked(_WIRE_COMMANDS[kind], params)
-        made = {"created_by": orch.Actor.USER, "creation_source": self._source(args)}
-        try:
-            command = await _build_command(self, args, made)
-        except ValueError as exc:  # a contradiction the command itself refuses
-            raise WsFailure("invalid_request", str(exc)) from exc
-        result = await self.orch.dispatch(command)
-        return {"sequence": result.sequence, "result": dict(result.result),
-                "commandType": command.type}
-
-    async def send_to_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        import orchestrator as orch
-        args = self._checked(_WS_SEND, params)
-        key = args.get("clientRequestId") or uuid.uuid4().hex
-        ids = ("ws", "client", "thread-send", args["threadId"], key)
-        return await self.threads.send(
-            args["threadId"], text=args["message"], mode=args.get("mode", "auto"),
-            command_id=self.toolkit._id("command", *ids),
-            message_id=self.toolkit._id("message", *ids), created_by=orch.Actor.USER,
-            creation_source=self._source(args), target=args.get("target"))
-
-    async def wait_for_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        from tools import DEFAULT_WAIT_MS
-        args = self._checked(_WS_WAIT, params)
-        return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
-                                       timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000)
-
-    async def interrupt_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        args = self._checked(_WS_INTERRUPT, params)
-        return await self.threads.interrupt(
-            args["threadId"], run_id=args.get("runId"), reason=args.get("reason"),
-            command_id=self._command_id(args, "thread-interrupt"))
-
-    async def rollback_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """``checkpoint.rollback`` to run ``runOrdinal``'s checkpoint (0: the baseline) or to
-        ``checkpointId``, answered once the files are restored (ThreadService.rollback)."""
-        args = self._checked(_WS_ROLLBACK, params)
-        if ("runOrdinal" in args) == ("checkpointId" in args):
-            raise WsFailure("invalid_request", "rollbackThread: give runOrdinal or checkpointId")
-        return await self.threads.rollback(
-            args["threadId"], ordinal=args.get("runOrdinal"),
-            checkpoint=args.get("checkpointId"), command_id=self._command_id(
-                args, "thread-rollback"))
-
-    async def launch_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        args = self._checked(_WS_LAUNCH, params)
-        selection = args.get("modelSelection") or {}
-        tool_args = {k: v for k, v in {
-            "projectId": args.get("projectId"), "title": args.get("title"),
-            "message": (args.get("initialMessage") or {}).get("text"),
-            "target": {k: v for k, v in (("providerInstanceId", selection.get("instanceId")),
-                                         ("model", selection.get("model"))) if v} or None,
-            "runtimeMode": args.get("runtimeMode"), "interactionMode": args.get(
-                "interactionMode"), "workspaceStrategy": args.get("workspaceStrategy"),
-            "scratch": args.get("scratch"), "clientRequestId": args["commandId"]}.items()
-            if v is not None}
-        existed = self.store.receipt(self.toolkit._id(
-            "command", self._source(args), "client", "launch", args["commandId"])) is not None
-        launched = await self.toolkit.launch(self.scope, tool_args, transport=self._source(args))
-        sequence, projection = self._projection(launched["threadId"])
-        return {"threadId": launched["threadId"], "runId": launched["runId"],
-                "resumed": existed, "snapshotSequence": sequence, "projection": projection}
-
-    async def fork_thread(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """``thread.fork`` (orchestrator "Fork and merge-back"): a new thread with the source's
-        context up to ``sourcePoint``, in a worktree of its own at that point's checkpoint when
-        there is a ready one."""
-        import orchestrator as orch
-        from tools import new_worktree
-        args = self._checked(_WS_FORK, params)
-        ids = (self._source(args), "client", "fork", args["commandId"])
-        thread_id = self.toolkit._id("thread", *ids)
-        source = (await self.threads.thread(args["sourceThreadId"])).thread
-        git = self.orch.workspaces
-        path, branch = new_worktree(git, thread_id) if git else ("", "")
-        command = await self.threads.plan_fork(
-            args["sourceThreadId"], args.get("sourcePoint") or {"type": "latest_stable"},
-            command_id=self.toolkit._id("command", *ids), thread_id=thread_id,
-            title=args.get("title"), created_by=orch.Actor.USER,
-            creation_source=self._source(args), worktree=(
-                path, branch, self.toolkit.ctx.project(source.project_id).setup))
-        return {**(await self.orch.dispatch(command)).result, "threadId": thread_id}
-
-    async def merge_back(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """``thread.merge_back``: the fork's delta goes to its parent with its next message."""
-        import orchestrator as orch
-        args = self._checked(_WS_MERGE_BACK, params)
-        command = await self.threads.plan_merge_back(
-            args["sourceThreadId"], args.get("targetThreadId"), created_by=orch.Actor.USER,
-            command_id=self.toolkit._id("command", self._source(args), "client", "merge-back",
-                                        args["commandId"]))
-        return dict((await self.orch.dispatch(command)).result)
-
-    async def _as_person(self, tool: str, params: Mapping[str, Any],
-                         handler: Callable[..., Awaitable[Any]]) -> Any:
-        """A tool's own code (scheduleTask, deleteScheduledTask) run for a person: what it makes
-        records ``createdBy: "user"`` and ``creationSource`` web or cli."""
-        from tools import tool_input
-        args = tool_input(tool, {k: v for k, v in params.items() if k != "creationSource"})
-        return await handler(self.scope, args, transport=self._source(params))
+            raise _failure("invalid_request", "creationSource: must be web or cli")
+        return await self.toolkit.run(BY_WS_NAME[name], Call(self.scope, source), {
+            k: v for k, v in params.items() if k != "creationSource"})
 
     async def advance_test_clock(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Tests only (T3_TEST_CLOCK): move the clock forward, and return once the scheduler
         has fired what that made due."""
         seconds = params.get("seconds")
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
-            raise WsFailure("invalid_request", "seconds: a number >= 0")
+            raise _failure("invalid_request", "seconds: a number >= 0")
         assert self.test_clock is not None
         self.test_clock.advance(float(seconds))
         await self.orch.scheduler_pass()
         return {"now": self.test_clock.iso()}
-
-    # -- reads -----------------------------------------------------------------------------------
-
-    async def get_thread_projection(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        thread_id = _thread_id(params)
-        await self.threads.thread(thread_id)
-        sequence, projection = self._projection(thread_id)
-        return {"snapshotSequence": sequence, "projection": projection}
-
-    def _projection(self, thread_id: str) -> tuple[int, dict[str, Any]]:
-        """The thread's entities and the sequence they reflect, read in one snapshot."""
-        sequence, rows = self.store.thread_entities(thread_id)
-        projection: dict[str, Any] = {key: rows[kind] for kind, key in _PROJECTION_KEYS.items()}
-        projection["thread"] = rows["thread"][0] if rows["thread"] else None
-        return sequence, projection
-
-    async def get_turn_diff(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """One run's diff: {threadId, runId | ordinal} (t3_thread_diff's code and result)."""
-        if params.get("runId") is None and params.get("ordinal") is None:
-            raise WsFailure("invalid_request", "getTurnDiff: runId or ordinal is required "
-                            "(getFullThreadDiff gives the whole thread's)")
-        return await self.toolkit.call_as(self.scope, "t3_thread_diff", params)
-
-    async def list_pending_requests(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        import orchestrator as orch
-        from tools import _request_summary
-        wanted = self._checked(_WS_PENDING, params).get("threadId")
-        requests = [orch.RuntimeRequest.from_json(r) for r in self.store.pending_requests()]
-        return {"requests": [{**_request_summary(r), "threadId": r.thread_id,
-                              "detail": r.detail}
-                             for r in requests if wanted in (None, r.thread_id)]}
-
-    async def list_webhook_deliveries(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """A webhook task's kept deliveries, newest first, as recorded (secrets redacted)."""
-        task_id = params.get("scheduledTaskId")
-        if not isinstance(task_id, str) or not task_id or set(params) - {"scheduledTaskId"}:
-            raise WsFailure("invalid_request", "params: {scheduledTaskId} (a string)")
-        if await self.orch.webhook_task(task_id) is None:
-            raise WsFailure("task_not_found", f"no webhook task {task_id}")
-        return {"scheduledTaskId": task_id, "deliveries": self.store.deliveries(task_id)}
 
     # -- streams ---------------------------------------------------------------------------------
 
     async def subscribe_thread(self, params: Mapping[str, Any], emit: Emit) -> None:
         """A snapshot at N (or, with ``afterSequence`` N, the stored events after N), a
         ``synchronized`` marker, then each event as it commits: gap-free, none twice."""
-        thread_id = _thread_id(params)
-        after = params.get("afterSequence")
-        if after is not None and (not isinstance(after, int) or isinstance(after, bool)
-                                  or after < 0):
-            raise WsFailure("invalid_request", "afterSequence: must be an integer >= 0")
-        await self.threads.thread(thread_id)
+        thread_id, after = params["threadId"], params.get("afterSequence")
+        await self.toolkit.threads.thread(thread_id)
         subscription = self.orch.subscribe(thread_id=thread_id, max_bytes=_SUBSCRIBER_BYTES)
         try:  # subscribed before reading: what commits meanwhile is in one or both, never lost
             if after is None:
-                last, projection = self._projection(thread_id)
+                last, projection = self.toolkit.projection(thread_id)
                 await emit({"kind": "snapshot", "snapshotSequence": last,
                             "projection": projection})
             else:
@@ -1297,13 +1119,14 @@ class ClientApi:
         """The projects, threads and scheduled tasks (a snapshot, or those changed after
         ``afterSequence``), ``synchronized``, then a thread's shell, or a scheduled task as
         ``list_scheduled_tasks`` shows it, each time it changes."""
-        after = self._checked(_WS_SHELL, params).get("afterSequence")
+        from tools import BY_WS_NAME, Call
+        after = params.get("afterSequence")
         subscription = self.orch.subscribe(max_bytes=_SUBSCRIBER_BYTES // 64)
         try:
             last = self.store.max_sequence()
             if after is None:
-                schedules = (await self.toolkit.call_as(self.scope, "list_scheduled_tasks",
-                                                        {}))["tasks"]
+                schedules = (await self.toolkit.run(BY_WS_NAME["listScheduledTasks"],
+                                                    Call(self.scope, "web"), {}))["tasks"]
                 await emit({"kind": "snapshot",
                             "snapshot": {**self._shell_snapshot(last), "schedules": schedules}})
             else:
@@ -1352,24 +1175,9 @@ class ClientApi:
                              for p in projects]}
 
 
-_PROJECTION_KEYS = {"run": "runs", "run-attempt": "attempts", "node": "nodes",
-                    "subagent": "subagents", "provider-session": "providerSessions",
-                    "provider-thread": "providerThreads", "provider-turn": "providerTurns",
-                    "runtime-request": "runtimeRequests", "message": "messages",
-                    "turn-item": "turnItems", "context-transfer": "contextTransfers",
-                    "context-handoff": "contextHandoffs", "checkpoint": "checkpoints"}
-
-
-def _thread_id(params: Mapping[str, Any]) -> str:
-    thread_id = params.get("threadId")
-    if not isinstance(thread_id, str) or not thread_id:
-        raise WsFailure("invalid_request", "threadId: required (a string)")
-    return thread_id
-
-
-def _resubscribe(last: int) -> WsFailure:
-    return WsFailure("resubscribe", f"this stream fell too far behind its reader and was ended; "
-                     f"subscribe again with afterSequence = {last}", lastSequence=last)
+def _resubscribe(last: int) -> Exception:
+    return _failure("resubscribe", f"this stream fell too far behind its reader and was ended; "
+                    f"subscribe again with afterSequence = {last}", lastSequence=last)
 
 
 class _WsConnection:
@@ -1420,15 +1228,15 @@ class _WsConnection:
         if not isinstance(frame, dict) or not isinstance(frame.get("method"), str) or \
                 not isinstance(frame.get("params", {}), dict) or \
                 not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-            failure = WsFailure("invalid_request", 'a frame is {"id": string or integer, '
-                                f'"method": string, "params": object}}{unparsed}')
+            failure = _failure("invalid_request", 'a frame is {"id": string or integer, '
+                               f'"method": string, "params": object}}{unparsed}')
         elif request_id in self._tasks:
-            failure = WsFailure("invalid_request", f"request id {request_id!r} is in use")
+            failure = _failure("invalid_request", f"request id {request_id!r} is in use")
         elif len(self._tasks) >= self.MAX_IN_FLIGHT:
-            failure = WsFailure("too_many_requests", f"at most {self.MAX_IN_FLIGHT} requests "
-                                "and streams at once on one connection")
+            failure = _failure("too_many_requests", f"at most {self.MAX_IN_FLIGHT} requests "
+                               "and streams at once on one connection")
         if failure is not None:
-            task = asyncio.create_task(self._reply(request_id, error=failure.body))
+            task = asyncio.create_task(self._reply(request_id, error=_error_body(failure, "")))
         elif frame["method"] in ("unsubscribe", "orchestration.unsubscribe"):
             task = asyncio.create_task(self._unsubscribe(request_id, frame.get("params", {})))
         else:
@@ -1439,27 +1247,14 @@ class _WsConnection:
         task.add_done_callback(lambda _: self._tasks.pop(key, None))
 
     async def _run(self, request_id: Any, method: str, params: Mapping[str, Any]) -> None:
-        from store import StoreError
-        from tools import ToolFailure
-        import orchestrator as orch
-
         async def emit(item: Any) -> None:
             prefix = f'{{"id":{json.dumps(request_id)},"item":'
             await self._write(prefix + (item if isinstance(item, str) else
                                         json.dumps(item, ensure_ascii=False)) + "}")
         try:
             result = await self.api.call(method, params, emit)
-        except WsFailure as failure:
-            await self._reply(request_id, error=failure.body)
-        except (ToolFailure, orch.T3Error) as exc:  # a ToolFailure's str is its message
-            await self._reply(request_id, error={"code": exc.code, "message": str(exc)})
-        except StoreError as exc:
-            await self._reply(request_id, error={"code": "orchestration_error",
-                                                 "message": f"t3 could not record this: {exc}"})
-        except Exception:
-            log.exception("/ws method %r failed", method)
-            await self._reply(request_id, error={"code": "orchestration_error", "message":
-                                                 "t3 hit an internal error; see its log"})
+        except Exception as exc:  # the one place /ws shapes a failure
+            await self._reply(request_id, error=_error_body(exc, f"/ws method {method!r}"))
         else:
             await self._reply(request_id, result=result)
 
@@ -1475,6 +1270,12 @@ class _WsConnection:
     async def _write(self, text: str) -> None:
         async with self._lock:
             await self._send({"type": "websocket.send", "text": text})
+
+
+def _error_body(exc: Exception, what: str) -> dict[str, Any]:
+    from tools import failure_of
+    code, message = failure_of(exc, what)
+    return {"code": code, "message": message, **getattr(exc, "detail", {})}
 
 
 def ws_endpoint(api: ClientApi, client_token: ClientToken) -> ASGIApp:
@@ -1508,185 +1309,6 @@ def _denial(send: _Send) -> _Send:
     async def deny(message: MutableMapping[str, Any]) -> None:
         await send({**message, "type": "websocket." + message["type"]})
     return deny
-
-
-# Client commands on the wire: the seed's camelCase shapes (research/t3code.md 2.6), each checked
-# against its schema (tools.validate: invalid_request naming the field) and then built.
-
-
-def _obj(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
-    return {"type": "object", "additionalProperties": False, "required": list(required),
-            "properties": dict(properties)}
-
-
-def _wire(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
-    return _obj({"type": {"type": "string"}, "commandId": _WIRE_ID,
-                 "creationSource": {"type": "string", "enum": ["web", "cli"]}, **properties},
-                ["type", "commandId", *required])
-
-
-_WIRE_ID = {"type": "string", "minLength": 1, "maxLength": 256}
-_WIRE_REF = {"type": "string", "minLength": 1, "maxLength": 512}
-_WIRE_TEXT = {"type": "string", "minLength": 1, "maxLength": 120_000}
-_WIRE_TITLE = {"type": "string", "maxLength": 512, "line": True}  # tools.validate's keyword
-_WIRE_REASON = {"type": "string", "maxLength": 2000}
-_WIRE_SOURCE = {"type": "string"}  # checked by ClientApi._source
-_WIRE_SELECTION = _obj({"instanceId": _WIRE_REF, "model": _WIRE_REF})
-_WIRE_MODES = {"runtimeMode": {"type": "string", "enum": [
-    "inherit", "approval-required", "auto-accept-edits", "auto", "full-access"]},
-    "interactionMode": {"type": "string", "enum": ["inherit", "plan", "default"]}}
-_WIRE_WAKE = {"type": "string", "enum": ["always", "settled_only"]}
-_WIRE_INITIAL = _obj({"messageId": _WIRE_ID, "text": _WIRE_TEXT}, ["text"])
-_WIRE_COMMANDS = {
-    "thread.create": _wire({
-        "threadId": _WIRE_ID, "projectId": _WIRE_REF,
-        "title": _WIRE_TITLE, "modelSelection": _WIRE_SELECTION, **_WIRE_MODES,
-        "initialMessage": _WIRE_INITIAL}),
-    "message.dispatch": _wire({
-        "threadId": _WIRE_REF, "messageId": _WIRE_ID, "text": _WIRE_TEXT,
-        "dispatchMode": _obj({"type": {"type": "string", "enum": [
-            "start_immediately", "queue_after_active", "steer_active", "restart_active"]},
-            "targetRunId": _WIRE_REF}, ["type"])}, ["threadId", "text"]),
-    "run.interrupt": _wire({"threadId": _WIRE_REF, "runId": _WIRE_REF, "reason": _WIRE_REASON},
-                           ["threadId", "runId"]),
-    "runtime-request.respond": _wire({
-        "threadId": _WIRE_REF, "requestId": _WIRE_REF,
-        "decision": {"type": "string", "enum": ["accept", "acceptForSession", "decline",
-                                                "cancel"]},
-        "answers": {"type": "object"}}, ["threadId", "requestId"]),
-    "queued-run.cancel": _wire({"threadId": _WIRE_REF, "runId": _WIRE_REF},
-                               ["threadId", "runId"]),
-    "delegated_task.request": _wire({
-        "parentThreadId": _WIRE_REF, "parentRunId": _WIRE_REF, "task": _WIRE_TEXT,
-        "title": _WIRE_TITLE, "modelSelection": _WIRE_SELECTION,
-        **_WIRE_MODES, "completionWake": _WIRE_WAKE}, ["parentThreadId", "parentRunId", "task"]),
-    "delegated_task.wake-policy": _wire({"parentThreadId": _WIRE_REF, "taskId": _WIRE_REF,
-                                         "completionWake": _WIRE_WAKE},
-                                        ["parentThreadId", "taskId", "completionWake"]),
-    "delegated_task.cancel": _wire({"parentThreadId": _WIRE_REF, "taskId": _WIRE_REF,
-                                    "reason": _WIRE_REASON}, ["parentThreadId", "taskId"]),
-    "thread.stop": _wire({"threadId": _WIRE_REF, "reason": _WIRE_REASON}, ["threadId"]),
-    "provider.switch": _wire({"threadId": _WIRE_REF, "modelSelection": _WIRE_SELECTION},
-                             ["threadId", "modelSelection"]),
-    "checkpoint.rollback": _wire({"threadId": _WIRE_REF, "checkpointId": _WIRE_REF},
-                                 ["threadId", "checkpointId"]),
-    "thread.snooze": _wire({"threadId": _WIRE_REF, "snoozedUntil": _WIRE_REF},
-                           ["threadId", "snoozedUntil"]),
-    "thread.visit": _wire({"threadId": _WIRE_REF, "visitedAt": _WIRE_REF}, ["threadId"]),
-    **{kind: _wire({"threadId": _WIRE_REF}, ["threadId"]) for kind in (
-        "thread.resume", "thread.archive", "thread.unarchive", "thread.delete",
-        "thread.unsnooze")},
-}
-
-
-async def _build_command(api: ClientApi, a: Mapping[str, Any], made: Mapping[str, str]) -> Any:
-    """The orchestrator command for a checked wire command. Its id is the client's commandId
-    in a namespace of its own, so a client never meets the server's internal command ids."""
-    import orchestrator as orch
-    kind, toolkit = a["type"], api.toolkit
-    command_id = toolkit._id("command", "ws", "client", a["commandId"])
-    if kind in orch.THREAD_LIFECYCLE:  # times in any ISO form (ValueError: invalid_request)
-        when = a.get("snoozedUntil") or a.get("visitedAt")
-        return orch.ChangeThreadLifecycle(
-            command_id=command_id, thread_id=a["threadId"], type=kind, at=orch.parse_time(
-                when) if when else api.orch.now() if kind == "thread.visit" else None)
-
-    def derived(kind: str) -> str:  # an id the client left out
-        return toolkit._id(kind, "ws", "client", a["commandId"])
-    if kind == "thread.create":
-        project = toolkit.ctx.project(a.get("projectId"))
-        initial = a.get("initialMessage") or {}
-        return api.threads.plan_create(
-            command_id=command_id, thread_id=a.get("threadId") or derived("thread"),
-            project_id=project.id, workspace=project.path, caller=None,
-            message_id=initial.get("messageId") or derived("message"),
-            entry={**_wire_modes(a), "title": a.get("title"), "prompt": initial.get("text"),
-                   "target": _wire_target(a)}, **made)
-    if kind == "message.dispatch":
-        mode = a.get("dispatchMode") or {"type": "start_immediately"}
-        return orch.DispatchMessage(
-            command_id=command_id, thread_id=a["threadId"], text=a["text"],
-            message_id=a.get("messageId") or derived("message"), mode=mode["type"],
-            target_run_id=mode.get("targetRunId"), **made)
-    if kind == "run.interrupt":
-        return orch.InterruptRun(command_id=command_id, thread_id=a["threadId"],
-                                 run_id=a["runId"], reason=a.get("reason"))
-    if kind == "runtime-request.respond":
-        return orch.RespondRuntimeRequest(
-            command_id=command_id, thread_id=a["threadId"], request_id=a["requestId"],
-            decision=a.get("decision"), answers=a.get("answers"), answered_by={"kind": "client"})
-    if kind == "queued-run.cancel":
-        return orch.CancelQueuedRun(command_id=command_id, thread_id=a["threadId"],
-                                    run_id=a["runId"])
-    if kind == "delegated_task.request":
-        parent = await api.threads.thread(a["parentThreadId"])
-        info, model = api.threads.resolve_target(_wire_target(a), parent)
-        runtime, interaction = api.threads.modes(_wire_modes(a), parent)
-        return orch.DelegateTask(
-            command_id=command_id, thread_id=a["parentThreadId"], parent_run_id=a["parentRunId"],
-            task=a["task"], title=api.threads.title(a.get("title"), a["task"], "Delegated task"),
-            provider_instance_id=info.instance_id, model=model,
-            runtime_mode=api.threads.step_down(info, runtime, "runtimeMode" in a, interaction),
-            interaction_mode=interaction,
-            completion_wake=a.get("completionWake", "settled_only"), **made)
-    if kind == "thread.stop":
-        return orch.StopThread(command_id=command_id, thread_id=a["threadId"],
-                               reason=a.get("reason"))
-    if kind == "thread.resume":
-        return orch.ResumeThread(command_id=command_id, thread_id=a["threadId"])
-    if kind == "provider.switch":
-        return await api.threads.plan_switch(a["threadId"], _wire_target(a),
-                                              command_id=command_id)
-    if kind == "checkpoint.rollback":
-        return orch.RollbackThread(command_id=command_id, thread_id=a["threadId"],
-                                   checkpoint_id=a["checkpointId"])
-    if kind == "delegated_task.wake-policy":
-        return orch.SetWakePolicy(command_id=command_id, thread_id=a["parentThreadId"],
-                                  task_id=a["taskId"], completion_wake=a["completionWake"])
-    return orch.RequestTaskCancel(command_id=command_id, thread_id=a["parentThreadId"],
-                                  task_id=a["taskId"], reason=a.get("reason"))
-
-
-def _wire_target(a: Mapping[str, Any]) -> dict[str, Any]:
-    selection = a.get("modelSelection") or {}
-    return {key: selection[wire] for key, wire in (("providerInstanceId", "instanceId"),
-                                                   ("model", "model")) if wire in selection}
-
-
-def _wire_modes(a: Mapping[str, Any]) -> dict[str, Any]:
-    return {"runtimeMode": a.get("runtimeMode", "inherit"),
-            "interactionMode": a.get("interactionMode", "inherit")}
-
-
-_WS_SHELL = _obj({"afterSequence": {"type": "integer", "minimum": 0}})
-_WS_PENDING = _obj({"threadId": _WIRE_REF})
-_WS_SEND = _obj({"threadId": _WIRE_REF, "message": _WIRE_TEXT,
-                 "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
-                 "target": _obj({"providerInstanceId": _WIRE_REF, "driverKind": _WIRE_REF,
-                                 "model": _WIRE_REF}),
-                 "clientRequestId": _WIRE_ID, "creationSource": _WIRE_SOURCE},
-                ["threadId", "message"])
-_WS_WAIT = _obj({"threadId": _WIRE_REF, "runId": _WIRE_REF,
-                 "timeoutMs": {"type": "integer", "minimum": 0, "maximum": 600_000}},
-                ["threadId"])
-_WS_INTERRUPT = _obj({"threadId": _WIRE_REF, "runId": _WIRE_REF, "reason": _WIRE_REASON,
-                      "clientRequestId": _WIRE_ID}, ["threadId"])
-_WS_FORK = _obj({"commandId": _WIRE_ID, "sourceThreadId": _WIRE_REF, "title": _WIRE_TITLE,
-                 "creationSource": _WIRE_SOURCE, "sourcePoint": _obj({
-                     "type": {"type": "string", "enum": ["latest_stable", "run", "checkpoint"]},
-                     "runId": _WIRE_REF, "ordinal": {"type": "integer", "minimum": 1},
-                     "checkpointId": _WIRE_REF}, ["type"])}, ["commandId", "sourceThreadId"])
-_WS_MERGE_BACK = _obj({"commandId": _WIRE_ID, "sourceThreadId": _WIRE_REF,
-                       "targetThreadId": _WIRE_REF, "creationSource": _WIRE_SOURCE},
-                      ["commandId", "sourceThreadId"])
-_WS_ROLLBACK = _obj({"threadId": _WIRE_REF, "runOrdinal": {"type": "integer", "minimum": 0},
-                     "checkpointId": _WIRE_REF, "clientRequestId": _WIRE_ID,
-                     "creationSource": _WIRE_SOURCE}, ["threadId"])
-_WS_LAUNCH = _obj({"commandId": _WIRE_ID, "projectId": _WIRE_REF, "title": _WIRE_TITLE,
-                   "modelSelection": _WIRE_SELECTION, **_WIRE_MODES,
-                   "workspaceStrategy": {},  # t3_thread_launch's (it checks it)
-                   "scratch": {"type": "boolean"}, "creationSource": _WIRE_SOURCE,
-                   "initialMessage": _WIRE_INITIAL}, ["commandId"])
 
 
 # =============================================================================================

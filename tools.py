@@ -1,12 +1,17 @@
-"""tools.py: the MCP tool surface of t3 (server key ``t3-code``, server name ``t3``).
+"""tools.py: t3's operations, and their MCP framing (server key ``t3-code``, server name ``t3``).
 
-Each tool has a hand-written JSON Schema (``anyOf``, never a ``type`` array, so every client
-takes it), checked here (the SDK's low-level server does not): unknown fields are refused, and
-a violation is ``invalid_request`` naming the field. Each declares its result's exact shape as
-its ``outputSchema``. Handlers check the caller's scope (``current_scope``, set by ``t3.py``'s
-auth), make orchestrator commands with ids derived from ``clientRequestId`` and the caller, and
-shape results. Expected denials are typed failures: ``isError: true`` with ``structuredContent
-= {"_tag": "OrchestratorMcpFailure", code, message}``. No SQL, subprocesses or provider calls.
+``OPERATIONS`` is the one table of what callers may do: each operation has a name, a hand-written
+input JSON Schema (``anyOf``, never a ``type`` array, so every client takes it) and the exact
+shape of its result, who may call it (``client``: the client token, over MCP or as a person over
+/ws; ``thread``: an agent inside a t3 thread) and a handler, a plain method of ``Toolkit``. MCP
+publishes the operations that are tools; ``t3.py``'s /ws methods call the same entries by their
+/ws names (``dispatchCommand`` takes T3 Code's wire commands). Arguments are checked here
+against that one schema (the SDK's low-level server does not): unknown fields are refused, and a
+violation is ``invalid_request`` naming the field. Handlers check the caller's scope, make
+orchestrator commands with ids derived from ``clientRequestId`` and the caller, and shape
+results. Every denial is an ``orchestrator.T3Error`` with its typed code; MCP shapes it once
+(``isError: true``, ``structuredContent = {"_tag": "OrchestratorMcpFailure", code, message}``),
+/ws once (``t3.py``). No SQL, subprocesses or provider calls.
 """
 
 from __future__ import annotations
@@ -33,12 +38,12 @@ import mcp_types as types
 from mcp.server import Server, ServerRequestContext
 
 import orchestrator as orch
-from orchestrator import RUN_TERMINAL, RunStatus, ThreadState
+from orchestrator import RUN_TERMINAL, RunStatus, T3Error, ThreadState
 from store import Store, StoreError
 
-__all__ = ["FAILURE_CODES", "FAILURE_OUTPUT", "Scope", "current_scope", "ToolFailure", "Project",
-           "ServerContext", "Toolkit", "TOOLS", "build_mcp_server", "failure_result",
-           "published_output", "tool_input", "validate"]
+__all__ = ["FAILURE_CODES", "FAILURE_OUTPUT", "Scope", "current_scope", "Call", "Operation",
+           "OPERATIONS", "TOOLS", "Project", "ServerContext", "Toolkit", "build_mcp_server",
+           "failure_of", "failure_result", "published_input", "published_output", "validate"]
 
 log = logging.getLogger("t3.tools")
 
@@ -78,12 +83,41 @@ current_scope: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("t3
 _Args = Mapping[str, Any]  # a tool's arguments, validated
 
 
-class ToolFailure(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        if code not in FAILURE_CODES:
-            raise ValueError(f"unknown failure code {code}")
-        super().__init__(message)
-        self.code, self.message = code, message
+Progress = Callable[[float, str], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One call of an operation: who calls, and where what it makes comes from (``mcp``: made
+    by an agent, or a client acting as one; ``web`` or ``cli``: by a person over /ws)."""
+
+    scope: Scope
+    source: str = "mcp"
+    progress: Progress | None = None
+
+    @property
+    def made_by(self) -> dict[str, str]:
+        return _AGENT_MADE if self.source == "mcp" else {
+            "created_by": orch.Actor.USER, "creation_source": orch.CreationSource(self.source)}
+
+    @property
+    def space(self) -> str:
+        """The id space of its commands: one per transport, so a /ws call never meets an MCP
+        call's ids."""
+        return "mcp" if self.source == "mcp" else "ws"
+
+
+def failure_of(exc: Exception, what: str) -> tuple[str, str]:
+    """(code, message) of a failed operation, for each transport to shape: a T3Error's own; a
+    store that could not write (a full disk: the transaction rolled back, nothing was written);
+    else an internal error, logged."""
+    if isinstance(exc, T3Error):
+        return exc.code, str(exc)
+    if isinstance(exc, StoreError):
+        log.warning("%s could not write: %s", what, exc)
+        return "orchestration_error", f"t3 could not record this: {exc}"
+    log.error("%s failed", what, exc_info=exc)
+    return "orchestration_error", "t3 hit an internal error; see the server log."
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +152,9 @@ class ServerContext:
             if project.id == project_id:
                 return project
         if project_id == self.scratch_project.id:
-            raise ToolFailure("invalid_request", "projectId: scratch threads are made by "
-                              "t3_thread_launch with scratch: true, each in its own folder")
-        raise ToolFailure("invalid_request", f"projectId: unknown project {project_id!r}")
+            raise T3Error("projectId: scratch threads are made by t3_thread_launch with scratch: "
+                          "true, each in its own folder", code="invalid_request")
+        raise T3Error(f"projectId: unknown project {project_id!r}", code="invalid_request")
 
     def link(self, thread_id: str) -> str:
         return f"t3-thread://v2/{self.environment_id}/{thread_id}"
@@ -180,42 +214,41 @@ def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
         return validate(_branch(schema["anyOf"], value, name), value, path)
     kind = schema.get("type")
     if kind and not _is_type(value, kind):
-        raise ToolFailure("invalid_request", f"{name}: expected {kind}")
+        raise T3Error(f"{name}: expected {kind}", code="invalid_request")
     if isinstance(value, str):
         if schema.get("trim"):
             value = value.strip()
         if "minLength" in schema and len(value) < schema["minLength"]:
-            raise ToolFailure("invalid_request", f"{name}: must not be empty")
+            raise T3Error(f"{name}: must not be empty", code="invalid_request")
         if "maxLength" in schema and len(value) > schema["maxLength"]:
-            raise ToolFailure("invalid_request",
-                              f"{name}: longer than {schema['maxLength']} characters")
+            raise T3Error(f"{name}: longer than {schema['maxLength']} "
+                          "characters", code="invalid_request")
         if schema.get("line") and (bad := [c for c in value if ord(c) in orch.CONTROL_CHARACTERS]):
-            raise ToolFailure("invalid_request", f"{name}: holds control character U+"
-                                                 f"{ord(bad[0]):04X} (one line of plain text)")
+            raise T3Error(f"{name}: holds control character U+"
+                          f"{ord(bad[0]):04X} (one line of plain text)", code="invalid_request")
     if "enum" in schema and value not in schema["enum"]:
-        raise ToolFailure("invalid_request",
-                          f"{name}: must be one of {', '.join(map(str, schema['enum']))}")
+        raise T3Error(f"{name}: must be one of "
+                      f"{', '.join(map(str, schema['enum']))}", code="invalid_request")
     if isinstance(value, int) and not isinstance(value, bool):
         if "minimum" in schema and value < schema["minimum"]:
-            raise ToolFailure("invalid_request", f"{name}: must be >= {schema['minimum']}")
+            raise T3Error(f"{name}: must be >= {schema['minimum']}", code="invalid_request")
         if "maximum" in schema and value > schema["maximum"]:
-            raise ToolFailure("invalid_request", f"{name}: must be <= {schema['maximum']}")
+            raise T3Error(f"{name}: must be <= {schema['maximum']}", code="invalid_request")
     if isinstance(value, list):
         if "minItems" in schema and len(value) < schema["minItems"]:
-            raise ToolFailure("invalid_request", f"{name}: needs at least {schema['minItems']}")
+            raise T3Error(f"{name}: needs at least {schema['minItems']}", code="invalid_request")
         if "maxItems" in schema and len(value) > schema["maxItems"]:
-            raise ToolFailure("invalid_request", f"{name}: at most {schema['maxItems']} allowed")
+            raise T3Error(f"{name}: at most {schema['maxItems']} allowed", code="invalid_request")
         if "items" in schema:
             value = [validate(schema["items"], v, f"{name}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict) and "properties" in schema:
         props = schema["properties"]
         for key in value:
             if key not in props and schema.get("additionalProperties") is False:
-                raise ToolFailure("invalid_request",
-                                  f"{_join(path, key)}: unknown field")
+                raise T3Error(f"{_join(path, key)}: unknown field", code="invalid_request")
         for key in schema.get("required", ()):
             if key not in value:
-                raise ToolFailure("invalid_request", f"{_join(path, key)}: required")
+                raise T3Error(f"{_join(path, key)}: required", code="invalid_request")
         # An optional field sent as null counts as absent: models often fill every field.
         value = {k: validate(props[k], v, _join(path, k)) if k in props else v
                  for k, v in value.items() if v is not None or k in schema.get("required", ())}
@@ -229,7 +262,7 @@ def _branch(branches: Sequence[Mapping[str, Any]], value: Any, name: str) -> Map
     fitting = [b for b in branches if "type" not in b or _is_type(value, b["type"])]
     if not fitting:
         kinds = dict.fromkeys(str(b["type"]) for b in branches)
-        raise ToolFailure("invalid_request", f"{name}: expected {' or '.join(kinds)}")
+        raise T3Error(f"{name}: expected {' or '.join(kinds)}", code="invalid_request")
     tags = [b.get("properties", {}).get("type", {}).get("enum") for b in fitting]
     if len(fitting) == 1 or not isinstance(value, dict) or not all(tags):
         return fitting[0]
@@ -238,7 +271,7 @@ def _branch(branches: Sequence[Mapping[str, Any]], value: Any, name: str) -> Map
             return branch
     kinds = ", ".join(str(t) for tag in tags for t in tag)
     problem = "required" if value.get("type") is None else f"must be one of {kinds}"
-    raise ToolFailure("invalid_request", f"{name}.type: {problem}")
+    raise T3Error(f"{name}.type: {problem}", code="invalid_request")
 
 
 def _join(path: str, key: str) -> str:
@@ -405,17 +438,90 @@ PENDING_REQUEST_OUTPUT = {"type": "object", "anyOf": [  # one shape per action
             "decision": OPT_STRING})]}
 
 
+# /ws's shapes, and the client commands of dispatchCommand in T3 Code's wire form: what
+# a T3 client always sends and the server derives itself (createdBy, createdAt, ...) is checked or
+# ignored, never refused as unknown.
+OBJECT: Mapping[str, Any] = {"type": "object"}
+SEED_TITLE = {"type": "string", "maxLength": 512, "line": True}  # (may be empty: none given)
+_SELECTION = _object({"instanceId": THREAD_ID, "model": THREAD_ID})
+_MODES = {"runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT}
+_INITIAL = _object({"messageId": CLIENT_REQUEST_ID, "text": _text(120_000)}, ["text"])
+_WAKE = {"type": "string", "enum": ["always", "settled_only"]}
+_REASON = {"type": "string", "maxLength": 2000}
+_THREAD = {"threadId": THREAD_ID}
+_TASK_REF = {"parentThreadId": THREAD_ID, "taskId": THREAD_ID}
+
+
+def _wire(kind: str, properties: Mapping[str, Any], required: Sequence[str] = ("threadId",)
+          ) -> dict[str, Any]:
+    return _object({"type": {"type": "string", "enum": [kind]}, "commandId": CLIENT_REQUEST_ID,
+                    "createdBy": _enum(["user"]),  # a person: the client token, over /ws
+                    "createdAt": STRING, **properties}, ["type", "commandId", *required])
+
+
+_WIRE_COMMANDS = {kind: _wire(kind, *rest) for kind, *rest in (
+    ("thread.create", {"threadId": CLIENT_REQUEST_ID, "projectId": _text(256), "title": SEED_TITLE,
+                       "modelSelection": _SELECTION, **_MODES, "initialMessage": _INITIAL,
+                       "branch": BRANCH, "worktreePath": _text(4096)}, ()),
+    ("message.dispatch", {**_THREAD, "messageId": CLIENT_REQUEST_ID, "text": _text(120_000),
+                          "dispatchMode": _object({"type": _enum([
+                              "start_immediately", "queue_after_active", "steer_active",
+                              "restart_active"]), "targetRunId": THREAD_ID}, ["type"]),
+                          "attachments": {"type": "array"}, "titleSeed": STRING},
+     ["threadId", "text"]),
+    ("run.interrupt", {**_THREAD, "runId": THREAD_ID, "reason": _REASON}, ["threadId", "runId"]),
+    ("runtime-request.respond", {**_THREAD, "requestId": THREAD_ID, "decision": _enum(
+        orch.DECISIONS), "answers": OBJECT}, ["threadId", "requestId"]),
+    ("queued-run.cancel", {**_THREAD, "runId": THREAD_ID}, ["threadId", "runId"]),
+    ("delegated_task.request", {
+        "parentThreadId": THREAD_ID, "parentRunId": THREAD_ID, "parentNodeId": STRING,
+        "task": _text(120_000), "title": SEED_TITLE, "modelSelection": _SELECTION, **_MODES,
+        "completionWake": _WAKE}, ["parentThreadId", "parentRunId", "task"]),
+    ("delegated_task.wake-policy", {**_TASK_REF, "completionWake": _WAKE},
+     ["parentThreadId", "taskId", "completionWake"]),
+    ("delegated_task.cancel", {**_TASK_REF, "reason": _REASON}, ["parentThreadId", "taskId"]),
+    ("thread.stop", {**_THREAD, "reason": _REASON}),
+    ("provider.switch", {**_THREAD, "modelSelection": _SELECTION}, ["threadId", "modelSelection"]),
+    ("checkpoint.rollback", {**_THREAD, "scopeId": STRING, "checkpointId": THREAD_ID},
+     ["threadId", "checkpointId"]),
+    ("thread.snooze", {**_THREAD, "snoozedUntil": THREAD_ID}, ["threadId", "snoozedUntil"]),
+    ("thread.visit", {**_THREAD, "visitedAt": THREAD_ID}),
+    ("thread.unsnooze", {**_THREAD, "reason": _enum(["user"])}),
+    *((kind, _THREAD) for kind in ("thread.resume", "thread.archive", "thread.unarchive",
+                                   "thread.delete")))}
+_WIRE_TYPES = {c.type: c for c in (orch.InterruptRun, orch.RespondRuntimeRequest,
+                                   orch.CancelQueuedRun, orch.StopThread, orch.ResumeThread,
+                                   orch.RollbackThread, orch.SetWakePolicy,
+                                   orch.RequestTaskCancel)}
+_PROJECTION_KEYS = {"run": "runs", "run-attempt": "attempts", "node": "nodes",
+                    "subagent": "subagents", "provider-session": "providerSessions",
+                    "provider-thread": "providerThreads", "provider-turn": "providerTurns",
+                    "runtime-request": "runtimeRequests", "message": "messages",
+                    "turn-item": "turnItems", "context-transfer": "contextTransfers",
+                    "context-handoff": "contextHandoffs", "checkpoint": "checkpoints"}
+
+
 # =============================================================================================
-# Tool table
+# Operations: the entry, and the output schemas of the tools
+
+
+ANYONE, THREAD, CLIENT = (frozenset({"client", "thread"}), frozenset({"thread"}),
+                          frozenset({"client"}))
 
 
 @dataclass(frozen=True, slots=True)
-class _Tool:
+class Operation:
+    """One entry of OPERATIONS. ``mcp``: published as the MCP tool ``name``; ``ws``: the /ws
+    methods that call it (for a person: the client token)."""
+
     name: str
     description: str
     input_schema: Mapping[str, Any]
-    handler: str
+    handler: Callable[[Toolkit, Call, _Args], Awaitable[dict[str, Any]]]
     output_schema: Mapping[str, Any]  # of a success; published_output adds the failure
+    callers: frozenset[str] = ANYONE
+    ws: tuple[str, ...] = ()
+    mcp: bool = True
     read_only: bool = False
     destructive: bool = False
 
@@ -450,220 +556,6 @@ DIFF_OUTPUT = _shape({"threadId": STRING, "runId": OPT_STRING, "ordinal": OPT_IN
                       "toCheckpointId": OPT_STRING, "files": _list(FILE_CHANGE),
                       "diff": STRING, "truncated": BOOLEAN})
 
-TOOLS: tuple[_Tool, ...] = (
-    _Tool("orchestrator_capabilities",
-          "List t3's provider instances and models you can delegate to, your inherited provider, "
-          "model and modes, and the orchestration features. Model lists are short; pass search "
-          "to find omitted models.",
-          _object({"search": {"type": "string", "maxLength": 256}}), "capabilities",
-          CAPABILITIES_OUTPUT, read_only=True),
-    _Tool("delegate_task",
-          "Delegate ONE task to a t3-owned child agent of THIS thread, on any provider, using only "
-          "the given task text (no parent history). Use it whenever work should go to another "
-          "agent, subagent or worker, including cross-provider. Provider, model and modes inherit "
-          "unless target/runtimeMode/interactionMode override them (never broader than yours). "
-          "mode 'async' (default) returns at once and the child's completion wakes this thread "
-          "with a message naming the task, so end your turn instead of polling; mode 'wait' "
-          "blocks until the result or timeoutMs (the child keeps running after a timeout; use "
-          "task_status). Reuse clientRequestId when retrying the same task.",
-          _object({"task": _text(120_000), "target": TARGET, "title": TITLE,
-                   "role": {"type": "string", "enum": ROLES},
-                   "mode": {"type": "string", "enum": ["async", "wait"]},
-                   "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS},
-                   "clientRequestId": CLIENT_REQUEST_ID, "runtimeMode": RUNTIME_INPUT,
-                   "interactionMode": INTERACTION_INPUT}, ["task"]),
-          "delegate", _TASK, destructive=True),
-    _Tool("task_status",
-          "The latest durable state and result of a task this thread delegated.",
-          _object({"taskId": _text(1024)}, ["taskId"]), "task_status", _TASK, read_only=True),
-    _Tool("task_cancel",
-          "Cancel a task this thread delegated: its own delegated tasks first, then its child "
-          "thread. A finished task is returned unchanged (its child thread is still stopped).",
-          _object({"taskId": _text(1024), "reason": {"type": "string", "maxLength": 2000},
-                   "clientRequestId": CLIENT_REQUEST_ID}, ["taskId"]),
-          "task_cancel", TASK_CANCEL_OUTPUT, destructive=True),
-    _Tool("create_threads",
-          "Create 1-20 ORDINARY top-level t3 threads (not delegation). Entries with a prompt start "
-          "a run at once; entries without stay idle. Each entry may pick its provider instance, "
-          "model and modes. Retry with the same clientRequestId to get the same threads back.",
-          _object({"threads": {"type": "array", "minItems": 1, "maxItems": 20,
-                               "items": _CREATE_ENTRY},
-                   "clientRequestId": CLIENT_REQUEST_ID, "projectId": _text(256)}, ["threads"]),
-          "create_threads", CREATE_OUTPUT, destructive=True),
-    _Tool("t3_thread_launch",
-          "Launch one ordinary top-level thread bound to a workspace before its agent starts: "
-          "workspaceStrategy 'root' (the project root, default; the caller's worktree is not "
-          "inherited), {type: 'worktree', baseRef, branch?, startFromOrigin?} (a new git "
-          "worktree on a new branch from baseRef, or from origin/<baseRef> freshly fetched; "
-          "the run is 'preparing' until it and the project's setup commands are done; for "
-          "stacked PRs use the parent branch as baseRef), {type: 'existing_worktree', "
-          "worktreePath, branch?} (a worktree of the project's repository), or scratch: true "
-          "(a fresh folder outside any project). Pass the task in message. Launch has no "
-          "retry key of its own: after a lost response, list threads before launching again.",
-          _object({"projectId": _text(256), "title": TITLE, "message": _text(120_000),
-                   "target": TARGET, "runtimeMode": RUNTIME_INPUT,
-                   "interactionMode": INTERACTION_INPUT,
-                   "workspaceStrategy": WORKSPACE_STRATEGY,
-                   "scratch": {"type": "boolean"}, "clientRequestId": CLIENT_REQUEST_ID}),
-          "launch", LAUNCH_OUTPUT, destructive=True),
-    _Tool("t3_thread_list",
-          "List thread shells of one project, newest first (projectId, else the caller's or the "
-          "default project). Filter by run status, title, snoozed, and archived (archived "
-          "threads are listed only with archived: true); offset pagination with cursor.",
-          _object({"projectId": _text(256),
-                   "statuses": {"type": "array", "maxItems": 10,
-                                "items": {"type": "string", "enum": RUN_STATUSES}},
-                   "titleContains": {"type": "string", "maxLength": 256},
-                   "includeSubagents": {"type": "boolean"}, "archived": {"type": "boolean"},
-                   "snoozed": {"type": "boolean"},
-                   "cursor": {"type": "integer", "minimum": 0},
-                   "limit": {"type": "integer", "minimum": 1, "maximum": 100}}),
-          "list_threads", LIST_OUTPUT, read_only=True),
-    _Tool("t3_thread_read",
-          "Read a thread's durable state, recent runs and timeline. view 'messages' (default: "
-          "user and assistant messages, plans) or 'activity' (also tools, reasoning, requests). "
-          "afterPosition=nextPosition reads newer items, beforePosition=earlierPosition older "
-          "ones, afterPosition=-1 starts at the oldest. Results stop near 30,000 characters.",
-          _object({"threadId": THREAD_ID, "view": {"type": "string",
-                                                   "enum": ["messages", "activity"]},
-                   "afterPosition": {"type": "integer", "minimum": -1},
-                   "beforePosition": {"type": "integer", "minimum": 0},
-                   "limit": {"type": "integer", "minimum": 1, "maximum": 100},
-                   "runLimit": {"type": "integer", "minimum": 1, "maximum": 50},
-                   "maxCharsPerItem": {"type": "integer", "minimum": 1, "maximum": 50_000}},
-                  ["threadId"]),
-          "read_thread", READ_OUTPUT, read_only=True),
-    _Tool("t3_thread_diff",
-          "The unified diff of one run of a thread (runId or ordinal: what the run changed in "
-          "its workspace, between its checkpoint and the one before) or, with neither, of the "
-          "whole thread; files with additions and deletions, text stops near 30,000 characters "
-          "(truncated). status says why there is no diff: pending (the run is not finished), "
-          "missing (not a git repository), error.",
-          _object({"threadId": THREAD_ID, "runId": _text(512),
-                   "ordinal": {"type": "integer", "minimum": 1}}, ["threadId"]),
-          "thread_diff", DIFF_OUTPUT, read_only=True),
-    _Tool("t3_thread_update",
-          "Update a thread's metadata (threadId, else your own thread): action 'rename' with "
-          "title, or 'regenerate_title' (no title: the thread's provider suggests one from the "
-          "first message, shown as titleRegeneration until it lands). Reuse clientRequestId "
-          "when retrying.",
-          _object({**_OWN_THREAD, "action": {"type": "string",
-                                             "enum": ["rename", "regenerate_title"]},
-                   "title": TITLE}, ["action"]),
-          "update_thread", UPDATE_OUTPUT, destructive=True),
-    _Tool("link_pull_request",
-          "Link a pull request to a thread (threadId, else your own): its https URL, like "
-          "https://github.com/owner/repo/pull/123. Replaces an earlier link.",
-          _object({**_OWN_THREAD, "url": _text(2048)}, ["url"]), "link_pull_request",
-          UPDATE_OUTPUT, destructive=True),
-    _Tool("unlink_pull_request", "Remove a thread's pull request link (threadId, else your own).",
-          _object(_OWN_THREAD), "unlink_pull_request", UPDATE_OUTPUT, destructive=True),
-    _Tool("t3_thread_send",
-          "Send a message to a thread. mode 'auto' (default) starts an idle thread, steers an "
-          "active turn, or queues behind a turn that cannot be steered yet; 'queue' makes a "
-          "separate follow-up run; 'steer' and 'restart' need an active provider turn (steering "
-          "falls back to interrupt-and-restart when the provider cannot steer). A target naming "
-          "another provider instance or model switches the thread: the message starts a new run "
-          "there, with a context handoff of the conversation that provider missed.",
-          _object({"threadId": THREAD_ID, "message": _text(120_000),
-                   "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
-                   "target": TARGET, "clientRequestId": CLIENT_REQUEST_ID},
-                  ["threadId", "message"]),
-          "send", SEND_OUTPUT, destructive=True),
-    _Tool("t3_thread_wait",
-          "Wait until a run (runId, else the thread's latest run) is completed, failed, "
-          f"cancelled, interrupted or rolled_back, or a request of that run needs an answer. "
-          f"timeoutMs default {DEFAULT_WAIT_MS}, max {MAX_WAIT_MS}; a timeout never cancels work. "
-          "Keep timeoutMs under your MCP client's tool-call limit (often 60 s) and call again "
-          "while timedOut is true.",
-          _object({"threadId": THREAD_ID, "runId": _text(512),
-                   "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS}},
-                  ["threadId"]),
-          "wait", WAIT_OUTPUT, read_only=True),
-    _Tool("t3_thread_interrupt",
-          "Interrupt a run (runId, else the newest interruptible one). A terminal run is returned "
-          "unchanged; a thread with nothing running returns status no_active_run.",
-          _object({"threadId": THREAD_ID, "runId": _text(512), "reason": {
-              "type": "string", "maxLength": 2000}, "clientRequestId": CLIENT_REQUEST_ID},
-                  ["threadId"]),
-          "interrupt", INTERRUPT_OUTPUT, destructive=True),
-    _Tool("t3_pending_request",
-          "List, read or answer a thread's pending runtime requests (approvals and questions "
-          "from its agent). respond takes requestId plus decision (accept, acceptForSession, "
-          "decline, cancel) or answers. An agent may answer only requests of threads it "
-          "delegated (descendants), while its own run is live, and approvals only when its own "
-          "runtime mode would have allowed the action (auto or full-access for commands; "
-          "auto-accept-edits for file edits).",
-          _object({"threadId": THREAD_ID,
-                   "action": {"type": "string", "enum": ["list", "read", "respond"]},
-                   "requestId": _text(512),
-                   "decision": {"type": "string", "enum": list(orch.DECISIONS)},
-                   "answers": {"type": "object"}, "clientRequestId": CLIENT_REQUEST_ID},
-                  ["threadId", "action"]),
-          "pending_request", PENDING_REQUEST_OUTPUT, destructive=True),
-    _Tool("schedule_task",
-          "Schedule recurring work that runs without an active turn, or change a scheduled task "
-          "(pass scheduledTaskId; fields left out stay). schedule is an object: {type: "
-          "'interval', everyMs} (at least 60000), {type: 'fixed_time', timeOfDay: 'HH:MM', "
-          "weekdays?: [0-6, 0 = Sunday]} in the server's local time, or {type: 'webhook', "
-          "signature?: {header, secret, prefix?}, filters?: [{path, equals}], "
-          "maxDeliveryAgeMinutes?, deliveryIdHeader?, timestampHeader?} (signature may also be "
-          "{scheme: 'standard-webhooks', secret: 'whsec_...'}; a person mints the hook's URL, "
-          "see the result's hookNote; the prompt is then a template filled from each delivery: "
-          "{{body.a.b}}, {{headers.name}}, {{query.name}}, {{body}}). By default "
-          "each run posts into this thread; bindToCurrentThread false launches a fresh thread "
-          "per run. Provider, model and modes inherit (never broader than yours). enabled "
-          "false pauses; runNow fires once now.",
-          _object({"scheduledTaskId": _text(512), "prompt": _text(120_000),
-                   "schedule": {"anyOf": [{"type": "object"}, {"type": "string"}]},
-                   "title": TITLE, "enabled": {"type": "boolean"},
-                   "bindToCurrentThread": {"type": "boolean"}, "projectId": _text(256),
-                   "target": TARGET, "runtimeMode": RUNTIME_INPUT,
-                   "interactionMode": INTERACTION_INPUT, "runNow": {"type": "boolean"},
-                   "rotateHookToken": {"type": "boolean"},
-                   "clientRequestId": CLIENT_REQUEST_ID}),
-          "schedule_task", SCHEDULE_OUTPUT, destructive=True),
-    _Tool("list_scheduled_tasks",
-          "List scheduled tasks (an agent sees its project's), with their next and last runs; "
-          "includeDeliveries adds a webhook task's newest deliveries.",
-          _object({"scheduledTaskId": _text(512), "projectId": _text(256),
-                   "includeDeliveries": {"type": "boolean"}}),
-          "list_schedules", LIST_SCHEDULES_OUTPUT, read_only=True),
-    _Tool("delete_scheduled_task", "Delete a scheduled task for good.",
-          _object({"scheduledTaskId": _text(512)}, ["scheduledTaskId"]),
-          "delete_schedule", DELETE_SCHEDULE_OUTPUT, destructive=True),
-)
-_BY_NAME = {tool.name: tool for tool in TOOLS}
-
-
-def tool_input(name: str, arguments: Mapping[str, Any]) -> Any:
-    """A tool's arguments checked against its input schema, for another transport (/ws) that
-    calls the tool's code directly."""
-    return validate(_BY_NAME[name].input_schema, dict(arguments))
-
-
-@functools.cache
-def _published_tools() -> dict[str, types.Tool]:
-    """Every tool as tools/list shows it, built once: also where the SDK looks up the input
-    schema a call's ``Mcp-Param-*`` headers are checked against (given no lookup, it runs a
-    whole tools/list for every call that has arguments)."""
-    return {t.name: types.Tool(name=t.name, description=t.description,
-                               input_schema=_public_schema(t.input_schema),
-                               output_schema=published_output(t),
-                               annotations=types.ToolAnnotations(
-                                   read_only_hint=t.read_only, destructive_hint=t.destructive,
-                                   open_world_hint=False))
-            for t in TOOLS}
-
-
-def published_output(tool: _Tool) -> dict[str, Any]:
-    """The tool's outputSchema as listed: its success shape or the typed failure (MCP does not
-    ask it of errors, but gemini-cli 0.61 and opencode 1.18 check it anyway)."""
-    success = tool.output_schema
-    return {"type": "object",
-            "anyOf": [*success.get("anyOf", [success]), FAILURE_OUTPUT]}
-
-
 # =============================================================================================
 # The toolkit
 
@@ -679,35 +571,31 @@ class Toolkit:
         return list(_published_tools().values())
 
     async def call(self, name: str, arguments: Mapping[str, Any] | None, *,
-                   progress: Callable[[float, str], Awaitable[None]] | None = None
-                   ) -> dict[str, Any]:
-        """Run one tool; raises ToolFailure for every expected denial."""
+                   progress: Progress | None = None) -> dict[str, Any]:
+        """MCP: run tool ``name`` for the caller ``current_scope`` holds (set by t3.py's auth)."""
         tool = _BY_NAME.get(name)
         if tool is None:
-            raise ToolFailure("invalid_request", f"unknown tool {name!r}")
+            raise T3Error(f"unknown tool {name!r}", code="invalid_request")
         scope = current_scope.get()
         if scope is None or "orchestration" not in scope.capabilities:
-            raise ToolFailure("capability_denied", "this credential may not use orchestration")
-        args = validate(tool.input_schema, dict(arguments or {}))
-        handler = getattr(self, "_" + tool.handler)
-        try:
-            result = await handler(scope, args, progress)
-            return _without_hook_tokens(result) if scope.kind == "thread" else result
-        except orch.T3Error as exc:
-            raise ToolFailure(exc.code if exc.code in FAILURE_CODES else "orchestration_error",
-                              str(exc)) from exc
-        except StoreError as exc:  # e.g. a full disk: the transaction rolled back, nothing written
-            log.warning("tool %r could not write: %s", name, exc)
-            raise ToolFailure("orchestration_error", f"t3 could not record this: {exc}") from exc
+            raise T3Error("this credential may not use orchestration", code="capability_denied")
+        return await self.run(tool, Call(scope, "mcp", progress), arguments or {})
 
-    async def call_as(self, scope: Scope, name: str, arguments: Mapping[str, Any] | None
-                      ) -> dict[str, Any]:
-        """``call`` for a caller other transports authenticated (the /ws client)."""
-        reset = current_scope.set(scope)
+    async def run(self, op: Operation, call: Call, arguments: Mapping[str, Any]
+                  ) -> dict[str, Any]:
+        """One operation, for any transport: its arguments checked against its schema, its
+        callers checked, its handler run. Raises T3Error for every expected denial."""
+        args = validate(op.input_schema, dict(arguments))
+        if call.scope.kind not in op.callers:
+            if call.scope.kind == "client":
+                self._thread_caller(call.scope, op.name)
+            raise T3Error(f"{op.name} is for a person's client", code="capability_denied")
+        reset = current_scope.set(call.scope)  # (ServerContext.links reads it)
         try:
-            return await self.call(name, arguments)
+            result = await op.handler(self, call, args)
         finally:
             current_scope.reset(reset)
+        return _without_hook_tokens(result) if call.scope.kind == "thread" else result
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -746,8 +634,8 @@ class Toolkit:
     def _thread_caller(scope: Scope, what: str) -> str:
         """The calling thread's id; the client token has none."""
         if scope.kind != "thread" or scope.thread_id is None:
-            raise ToolFailure("thread_credential_required", f"{what} needs an agent running "
-                              "inside a t3 thread (a provider-session credential)")
+            raise T3Error(f"{what} needs an agent running inside a t3 thread (a provider-session "
+                          "credential)", code="thread_credential_required")
         return scope.thread_id
 
     async def _agent_caller(self, scope: Scope, what: str) -> tuple[ThreadState, orch.Run]:
@@ -756,8 +644,8 @@ class Toolkit:
         caller = await self._caller_thread(scope)
         run = _live_run(caller, scope) if caller else None
         if caller is None or run is None:
-            raise ToolFailure("parent_not_active", f"{what} needs an active run of the calling "
-                              "thread owned by this provider session")
+            raise T3Error(f"{what} needs an active run of the calling "
+                          "thread owned by this provider session", code="parent_not_active")
         return caller, run
 
     async def _require_live_caller(self, scope: Scope, target: ThreadState, what: str) -> None:
@@ -768,14 +656,34 @@ class Toolkit:
                 caller.thread.id == thread.id:
             return
         if _live_run(caller, scope) is None:
-            raise ToolFailure("parent_not_active", f"{what} on another thread needs an active "
-                              "run of the calling thread")
+            raise T3Error(f"{what} on another thread needs an active "
+                          "run of the calling thread", code="parent_not_active")
         self.threads.ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
+
+    async def plan_delegation(self, parent: ThreadState, args: _Args, *, command_id: str,
+                              parent_run_id: str, title_from: str, wake: str,
+                              made_by: Mapping[str, str]) -> orch.DelegateTask:
+        """delegated_task.request, for delegate_task and /ws alike: the target, the modes
+        (ThreadService.modes: never broader than the parent's) and the depth limit."""
+        assert parent.thread is not None
+        info, model = self.threads.resolve_target(args.get("target"), parent)
+        runtime, interaction = self.threads.modes(args, parent, info)
+        depth = len(await self._ancestors(parent.thread)) + 1
+        if depth > self.ctx.max_delegation_depth:
+            raise T3Error(f"delegate_task: the child would be {depth} levels deep, beyond "
+                          f"max_delegation_depth = {self.ctx.max_delegation_depth} ([limits] in "
+                          "t3.toml)", code="capability_denied")
+        return orch.DelegateTask(
+            command_id=command_id, thread_id=parent.thread.id, parent_run_id=parent_run_id,
+            task=args["task"], title=self.threads.title(args.get("title"), title_from,
+                                                        "Delegated task"),
+            provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
+            interaction_mode=interaction, completion_wake=wake, **made_by)
 
     # -- delegation ------------------------------------------------------------------------------
 
-    async def _capabilities(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
-        caller = await self._caller_thread(scope)
+    async def _capabilities(self, call: Call, args: _Args) -> dict[str, Any]:
+        caller = await self._caller_thread(call.scope)
         thread = caller.thread if caller else None
         search = (args.get("search") or "").lower()
         await self.orch.probe_providers()
@@ -814,48 +722,33 @@ class Toolkit:
                 "providers": providers,
                 "features": dict(FEATURES)}
 
-    async def _delegate(self, scope: Scope, args: _Args,
-                        progress: Callable[[float, str], Awaitable[None]] | None
-                        ) -> dict[str, Any]:
-        self._thread_caller(scope, "delegate_task")
-        key = self._key(args)
+    async def _delegate(self, call: Call, args: _Args) -> dict[str, Any]:
+        scope = call.scope
+        scope, key = call.scope, self._key(args)
         caller = await self._caller_thread(scope)
         if caller is None or caller.thread is None:
-            raise ToolFailure("parent_not_active", "the calling thread is gone")
-        info, model = self.threads.resolve_target(args.get("target"), caller)
-        runtime, interaction = self.threads.modes(args, caller)
-        runtime = self.threads.step_down(info, runtime, "runtimeMode" in args
-                                         and args["runtimeMode"] != "inherit", interaction)
+            raise T3Error("the calling thread is gone", code="parent_not_active")
         role = args.get("role")
-        task = args["task"] if role in (None, "general") else \
-            f"Act as the {role} sub-agent for this task.\n\n{args['task']}"
-        command = orch.DelegateTask(
+        command = await self.plan_delegation(
+            caller, {**args, "task": args["task"] if role in (None, "general") else
+                     f"Act as the {role} sub-agent for this task.\n\n{args['task']}"},
             command_id=self._id("command", "mcp", scope.key, "delegate-task", key),
-            thread_id=caller.thread.id, parent_run_id="", task=task,
-            title=self.threads.title(args.get("title"), args["task"], "Delegated task"),
-            provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
-            interaction_mode=interaction,
-            completion_wake="settled_only" if args.get("mode") == "wait" else "always",
-            created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP)
+            parent_run_id="", title_from=args["task"], made_by=_AGENT_MADE,
+            wake="settled_only" if args.get("mode") == "wait" else "always")
         parent_id = caller.thread.id
         receipt = self.store.receipt(command.command_id)
         if receipt is not None:  # a retry: the same task, whatever the parent does now
             if receipt.fingerprint != orch.fingerprint_of(command):
-                raise ToolFailure("invalid_request", "clientRequestId: already used for a "
-                                  "different delegate_task request")
+                raise T3Error("clientRequestId: already used for a different delegate_task "
+                              "request", code="invalid_request")
             task_id = receipt.result["taskId"]
         else:
             _, run = await self._agent_caller(scope, "delegate_task")
-            depth = len(await self._ancestors(caller.thread)) + 1
-            if depth > self.ctx.max_delegation_depth:
-                raise ToolFailure("capability_denied", f"delegate_task: the child would be "
-                                  f"{depth} levels deep, beyond max_delegation_depth = "
-                                  f"{self.ctx.max_delegation_depth} ([limits] in t3.toml)")
             result = await self.orch.dispatch(dataclasses.replace(command, parent_run_id=run.id))
             task_id = result.result["taskId"]
         timed_out = False
         if args.get("mode") == "wait":
-            timed_out = not await self._wait_task(parent_id, task_id, args, progress,
+            timed_out = not await self._wait_task(parent_id, task_id, args, call.progress,
                                                   _lender(scope))
             await self._wait_ended(parent_id, task_id, self._id(
                 "command", "mcp", scope.key, "delegate-task-wake-policy", key))
@@ -912,7 +805,7 @@ class Toolkit:
         parent = await self._thread(parent_id)
         task = parent.entities["subagent"].get(task_id)
         if task is None:
-            raise ToolFailure("task_not_found", f"no task {task_id} was delegated by this thread")
+            raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
         child = await self._thread(task.child_thread_id)
         terminal = task.status in orch.TASK_TERMINAL
         children_open = any(s.status not in orch.TASK_TERMINAL
@@ -953,16 +846,17 @@ class Toolkit:
                                     "runId": approval.run_id} if approval else None,
                 "waitTimedOut": False, "childThreadLink": self.ctx.link(task.child_thread_id)}
 
-    async def _task_status(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
-        return await self._task_result(self._thread_caller(scope, "task_status"), args["taskId"])
+    async def _task_status(self, call: Call, args: _Args) -> dict[str, Any]:
+        parent_id = self._thread_caller(call.scope, "task_status")
+        return await self._task_result(parent_id, args["taskId"])
 
-    async def _task_cancel(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
-        parent_id = self._thread_caller(scope, "task_cancel")
+    async def _task_cancel(self, call: Call, args: _Args) -> dict[str, Any]:
+        parent_id = self._thread_caller(call.scope, "task_cancel")
         before = await self._task_result(parent_id, args["taskId"])
         terminal = before["status"] in orch.TASK_TERMINAL
         if not terminal and not await self._stoppable(parent_id, args["taskId"]):
-            raise ToolFailure("task_not_cancellable", f"task {args['taskId']} has no run to "
-                              "interrupt, no queued turn and no open task of its own")
+            raise T3Error(f"task {args['taskId']} has no run to interrupt, no queued turn and no "
+                          "open task of its own", code="task_not_cancellable")
         lost = await self._cancel_task(parent_id, args["taskId"], args.get("reason"),
                                        self._key(args))
         return {"taskId": args["taskId"], "status": before["status"] if terminal
@@ -984,7 +878,7 @@ class Toolkit:
         parent = await self._thread(parent_id)
         task = parent.entities["subagent"].get(task_id)
         if task is None:
-            raise ToolFailure("task_not_found", f"no task {task_id} was delegated by this thread")
+            raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
         child = await self._thread(task.child_thread_id)
         for sub in list(child.entities["subagent"].values()):
             if sub.status not in orch.TASK_TERMINAL:
@@ -1012,7 +906,8 @@ class Toolkit:
 
     # -- handlers --------------------------------------------------------------------------------
 
-    async def _create_threads(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
+    async def _create_threads(self, call: Call, args: _Args) -> dict[str, Any]:
+        scope = call.scope
         caller = (await self._agent_caller(scope, "create_threads"))[0] \
             if scope.kind == "thread" else None
         project = self.ctx.project(args.get("projectId") or _home_project(caller))
@@ -1031,13 +926,9 @@ class Toolkit:
             for i, entry in enumerate(args["threads"])]
         return {"threads": [await self._create(command) for command in commands]}
 
-    async def _launch(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
-        return await self.launch(scope, args, transport="mcp")
-
-    async def launch(self, scope: Scope, args: _Args, *, transport: str) -> dict[str, Any]:
-        """t3_thread_launch (``transport`` mcp), and /ws ``launchThread`` for a person
-        (``transport`` web or cli, which the thread records as its creation source)."""
-        made_by = _made_by(transport)
+    async def _launch(self, call: Call, args: _Args) -> dict[str, Any]:
+        """t3_thread_launch, and /ws launchThread's code (the thread records call.source)."""
+        scope, transport = call.scope, call.source
         strategy = args.get("workspaceStrategy", "root")
         kind = strategy if isinstance(strategy, str) else strategy["type"]
         caller = (await self._agent_caller(scope, "t3_thread_launch"))[0] \
@@ -1046,8 +937,8 @@ class Toolkit:
         thread_id = self._id("thread", transport, scope.key, "launch", key)
         if args.get("scratch"):
             if args.get("projectId") or kind != "root":
-                raise ToolFailure("invalid_request", "scratch: cannot be combined with projectId "
-                                                     "or a workspaceStrategy")
+                raise T3Error("scratch: cannot be combined with projectId "
+                              "or a workspaceStrategy", code="invalid_request")
             project = self.ctx.scratch_project
             workspace, binding = str(Path(project.path) / _folder_name(thread_id)), {}
         else:
@@ -1065,7 +956,7 @@ class Toolkit:
             command_id=self._id("command", transport, scope.key, "launch", key),
             thread_id=thread_id, project_id=project.id, workspace=workspace, entry=entry,
             message_id=self._id("message", transport, scope.key, "launch", key), caller=caller,
-            **made_by), **binding)
+            **call.made_by), **binding)
         folder = Path(workspace)
         made = args.get("scratch") and not folder.exists()
         if made:
@@ -1091,23 +982,24 @@ class Toolkit:
         if kind == "root":
             return project.path, {}
         if git is None:
-            raise ToolFailure("invalid_request", f"workspaceStrategy: {kind} needs git")
+            raise T3Error(f"workspaceStrategy: {kind} needs git", code="invalid_request")
         if kind == "existing_worktree":
             path = os.path.realpath(strategy["worktreePath"])
             try:
                 branch = await git.worktree_branch(project.path, path)
             except Exception as exc:  # not a repository, or git failed
-                raise ToolFailure("invalid_request", f"worktreePath: {exc}") from None
+                raise T3Error(f"worktreePath: {exc}", code="invalid_request") from None
             if branch is None:
-                raise ToolFailure("invalid_request", f"worktreePath: {path} is not a worktree "
-                                  f"of project {project.id}'s repository")
+                raise T3Error(f"worktreePath: {path} is not a worktree "
+                              f"of project {project.id}'s repository", code="invalid_request")
             if strategy.get("branch", branch) != branch:
-                raise ToolFailure("invalid_request", f"branch: the worktree at {path} is on "
-                                  f"{branch or 'a detached HEAD'}, not {strategy['branch']}")
+                raise T3Error(f"branch: the worktree at {path} is on "
+                              f"{branch or 'a detached HEAD'}, not "
+                              f"{strategy['branch']}", code="invalid_request")
             return path, {"branch": branch or None, "worktree_path": path}
         if not has_message:
-            raise ToolFailure("invalid_request", "message: a worktree launch needs the first "
-                              "message (the agent starts once its worktree is ready)")
+            raise T3Error("message: a worktree launch needs the first message (the agent starts "
+                          "once its worktree is ready)", code="invalid_request")
         repo = await git.top_level(project.path)
         path, branch = new_worktree(git, thread_id)
         branch = strategy.get("branch") or branch
@@ -1118,13 +1010,14 @@ class Toolkit:
             problem = await git.worktree_problem(repo, base_ref=strategy["baseRef"],
                                                  branch=branch, from_origin=from_origin)
         if problem:
-            raise ToolFailure("invalid_request", f"workspaceStrategy: {problem}")
+            raise T3Error(f"workspaceStrategy: {problem}", code="invalid_request")
         return path, {"branch": branch, "worktree_path": path, "preparation": {
             "repo": repo, "baseRef": strategy["baseRef"], "fromOrigin": from_origin,
             "setup": list(project.setup), **({"askSetup": True} if ask_setup and project.setup
                                              else {})}}
 
-    async def _list_threads(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
+    async def _list_threads(self, call: Call, args: _Args) -> dict[str, Any]:
+        scope = call.scope
         caller = await self._caller_thread(scope)
         project = self.ctx.project(args.get("projectId") or (
             caller.thread.project_id if caller and caller.thread else None), listing=True)
@@ -1165,11 +1058,12 @@ class Toolkit:
                 "createdAt": thread["createdAt"], "updatedAt": row["updatedAt"],
                 **self.ctx.links(thread["id"]), **_thread_state(thread, row)}
 
-    async def _read_thread(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
+    async def _read_thread(self, call: Call, args: _Args) -> dict[str, Any]:
+        scope = call.scope
         state = await self._thread(args["threadId"])
         if "afterPosition" in args and "beforePosition" in args:
-            raise ToolFailure("invalid_request",
-                              "beforePosition: cannot be combined with afterPosition")
+            raise T3Error("beforePosition: cannot be combined with "
+                          "afterPosition", code="invalid_request")
         view = args.get("view", "messages")
         max_chars = args.get("maxCharsPerItem", DEFAULT_ITEM_CHARS)
         limit = args.get("limit", 50)
@@ -1212,7 +1106,7 @@ class Toolkit:
                 "earlierPosition": first if first is not None and any(
                     r.position < first for r in rows) else None}
 
-    async def _thread_diff(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
+    async def _thread_diff(self, call: Call, args: _Args) -> dict[str, Any]:
         return await self.threads.diff(args["threadId"], run_id=args.get("runId"),
                                        ordinal=args.get("ordinal"))
 
@@ -1287,46 +1181,43 @@ class Toolkit:
                 **({"answeredBy": item.data["answeredBy"]}  # who answered a request
                    if item.data and item.data.get("answeredBy") else {})}
 
-    async def _send(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
+    async def _send(self, call: Call, args: _Args) -> dict[str, Any]:
         state = await self._thread(args["threadId"])
-        thread = state.thread
-        assert thread is not None
-        await self._require_live_caller(scope, state, "t3_thread_send")
-        key = self._key(args)
+        await self._require_live_caller(call.scope, state, "t3_thread_send")
+        ids = (call.space, call.scope.key, "thread-send", args["threadId"], self._key(args))
         return await self.threads.send(
-            thread.id, text=args["message"], mode=args.get("mode", "auto"),
-            command_id=self._id("command", "mcp", scope.key, "thread-send", thread.id, key),
-            message_id=self._id("message", "mcp", scope.key, "thread-send", thread.id, key),
-            created_by=orch.Actor.AGENT, creation_source=orch.CreationSource.MCP,
-            target=args.get("target"))
+            args["threadId"], text=args["message"], mode=args.get("mode", "auto"),
+            command_id=self._id("command", *ids), message_id=self._id("message", *ids),
+            target=args.get("target"), **call.made_by)
 
-    async def _wait(self, scope: Scope, args: _Args,
-                    progress: Callable[[float, str], Awaitable[None]] | None) -> dict[str, Any]:
+    async def _wait(self, call: Call, args: _Args) -> dict[str, Any]:
         return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
                                        timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000,
-                                       progress=progress, lender=_lender(scope))
+                                       progress=call.progress, lender=_lender(call.scope))
 
-    async def _interrupt(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
+    async def _interrupt(self, call: Call, args: _Args) -> dict[str, Any]:
+        scope = call.scope
         thread_id = args["threadId"]
         await self._require_live_caller(scope, await self._thread(thread_id),
                                         "t3_thread_interrupt")
         return await self.threads.interrupt(
             thread_id, run_id=args.get("runId"), reason=args.get("reason"),
-            command_id=self._id("command", "mcp", scope.key, "thread-interrupt", thread_id,
+            command_id=self._id("command", call.space, scope.key, "thread-interrupt", thread_id,
                                 self._key(args)))
 
-    async def _pending_request(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
+    async def _pending_request(self, call: Call, args: _Args) -> dict[str, Any]:
+        scope = call.scope
         state = await self._thread(args["threadId"])
         action = args["action"]
         if action == "list":
             return {"threadId": args["threadId"],
                     "requests": [_request_summary(r) for r in state.pending_requests()]}
         if "requestId" not in args:
-            raise ToolFailure("invalid_request", f"requestId: required for action {action}")
+            raise T3Error(f"requestId: required for action {action}", code="invalid_request")
         request = state.entities["runtime-request"].get(args["requestId"])
         if request is None:
-            raise ToolFailure("invalid_request",
-                              f"requestId: no request {args['requestId']} in this thread")
+            raise T3Error(f"requestId: no request {args['requestId']} in this "
+                          "thread", code="invalid_request")
         if action == "read":
             return {"threadId": args["threadId"], "request": {
                 **_request_summary(request), "detail": request.detail,
@@ -1334,69 +1225,68 @@ class Toolkit:
                 "answeredBy": request.answered_by, "resolvedAt": request.resolved_at,
                 "statusReason": request.status_reason}}
         if ("decision" in args) == ("answers" in args):
-            raise ToolFailure("invalid_request", "decision: give exactly one of decision or "
-                                                 "answers")
+            raise T3Error("decision: give exactly one of decision or "
+                          "answers", code="invalid_request")
         answered_by = {"kind": "client"} if scope.kind == "client" else \
             {"kind": "thread", "threadId": await self._answering_thread(scope, state, request)}
         return await self.threads.respond(
             args["threadId"], request_id=request.id, decision=args.get("decision"),
             answers=args.get("answers"), answered_by=answered_by,
-            command_id=self._id("command", "mcp", scope.key, "respond", request.id,
+            command_id=self._id("command", call.space, scope.key, "respond", request.id,
                                 self._key(args)))
 
 
     # -- thread metadata (t3_thread_update, link/unlink_pull_request) ------------------------------
 
-    async def _update_thread(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
+    async def _update_thread(self, call: Call, args: _Args) -> dict[str, Any]:
         if (args["action"] == "rename") != ("title" in args):
-            raise ToolFailure("invalid_request", "title: required for rename, refused for "
-                                                 "regenerate_title")
-        return await self._change_metadata(scope, args, args["action"], title=args.get("title"))
+            raise T3Error("title: required for rename, refused for "
+                          "regenerate_title", code="invalid_request")
+        return await self._change_metadata(call, args, args["action"], title=args.get("title"))
 
-    async def _link_pull_request(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
-        return await self._change_metadata(scope, args, "link_pull_request",
+    async def _link_pull_request(self, call: Call, args: _Args) -> dict[str, Any]:
+        return await self._change_metadata(call, args, "link_pull_request",
                                            pull_request=_pull_request(args["url"]))
 
-    async def _unlink_pull_request(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
-        return await self._change_metadata(scope, args, "unlink_pull_request")
+    async def _unlink_pull_request(self, call: Call, args: _Args) -> dict[str, Any]:
+        return await self._change_metadata(call, args, "unlink_pull_request")
 
-    async def _change_metadata(self, scope: Scope, args: _Args, action: str,
+    async def _change_metadata(self, call: Call, args: _Args, action: str,
                                **change: Any) -> dict[str, Any]:
         """One metadata action on the target thread (default: the caller's). Another thread
         takes the caller's live run and may not have broader modes (as t3_thread_send)."""
+        scope = call.scope
         thread_id = args.get("threadId") or self._thread_caller(scope, f"{action} without "
                                                                       "threadId")
         await self._require_live_caller(scope, await self._thread(thread_id), action)
         command = orch.UpdateThreadMetadata(
-            command_id=self._id("command", "mcp", scope.key, "thread-update", action, thread_id,
-                                self._key(args)), thread_id=thread_id, action=action, **change)
+            command_id=self._id("command", call.space, scope.key, "thread-update", action,
+                                thread_id, self._key(args)),
+            thread_id=thread_id, action=action, **change)
         result = await self.orch.dispatch(command)
         return {**result.result, "sequence": result.sequence}
 
     # -- scheduled tasks -------------------------------------------------------------------------
 
-    async def _schedule_task(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
-        return await self.schedule(scope, args, transport="mcp")
-
-    async def schedule(self, scope: Scope, args: _Args, *, transport: str) -> dict[str, Any]:
-        """schedule_task (``transport`` mcp), and /ws ``scheduleTask`` for a person (``transport``
-        web or cli: a task made so records ``createdBy: "user"`` and that creation source)."""
+    async def _schedule_task(self, call: Call, args: _Args) -> dict[str, Any]:
+        """schedule_task, and /ws scheduleTask's code (what it makes records call.made_by)."""
+        scope = call.scope
         caller = (await self._agent_caller(scope, "schedule_task"))[0] \
             if scope.kind == "thread" else None
         schedule = _parse_schedule(args["schedule"]) if "schedule" in args else None
         limit = self.ctx.min_agent_task_interval_s
         if caller is not None and schedule is not None and schedule["type"] == "interval" and \
                 schedule["everyMs"] < limit * 1000:
-            raise ToolFailure("capability_denied", f"schedule.everyMs: an agent's task runs at "
-                              f"most every {limit} s, min_agent_task_interval_s = {limit} "
-                              "([limits] in t3.toml)")
+            raise T3Error(f"schedule.everyMs: an agent's task runs at "
+                          f"most every {limit} s, min_agent_task_interval_s = {limit} "
+                          "([limits] in t3.toml)", code="capability_denied")
         if "scheduledTaskId" in args:
             task = await self._visible_task(scope, caller, args["scheduledTaskId"],
                                             changing=True)
-            command, token = self._task_update(scope, caller, task, args, schedule, transport)
+            command, token = self._task_update(call, caller, task, args, schedule)
             await self.orch.dispatch(command)
         else:
-            command, token = self._task_create(scope, caller, args, schedule, transport)
+            command, token = self._task_create(call, caller, args, schedule)
             async with self._making_task:
                 self._within_task_cap(caller, command)
                 await self.orch.dispatch(command)
@@ -1405,24 +1295,25 @@ class Toolkit:
         task = await self._visible_task(scope, caller, command.thread_id)
         return self._task_summary(task, hook_token=token)
 
-    def _task_create(self, scope: Scope, caller: ThreadState | None, args: _Args,
-                     schedule: dict[str, Any] | None, transport: str
+    def _task_create(self, call: Call, caller: ThreadState | None, args: _Args,
+                     schedule: dict[str, Any] | None
                      ) -> tuple[orch.UpsertScheduledTask, str | None]:
+        scope, transport = call.scope, call.source
         if schedule is None or "prompt" not in args:
-            raise ToolFailure("invalid_request", "prompt: a new scheduled task needs a prompt "
-                              "and a schedule (or give scheduledTaskId to change one)")
+            raise T3Error("prompt: a new scheduled task needs a prompt and a schedule (or give "
+                          "scheduledTaskId to change one)", code="invalid_request")
         home = caller.thread.project_id if caller and caller.thread else None
         if caller is not None and (home == self.ctx.scratch_project.id
                                    or args.get("projectId", home) != home):
-            raise ToolFailure("capability_denied", f"projectId: an agent schedules tasks only in "
-                              f"its own thread's project ({home}, not a scratch folder)")
+            raise T3Error("projectId: an agent schedules tasks only in its own thread's project "
+                          f"({home}, not a scratch folder)", code="capability_denied")
         project = self.ctx.project(home or args.get("projectId"))
         here = caller is not None and caller.thread is not None and \
             caller.thread.project_id == project.id
         bind = args.get("bindToCurrentThread", here)
         if bind and not here:
-            raise ToolFailure("invalid_request", "bindToCurrentThread: needs a calling thread "
-                              f"in project {project.id} (the client token has none)")
+            raise T3Error(f"bindToCurrentThread: needs a calling thread in project {project.id} "
+                          "(the client token has none)", code="invalid_request")
         info, model = self.threads.resolve_target(args.get("target"), caller)
         runtime, interaction = self.threads.modes(args, caller)
         # An agent never holds a hook's token: a person mints its URL (_task_summary's hookNote).
@@ -1439,18 +1330,19 @@ class Toolkit:
             model_selection={"instanceId": info.instance_id, "model": model},
             runtime_mode=runtime, interaction_mode=interaction,
             enabled=args.get("enabled", True), hook_token_sha256=_sha256(token),
-            creator_thread_id=scope.thread_id, **_made_by(transport)), token
+            creator_thread_id=scope.thread_id, **call.made_by), token
 
-    def _task_update(self, scope: Scope, caller: ThreadState | None, task: orch.ScheduledTask,
-                     args: _Args, schedule: dict[str, Any] | None, transport: str
+    def _task_update(self, call: Call, caller: ThreadState | None, task: orch.ScheduledTask,
+                     args: _Args, schedule: dict[str, Any] | None
                      ) -> tuple[orch.UpsertScheduledTask, str | None]:
+        scope, transport = call.scope, call.source
         if caller is not None:
             _agent_may_change(caller, task, args, schedule)
         bind = args.get("bindToCurrentThread")
         if bind and (caller is None or caller.thread is None
                      or caller.thread.project_id != task.project_id):
-            raise ToolFailure("invalid_request", "bindToCurrentThread: needs a calling thread "
-                              f"in project {task.project_id}")
+            raise T3Error("bindToCurrentThread: needs a calling thread "
+                          f"in project {task.project_id}", code="invalid_request")
         selection, runtime, interaction = task.model_selection, None, None
         if "target" in args:
             info, model = self.threads.resolve_target(args["target"], caller)
@@ -1482,7 +1374,7 @@ class Toolkit:
         if task is None or task.deleted_at is not None or (
                 scope.kind == "thread" and (caller is None or caller.thread is None
                                             or caller.thread.project_id != task.project_id)):
-            raise ToolFailure("task_not_found", f"no scheduled task {task_id} in your project")
+            raise T3Error(f"no scheduled task {task_id} in your project", code="task_not_found")
         if changing and caller is not None and caller.thread is not None:
             runs_in = await self.orch.state(task.bound_thread_id) if task.bound_thread_id \
                 else None
@@ -1492,11 +1384,10 @@ class Toolkit:
             try:
                 self.threads.ceiling(caller.thread, runtime, interaction)
             except orch.T3Error as exc:
-                raise ToolFailure("capability_denied", f"scheduled task {task_id} runs in "
-                                  f"{runtime}/{interaction}, broader than your "
-                                  f"{caller.thread.runtime_mode}/"
-                                  f"{caller.thread.interaction_mode}: only a caller with "
-                                  "those modes (or the client) may change it") from exc
+                raise T3Error(f"scheduled task {task_id} runs in {runtime}/{interaction}, "
+                              f"broader than your {caller.thread.runtime_mode}/"
+                              f"{caller.thread.interaction_mode}: only a caller with those modes "
+                              "(or the client) may change it", code="capability_denied") from exc
         return task  # type: ignore[no-any-return]
 
     def _within_task_cap(self, caller: ThreadState | None,
@@ -1507,34 +1398,32 @@ class Toolkit:
         if caller is None or self.store.receipt(command.command_id) is not None:
             return
         if (held := sum(t["projectId"] == project for t in self.store.scheduled_tasks())) >= cap:
-            raise ToolFailure("capability_denied", f"project {project} holds {held} scheduled "
-                              f"tasks, max_scheduled_tasks_per_project = {cap} ([limits] in "
-                              "t3.toml): delete one first")
+            raise T3Error(f"project {project} holds {held} scheduled "
+                          f"tasks, max_scheduled_tasks_per_project = {cap} ([limits] in "
+                          "t3.toml): delete one first", code="capability_denied")
 
-    async def _list_schedules(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
+    async def _list_schedules(self, call: Call, args: _Args) -> dict[str, Any]:
+        scope = call.scope
         caller = await self._caller_thread(scope)
         wanted = args.get("projectId")
         if scope.kind == "thread":
             home = caller.thread.project_id if caller and caller.thread else ""
             if wanted not in (None, home):
-                raise ToolFailure("capability_denied", f"projectId: an agent lists only its "
-                                  f"own project's tasks ({home})")
+                raise T3Error(f"projectId: an agent lists only its "
+                              f"own project's tasks ({home})", code="capability_denied")
             wanted = home
         tasks = [orch.ScheduledTask.from_json(t) for t in self.store.scheduled_tasks()]
         return {"tasks": [self._task_summary(t, deliveries=args.get("includeDeliveries"))
                           for t in tasks if wanted in (None, t.project_id)
                           and args.get("scheduledTaskId") in (None, t.id)]}
 
-    async def _delete_schedule(self, scope: Scope, args: _Args, _: Any) -> dict[str, Any]:
-        return await self.delete_schedule(scope, args, transport="mcp")
-
-    async def delete_schedule(self, scope: Scope, args: _Args, *, transport: str) -> dict[str, Any]:
-        """delete_scheduled_task (``transport`` mcp), and /ws ``deleteScheduledTask``."""
+    async def _delete_schedule(self, call: Call, args: _Args) -> dict[str, Any]:
+        scope = call.scope
         caller = (await self._agent_caller(scope, "delete_scheduled_task"))[0] \
             if scope.kind == "thread" else None
         task = await self._visible_task(scope, caller, args["scheduledTaskId"], changing=True)
         await self.orch.dispatch(orch.DeleteScheduledTask(
-            command_id=self._id("command", transport, scope.key, "delete-scheduled-task",
+            command_id=self._id("command", call.source, scope.key, "delete-scheduled-task",
                                 task.id),
             thread_id=task.id))
         return {"scheduledTaskId": task.id, "deleted": True}
@@ -1573,24 +1462,24 @@ class Toolkit:
 
     async def _answering_thread(self, scope: Scope, target: ThreadState,
                                 request: orch.RuntimeRequest) -> str:
-        """SPEC 5.1a: an agent answers only its descendants' requests, with a live run, and only
+        """An agent answers only its descendants' requests, with a live run, and only
         what its own runtime mode allows without asking; else it could approve its own work
         through another thread, voiding approval-required."""
         caller = await self._caller_thread(scope)
         if caller is None or caller.thread is None:
-            raise ToolFailure("parent_not_active", "the calling thread is gone")
+            raise T3Error("the calling thread is gone", code="parent_not_active")
         assert target.thread is not None
         if caller.thread.id not in await self._ancestors(target.thread):
-            raise ToolFailure("capability_denied", "an agent may answer only the requests of "
-                              "threads it delegated (its descendants); the user answers the rest")
+            raise T3Error("an agent may answer only the requests of threads it delegated (its "
+                          "descendants); the user answers the rest", code="capability_denied")
         if _live_run(caller, scope) is None:
-            raise ToolFailure("parent_not_active", "answering a request needs an active run of "
-                              "the calling thread")
+            raise T3Error("answering a request needs an active run of "
+                          "the calling thread", code="parent_not_active")
         needed = orch.mode_to_answer(request.kind_)
         mode = orch.RuntimeMode(caller.thread.runtime_mode)
         if needed is not None and orch.RUNTIME_RANK[mode] < orch.RUNTIME_RANK[needed]:
-            raise ToolFailure("capability_denied", f"answering a {request.kind_} request needs "
-                              f"runtime mode {needed} or broader; this thread runs in {mode}")
+            raise T3Error(f"answering a {request.kind_} request needs runtime mode {needed} or "
+                          f"broader; this thread runs in {mode}", code="capability_denied")
         return caller.thread.id
 
     async def _ancestors(self, thread: orch.AppThread) -> list[str]:
@@ -1604,6 +1493,456 @@ class Toolkit:
             parent = await self.orch.state(parent_id)
             lineage = parent.thread.lineage if parent is not None and parent.thread else {}
         return found
+
+    def projection(self, thread_id: str) -> tuple[int, dict[str, Any]]:
+        """The thread's entities and the sequence they reflect, read in one snapshot."""
+        sequence, rows = self.store.thread_entities(thread_id)
+        projection: dict[str, Any] = {key: rows[kind] for kind, key in _PROJECTION_KEYS.items()}
+        projection["thread"] = rows["thread"][0] if rows["thread"] else None
+        return sequence, projection
+
+
+# =============================================================================================
+# A person's operations: the /ws methods that are no MCP tool (their handlers, as the tools'
+# methods, take the toolkit, the call and the checked arguments)
+
+
+async def _launch_thread(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+    """t3_thread_launch in T3 Code's launchThread shape; the result carries the projection."""
+    selection = args.get("modelSelection") or {}
+    target = {k: v for k, v in (("providerInstanceId", selection.get("instanceId")),
+                                ("model", selection.get("model"))) if v}
+    launch = {k: v for k, v in {
+        "projectId": args.get("projectId"), "title": args.get("title"),
+        "message": (args.get("initialMessage") or {}).get("text"), "target": target or None,
+        "runtimeMode": args.get("runtimeMode"), "interactionMode": args.get(
+            "interactionMode"), "workspaceStrategy": args.get("workspaceStrategy"),
+        "scratch": args.get("scratch"), "clientRequestId": args["commandId"]}.items()
+        if v is not None}
+    existed = kit.store.receipt(kit._id(
+        "command", call.source, call.scope.key, "launch", args["commandId"])) is not None
+    launched = await kit._launch(call, launch)  # (checked as launchThread's)
+    sequence, projection = kit.projection(launched["threadId"])
+    return {"threadId": launched["threadId"], "runId": launched["runId"],
+            "resumed": existed, "snapshotSequence": sequence, "projection": projection}
+
+
+async def _fork_thread(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+    """``thread.fork``: a new thread with the source's context up to ``sourcePoint``, in a
+    worktree of its own at that point's checkpoint when there is a ready one."""
+    ids = (call.source, call.scope.key, "fork", args["commandId"])
+    thread_id = kit._id("thread", *ids)
+    source = (await kit._thread(args["sourceThreadId"])).thread
+    assert source is not None
+    git = kit.orch.workspaces
+    path, branch = new_worktree(git, thread_id) if git else ("", "")
+    command = await kit.threads.plan_fork(
+        args["sourceThreadId"], args.get("sourcePoint") or {"type": "latest_stable"},
+        command_id=kit._id("command", *ids), thread_id=thread_id, title=args.get("title"),
+        worktree=(path, branch, kit.ctx.project(source.project_id).setup), **call.made_by)
+    return {**(await kit.orch.dispatch(command)).result, "threadId": thread_id}
+
+
+async def _merge_back(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+    """``thread.merge_back``: the fork's delta goes to its parent with its next message."""
+    command = await kit.threads.plan_merge_back(
+        args["sourceThreadId"], args.get("targetThreadId"), created_by=orch.Actor.USER,
+        command_id=kit._id("command", call.source, call.scope.key, "merge-back",
+                            args["commandId"]))
+    return dict((await kit.orch.dispatch(command)).result)
+
+
+async def _rollback_thread(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+    """``checkpoint.rollback`` to run ``runOrdinal``'s checkpoint (0: the baseline) or to
+    ``checkpointId``, answered once the files are restored (ThreadService.rollback)."""
+    if ("runOrdinal" in args) == ("checkpointId" in args):
+        raise T3Error("rollbackThread: give runOrdinal or checkpointId", code="invalid_request")
+    return await kit.threads.rollback(
+        args["threadId"], ordinal=args.get("runOrdinal"), checkpoint=args.get("checkpointId"),
+        command_id=kit._id("command", call.space, call.scope.key, "thread-rollback",
+                            args["threadId"], kit._key(args)))
+
+
+async def _turn_diff(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+    if "runId" not in args and "ordinal" not in args:
+        raise T3Error("getTurnDiff: runId or ordinal is required (getFullThreadDiff gives "
+                      "the whole thread's)", code="invalid_request")
+    return await kit._thread_diff(call, args)
+
+
+async def _thread_projection(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+    await kit._thread(args["threadId"])
+    sequence, projection = kit.projection(args["threadId"])
+    return {"snapshotSequence": sequence, "projection": projection}
+
+
+async def _all_pending_requests(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+    requests = [orch.RuntimeRequest.from_json(r) for r in kit.store.pending_requests()]
+    return {"requests": [{**_request_summary(r), "threadId": r.thread_id, "detail": r.detail}
+                         for r in requests if args.get("threadId") in (None, r.thread_id)]}
+
+
+async def _webhook_deliveries(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+    """A webhook task's kept deliveries, newest first, as recorded (secrets redacted)."""
+    task_id = args["scheduledTaskId"]
+    if await kit.orch.webhook_task(task_id) is None:
+        raise T3Error(f"no webhook task {task_id}", code="task_not_found")
+    return {"scheduledTaskId": task_id, "deliveries": kit.store.deliveries(task_id)}
+
+
+async def _dispatch_command(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+    """Any client command (orchestrator.CLIENT_COMMANDS) in T3 Code's wire form."""
+    try:
+        command = await _wire_command(kit, call, args)
+    except ValueError as exc:  # a contradiction the command itself refuses
+        raise T3Error(str(exc), code="invalid_request") from exc
+    result = await kit.orch.dispatch(command)
+    return {"sequence": result.sequence, "result": dict(result.result),
+            "commandType": command.type}
+
+
+async def _wire_command(kit: Toolkit, call: Call, a: _Args) -> Any:
+    """The orchestrator command for a checked wire command, through the rules the tools
+    use. Its id is the client's commandId in a namespace of its own, so a client never
+    meets the server's internal command ids."""
+    kind, made = a["type"], call.made_by
+    command_id = kit._id("command", "ws", "client", a["commandId"])
+
+    def derived(what: str) -> str:  # an id the client left out
+        return kit._id(what, "ws", "client", a["commandId"])
+    target = {key: (a.get("modelSelection") or {})[wire] for key, wire in (
+        ("providerInstanceId", "instanceId"), ("model", "model"))
+        if wire in (a.get("modelSelection") or {})}
+    if kind in orch.THREAD_LIFECYCLE:  # times in any ISO form (ValueError: invalid_request)
+        when = a.get("snoozedUntil") or a.get("visitedAt")
+        return orch.ChangeThreadLifecycle(
+            command_id=command_id, thread_id=a["threadId"], type=kind, at=orch.parse_time(
+                when) if when else kit.orch.now() if kind == "thread.visit" else None)
+    if kind == "thread.create":
+        if a.get("branch") or a.get("worktreePath"):
+            raise T3Error("branch: a thread in a worktree is made by launchThread with a "
+                          "workspaceStrategy", code="invalid_request")
+        project = kit.ctx.project(a.get("projectId"))
+        initial = a.get("initialMessage") or {}
+        return kit.threads.plan_create(
+            command_id=command_id, thread_id=a.get("threadId") or derived("thread"),
+            project_id=project.id, workspace=project.path, caller=None,
+            message_id=initial.get("messageId") or derived("message"), entry={
+                "runtimeMode": a.get("runtimeMode", "inherit"), "target": target,
+                "interactionMode": a.get("interactionMode", "inherit"),
+                "title": a.get("title"), "prompt": initial.get("text")}, **made)
+    if kind == "message.dispatch":
+        if a.get("attachments"):
+            raise T3Error("attachments: t3 delivers text only", code="invalid_request")
+        mode = a.get("dispatchMode") or {"type": "start_immediately"}
+        return orch.DispatchMessage(
+            command_id=command_id, thread_id=a["threadId"], text=a["text"],
+            message_id=a.get("messageId") or derived("message"), mode=mode["type"],
+            target_run_id=mode.get("targetRunId"), **made)
+    if kind == "delegated_task.request":
+        return await kit.plan_delegation(
+            await kit._thread(a["parentThreadId"]), {**a, "target": target},
+            command_id=command_id, parent_run_id=a["parentRunId"], title_from=a["task"],
+            wake=a.get("completionWake", "settled_only"), made_by=made)
+    if kind == "provider.switch":
+        return await kit.threads.plan_switch(a["threadId"], target, command_id=command_id)
+    if kind == "checkpoint.rollback" and a.get("scopeId", orch.checkpoint_scope_id(
+            a["threadId"])) != orch.checkpoint_scope_id(a["threadId"]):
+        raise T3Error(f"scopeId: thread {a['threadId']}'s checkpoints are in scope "
+                      f"{orch.checkpoint_scope_id(a['threadId'])}", code="invalid_request")
+    fields = {"threadId": "thread_id", "parentThreadId": "thread_id", "runId": "run_id",
+              "reason": "reason", "requestId": "request_id", "decision": "decision",
+              "answers": "answers", "taskId": "task_id", "checkpointId": "checkpoint_id",
+              "completionWake": "completion_wake"}
+    extra = {"answered_by": {"kind": "client"}} if kind == "runtime-request.respond" else {}
+    return _WIRE_TYPES[kind](command_id=command_id, **extra, **{
+        fields[k]: v for k, v in a.items() if k in fields})
+
+
+# =============================================================================================
+# The operations table
+
+
+_LAUNCH_INPUT = _object({"projectId": _text(256), "title": TITLE, "message": _text(120_000),
+                         "target": TARGET, "runtimeMode": RUNTIME_INPUT,
+                         "interactionMode": INTERACTION_INPUT,
+                         "workspaceStrategy": WORKSPACE_STRATEGY, "scratch": {"type": "boolean"},
+                         "clientRequestId": CLIENT_REQUEST_ID})
+_DIFF_INPUT = _object({"threadId": THREAD_ID, "runId": _text(512),
+                       "ordinal": {"type": "integer", "minimum": 1}}, ["threadId"])
+
+
+def _ws(name: str, description: str, input_schema: Mapping[str, Any],
+        handler: Callable[[Toolkit, Call, _Args], Awaitable[dict[str, Any]]],
+        output_schema: Mapping[str, Any] = OBJECT) -> Operation:
+    """A /ws-only operation: a person's, named as the /ws method."""
+    return Operation(name, description, input_schema, handler, output_schema, callers=CLIENT,
+                     ws=(name,), mcp=False)
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation(
+        "orchestrator_capabilities",
+        "List t3's provider instances and models you can delegate to, your inherited provider, "
+        "model and modes, and the orchestration features. Model lists are short; pass search "
+        "to find omitted models.",
+        _object({"search": {"type": "string", "maxLength": 256}}), Toolkit._capabilities,
+        CAPABILITIES_OUTPUT, read_only=True),
+    Operation(
+        "delegate_task",
+        "Delegate ONE task to a t3-owned child agent of THIS thread, on any provider, using only "
+        "the given task text (no parent history). Use it whenever work should go to another "
+        "agent, subagent or worker, including cross-provider. Provider, model and modes inherit "
+        "unless target/runtimeMode/interactionMode override them (never broader than yours). "
+        "mode 'async' (default) returns at once and the child's completion wakes this thread "
+        "with a message naming the task, so end your turn instead of polling; mode 'wait' "
+        "blocks until the result or timeoutMs (the child keeps running after a timeout; use "
+        "task_status). Reuse clientRequestId when retrying the same task.",
+        _object({"task": _text(120_000), "target": TARGET, "title": TITLE,
+                 "role": {"type": "string", "enum": ROLES},
+                 "mode": {"type": "string", "enum": ["async", "wait"]},
+                 "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS},
+                 "clientRequestId": CLIENT_REQUEST_ID, "runtimeMode": RUNTIME_INPUT,
+                 "interactionMode": INTERACTION_INPUT}, ["task"]),
+        Toolkit._delegate, _TASK, callers=THREAD, destructive=True),
+    Operation(
+        "task_status",
+        "The latest durable state and result of a task this thread delegated.",
+        _object({"taskId": _text(1024)}, ["taskId"]), Toolkit._task_status, _TASK, callers=THREAD,
+        read_only=True),
+    Operation(
+        "task_cancel",
+        "Cancel a task this thread delegated: its own delegated tasks first, then its child "
+        "thread. A finished task is returned unchanged (its child thread is still stopped).",
+        _object({"taskId": _text(1024), "reason": {"type": "string", "maxLength": 2000},
+                 "clientRequestId": CLIENT_REQUEST_ID}, ["taskId"]),
+        Toolkit._task_cancel, TASK_CANCEL_OUTPUT, callers=THREAD, destructive=True),
+    Operation(
+        "create_threads",
+        "Create 1-20 ORDINARY top-level t3 threads (not delegation). Entries with a prompt start "
+        "a run at once; entries without stay idle. Each entry may pick its provider instance, "
+        "model and modes. Retry with the same clientRequestId to get the same threads back.",
+        _object({"threads": {"type": "array", "minItems": 1, "maxItems": 20,
+                             "items": _CREATE_ENTRY},
+                 "clientRequestId": CLIENT_REQUEST_ID, "projectId": _text(256)}, ["threads"]),
+        Toolkit._create_threads, CREATE_OUTPUT, destructive=True),
+    Operation(
+        "t3_thread_launch",
+        "Launch one ordinary top-level thread bound to a workspace before its agent starts: "
+        "workspaceStrategy 'root' (the project root, default; the caller's worktree is not "
+        "inherited), {type: 'worktree', baseRef, branch?, startFromOrigin?} (a new git "
+        "worktree on a new branch from baseRef, or from origin/<baseRef> freshly fetched; "
+        "the run is 'preparing' until it and the project's setup commands are done; for "
+        "stacked PRs use the parent branch as baseRef), {type: 'existing_worktree', "
+        "worktreePath, branch?} (a worktree of the project's repository), or scratch: true "
+        "(a fresh folder outside any project). Pass the task in message. Launch has no "
+        "retry key of its own: after a lost response, list threads before launching again.",
+        _LAUNCH_INPUT,
+        Toolkit._launch, LAUNCH_OUTPUT, destructive=True),
+    Operation(
+        "t3_thread_list",
+        "List thread shells of one project, newest first (projectId, else the caller's or the "
+        "default project). Filter by run status, title, snoozed, and archived (archived "
+        "threads are listed only with archived: true); offset pagination with cursor.",
+        _object({"projectId": _text(256),
+                 "statuses": {"type": "array", "maxItems": 10,
+                              "items": {"type": "string", "enum": RUN_STATUSES}},
+                 "titleContains": {"type": "string", "maxLength": 256},
+                 "includeSubagents": {"type": "boolean"}, "archived": {"type": "boolean"},
+                 "snoozed": {"type": "boolean"},
+                 "cursor": {"type": "integer", "minimum": 0},
+                 "limit": {"type": "integer", "minimum": 1, "maximum": 100}}),
+        Toolkit._list_threads, LIST_OUTPUT, ws=("listThreads",), read_only=True),
+    Operation(
+        "t3_thread_read",
+        "Read a thread's durable state, recent runs and timeline. view 'messages' (default: "
+        "user and assistant messages, plans) or 'activity' (also tools, reasoning, requests). "
+        "afterPosition=nextPosition reads newer items, beforePosition=earlierPosition older "
+        "ones, afterPosition=-1 starts at the oldest. Results stop near 30,000 characters.",
+        _object({"threadId": THREAD_ID, "view": {"type": "string",
+                                                 "enum": ["messages", "activity"]},
+                 "afterPosition": {"type": "integer", "minimum": -1},
+                 "beforePosition": {"type": "integer", "minimum": 0},
+                 "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+                 "runLimit": {"type": "integer", "minimum": 1, "maximum": 50},
+                 "maxCharsPerItem": {"type": "integer", "minimum": 1, "maximum": 50_000}},
+                ["threadId"]),
+        Toolkit._read_thread, READ_OUTPUT, ws=("readThread",), read_only=True),
+    Operation(
+        "t3_thread_diff",
+        "The unified diff of one run of a thread (runId or ordinal: what the run changed in "
+        "its workspace, between its checkpoint and the one before) or, with neither, of the "
+        "whole thread; files with additions and deletions, text stops near 30,000 characters "
+        "(truncated). status says why there is no diff: pending (the run is not finished), "
+        "missing (not a git repository), error.",
+        _DIFF_INPUT, Toolkit._thread_diff, DIFF_OUTPUT, ws=("getFullThreadDiff",),
+        read_only=True),
+    Operation(
+        "t3_thread_update",
+        "Update a thread's metadata (threadId, else your own thread): action 'rename' with "
+        "title, or 'regenerate_title' (no title: the thread's provider suggests one from the "
+        "first message, shown as titleRegeneration until it lands). Reuse clientRequestId "
+        "when retrying.",
+        _object({**_OWN_THREAD, "action": {"type": "string",
+                                           "enum": ["rename", "regenerate_title"]},
+                 "title": TITLE}, ["action"]),
+        Toolkit._update_thread, UPDATE_OUTPUT, ws=("updateThread",), destructive=True),
+    Operation(
+        "link_pull_request",
+        "Link a pull request to a thread (threadId, else your own): its https URL, like "
+        "https://github.com/owner/repo/pull/123. Replaces an earlier link.",
+        _object({**_OWN_THREAD, "url": _text(2048)}, ["url"]), Toolkit._link_pull_request,
+        UPDATE_OUTPUT, ws=("linkPullRequest",), destructive=True),
+    Operation(
+        "unlink_pull_request", "Remove a thread's pull request link (threadId, else your own).",
+        _object(_OWN_THREAD), Toolkit._unlink_pull_request, UPDATE_OUTPUT,
+        ws=("unlinkPullRequest",), destructive=True),
+    Operation(
+        "t3_thread_send",
+        "Send a message to a thread. mode 'auto' (default) starts an idle thread, steers an "
+        "active turn, or queues behind a turn that cannot be steered yet; 'queue' makes a "
+        "separate follow-up run; 'steer' and 'restart' need an active provider turn (steering "
+        "falls back to interrupt-and-restart when the provider cannot steer). A target naming "
+        "another provider instance or model switches the thread: the message starts a new run "
+        "there, with a context handoff of the conversation that provider missed.",
+        _object({"threadId": THREAD_ID, "message": _text(120_000),
+                 "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
+                 "target": TARGET, "clientRequestId": CLIENT_REQUEST_ID},
+                ["threadId", "message"]),
+        Toolkit._send, SEND_OUTPUT, ws=("sendToThread",), destructive=True),
+    Operation(
+        "t3_thread_wait",
+        "Wait until a run (runId, else the thread's latest run) is completed, failed, "
+        f"cancelled, interrupted or rolled_back, or a request of that run needs an answer. "
+        f"timeoutMs default {DEFAULT_WAIT_MS}, max {MAX_WAIT_MS}; a timeout never cancels work. "
+        "Keep timeoutMs under your MCP client's tool-call limit (often 60 s) and call again "
+        "while timedOut is true.",
+        _object({"threadId": THREAD_ID, "runId": _text(512),
+                 "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS}},
+                ["threadId"]),
+        Toolkit._wait, WAIT_OUTPUT, ws=("waitForThread",), read_only=True),
+    Operation(
+        "t3_thread_interrupt",
+        "Interrupt a run (runId, else the newest interruptible one). A terminal run is returned "
+        "unchanged; a thread with nothing running returns status no_active_run.",
+        _object({"threadId": THREAD_ID, "runId": _text(512), "reason": {
+            "type": "string", "maxLength": 2000}, "clientRequestId": CLIENT_REQUEST_ID},
+                ["threadId"]),
+        Toolkit._interrupt, INTERRUPT_OUTPUT, ws=("interruptThread",), destructive=True),
+    Operation(
+        "t3_pending_request",
+        "List, read or answer a thread's pending runtime requests (approvals and questions "
+        "from its agent). respond takes requestId plus decision (accept, acceptForSession, "
+        "decline, cancel) or answers. An agent may answer only requests of threads it "
+        "delegated (descendants), while its own run is live, and approvals only when its own "
+        "runtime mode would have allowed the action (auto or full-access for commands; "
+        "auto-accept-edits for file edits).",
+        _object({"threadId": THREAD_ID,
+                 "action": {"type": "string", "enum": ["list", "read", "respond"]},
+                 "requestId": _text(512),
+                 "decision": {"type": "string", "enum": list(orch.DECISIONS)},
+                 "answers": {"type": "object"}, "clientRequestId": CLIENT_REQUEST_ID},
+                ["threadId", "action"]),
+        Toolkit._pending_request, PENDING_REQUEST_OUTPUT, destructive=True),
+    Operation(
+        "schedule_task",
+        "Schedule recurring work that runs without an active turn, or change a scheduled task "
+        "(pass scheduledTaskId; fields left out stay). schedule is an object: {type: "
+        "'interval', everyMs} (at least 60000), {type: 'fixed_time', timeOfDay: 'HH:MM', "
+        "weekdays?: [0-6, 0 = Sunday]} in the server's local time, or {type: 'webhook', "
+        "signature?: {header, secret, prefix?}, filters?: [{path, equals}], "
+        "maxDeliveryAgeMinutes?, deliveryIdHeader?, timestampHeader?} (signature may also be "
+        "{scheme: 'standard-webhooks', secret: 'whsec_...'}; a person mints the hook's URL, "
+        "see the result's hookNote; the prompt is then a template filled from each delivery: "
+        "{{body.a.b}}, {{headers.name}}, {{query.name}}, {{body}}). By default "
+        "each run posts into this thread; bindToCurrentThread false launches a fresh thread "
+        "per run. Provider, model and modes inherit (never broader than yours). enabled "
+        "false pauses; runNow fires once now.",
+        _object({"scheduledTaskId": _text(512), "prompt": _text(120_000),
+                 "schedule": {"anyOf": [{"type": "object"}, {"type": "string"}]},
+                 "title": TITLE, "enabled": {"type": "boolean"},
+                 "bindToCurrentThread": {"type": "boolean"}, "projectId": _text(256),
+                 "target": TARGET, "runtimeMode": RUNTIME_INPUT,
+                 "interactionMode": INTERACTION_INPUT, "runNow": {"type": "boolean"},
+                 "rotateHookToken": {"type": "boolean"},
+                 "clientRequestId": CLIENT_REQUEST_ID}),
+        Toolkit._schedule_task, SCHEDULE_OUTPUT, ws=("scheduleTask",), destructive=True),
+    Operation(
+        "list_scheduled_tasks",
+        "List scheduled tasks (an agent sees its project's), with their next and last runs; "
+        "includeDeliveries adds a webhook task's newest deliveries.",
+        _object({"scheduledTaskId": _text(512), "projectId": _text(256),
+                 "includeDeliveries": {"type": "boolean"}}),
+        Toolkit._list_schedules, LIST_SCHEDULES_OUTPUT, ws=("listScheduledTasks",),
+        read_only=True),
+    Operation(
+        "delete_scheduled_task", "Delete a scheduled task for good.",
+        _object({"scheduledTaskId": _text(512)}, ["scheduledTaskId"]),
+        Toolkit._delete_schedule, DELETE_SCHEDULE_OUTPUT, ws=("deleteScheduledTask",),
+        destructive=True),
+    # A person's (the client token over /ws): T3 Code's own methods.
+    _ws("dispatchCommand", "Any client command in T3 Code's wire form.",
+        {"anyOf": list(_WIRE_COMMANDS.values())}, _dispatch_command),
+    _ws("launchThread", "t3_thread_launch in T3 Code's form; answered with the projection.",
+        _object({"commandId": CLIENT_REQUEST_ID, "projectId": _text(256), "title": SEED_TITLE,
+                 "modelSelection": _SELECTION, **_MODES, "scratch": {"type": "boolean"},
+                 "workspaceStrategy": WORKSPACE_STRATEGY, "initialMessage": _INITIAL},
+                ["commandId"]), _launch_thread),
+    _ws("forkThread", "thread.fork: a thread with the source's context up to sourcePoint.",
+        _object({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID, "title": SEED_TITLE,
+                 "sourcePoint": _object({
+                     "type": {"type": "string", "enum": ["latest_stable", "run", "checkpoint"]},
+                     "runId": THREAD_ID, "ordinal": {"type": "integer", "minimum": 1},
+                     "checkpointId": THREAD_ID}, ["type"])}, ["commandId", "sourceThreadId"]),
+        _fork_thread),
+    _ws("mergeBack", "thread.merge_back: a fork's delta to its parent.",
+        _object({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID,
+                 "targetThreadId": THREAD_ID}, ["commandId", "sourceThreadId"]),
+        _merge_back),
+    _ws("rollbackThread", "checkpoint.rollback to a run's checkpoint (0: the baseline), or to "
+        "checkpointId, answered once the files are restored.",
+        _object({"threadId": THREAD_ID, "runOrdinal": {"type": "integer", "minimum": 0},
+                 "checkpointId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}, ["threadId"]),
+        _rollback_thread),
+    _ws("getTurnDiff", "t3_thread_diff of one run (runId or ordinal).", _DIFF_INPUT,
+        _turn_diff, DIFF_OUTPUT),
+    _ws("getThreadProjection", "A thread's entities and the sequence they reflect.",
+        _object({"threadId": THREAD_ID}, ["threadId"]), _thread_projection),
+    _ws("listPendingRequests", "Every thread's pending runtime requests (or threadId's).",
+        _object({"threadId": THREAD_ID}), _all_pending_requests),
+    _ws("listWebhookDeliveries", "A webhook task's kept deliveries, newest first.",
+        _object({"scheduledTaskId": _text(512)}, ["scheduledTaskId"]),
+        _webhook_deliveries),
+)
+TOOLS = tuple(op for op in OPERATIONS if op.mcp)
+_BY_NAME = {op.name: op for op in TOOLS}
+BY_WS_NAME = {name: op for op in OPERATIONS for name in op.ws}
+
+
+def published_input(op: Operation) -> dict[str, Any]:
+    return _public_schema(op.input_schema)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _published_tools() -> dict[str, types.Tool]:
+    """Every tool as tools/list shows it, built once: also where the SDK looks up the input
+    schema a call's ``Mcp-Param-*`` headers are checked against (given no lookup, it runs a
+    whole tools/list for every call that has arguments)."""
+    return {t.name: types.Tool(name=t.name, description=t.description,
+                               input_schema=published_input(t),
+                               output_schema=published_output(t),
+                               annotations=types.ToolAnnotations(
+                                   read_only_hint=t.read_only, destructive_hint=t.destructive,
+                                   open_world_hint=False))
+            for t in TOOLS}
+
+
+def published_output(tool: Operation) -> dict[str, Any]:
+    """The tool's outputSchema as listed: its success shape or the typed failure (MCP does not
+    ask it of errors, but gemini-cli 0.61 and opencode 1.18 check it anyway)."""
+    success = tool.output_schema
+    return {"type": "object",
+            "anyOf": [*success.get("anyOf", [success]), FAILURE_OUTPUT]}
 
 
 def new_worktree(git: Any, thread_id: str) -> tuple[str, str]:
@@ -1622,12 +1961,6 @@ def _folder_name(thread_id: str) -> str:
     return f"{quoted[:80]}-{hashlib.sha256(thread_id.encode()).hexdigest()[:32]}"
 
 
-def _made_by(transport: str) -> dict[str, str]:
-    """Who made a thing: over MCP an agent (or a client acting as one); over /ws a person."""
-    return _AGENT_MADE if transport == "mcp" else {
-        "created_by": orch.Actor.USER, "creation_source": orch.CreationSource(transport)}
-
-
 def _agent_may_change(caller: ThreadState, task: orch.ScheduledTask, args: _Args,
                       schedule: dict[str, Any] | None) -> None:
     """An agent never holds a hook's token (a person rotates it), and changes a task's prompt or
@@ -1635,9 +1968,9 @@ def _agent_may_change(caller: ThreadState, task: orch.ScheduledTask, args: _Args
     turn a person's signed hook into an unsigned one that runs its words."""
     assert caller.thread is not None
     if args.get("rotateHookToken"):
-        raise ToolFailure("capability_denied", "rotateHookToken: a person rotates a hook's "
-                          "token (python t3.py schedule --id ID --rotate-hook-token, or /ws "
-                          "scheduleTask); an agent never holds one")
+        raise T3Error("rotateHookToken: a person rotates a hook's "
+                      "token (python t3.py schedule --id ID --rotate-hook-token, or /ws "
+                      "scheduleTask); an agent never holds one", code="capability_denied")
     if task.creator_thread_id == caller.thread.id:
         return
     for name, changed in (
@@ -1646,9 +1979,9 @@ def _agent_may_change(caller: ThreadState, task: orch.ScheduledTask, args: _Args
              and "webhook" in (schedule["type"], task.schedule["type"]))):
         if changed:
             maker = f"thread {task.creator_thread_id}" if task.creator_thread_id else "a person"
-            raise ToolFailure("capability_denied", f"{name}: scheduled task {task.id} was made "
-                              f"by {maker}; an agent changes the prompt, signature and filters "
-                              "only of tasks its thread made")
+            raise T3Error(f"{name}: scheduled task {task.id} was made "
+                          f"by {maker}; an agent changes the prompt, signature and filters "
+                          "only of tasks its thread made", code="capability_denied")
 
 
 def _without_hook_tokens(result: dict[str, Any]) -> dict[str, Any]:
@@ -1664,8 +1997,8 @@ def _parse_schedule(schedule: Any) -> dict[str, Any]:
         try:
             schedule = orch.parse_json(schedule)
         except ValueError as exc:
-            raise ToolFailure("invalid_request", "schedule: not an object, nor JSON of "
-                              f"one ({exc})") from None
+            raise T3Error("schedule: not an object, nor JSON of "
+                          f"one ({exc})", code="invalid_request") from None
     return orch.validate_schedule(schedule)
 
 
@@ -1706,9 +2039,9 @@ def _pull_request(url: str) -> dict[str, Any]:
     """A pull (or merge) request's URL as {repository, number, url}; anything else is refused."""
     match = _PULL_REQUEST_URL.fullmatch(url)
     if match is None:
-        raise ToolFailure("invalid_request", "url: not a pull request URL (expected https://"
-                                             "host/owner/repo/pull/NUMBER: an ASCII host, no "
-                                             "user info, no control characters)")
+        raise T3Error("url: not a pull request URL (expected https://"
+                      "host/owner/repo/pull/NUMBER: an ASCII host, no "
+                      "user info, no control characters)", code="invalid_request")
     return {"repository": match[1], "number": int(match[2]), "url": url}
 
 
@@ -1776,12 +2109,10 @@ def build_mcp_server(toolkit: Toolkit, *, version: str) -> Server:
                 log.debug("progress not delivered: %s", exc)
         try:
             payload = await toolkit.call(params.name, params.arguments, progress=progress)
-        except ToolFailure as failure:
-            return failure_result(failure.code, failure.message)
-        except Exception:
-            log.exception("tool %r failed", params.name)
-            return failure_result("orchestration_error",
-                                  "t3 hit an internal error; see the server log.")
+        except Exception as exc:  # the one place MCP shapes a failure
+            code, message = failure_of(exc, f"tool {params.name!r}")
+            return failure_result(code if code in FAILURE_CODES else "orchestration_error",
+                                  message)
         return _result(payload, is_error=False)
 
     def input_schema(name: str) -> Mapping[str, Any] | None:

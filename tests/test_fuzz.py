@@ -56,6 +56,7 @@ import providers
 import t3
 import tools
 from orchestrator import CONTROL_CHARACTERS, Orchestrator
+from orchestrator import T3Error as ToolFailure
 from store import Store
 from tools import (
     FAILURE_CODES,
@@ -63,7 +64,6 @@ from tools import (
     Project,
     Scope,
     ServerContext,
-    ToolFailure,
     Toolkit,
     current_scope,
 )
@@ -181,7 +181,7 @@ class InProcessTarget(Target):
             try:
                 shaped = tools._result(await self.toolkit.call(tool, args), is_error=False)
             except ToolFailure as failure:
-                shaped = tools.failure_result(failure.code, failure.message)
+                shaped = tools.failure_result(failure.code, str(failure))
             except Exception:  # noqa: BLE001 - the MCP handler makes this orchestration_error
                 shaped = tools.failure_result("orchestration_error", traceback.format_exc())
             text = shaped.content[0].text

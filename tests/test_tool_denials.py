@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import orchestrator as o  # noqa: E402
 from store import Store  # noqa: E402
 from harness import output_problems  # noqa: E402
-from tools import Project, Scope, ServerContext, Toolkit, ToolFailure, current_scope  # noqa: E402
+from orchestrator import T3Error as ToolFailure  # noqa: E402
+from tools import Project, Scope, ServerContext, Toolkit, current_scope  # noqa: E402
 from workspace import Workspaces  # noqa: E402
 
 CLIENT = Scope(kind="client", key="client")
@@ -66,9 +67,9 @@ class World:
         before = self.events()
         with pytest.raises(ToolFailure) as info:
             await self.call(scope, tool, args)
-        assert info.value.code == code, info.value.message
+        assert info.value.code == code, str(info.value)
         assert self.events() == before
-        return info.value.message
+        return str(info.value)
 
 
 def run(tmp_path: Path, scenario: Callable[[World], Awaitable[None]]) -> None:
