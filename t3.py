@@ -21,7 +21,6 @@ import base64
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import gc
 import hashlib
 import hmac
