@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import orchestrator
-import t3 as server
+import cli
 import tools
 from harness import McpClient, T3Server, agent_log, wait_until
 
@@ -25,7 +25,7 @@ LONG = "x" * 257  # one past the 256 characters of a clientRequestId or commandI
 
 def ws(t3: T3Server, method: str, params: dict[str, Any]) -> Any:
     async def run() -> Any:
-        async with server.WsClient(t3.url + "/ws", t3.token) as client:
+        async with cli.WsClient(t3.url + "/ws", t3.token) as client:
             return await client.request(method, params)
     return asyncio.run(run())
 
@@ -34,7 +34,7 @@ def ws_code(t3: T3Server, method: str, params: dict[str, Any]) -> str | None:
     """The /ws failure code, or None when it was accepted."""
     try:
         ws(t3, method, params)
-    except server.WsError as exc:
+    except cli.WsError as exc:
         return exc.code
     return None
 
@@ -174,7 +174,7 @@ def test_dispatch_command_takes_the_seeds_wire_shapes(t3: T3Server) -> None:
              "invalid_request"),
             ({"type": "message.dispatch", "commandId": "m2", "threadId": tid, "text": "x",
               "createdBy": "agent"}, "invalid_request")):
-        with pytest.raises(server.WsError) as refused:
+        with pytest.raises(cli.WsError) as refused:
             ws(t3, "dispatchCommand", command)
         assert refused.value.code == code and "unknown field" not in str(refused.value), (
             command, refused.value)
@@ -199,7 +199,7 @@ def test_every_operation_is_reachable_where_the_table_says_with_one_schema(
             assert failure["code"] == "invalid_request" and "zzUnknown: unknown field" in \
                 failure["message"], (op.name, failure)
         for name in op.ws:
-            with pytest.raises(server.WsError) as refused:
+            with pytest.raises(cli.WsError) as refused:
                 ws(t3, name, {"zzUnknown": 1})
             assert refused.value.code == "invalid_request", (name, refused.value)
             assert "zzUnknown: unknown field" in str(refused.value) or \
