@@ -21,7 +21,6 @@ Rules that hold everywhere below:
 from __future__ import annotations
 
 import asyncio
-import base64
 import calendar
 import collections
 import contextlib
@@ -30,11 +29,9 @@ import email.utils
 import enum
 import functools
 import hashlib
-import hmac
 import itertools
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -58,9 +55,9 @@ __all__ = [
     "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
     "task_result", "TASK_TERMINAL", "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS",
     "mode_to_answer", "result_transfer_id", "AwaitAgentSlot", "GrantAgentSlot", "ThreadService",
-    "steerable_run", "Subscription", "CLIENT_COMMANDS", "ScheduledTask", "WebhookDelivery",
-    "validate_schedule", "UpsertScheduledTask", "DeleteScheduledTask", "FireScheduledTask",
-    "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "RateLimited",
+    "steerable_run", "Subscription", "client_commands", "decides", "register_entities",
+    "EffectKind", "Entity", "Command", "Draft", "Part", "RateLimited", "iso_time", "epoch_of",
+    "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
     "handoff_text", "handoff_line", "handoff_prompt", "Workspaces", "AdvancePreparation",
     "parse_json", "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS",
@@ -208,6 +205,48 @@ def json_too_deep(text: str) -> bool:
         map(_NESTING.__getitem__, _FLAT_JSON.sub("", text))), default=0) > MAX_JSON_DEPTH
 
 
+REDACTED = "<redacted>"
+# A hook URL's token (43 URL-safe characters: secrets.token_urlsafe(32)) after its task's id.
+_HOOK_TOKEN = re.compile(r"(/hooks/scheduled-task[^/\s\"'<>?#]*/)[\w-]{43}(?![\w-])", re.ASCII)
+
+
+def iso_time(epoch: float) -> str:
+    """An epoch time as t3 writes times: UTC, milliseconds, ``Z``."""
+    ms = int(round(epoch * 1000))
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
+
+
+def epoch_of(iso: str) -> float:
+    """The epoch time of a time t3 wrote (``iso_time``)."""
+    seconds, _, fraction = iso.rstrip("Z").partition(".")
+    return calendar.timegm(time.strptime(seconds, "%Y-%m-%dT%H:%M:%S")) + \
+        int((fraction or "0")[:3].ljust(3, "0")) / 1000
+
+
+def redact_hook_tokens(text: str) -> str:
+    """``text`` with every hook URL's token blanked (``/hooks/<task>/<redacted>``): what
+    providers, tool results and logs carry never hands a live hook to whoever reads them."""
+    return _HOOK_TOKEN.sub(rf"\g<1>{REDACTED}", text) if "/hooks/" in text else text
+
+
+def parse_timestamp(value: str) -> float | None:
+    """Epoch seconds from epoch seconds or milliseconds, ISO 8601 (naive: UTC) or an HTTP date."""
+    value = value.strip()
+    if re.fullmatch(r"\d{1,16}(\.\d{1,9})?", value):
+        number = float(value)
+        return number / 1000 if number > 1e11 else number  # 1e11 s is the year 5138
+    try:
+        parsed = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        try:
+            parsed = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.UTC)
+    return parsed.timestamp()
+
+
 # =============================================================================================
 # Entities: frozen values; events carry the whole entity after each change (camelCase JSON).
 
@@ -231,10 +270,20 @@ def _names(cls: type) -> tuple[tuple[str, str], ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Entity:
+class Entity:
     kind: ClassVar[str]
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {}
+    opens_stream: ClassVar[bool] = False  # its id names an event stream (a thread's, a task's)
     id: str
+
+    @property
+    def stream(self) -> str:
+        """The event stream its events belong to: its own, or its thread's."""
+        return self.id if self.opens_stream else self.thread_id  # type: ignore[attr-defined]
+
+    def held(self) -> bool:
+        """Whether a thread's state keeps it in memory (decide needs it); the store keeps all."""
+        return True
 
     def to_json(self) -> dict[str, Any]:
         return {key: getattr(self, name) for name, key in _names(type(self))}
@@ -249,8 +298,9 @@ class _Entity:
 
 
 @dataclass(frozen=True, slots=True)
-class AppThread(_Entity):
+class AppThread(Entity):
     kind: ClassVar[str] = "thread"
+    opens_stream: ClassVar[bool] = True
     project_id: str
     title: str
     provider_instance_id: str
@@ -277,7 +327,7 @@ class AppThread(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class Run(_Entity):
+class Run(Entity):
     kind: ClassVar[str] = "run"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": frozenset(RunStatus)}
     thread_id: str
@@ -304,7 +354,7 @@ class Run(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class RunAttempt(_Entity):
+class RunAttempt(Entity):
     kind: ClassVar[str] = "run-attempt"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": _ATTEMPT_STATUSES}
     run_id: str
@@ -321,7 +371,7 @@ class RunAttempt(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class ExecutionNode(_Entity):
+class ExecutionNode(Entity):
     kind: ClassVar[str] = "node"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": _NODE_STATUSES}
     thread_id: str
@@ -340,7 +390,7 @@ class ExecutionNode(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class ProviderSession(_Entity):
+class ProviderSession(Entity):
     kind: ClassVar[str] = "provider-session"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {
         "status": frozenset({"starting", "ready", "running", "waiting", "stopped", "error"})}
@@ -357,7 +407,7 @@ class ProviderSession(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class ProviderThread(_Entity):
+class ProviderThread(Entity):
     kind: ClassVar[str] = "provider-thread"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {
         "status": frozenset({"not_loaded", "idle", "active", "archived", "closed", "error"})}
@@ -372,9 +422,13 @@ class ProviderThread(_Entity):
     first_run_ordinal: int | None = None
     last_run_ordinal: int | None = None
 
+    @property
+    def stream(self) -> str:
+        return self.app_thread_id
+
 
 @dataclass(frozen=True, slots=True)
-class ProviderTurn(_Entity):
+class ProviderTurn(Entity):
     kind: ClassVar[str] = "provider-turn"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": frozenset({
         "pending", "running", "completed", "interrupted", "failed", "cancelled"})}
@@ -390,7 +444,7 @@ class ProviderTurn(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class RuntimeRequest(_Entity):
+class RuntimeRequest(Entity):
     kind: ClassVar[str] = "runtime-request"
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"status": _REQUEST_STATUSES}
     thread_id: str
@@ -412,7 +466,7 @@ class RuntimeRequest(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class ConversationMessage(_Entity):
+class ConversationMessage(Entity):
     kind: ClassVar[str] = "message"
     thread_id: str
     run_id: str | None
@@ -427,7 +481,7 @@ class ConversationMessage(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class TurnItem(_Entity):
+class TurnItem(Entity):
     """One row of a thread's timeline. Message items take their text from the message."""
 
     kind: ClassVar[str] = "turn-item"
@@ -455,7 +509,7 @@ TASK_TERMINAL = frozenset({"completed", "failed", "cancelled", "interrupted"})
 
 
 @dataclass(frozen=True, slots=True)
-class Subagent(_Entity):
+class Subagent(Entity):
     """The parent's record of a delegated task; its id is the task id (= the parent's node id)."""
 
     kind: ClassVar[str] = "subagent"
@@ -487,7 +541,7 @@ class Subagent(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class ContextTransfer(_Entity):
+class ContextTransfer(Entity):
     kind: ClassVar[str] = "context-transfer"
     thread_id: str  # the thread that owns the record (a delegated task's parent)
     type: str  # subagent_spawn | subagent_result | fork | merge_back
@@ -504,7 +558,7 @@ class ContextTransfer(_Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class Checkpoint(_Entity):
+class Checkpoint(Entity):
     """The workspace as a hidden git ref (workspace.py) at one point of a thread: ordinal 0
     before its first run, N after run N's root turn. ``files`` are the changes against the
     previous checkpoint: [{path, kind, additions, deletions}]."""
@@ -539,11 +593,9 @@ def checkpoint_id(thread_id: str, ordinal: int) -> str:
     return bounded_id(f"checkpoint:scope:{checkpoint_scope_id(thread_id)}:name:{ordinal}")
 
 
-SCHEDULE_RUN_STATUSES = frozenset({"never", "running", "succeeded", "failed"})
-
 
 @dataclass(frozen=True, slots=True)
-class ContextHandoff(_Entity):
+class ContextHandoff(Entity):
     """The context a provider got when it joined a thread's conversation late: after a
     provider switch (the delta since it last took part, or the whole thread) or after a resume
     that failed (the whole thread). Deterministic text, no model call (``handoff_text``)."""
@@ -562,77 +614,21 @@ class ContextHandoff(_Entity):
     created_by_provider_instance_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledTask(_Entity):
-    """Recurring work: its prompt runs on a schedule, in its bound thread or in a fresh
-    thread each time. A task is an event stream of its own, keyed by its id."""
-
-    kind: ClassVar[str] = "scheduled-task"
-    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"last_run_status": SCHEDULE_RUN_STATUSES}
-    title: str
-    prompt: str
-    enabled: bool
-    schedule: Mapping[str, Any]  # interval | fixed_time | webhook (validate_schedule)
-    project_id: str
-    workspace: str  # where an unbound run's fresh thread works
-    model_selection: Mapping[str, Any]  # {instanceId, model}
-    runtime_mode: str
-    interaction_mode: str
-    created_by: str
-    creation_source: str
-    created_at: str
-    updated_at: str
-    bound_thread_id: str | None = None  # runs post into this thread; None: a fresh one each
-    creator_thread_id: str | None = None  # the agent's thread that made it (None: the client)
-    next_run_at: str | None = None
-    last_run_at: str | None = None
-    last_run_status: str = "never"
-    last_run_error: str | None = None
-    last_fire_key: str | None = None
-    last_run_thread_id: str | None = None
-    last_run_id: str | None = None
-    run_count: int = 0
-    hook_token_sha256: str | None = None  # a webhook's token, hashed: the token is shown once
-    delivery_count: int = 0  # webhook deliveries recorded: the next one's ordinal
-    deleted_at: str | None = None
+_ENTITY_TYPES: dict[str, type[Entity]] = {}
+_EVENT_TYPE: dict[str, str] = {}
 
 
-DELIVERY_OUTCOMES = frozenset({"queued", "running", "succeeded", "failed", "skipped",
-                               "duplicate", "expired"})
-DELIVERY_WAITING = frozenset({"queued", "running"})  # the task's waiting line
+def register_entities(*classes: type[Entity]) -> None:
+    """Entity types whose events a thread's (or a stream's) state holds: the core's below, and
+    a feature module's own (schedules.py) when t3.py imports it."""
+    for cls in classes:
+        _ENTITY_TYPES[cls.kind] = cls
+        _EVENT_TYPE[cls.kind] = f"{cls.kind}.updated"
 
 
-@dataclass(frozen=True, slots=True)
-class WebhookDelivery(_Entity):
-    """One request to a webhook task's URL, as its log shows it (secrets redacted)."""
-
-    kind: ClassVar[str] = "webhook-delivery"
-    _checks: ClassVar[Mapping[str, frozenset[str]]] = {"outcome": DELIVERY_OUTCOMES}
-    task_id: str
-    received_at: str
-    outcome: str  # queued | running | succeeded | failed | skipped | duplicate | expired
-    method: str
-    headers: Mapping[str, str]
-    body_excerpt: str
-    body_truncated: bool
-    query: Mapping[str, Any]
-    delivery_key: str | None = None
-    fire_key: str | None = None
-    error: str | None = None
-    run_thread_id: str | None = None  # the thread its run went to
-    run_id: str | None = None
-    updated_at: str | None = None
-    ordinal: int = 0  # its place among the task's deliveries: the waiting line's order
-    reason: str | None = None  # why it was skipped, expired or a duplicate
-    prompt: str | None = None  # the filled-in prompt while it waits (dropped once it runs)
-
-
-_ENTITY_TYPES: dict[str, type[_Entity]] = {
-    cls.kind: cls for cls in (AppThread, Run, RunAttempt, ExecutionNode, ProviderSession,
-                              ProviderThread, ProviderTurn, RuntimeRequest, ConversationMessage,
-                              TurnItem, Subagent, ContextTransfer, ScheduledTask,
-                              WebhookDelivery, ContextHandoff, Checkpoint)}
-_EVENT_TYPE = {kind: f"{kind}.updated" for kind in _ENTITY_TYPES}
+register_entities(AppThread, Run, RunAttempt, ExecutionNode, ProviderSession, ProviderThread,
+                  ProviderTurn, RuntimeRequest, ConversationMessage, TurnItem, Subagent,
+                  ContextTransfer, ContextHandoff, Checkpoint)
 
 
 @dataclass(slots=True)
@@ -673,9 +669,7 @@ class ThreadState:
         if isinstance(entity, AppThread):
             self.thread = entity
             return
-        if isinstance(entity, WebhookDelivery) and entity.outcome not in DELIVERY_WAITING:
-            # decide needs only the waiting line; the log lives in the store (newest 50), so a
-            # busy hook's task does not grow in memory.
+        if not entity.held():
             self.entities[entity.kind].pop(entity.id, None)
             return
         self.entities[entity.kind][entity.id] = entity
@@ -866,7 +860,7 @@ class InitialMessage:
 
 
 @dataclass(frozen=True, slots=True)
-class _Command:
+class Command:
     """What every command carries: its id (the same id again is answered from its receipt) and
     the stream it is decided on, a thread's or a scheduled task's."""
 
@@ -875,7 +869,7 @@ class _Command:
 
 
 @dataclass(frozen=True, slots=True)
-class CreateThread(_Command):
+class CreateThread(Command):
     type: ClassVar[str] = "thread.create"
     project_id: str
     title: str
@@ -897,7 +891,7 @@ class CreateThread(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class DispatchMessage(_Command):
+class DispatchMessage(Command):
     type: ClassVar[str] = "message.dispatch"
     # The mode and target are derived from the thread's state when the call arrives; a retry of
     # the same message must get the first answer even after the state moved on.
@@ -919,14 +913,14 @@ class DispatchMessage(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class InterruptRun(_Command):
+class InterruptRun(Command):
     type: ClassVar[str] = "run.interrupt"
     run_id: str
     reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class RespondRuntimeRequest(_Command):
+class RespondRuntimeRequest(Command):
     type: ClassVar[str] = "runtime-request.respond"
     request_id: str
     decision: str | None = None
@@ -941,13 +935,13 @@ class RespondRuntimeRequest(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class CancelQueuedRun(_Command):
+class CancelQueuedRun(Command):
     type: ClassVar[str] = "queued-run.cancel"
     run_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class StopThread(_Command):
+class StopThread(Command):
     """thread.stop (a person's Stop, and task_cancel on the child): interrupt the active turn and
     hold every queued turn, so nothing starts until ``thread.resume``."""
 
@@ -956,14 +950,14 @@ class StopThread(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class ResumeThread(_Command):
+class ResumeThread(Command):
     """thread.resume: release the held turns, in their queue order."""
 
     type: ClassVar[str] = "thread.resume"
 
 
 @dataclass(frozen=True, slots=True)
-class DelegateTask(_Command):
+class DelegateTask(Command):
     """delegated_task.request: a child thread runs ``task`` (only it) for the parent's agent."""
 
     type: ClassVar[str] = "delegated_task.request"
@@ -989,14 +983,14 @@ class DelegateTask(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class SetWakePolicy(_Command):
+class SetWakePolicy(Command):
     type: ClassVar[str] = "delegated_task.wake-policy"
     task_id: str
     completion_wake: str
 
 
 @dataclass(frozen=True, slots=True)
-class RequestTaskCancel(_Command):
+class RequestTaskCancel(Command):
     """Mark a task cancelled by its parent: no automatic delivery; a late success is interrupted."""
 
     type: ClassVar[str] = "delegated_task.cancel"
@@ -1005,7 +999,7 @@ class RequestTaskCancel(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class FinalizeSubagent(_Command):
+class FinalizeSubagent(Command):
     """The child's known work finished (``publish``): publish the result of its final work run
     ``run_id`` and wake the parent. Else ``run_id`` is later work: its result is recorded beside
     the published one, never replacing it."""
@@ -1020,7 +1014,7 @@ class FinalizeSubagent(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class NotifyTaskQuestion(_Command):
+class NotifyTaskQuestion(Command):
     """A delegated child asks a question: its parent's agent is told, unless it is already
     waiting on the task (the wait reports it) or the task was cancelled."""
 
@@ -1034,7 +1028,7 @@ class NotifyTaskQuestion(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class SettleTaskQuestion(_Command):
+class SettleTaskQuestion(Command):
     """A child's question no longer needs a notice: a wait delivered it, or it was answered,
     dismissed or expired. A notice still queued for the parent is cancelled."""
 
@@ -1048,7 +1042,7 @@ class SettleTaskQuestion(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class AwaitAgentSlot(_Command):
+class AwaitAgentSlot(Command):
     """A starting run found every agent process slot taken: it waits ``queued``, saying why."""
 
     type: ClassVar[str] = "run.await-agent-slot"
@@ -1058,7 +1052,7 @@ class AwaitAgentSlot(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class GrantAgentSlot(_Command):
+class GrantAgentSlot(Command):
     """A slot freed for a run waiting for one: it starts again."""
 
     type: ClassVar[str] = "run.grant-agent-slot"
@@ -1067,7 +1061,7 @@ class GrantAgentSlot(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class MarkRunStarted(_Command):
+class MarkRunStarted(Command):
     type: ClassVar[str] = "run.mark-started"
     run_id: str
     attempt_id: str
@@ -1081,7 +1075,7 @@ class MarkRunStarted(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class IngestProviderEvents(_Command):
+class IngestProviderEvents(Command):
     type: ClassVar[str] = "provider.ingest"
     run_id: str
     attempt_id: str
@@ -1090,7 +1084,7 @@ class IngestProviderEvents(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class CompleteRun(_Command):
+class CompleteRun(Command):
     """A waiting run's finalization; ``checkpoints`` are what its capture found (Orchestrator.
     _capture_checkpoints): {ordinal, status, ref?, commit?, files, reason?} each."""
 
@@ -1100,7 +1094,7 @@ class CompleteRun(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class FailRun(_Command):
+class FailRun(Command):
     """An effect for this run failed for good, or its provider session ended under it."""
 
     type: ClassVar[str] = "run.fail"
@@ -1115,7 +1109,7 @@ class FailRun(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class EndProviderSession(_Command):
+class EndProviderSession(Command):
     type: ClassVar[str] = "provider-session.end"
     provider_session_id: str
     status: str  # stopped | error
@@ -1123,7 +1117,7 @@ class EndProviderSession(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class RecoverThread(_Command):
+class RecoverThread(Command):
     """After a server restart: nothing of the old process is live any more."""
 
     type: ClassVar[str] = "thread.recover"
@@ -1193,25 +1187,14 @@ class Decision:
 # decide (pure): the draft, the registry, threads, messages and the run queue
 
 
-_E = TypeVar("_E", bound="_Entity")
+_E = TypeVar("_E", bound="Entity")
 
 
-def _owning_thread(entity: Any) -> str:
-    """The stream an entity's events belong to: its thread's, or a scheduled task's."""
-    if isinstance(entity, (AppThread, ScheduledTask)):
-        return entity.id
-    if isinstance(entity, WebhookDelivery):
-        return entity.task_id
-    if isinstance(entity, ProviderThread):
-        return entity.app_thread_id
-    return entity.thread_id  # type: ignore[no-any-return]
-
-
-class _Draft:
+class Draft:
     """The entities a decision changes, laid over the thread's state, in event order."""
 
     def __init__(self, state: ThreadState, command: Any, now: str, *,
-                 sharing: _Draft | None = None) -> None:
+                 sharing: Draft | None = None) -> None:
         self.state = state
         self.command = command
         self.now = now
@@ -1241,7 +1224,7 @@ class _Draft:
             self.thread = entity
         else:
             self.changed[(entity.kind, entity.id)] = entity
-        self._event(_owning_thread(entity), event_type or _EVENT_TYPE[entity.kind],
+        self._event(entity.stream, event_type or _EVENT_TYPE[entity.kind],
                     entity.to_json(), entity)
         return entity
 
@@ -1293,10 +1276,11 @@ _COMMANDS: dict[type, _Registered] = {}  # command class -> how it is decided
 _D = TypeVar("_D", bound=Callable[..., Mapping[str, Any]])
 
 
-def _decides(command_class: type[Any], *, client: bool | tuple[str, ...] = False,
-             thread: bool = True) -> Callable[[_D], _D]:
-    """Register the decide function of ``command_class``; ``client``: a person's client may send
-    it (True: its ``type``; a tuple: each of the wire types the class takes)."""
+def decides(command_class: type[Any], *, client: bool | tuple[str, ...] = False,
+            thread: bool = True) -> Callable[[_D], _D]:
+    """Register the decide function of ``command_class`` (here, or in a feature module that
+    t3.py imports); ``client``: a person's client may send it (True: its ``type``; a tuple: each
+    of the wire types the class takes); ``thread``: it acts on an existing thread."""
     types = (command_class.type,) if client is True else client or ()
 
     def register(fn: _D) -> _D:
@@ -1312,13 +1296,13 @@ def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
     if entry.thread and (state.thread is None or (state.thread.deleted_at is not None
                                                   and not isinstance(command, RecoverThread))):
         raise CommandRejected(f"thread {command.thread_id} was not found", code="thread_not_found")
-    draft = _Draft(state, command, now)
+    draft = Draft(state, command, now)
     result = entry.decide(draft, command, new_id=new_id, providers=providers)
     return draft.decision(result)
 
 
-@_decides(CreateThread, client=True, thread=False)
-def _decide_create_thread(d: _Draft, c: CreateThread, *, providers: Mapping[str, ProviderInfo],
+@decides(CreateThread, client=True, thread=False)
+def _decide_create_thread(d: Draft, c: CreateThread, *, providers: Mapping[str, ProviderInfo],
                           **_: Any) -> Mapping[str, Any]:
     if d.state.thread is not None:
         raise CommandRejected(f"thread {c.thread_id} already exists", code="invalid_request")
@@ -1343,7 +1327,7 @@ def _decide_create_thread(d: _Draft, c: CreateThread, *, providers: Mapping[str,
     return result
 
 
-def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation_source: str,
+def _new_run(d: Draft, *, message_id: str, text: str, created_by: str, creation_source: str,
              queued: bool, preparation: Mapping[str, Any] | None = None) -> Run:
     thread = d.thread
     assert thread is not None
@@ -1372,7 +1356,7 @@ def _new_run(d: _Draft, *, message_id: str, text: str, created_by: str, creation
     return run
 
 
-def _put_attempt(d: _Draft, run: Run, n: int, attempt_id: str, root_id: str, reason: str
+def _put_attempt(d: Draft, run: Run, n: int, attempt_id: str, root_id: str, reason: str
                  ) -> None:
     """Attempt ``n`` of ``run`` and its root node, both pending."""
     d.put(RunAttempt(id=attempt_id, run_id=run.id, thread_id=run.thread_id, attempt_ordinal=n,
@@ -1405,7 +1389,7 @@ def result_transfer_id(task_id: str) -> str:
     return bounded_id(f"context-transfer:subagent_result:{task_id}")
 
 
-def _user_message(d: _Draft, run: Run, node_id: str | None, message_id: str, text: str,
+def _user_message(d: Draft, run: Run, node_id: str | None, message_id: str, text: str,
                   created_by: str, creation_source: str) -> None:
     d.put(ConversationMessage(id=message_id, thread_id=run.thread_id, run_id=run.id,
                               node_id=node_id, role="user", text=text, streaming=False,
@@ -1413,7 +1397,7 @@ def _user_message(d: _Draft, run: Run, node_id: str | None, message_id: str, tex
                               created_at=d.now, updated_at=d.now))
 
 
-def _steer_in(d: _Draft, run: Run, attempt: RunAttempt, message_id: str, text: str,
+def _steer_in(d: Draft, run: Run, attempt: RunAttempt, message_id: str, text: str,
               created_by: str, creation_source: str) -> None:
     """Deliver a message into the run's live turn (the provider steers actively)."""
     _user_message(d, run, run.root_node_id, message_id, text, created_by, creation_source)
@@ -1422,7 +1406,7 @@ def _steer_in(d: _Draft, run: Run, attempt: RunAttempt, message_id: str, text: s
                                      "messageId": message_id}, message_id)
 
 
-def _put_item(d: _Draft, item_id: str, run: Run, node_id: str | None, type_: str, status: str,
+def _put_item(d: Draft, item_id: str, run: Run, node_id: str | None, type_: str, status: str,
               **fields: Any) -> TurnItem:
     """A new turn item of ``run`` at the timeline's end; a finished one completed now."""
     return d.put(TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
@@ -1431,12 +1415,12 @@ def _put_item(d: _Draft, item_id: str, run: Run, node_id: str | None, type_: str
                           completed_at=d.now if status in ("completed", "failed") else None))
 
 
-def _user_item(d: _Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
+def _user_item(d: Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
     return _put_item(d, _message_item_id(message_id), run, node_id, "user_message", "completed",
                      message_id=message_id, input_intent=intent)
 
 
-def _sendable(d: _Draft) -> AppThread:
+def _sendable(d: Draft) -> AppThread:
     thread = d.thread
     assert thread is not None
     if thread.archived_at is not None:
@@ -1451,8 +1435,8 @@ def _registered(providers: Mapping[str, ProviderInfo], instance_id: str) -> Prov
     return providers[instance_id]
 
 
-@_decides(DispatchMessage, client=True)
-def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
+@decides(DispatchMessage, client=True)
+def _decide_dispatch(d: Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     thread = _sendable(d)
     if d.get("message", c.message_id) is not None:
@@ -1474,14 +1458,14 @@ def _decide_dispatch(d: _Draft, c: DispatchMessage, *, providers: Mapping[str, P
             "delivery": "queued" if run.status == RunStatus.QUEUED else "started"}
 
 
-def _run(d: _Draft, run_id: str | None) -> Run:
+def _run(d: Draft, run_id: str | None) -> Run:
     run = d.get("run", run_id)
     if run is None:
         raise CommandRejected(f"run {run_id} was not found", code="run_not_found")
     return run  # type: ignore[no-any-return]
 
 
-def _steerable_run(d: _Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
+def _steerable_run(d: Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
     run = _run(d, run_id)
     attempt = d.get("run-attempt", run.active_attempt_id)
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
@@ -1494,7 +1478,7 @@ def _steerable_run(d: _Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
     return run, attempt
 
 
-def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, ProviderInfo]
+def _decide_steer(d: Draft, c: DispatchMessage, providers: Mapping[str, ProviderInfo]
                   ) -> Mapping[str, Any]:
     run, attempt = _steerable_run(d, c.target_run_id)
     caps = providers[run.provider_instance_id].capabilities \
@@ -1536,7 +1520,7 @@ def _decide_steer(d: _Draft, c: DispatchMessage, providers: Mapping[str, Provide
 _SESSION_COMMAND = re.compile(r"\s*/(compact|logout)(\s|$)")
 
 
-def _stop_and_queue_ahead(d: _Draft, c: DispatchMessage, run: Run) -> Mapping[str, Any]:
+def _stop_and_queue_ahead(d: Draft, c: DispatchMessage, run: Run) -> Mapping[str, Any]:
     """A provider that can stop a turn but not restart it with new input: the turn stops and
     the message runs next, behind only the unheld delegated-task results already queued."""
     _interrupt(d, run, "Stopped to deliver a new message.")
@@ -1553,8 +1537,8 @@ def _stop_and_queue_ahead(d: _Draft, c: DispatchMessage, run: Run) -> Mapping[st
     return {"runId": new.id, "delivery": "queued"}
 
 
-@_decides(InterruptRun, client=True)
-def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]:
+@decides(InterruptRun, client=True)
+def _decide_interrupt(d: Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]:
     run = _run(d, c.run_id)
     if run.status in RUN_TERMINAL:
         return {"threadId": run.thread_id, "runId": run.id, "status": run.status}
@@ -1565,7 +1549,7 @@ def _decide_interrupt(d: _Draft, c: InterruptRun, **_: Any) -> Mapping[str, Any]
     return {"threadId": run.thread_id, "runId": run.id, "status": _interrupt(d, run, c.reason)}
 
 
-def _interrupt(d: _Draft, run: Run, reason: str | None) -> str:
+def _interrupt(d: Draft, run: Run, reason: str | None) -> str:
     """Stop a live run's turn: ``interrupted`` at once when nothing reached the provider yet,
     else ``interrupt_requested`` (the provider's turn end terminalizes it)."""
     attempt = d.get("run-attempt", run.active_attempt_id)
@@ -1592,13 +1576,13 @@ def _interrupt(d: _Draft, run: Run, reason: str | None) -> str:
 _START_EFFECTS = ("provider-turn.start", "provider-turn.restart", "workspace.prepare")
 
 
-def _stop_reached(d: _Draft, run: Run) -> bool:
+def _stop_reached(d: Draft, run: Run) -> bool:
     """A Stop or interrupt already asked for this run's current turn to end."""
     return any(i.run_id == run.id and i.node_id == run.root_node_id
                and i.type == "run_interrupt_request" for i in d.all("turn-item"))
 
 
-def _end_run(d: _Draft, run: Run, status: str, reason: str | None,
+def _end_run(d: Draft, run: Run, status: str, reason: str | None,
              failure: Mapping[str, Any] | None = None) -> Run:
     """Terminalize a run with its attempt, root node, open requests and items; then promote."""
     attempt = d.get("run-attempt", run.active_attempt_id)
@@ -1626,7 +1610,7 @@ def _end_run(d: _Draft, run: Run, status: str, reason: str | None,
     return run
 
 
-def _settle_open_work(d: _Draft, run: Run, status: str, reason: str) -> None:
+def _settle_open_work(d: Draft, run: Run, status: str, reason: str) -> None:
     """Close what a run's turn left open: requests, child nodes, items, streaming messages."""
     done = RunStatus.COMPLETED if status == RunStatus.WAITING else status
     for request in d.all("runtime-request"):
@@ -1649,7 +1633,7 @@ def _settle_open_work(d: _Draft, run: Run, status: str, reason: str) -> None:
             d.put(replace(message, streaming=False, updated_at=d.now))
 
 
-def _promote_queued(d: _Draft) -> None:
+def _promote_queued(d: Draft) -> None:
     """Start the next queued run when nothing blocks the thread (same transaction)."""
     if any(r.status in RUN_BLOCKING or r.awaiting_agent_slot for r in d.runs()):
         return
@@ -1661,15 +1645,15 @@ def _promote_queued(d: _Draft) -> None:
     d.effect("provider-turn.start", {"runId": run.id, "attemptId": run.active_attempt_id}, run.id)
 
 
-def _queue(d: _Draft) -> list[Run]:
+def _queue(d: Draft) -> list[Run]:
     """The queued turns in the order they start (not the runs waiting for an agent slot)."""
     return sorted((r for r in d.runs() if r.status == RunStatus.QUEUED
                    and not r.awaiting_agent_slot),
                   key=lambda r: (r.queue_position or r.ordinal, r.ordinal))
 
 
-@_decides(StopThread, client=True)
-def _decide_stop(d: _Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
+@decides(StopThread, client=True)
+def _decide_stop(d: Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
     """Hold the queue first, so that the turn this ends promotes nothing; a turn a Stop or an
     interrupt already reached is not asked again. A ``waiting`` run finishes its finalization."""
     held = [run.id for run in _queue(d)]
@@ -1684,8 +1668,8 @@ def _decide_stop(d: _Draft, c: StopThread, **_: Any) -> Mapping[str, Any]:
     return {"threadId": c.thread_id, "interruptedRunIds": stopped, "heldRunIds": held}
 
 
-@_decides(ResumeThread, client=True)
-def _decide_resume(d: _Draft, c: ResumeThread, **_: Any) -> Mapping[str, Any]:
+@decides(ResumeThread, client=True)
+def _decide_resume(d: Draft, c: ResumeThread, **_: Any) -> Mapping[str, Any]:
     released = [r.id for r in _queue(d) if r.queue_held]
     for run_id in released:
         d.put(replace(d.get("run", run_id), queue_held=False))
@@ -1693,8 +1677,8 @@ def _decide_resume(d: _Draft, c: ResumeThread, **_: Any) -> Mapping[str, Any]:
     return {"threadId": c.thread_id, "releasedRunIds": released}
 
 
-@_decides(RespondRuntimeRequest, client=True)
-def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[str, Any]:
+@decides(RespondRuntimeRequest, client=True)
+def _decide_respond(d: Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[str, Any]:
     request = d.get("runtime-request", c.request_id)
     if request is None:
         raise CommandRejected(f"request {c.request_id} was not found", code="invalid_request")
@@ -1729,8 +1713,8 @@ def _decide_respond(d: _Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[st
             "decision": c.decision}
 
 
-@_decides(CancelQueuedRun, client=True)
-def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[str, Any]:
+@decides(CancelQueuedRun, client=True)
+def _decide_cancel_queued(d: Draft, c: CancelQueuedRun, **_: Any) -> Mapping[str, Any]:
     run = _run(d, c.run_id)
     if run.status != RunStatus.QUEUED:
         raise CommandRejected(f"run {run.id} is {run.status}, not queued", code="invalid_request")
@@ -1738,7 +1722,7 @@ def _decide_cancel_queued(d: _Draft, c: CancelQueuedRun, **_: Any) -> Mapping[st
     return {"threadId": run.thread_id, "runId": run.id, "status": RunStatus.CANCELLED}
 
 
-def _cancel_queued(d: _Draft, run: Run) -> None:
+def _cancel_queued(d: Draft, run: Run) -> None:
     if run.awaiting_agent_slot:  # its start was under way: it ends as a started run would
         _end_run(d, run, RunStatus.CANCELLED, "The queued run was cancelled.")
         return
@@ -1748,7 +1732,7 @@ def _cancel_queued(d: _Draft, run: Run) -> None:
                   status_reason="The queued run was cancelled."))
 
 
-def _current(d: _Draft, run_id: str, attempt_id: str) -> tuple[Run | None, RunAttempt | None]:
+def _current(d: Draft, run_id: str, attempt_id: str) -> tuple[Run | None, RunAttempt | None]:
     run = d.get("run", run_id)
     attempt = d.get("run-attempt", attempt_id)
     if run is None or attempt is None or run.active_attempt_id != attempt_id:
@@ -1756,8 +1740,8 @@ def _current(d: _Draft, run_id: str, attempt_id: str) -> tuple[Run | None, RunAt
     return run, attempt
 
 
-@_decides(AwaitAgentSlot)
-def _decide_await_slot(d: _Draft, c: AwaitAgentSlot, **_: Any) -> Mapping[str, Any]:
+@decides(AwaitAgentSlot)
+def _decide_await_slot(d: Draft, c: AwaitAgentSlot, **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if run is None or attempt is None or run.status != RunStatus.STARTING:
         raise CommandRejected("the run is no longer waiting to start")
@@ -1766,8 +1750,8 @@ def _decide_await_slot(d: _Draft, c: AwaitAgentSlot, **_: Any) -> Mapping[str, A
     return {"runId": run.id, "status": RunStatus.QUEUED}
 
 
-@_decides(GrantAgentSlot)
-def _decide_grant_slot(d: _Draft, c: GrantAgentSlot, **_: Any) -> Mapping[str, Any]:
+@decides(GrantAgentSlot)
+def _decide_grant_slot(d: Draft, c: GrantAgentSlot, **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if run is None or attempt is None or not run.awaiting_agent_slot \
             or run.status != RunStatus.QUEUED:
@@ -1776,7 +1760,7 @@ def _decide_grant_slot(d: _Draft, c: GrantAgentSlot, **_: Any) -> Mapping[str, A
     return {"runId": run.id, "status": RunStatus.STARTING}
 
 
-def _restart_waiting(d: _Draft, run: Run) -> None:
+def _restart_waiting(d: Draft, run: Run) -> None:
     d.put(replace(run, status=RunStatus.STARTING, awaiting_agent_slot=False, status_reason=None))
     d.effect("provider-turn.start", {"runId": run.id, "attemptId": run.active_attempt_id},
              f"{run.id}:slot")
@@ -1786,8 +1770,8 @@ def _restart_waiting(d: _Draft, run: Run) -> None:
 # decide: provider turns: start, provider output, completion, failure, recovery
 
 
-@_decides(MarkRunStarted)
-def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str, ProviderInfo],
+@decides(MarkRunStarted)
+def _decide_mark_started(d: Draft, c: MarkRunStarted, *, providers: Mapping[str, ProviderInfo],
                          **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if run is None or attempt is None or run.status != RunStatus.STARTING:
@@ -1836,8 +1820,8 @@ def _decide_mark_started(d: _Draft, c: MarkRunStarted, *, providers: Mapping[str
             "mergeBackHandoffIds": merged}
 
 
-@_decides(IngestProviderEvents)
-def _decide_ingest(d: _Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str, Any]:
+@decides(IngestProviderEvents)
+def _decide_ingest(d: Draft, c: IngestProviderEvents, **_: Any) -> Mapping[str, Any]:
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if attempt is None:
         raise CommandRejected("unknown attempt")
@@ -1868,7 +1852,7 @@ def _without_hook_tokens(event: AdapterEvent) -> AdapterEvent:
     return replace(event, **changes) if changes else event
 
 
-def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents,
+def _ingest_one(d: Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents,
                 event: AdapterEvent) -> Run:
     if isinstance(event, (TextDelta, ReasoningDelta)):
         role = "assistant" if isinstance(event, TextDelta) else "reasoning"
@@ -1904,7 +1888,7 @@ def _ingest_one(d: _Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvent
     return run
 
 
-def _ingest_tool(d: _Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) -> None:
+def _ingest_tool(d: Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) -> None:
     """A tool call's node and turn item, made on its first update and updated by the rest."""
     root_id = attempt.root_node_id
     node_id = bounded_id(f"node:{attempt.id}:tool:{event.native_id}")
@@ -1932,7 +1916,7 @@ def _ingest_tool(d: _Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) ->
                   completed_at=ended))
 
 
-def _ingest_request(d: _Draft, run: Run, attempt: RunAttempt, session_id: str | None,
+def _ingest_request(d: Draft, run: Run, attempt: RunAttempt, session_id: str | None,
                     event: RuntimeRequestOpened) -> None:
     """A provider's question or approval request (``session_id`` None: t3's own, a launch's
     setup commands): its node, request and turn item, once."""
@@ -1967,7 +1951,7 @@ def _ingest_request(d: _Draft, run: Run, attempt: RunAttempt, session_id: str | 
             thread_id=task["parentThreadId"])
 
 
-def _interrupt_reason(d: _Draft, run: Run) -> str:
+def _interrupt_reason(d: Draft, run: Run) -> str:
     requests = [i for i in d.all("turn-item")
                 if i.run_id == run.id and i.type == "run_interrupt_request"]
     if requests:
@@ -1975,7 +1959,7 @@ def _interrupt_reason(d: _Draft, run: Run) -> str:
     return "The provider ended the turn as cancelled."
 
 
-def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str) -> None:
+def _append_text(d: Draft, run: Run, attempt: RunAttempt, role: str, text: str) -> None:
     """Stream text into the attempt's open assistant (or reasoning) message."""
     open_id = _open_stream_id(d, attempt, role)
     if open_id is not None:
@@ -1992,12 +1976,12 @@ def _append_text(d: _Draft, run: Run, attempt: RunAttempt, role: str, text: str)
               message_id=message_id)
 
 
-def _open_stream_id(d: _Draft, attempt: RunAttempt, role: str) -> str | None:
+def _open_stream_id(d: Draft, attempt: RunAttempt, role: str) -> str | None:
     return next((str(m.id) for m in d.all("message") if m.streaming and m.role == role
                  and m.node_id == attempt.root_node_id), None)
 
 
-def _close_streams(d: _Draft, attempt: RunAttempt) -> None:
+def _close_streams(d: Draft, attempt: RunAttempt) -> None:
     for role in ("assistant", "reasoning"):
         open_id = _open_stream_id(d, attempt, role)
         if open_id is None:
@@ -2024,8 +2008,8 @@ def task_result(state: ThreadState, run: Run) -> str:
     return head + (f"\n\nProgress before it ended:\n{progress}" if progress else "")
 
 
-@_decides(CompleteRun)
-def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
+@decides(CompleteRun)
+def _decide_complete(d: Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status != RunStatus.WAITING:
         raise CommandRejected("the run is not waiting for finalization")
@@ -2038,7 +2022,7 @@ def _decide_complete(d: _Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     return {"runId": run.id, "status": run.status}
 
 
-def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
+def _record_checkpoints(d: Draft, run: Run, found: Sequence[Mapping[str, Any]]
                         ) -> Checkpoint | None:
     """The checkpoints a finalization captured (baselines first, the run's own last; ones the
     thread already has are kept), and the run's ``checkpoint`` turn item; the run's one."""
@@ -2066,8 +2050,8 @@ def _record_checkpoints(d: _Draft, run: Run, found: Sequence[Mapping[str, Any]]
     return made
 
 
-@_decides(FailRun)
-def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
+@decides(FailRun)
+def _decide_fail_run(d: Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status in RUN_TERMINAL or run.status == RunStatus.QUEUED:
         raise CommandRejected("the run is not active")
@@ -2085,8 +2069,8 @@ def _decide_fail_run(d: _Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
     return {"runId": run.id, "status": run.status}
 
 
-@_decides(EndProviderSession)
-def _decide_end_session(d: _Draft, c: EndProviderSession, **_: Any) -> Mapping[str, Any]:
+@decides(EndProviderSession)
+def _decide_end_session(d: Draft, c: EndProviderSession, **_: Any) -> Mapping[str, Any]:
     session = d.get("provider-session", c.provider_session_id)
     if session is None or session.status in ("stopped", "error"):
         raise CommandRejected("the session has already ended")
@@ -2099,7 +2083,7 @@ def _decide_end_session(d: _Draft, c: EndProviderSession, **_: Any) -> Mapping[s
     return {"providerSessionId": session.id, "status": c.status}
 
 
-def _expire_requests(d: _Draft, session_id: str | None, reason: str) -> None:
+def _expire_requests(d: Draft, session_id: str | None, reason: str) -> None:
     for request in d.all("runtime-request"):
         asker = request.response_capability.get("providerSessionId")
         if request.status == "pending" and asker and session_id in (None, asker):
@@ -2110,7 +2094,7 @@ def _expire_requests(d: _Draft, session_id: str | None, reason: str) -> None:
                      updated_at=d.now, completed_at=d.now)
 
 
-def _end_sessions(d: _Draft, reason: str) -> None:
+def _end_sessions(d: Draft, reason: str) -> None:
     """No provider process of the thread is live: its sessions, requests and turns end."""
     for session in d.all("provider-session"):
         if session.status not in ("stopped", "error"):
@@ -2124,8 +2108,8 @@ def _end_sessions(d: _Draft, reason: str) -> None:
             d.put(replace(turn, status="interrupted", completed_at=d.now))
 
 
-@_decides(RecoverThread)
-def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
+@decides(RecoverThread)
+def _decide_recover(d: Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
     ended: list[str] = []
     if d.thread is not None and d.thread.deleted_at is not None:  # deleted by an older t3
         _end_owned(d, DELETED)
@@ -2151,8 +2135,8 @@ def _decide_recover(d: _Draft, c: RecoverThread, **_: Any) -> Mapping[str, Any]:
 # decide: delegated tasks: the parent's record, results, wakes and questions
 
 
-@_decides(DelegateTask, client=True)
-def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, ProviderInfo],
+@decides(DelegateTask, client=True)
+def _decide_delegate(d: Draft, c: DelegateTask, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     parent = d.thread
     assert parent is not None
@@ -2163,7 +2147,7 @@ def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, Prov
     info = _registered(providers, c.provider_instance_id)
     task_id = c.task_id
     child_id = bounded_id(f"thread:delegated-task:{c.command_id}")
-    child = _Draft(ThreadState(), c, d.now, sharing=d)
+    child = Draft(ThreadState(), c, d.now, sharing=d)
     child.put(AppThread(
         id=child_id, project_id=parent.project_id, title=c.title,
         provider_instance_id=c.provider_instance_id,
@@ -2199,7 +2183,7 @@ def _decide_delegate(d: _Draft, c: DelegateTask, *, providers: Mapping[str, Prov
     return {"taskId": task_id, "childThreadId": child_id, "childRunId": child_run.id}
 
 
-def _task(d: _Draft, task_id: str) -> Subagent:
+def _task(d: Draft, task_id: str) -> Subagent:
     task = d.get("subagent", task_id)
     if task is None:
         raise CommandRejected(f"task {task_id} was not found in this thread",
@@ -2207,24 +2191,24 @@ def _task(d: _Draft, task_id: str) -> Subagent:
     return task  # type: ignore[no-any-return]
 
 
-@_decides(SetWakePolicy, client=True)
-def _decide_wake_policy(d: _Draft, c: SetWakePolicy, **_: Any) -> Mapping[str, Any]:
+@decides(SetWakePolicy, client=True)
+def _decide_wake_policy(d: Draft, c: SetWakePolicy, **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if task.completion_wake != c.completion_wake:
         d.put(replace(task, completion_wake=c.completion_wake, updated_at=d.now))
     return {"taskId": task.id, "completionWake": c.completion_wake}
 
 
-@_decides(RequestTaskCancel, client=True)
-def _decide_task_cancel(d: _Draft, c: RequestTaskCancel, **_: Any) -> Mapping[str, Any]:
+@decides(RequestTaskCancel, client=True)
+def _decide_task_cancel(d: Draft, c: RequestTaskCancel, **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if not task.cancel_requested:
         d.put(replace(task, cancel_requested=True, updated_at=d.now))
     return {"taskId": task.id, "status": task.status}
 
 
-@_decides(FinalizeSubagent)
-def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, ProviderInfo],
+@decides(FinalizeSubagent)
+def _decide_finalize(d: Draft, c: FinalizeSubagent, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if not c.publish or task.status in TASK_TERMINAL:
@@ -2253,7 +2237,7 @@ def _decide_finalize(d: _Draft, c: FinalizeSubagent, *, providers: Mapping[str, 
     return {"taskId": task.id, "status": status}
 
 
-def _result_transfer(d: _Draft, task: Subagent, transfer_id: str, result: str,
+def _result_transfer(d: Draft, task: Subagent, transfer_id: str, result: str,
                      target_run_id: str | None = None) -> None:
     d.put(ContextTransfer(id=transfer_id, thread_id=task.thread_id, type="subagent_result",
                           source_thread_id=task.child_thread_id, target_thread_id=task.thread_id,
@@ -2262,7 +2246,7 @@ def _result_transfer(d: _Draft, task: Subagent, transfer_id: str, result: str,
                           consumed_at=d.now))
 
 
-def _notify_parent(d: _Draft, message_id: str, providers: Mapping[str, ProviderInfo],
+def _notify_parent(d: Draft, message_id: str, providers: Mapping[str, ProviderInfo],
                    text: str) -> None:
     """Deliver a system notice to this thread's agent: steered in if it can be, else queued."""
     for run in reversed(d.runs()):
@@ -2280,7 +2264,7 @@ def _notify_parent(d: _Draft, message_id: str, providers: Mapping[str, ProviderI
              creation_source=CreationSource.SERVER, queued=blocked)
 
 
-def _parent_task(d: _Draft) -> dict[str, str] | None:
+def _parent_task(d: Draft) -> dict[str, str] | None:
     """For a delegated child thread: who its parent is and which task it serves."""
     thread = d.thread
     if thread is None or thread.lineage.get("relationshipToParent") != "subagent" \
@@ -2290,8 +2274,8 @@ def _parent_task(d: _Draft) -> dict[str, str] | None:
             "taskId": thread.forked_from["nodeId"], "childThreadId": thread.id}
 
 
-@_decides(NotifyTaskQuestion)
-def _decide_task_question(d: _Draft, c: NotifyTaskQuestion, *,
+@decides(NotifyTaskQuestion)
+def _decide_task_question(d: Draft, c: NotifyTaskQuestion, *,
                           providers: Mapping[str, ProviderInfo], **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     live = any(r.status in RUN_LIVE for r in d.runs())
@@ -2316,8 +2300,8 @@ def _question_notice(task: Subagent, request_id: str, child_id: str, question: s
             f"t3_pending_request (threadId {child_id}, requestId {request_id}), or ask the user.")
 
 
-@_decides(SettleTaskQuestion)
-def _decide_settle_question(d: _Draft, c: SettleTaskQuestion, **_: Any) -> Mapping[str, Any]:
+@decides(SettleTaskQuestion)
+def _decide_settle_question(d: Draft, c: SettleTaskQuestion, **_: Any) -> Mapping[str, Any]:
     task = _task(d, c.task_id)
     if (task.questions or {}).get(c.request_id) != {"state": "settled"}:
         d.put(replace(task, updated_at=d.now, questions={
@@ -2329,7 +2313,7 @@ def _decide_settle_question(d: _Draft, c: SettleTaskQuestion, **_: Any) -> Mappi
     return {"taskId": task.id, "requestId": c.request_id}
 
 
-def _question_closed(d: _Draft, request: RuntimeRequest) -> None:
+def _question_closed(d: Draft, request: RuntimeRequest) -> None:
     """A delegated child's question was answered, dismissed or expired: its parent's notice
     is withdrawn (through the outbox)."""
     task = _parent_task(d)
@@ -2338,7 +2322,7 @@ def _question_closed(d: _Draft, request: RuntimeRequest) -> None:
                  thread_id=task["parentThreadId"])
 
 
-def _catch_up_questions(d: _Draft, run: Run) -> None:
+def _catch_up_questions(d: Draft, run: Run) -> None:
     """A wait cut short never showed the parent's agent a held question: when the launching run
     completes, fails or waits for post-turn work, a still-pending one wakes the parent. A
     stopped or interrupted run drops the catch-up."""
@@ -2405,7 +2389,7 @@ def task_attention(child: ThreadState, task: Subagent
                   and r.response_capability.get("type") == "live"), None))
 
 
-def _finalize_if_settled(d: _Draft, ended: Run | None = None) -> None:
+def _finalize_if_settled(d: Draft, ended: Run | None = None) -> None:
     """A delegated child reports to its parent through the outbox (a crash cannot lose it): its
     task's result once the task's known work and the child's own tasks have all finished, and
     the result of a later run that ran (``ended``, not the task's work)."""
@@ -2425,615 +2409,6 @@ def _finalize_if_settled(d: _Draft, ended: Run | None = None) -> None:
 
 
 # =============================================================================================
-# Scheduled tasks: schedules, their commands, and their decisions. A fire is a command whose id is
-# its fire key (task, due time, trigger), so it happens at most once, crash or not; its run is an
-# effect that is safe to replay (its own ids derive from the fire key).
-
-
-MIN_INTERVAL_MS = 60_000
-MISSED_FIXED_TIME_GRACE_S = 600.0  # a fixed-time fire later than this is skipped, not run late
-SCHEDULED_PROMPT = "[Triggered by schedule task: {title}]\n\n{prompt}"
-_TIME_OF_DAY = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)")
-
-
-def validate_schedule(schedule: Any) -> dict[str, Any]:
-    """A schedule, checked and normalized: ``{"type": "interval", "everyMs"}`` (>= 60,000),
-    ``{"type": "fixed_time", "timeOfDay": "HH:MM", "weekdays"?: [0..6, 0 = Sunday]}`` in the
-    server's local time zone, or ``{"type": "webhook", ...}`` (its options are the webhook's)."""
-    if not isinstance(schedule, Mapping):
-        raise T3Error("schedule: must be an object", code="invalid_request")
-    kind = schedule.get("type")
-    if kind == "interval":
-        every = schedule.get("everyMs")
-        if set(schedule) - {"type", "everyMs"} or not isinstance(every, int) or \
-                isinstance(every, bool) or every < MIN_INTERVAL_MS:
-            raise T3Error(f"schedule: an interval is {{type, everyMs}} with everyMs >= "
-                          f"{MIN_INTERVAL_MS}", code="invalid_request")
-        return {"type": "interval", "everyMs": every}
-    if kind == "fixed_time":
-        at, days = schedule.get("timeOfDay"), schedule.get("weekdays")
-        if set(schedule) - {"type", "timeOfDay", "weekdays"} or not isinstance(at, str) or \
-                not _TIME_OF_DAY.fullmatch(at) or (days is not None and not (
-                    isinstance(days, list) and all(isinstance(d, int) and not isinstance(d, bool)
-                                                   and 0 <= d <= 6 for d in days))):
-            raise T3Error("schedule: a fixed time is {type, timeOfDay: \"HH:MM\", weekdays?: "
-                          "[0-6, 0 = Sunday]}", code="invalid_request")
-        hours, minutes = _TIME_OF_DAY.fullmatch(at).groups()  # type: ignore[union-attr]
-        return {"type": "fixed_time", "timeOfDay": f"{int(hours):02d}:{minutes}",
-                **({"weekdays": sorted(set(days))} if days else {})}
-    if kind == "webhook":
-        return _validate_webhook(schedule)
-    raise T3Error("schedule.type: must be interval, fixed_time or webhook",
-                  code="invalid_request")
-
-
-def next_run_after(schedule: Mapping[str, Any], after: float) -> float | None:
-    """The first time (epoch seconds) the schedule is due strictly after ``after``; None for a
-    webhook. Fixed times are wall-clock times of the server's local time zone: each day's slot
-    is converted with the zone's rules for that day, so DST changes move it correctly."""
-    if schedule["type"] == "interval":
-        return after + max(schedule["everyMs"], MIN_INTERVAL_MS) / 1000
-    if schedule["type"] != "fixed_time":
-        return None
-    hour, minute = map(int, schedule["timeOfDay"].split(":"))
-    weekdays = set(schedule.get("weekdays") or range(7))
-    day = time.localtime(after)
-    for offset in range(9):
-        # mktime normalizes the day overflow and, with tm_isdst -1, applies that day's DST.
-        slot = time.mktime((day.tm_year, day.tm_mon, day.tm_mday + offset, hour, minute, 0, 0,
-                            0, -1))
-        local = time.localtime(slot)
-        if slot > after and (local.tm_wday + 1) % 7 in weekdays:  # tm_wday 0 = Monday
-            return slot
-    return None
-
-
-def iso_time(epoch: float) -> str:
-    """An epoch time as t3 writes times: UTC, milliseconds, ``Z``."""
-    ms = int(round(epoch * 1000))
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
-
-
-def epoch_of(iso: str) -> float:
-    """The epoch time of a time t3 wrote (``iso_time``)."""
-    seconds, _, fraction = iso.rstrip("Z").partition(".")
-    return calendar.timegm(time.strptime(seconds, "%Y-%m-%dT%H:%M:%S")) + \
-        int((fraction or "0")[:3].ljust(3, "0")) / 1000
-
-
-@dataclass(frozen=True, slots=True)
-class UpsertScheduledTask(_Command):
-    """Create a task, or change one (fields left None stay as they are)."""
-
-    type: ClassVar[str] = "scheduled-task.upsert"
-    # thread_id: the task's id: its stream
-    title: str | None = None
-    prompt: str | None = None
-    enabled: bool | None = None
-    schedule: Mapping[str, Any] | None = None
-    project_id: str | None = None
-    workspace: str | None = None
-    bound_thread_id: str | None = None
-    bind: bool | None = None  # None: keep the binding; False: unbind
-    model_selection: Mapping[str, Any] | None = None
-    runtime_mode: str | None = None
-    interaction_mode: str | None = None
-    created_by: str = Actor.USER
-    creation_source: str = CreationSource.MCP
-    creator_thread_id: str | None = None
-    hook_token_sha256: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DeleteScheduledTask(_Command):
-    type: ClassVar[str] = "scheduled-task.delete"
-    # thread_id: the task's id
-
-
-@dataclass(frozen=True, slots=True)
-class FireScheduledTask(_Command):
-    """A task is due (trigger scheduled) or asked to run now (manual). The command id is the
-    fire key. (A webhook delivery fires in the command that records it, or in the one that
-    settles the run before it: ``_fire_next_delivery``.)"""
-
-    type: ClassVar[str] = "scheduled-task.fire"
-    # thread_id: the task's id
-    trigger: str  # scheduled | manual
-    due_at: str | None = None  # scheduled: the next_run_at this fire is for
-
-    def __post_init__(self) -> None:
-        if self.trigger not in ("scheduled", "manual"):
-            raise ValueError(f"unknown trigger {self.trigger!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class SettleScheduledRun(_Command):
-    """What became of a fire: its run started (``run_id``), or ended (succeeded / failed)."""
-
-    type: ClassVar[str] = "scheduled-task.settle"
-    # thread_id: the task's id
-    fire_key: str
-    status: str  # running | succeeded | failed
-    error: str | None = None
-    run_thread_id: str | None = None
-    run_id: str | None = None
-
-
-def _scheduled_task(d: _Draft, task_id: str) -> ScheduledTask:
-    task = d.get("scheduled-task", task_id)
-    if task is None or task.deleted_at is not None:
-        raise CommandRejected(f"scheduled task {task_id} was not found", code="task_not_found")
-    return task  # type: ignore[no-any-return]
-
-
-@_decides(UpsertScheduledTask, thread=False)
-def _decide_upsert_task(d: _Draft, c: UpsertScheduledTask, **_: Any) -> Mapping[str, Any]:
-    task = d.get("scheduled-task", c.thread_id)
-    changes = {k: v for k, v in (
-        ("title", c.title), ("prompt", c.prompt), ("enabled", c.enabled),
-        ("schedule", c.schedule), ("model_selection", c.model_selection),
-        ("runtime_mode", c.runtime_mode), ("interaction_mode", c.interaction_mode),
-        ("hook_token_sha256", c.hook_token_sha256)) if v is not None}
-    if c.bind is not None:
-        changes["bound_thread_id"] = c.bound_thread_id if c.bind else None
-    if task is None:
-        if c.title is None or c.prompt is None or c.schedule is None or c.project_id is None \
-                or c.workspace is None or c.model_selection is None:
-            raise CommandRejected("a new scheduled task needs a title, prompt, schedule, "
-                                  "project and provider", code="invalid_request")
-        task = ScheduledTask(
-            id=c.thread_id, title=c.title, prompt=c.prompt, enabled=True, schedule=c.schedule,
-            project_id=c.project_id, workspace=c.workspace, model_selection=c.model_selection,
-            runtime_mode=c.runtime_mode or RuntimeMode.APPROVAL_REQUIRED,
-            interaction_mode=c.interaction_mode or InteractionMode.DEFAULT,
-            created_by=c.created_by, creation_source=c.creation_source, created_at=d.now,
-            updated_at=d.now, creator_thread_id=c.creator_thread_id)
-    elif task.deleted_at is not None:
-        raise CommandRejected(f"scheduled task {task.id} was deleted", code="task_not_found")
-    updated = replace(task, **changes, updated_at=d.now)
-    if task.next_run_at is None or updated.schedule != task.schedule or \
-            updated.enabled != task.enabled or d.state.entities["scheduled-task"].get(
-                task.id) is None:  # a new or changed timing is aimed again from now
-        due = next_run_after(updated.schedule, epoch_of(d.now)) if updated.enabled else None
-        updated = replace(updated, next_run_at=iso_time(due) if due is not None else None)
-    d.put(_fire_next_delivery(d, updated))  # deliveries that waited while it was paused
-    return {"scheduledTaskId": task.id, "nextRunAt": updated.next_run_at}
-
-
-@_decides(DeleteScheduledTask, thread=False)
-def _decide_delete_task(d: _Draft, c: DeleteScheduledTask, **_: Any) -> Mapping[str, Any]:
-    task = _scheduled_task(d, c.thread_id)
-    d.put(replace(task, deleted_at=d.now, enabled=False, next_run_at=None, updated_at=d.now))
-    for delivery in d.all("webhook-delivery"):
-        if delivery.outcome == "queued":
-            d.put(replace(delivery, outcome="failed", prompt=None, updated_at=d.now,
-                          error="The scheduled task was deleted before this delivery ran."))
-    return {"scheduledTaskId": task.id, "deleted": True}
-
-
-@_decides(FireScheduledTask, thread=False)
-def _decide_fire(d: _Draft, c: FireScheduledTask, **_: Any) -> Mapping[str, Any]:
-    task = _scheduled_task(d, c.thread_id)
-    now = epoch_of(d.now)
-    if task.last_run_status == "running":
-        raise CommandRejected(f"scheduled task {task.id} is running; it never runs twice at "
-                              "once", code="invalid_request")
-    next_at = task.next_run_at
-    if c.trigger == "scheduled":
-        if not task.enabled or task.next_run_at != c.due_at or c.due_at is None:
-            raise CommandRejected("the fire is stale: the task changed meanwhile")
-        due = next_run_after(task.schedule, now)
-        next_at = iso_time(due) if due is not None else None
-        if task.schedule["type"] == "fixed_time" and \
-                now - epoch_of(c.due_at) > MISSED_FIXED_TIME_GRACE_S:
-            d.put(replace(task, next_run_at=next_at, updated_at=d.now))  # skipped, re-aimed
-            return {"scheduledTaskId": task.id, "fired": False, "nextRunAt": next_at}
-    d.put(replace(_fired(d, task, c.command_id, task.prompt), next_run_at=next_at))
-    return {"scheduledTaskId": task.id, "fired": True, "fireKey": c.command_id,
-            "nextRunAt": next_at}
-
-
-def _fired(d: _Draft, task: ScheduledTask, fire_key: str, prompt: str) -> ScheduledTask:
-    """The task once a fire started: its run requested (an effect safe to replay: its ids derive
-    from the fire key), the task running. The caller puts it."""
-    d.effect("scheduled-task.run", {
-        "taskId": task.id, "fireKey": fire_key,
-        "prompt": SCHEDULED_PROMPT.format(title=task.title, prompt=prompt)}, fire_key)
-    return replace(task, last_run_status="running", last_run_at=d.now, last_run_error=None,
-                   last_fire_key=fire_key, last_run_thread_id=None, last_run_id=None,
-                   run_count=task.run_count + 1, updated_at=d.now)
-
-
-@_decides(SettleScheduledRun, thread=False)
-def _decide_settle_run(d: _Draft, c: SettleScheduledRun, **_: Any) -> Mapping[str, Any]:
-    task = d.get("scheduled-task", c.thread_id)
-    if task is None or task.last_fire_key != c.fire_key or task.last_run_status != "running":
-        raise CommandRejected("that fire is not the task's running one")
-    delivery = next((x.id for x in d.all("webhook-delivery") if x.fire_key == c.fire_key), None)
-    if c.status == "running":
-        task = replace(task, last_run_thread_id=c.run_thread_id, last_run_id=c.run_id,
-                       updated_at=d.now)
-        d.update("webhook-delivery", delivery, run_thread_id=c.run_thread_id, run_id=c.run_id,
-                 updated_at=d.now)
-    else:
-        task = replace(task, last_run_status=c.status, last_run_error=c.error, updated_at=d.now)
-        d.update("webhook-delivery", delivery, outcome=c.status, error=c.error, updated_at=d.now)
-        task = _fire_next_delivery(d, task)  # in this same commit: the line never stalls
-    d.put(task)
-    return {"scheduledTaskId": task.id, "status": c.status}
-
-
-# =============================================================================================
-# Webhooks: a webhook task runs once per delivery to its URL. t3.py checks the token and bounds the
-# body; the runtime checks signature and rate; one command records the delivery with its outcome
-# and, when the task is idle, fires it in that commit. Deliveries wait in line, one run at a time:
-# settling a run fires the next. What the signature covers (else a delivery id header) makes the
-# command id, so a second copy finds the receipt and is recorded a duplicate.
-
-
-HOOK_BODY_MAX_BYTES = 1024 * 1024  # t3.py refuses a longer body (413) before reading it
-HOOK_DELIVERIES_PER_MINUTE = 60
-MAX_WAITING_DELIVERIES = 20  # queued + running, per task
-DELIVERY_EXCERPT_BYTES = 64 * 1024
-MAX_FILLED_PROMPT_CHARS = 120_000
-MAX_HOOK_FILTERS = 20
-DELIVERY_ID_HEADERS = ("x-github-delivery", "webhook-id", "x-request-id")
-TIMESTAMP_HEADERS = ("webhook-timestamp", "x-webhook-timestamp")
-STANDARD_WEBHOOKS = "standard-webhooks"  # webhook-id, webhook-timestamp, webhook-signature
-REDACTED = "<redacted>"
-# A hook URL's token (43 URL-safe characters: secrets.token_urlsafe(32)) after its task's id.
-_HOOK_TOKEN = re.compile(r"(/hooks/scheduled-task[^/\s\"'<>?#]*/)[\w-]{43}(?![\w-])", re.ASCII)
-_WEBHOOK_KEYS = ("type", "signature", "filters", "maxDeliveryAgeMinutes", "deliveryIdHeader",
-                 "timestampHeader")
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")
-_FILTER_PATH = re.compile(r"[^.\s]{1,128}(\.[^.\s]{1,128}){0,31}")
-# Header and query names whose values the log never keeps, and templates and filters never see.
-_SECRET_NAME = re.compile(r"auth|cookie|token|secret|signature|passw|api[-_]?key|credential|"
-                          r"session", re.IGNORECASE)
-_PLACEHOLDER = re.compile(r"\{\{\s*(body|headers|query)(?:\.([^{}\s]+))?\s*\}\}")
-_MISSING = object()
-
-
-def _validate_webhook(schedule: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"type": "webhook", "signature"?: {header, secret, prefix?}, "filters"?: [{path,
-    equals}], "maxDeliveryAgeMinutes"?, "deliveryIdHeader"?, "timestampHeader"?}``, checked."""
-    def fail(name: str, problem: str) -> T3Error:
-        return T3Error(f"schedule.{name}: {problem}", code="invalid_request")
-
-    def header(value: Any, name: str) -> str:
-        if not isinstance(value, str) or not _HEADER_NAME.fullmatch(value):
-            raise fail(name, "an HTTP header name (letters, digits and -, at most 128)")
-        return value
-    unknown = sorted(set(schedule) - set(_WEBHOOK_KEYS))
-    if unknown:
-        raise fail(unknown[0], f"unknown field; a webhook takes {', '.join(_WEBHOOK_KEYS[1:])}")
-    checked: dict[str, Any] = {"type": "webhook"}
-    if isinstance(sig := schedule.get("signature"), Mapping) and \
-            sig.get("scheme") == STANDARD_WEBHOOKS:
-        if set(sig) != {"scheme", "secret"} or not _standard_key(sig["secret"]):
-            raise fail("signature", f"{{scheme: {STANDARD_WEBHOOKS}, secret: whsec_<base64>}}")
-        if schedule.get("timestampHeader") is not None:
-            raise fail("timestampHeader", "the scheme's signed webhook-timestamp is the one read")
-        checked["signature"] = {"scheme": STANDARD_WEBHOOKS, "secret": sig["secret"]}
-    elif sig is not None:
-        if not isinstance(sig, Mapping) or set(sig) - {"header", "secret", "prefix"}:
-            raise fail("signature", "an object {header, secret, prefix?}, or {scheme: "
-                       f"{STANDARD_WEBHOOKS}, secret}}")
-        secret, prefix = sig.get("secret"), sig.get("prefix", "")
-        if not isinstance(secret, str) or not 1 <= len(secret) <= 1024:
-            raise fail("signature.secret", "a string of 1 to 1,024 characters")
-        if not isinstance(prefix, str) or len(prefix) > 64:
-            raise fail("signature.prefix", "a string of at most 64 characters (e.g. sha256=)")
-        checked["signature"] = {"header": header(sig.get("header"), "signature.header"),
-                                "secret": secret, **({"prefix": prefix} if prefix else {})}
-    if (filters := schedule.get("filters")) is not None:
-        if not isinstance(filters, list) or len(filters) > MAX_HOOK_FILTERS:
-            raise fail("filters", f"a list of at most {MAX_HOOK_FILTERS} {{path, equals}}")
-        for i, f in enumerate(filters):
-            if not isinstance(f, Mapping) or set(f) != {"path", "equals"}:
-                raise fail(f"filters[{i}]", "an object {path, equals}")
-            if not isinstance(f["path"], str) or not _FILTER_PATH.fullmatch(f["path"]):
-                raise fail(f"filters[{i}].path", "a dotted path (e.g. pull_request.base.ref, "
-                           "commits.0.id, headers.x-github-event, query.name)")
-            if not (f["equals"] is None or isinstance(f["equals"], (str, bool, int, float))):
-                raise fail(f"filters[{i}].equals", "a string, number, boolean or null")
-        checked["filters"] = [{"path": f["path"], "equals": f["equals"]} for f in filters]
-    if (age := schedule.get("maxDeliveryAgeMinutes")) is not None:
-        if not isinstance(age, int) or isinstance(age, bool) or not 1 <= age <= 10_080:
-            raise fail("maxDeliveryAgeMinutes", "an integer from 1 to 10080 (a week)")
-        checked["maxDeliveryAgeMinutes"] = age
-    for name in ("deliveryIdHeader", "timestampHeader"):
-        if schedule.get(name) is not None:
-            checked[name] = header(schedule[name], name)
-    return checked
-
-
-@dataclass(frozen=True, slots=True)
-class WebhookRequest:
-    """A request to a hook's URL as HTTP carried it (t3.py parses it; nothing in it is trusted)."""
-
-    method: str
-    headers: tuple[tuple[str, str], ...]  # names lower-cased, in the order sent
-    query: tuple[tuple[str, str], ...]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        name = name.lower()
-        return next((value for key, value in self.headers if key == name), None)
-
-
-def signature_valid(schedule: Mapping[str, Any], request: WebhookRequest) -> bool:
-    """No signature asked for; or the header holds prefix + HMAC-SHA256(secret, raw body) in hex
-    (GitHub: ``X-Hub-Signature-256: sha256=<hex>``); or, for Standard Webhooks, one of the
-    space-separated ``v1,<base64>`` in ``webhook-signature`` is the HMAC-SHA256 of
-    ``<webhook-id>.<webhook-timestamp>.<body>`` under the secret's key. Constant-time compares."""
-    sig = schedule.get("signature")
-    if not sig:
-        return True
-    signed = _signed_content(schedule, request)
-    if sig.get("scheme") == STANDARD_WEBHOOKS:
-        expected = base64.b64encode(hmac.new(_standard_key(sig["secret"]) or b"", signed or b"",
-                                             hashlib.sha256).digest()).decode()
-        given = (request.header("webhook-signature") or "").split()
-        # compare_digest takes only ASCII text: a value with other characters matches nothing.
-        return signed is not None and any(
-            g.isascii() and g.startswith("v1,") and hmac.compare_digest(g[3:], expected)
-            for g in given)
-    given = (request.header(sig["header"]) or "").strip()
-    prefix = sig.get("prefix", "")
-    expected = hmac.new(sig["secret"].encode(), request.body, hashlib.sha256).hexdigest()
-    return given.isascii() and given.startswith(prefix) and \
-        hmac.compare_digest(given[len(prefix):].lower(), expected)
-
-
-def replay_key(schedule: Mapping[str, Any], request: WebhookRequest) -> str | None:
-    """What names the delivery for dedupe. A signed one: the hash of what its signature covers,
-    so a copy is known whatever delivery id it carries. Else the task's ``deliveryIdHeader``, or
-    ``X-GitHub-Delivery``, ``webhook-id`` or ``X-Request-Id``; None when absent (never a
-    duplicate then)."""
-    if schedule.get("signature") and (signed := _signed_content(schedule, request)) is not None:
-        return "signed:" + hashlib.sha256(signed).hexdigest()
-    return delivery_key(schedule, request)
-
-
-def delivery_key(schedule: Mapping[str, Any], request: WebhookRequest) -> str | None:
-    """The delivery id header's value, as the log shows it (None when absent)."""
-    names = [schedule["deliveryIdHeader"]] if schedule.get("deliveryIdHeader") \
-        else DELIVERY_ID_HEADERS
-    value = next((v.strip() for n in names if (v := request.header(n)) and v.strip()), None)
-    return bounded_id(value) if value else None
-
-
-def redact_hook_tokens(text: str) -> str:
-    """``text`` with every hook URL's token blanked (``/hooks/<task>/<redacted>``): what
-    providers, tool results and logs carry never hands a live hook to whoever reads them."""
-    return _HOOK_TOKEN.sub(rf"\g<1>{REDACTED}", text) if "/hooks/" in text else text
-
-
-def _signed_content(schedule: Mapping[str, Any], request: WebhookRequest) -> bytes | None:
-    """The bytes the task's signature covers: the body, or for Standard Webhooks
-    ``<webhook-id>.<webhook-timestamp>.<body>`` (None without those headers)."""
-    if (schedule.get("signature") or {}).get("scheme") != STANDARD_WEBHOOKS:
-        return request.body
-    msg_id, stamp = request.header("webhook-id"), request.header("webhook-timestamp")
-    if not msg_id or not stamp:
-        return None
-    return f"{msg_id}.{stamp}.".encode("latin-1") + request.body  # the header bytes as sent
-
-
-def _standard_key(secret: Any) -> bytes | None:
-    """A Standard Webhooks secret ``whsec_<base64>`` as its HMAC key (None if it is not one)."""
-    if not isinstance(secret, str) or not secret.startswith("whsec_") or len(secret) > 1024:
-        return None
-    try:
-        return base64.b64decode(secret[6:], validate=True) or None
-    except ValueError:
-        return None
-
-
-def delivery_excerpt(schedule: Mapping[str, Any], body: bytes,
-                     redact: Callable[[str], str] | None) -> str:
-    """What the log keeps of a body: its first 64 KiB as text through ``redact`` (t3.py hands
-    in providers.redact; without one nothing is kept), the signature's secret blanked too."""
-    if redact is None:
-        return ""
-    return _blank_secret(schedule, redact(body[:DELIVERY_EXCERPT_BYTES].decode("utf-8",
-                                                                               "replace")))
-
-
-def _blank_secret(schedule: Mapping[str, Any], text: str) -> str:
-    secret = (schedule.get("signature") or {}).get("secret")
-    return text.replace(secret, REDACTED) if secret and secret in text else text
-
-
-class _Delivery:
-    """A request as the rules see it: headers and query with secrets blanked (the log keeps
-    these, and templates and filters see only these), the body as text and as JSON."""
-
-    def __init__(self, schedule: Mapping[str, Any], request: WebhookRequest) -> None:
-        self.schedule, self.request = schedule, request
-        signed = ((schedule.get("signature") or {}).get("header") or "").lower()
-        self.headers: dict[str, str] = {}
-        for name, value in request.headers:
-            shown = REDACTED if _SECRET_NAME.search(name) or name == signed else \
-                _blank_secret(schedule, value)
-            self.headers[name] = f"{self.headers[name]}, {shown}" if name in self.headers \
-                else shown
-        self.query: dict[str, list[str]] = {}
-        for name, value in request.query:
-            self.query.setdefault(name, []).append(
-                REDACTED if _SECRET_NAME.search(name) else _blank_secret(schedule, value))
-        self.text = request.body.decode("utf-8", "replace")
-        try:
-            self.json: Any = parse_json(self.text)
-        except ValueError:
-            self.json = _MISSING
-
-    def value(self, path: str) -> Any:
-        """``headers.<name>``, ``query.<name>``, or a dotted path into the JSON body (``body.``
-        optional; a list index is a number); _MISSING when there is none."""
-        head, _, rest = path.partition(".")
-        if head == "headers":
-            return self.headers.get(rest.lower(), _MISSING)
-        if head == "query":
-            return self.query[rest][0] if self.query.get(rest) else _MISSING
-        found = self.json
-        for part in (rest.split(".") if rest else []) if head == "body" else path.split("."):
-            if isinstance(found, dict) and part in found:
-                found = found[part]
-            elif isinstance(found, list) and part.isdigit() and int(part) < len(found):
-                found = found[int(part)]
-            else:
-                return _MISSING
-        return found
-
-    def fill(self, template: str) -> str:
-        """The prompt template with ``{{body}}`` (the raw body), ``{{body.a.b}}``,
-        ``{{headers.name}}`` and ``{{query.name}}`` filled in (missing: empty), in one pass: a
-        placeholder inside a filled-in value stays as it is."""
-        def filled(match: re.Match[str]) -> str:
-            source, path = match.groups()
-            if path is None:
-                return self.text if source == "body" else match.group(0)
-            value = self.value(f"{source}.{path}")
-            if value is _MISSING or value is None:
-                return ""
-            return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        return _PLACEHOLDER.sub(filled, template).strip()
-
-    def unmatched_filter(self) -> str | None:
-        """Why the delivery is skipped: the first filter it does not match, or None."""
-        for i, f in enumerate(self.schedule.get("filters") or ()):
-            if not _same_json(self.value(f["path"]), f["equals"]):
-                return f"filters[{i}] ({f['path']} equals {json.dumps(f['equals'])}) did not match"
-        return None
-
-    def too_old(self, now: float) -> str | None:
-        """Why the delivery is expired: its timestamp header is missing, unreadable, or further
-        than ``maxDeliveryAgeMinutes`` from now (either way); None without a limit."""
-        limit = self.schedule.get("maxDeliveryAgeMinutes")
-        names = [self.schedule["timestampHeader"]] if self.schedule.get("timestampHeader") \
-            else TIMESTAMP_HEADERS
-        name, value = next(((n, v) for n in names if (v := self.request.header(n))), ("", None))
-        if limit is None:
-            return None
-        if value is None:  # else a replay would only have to leave its stamp out
-            return f"it has no timestamp header ({', '.join(names)}) and " \
-                f"maxDeliveryAgeMinutes is {limit}"
-        sent = _timestamp(value)
-        if sent is None:
-            return f"its {name} header is not a time (epoch seconds or milliseconds, ISO 8601, " \
-                "or an HTTP date)"
-        if now - sent > limit * 60:
-            return f"sent {now - sent:.0f} s ago, more than maxDeliveryAgeMinutes ({limit})"
-        if sent - now > limit * 60:  # else a copy could outlive its dedupe (_delivery_command_id)
-            return f"stamped {sent - now:.0f} s ahead, more than maxDeliveryAgeMinutes ({limit})"
-        return None
-
-
-def _same_json(found: Any, wanted: Any) -> bool:
-    """JSON equality: true is not 1, 1 is 1.0."""
-    if found is _MISSING or isinstance(found, bool) != isinstance(wanted, bool):
-        return False
-    return bool(found == wanted)
-
-
-def _timestamp(value: str) -> float | None:
-    """Epoch seconds from epoch seconds or milliseconds, ISO 8601 (naive: UTC) or an HTTP date."""
-    value = value.strip()
-    if re.fullmatch(r"\d{1,16}(\.\d{1,9})?", value):
-        number = float(value)
-        return number / 1000 if number > 1e11 else number  # 1e11 s is the year 5138
-    try:
-        parsed = datetime.datetime.fromisoformat(value)
-    except ValueError:
-        try:
-            parsed = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=datetime.UTC)
-    return parsed.timestamp()
-
-
-@dataclass(frozen=True, slots=True)
-class ReceiveWebhookDelivery(_Command):
-    """A delivery passed its hook's token, signature and rate limit: record it, with its
-    outcome, and queue its run unless it is a duplicate, expired, skipped or failed."""
-
-    type: ClassVar[str] = "webhook-delivery.receive"
-    # The command id holds what names the delivery (``replay_key``): a copy is the same command.
-    fingerprint_fields: ClassVar[tuple[str, ...]] = ("thread_id",)
-    # command_id: webhook:<task>:<replay key>[:<n>] when it has one, else random
-    # thread_id: the task's id
-    delivery_id: str
-    request: WebhookRequest
-    body_excerpt: str  # the log's copy: ``delivery_excerpt``
-    delivery_key: str | None = None
-    duplicate_of: str | None = None  # the delivery first recorded under this key
-
-
-@_decides(ReceiveWebhookDelivery, thread=False)
-def _decide_receive_delivery(d: _Draft, c: ReceiveWebhookDelivery, **_: Any
-                             ) -> Mapping[str, Any]:
-    task = d.get("scheduled-task", c.thread_id)
-    if task is None or task.deleted_at is not None or task.schedule.get("type") != "webhook":
-        raise CommandRejected("No webhook at this address.", code="hook_not_found")
-    if not task.enabled:
-        raise CommandRejected(f"Scheduled task {task.id} is paused (enabled: false).",
-                              code="hook_disabled")
-    view = _Delivery(task.schedule, c.request)
-    task = replace(task, delivery_count=task.delivery_count + 1, updated_at=d.now)
-    delivery = WebhookDelivery(
-        id=c.delivery_id, task_id=task.id, received_at=d.now, outcome="queued",
-        method=c.request.method, headers=view.headers, body_excerpt=c.body_excerpt,
-        body_truncated=len(c.request.body) > DELIVERY_EXCERPT_BYTES, query=view.query,
-        delivery_key=c.delivery_key, updated_at=d.now, ordinal=task.delivery_count)
-    if c.duplicate_of is not None:
-        delivery = replace(delivery, outcome="duplicate", reason=(
-            "the same signed delivery" if task.schedule.get("signature") else
-            f"delivery {c.delivery_key}") + f" came before: {c.duplicate_of}")
-    elif (why := view.too_old(epoch_of(d.now))) is not None:
-        delivery = replace(delivery, outcome="expired", reason=why)
-    elif (why := view.unmatched_filter()) is not None:
-        delivery = replace(delivery, outcome="skipped", reason=why)
-    else:
-        waiting = sum(1 for x in d.all("webhook-delivery") if x.outcome in DELIVERY_WAITING)
-        if waiting >= MAX_WAITING_DELIVERIES:
-            raise CommandRejected(f"{waiting} deliveries to this hook are waiting or running "
-                                  f"(at most {MAX_WAITING_DELIVERIES}); send it again later",
-                                  code="queue_full")
-        prompt = view.fill(task.prompt)
-        delivery = replace(delivery, prompt=prompt) if len(prompt) <= MAX_FILLED_PROMPT_CHARS \
-            else replace(delivery, outcome="failed", error="The filled-in prompt is too long.")
-    if delivery.outcome == "queued":
-        task = _fire_next_delivery(d, task, arriving=delivery)
-    else:
-        d.put(delivery)
-    d.put(task)
-    return {"deliveryId": delivery.id, "receivedAt": d.now,
-            "outcome": d.get("webhook-delivery", delivery.id).outcome}
-
-
-def _fire_next_delivery(d: _Draft, task: ScheduledTask, *,
-                        arriving: WebhookDelivery | None = None) -> ScheduledTask:
-    """Fire the oldest queued delivery if the task is idle, enabled and not deleted; put what
-    this changes (and ``arriving``, joining the line). Returns the task for the caller to put."""
-    line = sorted([x for x in d.all("webhook-delivery") if x.outcome == "queued"]
-                  + ([arriving] if arriving else []), key=lambda x: x.ordinal)
-    idle = bool(line) and task.enabled and task.deleted_at is None and \
-        task.last_run_status != "running"
-    if arriving is not None and not (idle and arriving is line[0]):
-        d.put(arriving)
-    if not idle:
-        return task
-    first = line[0]
-    fire_key = bounded_id(f"scheduled-task:{task.id}:{first.id}:webhook")
-    d.put(replace(first, outcome="running", fire_key=fire_key, prompt=None, updated_at=d.now))
-    return _fired(d, task, fire_key, first.prompt or "")
-
-
-# =============================================================================================
 # Thread metadata and lifecycle: titles, pull request links, archive, delete, snooze, visit. Only
 # archive and delete touch runs (cancel queued ones, refuse while one is active). A title
 # regeneration runs on a lane of its own (a slow provider never holds up turns) and applies only
@@ -3050,7 +2425,7 @@ TITLE_PROMPT = ("<t3_title_request>\nReply with only a short title (at most 8 wo
 
 
 @dataclass(frozen=True, slots=True)
-class ChangeThreadLifecycle(_Command):
+class ChangeThreadLifecycle(Command):
     """One of THREAD_LIFECYCLE; ``at`` is thread.snooze's snoozedUntil or thread.visit's
     visitedAt (t3's own time form, ``parse_time``)."""
 
@@ -3065,7 +2440,7 @@ class ChangeThreadLifecycle(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateThreadMetadata(_Command):
+class UpdateThreadMetadata(Command):
     type: ClassVar[str] = "thread.metadata.update"
     action: str  # METADATA_ACTIONS
     title: str | None = None  # rename only
@@ -3081,7 +2456,7 @@ class UpdateThreadMetadata(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class CompleteTitleRegeneration(_Command):
+class CompleteTitleRegeneration(Command):
     """The title effect's answer: applied only if ``request_id`` is still the marker."""
 
     type: ClassVar[str] = "thread.title.regeneration.complete"
@@ -3091,7 +2466,7 @@ class CompleteTitleRegeneration(_Command):
 
 def parse_time(value: str) -> str:
     """An ISO 8601 time (naive: UTC) or epoch seconds/milliseconds as t3 writes times."""
-    epoch = _timestamp(value)
+    epoch = parse_timestamp(value)
     if epoch is None:
         raise ValueError(f"not a time: {value!r}")
     return iso_time(epoch)
@@ -3103,8 +2478,8 @@ def metadata_result(thread: AppThread, action: str, command_id: str) -> dict[str
             "linkedPullRequest": thread.linked_pull_request, "updatedAt": thread.updated_at}
 
 
-@_decides(UpdateThreadMetadata)
-def _decide_metadata(d: _Draft, c: UpdateThreadMetadata, **_: Any) -> Mapping[str, Any]:
+@decides(UpdateThreadMetadata)
+def _decide_metadata(d: Draft, c: UpdateThreadMetadata, **_: Any) -> Mapping[str, Any]:
     thread = d.thread
     assert thread is not None
     changed: dict[str, Any] = {
@@ -3120,8 +2495,8 @@ def _decide_metadata(d: _Draft, c: UpdateThreadMetadata, **_: Any) -> Mapping[st
     return metadata_result(thread, c.action, c.command_id)
 
 
-@_decides(CompleteTitleRegeneration)
-def _decide_title_complete(d: _Draft, c: CompleteTitleRegeneration, **_: Any
+@decides(CompleteTitleRegeneration)
+def _decide_title_complete(d: Draft, c: CompleteTitleRegeneration, **_: Any
                            ) -> Mapping[str, Any]:
     thread = d.thread
     assert thread is not None
@@ -3131,8 +2506,8 @@ def _decide_title_complete(d: _Draft, c: CompleteTitleRegeneration, **_: Any
     return metadata_result(thread, "regenerate_title", c.request_id)
 
 
-@_decides(ChangeThreadLifecycle, client=THREAD_LIFECYCLE)
-def _decide_lifecycle(d: _Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[str, Any]:
+@decides(ChangeThreadLifecycle, client=THREAD_LIFECYCLE)
+def _decide_lifecycle(d: Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[str, Any]:
     thread = d.thread
     assert thread is not None
     verb = c.type.removeprefix("thread.")
@@ -3174,7 +2549,7 @@ def _decide_lifecycle(d: _Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[
 DELETED = "The thread was deleted."
 
 
-def _end_owned(d: _Draft, reason: str) -> None:
+def _end_owned(d: Draft, reason: str) -> None:
     """A deleted thread leaves nothing going: its open delegated tasks, runs (queued ones
     first, so that the last run's end publishes a delegated child's result; if none of them
     ran, the deletion does), rollback, requests and sessions end; its agent process is stopped
@@ -3259,7 +2634,7 @@ PREPARATION_OUTPUT_CHARS = 20_000
 
 
 @dataclass(frozen=True, slots=True)
-class AdvancePreparation(_Command):
+class AdvancePreparation(Command):
     type: ClassVar[str] = "run.prepare"
     run_id: str
     phase: str  # approval | setup | ready | failed
@@ -3276,14 +2651,14 @@ def _setup_request_id(run_id: str) -> str:
     return bounded_id(f"runtime-request:{run_id}:setup")
 
 
-def _begin_preparation(d: _Draft, run: Run, preparation: Mapping[str, Any]) -> None:
+def _begin_preparation(d: Draft, run: Run, preparation: Mapping[str, Any]) -> None:
     _put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
               "running", title="Preparing workspace", data={"phase": "worktree"})
     d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
 
-@_decides(AdvancePreparation)
-def _decide_preparation(d: _Draft, c: AdvancePreparation, **kw: Any) -> Mapping[str, Any]:
+@decides(AdvancePreparation)
+def _decide_preparation(d: Draft, c: AdvancePreparation, **kw: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     item = d.get("turn-item", _preparation_item_id(c.run_id))
     if run is None or item is None or run.status != RunStatus.PREPARING:
@@ -3311,7 +2686,7 @@ def _decide_preparation(d: _Draft, c: AdvancePreparation, **kw: Any) -> Mapping[
     return {"runId": run.id, "status": run.status, "phase": c.phase}
 
 
-def _setup_answered(d: _Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
+def _setup_answered(d: Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
                     declined: bool) -> None:
     """Accepted: the commands run (``workspace.prepare`` again, in the worktree already made).
     Declined (or cancelled): the run starts without them, its item saying so."""
@@ -3340,7 +2715,7 @@ _HANDOFF_HEADERS = {
 
 
 @dataclass(frozen=True, slots=True)
-class SwitchProvider(_Command):
+class SwitchProvider(Command):
     type: ClassVar[str] = "provider.switch"
     # The runtime mode is derived from the thread's when the call arrives (as DispatchMessage's
     # mode): a retry after it changed is still the same request.
@@ -3350,8 +2725,8 @@ class SwitchProvider(_Command):
     runtime_mode: str  # the thread's, stepped down to what the new provider offers
 
 
-@_decides(SwitchProvider, client=True)
-def _decide_switch(d: _Draft, c: SwitchProvider, *, providers: Mapping[str, ProviderInfo],
+@decides(SwitchProvider, client=True)
+def _decide_switch(d: Draft, c: SwitchProvider, *, providers: Mapping[str, ProviderInfo],
                    **_: Any) -> Mapping[str, Any]:
     thread = _sendable(d)
     _registered(providers, c.provider_instance_id)
@@ -3365,7 +2740,7 @@ def _decide_switch(d: _Draft, c: SwitchProvider, *, providers: Mapping[str, Prov
             "previous": {"providerInstanceId": before[0], "model": before[1]}}
 
 
-def _hand_off(d: _Draft, run: Run, pthread: ProviderThread | None, resume_failed: bool,
+def _hand_off(d: Draft, run: Run, pthread: ProviderThread | None, resume_failed: bool,
               providers: Mapping[str, ProviderInfo]) -> str | None:
     """The handoff ``run`` needs on its provider thread, if any, recorded; its id. A provider
     thread that never took part or could not resume its conversation gets every earlier run;
@@ -3379,7 +2754,7 @@ def _hand_off(d: _Draft, run: Run, pthread: ProviderThread | None, resume_failed
                           providers)
 
 
-def record_handoff(d: _Draft, run: Run, strategy: str, covered: Sequence[Run],
+def record_handoff(d: Draft, run: Run, strategy: str, covered: Sequence[Run],
                    providers: Mapping[str, ProviderInfo]) -> str | None:
     """A ContextHandoff of ``covered`` (runs, oldest first) for ``run``, with its turn item; its
     id, or None when nothing is covered."""
@@ -3392,7 +2767,7 @@ def record_handoff(d: _Draft, run: Run, strategy: str, covered: Sequence[Run],
 def describe_handoff(d: Any, strategy: str, covered: Sequence[Run], to_instance: str,
                      providers: Mapping[str, ProviderInfo], head: Sequence[str] | None = None
                      ) -> dict[str, Any]:
-    """What a handoff of ``covered`` (runs of the thread ``d`` holds: a _Draft, or any view
+    """What a handoff of ``covered`` (runs of the thread ``d`` holds: a Draft, or any view
     with its ``get``/``all``) to ``to_instance`` says and records (``_put_handoff``)."""
     def driver(instance: str) -> str:
         return providers[instance].driver if instance in providers else instance
@@ -3408,7 +2783,7 @@ def describe_handoff(d: Any, strategy: str, covered: Sequence[Run], to_instance:
                 lines=_item_lines(d, {r.id for r in covered}))}
 
 
-def _put_handoff(d: _Draft, run: Run, about: Mapping[str, Any], key: str = "") -> str:
+def _put_handoff(d: Draft, run: Run, about: Mapping[str, Any], key: str = "") -> str:
     """The ContextHandoff ``describe_handoff`` described, for ``run``, and its turn item."""
     strategy, froms, instances = (about["strategy"], about["fromProviderThreadIds"],
                                   about["fromProviderInstanceIds"])
@@ -3500,7 +2875,7 @@ MERGE_BACK_LABEL = "merge_back / fork_delta_summary"
 
 
 @dataclass(frozen=True, slots=True)
-class ForkThread(_Command):
+class ForkThread(Command):
     type: ClassVar[str] = "thread.fork"
     # thread_id: the fork (the command's thread)
     create: CreateThread  # the fork as made: lineage, forkedFrom, workspace; no message
@@ -3512,7 +2887,7 @@ class ForkThread(_Command):
 
 
 @dataclass(frozen=True, slots=True)
-class MergeBack(_Command):
+class MergeBack(Command):
     type: ClassVar[str] = "thread.merge_back"
     # thread_id: the fork's parent (the command's thread)
     source_thread_id: str  # the fork
@@ -3524,13 +2899,13 @@ def fork_transfer_id(fork_thread_id: str) -> str:
     return bounded_id(f"context-transfer:fork:{fork_thread_id}")
 
 
-def view(state: ThreadState) -> _Draft:
+def view(state: ThreadState) -> Draft:
     """A read-only view of a thread's state with a draft's ``get``/``all``/``runs``."""
-    return _Draft(state, None, "")
+    return Draft(state, None, "")
 
 
-@_decides(ForkThread, thread=False)
-def _decide_fork(d: _Draft, c: ForkThread, **kw: Any) -> Mapping[str, Any]:
+@decides(ForkThread, thread=False)
+def _decide_fork(d: Draft, c: ForkThread, **kw: Any) -> Mapping[str, Any]:
     result = _decide_create_thread(d, c.create, **kw)
     transfer = d.put(ContextTransfer(
         id=fork_transfer_id(c.thread_id), thread_id=c.thread_id, type="fork",
@@ -3543,13 +2918,13 @@ def _decide_fork(d: _Draft, c: ForkThread, **kw: Any) -> Mapping[str, Any]:
             "worktreePath": c.create.worktree_path, "branch": c.create.branch}
 
 
-def _fork_transfer(d: _Draft) -> ContextTransfer | None:
+def _fork_transfer(d: Draft) -> ContextTransfer | None:
     """The fork's pending transfer, until its first run started."""
     transfer = d.get("context-transfer", fork_transfer_id(d.thread.id)) if d.thread else None
     return transfer if transfer is not None and transfer.status == "pending" else None
 
 
-def _fork_preparation(d: _Draft) -> Mapping[str, Any] | None:
+def _fork_preparation(d: Draft) -> Mapping[str, Any] | None:
     """The worktree a fork's first run makes (again, after a first run that failed to)."""
     transfer = _fork_transfer(d)
     if transfer is None or any(r.started_at for r in d.runs()):
@@ -3557,7 +2932,7 @@ def _fork_preparation(d: _Draft) -> Mapping[str, Any] | None:
     return (transfer.data or {}).get("preparation")
 
 
-def _take_fork(d: _Draft, run: Run, native: bool) -> str | None:
+def _take_fork(d: Draft, run: Run, native: bool) -> str | None:
     """At the fork's first run: consume its transfer; the portable context's handoff id."""
     transfer = _fork_transfer(d)
     if transfer is None:
@@ -3572,8 +2947,8 @@ def _take_fork(d: _Draft, run: Run, native: bool) -> str | None:
     return handoff_id
 
 
-@_decides(MergeBack)
-def _decide_merge_back(d: _Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
+@decides(MergeBack)
+def _decide_merge_back(d: Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
     thread = _sendable(d)
     superseded = [d.put(replace(t, status="superseded", updated_at=d.now)).id
                   for t in d.all("context-transfer") if t.type == "merge_back"
@@ -3588,7 +2963,7 @@ def _decide_merge_back(d: _Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
             "superseded": superseded}
 
 
-def _take_merge_backs(d: _Draft, run: Run) -> list[str]:
+def _take_merge_backs(d: Draft, run: Run) -> list[str]:
     """At a thread's next run: its pending merge-backs as handoffs, oldest first; their ids."""
     pending = sorted((t for t in d.all("context-transfer") if t.type == "merge_back"
                       and t.status == "pending"), key=lambda t: t.created_at)
@@ -3618,20 +2993,20 @@ def merge_back_head(fork_id: str, target_id: str, covered: Sequence[Run]) -> lis
 
 
 @dataclass(frozen=True, slots=True)
-class RollbackThread(_Command):
+class RollbackThread(Command):
     type: ClassVar[str] = "checkpoint.rollback"
     checkpoint_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class FinishRollback(_Command):
+class FinishRollback(Command):
     type: ClassVar[str] = "checkpoint.rollback-finish"
     item_id: str
     native_provider_thread_ids: tuple[str, ...] = ()  # their conversations were rolled back
     failure: str | None = None  # the restore failed: nothing is marked
 
 
-def rollback_in_progress(d: _Draft) -> bool:
+def rollback_in_progress(d: Draft) -> bool:
     return any(i.type == "rollback" and i.status == "running" for i in d.all("turn-item"))
 
 
@@ -3642,8 +3017,8 @@ def kept_before(runs: Sequence[Run], ordinal: int) -> int:
                 and r.status != RunStatus.ROLLED_BACK] + [0])
 
 
-@_decides(RollbackThread, client=True)
-def _decide_rollback(d: _Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any]:
+@decides(RollbackThread, client=True)
+def _decide_rollback(d: Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any]:
     cp = d.get("checkpoint", c.checkpoint_id)
     if cp is None or cp.thread_id != c.thread_id:
         raise CommandRejected(f"thread {c.thread_id} has no checkpoint {c.checkpoint_id}",
@@ -3668,8 +3043,8 @@ def _decide_rollback(d: _Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any
             "rolledBackRunIds": later, "itemId": item.id}
 
 
-@_decides(FinishRollback)
-def _decide_finish_rollback(d: _Draft, c: FinishRollback, **_: Any) -> Mapping[str, Any]:
+@decides(FinishRollback)
+def _decide_finish_rollback(d: Draft, c: FinishRollback, **_: Any) -> Mapping[str, Any]:
     item = d.get("turn-item", c.item_id)
     if item is None or item.status != "running":
         raise CommandRejected("the rollback has already finished")
@@ -3707,9 +3082,10 @@ def kept_turns(state: ThreadState, pthread_id: str, ordinal: int) -> int:
                and run.ordinal <= ordinal and run.status != RunStatus.ROLLED_BACK)
 
 
-# What a person's client may send (/ws and MCP); the rest are the server's own: a client forging
-# provider output or recovery would falsify the record.
-CLIENT_COMMANDS = tuple(t for entry in _COMMANDS.values() for t in entry.client_types)
+def client_commands() -> tuple[str, ...]:
+    """What a person's client may send (/ws and MCP); the rest are the server's own: a client
+    forging provider output or recovery would falsify the record."""
+    return tuple(t for entry in _COMMANDS.values() for t in entry.client_types)
 
 
 # =============================================================================================
@@ -3786,11 +3162,24 @@ class Subscription:
         return items
 
 
+class Part(Protocol):
+    """A feature's runtime that the orchestrator drives (schedules.py's scheduler): it is shown
+    each committed entity of the kinds it ``watches``, and ``run`` is its background loop."""
+
+    watches: frozenset[str]
+
+    def committed(self, entity: Any) -> None: ...
+    async def run(self) -> None: ...
+
+
+_P = TypeVar("_P")
+
+
 class Orchestrator:
     """Serializes commands per thread, keeps the thread states they are decided on, wakes waits
-    and subscriptions, and runs the effect worker. Its parts: ``sessions`` (provider processes
-    and agent process slots) and ``scheduler`` (scheduled tasks and webhooks). Start with
-    ``start()`` inside the running loop."""
+    and subscriptions, and runs the effect worker. ``sessions`` holds the provider processes and
+    agent process slots; features attach their own runtime (``attach``). Start with ``start()``
+    inside the running loop."""
 
     MAX_CONCURRENT_EFFECTS = 16
     # Ingest commits queued at the single writer at once, over all sessions: every other command
@@ -3803,18 +3192,16 @@ class Orchestrator:
     def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
                  new_id: Callable[[str], str] = random_id, lease_ms: int = 30_000,
-                 wall: Callable[[], float] = time.time,
                  coalesce_s: float = 0.02, backoff_base_ms: int = 100,
                  credentials: SessionCredentials | None = None,
                  max_live_agent_processes: int = 16, max_delegation_depth: int = 5,
-                 redact: Callable[[str], str] | None = None,
                  workspaces: Workspaces | None = None) -> None:
         self._store = store
         self.workspaces = workspaces  # git as an effect (workspace.py, handed in by t3.py)
         self._adapters = dict(adapters)
         self.providers = providers  # read live: an instance may become available later
         self._clock = clock
-        self._new_id = new_id
+        self.new_id = new_id
         self._lease_ms = lease_ms
         self._backoff_base_ms = backoff_base_ms
         self.threads = ThreadService(self)
@@ -3830,12 +3217,22 @@ class Orchestrator:
         self.sessions = _Sessions(self, credentials=credentials, coalesce_s=coalesce_s,
                                   max_live=max_live_agent_processes,
                                   max_loans=max_live_agent_processes * max_delegation_depth)
-        self.scheduler = _Scheduler(self, wall=wall, redact=redact)
-        # What t3.py and tools.py call on the orchestrator, served by its parts.
-        self.lending = self.sessions.lending
-        self.fire, self.scheduler_pass = self.scheduler.fire, self.scheduler.scheduler_pass
-        self.webhook_task = self.scheduler.webhook_task
-        self.receive_webhook = self.scheduler.receive_webhook
+        self.lending = self.sessions.lending  # (what tools.py's waits call)
+        self._parts: list[Part] = []
+        self._watchers: dict[str, list[Part]] = {}
+
+    def attach(self, part: Part) -> None:
+        """A feature's runtime (t3.py attaches schedules.py's scheduler before ``start``)."""
+        self._parts.append(part)
+        for kind in part.watches:
+            self._watchers.setdefault(kind, []).append(part)
+
+    def part(self, cls: type[_P]) -> _P:
+        """The attached part of this class (LookupError: none is)."""
+        found = next((p for p in self._parts if isinstance(p, cls)), None)
+        if found is None:
+            raise LookupError(f"no {cls.__name__} is attached")
+        return found
 
     # -- commands, the state cache, waits and subscriptions ---------------------------------------
 
@@ -3855,7 +3252,7 @@ class Orchestrator:
             if receipt is not None:
                 return self._replay(command, receipt)
             state = await self.state(command.thread_id) or ThreadState()
-            decision = decide(state, command, now=self._clock(), new_id=self._new_id,
+            decision = decide(state, command, now=self._clock(), new_id=self.new_id,
                               providers=self.providers)
             if not decision.events and not decision.effects:
                 return DispatchResult(state.sequence, decision.result)
@@ -3884,7 +3281,7 @@ class Orchestrator:
                           "used for a different request", code="invalid_request")
         return DispatchResult(receipt.result_sequence, receipt.result, replayed=True)
 
-    async def _try_dispatch(self, command: Any, note: str = "") -> bool:
+    async def try_dispatch(self, command: Any, note: str = "") -> bool:
         """Dispatch where the state may have moved on meanwhile: a CommandRejected is only
         logged (under ``note``); False then."""
         try:
@@ -3903,7 +3300,7 @@ class Orchestrator:
         for event, sequence, entity in zip(events, sequences, entities, strict=True):
             kind = _store.event_kind(event.type)
             state = self._states.get(event.thread_id)
-            if state is None and kind in ("thread", "scheduled-task"):  # a new stream
+            if state is None and entity.opens_stream:  # a new thread or task
                 state = self._states[event.thread_id] = ThreadState()
             touched.add(event.thread_id)
             if state is not None:
@@ -3911,9 +3308,8 @@ class Orchestrator:
                 state.sequence = sequence
             if kind == "run" and entity.status in RUN_TERMINAL:
                 self.sessions.run_ended(entity.id)
-                self.scheduler.run_ended(entity)
-            if kind == "scheduled-task":
-                self.scheduler.reschedule()  # its timing or state changed: aim again
+            for part in self._watchers.get(kind, ()):
+                part.committed(entity)
         for thread_id in touched:
             self._notify(thread_id)
 
@@ -3955,7 +3351,8 @@ class Orchestrator:
         state = self._states.pop(thread_id, None)
         if state is None:
             sequence, rows = self._store.thread_entities(thread_id)
-            if not rows["thread"] and not rows["scheduled-task"]:
+            if not any(rows.get(kind) for kind, cls in _ENTITY_TYPES.items()
+                       if cls.opens_stream):
                 return None
             state = ThreadState.load(sequence, rows)
             self._evict()
@@ -4014,10 +3411,11 @@ class Orchestrator:
     # -- lifecycle and recovery -------------------------------------------------------------------
 
     def start(self) -> None:
-        self._spawn(self._effect_loop(), "effect-worker")
-        self._spawn(self.scheduler.loop(), "scheduler")
+        self.spawn(self._effect_loop(), "effect-worker")
+        for part in self._parts:
+            self.spawn(part.run(), type(part).__name__)
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -4089,7 +3487,7 @@ class Orchestrator:
             state = await self.state(thread_id)
             for run in state.runs if state is not None and state.thread is not None else ():
                 if run.status in RUN_BLOCKING:
-                    await self._try_dispatch(FailRun(
+                    await self.try_dispatch(FailRun(
                         command_id=bounded_id(f"command:recovery-failed:{run.id}:{stamp}"),
                         thread_id=thread_id, run_id=run.id, attempt_id=None,
                         status=RunStatus.FAILED, reason=reason), f"run {run.id}")
@@ -4106,15 +3504,15 @@ class Orchestrator:
                                                      lease_ms=self._lease_ms)
                 if row is None:
                     break
-                self._effect_tasks[row.effect_id] = self._spawn(self._run_effect(row),
-                                                                f"effect {row.effect_type}")
+                self._effect_tasks[row.effect_id] = self.spawn(self._run_effect(row),
+                                                               f"effect {row.effect_type}")
             due = self._store.next_effect_due_ms()
             timeout = None if due is None else max(0.001, (due - _ms()) / 1000)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._effect_wake.wait(), timeout)
 
     async def _run_effect(self, row: _store.EffectRow) -> None:
-        renewer = self._spawn(self._renew_lease(row, asyncio.current_task()), "lease")
+        renewer = self.spawn(self._renew_lease(row, asyncio.current_task()), "lease")
         try:
             if row.attempt_count > row.max_attempts:  # reclaimed after its last lease expired
                 raise _PermanentEffectError("no attempts left after the last lease expired")
@@ -4159,7 +3557,7 @@ class Orchestrator:
             return
         run_id = row.payload.get("runId")
         if run_id and (kind := EFFECTS.get(row.effect_type)) is not None and kind.fails_run:
-            await self._try_dispatch(FailRun(
+            await self.try_dispatch(FailRun(
                 command_id=bounded_id(f"command:effect-failed:{row.effect_id}"),
                 thread_id=row.thread_id, run_id=run_id, attempt_id=None, status=RunStatus.FAILED,
                 reason=f"{row.effect_type} failed after {row.attempt_count} attempt(s): "
@@ -4310,7 +3708,7 @@ class _Sessions:
         thread = state.thread
         assert thread is not None
         pthread = state.entities["provider-thread"].get(run.provider_thread_id or "")
-        session_id = self.orch._new_id("provider-session")
+        session_id = self.orch.new_id("provider-session")
         # The credential exists before the process does; it dies with the session.
         mcp = self._credentials.issue(thread_id=thread.id,
                                       provider_instance_id=run.provider_instance_id,
@@ -4335,7 +3733,7 @@ class _Sessions:
         live.idle_timer = asyncio.get_running_loop().call_later(self.IDLE_RELEASE_S,
                                                                 self._release, live)
         self.live[thread.id] = live
-        self.orch._spawn(self._pump(live), f"pump {session_id}")
+        self.orch.spawn(self._pump(live), f"pump {session_id}")
         return live
 
     async def _native_fork(self, state: ThreadState, run: Run, adapter: ProviderAdapter
@@ -4442,9 +3840,9 @@ class _Sessions:
     async def _wait_in_line(self, state: ThreadState, run: Run) -> None:
         """No agent process slot: the run goes back to ``queued``, saying why, until
         ``rebalance`` grants it one (in the order runs started waiting)."""
-        if not await self.orch._try_dispatch(AwaitAgentSlot(
+        if not await self.orch.try_dispatch(AwaitAgentSlot(
                 command_id=bounded_id(f"command:await-slot:{run.active_attempt_id}:"
-                                      f"{self.orch._new_id('wait')}"),
+                                      f"{self.orch.new_id('wait')}"),
                 thread_id=run.thread_id, run_id=run.id, attempt_id=run.active_attempt_id or "",
                 reason=f"Waiting for a free agent process: max_live_agent_processes = "
                        f"{self._max_live} are running; it starts when one frees.")):
@@ -4469,15 +3867,15 @@ class _Sessions:
         over = max(0, self._slots_used() - self._max_live)
         for idle in self._idle_sessions()[:max(0, over + len(self._line) - freeing)]:
             idle.closing_reason = "Stopped to free an agent process slot."
-            self.orch._spawn(idle.handle.close(), f"release {idle.session_id}")
+            self.orch.spawn(idle.handle.close(), f"release {idle.session_id}")
 
     def _grant(self, thread_id: str, run_id: str, attempt_id: str) -> None:
         self._reserved[run_id] = thread_id
-        self.orch._spawn(self._grant_slot(thread_id, run_id, attempt_id), f"slot {run_id}")
+        self.orch.spawn(self._grant_slot(thread_id, run_id, attempt_id), f"slot {run_id}")
 
     async def _grant_slot(self, thread_id: str, run_id: str, attempt_id: str) -> None:
-        grant = self.orch._new_id("grant")
-        if not await self.orch._try_dispatch(GrantAgentSlot(
+        grant = self.orch.new_id("grant")
+        if not await self.orch.try_dispatch(GrantAgentSlot(
                 command_id=bounded_id(f"command:grant-slot:{attempt_id}:{grant}"),
                 thread_id=thread_id, run_id=run_id, attempt_id=attempt_id)):
             # it ended while it waited: the slot goes to the next in line
@@ -4561,11 +3959,11 @@ class _Sessions:
                                                    or live.closing_reason) else RunStatus.FAILED
                 live.turn = None
                 live.turn_ended.set()
-                await self.orch._try_dispatch(FailRun(
+                await self.orch.try_dispatch(FailRun(
                     command_id=bounded_id(f"command:session-gone:{live.session_id}:{attempt_id}"),
                     thread_id=live.thread_id, run_id=run_id, attempt_id=attempt_id,
                     status=status, reason=reason))
-            await self.orch._try_dispatch(EndProviderSession(
+            await self.orch.try_dispatch(EndProviderSession(
                 command_id=bounded_id(f"command:session-end:{live.session_id}"),
                 thread_id=live.thread_id, provider_session_id=live.session_id,
                 status="stopped" if live.closing_reason else "error", reason=reason))
@@ -4578,7 +3976,7 @@ class _Sessions:
     def _release(self, live: _LiveSession) -> None:
         if live.turn is None and self.live.get(live.thread_id) is live:
             live.closing_reason = "Stopped after being idle."
-            self.orch._spawn(live.handle.close(), f"release {live.session_id}")
+            self.orch.spawn(live.handle.close(), f"release {live.session_id}")
 
     async def stop_turn(self, thread_id: str, attempt_id: str) -> None:
         """Interrupt the attempt's turn and wait for it to end; kill the process if it won't."""
@@ -4617,211 +4015,6 @@ class _Sessions:
         if live is None or live.turn != (run_id, attempt_id) or message is None:
             raise _PermanentEffectError("the turn to steer is no longer live")
         await live.handle.steer_turn(message.text)
-
-
-# =============================================================================================
-# Scheduled tasks and webhooks at runtime
-
-
-class _Scheduler:
-    """Fires what is due (no polling: it sleeps until the next due time or a change), runs each
-    fire's turn, settles the task when that run ends, and takes webhook deliveries."""
-
-    def __init__(self, orch: Orchestrator, *, wall: Callable[[], float],
-                 redact: Callable[[str], str] | None) -> None:
-        self.orch = orch
-        self._wall = wall  # epoch seconds, from the same clock as ``clock`` (tests move both)
-        self._redact = redact  # what webhook delivery logs keep of a body goes through it
-        self._schedule_wake = asyncio.Event()
-        self._pass_waiters: list[asyncio.Future[None]] = []
-        self._scheduled_runs: dict[str, tuple[str, str]] = {}  # run id -> (task id, fire key)
-        self._hook_hits: dict[str, collections.deque[float]] = {}  # task id -> admitted at
-
-    def run_ended(self, run: Run) -> None:
-        if run.id in self._scheduled_runs:
-            self.orch._spawn(self.settle_scheduled(run), f"settle {run.id}")
-
-    def reschedule(self) -> None:
-        """Look at what is due again now (the clock moved, or a task changed)."""
-        self._schedule_wake.set()
-
-    async def scheduler_pass(self) -> None:
-        """Wake the scheduler and return once a whole pass has fired what was due (tests that
-        move the clock use it to know what did, and did not, fire)."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._pass_waiters.append(waiter)
-        self.reschedule()
-        await waiter
-
-    async def loop(self) -> None:
-        """Fire every due task, then sleep until the next due time or a change: no polling."""
-        await self._resume_scheduled()
-        while not self.orch.stopping:
-            self._schedule_wake.clear()
-            waiters, self._pass_waiters = self._pass_waiters, []
-            for task in self.orch._store.due_tasks(iso_time(self._wall())):
-                try:
-                    await self.fire(task["id"], trigger="scheduled", due_at=task["nextRunAt"])
-                except CommandRejected as exc:  # changed meanwhile: the next pass sees how
-                    log.debug("scheduled task %s not fired: %s", task["id"], exc)
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
-            due = self.orch._store.next_due_at()
-            timeout = None if due is None else max(0.0, epoch_of(due) - self._wall())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._schedule_wake.wait(), timeout)
-
-    async def fire(self, task_id: str, *, trigger: str,
-                   due_at: str | None = None) -> DispatchResult:
-        """Fire a task once: the command id is the fire key (the task, the due time and the
-        trigger), so a fire is recorded at most once, however often it is asked for."""
-        stamp = str(int(epoch_of(due_at or iso_time(self._wall())) * 1000))
-        return await self.orch.dispatch(FireScheduledTask(
-            command_id=bounded_id(f"scheduled-task:{task_id}:{stamp}:{trigger}"),
-            thread_id=task_id, trigger=trigger, due_at=due_at))
-
-    async def run_scheduled(self, task_id: str, fire_key: str, prompt: str) -> None:
-        """A fire's run: queued in the bound thread behind its running turn (steering could
-        restart that turn, and a fire from a tool call in it would lose the call's result), or
-        a fresh thread with the task's provider and modes. Every id derives from the fire key,
-        so a replay after a crash finds what it already did."""
-        state = await self.orch.state(task_id)
-        task = state.entities["scheduled-task"].get(task_id) if state else None
-        if task is None or task.last_fire_key != fire_key:
-            return  # deleted, or a later fire replaced it
-        made = {"created_by": Actor.SYSTEM, "creation_source": CreationSource.SERVER}
-        try:
-            if task.bound_thread_id:
-                sent = await self.orch.threads.send(
-                    task.bound_thread_id, text=prompt, mode="queue",
-                    command_id=bounded_id(f"command:{fire_key}"),
-                    message_id=bounded_id(f"message:{fire_key}"), **made)
-                thread_id, run_id = task.bound_thread_id, sent["runId"]
-            else:
-                thread_id = bounded_id(f"thread:{fire_key}")
-                created = await self.orch.dispatch(self.orch.threads.plan_create(
-                    command_id=bounded_id(f"command:{fire_key}"), thread_id=thread_id,
-                    project_id=task.project_id, workspace=task.workspace, caller=None,
-                    message_id=bounded_id(f"message:{fire_key}"), entry={
-                        "prompt": prompt, "title": task.title, "target": {
-                            "providerInstanceId": task.model_selection.get("instanceId"),
-                            **({"model": task.model_selection["model"]}
-                               if task.model_selection.get("model") else {})},
-                        "runtimeMode": task.runtime_mode,
-                        "interactionMode": task.interaction_mode}, **made))
-                run_id = created.result["runId"]
-        except T3Error as exc:
-            await self._settle(task_id, fire_key, "failed", error=str(exc))
-            return
-        await self._settle(task_id, fire_key, "running", run_thread_id=thread_id, run_id=run_id)
-        self._scheduled_runs[run_id] = (task_id, fire_key)
-        run = (await self.orch.threads.thread(thread_id)).run(run_id)
-        if run is not None and run.status in RUN_TERMINAL:  # it ended before we watched
-            await self.settle_scheduled(run)
-
-    async def settle_scheduled(self, run: Run, *, restarted: bool = False) -> None:
-        """A fired run ended: the task's last run succeeded or failed, with its reason."""
-        task_id, fire_key = self._scheduled_runs.pop(run.id, (None, None))
-        if task_id is None or fire_key is None:
-            return
-        reason = "Run was interrupted by a server restart." if restarted else \
-            run.status_reason or f"The run ended {run.status}."
-        await self._settle(task_id, fire_key,
-                           "succeeded" if run.status == RunStatus.COMPLETED else "failed",
-                           error=None if run.status == RunStatus.COMPLETED else reason)
-
-    async def _settle(self, task_id: str, fire_key: str, status: str, **fields: Any) -> None:
-        await self.orch._try_dispatch(SettleScheduledRun(
-            command_id=bounded_id(f"command:settle:{fire_key}:{status}"), thread_id=task_id,
-            fire_key=fire_key, status=status, **fields), f"scheduled task {task_id}")
-
-    async def _resume_scheduled(self) -> None:
-        """After a restart: a fired run that ended meanwhile is settled, a running one watched; a
-        fire whose run had not started finishes through its outbox row (replay-safe)."""
-        for task in self.orch._store.scheduled_tasks():
-            if task["lastRunStatus"] != "running" or not task.get("lastRunId"):
-                continue
-            try:
-                thread = await self.orch.state(task["lastRunThreadId"])
-                run = thread.run(task["lastRunId"]) if thread else None
-                if run is None:
-                    await self._settle(task["id"], task["lastFireKey"], "failed",
-                                       error="Run was interrupted by a server restart.")
-                    continue
-                self._scheduled_runs[run.id] = (task["id"], task["lastFireKey"])
-                if run.status in RUN_TERMINAL:
-                    await self.settle_scheduled(run, restarted=run.status != RunStatus.COMPLETED)
-            except Exception as exc:  # one task's state never stops the scheduler
-                log.error("recovery of scheduled task %s failed: %s", task["id"], exc,
-                          exc_info=exc)
-
-    async def webhook_task(self, task_id: str) -> ScheduledTask | None:
-        """The webhook task with this id, unless deleted (t3.py checks the hook token on it)."""
-        state = await self.orch.state(task_id)
-        task = state.entities["scheduled-task"].get(task_id) if state else None
-        if task is None or task.deleted_at is not None or task.schedule.get("type") != "webhook":
-            return None
-        return task  # type: ignore[no-any-return]
-
-    async def receive_webhook(self, task_id: str, request: WebhookRequest) -> Mapping[str, Any]:
-        """A delivery whose token t3.py checked: signature (``invalid_signature``), nesting
-        (``invalid_request``), rate (``RateLimited``), then its record (``hook_disabled``,
-        ``queue_full`` or an outcome), answered once committed. Refusals write nothing and take
-        no place in the rate."""
-        task = await self.webhook_task(task_id)
-        if task is None:
-            raise T3Error("No webhook at this address.", code="hook_not_found")
-        if not signature_valid(task.schedule, request):
-            raise T3Error("The signature does not match: no HMAC-SHA256 of the delivery under "
-                          "the task's secret.", code="invalid_signature")
-        if json_too_deep(request.body.decode("utf-8", "replace")):
-            raise T3Error(f"The body nests deeper than {MAX_JSON_DEPTH} levels.",
-                          code="invalid_request")
-        self._admit_delivery(task_id)
-        command = ReceiveWebhookDelivery(
-            command_id=self._delivery_command_id(task, request), thread_id=task_id,
-            delivery_id=self.orch._new_id("webhook-delivery"), request=request,
-            delivery_key=delivery_key(task.schedule, request),
-            body_excerpt=delivery_excerpt(task.schedule, request.body, self._redact))
-        result = await self.orch.dispatch(command)
-        if result.replayed:  # this delivery came before: log the copy as its duplicate
-            result = await self.orch.dispatch(replace(
-                command, command_id=self.orch._new_id("webhook"),
-                duplicate_of=result.result["deliveryId"]))
-        log.info("webhook delivery %s to scheduled task %s: %s", result.result["deliveryId"],
-                 task_id, result.result["outcome"])
-        return {k: result.result[k] for k in ("deliveryId", "outcome")}
-
-    def _delivery_command_id(self, task: ScheduledTask, request: WebhookRequest) -> str:
-        """``webhook:<task>:<replay key>``: a copy meets that receipt and is a duplicate. A signed
-        copy is one for twice ``maxDeliveryAgeMinutes`` after the first (forever without it), as
-        long as the first's stamp (which may be that far ahead or behind) keeps a copy from
-        expiring; after that the same content counts anew under the next id (``:<n>``)."""
-        key = replay_key(task.schedule, request)
-        if key is None:
-            return self.orch._new_id("webhook")
-        command_id, n = bounded_id(f"webhook:{task.id}:{key}"), 0
-        window = task.schedule.get("maxDeliveryAgeMinutes")
-        while key.startswith("signed:") and window is not None and \
-                (seen := self.orch._store.receipt(command_id)) is not None and \
-                epoch_of(seen.result.get("receivedAt") or iso_time(0)) <= \
-                self._wall() - 2 * window * 60:
-            n += 1
-            command_id = bounded_id(f"webhook:{task.id}:{key}:{n}")
-        return command_id
-
-    def _admit_delivery(self, task_id: str) -> None:
-        """At most HOOK_DELIVERIES_PER_MINUTE per hook in any 60 s, kept in memory (a restart
-        forgets it); refused requests do not count, so a sender that backs off gets through."""
-        now = self._wall()
-        hits = self._hook_hits.setdefault(task_id, collections.deque())
-        while hits and hits[0] <= now - 60:
-            hits.popleft()
-        if len(hits) >= HOOK_DELIVERIES_PER_MINUTE:
-            raise RateLimited(f"This hook takes at most {HOOK_DELIVERIES_PER_MINUTE} deliveries "
-                              "a minute.", retry_after_s=max(1, math.ceil(hits[0] + 60 - now)))
-        hits.append(now)
 
 
 # =============================================================================================
@@ -4903,7 +4096,7 @@ async def _rollback(o: Orchestrator, thread_id: str, item_id: str, checkpoint: s
         if (pthread.last_run_ordinal or 0) > cp.ordinal and await _rollback_natively(
                 o, state, pthread, kept_turns(state, pthread.id, cp.ordinal)):
             native.append(pthread.id)
-    await o._try_dispatch(FinishRollback(
+    await o.try_dispatch(FinishRollback(
         command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
         item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
 
@@ -4920,7 +4113,7 @@ async def _rollback_natively(o: Orchestrator, state: ThreadState, pthread: Provi
     handle = None
     try:
         handle = await adapter.open_session(
-            session_id=o._new_id("provider-session"), thread_id=thread.id,
+            session_id=o.new_id("provider-session"), thread_id=thread.id,
             cwd=thread.workspace or os.getcwd(), model=None,
             runtime_mode=thread.runtime_mode, interaction_mode=thread.interaction_mode,
             resume_ref=pthread.native_thread_ref, mcp=None)
@@ -4965,7 +4158,7 @@ async def _ask_title(o: Orchestrator, thread: AppThread, text: str) -> str | Non
     try:
         async with asyncio.timeout(TITLE_TIMEOUT_S):
             handle = await adapter.open_session(
-                session_id=o._new_id("provider-session"), thread_id=thread.id,
+                session_id=o.new_id("provider-session"), thread_id=thread.id,
                 cwd=thread.workspace or os.getcwd(),
                 model=thread.model_selection.get("model"), runtime_mode=narrowest,
                 interaction_mode=InteractionMode.PLAN, resume_ref=None, mcp=None)
@@ -4993,7 +4186,7 @@ async def _finalize_task(o: Orchestrator, parent_id: str, task_id: str, child_id
     if child is None or run is None:
         raise _PermanentEffectError(f"the run {run_id} of task {task_id} is gone")
     status = RunStatus.CANCELLED if run.status == RunStatus.ROLLED_BACK else run.status
-    await o._try_dispatch(FinalizeSubagent(
+    await o.try_dispatch(FinalizeSubagent(
         command_id=bounded_id(f"command:finalize-task:{task_id}:{run_id}"),
         thread_id=parent_id, task_id=task_id, status=status,
         result=task_result(child, run), run_id=run_id, publish=publish),
@@ -5060,7 +4253,7 @@ async def _make_worktree(o: Orchestrator, row: _store.EffectRow, path: str, bran
 async def _advance_preparation(o: Orchestrator, run: Run, phase: str, output: str,
                                reason: str = "", setup: Sequence[str] = ()) -> None:
     await o.dispatch(AdvancePreparation(
-        command_id=o._new_id("command:prepare"), thread_id=run.thread_id,
+        command_id=o.new_id("command:prepare"), thread_id=run.thread_id,
         run_id=run.id, phase=phase, output=output, reason=reason, setup=tuple(setup)))
 
 
@@ -5080,7 +4273,7 @@ async def _restart(o: Orchestrator, row: _store.EffectRow) -> None:
 
 async def _route_question(o: Orchestrator, row: _store.EffectRow) -> None:
     p = row.payload
-    await o._try_dispatch(NotifyTaskQuestion(
+    await o.try_dispatch(NotifyTaskQuestion(
         command_id=bounded_id(f"command:task-question:{p['requestId']}"),
         thread_id=p["parentThreadId"], task_id=p["taskId"], request_id=p["requestId"],
         child_thread_id=p["childThreadId"], question=p["question"],
@@ -5089,7 +4282,7 @@ async def _route_question(o: Orchestrator, row: _store.EffectRow) -> None:
 
 async def _withdraw_question(o: Orchestrator, row: _store.EffectRow) -> None:
     p = row.payload
-    await o._try_dispatch(SettleTaskQuestion(
+    await o.try_dispatch(SettleTaskQuestion(
         command_id=bounded_id(f"command:withdraw-question:{p['requestId']}"),
         thread_id=p["parentThreadId"], task_id=p["taskId"], request_id=p["requestId"]),
         f"question of task {p['taskId']} not withdrawn")
@@ -5108,53 +4301,50 @@ async def _finalize_run(o: Orchestrator, row: _store.EffectRow) -> None:
     if state is None or run is None or run.status != RunStatus.WAITING:
         return  # already finalized (a replay after a crash): the effect is idempotent
     found = await _capture_checkpoints(o.workspaces, state, run)
-    await o._try_dispatch(CompleteRun(command_id=bounded_id(f"command:finalize:{run_id}"),
-                                      thread_id=row.thread_id, run_id=run_id, checkpoints=found))
+    await o.try_dispatch(CompleteRun(command_id=bounded_id(f"command:finalize:{run_id}"),
+                                     thread_id=row.thread_id, run_id=run_id, checkpoints=found))
 
 
 _Runner = Callable[["Orchestrator", _store.EffectRow], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
-class _EffectKind:
+class EffectKind:
     run: _Runner
     replay_safe: bool = False  # a claim after a crash may run it again (else it is cancelled)
     fails_run: bool = False  # failing for good fails the run it serves
     attempts: int = 5
 
 
-EFFECTS: dict[str, _EffectKind] = {
+EFFECTS: dict[str, EffectKind] = {
     # start_attempt starts only a run still ``starting``, and MarkRunStarted commits before the
     # prompt goes out: a claim the crash cut short has sent nothing, so it may run again
-    "provider-turn.start": _EffectKind(lambda o, row: o.sessions.start_attempt(
+    "provider-turn.start": EffectKind(lambda o, row: o.sessions.start_attempt(
         row.thread_id, row.payload["runId"], row.payload["attemptId"]), replay_safe=True,
         fails_run=True),
-    "provider-turn.restart": _EffectKind(_restart, fails_run=True),
-    "provider-turn.interrupt": _EffectKind(lambda o, row: o.sessions.interrupt(
+    "provider-turn.restart": EffectKind(_restart, fails_run=True),
+    "provider-turn.interrupt": EffectKind(lambda o, row: o.sessions.interrupt(
         row.thread_id, row.payload["runId"], row.payload["attemptId"]), fails_run=True),
-    "provider-turn.steer": _EffectKind(lambda o, row: o.sessions.steer(
+    "provider-turn.steer": EffectKind(lambda o, row: o.sessions.steer(
         row.thread_id, row.payload["runId"], row.payload["attemptId"],
         row.payload["messageId"]), fails_run=True),
-    "runtime-request.respond": _EffectKind(_respond),
-    "provider-session.stop": _EffectKind(lambda o, row: o.sessions.stop(  # the thread was deleted
+    "runtime-request.respond": EffectKind(_respond),
+    "provider-session.stop": EffectKind(lambda o, row: o.sessions.stop(  # the thread was deleted
         row.thread_id, row.payload["reason"], revoke=True)),
-    "run.finalize": _EffectKind(_finalize_run, replay_safe=True),
-    "subagent.finalize": _EffectKind(lambda o, row: _finalize_task(
+    "run.finalize": EffectKind(_finalize_run, replay_safe=True),
+    "subagent.finalize": EffectKind(lambda o, row: _finalize_task(
         o, row.payload["parentThreadId"], row.payload["taskId"], row.payload["childThreadId"],
         row.payload["runId"], row.payload.get("publish", True)), replay_safe=True),
-    "subagent.question": _EffectKind(_route_question, replay_safe=True),
-    "subagent.question-settled": _EffectKind(_withdraw_question, replay_safe=True),
-    # its thread and message ids derive from the fire key
-    "scheduled-task.run": _EffectKind(lambda o, row: o.scheduler.run_scheduled(
-        row.thread_id, row.payload["fireKey"], row.payload["prompt"]), replay_safe=True),
+    "subagent.question": EffectKind(_route_question, replay_safe=True),
+    "subagent.question-settled": EffectKind(_withdraw_question, replay_safe=True),
     # each step of these two is idempotent
-    "thread-title.generate": _EffectKind(lambda o, row: _regenerate_title(
+    "thread-title.generate": EffectKind(lambda o, row: _regenerate_title(
         o, row.payload["threadId"], row.payload["requestId"]), replay_safe=True),
-    "checkpoint.rollback": _EffectKind(lambda o, row: _rollback(
+    "checkpoint.rollback": EffectKind(lambda o, row: _rollback(
         o, row.thread_id, row.payload["itemId"], row.payload["checkpointId"]), replay_safe=True),
     # a second attempt first removes what the first one left
-    "workspace.prepare": _EffectKind(_prepare_workspace, replay_safe=True, fails_run=True),
-    "checkpoint.forget": _EffectKind(_forget_checkpoints, replay_safe=True),  # gone refs: no error
+    "workspace.prepare": EffectKind(_prepare_workspace, replay_safe=True, fails_run=True),
+    "checkpoint.forget": EffectKind(_forget_checkpoints, replay_safe=True),  # gone refs: no error
 }
 
 

@@ -24,6 +24,7 @@ import fcntl
 import gc
 import hashlib
 import hmac
+import importlib
 import ipaddress
 import json
 import logging
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the layers' types, for annotations: t3.py imports the layers when it serves
     import hypercorn.config
     from orchestrator import McpEndpoint, Orchestrator, ProviderInfo
+    from schedules import Scheduler
     from providers import Adapter
     from store import Store
     from tools import Scope, Toolkit
@@ -65,6 +67,14 @@ ASGIApp = Callable[[MutableMapping[str, Any], _Receive, _Send], Awaitable[None]]
 
 _ID = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
 MAX_BODY_BYTES = 4 * 1024 * 1024
+# Feature modules an auditor of the core may skip: the core never imports them; each registers
+# its entities, commands, effects and operations into the core's tables when imported here.
+FEATURES = ("schedules",)
+
+
+def load_features() -> None:
+    for name in FEATURES:
+        importlib.import_module(name)
 
 
 # =============================================================================================
@@ -870,17 +880,18 @@ _HOOK_STATUS = {"hook_not_found": 404, "hook_disabled": 409, "invalid_signature"
                 "invalid_request": 400, "rate_limited": 429, "queue_full": 429}
 
 
-def webhook_endpoint(orch: Orchestrator) -> ASGIApp:
+def webhook_endpoint(scheduler: Scheduler) -> ASGIApp:
     """``POST/PUT/PATCH /hooks/{scheduledTaskId}/{hookToken}``, the HTTP part. Before
     the body is read: the token against the task's hash in constant time (wrong: the same 404 as
     an unknown hook), 409 paused, 413 over 1 MiB declared. Then the body whole (within
-    ``BODY_TIMEOUT_S``), ``Orchestrator.receive_webhook``, and 202 ``{deliveryId, outcome}``."""
-    from orchestrator import HOOK_BODY_MAX_BYTES, T3Error, WebhookRequest
+    ``BODY_TIMEOUT_S``), ``Scheduler.receive_webhook``, and 202 ``{deliveryId, outcome}``."""
+    from orchestrator import T3Error
+    from schedules import HOOK_BODY_MAX_BYTES, WebhookRequest
 
     async def hook(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         task_id, token = _hook_address(scope)
         presented = _hash(token)  # hashed for an unknown hook too: the same work either way
-        task = await orch.webhook_task(task_id) if task_id else None
+        task = await scheduler.webhook_task(task_id) if task_id else None
         if task is None or not hmac.compare_digest(presented, task.hook_token_sha256 or ""):
             log.warning("refused a webhook request: no hook %r with that token", task_id)
             await _refuse(scope, send, 404, "hook_not_found", "No webhook at this address.")
@@ -907,7 +918,7 @@ def webhook_endpoint(orch: Orchestrator) -> ASGIApp:
             query=tuple(urllib.parse.parse_qsl(scope.get("query_string", b"").decode("latin-1"),
                                                keep_blank_values=True)))
         try:
-            result = await orch.receive_webhook(task_id, request)
+            result = await scheduler.receive_webhook(task_id, request)
         except T3Error as exc:
             if exc.code not in _HOOK_STATUS:
                 raise
@@ -1080,7 +1091,8 @@ class ClientApi:
             raise _failure("invalid_request", "seconds: a number >= 0")
         assert self.test_clock is not None
         self.test_clock.advance(float(seconds))
-        await self.orch.scheduler_pass()
+        from schedules import Scheduler
+        await self.orch.part(Scheduler).scheduler_pass()
         return {"now": self.test_clock.iso()}
 
     # -- streams ---------------------------------------------------------------------------------
@@ -1147,14 +1159,13 @@ class ClientApi:
         state = await self.orch.state(thread_id)
         if state is None:
             return
-        if state.thread is None:  # a scheduled task's stream
-            task = state.entities["scheduled-task"].get(thread_id)
-            if task is not None and task.deleted_at is not None:
-                await emit({"kind": "schedule.removed", "sequence": sequence,
-                            "scheduledTaskId": thread_id})
-            elif task is not None:
-                await emit({"kind": "schedule.updated", "sequence": sequence,
-                            "task": self.toolkit._task_summary(task)})
+        if state.thread is None:  # a scheduled task's stream (schedules.py's operations)
+            from tools import BY_WS_NAME, Call
+            listed = (await self.toolkit.run(BY_WS_NAME["listScheduledTasks"], Call(
+                self.scope, "web"), {"scheduledTaskId": thread_id}))["tasks"]
+            await emit({"kind": "schedule.updated", "sequence": sequence, "task": listed[0]}
+                       if listed else {"kind": "schedule.removed", "sequence": sequence,
+                                       "scheduledTaskId": thread_id})
         elif state.thread.deleted_at is not None:
             await emit({"kind": "thread.removed", "sequence": sequence, "threadId": thread_id})
         else:
@@ -1380,6 +1391,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     import hypercorn.utils
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
+    from schedules import Scheduler
     from tools import build_mcp_server
     hconfig = _hypercorn_config(config, hypercorn)
     if hconfig is None:
@@ -1417,7 +1429,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request), web_view=web_view,
                     credentials=credentials, client_token=client_token,
                     ws=ws_endpoint(clients, client_token), environment_id=environment_id,
-                    hooks=webhook_endpoint(orch),
+                    hooks=webhook_endpoint(orch.part(Scheduler)),
                     policy=HttpPolicy.for_server(config=config, host=host, port=port,
                                                  tls=hconfig.ssl_enabled))
     stop, http_stop = asyncio.Event(), asyncio.Event()
@@ -1495,6 +1507,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
+    load_features()
     from orchestrator import Orchestrator, utc_now
     from tools import Project, ServerContext, Toolkit
     from workspace import Workspaces  # made under the data-dir lock: it clears stray indexes
@@ -1503,9 +1516,11 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
     orch = Orchestrator(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                         credentials=credentials, workspaces=Workspaces(data_dir),
                         max_live_agent_processes=config.max_live_agent_processes,
-                        max_delegation_depth=config.max_delegation_depth, redact=prov.redact,
-                        clock=clock.iso if clock else utc_now,
-                        wall=clock.now if clock else time.time)
+                        max_delegation_depth=config.max_delegation_depth,
+                        clock=clock.iso if clock else utc_now)
+    from schedules import Scheduler
+    orch.attach(Scheduler(orch, store, wall=clock.now if clock else time.time,
+                          redact=prov.redact))
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.")

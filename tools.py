@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -79,8 +78,8 @@ class Scope:
 
 
 current_scope: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("t3_scope",
-                                                                            default=None)
-_Args = Mapping[str, Any]  # a tool's arguments, validated
+                                                                             default=None)
+Args = Mapping[str, Any]  # a tool's arguments, validated
 
 
 Progress = Callable[[float, str], Awaitable[None]]
@@ -173,22 +172,22 @@ class ServerContext:
 # Schemas and validation
 
 
-def _text(max_len: int) -> dict[str, Any]:
+def text_field(max_len: int) -> dict[str, Any]:
     return {"type": "string", "minLength": 1, "maxLength": max_len, "trim": True}
 
 
-TITLE = {**_text(512), "line": True}  # "line", ours as "trim": no orch.CONTROL_CHARACTERS
+TITLE = {**text_field(512), "line": True}  # "line", ours as "trim": no orch.CONTROL_CHARACTERS
 
 
 RUNTIME_INPUT = {"type": "string", "enum": ["inherit", *orch.RuntimeMode]}
 INTERACTION_INPUT = {"type": "string", "enum": ["inherit", *orch.InteractionMode]}
 TARGET = {"type": "object", "additionalProperties": False, "properties": {
-    "providerInstanceId": _text(64), "driverKind": _text(64), "model": _text(256),
+    "providerInstanceId": text_field(64), "driverKind": text_field(64), "model": text_field(256),
     "options": {"anyOf": [{"type": "array"}, {"type": "object"}]}}}
-CLIENT_REQUEST_ID = _text(256)
-THREAD_ID = _text(512)
+CLIENT_REQUEST_ID = text_field(256)
+THREAD_ID = text_field(512)
 RUN_STATUSES = ["idle", *RunStatus]
-BRANCH = _text(256)
+BRANCH = text_field(256)
 # The seed's forms (Toolkit.launch).
 WORKSPACE_STRATEGY = {"anyOf": [
     {"type": "string", "enum": ["root"]},
@@ -199,10 +198,10 @@ WORKSPACE_STRATEGY = {"anyOf": [
                     "branch": BRANCH, "startFromOrigin": {"type": "boolean"}}},
     {"type": "object", "additionalProperties": False, "required": ["type", "worktreePath"],
      "properties": {"type": {"type": "string", "enum": ["existing_worktree"]},
-                    "worktreePath": _text(4096), "branch": BRANCH}}]}
+                    "worktreePath": text_field(4096), "branch": BRANCH}}]}
 
 
-def _object(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
+def obj(properties: Mapping[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
     return {"type": "object", "additionalProperties": False, "properties": dict(properties),
             "required": list(required)}
 
@@ -300,59 +299,59 @@ def _public_schema(schema: Any) -> Any:
 # handler may leave it out; a missing value is anyOf with null), and the typed failure's.
 
 
-def _nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
+def nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
     return {"anyOf": [dict(schema), {"type": "null"}]}
 
 
-def _list(items: Mapping[str, Any]) -> dict[str, Any]:
+def list_of(items: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "array", "items": dict(items)}
 
 
-def _shape(properties: Mapping[str, Any], optional: Sequence[str] = ()) -> dict[str, Any]:
+def shape(properties: Mapping[str, Any], optional: Sequence[str] = ()) -> dict[str, Any]:
     """An object with exactly these keys."""
-    return _object(properties, [k for k in properties if k not in optional])
+    return obj(properties, [k for k in properties if k not in optional])
 
 
-def _enum(values: Sequence[str]) -> dict[str, Any]:
+def enum_of(values: Sequence[str]) -> dict[str, Any]:
     return {"type": "string", "enum": [str(v) for v in values]}
 
 
 STRING: Mapping[str, Any] = {"type": "string"}
 INTEGER: Mapping[str, Any] = {"type": "integer"}
 BOOLEAN: Mapping[str, Any] = {"type": "boolean"}
-OPT_STRING = _nullable(STRING)
-OPT_INTEGER = _nullable(INTEGER)
-THREAD_STATUS = _enum(RUN_STATUSES)
-ACTOR, SOURCE = _enum(list(orch.Actor)), _enum(list(orch.CreationSource))
-RUNTIME, INTERACTION = _enum(list(orch.RuntimeMode)), _enum(list(orch.InteractionMode))
+OPT_STRING = nullable(STRING)
+OPT_INTEGER = nullable(INTEGER)
+THREAD_STATUS = enum_of(RUN_STATUSES)
+ACTOR, SOURCE = enum_of(list(orch.Actor)), enum_of(list(orch.CreationSource))
+RUNTIME, INTERACTION = enum_of(list(orch.RuntimeMode)), enum_of(list(orch.InteractionMode))
 FEATURES = {"appOwnedSubagents": True, "asyncPolling": True, "cancellation": True,
             "batchThreadCreation": True, "threadManagement": True,
             "incrementalThreadRead": True, "scheduledTasks": True, "maxBatchThreads": 20}
-PENDING_APPROVAL = _nullable(_shape({"requestId": STRING, "kind": STRING, "runId": STRING}))
-ANSWERED_BY = {"anyOf": [_shape({"kind": _enum(["client"])}),
-                         _shape({"kind": _enum(["thread"]), "threadId": STRING})]}
-FAILURE_OUTPUT = _shape({"_tag": _enum(["OrchestratorMcpFailure"]),
-                         "code": _enum(sorted(FAILURE_CODES)), "message": STRING})
+PENDING_APPROVAL = nullable(shape({"requestId": STRING, "kind": STRING, "runId": STRING}))
+ANSWERED_BY = {"anyOf": [shape({"kind": enum_of(["client"])}),
+                         shape({"kind": enum_of(["thread"]), "threadId": STRING})]}
+FAILURE_OUTPUT = shape({"_tag": enum_of(["OrchestratorMcpFailure"]),
+                        "code": enum_of(sorted(FAILURE_CODES)), "message": STRING})
 
 _CREATED = {"threadId": STRING, "runId": OPT_STRING, "status": THREAD_STATUS, "title": STRING,
             "createdBy": ACTOR, "creationSource": SOURCE, "providerInstanceId": STRING,
             "model": OPT_STRING, "projectId": STRING, "link": STRING, "webUrl": STRING}
 _WEB = ["webUrl"]  # only in the client token's results (ServerContext.links)
 _LINEAGE = {"parentThreadId": OPT_STRING, "relationshipToParent": OPT_STRING}
-PULL_REQUEST = _nullable(_shape({"repository": STRING, "number": INTEGER, "url": STRING}))
-TITLE_REGENERATION = _nullable(_shape({"requestId": STRING, "startedAt": STRING}))
+PULL_REQUEST = nullable(shape({"repository": STRING, "number": INTEGER, "url": STRING}))
+TITLE_REGENERATION = nullable(shape({"requestId": STRING, "startedAt": STRING}))
 # What a person did with a thread, and what it still waits on (the seed's shell fields).
 _THREAD_STATE = {"archived": BOOLEAN, "snoozed": BOOLEAN, "snoozedUntil": OPT_STRING,
                  "blockedOnThreadWait": BOOLEAN, "pendingBackgroundTasks": INTEGER,
                  "linkedPullRequest": PULL_REQUEST}
-_THREAD_SHELL = _shape({
+_THREAD_SHELL = shape({
     "threadId": STRING, "title": STRING, "createdBy": ACTOR, "creationSource": SOURCE,
     "status": THREAD_STATUS, "latestRunId": OPT_STRING, "providerInstanceId": STRING,
     "model": OPT_STRING, "runtimeMode": RUNTIME, "interactionMode": INTERACTION,
     "branch": OPT_STRING, "worktreePath": OPT_STRING, **_LINEAGE,
     "itemCount": INTEGER, "pendingRequestCount": INTEGER, "createdAt": STRING,
     "updatedAt": STRING, "link": STRING, "webUrl": STRING, **_THREAD_STATE}, _WEB)
-_THREAD_DETAIL = _shape({
+_THREAD_DETAIL = shape({
     "threadId": STRING, "projectId": STRING, "title": STRING, "createdBy": ACTOR,
     "creationSource": SOURCE, "status": THREAD_STATUS, "latestRunId": OPT_STRING,
     "activeRunId": OPT_STRING, "providerInstanceId": STRING, "model": OPT_STRING,
@@ -361,81 +360,81 @@ _THREAD_DETAIL = _shape({
     "itemCount": INTEGER, "pendingRequestCount": INTEGER, **_THREAD_STATE,
     "titleRegeneration": TITLE_REGENERATION, "createdAt": STRING, "updatedAt": STRING,
     "link": STRING, "webUrl": STRING}, _WEB)
-_RUN_SUMMARY = _shape({
-    "runId": STRING, "ordinal": INTEGER, "status": _enum(list(RunStatus)),
+_RUN_SUMMARY = shape({
+    "runId": STRING, "ordinal": INTEGER, "status": enum_of(list(RunStatus)),
     "statusReason": OPT_STRING, "providerInstanceId": STRING, "model": OPT_STRING,
     "requestedAt": STRING, "startedAt": OPT_STRING, "completedAt": OPT_STRING,
     "attemptCount": INTEGER, "queuePosition": OPT_INTEGER, "queueHeld": BOOLEAN})
-_TRANSFER = _shape({
+_TRANSFER = shape({
     "id": STRING, "type": STRING, "sourceThreadId": STRING, "targetThreadId": STRING,
     "status": STRING, "createdBy": STRING, "createdAt": STRING, "updatedAt": STRING,
     "targetRunId": OPT_STRING, "summary": OPT_STRING, "consumedAt": OPT_STRING,
     # a fork's: where it starts and how its first run got the context (native_fork or not)
     "sourcePoint": {"type": "object"}, "resolution": {"type": "object"}},
     ["sourcePoint", "resolution"])
-_TIMELINE_ITEM = _shape({
-    "position": INTEGER, "visibility": _enum(["local"]), "sourceThreadId": STRING,
+_TIMELINE_ITEM = shape({
+    "position": INTEGER, "visibility": enum_of(["local"]), "sourceThreadId": STRING,
     "itemId": STRING, "runId": OPT_STRING, "messageId": OPT_STRING, "role": OPT_STRING,
     "createdBy": ACTOR, "creationSource": SOURCE, "type": STRING, "status": STRING,
     "title": OPT_STRING, "text": OPT_STRING, "textTruncated": BOOLEAN, "updatedAt": STRING,
     "answeredBy": ANSWERED_BY}, optional=["answeredBy"])
-_TASK = _shape({
+_TASK = shape({
     "taskId": STRING, "childThreadId": STRING, "childRunId": STRING, "childNodeId": STRING,
-    "status": _enum([*sorted(orch.TASK_TERMINAL), "running", "queued", "waiting"]),
-    "workState": _enum(["working", "waiting_for_children", "result_available"]),
+    "status": enum_of([*sorted(orch.TASK_TERMINAL), "running", "queued", "waiting"]),
+    "workState": enum_of(["working", "waiting_for_children", "result_available"]),
     "hasPendingChildRuns": BOOLEAN, "providerInstanceId": STRING, "model": OPT_STRING,
     "summary": OPT_STRING, "resultContextTransferId": OPT_STRING,
-    "latestTerminalRunId": OPT_STRING, "latestTerminalStatus": _nullable(_enum(
+    "latestTerminalRunId": OPT_STRING, "latestTerminalStatus": nullable(enum_of(
         sorted(RUN_TERMINAL))), "latestTerminalSummary": OPT_STRING,
     "latestTerminalResultContextTransferId": OPT_STRING, "hasPendingQuestion": BOOLEAN,
     "pendingApproval": PENDING_APPROVAL, "waitTimedOut": BOOLEAN, "childThreadLink": STRING})
 _REQUEST = {"requestId": STRING, "kind": STRING, "title": STRING, "status": STRING,
             "runId": STRING, "createdAt": STRING, "options": {"type": "array"}}
 
-CAPABILITIES_OUTPUT = _shape({
+CAPABILITIES_OUTPUT = shape({
     "parentThreadId": OPT_STRING, "inheritedProviderInstanceId": OPT_STRING,
-    "inheritedModel": OPT_STRING, "runtimeMode": _nullable(RUNTIME),
-    "interactionMode": _nullable(INTERACTION),
-    "providers": _list(_shape({
+    "inheritedModel": OPT_STRING, "runtimeMode": nullable(RUNTIME),
+    "interactionMode": nullable(INTERACTION),
+    "providers": list_of(shape({
         "providerInstanceId": STRING, "driverKind": STRING, "displayName": OPT_STRING,
-        "models": _list(_shape({"id": STRING, "label": OPT_STRING,
-                                "options": _list({"type": "object"})}, optional=["options"])),
+        "models": list_of(shape({"id": STRING, "label": OPT_STRING,
+                                "options": list_of({"type": "object"})}, optional=["options"])),
         "omittedModels": INTEGER, "canRunChildTask": BOOLEAN,
-        "canRunCrossProviderChildTask": BOOLEAN, "constraints": _list(STRING),
-        "runtimeModes": _list(RUNTIME), "interactionModes": _list(INTERACTION)},
+        "canRunCrossProviderChildTask": BOOLEAN, "constraints": list_of(STRING),
+        "runtimeModes": list_of(RUNTIME), "interactionModes": list_of(INTERACTION)},
         optional=["runtimeModes", "interactionModes"])),
-    "features": _shape({k: BOOLEAN if isinstance(v, bool) else INTEGER
-                        for k, v in FEATURES.items()})})
-TASK_CANCEL_OUTPUT = _shape({"taskId": STRING, "status": _enum(
+    "features": shape({k: BOOLEAN if isinstance(v, bool) else INTEGER
+                       for k, v in FEATURES.items()})})
+TASK_CANCEL_OUTPUT = shape({"taskId": STRING, "status": enum_of(
     [*sorted(orch.TASK_TERMINAL), "cancel_requested"])})
-CREATE_OUTPUT = _shape({"threads": _list(_shape(_CREATED, _WEB))})
-LAUNCH_OUTPUT = _shape({**_CREATED, "workspaceStrategy": _enum(
+CREATE_OUTPUT = shape({"threads": list_of(shape(_CREATED, _WEB))})
+LAUNCH_OUTPUT = shape({**_CREATED, "workspaceStrategy": enum_of(
     ["root", "scratch", "worktree", "existing_worktree"]), "workspacePath": STRING,
     "branch": OPT_STRING, "worktreePath": OPT_STRING}, _WEB)
-LIST_OUTPUT = _shape({"projectId": STRING, "currentThreadId": OPT_STRING,
-                      "threads": _list(_THREAD_SHELL), "nextCursor": OPT_INTEGER,
-                      "total": INTEGER})
-READ_OUTPUT = _shape({"thread": _THREAD_DETAIL, "transfers": _list(_TRANSFER),
-                      "recentRuns": _list(_RUN_SUMMARY), "items": _list(_TIMELINE_ITEM),
-                      "nextPosition": OPT_INTEGER, "hasMore": BOOLEAN,
-                      "earlierPosition": OPT_INTEGER, "link": STRING, "webUrl": STRING}, _WEB)
-SEND_OUTPUT = _shape({"threadId": STRING, "messageId": STRING, "runId": STRING,
-                      "status": _nullable(_enum(list(RunStatus))),
-                      "delivery": _nullable(_enum(["started", "queued", "steered",
+LIST_OUTPUT = shape({"projectId": STRING, "currentThreadId": OPT_STRING,
+                     "threads": list_of(_THREAD_SHELL), "nextCursor": OPT_INTEGER,
+                     "total": INTEGER})
+READ_OUTPUT = shape({"thread": _THREAD_DETAIL, "transfers": list_of(_TRANSFER),
+                     "recentRuns": list_of(_RUN_SUMMARY), "items": list_of(_TIMELINE_ITEM),
+                     "nextPosition": OPT_INTEGER, "hasMore": BOOLEAN,
+                     "earlierPosition": OPT_INTEGER, "link": STRING, "webUrl": STRING}, _WEB)
+SEND_OUTPUT = shape({"threadId": STRING, "messageId": STRING, "runId": STRING,
+                     "status": nullable(enum_of(list(RunStatus))),
+                     "delivery": nullable(enum_of(["started", "queued", "steered",
                                                    "restarted"]))})
-WAIT_OUTPUT = _shape({"threadId": STRING, "runId": OPT_STRING, "status": THREAD_STATUS,
-                      "statusReason": OPT_STRING, "timedOut": BOOLEAN,
-                      "hasPendingQuestion": BOOLEAN, "pendingApproval": PENDING_APPROVAL})
-INTERRUPT_OUTPUT = _shape({"threadId": STRING, "runId": OPT_STRING, "status": _enum(
+WAIT_OUTPUT = shape({"threadId": STRING, "runId": OPT_STRING, "status": THREAD_STATUS,
+                     "statusReason": OPT_STRING, "timedOut": BOOLEAN,
+                     "hasPendingQuestion": BOOLEAN, "pendingApproval": PENDING_APPROVAL})
+INTERRUPT_OUTPUT = shape({"threadId": STRING, "runId": OPT_STRING, "status": enum_of(
     [*sorted(RUN_TERMINAL), "interrupt_requested", "no_active_run"])})
 PENDING_REQUEST_OUTPUT = {"type": "object", "anyOf": [  # one shape per action
-    _shape({"threadId": STRING, "requests": _list(_shape(_REQUEST))}),
-    _shape({"threadId": STRING, "request": _shape({
+    shape({"threadId": STRING, "requests": list_of(shape(_REQUEST))}),
+    shape({"threadId": STRING, "request": shape({
         **_REQUEST, "detail": {"type": "object"}, "decision": OPT_STRING,
-        "answers": _nullable({"type": "object"}), "answeredBy": _nullable(ANSWERED_BY),
+        "answers": nullable({"type": "object"}), "answeredBy": nullable(ANSWERED_BY),
         "resolvedAt": OPT_STRING, "statusReason": OPT_STRING})}),
-    _shape({"threadId": STRING, "requestId": STRING, "status": STRING,
-            "decision": OPT_STRING})]}
+    shape({"threadId": STRING, "requestId": STRING, "status": STRING,
+           "decision": OPT_STRING})]}
 
 
 # /ws's shapes, and the client commands of dispatchCommand in T3 Code's wire form: what
@@ -443,9 +442,9 @@ PENDING_REQUEST_OUTPUT = {"type": "object", "anyOf": [  # one shape per action
 # ignored, never refused as unknown.
 OBJECT: Mapping[str, Any] = {"type": "object"}
 SEED_TITLE = {"type": "string", "maxLength": 512, "line": True}  # (may be empty: none given)
-_SELECTION = _object({"instanceId": THREAD_ID, "model": THREAD_ID})
+_SELECTION = obj({"instanceId": THREAD_ID, "model": THREAD_ID})
 _MODES = {"runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT}
-_INITIAL = _object({"messageId": CLIENT_REQUEST_ID, "text": _text(120_000)}, ["text"])
+_INITIAL = obj({"messageId": CLIENT_REQUEST_ID, "text": text_field(120_000)}, ["text"])
 _WAKE = {"type": "string", "enum": ["always", "settled_only"]}
 _REASON = {"type": "string", "maxLength": 2000}
 _THREAD = {"threadId": THREAD_ID}
@@ -454,28 +453,29 @@ _TASK_REF = {"parentThreadId": THREAD_ID, "taskId": THREAD_ID}
 
 def _wire(kind: str, properties: Mapping[str, Any], required: Sequence[str] = ("threadId",)
           ) -> dict[str, Any]:
-    return _object({"type": {"type": "string", "enum": [kind]}, "commandId": CLIENT_REQUEST_ID,
-                    "createdBy": _enum(["user"]),  # a person: the client token, over /ws
-                    "createdAt": STRING, **properties}, ["type", "commandId", *required])
+    return obj({"type": {"type": "string", "enum": [kind]}, "commandId": CLIENT_REQUEST_ID,
+                "createdBy": enum_of(["user"]),  # a person: the client token, over /ws
+                "createdAt": STRING, **properties}, ["type", "commandId", *required])
 
 
 _WIRE_COMMANDS = {kind: _wire(kind, *rest) for kind, *rest in (
-    ("thread.create", {"threadId": CLIENT_REQUEST_ID, "projectId": _text(256), "title": SEED_TITLE,
-                       "modelSelection": _SELECTION, **_MODES, "initialMessage": _INITIAL,
-                       "branch": BRANCH, "worktreePath": _text(4096)}, ()),
-    ("message.dispatch", {**_THREAD, "messageId": CLIENT_REQUEST_ID, "text": _text(120_000),
-                          "dispatchMode": _object({"type": _enum([
+    ("thread.create", {"threadId": CLIENT_REQUEST_ID, "projectId": text_field(256),
+                       "title": SEED_TITLE, "modelSelection": _SELECTION, **_MODES,
+                       "initialMessage": _INITIAL,
+                       "branch": BRANCH, "worktreePath": text_field(4096)}, ()),
+    ("message.dispatch", {**_THREAD, "messageId": CLIENT_REQUEST_ID, "text": text_field(120_000),
+                          "dispatchMode": obj({"type": enum_of([
                               "start_immediately", "queue_after_active", "steer_active",
                               "restart_active"]), "targetRunId": THREAD_ID}, ["type"]),
                           "attachments": {"type": "array"}, "titleSeed": STRING},
      ["threadId", "text"]),
     ("run.interrupt", {**_THREAD, "runId": THREAD_ID, "reason": _REASON}, ["threadId", "runId"]),
-    ("runtime-request.respond", {**_THREAD, "requestId": THREAD_ID, "decision": _enum(
+    ("runtime-request.respond", {**_THREAD, "requestId": THREAD_ID, "decision": enum_of(
         orch.DECISIONS), "answers": OBJECT}, ["threadId", "requestId"]),
     ("queued-run.cancel", {**_THREAD, "runId": THREAD_ID}, ["threadId", "runId"]),
     ("delegated_task.request", {
         "parentThreadId": THREAD_ID, "parentRunId": THREAD_ID, "parentNodeId": STRING,
-        "task": _text(120_000), "title": SEED_TITLE, "modelSelection": _SELECTION, **_MODES,
+        "task": text_field(120_000), "title": SEED_TITLE, "modelSelection": _SELECTION, **_MODES,
         "completionWake": _WAKE}, ["parentThreadId", "parentRunId", "task"]),
     ("delegated_task.wake-policy", {**_TASK_REF, "completionWake": _WAKE},
      ["parentThreadId", "taskId", "completionWake"]),
@@ -486,7 +486,7 @@ _WIRE_COMMANDS = {kind: _wire(kind, *rest) for kind, *rest in (
      ["threadId", "checkpointId"]),
     ("thread.snooze", {**_THREAD, "snoozedUntil": THREAD_ID}, ["threadId", "snoozedUntil"]),
     ("thread.visit", {**_THREAD, "visitedAt": THREAD_ID}),
-    ("thread.unsnooze", {**_THREAD, "reason": _enum(["user"])}),
+    ("thread.unsnooze", {**_THREAD, "reason": enum_of(["user"])}),
     *((kind, _THREAD) for kind in ("thread.resume", "thread.archive", "thread.unarchive",
                                    "thread.delete")))}
 _WIRE_TYPES = {c.type: c for c in (orch.InterruptRun, orch.RespondRuntimeRequest,
@@ -517,7 +517,7 @@ class Operation:
     name: str
     description: str
     input_schema: Mapping[str, Any]
-    handler: Callable[[Toolkit, Call, _Args], Awaitable[dict[str, Any]]]
+    handler: Callable[[Toolkit, Call, Args], Awaitable[dict[str, Any]]]
     output_schema: Mapping[str, Any]  # of a success; published_output adds the failure
     callers: frozenset[str] = ANYONE
     ws: tuple[str, ...] = ()
@@ -526,35 +526,22 @@ class Operation:
     destructive: bool = False
 
 
-_CREATE_ENTRY = _object({"prompt": _text(120_000), "title": TITLE, "target": TARGET,
-                         "runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT})
+_CREATE_ENTRY = obj({"prompt": text_field(120_000), "title": TITLE, "target": TARGET,
+                     "runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT})
 
 ROLES = ["implementation", "research", "review", "design", "test", "general"]
-_SCHEDULE_RESULT = {
-    "scheduledTaskId": STRING, "title": STRING, "prompt": STRING, "enabled": BOOLEAN,
-    "projectId": STRING, "boundThreadId": OPT_STRING, "schedule": {"type": "object"},
-    "nextRunAt": OPT_STRING, "lastRunAt": OPT_STRING,
-    "lastRunStatus": _enum(sorted(orch.SCHEDULE_RUN_STATUSES)), "lastRunError": OPT_STRING,
-    "lastRunThreadId": OPT_STRING, "lastRunId": OPT_STRING, "runCount": INTEGER,
-    "providerInstanceId": OPT_STRING, "model": OPT_STRING, "runtimeMode": RUNTIME,
-    "interactionMode": INTERACTION, "createdBy": ACTOR, "creationSource": SOURCE,
-    "createdAt": STRING, "updatedAt": STRING, "hookUrl": STRING, "hookNote": STRING,
-    "deliveries": _list({"type": "object"})}
-SCHEDULE_OUTPUT = _shape(_SCHEDULE_RESULT, optional=["hookUrl", "hookNote", "deliveries"])
-LIST_SCHEDULES_OUTPUT = _shape({"tasks": _list(SCHEDULE_OUTPUT)})
-DELETE_SCHEDULE_OUTPUT = _shape({"scheduledTaskId": STRING, "deleted": BOOLEAN})
-UPDATE_OUTPUT = _shape({"threadId": STRING, "action": _enum(orch.METADATA_ACTIONS),
-                        "commandId": STRING, "sequence": INTEGER, "title": STRING,
-                        "titleRegeneration": TITLE_REGENERATION,
-                        "linkedPullRequest": PULL_REQUEST, "updatedAt": STRING})
+UPDATE_OUTPUT = shape({"threadId": STRING, "action": enum_of(orch.METADATA_ACTIONS),
+                       "commandId": STRING, "sequence": INTEGER, "title": STRING,
+                       "titleRegeneration": TITLE_REGENERATION,
+                       "linkedPullRequest": PULL_REQUEST, "updatedAt": STRING})
 _OWN_THREAD = {"threadId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}
-FILE_CHANGE = _shape({"path": STRING, "kind": STRING, "additions": INTEGER,
-                      "deletions": INTEGER})
-DIFF_OUTPUT = _shape({"threadId": STRING, "runId": OPT_STRING, "ordinal": OPT_INTEGER,
-                      "status": _enum(["ready", "pending", "missing", "error", "stale"]),
-                      "reason": OPT_STRING, "fromCheckpointId": OPT_STRING,
-                      "toCheckpointId": OPT_STRING, "files": _list(FILE_CHANGE),
-                      "diff": STRING, "truncated": BOOLEAN})
+FILE_CHANGE = shape({"path": STRING, "kind": STRING, "additions": INTEGER,
+                     "deletions": INTEGER})
+DIFF_OUTPUT = shape({"threadId": STRING, "runId": OPT_STRING, "ordinal": OPT_INTEGER,
+                     "status": enum_of(["ready", "pending", "missing", "error", "stale"]),
+                     "reason": OPT_STRING, "fromCheckpointId": OPT_STRING,
+                     "toCheckpointId": OPT_STRING, "files": list_of(FILE_CHANGE),
+                     "diff": STRING, "truncated": BOOLEAN})
 
 # =============================================================================================
 # The toolkit
@@ -565,7 +552,6 @@ class Toolkit:
                  ) -> None:
         self.orch, self.store, self.ctx = orchestrator, store, context
         self.threads = orch.ThreadService(orchestrator)
-        self._making_task = asyncio.Lock()  # a project's task count holds until its commit
 
     def list_tools(self) -> list[types.Tool]:
         return list(_published_tools().values())
@@ -588,7 +574,7 @@ class Toolkit:
         args = validate(op.input_schema, dict(arguments))
         if call.scope.kind not in op.callers:
             if call.scope.kind == "client":
-                self._thread_caller(call.scope, op.name)
+                self.thread_caller(call.scope, op.name)
             raise T3Error(f"{op.name} is for a person's client", code="capability_denied")
         reset = current_scope.set(call.scope)  # (ServerContext.links reads it)
         try:
@@ -599,19 +585,19 @@ class Toolkit:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _key(self, args: _Args) -> str:
+    def key(self, args: Args) -> str:
         return args.get("clientRequestId") or str(uuid.uuid4())
 
     @staticmethod
-    def _id(kind: str, *parts: str) -> str:
+    def derive_id(kind: str, *parts: str) -> str:
         """An id derived from the caller, the tool and the retry key: the same call maps to the
         same id, two tools never share one, and none is longer than orch.MAX_ID_CHARS."""
         return orch.bounded_id(":".join([kind, *(urllib.parse.quote(p, safe="") for p in parts)]))
 
-    async def _thread(self, thread_id: str) -> ThreadState:
+    async def thread(self, thread_id: str) -> ThreadState:
         return await self.threads.thread(thread_id)
 
-    async def _caller_thread(self, scope: Scope) -> ThreadState | None:
+    async def caller_thread(self, scope: Scope) -> ThreadState | None:
         return await self.orch.state(scope.thread_id) if scope.thread_id else None
 
     def _created(self, state: ThreadState, run_id: str | None) -> dict[str, Any]:
@@ -627,21 +613,21 @@ class Toolkit:
 
     async def _create(self, command: orch.CreateThread) -> dict[str, Any]:
         result = await self.orch.dispatch(command)
-        state = await self._thread(command.thread_id)
+        state = await self.thread(command.thread_id)
         return self._created(state, result.result.get("runId"))
 
     @staticmethod
-    def _thread_caller(scope: Scope, what: str) -> str:
+    def thread_caller(scope: Scope, what: str) -> str:
         """The calling thread's id; the client token has none."""
         if scope.kind != "thread" or scope.thread_id is None:
             raise T3Error(f"{what} needs an agent running inside a t3 thread (a provider-session "
                           "credential)", code="thread_credential_required")
         return scope.thread_id
 
-    async def _agent_caller(self, scope: Scope, what: str) -> tuple[ThreadState, orch.Run]:
+    async def agent_caller(self, scope: Scope, what: str) -> tuple[ThreadState, orch.Run]:
         """The calling thread and its active run, for tools that act on behalf of an agent."""
-        self._thread_caller(scope, what)
-        caller = await self._caller_thread(scope)
+        self.thread_caller(scope, what)
+        caller = await self.caller_thread(scope)
         run = _live_run(caller, scope) if caller else None
         if caller is None or run is None:
             raise T3Error(f"{what} needs an active run of the calling "
@@ -651,7 +637,7 @@ class Toolkit:
     async def _require_live_caller(self, scope: Scope, target: ThreadState, what: str) -> None:
         """A thread caller changing another thread needs its own live run, and the target's
         modes may not be broader than the caller's (the ceiling)."""
-        caller, thread = await self._caller_thread(scope), target.thread
+        caller, thread = await self.caller_thread(scope), target.thread
         if caller is None or caller.thread is None or thread is None or \
                 caller.thread.id == thread.id:
             return
@@ -660,7 +646,7 @@ class Toolkit:
                           "run of the calling thread", code="parent_not_active")
         self.threads.ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
 
-    async def plan_delegation(self, parent: ThreadState, args: _Args, *, command_id: str,
+    async def plan_delegation(self, parent: ThreadState, args: Args, *, command_id: str,
                               parent_run_id: str, title_from: str, wake: str,
                               made_by: Mapping[str, str]) -> orch.DelegateTask:
         """delegated_task.request, for delegate_task and /ws alike: the target, the modes
@@ -682,8 +668,8 @@ class Toolkit:
 
     # -- delegation ------------------------------------------------------------------------------
 
-    async def _capabilities(self, call: Call, args: _Args) -> dict[str, Any]:
-        caller = await self._caller_thread(call.scope)
+    async def _capabilities(self, call: Call, args: Args) -> dict[str, Any]:
+        caller = await self.caller_thread(call.scope)
         thread = caller.thread if caller else None
         search = (args.get("search") or "").lower()
         await self.orch.probe_providers()
@@ -722,17 +708,17 @@ class Toolkit:
                 "providers": providers,
                 "features": dict(FEATURES)}
 
-    async def _delegate(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _delegate(self, call: Call, args: Args) -> dict[str, Any]:
         scope = call.scope
-        scope, key = call.scope, self._key(args)
-        caller = await self._caller_thread(scope)
+        scope, key = call.scope, self.key(args)
+        caller = await self.caller_thread(scope)
         if caller is None or caller.thread is None:
             raise T3Error("the calling thread is gone", code="parent_not_active")
         role = args.get("role")
         command = await self.plan_delegation(
             caller, {**args, "task": args["task"] if role in (None, "general") else
                      f"Act as the {role} sub-agent for this task.\n\n{args['task']}"},
-            command_id=self._id("command", "mcp", scope.key, "delegate-task", key),
+            command_id=self.derive_id("command", "mcp", scope.key, "delegate-task", key),
             parent_run_id="", title_from=args["task"], made_by=_AGENT_MADE,
             wake="settled_only" if args.get("mode") == "wait" else "always")
         parent_id = caller.thread.id
@@ -743,14 +729,14 @@ class Toolkit:
                               "request", code="invalid_request")
             task_id = receipt.result["taskId"]
         else:
-            _, run = await self._agent_caller(scope, "delegate_task")
+            _, run = await self.agent_caller(scope, "delegate_task")
             result = await self.orch.dispatch(dataclasses.replace(command, parent_run_id=run.id))
             task_id = result.result["taskId"]
         timed_out = False
         if args.get("mode") == "wait":
             timed_out = not await self._wait_task(parent_id, task_id, args, call.progress,
                                                   _lender(scope))
-            await self._wait_ended(parent_id, task_id, self._id(
+            await self._wait_ended(parent_id, task_id, self.derive_id(
                 "command", "mcp", scope.key, "delegate-task-wake-policy", key))
         shaped = await self._task_result(parent_id, task_id)
         shaped["waitTimedOut"] = timed_out and shaped["status"] not in orch.TASK_TERMINAL
@@ -761,21 +747,21 @@ class Toolkit:
         it. One that ends before the result (timed out, or a question or approval ended it):
         the completion must now wake the parent, mid-turn or not. In that order, so the
         question's notice is never queued."""
-        task = (await self._thread(parent_id)).entities["subagent"][task_id]
-        question, _ = orch.task_attention(await self._thread(task.child_thread_id), task)
+        task = (await self.thread(parent_id)).entities["subagent"][task_id]
+        question, _ = orch.task_attention(await self.thread(task.child_thread_id), task)
         if question is not None:
             await self.orch.dispatch(orch.SettleTaskQuestion(
-                command_id=self._id("command", "question-delivered", question.id),
+                command_id=self.derive_id("command", "question-delivered", question.id),
                 thread_id=parent_id, task_id=task_id, request_id=question.id))
         if task.status not in orch.TASK_TERMINAL and not self.orch.stopping:
             await self.orch.dispatch(orch.SetWakePolicy(
                 command_id=command_id, thread_id=parent_id, task_id=task_id,
                 completion_wake="always"))
 
-    async def _wait_task(self, parent_id: str, task_id: str, args: _Args,
+    async def _wait_task(self, parent_id: str, task_id: str, args: Args,
                          progress: Callable[[float, str], Awaitable[None]] | None,
                          lender: tuple[str, str] | None) -> bool:
-        parent = await self._thread(parent_id)
+        parent = await self.thread(parent_id)
         task = parent.entities["subagent"][task_id]
         child_id = task.child_thread_id
 
@@ -802,11 +788,11 @@ class Toolkit:
         return False
 
     async def _task_result(self, parent_id: str, task_id: str) -> dict[str, Any]:
-        parent = await self._thread(parent_id)
+        parent = await self.thread(parent_id)
         task = parent.entities["subagent"].get(task_id)
         if task is None:
             raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
-        child = await self._thread(task.child_thread_id)
+        child = await self.thread(task.child_thread_id)
         terminal = task.status in orch.TASK_TERMINAL
         children_open = any(s.status not in orch.TASK_TERMINAL
                             for s in child.entities["subagent"].values())
@@ -846,26 +832,26 @@ class Toolkit:
                                     "runId": approval.run_id} if approval else None,
                 "waitTimedOut": False, "childThreadLink": self.ctx.link(task.child_thread_id)}
 
-    async def _task_status(self, call: Call, args: _Args) -> dict[str, Any]:
-        parent_id = self._thread_caller(call.scope, "task_status")
+    async def _task_status(self, call: Call, args: Args) -> dict[str, Any]:
+        parent_id = self.thread_caller(call.scope, "task_status")
         return await self._task_result(parent_id, args["taskId"])
 
-    async def _task_cancel(self, call: Call, args: _Args) -> dict[str, Any]:
-        parent_id = self._thread_caller(call.scope, "task_cancel")
+    async def _task_cancel(self, call: Call, args: Args) -> dict[str, Any]:
+        parent_id = self.thread_caller(call.scope, "task_cancel")
         before = await self._task_result(parent_id, args["taskId"])
         terminal = before["status"] in orch.TASK_TERMINAL
         if not terminal and not await self._stoppable(parent_id, args["taskId"]):
             raise T3Error(f"task {args['taskId']} has no run to interrupt, no queued turn and no "
                           "open task of its own", code="task_not_cancellable")
         lost = await self._cancel_task(parent_id, args["taskId"], args.get("reason"),
-                                       self._key(args))
+                                       self.key(args))
         return {"taskId": args["taskId"], "status": before["status"] if terminal
                 else "cancelled" if lost else "cancel_requested"}
 
     async def _stoppable(self, parent_id: str, task_id: str) -> bool:
-        parent = await self._thread(parent_id)
+        parent = await self.thread(parent_id)
         task = parent.entities["subagent"][task_id]
-        child = await self._thread(task.child_thread_id)
+        child = await self.thread(task.child_thread_id)
         return child.run(task.child_run_id) is None or any(
             s.status not in orch.TASK_TERMINAL for s in child.entities["subagent"].values()) \
             or any(r.status in orch.RUN_LIVE or (r.status == RunStatus.QUEUED and
@@ -875,66 +861,66 @@ class Toolkit:
                            key: str) -> bool:
         """Stop the task's own tasks, then its child thread as a person's Stop does, then cancel
         its own queued turn even if held. True: its child run was lost, so it is cancelled here."""
-        parent = await self._thread(parent_id)
+        parent = await self.thread(parent_id)
         task = parent.entities["subagent"].get(task_id)
         if task is None:
             raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
-        child = await self._thread(task.child_thread_id)
+        child = await self.thread(task.child_thread_id)
         for sub in list(child.entities["subagent"].values()):
             if sub.status not in orch.TASK_TERMINAL:
                 await self._cancel_task(task.child_thread_id, sub.id, reason, key)
         lost = task.status not in orch.TASK_TERMINAL and child.run(task.child_run_id) is None
         if task.status not in orch.TASK_TERMINAL:  # a published result stays as it is
             await self.orch.dispatch(orch.RequestTaskCancel(
-                command_id=self._id("command", "task-cancel", task_id, key), thread_id=parent_id,
-                task_id=task_id, reason=reason))
+                command_id=self.derive_id("command", "task-cancel", task_id, key),
+                thread_id=parent_id, task_id=task_id, reason=reason))
         if lost:
             await self.orch.dispatch(orch.FinalizeSubagent(
-                command_id=self._id("command", "task-cancel", "lost", task_id, key),
+                command_id=self.derive_id("command", "task-cancel", "lost", task_id, key),
                 thread_id=parent_id, task_id=task_id, status="cancelled",
                 result="The task was cancelled: its child run was lost."))
         await self.orch.dispatch(orch.StopThread(
-            command_id=self._id("command", "task-cancel", "stop", task.child_thread_id, key),
+            command_id=self.derive_id("command", "task-cancel", "stop", task.child_thread_id, key),
             thread_id=task.child_thread_id,
             reason=reason or "The delegated task was cancelled by its parent."))
-        own = (await self._thread(task.child_thread_id)).run(task.child_run_id)
+        own = (await self.thread(task.child_thread_id)).run(task.child_run_id)
         if own is not None and own.status == RunStatus.QUEUED and not own.awaiting_agent_slot:
             await self.orch.dispatch(orch.CancelQueuedRun(
-                command_id=self._id("command", "task-cancel", own.id, key),
+                command_id=self.derive_id("command", "task-cancel", own.id, key),
                 thread_id=own.thread_id, run_id=own.id))
         return lost
 
     # -- handlers --------------------------------------------------------------------------------
 
-    async def _create_threads(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _create_threads(self, call: Call, args: Args) -> dict[str, Any]:
         scope = call.scope
-        caller = (await self._agent_caller(scope, "create_threads"))[0] \
+        caller = (await self.agent_caller(scope, "create_threads"))[0] \
             if scope.kind == "thread" else None
         project = self.ctx.project(args.get("projectId") or _home_project(caller))
-        key = self._key(args)
+        key = self.key(args)
         # In the caller's own project a new thread works where the caller works (its worktree).
         home = caller.thread if caller and caller.thread and \
             caller.thread.project_id == project.id else None
         commands = [dataclasses.replace(self.threads.plan_create(
-            command_id=self._id("command", "mcp", scope.key, "create-thread", key, str(i)),
-            thread_id=self._id("thread", "mcp", scope.key, "create-threads", key, str(i)),
+            command_id=self.derive_id("command", "mcp", scope.key, "create-thread", key, str(i)),
+            thread_id=self.derive_id("thread", "mcp", scope.key, "create-threads", key, str(i)),
             project_id=project.id, workspace=home.workspace or project.path if home
             else project.path, entry=entry,
-            message_id=self._id("message", "mcp", scope.key, "create-threads", key, str(i)),
+            message_id=self.derive_id("message", "mcp", scope.key, "create-threads", key, str(i)),
             caller=caller, **_AGENT_MADE), branch=home.branch if home else None,
             worktree_path=home.worktree_path if home else None)
             for i, entry in enumerate(args["threads"])]
         return {"threads": [await self._create(command) for command in commands]}
 
-    async def _launch(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _launch(self, call: Call, args: Args) -> dict[str, Any]:
         """t3_thread_launch, and /ws launchThread's code (the thread records call.source)."""
         scope, transport = call.scope, call.source
         strategy = args.get("workspaceStrategy", "root")
         kind = strategy if isinstance(strategy, str) else strategy["type"]
-        caller = (await self._agent_caller(scope, "t3_thread_launch"))[0] \
+        caller = (await self.agent_caller(scope, "t3_thread_launch"))[0] \
             if scope.kind == "thread" else None
-        key = self._key(args)
-        thread_id = self._id("thread", transport, scope.key, "launch", key)
+        key = self.key(args)
+        thread_id = self.derive_id("thread", transport, scope.key, "launch", key)
         if args.get("scratch"):
             if args.get("projectId") or kind != "root":
                 raise T3Error("scratch: cannot be combined with projectId "
@@ -953,10 +939,10 @@ class Toolkit:
                  "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
                  "interactionMode": args.get("interactionMode", "inherit")}
         command = dataclasses.replace(self.threads.plan_create(
-            command_id=self._id("command", transport, scope.key, "launch", key),
+            command_id=self.derive_id("command", transport, scope.key, "launch", key),
             thread_id=thread_id, project_id=project.id, workspace=workspace, entry=entry,
-            message_id=self._id("message", transport, scope.key, "launch", key), caller=caller,
-            **call.made_by), **binding)
+            message_id=self.derive_id("message", transport, scope.key, "launch", key),
+            caller=caller, **call.made_by), **binding)
         folder = Path(workspace)
         made = args.get("scratch") and not folder.exists()
         if made:
@@ -1016,9 +1002,9 @@ class Toolkit:
             "setup": list(project.setup), **({"askSetup": True} if ask_setup and project.setup
                                              else {})}}
 
-    async def _list_threads(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _list_threads(self, call: Call, args: Args) -> dict[str, Any]:
         scope = call.scope
-        caller = await self._caller_thread(scope)
+        caller = await self.caller_thread(scope)
         project = self.ctx.project(args.get("projectId") or (
             caller.thread.project_id if caller and caller.thread else None), listing=True)
         cursor = args.get("cursor", 0)
@@ -1058,9 +1044,9 @@ class Toolkit:
                 "createdAt": thread["createdAt"], "updatedAt": row["updatedAt"],
                 **self.ctx.links(thread["id"]), **_thread_state(thread, row)}
 
-    async def _read_thread(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _read_thread(self, call: Call, args: Args) -> dict[str, Any]:
         scope = call.scope
-        state = await self._thread(args["threadId"])
+        state = await self.thread(args["threadId"])
         if "afterPosition" in args and "beforePosition" in args:
             raise T3Error("beforePosition: cannot be combined with "
                           "afterPosition", code="invalid_request")
@@ -1106,7 +1092,7 @@ class Toolkit:
                 "earlierPosition": first if first is not None and any(
                     r.position < first for r in rows) else None}
 
-    async def _thread_diff(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _thread_diff(self, call: Call, args: Args) -> dict[str, Any]:
         return await self.threads.diff(args["threadId"], run_id=args.get("runId"),
                                        ordinal=args.get("ordinal"))
 
@@ -1181,33 +1167,33 @@ class Toolkit:
                 **({"answeredBy": item.data["answeredBy"]}  # who answered a request
                    if item.data and item.data.get("answeredBy") else {})}
 
-    async def _send(self, call: Call, args: _Args) -> dict[str, Any]:
-        state = await self._thread(args["threadId"])
+    async def _send(self, call: Call, args: Args) -> dict[str, Any]:
+        state = await self.thread(args["threadId"])
         await self._require_live_caller(call.scope, state, "t3_thread_send")
-        ids = (call.space, call.scope.key, "thread-send", args["threadId"], self._key(args))
+        ids = (call.space, call.scope.key, "thread-send", args["threadId"], self.key(args))
         return await self.threads.send(
             args["threadId"], text=args["message"], mode=args.get("mode", "auto"),
-            command_id=self._id("command", *ids), message_id=self._id("message", *ids),
+            command_id=self.derive_id("command", *ids), message_id=self.derive_id("message", *ids),
             target=args.get("target"), **call.made_by)
 
-    async def _wait(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _wait(self, call: Call, args: Args) -> dict[str, Any]:
         return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
                                        timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000,
                                        progress=call.progress, lender=_lender(call.scope))
 
-    async def _interrupt(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _interrupt(self, call: Call, args: Args) -> dict[str, Any]:
         scope = call.scope
         thread_id = args["threadId"]
-        await self._require_live_caller(scope, await self._thread(thread_id),
+        await self._require_live_caller(scope, await self.thread(thread_id),
                                         "t3_thread_interrupt")
         return await self.threads.interrupt(
             thread_id, run_id=args.get("runId"), reason=args.get("reason"),
-            command_id=self._id("command", call.space, scope.key, "thread-interrupt", thread_id,
-                                self._key(args)))
+            command_id=self.derive_id("command", call.space, scope.key, "thread-interrupt",
+                                      thread_id, self.key(args)))
 
-    async def _pending_request(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _pending_request(self, call: Call, args: Args) -> dict[str, Any]:
         scope = call.scope
-        state = await self._thread(args["threadId"])
+        state = await self.thread(args["threadId"])
         action = args["action"]
         if action == "list":
             return {"threadId": args["threadId"],
@@ -1232,240 +1218,46 @@ class Toolkit:
         return await self.threads.respond(
             args["threadId"], request_id=request.id, decision=args.get("decision"),
             answers=args.get("answers"), answered_by=answered_by,
-            command_id=self._id("command", call.space, scope.key, "respond", request.id,
-                                self._key(args)))
+            command_id=self.derive_id("command", call.space, scope.key, "respond", request.id,
+                                      self.key(args)))
 
 
     # -- thread metadata (t3_thread_update, link/unlink_pull_request) ------------------------------
 
-    async def _update_thread(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _update_thread(self, call: Call, args: Args) -> dict[str, Any]:
         if (args["action"] == "rename") != ("title" in args):
             raise T3Error("title: required for rename, refused for "
                           "regenerate_title", code="invalid_request")
         return await self._change_metadata(call, args, args["action"], title=args.get("title"))
 
-    async def _link_pull_request(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _link_pull_request(self, call: Call, args: Args) -> dict[str, Any]:
         return await self._change_metadata(call, args, "link_pull_request",
                                            pull_request=_pull_request(args["url"]))
 
-    async def _unlink_pull_request(self, call: Call, args: _Args) -> dict[str, Any]:
+    async def _unlink_pull_request(self, call: Call, args: Args) -> dict[str, Any]:
         return await self._change_metadata(call, args, "unlink_pull_request")
 
-    async def _change_metadata(self, call: Call, args: _Args, action: str,
+    async def _change_metadata(self, call: Call, args: Args, action: str,
                                **change: Any) -> dict[str, Any]:
         """One metadata action on the target thread (default: the caller's). Another thread
         takes the caller's live run and may not have broader modes (as t3_thread_send)."""
         scope = call.scope
-        thread_id = args.get("threadId") or self._thread_caller(scope, f"{action} without "
+        thread_id = args.get("threadId") or self.thread_caller(scope, f"{action} without "
                                                                       "threadId")
-        await self._require_live_caller(scope, await self._thread(thread_id), action)
+        await self._require_live_caller(scope, await self.thread(thread_id), action)
         command = orch.UpdateThreadMetadata(
-            command_id=self._id("command", call.space, scope.key, "thread-update", action,
-                                thread_id, self._key(args)),
+            command_id=self.derive_id("command", call.space, scope.key, "thread-update", action,
+                                      thread_id, self.key(args)),
             thread_id=thread_id, action=action, **change)
         result = await self.orch.dispatch(command)
         return {**result.result, "sequence": result.sequence}
-
-    # -- scheduled tasks -------------------------------------------------------------------------
-
-    async def _schedule_task(self, call: Call, args: _Args) -> dict[str, Any]:
-        """schedule_task, and /ws scheduleTask's code (what it makes records call.made_by)."""
-        scope = call.scope
-        caller = (await self._agent_caller(scope, "schedule_task"))[0] \
-            if scope.kind == "thread" else None
-        schedule = _parse_schedule(args["schedule"]) if "schedule" in args else None
-        limit = self.ctx.min_agent_task_interval_s
-        if caller is not None and schedule is not None and schedule["type"] == "interval" and \
-                schedule["everyMs"] < limit * 1000:
-            raise T3Error(f"schedule.everyMs: an agent's task runs at "
-                          f"most every {limit} s, min_agent_task_interval_s = {limit} "
-                          "([limits] in t3.toml)", code="capability_denied")
-        if "scheduledTaskId" in args:
-            task = await self._visible_task(scope, caller, args["scheduledTaskId"],
-                                            changing=True)
-            command, token = self._task_update(call, caller, task, args, schedule)
-            await self.orch.dispatch(command)
-        else:
-            command, token = self._task_create(call, caller, args, schedule)
-            async with self._making_task:
-                self._within_task_cap(caller, command)
-                await self.orch.dispatch(command)
-        if args.get("runNow"):
-            await self.orch.fire(command.thread_id, trigger="manual")
-        task = await self._visible_task(scope, caller, command.thread_id)
-        return self._task_summary(task, hook_token=token)
-
-    def _task_create(self, call: Call, caller: ThreadState | None, args: _Args,
-                     schedule: dict[str, Any] | None
-                     ) -> tuple[orch.UpsertScheduledTask, str | None]:
-        scope, transport = call.scope, call.source
-        if schedule is None or "prompt" not in args:
-            raise T3Error("prompt: a new scheduled task needs a prompt and a schedule (or give "
-                          "scheduledTaskId to change one)", code="invalid_request")
-        home = caller.thread.project_id if caller and caller.thread else None
-        if caller is not None and (home == self.ctx.scratch_project.id
-                                   or args.get("projectId", home) != home):
-            raise T3Error("projectId: an agent schedules tasks only in its own thread's project "
-                          f"({home}, not a scratch folder)", code="capability_denied")
-        project = self.ctx.project(home or args.get("projectId"))
-        here = caller is not None and caller.thread is not None and \
-            caller.thread.project_id == project.id
-        bind = args.get("bindToCurrentThread", here)
-        if bind and not here:
-            raise T3Error(f"bindToCurrentThread: needs a calling thread in project {project.id} "
-                          "(the client token has none)", code="invalid_request")
-        info, model = self.threads.resolve_target(args.get("target"), caller)
-        runtime, interaction = self.threads.modes(args, caller)
-        # An agent never holds a hook's token: a person mints its URL (_task_summary's hookNote).
-        token = secrets.token_urlsafe(32) if schedule["type"] == "webhook" and caller is None \
-            else None
-        key = self._key(args)
-        return orch.UpsertScheduledTask(
-            command_id=self._id("command", transport, scope.key, "schedule-task", key),
-            thread_id=self._id("scheduled-task", transport, scope.key, "schedule-task", key),
-            title=self.threads.title(args.get("title"), args["prompt"], "Scheduled task"),
-            prompt=args["prompt"], schedule=schedule, project_id=project.id,
-            workspace=project.path, bind=bool(bind),
-            bound_thread_id=caller.thread.id if bind and caller and caller.thread else None,
-            model_selection={"instanceId": info.instance_id, "model": model},
-            runtime_mode=runtime, interaction_mode=interaction,
-            enabled=args.get("enabled", True), hook_token_sha256=_sha256(token),
-            creator_thread_id=scope.thread_id, **call.made_by), token
-
-    def _task_update(self, call: Call, caller: ThreadState | None, task: orch.ScheduledTask,
-                     args: _Args, schedule: dict[str, Any] | None
-                     ) -> tuple[orch.UpsertScheduledTask, str | None]:
-        scope, transport = call.scope, call.source
-        if caller is not None:
-            _agent_may_change(caller, task, args, schedule)
-        bind = args.get("bindToCurrentThread")
-        if bind and (caller is None or caller.thread is None
-                     or caller.thread.project_id != task.project_id):
-            raise T3Error("bindToCurrentThread: needs a calling thread "
-                          f"in project {task.project_id}", code="invalid_request")
-        selection, runtime, interaction = task.model_selection, None, None
-        if "target" in args:
-            info, model = self.threads.resolve_target(args["target"], caller)
-            selection = {"instanceId": info.instance_id, "model": model}
-        if "runtimeMode" in args or "interactionMode" in args:
-            runtime, interaction = self.threads.modes(
-                {"runtimeMode": task.runtime_mode, "interactionMode": task.interaction_mode,
-                 **args}, caller)
-        rotate = caller is None and (args.get("rotateHookToken") or (
-            schedule is not None and schedule["type"] == "webhook"
-            and task.hook_token_sha256 is None))
-        token = secrets.token_urlsafe(32) if rotate else None
-        return orch.UpsertScheduledTask(
-            command_id=self._id("command", transport, scope.key, "schedule-task-update",
-                                task.id, self._key(args)),
-            thread_id=task.id, title=args.get("title"), prompt=args.get("prompt"),
-            enabled=args.get("enabled"), schedule=schedule, bind=bind,
-            bound_thread_id=caller.thread.id if bind and caller and caller.thread else None,
-            model_selection=selection, runtime_mode=runtime, interaction_mode=interaction,
-            hook_token_sha256=_sha256(token)), token
-
-    async def _visible_task(self, scope: Scope, caller: ThreadState | None, task_id: str, *,
-                            changing: bool = False) -> orch.ScheduledTask:
-        """A task the caller may see (an agent: its project's). To change one, an agent's modes
-        must cover the task's runs (a bound task's: its thread's), else an approval-required
-        agent could rewrite a full-access task's prompt and run it now."""
-        state = await self.orch.state(task_id)
-        task = state.entities["scheduled-task"].get(task_id) if state else None
-        if task is None or task.deleted_at is not None or (
-                scope.kind == "thread" and (caller is None or caller.thread is None
-                                            or caller.thread.project_id != task.project_id)):
-            raise T3Error(f"no scheduled task {task_id} in your project", code="task_not_found")
-        if changing and caller is not None and caller.thread is not None:
-            runs_in = await self.orch.state(task.bound_thread_id) if task.bound_thread_id \
-                else None
-            runtime, interaction = (runs_in.thread.runtime_mode, runs_in.thread.interaction_mode) \
-                if runs_in is not None and runs_in.thread is not None else \
-                (task.runtime_mode, task.interaction_mode)
-            try:
-                self.threads.ceiling(caller.thread, runtime, interaction)
-            except orch.T3Error as exc:
-                raise T3Error(f"scheduled task {task_id} runs in {runtime}/{interaction}, "
-                              f"broader than your {caller.thread.runtime_mode}/"
-                              f"{caller.thread.interaction_mode}: only a caller with those modes "
-                              "(or the client) may change it", code="capability_denied") from exc
-        return task  # type: ignore[no-any-return]
-
-    def _within_task_cap(self, caller: ThreadState | None,
-                         command: orch.UpsertScheduledTask) -> None:
-        """An agent adds no task to a project that holds max_scheduled_tasks_per_project (a
-        retry of one it made is no new task)."""
-        cap, project = self.ctx.max_scheduled_tasks_per_project, command.project_id
-        if caller is None or self.store.receipt(command.command_id) is not None:
-            return
-        if (held := sum(t["projectId"] == project for t in self.store.scheduled_tasks())) >= cap:
-            raise T3Error(f"project {project} holds {held} scheduled "
-                          f"tasks, max_scheduled_tasks_per_project = {cap} ([limits] in "
-                          "t3.toml): delete one first", code="capability_denied")
-
-    async def _list_schedules(self, call: Call, args: _Args) -> dict[str, Any]:
-        scope = call.scope
-        caller = await self._caller_thread(scope)
-        wanted = args.get("projectId")
-        if scope.kind == "thread":
-            home = caller.thread.project_id if caller and caller.thread else ""
-            if wanted not in (None, home):
-                raise T3Error(f"projectId: an agent lists only its "
-                              f"own project's tasks ({home})", code="capability_denied")
-            wanted = home
-        tasks = [orch.ScheduledTask.from_json(t) for t in self.store.scheduled_tasks()]
-        return {"tasks": [self._task_summary(t, deliveries=args.get("includeDeliveries"))
-                          for t in tasks if wanted in (None, t.project_id)
-                          and args.get("scheduledTaskId") in (None, t.id)]}
-
-    async def _delete_schedule(self, call: Call, args: _Args) -> dict[str, Any]:
-        scope = call.scope
-        caller = (await self._agent_caller(scope, "delete_scheduled_task"))[0] \
-            if scope.kind == "thread" else None
-        task = await self._visible_task(scope, caller, args["scheduledTaskId"], changing=True)
-        await self.orch.dispatch(orch.DeleteScheduledTask(
-            command_id=self._id("command", call.source, scope.key, "delete-scheduled-task",
-                                task.id),
-            thread_id=task.id))
-        return {"scheduledTaskId": task.id, "deleted": True}
-
-    def _task_summary(self, task: orch.ScheduledTask, *, hook_token: str | None = None,
-                      deliveries: bool = False) -> dict[str, Any]:
-        schedule = dict(task.schedule)
-        if isinstance(schedule.get("signature"), Mapping):  # the secret is write-only
-            schedule["signature"] = {k: v for k, v in schedule["signature"].items()
-                                     if k != "secret"}
-        summary = {
-            "scheduledTaskId": task.id, "title": task.title, "prompt": task.prompt,
-            "enabled": task.enabled, "projectId": task.project_id,
-            "boundThreadId": task.bound_thread_id, "schedule": schedule,
-            "nextRunAt": task.next_run_at, "lastRunAt": task.last_run_at,
-            "lastRunStatus": task.last_run_status, "lastRunError": task.last_run_error,
-            "lastRunThreadId": task.last_run_thread_id, "lastRunId": task.last_run_id,
-            "runCount": task.run_count,
-            "providerInstanceId": task.model_selection.get("instanceId"),
-            "model": task.model_selection.get("model"), "runtimeMode": task.runtime_mode,
-            "interactionMode": task.interaction_mode, "createdBy": task.created_by,
-            "creationSource": task.creation_source, "createdAt": task.created_at,
-            "updatedAt": task.updated_at}
-        if hook_token is not None:  # shown once: only its hash is kept
-            # The id may hold a % (clientRequestId is quoted into it): quote it once more.
-            summary["hookUrl"] = (f"{self.ctx.base_url}/hooks/"
-                                  f"{urllib.parse.quote(task.id, safe=':~')}/{hook_token}")
-        elif task.schedule.get("type") == "webhook" and not task.hook_token_sha256:
-            summary["hookNote"] = (
-                "This hook has no URL yet: a person makes one, shown to them once, with "
-                f"`python t3.py schedule --id {task.id} --rotate-hook-token` (or /ws "
-                "scheduleTask with rotateHookToken).")
-        if deliveries and task.schedule.get("type") == "webhook":
-            summary["deliveries"] = self.store.deliveries(task.id)
-        return summary
 
     async def _answering_thread(self, scope: Scope, target: ThreadState,
                                 request: orch.RuntimeRequest) -> str:
         """An agent answers only its descendants' requests, with a live run, and only
         what its own runtime mode allows without asking; else it could approve its own work
         through another thread, voiding approval-required."""
-        caller = await self._caller_thread(scope)
+        caller = await self.caller_thread(scope)
         if caller is None or caller.thread is None:
             raise T3Error("the calling thread is gone", code="parent_not_active")
         assert target.thread is not None
@@ -1507,7 +1299,7 @@ class Toolkit:
 # methods, take the toolkit, the call and the checked arguments)
 
 
-async def _launch_thread(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+async def _launch_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     """t3_thread_launch in T3 Code's launchThread shape; the result carries the projection."""
     selection = args.get("modelSelection") or {}
     target = {k: v for k, v in (("providerInstanceId", selection.get("instanceId")),
@@ -1519,7 +1311,7 @@ async def _launch_thread(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any
             "interactionMode"), "workspaceStrategy": args.get("workspaceStrategy"),
         "scratch": args.get("scratch"), "clientRequestId": args["commandId"]}.items()
         if v is not None}
-    existed = kit.store.receipt(kit._id(
+    existed = kit.store.receipt(kit.derive_id(
         "command", call.source, call.scope.key, "launch", args["commandId"])) is not None
     launched = await kit._launch(call, launch)  # (checked as launchThread's)
     sequence, projection = kit.projection(launched["threadId"])
@@ -1527,71 +1319,63 @@ async def _launch_thread(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any
             "resumed": existed, "snapshotSequence": sequence, "projection": projection}
 
 
-async def _fork_thread(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+async def _fork_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     """``thread.fork``: a new thread with the source's context up to ``sourcePoint``, in a
     worktree of its own at that point's checkpoint when there is a ready one."""
     ids = (call.source, call.scope.key, "fork", args["commandId"])
-    thread_id = kit._id("thread", *ids)
-    source = (await kit._thread(args["sourceThreadId"])).thread
+    thread_id = kit.derive_id("thread", *ids)
+    source = (await kit.thread(args["sourceThreadId"])).thread
     assert source is not None
     git = kit.orch.workspaces
     path, branch = new_worktree(git, thread_id) if git else ("", "")
     command = await kit.threads.plan_fork(
         args["sourceThreadId"], args.get("sourcePoint") or {"type": "latest_stable"},
-        command_id=kit._id("command", *ids), thread_id=thread_id, title=args.get("title"),
+        command_id=kit.derive_id("command", *ids), thread_id=thread_id, title=args.get("title"),
         worktree=(path, branch, kit.ctx.project(source.project_id).setup), **call.made_by)
     return {**(await kit.orch.dispatch(command)).result, "threadId": thread_id}
 
 
-async def _merge_back(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+async def _merge_back(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     """``thread.merge_back``: the fork's delta goes to its parent with its next message."""
     command = await kit.threads.plan_merge_back(
         args["sourceThreadId"], args.get("targetThreadId"), created_by=orch.Actor.USER,
-        command_id=kit._id("command", call.source, call.scope.key, "merge-back",
-                            args["commandId"]))
+        command_id=kit.derive_id("command", call.source, call.scope.key, "merge-back",
+                                 args["commandId"]))
     return dict((await kit.orch.dispatch(command)).result)
 
 
-async def _rollback_thread(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+async def _rollback_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     """``checkpoint.rollback`` to run ``runOrdinal``'s checkpoint (0: the baseline) or to
     ``checkpointId``, answered once the files are restored (ThreadService.rollback)."""
     if ("runOrdinal" in args) == ("checkpointId" in args):
         raise T3Error("rollbackThread: give runOrdinal or checkpointId", code="invalid_request")
     return await kit.threads.rollback(
         args["threadId"], ordinal=args.get("runOrdinal"), checkpoint=args.get("checkpointId"),
-        command_id=kit._id("command", call.space, call.scope.key, "thread-rollback",
-                            args["threadId"], kit._key(args)))
+        command_id=kit.derive_id("command", call.space, call.scope.key, "thread-rollback",
+                                 args["threadId"], kit.key(args)))
 
 
-async def _turn_diff(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+async def _turn_diff(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     if "runId" not in args and "ordinal" not in args:
         raise T3Error("getTurnDiff: runId or ordinal is required (getFullThreadDiff gives "
                       "the whole thread's)", code="invalid_request")
     return await kit._thread_diff(call, args)
 
 
-async def _thread_projection(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
-    await kit._thread(args["threadId"])
+async def _thread_projection(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    await kit.thread(args["threadId"])
     sequence, projection = kit.projection(args["threadId"])
     return {"snapshotSequence": sequence, "projection": projection}
 
 
-async def _all_pending_requests(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
+async def _all_pending_requests(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     requests = [orch.RuntimeRequest.from_json(r) for r in kit.store.pending_requests()]
     return {"requests": [{**_request_summary(r), "threadId": r.thread_id, "detail": r.detail}
                          for r in requests if args.get("threadId") in (None, r.thread_id)]}
 
 
-async def _webhook_deliveries(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
-    """A webhook task's kept deliveries, newest first, as recorded (secrets redacted)."""
-    task_id = args["scheduledTaskId"]
-    if await kit.orch.webhook_task(task_id) is None:
-        raise T3Error(f"no webhook task {task_id}", code="task_not_found")
-    return {"scheduledTaskId": task_id, "deliveries": kit.store.deliveries(task_id)}
-
-
-async def _dispatch_command(kit: Toolkit, call: Call, args: _Args) -> dict[str, Any]:
-    """Any client command (orchestrator.CLIENT_COMMANDS) in T3 Code's wire form."""
+async def _dispatch_command(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    """Any client command (orchestrator.client_commands()) in T3 Code's wire form."""
     try:
         command = await _wire_command(kit, call, args)
     except ValueError as exc:  # a contradiction the command itself refuses
@@ -1601,15 +1385,15 @@ async def _dispatch_command(kit: Toolkit, call: Call, args: _Args) -> dict[str, 
             "commandType": command.type}
 
 
-async def _wire_command(kit: Toolkit, call: Call, a: _Args) -> Any:
+async def _wire_command(kit: Toolkit, call: Call, a: Args) -> Any:
     """The orchestrator command for a checked wire command, through the rules the tools
     use. Its id is the client's commandId in a namespace of its own, so a client never
     meets the server's internal command ids."""
     kind, made = a["type"], call.made_by
-    command_id = kit._id("command", "ws", "client", a["commandId"])
+    command_id = kit.derive_id("command", "ws", "client", a["commandId"])
 
     def derived(what: str) -> str:  # an id the client left out
-        return kit._id(what, "ws", "client", a["commandId"])
+        return kit.derive_id(what, "ws", "client", a["commandId"])
     target = {key: (a.get("modelSelection") or {})[wire] for key, wire in (
         ("providerInstanceId", "instanceId"), ("model", "model"))
         if wire in (a.get("modelSelection") or {})}
@@ -1641,7 +1425,7 @@ async def _wire_command(kit: Toolkit, call: Call, a: _Args) -> Any:
             target_run_id=mode.get("targetRunId"), **made)
     if kind == "delegated_task.request":
         return await kit.plan_delegation(
-            await kit._thread(a["parentThreadId"]), {**a, "target": target},
+            await kit.thread(a["parentThreadId"]), {**a, "target": target},
             command_id=command_id, parent_run_id=a["parentRunId"], title_from=a["task"],
             wake=a.get("completionWake", "settled_only"), made_by=made)
     if kind == "provider.switch":
@@ -1663,30 +1447,30 @@ async def _wire_command(kit: Toolkit, call: Call, a: _Args) -> Any:
 # The operations table
 
 
-_LAUNCH_INPUT = _object({"projectId": _text(256), "title": TITLE, "message": _text(120_000),
-                         "target": TARGET, "runtimeMode": RUNTIME_INPUT,
-                         "interactionMode": INTERACTION_INPUT,
-                         "workspaceStrategy": WORKSPACE_STRATEGY, "scratch": {"type": "boolean"},
-                         "clientRequestId": CLIENT_REQUEST_ID})
-_DIFF_INPUT = _object({"threadId": THREAD_ID, "runId": _text(512),
-                       "ordinal": {"type": "integer", "minimum": 1}}, ["threadId"])
+_LAUNCH_INPUT = obj({"projectId": text_field(256), "title": TITLE, "message": text_field(120_000),
+                     "target": TARGET, "runtimeMode": RUNTIME_INPUT,
+                     "interactionMode": INTERACTION_INPUT,
+                     "workspaceStrategy": WORKSPACE_STRATEGY, "scratch": {"type": "boolean"},
+                     "clientRequestId": CLIENT_REQUEST_ID})
+_DIFF_INPUT = obj({"threadId": THREAD_ID, "runId": text_field(512),
+                   "ordinal": {"type": "integer", "minimum": 1}}, ["threadId"])
 
 
 def _ws(name: str, description: str, input_schema: Mapping[str, Any],
-        handler: Callable[[Toolkit, Call, _Args], Awaitable[dict[str, Any]]],
+        handler: Callable[[Toolkit, Call, Args], Awaitable[dict[str, Any]]],
         output_schema: Mapping[str, Any] = OBJECT) -> Operation:
     """A /ws-only operation: a person's, named as the /ws method."""
     return Operation(name, description, input_schema, handler, output_schema, callers=CLIENT,
                      ws=(name,), mcp=False)
 
 
-OPERATIONS: tuple[Operation, ...] = (
+OPERATIONS: list[Operation] = [
     Operation(
         "orchestrator_capabilities",
         "List t3's provider instances and models you can delegate to, your inherited provider, "
         "model and modes, and the orchestration features. Model lists are short; pass search "
         "to find omitted models.",
-        _object({"search": {"type": "string", "maxLength": 256}}), Toolkit._capabilities,
+        obj({"search": {"type": "string", "maxLength": 256}}), Toolkit._capabilities,
         CAPABILITIES_OUTPUT, read_only=True),
     Operation(
         "delegate_task",
@@ -1698,33 +1482,33 @@ OPERATIONS: tuple[Operation, ...] = (
         "with a message naming the task, so end your turn instead of polling; mode 'wait' "
         "blocks until the result or timeoutMs (the child keeps running after a timeout; use "
         "task_status). Reuse clientRequestId when retrying the same task.",
-        _object({"task": _text(120_000), "target": TARGET, "title": TITLE,
-                 "role": {"type": "string", "enum": ROLES},
-                 "mode": {"type": "string", "enum": ["async", "wait"]},
-                 "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS},
-                 "clientRequestId": CLIENT_REQUEST_ID, "runtimeMode": RUNTIME_INPUT,
-                 "interactionMode": INTERACTION_INPUT}, ["task"]),
+        obj({"task": text_field(120_000), "target": TARGET, "title": TITLE,
+             "role": {"type": "string", "enum": ROLES},
+             "mode": {"type": "string", "enum": ["async", "wait"]},
+             "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS},
+             "clientRequestId": CLIENT_REQUEST_ID, "runtimeMode": RUNTIME_INPUT,
+             "interactionMode": INTERACTION_INPUT}, ["task"]),
         Toolkit._delegate, _TASK, callers=THREAD, destructive=True),
     Operation(
         "task_status",
         "The latest durable state and result of a task this thread delegated.",
-        _object({"taskId": _text(1024)}, ["taskId"]), Toolkit._task_status, _TASK, callers=THREAD,
+        obj({"taskId": text_field(1024)}, ["taskId"]), Toolkit._task_status, _TASK, callers=THREAD,
         read_only=True),
     Operation(
         "task_cancel",
         "Cancel a task this thread delegated: its own delegated tasks first, then its child "
         "thread. A finished task is returned unchanged (its child thread is still stopped).",
-        _object({"taskId": _text(1024), "reason": {"type": "string", "maxLength": 2000},
-                 "clientRequestId": CLIENT_REQUEST_ID}, ["taskId"]),
+        obj({"taskId": text_field(1024), "reason": {"type": "string", "maxLength": 2000},
+             "clientRequestId": CLIENT_REQUEST_ID}, ["taskId"]),
         Toolkit._task_cancel, TASK_CANCEL_OUTPUT, callers=THREAD, destructive=True),
     Operation(
         "create_threads",
         "Create 1-20 ORDINARY top-level t3 threads (not delegation). Entries with a prompt start "
         "a run at once; entries without stay idle. Each entry may pick its provider instance, "
         "model and modes. Retry with the same clientRequestId to get the same threads back.",
-        _object({"threads": {"type": "array", "minItems": 1, "maxItems": 20,
-                             "items": _CREATE_ENTRY},
-                 "clientRequestId": CLIENT_REQUEST_ID, "projectId": _text(256)}, ["threads"]),
+        obj({"threads": {"type": "array", "minItems": 1, "maxItems": 20,
+                         "items": _CREATE_ENTRY},
+             "clientRequestId": CLIENT_REQUEST_ID, "projectId": text_field(256)}, ["threads"]),
         Toolkit._create_threads, CREATE_OUTPUT, destructive=True),
     Operation(
         "t3_thread_launch",
@@ -1744,14 +1528,14 @@ OPERATIONS: tuple[Operation, ...] = (
         "List thread shells of one project, newest first (projectId, else the caller's or the "
         "default project). Filter by run status, title, snoozed, and archived (archived "
         "threads are listed only with archived: true); offset pagination with cursor.",
-        _object({"projectId": _text(256),
-                 "statuses": {"type": "array", "maxItems": 10,
-                              "items": {"type": "string", "enum": RUN_STATUSES}},
-                 "titleContains": {"type": "string", "maxLength": 256},
-                 "includeSubagents": {"type": "boolean"}, "archived": {"type": "boolean"},
-                 "snoozed": {"type": "boolean"},
-                 "cursor": {"type": "integer", "minimum": 0},
-                 "limit": {"type": "integer", "minimum": 1, "maximum": 100}}),
+        obj({"projectId": text_field(256),
+             "statuses": {"type": "array", "maxItems": 10,
+                          "items": {"type": "string", "enum": RUN_STATUSES}},
+             "titleContains": {"type": "string", "maxLength": 256},
+             "includeSubagents": {"type": "boolean"}, "archived": {"type": "boolean"},
+             "snoozed": {"type": "boolean"},
+             "cursor": {"type": "integer", "minimum": 0},
+             "limit": {"type": "integer", "minimum": 1, "maximum": 100}}),
         Toolkit._list_threads, LIST_OUTPUT, ws=("listThreads",), read_only=True),
     Operation(
         "t3_thread_read",
@@ -1759,14 +1543,14 @@ OPERATIONS: tuple[Operation, ...] = (
         "user and assistant messages, plans) or 'activity' (also tools, reasoning, requests). "
         "afterPosition=nextPosition reads newer items, beforePosition=earlierPosition older "
         "ones, afterPosition=-1 starts at the oldest. Results stop near 30,000 characters.",
-        _object({"threadId": THREAD_ID, "view": {"type": "string",
-                                                 "enum": ["messages", "activity"]},
-                 "afterPosition": {"type": "integer", "minimum": -1},
-                 "beforePosition": {"type": "integer", "minimum": 0},
-                 "limit": {"type": "integer", "minimum": 1, "maximum": 100},
-                 "runLimit": {"type": "integer", "minimum": 1, "maximum": 50},
-                 "maxCharsPerItem": {"type": "integer", "minimum": 1, "maximum": 50_000}},
-                ["threadId"]),
+        obj({"threadId": THREAD_ID, "view": {"type": "string",
+                                             "enum": ["messages", "activity"]},
+             "afterPosition": {"type": "integer", "minimum": -1},
+             "beforePosition": {"type": "integer", "minimum": 0},
+             "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+             "runLimit": {"type": "integer", "minimum": 1, "maximum": 50},
+             "maxCharsPerItem": {"type": "integer", "minimum": 1, "maximum": 50_000}},
+            ["threadId"]),
         Toolkit._read_thread, READ_OUTPUT, ws=("readThread",), read_only=True),
     Operation(
         "t3_thread_diff",
@@ -1783,19 +1567,19 @@ OPERATIONS: tuple[Operation, ...] = (
         "title, or 'regenerate_title' (no title: the thread's provider suggests one from the "
         "first message, shown as titleRegeneration until it lands). Reuse clientRequestId "
         "when retrying.",
-        _object({**_OWN_THREAD, "action": {"type": "string",
-                                           "enum": ["rename", "regenerate_title"]},
-                 "title": TITLE}, ["action"]),
+        obj({**_OWN_THREAD, "action": {"type": "string",
+                                       "enum": ["rename", "regenerate_title"]},
+             "title": TITLE}, ["action"]),
         Toolkit._update_thread, UPDATE_OUTPUT, ws=("updateThread",), destructive=True),
     Operation(
         "link_pull_request",
         "Link a pull request to a thread (threadId, else your own): its https URL, like "
         "https://github.com/owner/repo/pull/123. Replaces an earlier link.",
-        _object({**_OWN_THREAD, "url": _text(2048)}, ["url"]), Toolkit._link_pull_request,
+        obj({**_OWN_THREAD, "url": text_field(2048)}, ["url"]), Toolkit._link_pull_request,
         UPDATE_OUTPUT, ws=("linkPullRequest",), destructive=True),
     Operation(
         "unlink_pull_request", "Remove a thread's pull request link (threadId, else your own).",
-        _object(_OWN_THREAD), Toolkit._unlink_pull_request, UPDATE_OUTPUT,
+        obj(_OWN_THREAD), Toolkit._unlink_pull_request, UPDATE_OUTPUT,
         ws=("unlinkPullRequest",), destructive=True),
     Operation(
         "t3_thread_send",
@@ -1805,10 +1589,10 @@ OPERATIONS: tuple[Operation, ...] = (
         "falls back to interrupt-and-restart when the provider cannot steer). A target naming "
         "another provider instance or model switches the thread: the message starts a new run "
         "there, with a context handoff of the conversation that provider missed.",
-        _object({"threadId": THREAD_ID, "message": _text(120_000),
-                 "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
-                 "target": TARGET, "clientRequestId": CLIENT_REQUEST_ID},
-                ["threadId", "message"]),
+        obj({"threadId": THREAD_ID, "message": text_field(120_000),
+             "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
+             "target": TARGET, "clientRequestId": CLIENT_REQUEST_ID},
+            ["threadId", "message"]),
         Toolkit._send, SEND_OUTPUT, ws=("sendToThread",), destructive=True),
     Operation(
         "t3_thread_wait",
@@ -1817,17 +1601,17 @@ OPERATIONS: tuple[Operation, ...] = (
         f"timeoutMs default {DEFAULT_WAIT_MS}, max {MAX_WAIT_MS}; a timeout never cancels work. "
         "Keep timeoutMs under your MCP client's tool-call limit (often 60 s) and call again "
         "while timedOut is true.",
-        _object({"threadId": THREAD_ID, "runId": _text(512),
-                 "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS}},
-                ["threadId"]),
+        obj({"threadId": THREAD_ID, "runId": text_field(512),
+             "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS}},
+            ["threadId"]),
         Toolkit._wait, WAIT_OUTPUT, ws=("waitForThread",), read_only=True),
     Operation(
         "t3_thread_interrupt",
         "Interrupt a run (runId, else the newest interruptible one). A terminal run is returned "
         "unchanged; a thread with nothing running returns status no_active_run.",
-        _object({"threadId": THREAD_ID, "runId": _text(512), "reason": {
+        obj({"threadId": THREAD_ID, "runId": text_field(512), "reason": {
             "type": "string", "maxLength": 2000}, "clientRequestId": CLIENT_REQUEST_ID},
-                ["threadId"]),
+            ["threadId"]),
         Toolkit._interrupt, INTERRUPT_OUTPUT, ws=("interruptThread",), destructive=True),
     Operation(
         "t3_pending_request",
@@ -1837,86 +1621,63 @@ OPERATIONS: tuple[Operation, ...] = (
         "delegated (descendants), while its own run is live, and approvals only when its own "
         "runtime mode would have allowed the action (auto or full-access for commands; "
         "auto-accept-edits for file edits).",
-        _object({"threadId": THREAD_ID,
-                 "action": {"type": "string", "enum": ["list", "read", "respond"]},
-                 "requestId": _text(512),
-                 "decision": {"type": "string", "enum": list(orch.DECISIONS)},
-                 "answers": {"type": "object"}, "clientRequestId": CLIENT_REQUEST_ID},
-                ["threadId", "action"]),
+        obj({"threadId": THREAD_ID,
+             "action": {"type": "string", "enum": ["list", "read", "respond"]},
+             "requestId": text_field(512),
+             "decision": {"type": "string", "enum": list(orch.DECISIONS)},
+             "answers": {"type": "object"}, "clientRequestId": CLIENT_REQUEST_ID},
+            ["threadId", "action"]),
         Toolkit._pending_request, PENDING_REQUEST_OUTPUT, destructive=True),
-    Operation(
-        "schedule_task",
-        "Schedule recurring work that runs without an active turn, or change a scheduled task "
-        "(pass scheduledTaskId; fields left out stay). schedule is an object: {type: "
-        "'interval', everyMs} (at least 60000), {type: 'fixed_time', timeOfDay: 'HH:MM', "
-        "weekdays?: [0-6, 0 = Sunday]} in the server's local time, or {type: 'webhook', "
-        "signature?: {header, secret, prefix?}, filters?: [{path, equals}], "
-        "maxDeliveryAgeMinutes?, deliveryIdHeader?, timestampHeader?} (signature may also be "
-        "{scheme: 'standard-webhooks', secret: 'whsec_...'}; a person mints the hook's URL, "
-        "see the result's hookNote; the prompt is then a template filled from each delivery: "
-        "{{body.a.b}}, {{headers.name}}, {{query.name}}, {{body}}). By default "
-        "each run posts into this thread; bindToCurrentThread false launches a fresh thread "
-        "per run. Provider, model and modes inherit (never broader than yours). enabled "
-        "false pauses; runNow fires once now.",
-        _object({"scheduledTaskId": _text(512), "prompt": _text(120_000),
-                 "schedule": {"anyOf": [{"type": "object"}, {"type": "string"}]},
-                 "title": TITLE, "enabled": {"type": "boolean"},
-                 "bindToCurrentThread": {"type": "boolean"}, "projectId": _text(256),
-                 "target": TARGET, "runtimeMode": RUNTIME_INPUT,
-                 "interactionMode": INTERACTION_INPUT, "runNow": {"type": "boolean"},
-                 "rotateHookToken": {"type": "boolean"},
-                 "clientRequestId": CLIENT_REQUEST_ID}),
-        Toolkit._schedule_task, SCHEDULE_OUTPUT, ws=("scheduleTask",), destructive=True),
-    Operation(
-        "list_scheduled_tasks",
-        "List scheduled tasks (an agent sees its project's), with their next and last runs; "
-        "includeDeliveries adds a webhook task's newest deliveries.",
-        _object({"scheduledTaskId": _text(512), "projectId": _text(256),
-                 "includeDeliveries": {"type": "boolean"}}),
-        Toolkit._list_schedules, LIST_SCHEDULES_OUTPUT, ws=("listScheduledTasks",),
-        read_only=True),
-    Operation(
-        "delete_scheduled_task", "Delete a scheduled task for good.",
-        _object({"scheduledTaskId": _text(512)}, ["scheduledTaskId"]),
-        Toolkit._delete_schedule, DELETE_SCHEDULE_OUTPUT, ws=("deleteScheduledTask",),
-        destructive=True),
     # A person's (the client token over /ws): T3 Code's own methods.
     _ws("dispatchCommand", "Any client command in T3 Code's wire form.",
         {"anyOf": list(_WIRE_COMMANDS.values())}, _dispatch_command),
     _ws("launchThread", "t3_thread_launch in T3 Code's form; answered with the projection.",
-        _object({"commandId": CLIENT_REQUEST_ID, "projectId": _text(256), "title": SEED_TITLE,
-                 "modelSelection": _SELECTION, **_MODES, "scratch": {"type": "boolean"},
-                 "workspaceStrategy": WORKSPACE_STRATEGY, "initialMessage": _INITIAL},
-                ["commandId"]), _launch_thread),
+        obj({"commandId": CLIENT_REQUEST_ID, "projectId": text_field(256), "title": SEED_TITLE,
+             "modelSelection": _SELECTION, **_MODES, "scratch": {"type": "boolean"},
+             "workspaceStrategy": WORKSPACE_STRATEGY, "initialMessage": _INITIAL},
+            ["commandId"]), _launch_thread),
     _ws("forkThread", "thread.fork: a thread with the source's context up to sourcePoint.",
-        _object({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID, "title": SEED_TITLE,
-                 "sourcePoint": _object({
+        obj({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID, "title": SEED_TITLE,
+             "sourcePoint": obj({
                      "type": {"type": "string", "enum": ["latest_stable", "run", "checkpoint"]},
                      "runId": THREAD_ID, "ordinal": {"type": "integer", "minimum": 1},
                      "checkpointId": THREAD_ID}, ["type"])}, ["commandId", "sourceThreadId"]),
         _fork_thread),
     _ws("mergeBack", "thread.merge_back: a fork's delta to its parent.",
-        _object({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID,
-                 "targetThreadId": THREAD_ID}, ["commandId", "sourceThreadId"]),
+        obj({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID,
+             "targetThreadId": THREAD_ID}, ["commandId", "sourceThreadId"]),
         _merge_back),
     _ws("rollbackThread", "checkpoint.rollback to a run's checkpoint (0: the baseline), or to "
         "checkpointId, answered once the files are restored.",
-        _object({"threadId": THREAD_ID, "runOrdinal": {"type": "integer", "minimum": 0},
-                 "checkpointId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}, ["threadId"]),
+        obj({"threadId": THREAD_ID, "runOrdinal": {"type": "integer", "minimum": 0},
+             "checkpointId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}, ["threadId"]),
         _rollback_thread),
     _ws("getTurnDiff", "t3_thread_diff of one run (runId or ordinal).", _DIFF_INPUT,
         _turn_diff, DIFF_OUTPUT),
     _ws("getThreadProjection", "A thread's entities and the sequence they reflect.",
-        _object({"threadId": THREAD_ID}, ["threadId"]), _thread_projection),
+        obj({"threadId": THREAD_ID}, ["threadId"]), _thread_projection),
     _ws("listPendingRequests", "Every thread's pending runtime requests (or threadId's).",
-        _object({"threadId": THREAD_ID}), _all_pending_requests),
-    _ws("listWebhookDeliveries", "A webhook task's kept deliveries, newest first.",
-        _object({"scheduledTaskId": _text(512)}, ["scheduledTaskId"]),
-        _webhook_deliveries),
-)
-TOOLS = tuple(op for op in OPERATIONS if op.mcp)
-_BY_NAME = {op.name: op for op in TOOLS}
-BY_WS_NAME = {name: op for op in OPERATIONS for name in op.ws}
+        obj({"threadId": THREAD_ID}), _all_pending_requests),
+]
+TOOLS: list[Operation] = []  # the operations MCP publishes, in the table's order
+_BY_NAME: dict[str, Operation] = {}
+BY_WS_NAME: dict[str, Operation] = {}
+
+
+def register(*operations: Operation) -> None:
+    """Add operations to the table: the core's below, a feature module's (schedules.py) when
+    t3.py imports it, before the server serves."""
+    for op in operations:
+        if op.name in _BY_NAME or any(name in BY_WS_NAME for name in op.ws):
+            raise ValueError(f"operation {op.name!r} is already registered")
+        if op not in OPERATIONS:
+            OPERATIONS.append(op)
+        if op.mcp:
+            TOOLS.append(op)
+            _BY_NAME[op.name] = op
+        BY_WS_NAME.update((name, op) for name in op.ws)
+    _published_tools.cache_clear()
+
 
 
 def published_input(op: Operation) -> dict[str, Any]:
@@ -1935,6 +1696,9 @@ def _published_tools() -> dict[str, types.Tool]:
                                    read_only_hint=t.read_only, destructive_hint=t.destructive,
                                    open_world_hint=False))
             for t in TOOLS}
+
+
+register(*OPERATIONS)
 
 
 def published_output(tool: Operation) -> dict[str, Any]:
@@ -1961,49 +1725,11 @@ def _folder_name(thread_id: str) -> str:
     return f"{quoted[:80]}-{hashlib.sha256(thread_id.encode()).hexdigest()[:32]}"
 
 
-def _agent_may_change(caller: ThreadState, task: orch.ScheduledTask, args: _Args,
-                      schedule: dict[str, Any] | None) -> None:
-    """An agent never holds a hook's token (a person rotates it), and changes a task's prompt or
-    a webhook's schedule (signature, filters) only on a task its own thread made: else it could
-    turn a person's signed hook into an unsigned one that runs its words."""
-    assert caller.thread is not None
-    if args.get("rotateHookToken"):
-        raise T3Error("rotateHookToken: a person rotates a hook's "
-                      "token (python t3.py schedule --id ID --rotate-hook-token, or /ws "
-                      "scheduleTask); an agent never holds one", code="capability_denied")
-    if task.creator_thread_id == caller.thread.id:
-        return
-    for name, changed in (
-            ("prompt", args.get("prompt", task.prompt) != task.prompt),
-            ("schedule", schedule is not None and schedule != task.schedule
-             and "webhook" in (schedule["type"], task.schedule["type"]))):
-        if changed:
-            maker = f"thread {task.creator_thread_id}" if task.creator_thread_id else "a person"
-            raise T3Error(f"{name}: scheduled task {task.id} was made "
-                          f"by {maker}; an agent changes the prompt, signature and filters "
-                          "only of tasks its thread made", code="capability_denied")
-
-
 def _without_hook_tokens(result: dict[str, Any]) -> dict[str, Any]:
     """A tool result for an agent with hook URLs' tokens blanked (a person's message may hold
     one): no agent reads another's live hook."""
     text = json.dumps(result, ensure_ascii=False)
     return json.loads(orch.redact_hook_tokens(text)) if "/hooks/" in text else result
-
-
-def _parse_schedule(schedule: Any) -> dict[str, Any]:
-    """A schedule object, or the same as a JSON string (models often send one)."""
-    if isinstance(schedule, str):
-        try:
-            schedule = orch.parse_json(schedule)
-        except ValueError as exc:
-            raise T3Error("schedule: not an object, nor JSON of "
-                          f"one ({exc})", code="invalid_request") from None
-    return orch.validate_schedule(schedule)
-
-
-def _sha256(token: str | None) -> str | None:
-    return hashlib.sha256(token.encode()).hexdigest() if token is not None else None
 
 
 def _home_project(caller: ThreadState | None) -> str | None:

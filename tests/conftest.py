@@ -37,6 +37,10 @@ from harness import (KEPT_MARKERS, McpClient, T3Server, child_pids, describe_pro
                      wait_until, write_config)
 from real_cli import Send, registry_hosts, strace_command, violations  # noqa: E402
 
+import t3  # noqa: E402
+
+t3.load_features()  # the core's tables as a server has them: feature modules register into them
+
 SESSION_ENV = "T3_TEST_SESSION"
 
 

@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orchestrator as o  # noqa: E402
+import schedules  # noqa: E402
 from harness import CountingIds  # noqa: E402
 import store  # noqa: E402
 
@@ -839,9 +840,9 @@ def sample_entities() -> dict[str, list[Any]]:
     entities["thread"] = [sim.state.thread]
     task = Sim()
     task.do(upsert_task("task-1", {"type": "interval", "everyMs": 60_000}))
-    task.do(o.FireScheduledTask(command_id="fire-1", thread_id="task-1", trigger="manual"))
+    task.do(schedules.FireScheduledTask(command_id="fire-1", thread_id="task-1", trigger="manual"))
     entities["scheduled-task"] = list(task.state.entities["scheduled-task"].values())
-    entities["webhook-delivery"] = [o.WebhookDelivery(
+    entities["webhook-delivery"] = [schedules.WebhookDelivery(
         id="d1", task_id="task-1", received_at=NOW, outcome="skipped", method="POST",
         headers={"x-github-event": "push"}, body_excerpt="{}", body_truncated=False,
         query={"a": ["1"]}, delivery_key="abc")]
@@ -864,10 +865,10 @@ def handoff_sim() -> Sim:
     return sim
 
 
-def upsert_task(task_id: str, schedule: dict[str, Any], **fields: Any) -> o.UpsertScheduledTask:
-    return o.UpsertScheduledTask(
+def upsert_task(task_id: str, schedule: dict[str, Any], **fields: Any) -> schedules.UpsertScheduledTask:
+    return schedules.UpsertScheduledTask(
         command_id=f"upsert-{task_id}-{len(fields)}", thread_id=task_id, title="Nightly",
-        schedule=o.validate_schedule(schedule), project_id="default",
+        schedule=schedules.validate_schedule(schedule), project_id="default",
         workspace="/work/ws", model_selection={"instanceId": "scripted", "model": "m1"},
         runtime_mode="auto", interaction_mode="default", **{"prompt": "run the tests", **fields})
 
@@ -1327,7 +1328,7 @@ def task_sim(schedule: dict[str, Any]) -> Sim:
     return sim
 
 
-def the_task(sim: Sim) -> o.ScheduledTask:
+def the_task(sim: Sim) -> schedules.ScheduledTask:
     return sim.state.entities["scheduled-task"]["task-1"]
 
 
@@ -1339,7 +1340,7 @@ def test_a_fire_is_once_and_a_task_never_runs_twice_at_once() -> None:
     due = the_task(sim).next_run_at
     assert due == o.iso_time(o.epoch_of(NOW) + 60)
     later = sim.now = o.iso_time(o.epoch_of(NOW) + 61)
-    fired = sim.do(o.FireScheduledTask(command_id="fire-1", thread_id="task-1",
+    fired = sim.do(schedules.FireScheduledTask(command_id="fire-1", thread_id="task-1",
                                        trigger="scheduled", due_at=due))
     [effect] = fired.effects
     assert effect.effect_type == "scheduled-task.run" and effect.replay_safe
@@ -1349,9 +1350,9 @@ def test_a_fire_is_once_and_a_task_never_runs_twice_at_once() -> None:
         "running", 1, o.iso_time(o.epoch_of(later) + 60))
     for trigger, due_at in (("scheduled", due), ("manual", None)):
         with pytest.raises(o.CommandRejected):
-            sim.decide(o.FireScheduledTask(command_id="fire-2", thread_id="task-1",
+            sim.decide(schedules.FireScheduledTask(command_id="fire-2", thread_id="task-1",
                                            trigger=trigger, due_at=due_at))
-    sim.do(o.SettleScheduledRun(command_id="s", thread_id="task-1", fire_key="fire-1",
+    sim.do(schedules.SettleScheduledRun(command_id="s", thread_id="task-1", fire_key="fire-1",
                                 status="failed", error="boom"))
     assert (the_task(sim).last_run_status, the_task(sim).last_run_error) == ("failed", "boom")
 
@@ -1361,7 +1362,7 @@ def test_a_late_fixed_time_fire_is_skipped_and_aimed_again() -> None:
     sim = task_sim({"type": "fixed_time", "timeOfDay": "03:30"})
     due = the_task(sim).next_run_at
     late = sim.now = o.iso_time(o.epoch_of(due) + 11 * 60)
-    decision = sim.decide(o.FireScheduledTask(command_id="f", thread_id="task-1",
+    decision = sim.decide(schedules.FireScheduledTask(command_id="f", thread_id="task-1",
                                               trigger="scheduled", due_at=due))
     assert decision.effects == () and decision.result["fired"] is False
     assert o.epoch_of(final(decision, "scheduled-task", "task-1").next_run_at) > o.epoch_of(late)
@@ -1374,7 +1375,7 @@ def test_a_late_fixed_time_fire_is_skipped_and_aimed_again() -> None:
 def test_a_bad_schedule_is_refused(schedule: Any) -> None:
     """Intervals under a minute, malformed times and weekdays, and unknown types are refused."""
     with pytest.raises(o.T3Error) as refused:
-        o.validate_schedule(schedule)
+        schedules.validate_schedule(schedule)
     assert refused.value.code == "invalid_request"
 
 # ---------------------------------------------------------------------------------------------
@@ -1388,7 +1389,7 @@ def test_webhook_schedules_are_checked_field_by_field() -> None:
                                              "prefix": ""},
             "filters": [{"path": "commits.0.id", "equals": None}], "maxDeliveryAgeMinutes": 5,
             "deliveryIdHeader": "X-Id", "timestampHeader": "X-At"}
-    assert o.validate_schedule(good) == {**good, "signature": {
+    assert schedules.validate_schedule(good) == {**good, "signature": {
         "header": "X-Hub-Signature-256", "secret": "s"}}
     bad = [({"everyMs": 1}, "schedule.everyMs:"),
            ({"signature": "s"}, "schedule.signature:"),
@@ -1404,13 +1405,13 @@ def test_webhook_schedules_are_checked_field_by_field() -> None:
            ({"timestampHeader": ""}, "schedule.timestampHeader:")]
     for options, field in bad:
         with pytest.raises(o.T3Error) as caught:
-            o.validate_schedule({"type": "webhook", **options})
+            schedules.validate_schedule({"type": "webhook", **options})
         assert caught.value.code == "invalid_request" and str(caught.value).startswith(field)
 
 
-def request(body: Any, **headers: str) -> o.WebhookRequest:
+def request(body: Any, **headers: str) -> schedules.WebhookRequest:
     text = body if isinstance(body, bytes) else o.json.dumps(body).encode()
-    return o.WebhookRequest(method="POST", headers=tuple((k.lower().replace("_", "-"), v)
+    return schedules.WebhookRequest(method="POST", headers=tuple((k.lower().replace("_", "-"), v)
                                                          for k, v in headers.items()),
                             query=(("tag", "v1"), ("tag", "v2"), ("api_key", "k")), body=text)
 
@@ -1419,7 +1420,7 @@ def test_a_template_is_filled_once_from_what_the_log_shows() -> None:
     """Body paths, headers (any case) and query fill in; missing or null is empty, other values
     JSON; a secret-looking header or parameter reads <redacted>; a placeholder inside a
     delivered value stays as sent; {{body}} is the raw text; the result is trimmed."""
-    view = o._Delivery({"type": "webhook"}, request(
+    view = schedules._Delivery({"type": "webhook"}, request(
         {"a": {"b": "{{headers.authorization}}"}, "n": [1, 2.5], "z": None},
         X_Event="push", Authorization="Bearer t0ken"))
     filled = view.fill(" {{body.a.b}}|{{ headers.X-EVENT }}|{{headers.authorization}}|"
@@ -1435,7 +1436,7 @@ def test_filters_compare_as_json_and_a_secret_is_blanked_wherever_it_appears() -
     """true is not 1, 1 is 1.0, a missing path or a non-JSON body matches nothing; a header
     value holding the signature's secret is blanked, as is the signature header."""
     def skipped(filters: list[dict[str, Any]], body: Any) -> str | None:
-        return o._Delivery({"type": "webhook", "filters": filters}, request(body)) \
+        return schedules._Delivery({"type": "webhook", "filters": filters}, request(body)) \
             .unmatched_filter()
     assert skipped([{"path": "a", "equals": True}], {"a": 1}) is not None
     assert skipped([{"path": "a", "equals": 1}], {"a": 1.0}) is None
@@ -1444,15 +1445,15 @@ def test_filters_compare_as_json_and_a_secret_is_blanked_wherever_it_appears() -
         'not match'
     assert skipped([{"path": "a", "equals": "x"}], b"a=x") is not None
     schedule = {"type": "webhook", "signature": {"header": "X-Sig", "secret": "hush-hush"}}
-    view = o._Delivery(schedule, request({}, X_Sig="abc", X_Echo="the hush-hush word"))
+    view = schedules._Delivery(schedule, request({}, X_Sig="abc", X_Echo="the hush-hush word"))
     assert view.headers == {"x-sig": "<redacted>", "x-echo": "the <redacted> word"}
-    assert o.delivery_excerpt(schedule, b'{"note": "hush-hush", "token": "t"}', lambda t: t) \
+    assert schedules.delivery_excerpt(schedule, b'{"note": "hush-hush", "token": "t"}', lambda t: t) \
         == '{"note": "<redacted>", "token": "t"}'
-    assert o.delivery_excerpt(schedule, b"{}", None) == ""
+    assert schedules.delivery_excerpt(schedule, b"{}", None) == ""
 
 
 def receive(sim: Sim, n: int, *, key: str | None = None, **headers: str) -> o.Decision:
-    return sim.do(o.ReceiveWebhookDelivery(
+    return sim.do(schedules.ReceiveWebhookDelivery(
         command_id=f"webhook:{n}", thread_id="hook", delivery_id=f"d{n}",
         request=request({"n": n}, **headers), body_excerpt="{}", delivery_key=key))
 
@@ -1472,19 +1473,19 @@ def test_deliveries_fire_one_at_a_time_in_arrival_order() -> None:
     for n in range(2, 21):
         assert receive(sim, n).result["outcome"] == "queued"
     with pytest.raises(o.CommandRejected) as full:
-        sim.decide(o.ReceiveWebhookDelivery(command_id="w21", thread_id="hook", delivery_id="d21",
+        sim.decide(schedules.ReceiveWebhookDelivery(command_id="w21", thread_id="hook", delivery_id="d21",
                                             request=request({}), body_excerpt=""))
     assert full.value.code == "queue_full"
-    sim.do(o.SettleScheduledRun(command_id="s1", thread_id="hook", fire_key=fire_key,
+    sim.do(schedules.SettleScheduledRun(command_id="s1", thread_id="hook", fire_key=fire_key,
                                 status="running", run_thread_id="t1", run_id="r1"))
     assert sim.get("webhook-delivery", "d1").run_id == "r1"
-    ended = sim.do(o.SettleScheduledRun(command_id="s2", thread_id="hook", fire_key=fire_key,
+    ended = sim.do(schedules.SettleScheduledRun(command_id="s2", thread_id="hook", fire_key=fire_key,
                                         status="failed", error="boom"))
     assert final(ended, "webhook-delivery", "d1").outcome == "failed"
     assert sim.get("webhook-delivery", "d1") is None  # settled: the store keeps the log
     assert sim.get("webhook-delivery", "d2").outcome == "running"
     assert [e.payload["prompt"][-3:] for e in ended.effects] == ["n=2"]
-    deleted = sim.do(o.DeleteScheduledTask(command_id="del", thread_id="hook"))
+    deleted = sim.do(schedules.DeleteScheduledTask(command_id="del", thread_id="hook"))
     assert {d.outcome for d in changed(deleted, "webhook-delivery")} == {"failed"}
     assert len(changed(deleted, "webhook-delivery")) == 18 and deleted.effects == ()
 
@@ -1504,20 +1505,20 @@ def test_a_delivery_is_recorded_as_duplicate_expired_skipped_or_failed_without_a
     assert changed(receive(sim, 1), "webhook-delivery")[0].reason.startswith(
         "it has no timestamp header (webhook-timestamp, x-webhook-timestamp)")
     assert receive(sim, 2, Webhook_Timestamp=str(int(now))).result["outcome"] == "skipped"
-    dup = sim.do(o.ReceiveWebhookDelivery(command_id="x", thread_id="hook", delivery_id="dx",
+    dup = sim.do(schedules.ReceiveWebhookDelivery(command_id="x", thread_id="hook", delivery_id="dx",
                                           request=request({"n": 1}), body_excerpt="",
                                           delivery_key="k", duplicate_of="d0"))
     assert dup.result["outcome"] == "duplicate" and dup.effects == ()
-    big = o.WebhookRequest(method="POST", headers=(("webhook-timestamp", str(int(now))),), query=(),
+    big = schedules.WebhookRequest(method="POST", headers=(("webhook-timestamp", str(int(now))),), query=(),
                            body=o.json.dumps({"n": 1, "pad": "x" * 120_000}).encode())
-    long = sim.do(o.ReceiveWebhookDelivery(command_id="y", thread_id="hook", delivery_id="dy",
+    long = sim.do(schedules.ReceiveWebhookDelivery(command_id="y", thread_id="hook", delivery_id="dy",
                                            request=big, body_excerpt=""))
     assert (long.result["outcome"], long.effects) == ("failed", ())
     assert changed(long, "webhook-delivery")[0].error == "The filled-in prompt is too long."
     assert receive(sim, 1, Webhook_Timestamp=str(int(now))).result["outcome"] == "running"
     sim.do(upsert_task("hook", {"type": "webhook"}, enabled=False))
     with pytest.raises(o.CommandRejected) as paused:
-        sim.decide(o.ReceiveWebhookDelivery(command_id="z", thread_id="hook", delivery_id="dz",
+        sim.decide(schedules.ReceiveWebhookDelivery(command_id="z", thread_id="hook", delivery_id="dz",
                                             request=request({}), body_excerpt=""))
     assert paused.value.code == "hook_disabled"
 

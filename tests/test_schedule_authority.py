@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import orchestrator as o
+import schedules  # noqa: E402
 import t3 as server
 from test_tool_denials import CLIENT, World, agent, run
 from tools import Project
@@ -19,7 +20,7 @@ HOOK = {"type": "webhook", "signature": HUB, "filters": [{"path": "ref", "equals
 EVERY_15 = {"type": "interval", "everyMs": 900_000}
 
 
-async def stored(w: World, task_id: str) -> o.ScheduledTask:
+async def stored(w: World, task_id: str) -> schedules.ScheduledTask:
     return (await w.orch.state(task_id)).entities["scheduled-task"][task_id]
 
 

@@ -5,6 +5,7 @@ a SQLite file, with callers' scopes as the auth middleware sets them. Each denia
 from __future__ import annotations
 
 import asyncio
+import time
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ import orchestrator as o  # noqa: E402
 from store import Store  # noqa: E402
 from harness import output_problems  # noqa: E402
 from orchestrator import T3Error as ToolFailure  # noqa: E402
+from schedules import Scheduler  # noqa: E402
 from tools import Project, Scope, ServerContext, Toolkit, current_scope  # noqa: E402
 from workspace import Workspaces  # noqa: E402
 
@@ -39,6 +41,7 @@ class World:
             "off": o.ProviderInfo("off", "acp", None, [], caps, available=False,
                                   constraints=("disabled in the configuration",))},
             workspaces=Workspaces(tmp_path))
+        self.orch.attach(Scheduler(self.orch, self.store, wall=time.time, redact=None))
         self.tools = Toolkit(self.orch, self.store, ServerContext(
             "env-test", [Project("proj", str(tmp_path), "P")], tmp_path))
 

@@ -124,7 +124,7 @@ def test_dispatch_then_subscribe_after_n_gets_exactly_the_rest(t3: T3Server) -> 
 
 
 def test_every_client_command_can_be_dispatched(t3_factory, tmp_path: Path) -> None:
-    """A test walks orchestrator.CLIENT_COMMANDS: each is accepted over /ws in its wire form;
+    """A test walks orchestrator.client_commands(): each is accepted over /ws in its wire form;
     the server's own commands are refused."""
     t3 = t3_factory(providers=[scripted_provider(tmp_path, chunk_delay=0.05)])
 
@@ -178,7 +178,7 @@ def test_every_client_command_can_be_dispatched(t3_factory, tmp_path: Path) -> N
             assert refused.value.code == "invalid_request"
         return done
     # checkpoint.rollback needs a git checkpoint: test_rollback dispatches it in its wire form
-    assert ws(t3, body) | {"checkpoint.rollback"} == set(orchestrator.CLIENT_COMMANDS)
+    assert ws(t3, body) | {"checkpoint.rollback"} == set(orchestrator.client_commands())
 
 
 async def wait_for(client: WsClient, thread_id: str,
