@@ -37,11 +37,10 @@ from typing import Any, ClassVar
 
 from orchestrator import (MAX_JSON_DEPTH, RUN_TERMINAL, REDACTED, EFFECTS, Actor,
                           Command, CommandRejected, CreationSource, DispatchResult, Draft,
-                          EffectKind, Entity, InteractionMode, Orchestrator, RateLimited, Run,
+                          EffectKind, Entity, InteractionMode, RateLimited, Run,
                           RunStatus, RuntimeMode, T3Error, bounded_id, decides, epoch_of,
                           iso_time, json_too_deep, parse_json, parse_timestamp,
-                          register_entities, ThreadState)
-from store import Store
+                          register_entities, thread_title, ThreadState)
 from tools import (ACTOR, BOOLEAN, CLIENT, CLIENT_REQUEST_ID, INTEGER, INTERACTION,
                    INTERACTION_INPUT, OBJECT, OPT_STRING, RUNTIME, RUNTIME_INPUT, SOURCE, STRING,
                    TARGET, TITLE, Args, Call, Operation, Scope, Toolkit, enum_of, list_of,
@@ -729,10 +728,9 @@ class Scheduler:
 
     watches = frozenset({"run", "scheduled-task"})
 
-    def __init__(self, orch: Orchestrator, store: Store, *, wall: Callable[[], float],
+    def __init__(self, toolkit: Toolkit, *, wall: Callable[[], float],
                  redact: Callable[[str], str] | None) -> None:
-        self.orch = orch
-        self._store = store
+        self.toolkit, self.orch, self._store = toolkit, toolkit.orch, toolkit.store
         self._wall = wall  # epoch seconds, from the same clock as ``clock`` (tests move both)
         self._redact = redact  # what webhook delivery logs keep of a body goes through it
         self._schedule_wake = asyncio.Event()
@@ -799,14 +797,14 @@ class Scheduler:
         made = {"created_by": Actor.SYSTEM, "creation_source": CreationSource.SERVER}
         try:
             if task.bound_thread_id:
-                sent = await self.orch.threads.send(
+                sent = await self.toolkit.send(
                     task.bound_thread_id, text=prompt, mode="queue",
                     command_id=bounded_id(f"command:{fire_key}"),
                     message_id=bounded_id(f"message:{fire_key}"), **made)
                 thread_id, run_id = task.bound_thread_id, sent["runId"]
             else:
                 thread_id = bounded_id(f"thread:{fire_key}")
-                created = await self.orch.dispatch(self.orch.threads.plan_create(
+                created = await self.orch.dispatch(self.toolkit.plan_create(
                     command_id=bounded_id(f"command:{fire_key}"), thread_id=thread_id,
                     project_id=task.project_id, workspace=task.workspace, caller=None,
                     message_id=bounded_id(f"message:{fire_key}"), entry={
@@ -822,7 +820,7 @@ class Scheduler:
             return
         await self._settle(task_id, fire_key, "running", run_thread_id=thread_id, run_id=run_id)
         self._scheduled_runs[run_id] = (task_id, fire_key)
-        run = (await self.orch.threads.thread(thread_id)).run(run_id)
+        run = (await self.toolkit.thread(thread_id)).run(run_id)
         if run is not None and run.status in RUN_TERMINAL:  # it ended before we watched
             await self.settle_scheduled(run)
 
@@ -1001,8 +999,8 @@ def _task_create(kit: Toolkit, call: Call, caller: ThreadState | None, args: Arg
     if bind and not here:
         raise T3Error(f"bindToCurrentThread: needs a calling thread in project {project.id} "
                       "(the client token has none)", code="invalid_request")
-    info, model = kit.threads.resolve_target(args.get("target"), caller)
-    runtime, interaction = kit.threads.modes(args, caller)
+    info, model = kit.resolve_target(args.get("target"), caller)
+    runtime, interaction = kit.modes(args, caller)
     # An agent never holds a hook's token: a person mints its URL (_task_summary's hookNote).
     token = secrets.token_urlsafe(32) if schedule["type"] == "webhook" and caller is None \
         else None
@@ -1010,7 +1008,7 @@ def _task_create(kit: Toolkit, call: Call, caller: ThreadState | None, args: Arg
     return UpsertScheduledTask(
         command_id=kit.derive_id("command", transport, scope.key, "schedule-task", key),
         thread_id=kit.derive_id("scheduled-task", transport, scope.key, "schedule-task", key),
-        title=kit.threads.title(args.get("title"), args["prompt"], "Scheduled task"),
+        title=thread_title(args.get("title"), args["prompt"], "Scheduled task"),
         prompt=args["prompt"], schedule=schedule, project_id=project.id,
         workspace=project.path, bind=bool(bind),
         bound_thread_id=caller.thread.id if bind and caller and caller.thread else None,
@@ -1032,10 +1030,10 @@ def _task_update(kit: Toolkit, call: Call, caller: ThreadState | None, task: Sch
                       f"in project {task.project_id}", code="invalid_request")
     selection, runtime, interaction = task.model_selection, None, None
     if "target" in args:
-        info, model = kit.threads.resolve_target(args["target"], caller)
+        info, model = kit.resolve_target(args["target"], caller)
         selection = {"instanceId": info.instance_id, "model": model}
     if "runtimeMode" in args or "interactionMode" in args:
-        runtime, interaction = kit.threads.modes(
+        runtime, interaction = kit.modes(
             {"runtimeMode": task.runtime_mode, "interactionMode": task.interaction_mode,
              **args}, caller)
     rotate = caller is None and (args.get("rotateHookToken") or (
@@ -1069,7 +1067,7 @@ async def _visible_task(kit: Toolkit, scope: Scope, caller: ThreadState | None, 
             if runs_in is not None and runs_in.thread is not None else \
             (task.runtime_mode, task.interaction_mode)
         try:
-            kit.threads.ceiling(caller.thread, runtime, interaction)
+            kit.ceiling(caller.thread, runtime, interaction)
         except T3Error as exc:
             raise T3Error(f"scheduled task {task_id} runs in {runtime}/{interaction}, "
                           f"broader than your {caller.thread.runtime_mode}/"

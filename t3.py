@@ -8,7 +8,7 @@ file owns configuration (``t3.toml``), the data directory (private: 0700 and 060
 followed; its lock, the client token, ``server.json``), credentials and bearer auth, the ASGI
 app and its routes (Host and Origin checked, auth before the body is read, bodies bounded in
 size and time), the /ws protocol (parsing and shaping only: the rules are
-``orchestrator.ThreadService``'s, as for MCP), the capped listening socket, and startup/shutdown
+``tools.Toolkit``'s, as for MCP), the capped listening socket, and startup/shutdown
 order. It wires the layers and decides nothing: ``store.py`` <- ``orchestrator.py`` <-
 ``tools.py``, with ``providers.py`` handed in here.
 """
@@ -1101,7 +1101,7 @@ class ClientApi:
         """A snapshot at N (or, with ``afterSequence`` N, the stored events after N), a
         ``synchronized`` marker, then each event as it commits: gap-free, none twice."""
         thread_id, after = params["threadId"], params.get("afterSequence")
-        await self.toolkit.threads.thread(thread_id)
+        await self.toolkit.thread(thread_id)
         subscription = self.orch.subscribe(thread_id=thread_id, max_bytes=_SUBSCRIBER_BYTES)
         try:  # subscribed before reading: what commits meanwhile is in one or both, never lost
             if after is None:
@@ -1173,13 +1173,14 @@ class ClientApi:
                         "thread": self.toolkit.shell_of(state)})
 
     def _shell_snapshot(self, sequence: int) -> dict[str, Any]:
+        from tools import shell
         ctx = self.toolkit.ctx
         projects = [*ctx.projects, ctx.scratch_project]
         threads = []
         for project in projects:
             _, rows = self.store.list_threads(project.id, limit=500, archived=None,
                                               now=self.orch.now())
-            threads += [{**self.toolkit._shell(row), "projectId": project.id} for row in rows]
+            threads += [{**shell(self.toolkit, row), "projectId": project.id} for row in rows]
         return {"snapshotSequence": sequence, "threads": threads,
                 "projects": [{"projectId": p.id, "title": p.title, "path": p.path}
                              for p in projects]}
@@ -1518,9 +1519,15 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
                         max_live_agent_processes=config.max_live_agent_processes,
                         max_delegation_depth=config.max_delegation_depth,
                         clock=clock.iso if clock else utc_now)
+    toolkit = Toolkit(orch, store, ServerContext(
+        environment_id=environment_id, projects=[
+            Project(p["id"], p["path"], p["title"], tuple(p.get("setup", ())))
+            for p in config.projects], data_dir=data_dir,
+        max_delegation_depth=config.max_delegation_depth, base_url=base_url,
+        max_scheduled_tasks_per_project=config.max_scheduled_tasks_per_project,
+        min_agent_task_interval_s=config.min_agent_task_interval_s))
     from schedules import Scheduler
-    orch.attach(Scheduler(orch, store, wall=clock.now if clock else time.time,
-                          redact=prov.redact))
+    orch.attach(Scheduler(toolkit, wall=clock.now if clock else time.time, redact=prov.redact))
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.")
@@ -1528,13 +1535,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
         log.warning("interrupted the runs left active by the previous server in %d thread(s)",
                     len(recovered))
     orch.start()
-    context = ServerContext(environment_id=environment_id, projects=[
-        Project(p["id"], p["path"], p["title"], tuple(p.get("setup", ())))
-        for p in config.projects], data_dir=data_dir,
-        max_delegation_depth=config.max_delegation_depth, base_url=base_url,
-        max_scheduled_tasks_per_project=config.max_scheduled_tasks_per_project,
-        min_agent_task_interval_s=config.min_agent_task_interval_s)
-    return orch, adapters, Toolkit(orch, store, context)
+    return orch, adapters, toolkit
 
 
 def _report_providers(adapters: Mapping[str, Adapter], *, detected: bool,

@@ -55,7 +55,7 @@ FAILURE_CODES = frozenset({
 
 DEFAULT_WAIT_MS = 30_000
 MAX_WAIT_MS = 600_000
-PROGRESS_EVERY_S = orch.ThreadService.PROGRESS_EVERY_S
+PROGRESS_EVERY_S = 5.0  # a wait reports progress this often
 # Threads and messages made through MCP: by an agent (or a client acting as one), over MCP.
 _AGENT_MADE = {"created_by": orch.Actor.AGENT, "creation_source": orch.CreationSource.MCP}
 READ_BUDGET_CHARS = 30_000
@@ -548,10 +548,15 @@ DIFF_OUTPUT = shape({"threadId": STRING, "runId": OPT_STRING, "ordinal": OPT_INT
 
 
 class Toolkit:
+    """The one application boundary every transport calls (MCP tools, /ws methods, the
+    scheduler): ``run`` checks an operation's arguments and callers and runs its handler; the
+    methods below hold the rules the handlers share, once: who the caller is and what it may
+    touch, thread lookup, send-mode selection, waits, interrupts, answers, and the provider,
+    model and modes a new thread gets."""
+
     def __init__(self, orchestrator: orch.Orchestrator, store: Store, context: ServerContext
                  ) -> None:
         self.orch, self.store, self.ctx = orchestrator, store, context
-        self.threads = orch.ThreadService(orchestrator)
 
     def list_tools(self) -> list[types.Tool]:
         return list(_published_tools().values())
@@ -583,7 +588,7 @@ class Toolkit:
             current_scope.reset(reset)
         return _without_hook_tokens(result) if call.scope.kind == "thread" else result
 
-    # -- helpers ---------------------------------------------------------------------------------
+    # -- callers, ids and lookup ------------------------------------------------------------
 
     def key(self, args: Args) -> str:
         return args.get("clientRequestId") or str(uuid.uuid4())
@@ -595,26 +600,13 @@ class Toolkit:
         return orch.bounded_id(":".join([kind, *(urllib.parse.quote(p, safe="") for p in parts)]))
 
     async def thread(self, thread_id: str) -> ThreadState:
-        return await self.threads.thread(thread_id)
+        state = await self.orch.state(thread_id)
+        if state is None or state.thread is None or state.thread.deleted_at is not None:
+            raise T3Error(f"thread {thread_id} was not found", code="thread_not_found")
+        return state
 
     async def caller_thread(self, scope: Scope) -> ThreadState | None:
         return await self.orch.state(scope.thread_id) if scope.thread_id else None
-
-    def _created(self, state: ThreadState, run_id: str | None) -> dict[str, Any]:
-        thread = state.thread
-        assert thread is not None
-        run = state.run(run_id) if run_id else state.latest_run()
-        return {"threadId": thread.id, "runId": run.id if run else None,
-                "status": run.status if run else "idle", "title": thread.title,
-                "createdBy": thread.created_by, "creationSource": thread.creation_source,
-                "providerInstanceId": thread.provider_instance_id,
-                "model": thread.model_selection.get("model"), "projectId": thread.project_id,
-                **self.ctx.links(thread.id)}
-
-    async def _create(self, command: orch.CreateThread) -> dict[str, Any]:
-        result = await self.orch.dispatch(command)
-        state = await self.thread(command.thread_id)
-        return self._created(state, result.result.get("runId"))
 
     @staticmethod
     def thread_caller(scope: Scope, what: str) -> str:
@@ -634,7 +626,7 @@ class Toolkit:
                           "thread owned by this provider session", code="parent_not_active")
         return caller, run
 
-    async def _require_live_caller(self, scope: Scope, target: ThreadState, what: str) -> None:
+    async def require_live_caller(self, scope: Scope, target: ThreadState, what: str) -> None:
         """A thread caller changing another thread needs its own live run, and the target's
         modes may not be broader than the caller's (the ceiling)."""
         caller, thread = await self.caller_thread(scope), target.thread
@@ -644,616 +636,10 @@ class Toolkit:
         if _live_run(caller, scope) is None:
             raise T3Error(f"{what} on another thread needs an active "
                           "run of the calling thread", code="parent_not_active")
-        self.threads.ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
+        self.ceiling(caller.thread, thread.runtime_mode, thread.interaction_mode)
 
-    async def plan_delegation(self, parent: ThreadState, args: Args, *, command_id: str,
-                              parent_run_id: str, title_from: str, wake: str,
-                              made_by: Mapping[str, str]) -> orch.DelegateTask:
-        """delegated_task.request, for delegate_task and /ws alike: the target, the modes
-        (ThreadService.modes: never broader than the parent's) and the depth limit."""
-        assert parent.thread is not None
-        info, model = self.threads.resolve_target(args.get("target"), parent)
-        runtime, interaction = self.threads.modes(args, parent, info)
-        depth = len(await self._ancestors(parent.thread)) + 1
-        if depth > self.ctx.max_delegation_depth:
-            raise T3Error(f"delegate_task: the child would be {depth} levels deep, beyond "
-                          f"max_delegation_depth = {self.ctx.max_delegation_depth} ([limits] in "
-                          "t3.toml)", code="capability_denied")
-        return orch.DelegateTask(
-            command_id=command_id, thread_id=parent.thread.id, parent_run_id=parent_run_id,
-            task=args["task"], title=self.threads.title(args.get("title"), title_from,
-                                                        "Delegated task"),
-            provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
-            interaction_mode=interaction, completion_wake=wake, **made_by)
-
-    # -- delegation ------------------------------------------------------------------------------
-
-    async def _capabilities(self, call: Call, args: Args) -> dict[str, Any]:
-        caller = await self.caller_thread(call.scope)
-        thread = caller.thread if caller else None
-        search = (args.get("search") or "").lower()
-        await self.orch.probe_providers()
-        providers = []
-        for info in self.orch.providers.values():
-            models = [dict(m) for m in info.models]
-            own = thread.model_selection.get("model") if thread and \
-                thread.provider_instance_id == info.instance_id else None
-            current = [m for m in models if not m.get("legacy") or m["id"] == own]
-            if search:
-                shown = [m for m in models if search in m["id"].lower()
-                         or search in str(m.get("label") or "").lower()]
-            elif info.driver in ("codex", "claudeAgent", "grok"):
-                shown = current
-            else:
-                shown = current[:8] + [m for m in current[8:] if m["id"] == own]
-            entry: dict[str, Any] = {
-                "providerInstanceId": info.instance_id, "driverKind": info.driver,
-                "displayName": info.display_name,
-                "models": [{"id": m["id"], "label": m.get("label"),
-                            **({"options": m["options"]} if m.get("options") else {})}
-                           for m in shown],
-                "omittedModels": len(models) - len(shown),
-                "canRunChildTask": info.available, "canRunCrossProviderChildTask": info.available,
-                "constraints": list(info.constraints)}
-            if info.runtime_modes is not None:
-                entry["runtimeModes"] = list(info.runtime_modes)
-            if info.interaction_modes is not None:
-                entry["interactionModes"] = list(info.interaction_modes)
-            providers.append(entry)
-        return {"parentThreadId": thread.id if thread else None,
-                "inheritedProviderInstanceId": thread.provider_instance_id if thread else None,
-                "inheritedModel": thread.model_selection.get("model") if thread else None,
-                "runtimeMode": thread.runtime_mode if thread else None,
-                "interactionMode": thread.interaction_mode if thread else None,
-                "providers": providers,
-                "features": dict(FEATURES)}
-
-    async def _delegate(self, call: Call, args: Args) -> dict[str, Any]:
-        scope = call.scope
-        scope, key = call.scope, self.key(args)
-        caller = await self.caller_thread(scope)
-        if caller is None or caller.thread is None:
-            raise T3Error("the calling thread is gone", code="parent_not_active")
-        role = args.get("role")
-        command = await self.plan_delegation(
-            caller, {**args, "task": args["task"] if role in (None, "general") else
-                     f"Act as the {role} sub-agent for this task.\n\n{args['task']}"},
-            command_id=self.derive_id("command", "mcp", scope.key, "delegate-task", key),
-            parent_run_id="", title_from=args["task"], made_by=_AGENT_MADE,
-            wake="settled_only" if args.get("mode") == "wait" else "always")
-        parent_id = caller.thread.id
-        receipt = self.store.receipt(command.command_id)
-        if receipt is not None:  # a retry: the same task, whatever the parent does now
-            if receipt.fingerprint != orch.fingerprint_of(command):
-                raise T3Error("clientRequestId: already used for a different delegate_task "
-                              "request", code="invalid_request")
-            task_id = receipt.result["taskId"]
-        else:
-            _, run = await self.agent_caller(scope, "delegate_task")
-            result = await self.orch.dispatch(dataclasses.replace(command, parent_run_id=run.id))
-            task_id = result.result["taskId"]
-        timed_out = False
-        if args.get("mode") == "wait":
-            timed_out = not await self._wait_task(parent_id, task_id, args, call.progress,
-                                                  _lender(scope))
-            await self._wait_ended(parent_id, task_id, self.derive_id(
-                "command", "mcp", scope.key, "delegate-task-wake-policy", key))
-        shaped = await self._task_result(parent_id, task_id)
-        shaped["waitTimedOut"] = timed_out and shaped["status"] not in orch.TASK_TERMINAL
-        return shaped
-
-    async def _wait_ended(self, parent_id: str, task_id: str, command_id: str) -> None:
-        """A wait that showed the agent its child's question: no notice or catch-up wake for
-        it. One that ends before the result (timed out, or a question or approval ended it):
-        the completion must now wake the parent, mid-turn or not. In that order, so the
-        question's notice is never queued."""
-        task = (await self.thread(parent_id)).entities["subagent"][task_id]
-        question, _ = orch.task_attention(await self.thread(task.child_thread_id), task)
-        if question is not None:
-            await self.orch.dispatch(orch.SettleTaskQuestion(
-                command_id=self.derive_id("command", "question-delivered", question.id),
-                thread_id=parent_id, task_id=task_id, request_id=question.id))
-        if task.status not in orch.TASK_TERMINAL and not self.orch.stopping:
-            await self.orch.dispatch(orch.SetWakePolicy(
-                command_id=command_id, thread_id=parent_id, task_id=task_id,
-                completion_wake="always"))
-
-    async def _wait_task(self, parent_id: str, task_id: str, args: Args,
-                         progress: Callable[[float, str], Awaitable[None]] | None,
-                         lender: tuple[str, str] | None) -> bool:
-        parent = await self.thread(parent_id)
-        task = parent.entities["subagent"][task_id]
-        child_id = task.child_thread_id
-
-        def settled(states: Mapping[str, ThreadState]) -> bool:
-            current = states[parent_id].entities["subagent"][task_id]
-            child = states.get(child_id)
-            return current.status in orch.TASK_TERMINAL or bool(
-                child and any(orch.task_attention(child, current)))
-
-        timeout_s = args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        with self.orch.lending(lender, child_id):  # the child never waits for the parent's slot
-            while not self.orch.stopping:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    return False
-                if await self.orch.wait_until([parent_id, child_id], settled,
-                                              min(remaining, PROGRESS_EVERY_S)):
-                    return True
-                if progress is not None and not self.orch.stopping:
-                    await progress(timeout_s - max(0.0, deadline - loop.time()),
-                                   "waiting for the delegated task")
-        return False
-
-    async def _task_result(self, parent_id: str, task_id: str) -> dict[str, Any]:
-        parent = await self.thread(parent_id)
-        task = parent.entities["subagent"].get(task_id)
-        if task is None:
-            raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
-        child = await self.thread(task.child_thread_id)
-        terminal = task.status in orch.TASK_TERMINAL
-        children_open = any(s.status not in orch.TASK_TERMINAL
-                            for s in child.entities["subagent"].values())
-        # The task's known work: its original run and t3's completion follow-ups, up to the
-        # published run once there is one. Every other run is later work.
-        published = child.run(task.result_run_id or task.child_run_id)
-        work = [r for r in orch.task_work(child.runs)
-                if not terminal or published is None or r.ordinal <= published.ordinal]
-        busy = [r for r in work if r.status not in RUN_TERMINAL and r.status != RunStatus.WAITING]
-        if terminal:
-            status, state = task.status, "result_available"
-        elif not work or busy:
-            state = "working"
-            status = "queued" if busy and busy == work[:1] and \
-                busy[0].status == RunStatus.QUEUED else "running"
-        else:
-            status, state = "waiting", "waiting_for_children" if children_open else "working"
-        later = [r for r in child.runs if r.ordinal > 1 and r not in work]
-        latest = next((r for r in reversed(later) if orch.ran(r)), None)
-        later_transfer = orch.later_transfer_id(task.id, latest.id) if latest else None
-        question, approval = orch.task_attention(child, task)
-        return {"taskId": task.id, "childThreadId": task.child_thread_id,
-                "childRunId": task.child_run_id, "childNodeId": task.id, "status": status,
-                "workState": state,
-                "hasPendingChildRuns": any(r.status not in RUN_TERMINAL for r in later),
-                "providerInstanceId": task.provider_instance_id, "model": task.model,
-                "summary": task.result if terminal else None,
-                "resultContextTransferId": orch.result_transfer_id(task.id)
-                if terminal else None,
-                "latestTerminalRunId": latest.id if latest else None,
-                "latestTerminalStatus": latest.status if latest else None,
-                "latestTerminalSummary": orch.task_result(child, latest) if latest else None,
-                "latestTerminalResultContextTransferId": later_transfer
-                if later_transfer in parent.entities["context-transfer"] else None,
-                "hasPendingQuestion": question is not None,
-                "pendingApproval": {"requestId": approval.id, "kind": approval.kind_,
-                                    "runId": approval.run_id} if approval else None,
-                "waitTimedOut": False, "childThreadLink": self.ctx.link(task.child_thread_id)}
-
-    async def _task_status(self, call: Call, args: Args) -> dict[str, Any]:
-        parent_id = self.thread_caller(call.scope, "task_status")
-        return await self._task_result(parent_id, args["taskId"])
-
-    async def _task_cancel(self, call: Call, args: Args) -> dict[str, Any]:
-        parent_id = self.thread_caller(call.scope, "task_cancel")
-        before = await self._task_result(parent_id, args["taskId"])
-        terminal = before["status"] in orch.TASK_TERMINAL
-        if not terminal and not await self._stoppable(parent_id, args["taskId"]):
-            raise T3Error(f"task {args['taskId']} has no run to interrupt, no queued turn and no "
-                          "open task of its own", code="task_not_cancellable")
-        lost = await self._cancel_task(parent_id, args["taskId"], args.get("reason"),
-                                       self.key(args))
-        return {"taskId": args["taskId"], "status": before["status"] if terminal
-                else "cancelled" if lost else "cancel_requested"}
-
-    async def _stoppable(self, parent_id: str, task_id: str) -> bool:
-        parent = await self.thread(parent_id)
-        task = parent.entities["subagent"][task_id]
-        child = await self.thread(task.child_thread_id)
-        return child.run(task.child_run_id) is None or any(
-            s.status not in orch.TASK_TERMINAL for s in child.entities["subagent"].values()) \
-            or any(r.status in orch.RUN_LIVE or (r.status == RunStatus.QUEUED and
-                                                 r.id == task.child_run_id) for r in child.runs)
-
-    async def _cancel_task(self, parent_id: str, task_id: str, reason: str | None,
-                           key: str) -> bool:
-        """Stop the task's own tasks, then its child thread as a person's Stop does, then cancel
-        its own queued turn even if held. True: its child run was lost, so it is cancelled here."""
-        parent = await self.thread(parent_id)
-        task = parent.entities["subagent"].get(task_id)
-        if task is None:
-            raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
-        child = await self.thread(task.child_thread_id)
-        for sub in list(child.entities["subagent"].values()):
-            if sub.status not in orch.TASK_TERMINAL:
-                await self._cancel_task(task.child_thread_id, sub.id, reason, key)
-        lost = task.status not in orch.TASK_TERMINAL and child.run(task.child_run_id) is None
-        if task.status not in orch.TASK_TERMINAL:  # a published result stays as it is
-            await self.orch.dispatch(orch.RequestTaskCancel(
-                command_id=self.derive_id("command", "task-cancel", task_id, key),
-                thread_id=parent_id, task_id=task_id, reason=reason))
-        if lost:
-            await self.orch.dispatch(orch.FinalizeSubagent(
-                command_id=self.derive_id("command", "task-cancel", "lost", task_id, key),
-                thread_id=parent_id, task_id=task_id, status="cancelled",
-                result="The task was cancelled: its child run was lost."))
-        await self.orch.dispatch(orch.StopThread(
-            command_id=self.derive_id("command", "task-cancel", "stop", task.child_thread_id, key),
-            thread_id=task.child_thread_id,
-            reason=reason or "The delegated task was cancelled by its parent."))
-        own = (await self.thread(task.child_thread_id)).run(task.child_run_id)
-        if own is not None and own.status == RunStatus.QUEUED and not own.awaiting_agent_slot:
-            await self.orch.dispatch(orch.CancelQueuedRun(
-                command_id=self.derive_id("command", "task-cancel", own.id, key),
-                thread_id=own.thread_id, run_id=own.id))
-        return lost
-
-    # -- handlers --------------------------------------------------------------------------------
-
-    async def _create_threads(self, call: Call, args: Args) -> dict[str, Any]:
-        scope = call.scope
-        caller = (await self.agent_caller(scope, "create_threads"))[0] \
-            if scope.kind == "thread" else None
-        project = self.ctx.project(args.get("projectId") or _home_project(caller))
-        key = self.key(args)
-        # In the caller's own project a new thread works where the caller works (its worktree).
-        home = caller.thread if caller and caller.thread and \
-            caller.thread.project_id == project.id else None
-        commands = [dataclasses.replace(self.threads.plan_create(
-            command_id=self.derive_id("command", "mcp", scope.key, "create-thread", key, str(i)),
-            thread_id=self.derive_id("thread", "mcp", scope.key, "create-threads", key, str(i)),
-            project_id=project.id, workspace=home.workspace or project.path if home
-            else project.path, entry=entry,
-            message_id=self.derive_id("message", "mcp", scope.key, "create-threads", key, str(i)),
-            caller=caller, **_AGENT_MADE), branch=home.branch if home else None,
-            worktree_path=home.worktree_path if home else None)
-            for i, entry in enumerate(args["threads"])]
-        return {"threads": [await self._create(command) for command in commands]}
-
-    async def _launch(self, call: Call, args: Args) -> dict[str, Any]:
-        """t3_thread_launch, and /ws launchThread's code (the thread records call.source)."""
-        scope, transport = call.scope, call.source
-        strategy = args.get("workspaceStrategy", "root")
-        kind = strategy if isinstance(strategy, str) else strategy["type"]
-        caller = (await self.agent_caller(scope, "t3_thread_launch"))[0] \
-            if scope.kind == "thread" else None
-        key = self.key(args)
-        thread_id = self.derive_id("thread", transport, scope.key, "launch", key)
-        if args.get("scratch"):
-            if args.get("projectId") or kind != "root":
-                raise T3Error("scratch: cannot be combined with projectId "
-                              "or a workspaceStrategy", code="invalid_request")
-            project = self.ctx.scratch_project
-            workspace, binding = str(Path(project.path) / _folder_name(thread_id)), {}
-        else:
-            project = self.ctx.project(args.get("projectId") or _home_project(caller))
-            # An agent below full-access may have written what setup would run (a script, a
-            # Makefile, package.json): its launch's setup waits for an approval.
-            ask = caller is not None and caller.thread is not None and \
-                caller.thread.runtime_mode != orch.RuntimeMode.FULL_ACCESS
-            workspace, binding = await self._bind_workspace(
-                kind, strategy, project, thread_id, bool(args.get("message")), ask)
-        entry = {"prompt": args.get("message"), "title": args.get("title"),
-                 "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
-                 "interactionMode": args.get("interactionMode", "inherit")}
-        command = dataclasses.replace(self.threads.plan_create(
-            command_id=self.derive_id("command", transport, scope.key, "launch", key),
-            thread_id=thread_id, project_id=project.id, workspace=workspace, entry=entry,
-            message_id=self.derive_id("message", transport, scope.key, "launch", key),
-            caller=caller, **call.made_by), **binding)
-        folder = Path(workspace)
-        made = args.get("scratch") and not folder.exists()
-        if made:
-            folder.mkdir(parents=True)  # before the agent can start in it
-        try:
-            created = await self._create(command)
-        except BaseException:
-            if made:
-                with contextlib.suppress(OSError):  # only ever an empty folder
-                    folder.rmdir()
-            raise
-        return {**created, "workspaceStrategy": "scratch" if args.get("scratch") else kind,
-                "workspacePath": workspace, "branch": command.branch,
-                "worktreePath": command.worktree_path}
-
-    async def _bind_workspace(self, kind: str, strategy: Any, project: Project, thread_id: str,
-                              has_message: bool, ask_setup: bool) -> tuple[str, dict[str, Any]]:
-        """A launch's workspace and the CreateThread fields that bind the thread to it; bad
-        input is refused before anything is made. A new worktree's path and default branch
-        derive from the thread id, so a retried launch asks for the same one; ``ask_setup``:
-        its setup commands wait for an approval."""
-        git = self.orch.workspaces
-        if kind == "root":
-            return project.path, {}
-        if git is None:
-            raise T3Error(f"workspaceStrategy: {kind} needs git", code="invalid_request")
-        if kind == "existing_worktree":
-            path = os.path.realpath(strategy["worktreePath"])
-            try:
-                branch = await git.worktree_branch(project.path, path)
-            except Exception as exc:  # not a repository, or git failed
-                raise T3Error(f"worktreePath: {exc}", code="invalid_request") from None
-            if branch is None:
-                raise T3Error(f"worktreePath: {path} is not a worktree "
-                              f"of project {project.id}'s repository", code="invalid_request")
-            if strategy.get("branch", branch) != branch:
-                raise T3Error(f"branch: the worktree at {path} is on "
-                              f"{branch or 'a detached HEAD'}, not "
-                              f"{strategy['branch']}", code="invalid_request")
-            return path, {"branch": branch or None, "worktree_path": path}
-        if not has_message:
-            raise T3Error("message: a worktree launch needs the first message (the agent starts "
-                          "once its worktree is ready)", code="invalid_request")
-        repo = await git.top_level(project.path)
-        path, branch = new_worktree(git, thread_id)
-        branch = strategy.get("branch") or branch
-        from_origin = bool(strategy.get("startFromOrigin"))
-        problem = f"project {project.id} ({project.path}) is not a git repository" \
-            if repo is None else None
-        if repo and await self.orch.state(thread_id) is None:  # (a retry asks again)
-            problem = await git.worktree_problem(repo, base_ref=strategy["baseRef"],
-                                                 branch=branch, from_origin=from_origin)
-        if problem:
-            raise T3Error(f"workspaceStrategy: {problem}", code="invalid_request")
-        return path, {"branch": branch, "worktree_path": path, "preparation": {
-            "repo": repo, "baseRef": strategy["baseRef"], "fromOrigin": from_origin,
-            "setup": list(project.setup), **({"askSetup": True} if ask_setup and project.setup
-                                             else {})}}
-
-    async def _list_threads(self, call: Call, args: Args) -> dict[str, Any]:
-        scope = call.scope
-        caller = await self.caller_thread(scope)
-        project = self.ctx.project(args.get("projectId") or (
-            caller.thread.project_id if caller and caller.thread else None), listing=True)
-        cursor = args.get("cursor", 0)
-        total, rows = self.store.list_threads(
-            project.id, statuses=args.get("statuses") or (),
-            title_contains=args.get("titleContains") or "",
-            include_subagents=args.get("includeSubagents", True), offset=cursor,
-            limit=args.get("limit", 50), archived=args.get("archived", False),
-            snoozed=args.get("snoozed"), now=self.orch.now())
-        page = [self._shell(row) for row in rows]
-        more = cursor + len(page) < total
-        return {"projectId": project.id, "currentThreadId": scope.thread_id, "threads": page,
-                "nextCursor": cursor + len(page) if more else None, "total": total}
-
-    def shell_of(self, state: ThreadState) -> dict[str, Any]:
-        """A thread's shell as ``t3_thread_list`` shows it, from its live state, plus its
-        project (the /ws shell stream spans projects)."""
-        assert state.thread is not None
-        detail = self._detail(state)
-        return {**self._shell({"thread": state.thread.to_json(), **{
-            k: detail[k] for k in ("latestRunId", "status", "updatedAt", "itemCount",
-                                   "pendingRequestCount", "snoozed", "pendingBackgroundTasks")}}),
-                "projectId": state.thread.project_id}
-
-    def _shell(self, row: Mapping[str, Any]) -> dict[str, Any]:
-        thread = row["thread"]
-        return {"threadId": thread["id"], "title": thread["title"],
-                "createdBy": thread["createdBy"], "creationSource": thread["creationSource"],
-                "status": row["status"], "latestRunId": row["latestRunId"],
-                "providerInstanceId": thread["providerInstanceId"],
-                "model": thread["modelSelection"].get("model"),
-                "runtimeMode": thread["runtimeMode"], "interactionMode": thread["interactionMode"],
-                "branch": thread.get("branch"), "worktreePath": thread.get("worktreePath"),
-                "parentThreadId": thread["lineage"].get("parentThreadId"),
-                "relationshipToParent": thread["lineage"].get("relationshipToParent"),
-                "itemCount": row["itemCount"], "pendingRequestCount": row["pendingRequestCount"],
-                "createdAt": thread["createdAt"], "updatedAt": row["updatedAt"],
-                **self.ctx.links(thread["id"]), **_thread_state(thread, row)}
-
-    async def _read_thread(self, call: Call, args: Args) -> dict[str, Any]:
-        scope = call.scope
-        state = await self.thread(args["threadId"])
-        if "afterPosition" in args and "beforePosition" in args:
-            raise T3Error("beforePosition: cannot be combined with "
-                          "afterPosition", code="invalid_request")
-        view = args.get("view", "messages")
-        max_chars = args.get("maxCharsPerItem", DEFAULT_ITEM_CHARS)
-        limit = args.get("limit", 50)
-        rows = [i for i in state.items() if view == "activity" or i.type in (
-            "user_message", "assistant_message", "proposed_plan")]
-        newest_first = "beforePosition" in args or (
-            "afterPosition" not in args and scope.kind == "thread")
-        if newest_first:
-            before = args.get("beforePosition")
-            candidates = [r for r in rows if before is None or r.position < before][::-1]
-        else:
-            after = args.get("afterPosition", -1)
-            candidates = [r for r in rows if r.position > after]
-        run_limit = args.get("runLimit", 10)
-        result = {"thread": self._detail(state), "transfers": await self._transfers(state),
-                  "recentRuns": [
-                      self._run_summary(state, r) for r in state.runs[::-1][:run_limit]],
-                  "items": [], "nextPosition": None, "hasMore": False, "earlierPosition": None,
-                  **self.ctx.links(state.thread.id if state.thread else "")}
-        room = READ_BUDGET_CHARS - _chars(result) - 30  # the budget holds the whole result
-        page: list[dict[str, Any]] = []
-        for row in candidates[:limit]:
-            item = self._timeline_item(state, row, max_chars)
-            size = _chars(item) + 2
-            if page and size > room:
-                break  # left to the next page
-            if size > room:  # the first item is cut to fit: every page moves on
-                item = self._timeline_item(state, row, max(MIN_ITEM_CHARS, len(
-                    item["text"] or "") - (size - room) - _chars(TRUNCATION_MARK)))
-                size = _chars(item) + 2
-            room -= size
-            page.append(item)
-        if newest_first:
-            page.reverse()
-        first = page[0]["position"] if page else None
-        last = page[-1]["position"] if page else None
-        return {**result, "items": page,
-                "nextPosition": last if last is not None else args.get("afterPosition"),
-                "hasMore": last is not None and any(r.position > last for r in rows),
-                "earlierPosition": first if first is not None and any(
-                    r.position < first for r in rows) else None}
-
-    async def _thread_diff(self, call: Call, args: Args) -> dict[str, Any]:
-        return await self.threads.diff(args["threadId"], run_id=args.get("runId"),
-                                       ordinal=args.get("ordinal"))
-
-    async def _transfers(self, state: ThreadState) -> list[dict[str, Any]]:
-        """Context transfers naming this thread: its tasks' spawns and results, or its own."""
-        own = list(state.entities["context-transfer"].values())
-        parent_id = state.thread.lineage.get("parentThreadId") if state.thread else None
-        parent = await self.orch.state(parent_id) if parent_id else None
-        if parent is not None and state.thread is not None:
-            own += [t for t in parent.entities["context-transfer"].values()
-                    if state.thread.id in (t.source_thread_id, t.target_thread_id)]
-        return [{**{k: v for k, v in t.to_json().items() if k not in ("threadId", "data")},
-                 "summary": _bounded(t.summary, TRANSFER_SUMMARY_CHARS),
-                 **{k: v for k, v in (t.data or {}).items() if k in ("sourcePoint",
-                                                                     "resolution")}}
-                for t in sorted(own, key=lambda t: (t.created_at, t.id))]
-
-    def _detail(self, state: ThreadState) -> dict[str, Any]:
-        thread = state.thread
-        assert thread is not None
-        latest = state.latest_run()
-        active = next((r for r in reversed(state.runs) if r.status in (
-            RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)), None)
-        return {"threadId": thread.id, "projectId": thread.project_id, "title": thread.title,
-                "createdBy": thread.created_by, "creationSource": thread.creation_source,
-                "status": state.status(), "latestRunId": latest.id if latest else None,
-                "activeRunId": active.id if active else None,
-                "providerInstanceId": thread.provider_instance_id,
-                "model": thread.model_selection.get("model"), "runtimeMode": thread.runtime_mode,
-                "interactionMode": thread.interaction_mode, "branch": thread.branch,
-                "worktreePath": thread.worktree_path, "workspacePath": thread.workspace,
-                "parentThreadId": thread.lineage.get("parentThreadId"),
-                "relationshipToParent": thread.lineage.get("relationshipToParent"),
-                "runCount": len(state.runs), "itemCount": len(state.entities["turn-item"]),
-                "pendingRequestCount": len(state.pending_requests()),
-                **_thread_state(thread.to_json(), {
-                    "status": state.status(), "snoozed": state.snoozed(self.orch.now()),
-                    "pendingBackgroundTasks": state.pending_background_tasks()}),
-                "titleRegeneration": thread.title_regeneration, "createdAt": thread.created_at,
-                "updatedAt": max([thread.updated_at, *(t for t in (
-                    (latest.requested_at, latest.completed_at) if latest else ()) if t)]),
-                **self.ctx.links(thread.id)}
-
-    @staticmethod
-    def _run_summary(state: ThreadState, run: orch.Run) -> dict[str, Any]:
-        attempts = [a for a in state.entities["run-attempt"].values() if a.run_id == run.id]
-        return {"runId": run.id, "ordinal": run.ordinal, "status": run.status,
-                "statusReason": run.status_reason, "providerInstanceId": run.provider_instance_id,
-                "model": run.model_selection.get("model"), "requestedAt": run.requested_at,
-                "startedAt": run.started_at, "completedAt": run.completed_at,
-                "attemptCount": len(attempts), "queuePosition": run.queue_position,
-                "queueHeld": run.queue_held}
-
-    def _timeline_item(self, state: ThreadState, item: orch.TurnItem, max_chars: int
-                       ) -> dict[str, Any]:
-        message = state.entities["message"].get(item.message_id) if item.message_id else None
-        if message is not None:
-            text: str | None = message.text
-            created_by, source = message.created_by, message.creation_source
-        else:
-            text = item.text
-            created_by, source = (("system", "server") if item.type.startswith("run_interrupt")
-                                  else ("agent", "provider"))
-        truncated = text is not None and len(text) > max_chars
-        text = _bounded(text, max_chars)
-        return {"position": item.position, "visibility": "local",
-                "sourceThreadId": item.thread_id, "itemId": item.id, "runId": item.run_id,
-                "messageId": item.message_id, "role": message.role if message else None,
-                "createdBy": created_by, "creationSource": source, "type": item.type,
-                "status": item.status, "title": item.title, "text": text,
-                "textTruncated": truncated, "updatedAt": item.updated_at,
-                **({"answeredBy": item.data["answeredBy"]}  # who answered a request
-                   if item.data and item.data.get("answeredBy") else {})}
-
-    async def _send(self, call: Call, args: Args) -> dict[str, Any]:
-        state = await self.thread(args["threadId"])
-        await self._require_live_caller(call.scope, state, "t3_thread_send")
-        ids = (call.space, call.scope.key, "thread-send", args["threadId"], self.key(args))
-        return await self.threads.send(
-            args["threadId"], text=args["message"], mode=args.get("mode", "auto"),
-            command_id=self.derive_id("command", *ids), message_id=self.derive_id("message", *ids),
-            target=args.get("target"), **call.made_by)
-
-    async def _wait(self, call: Call, args: Args) -> dict[str, Any]:
-        return await self.threads.wait(args["threadId"], run_id=args.get("runId"),
-                                       timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000,
-                                       progress=call.progress, lender=_lender(call.scope))
-
-    async def _interrupt(self, call: Call, args: Args) -> dict[str, Any]:
-        scope = call.scope
-        thread_id = args["threadId"]
-        await self._require_live_caller(scope, await self.thread(thread_id),
-                                        "t3_thread_interrupt")
-        return await self.threads.interrupt(
-            thread_id, run_id=args.get("runId"), reason=args.get("reason"),
-            command_id=self.derive_id("command", call.space, scope.key, "thread-interrupt",
-                                      thread_id, self.key(args)))
-
-    async def _pending_request(self, call: Call, args: Args) -> dict[str, Any]:
-        scope = call.scope
-        state = await self.thread(args["threadId"])
-        action = args["action"]
-        if action == "list":
-            return {"threadId": args["threadId"],
-                    "requests": [_request_summary(r) for r in state.pending_requests()]}
-        if "requestId" not in args:
-            raise T3Error(f"requestId: required for action {action}", code="invalid_request")
-        request = state.entities["runtime-request"].get(args["requestId"])
-        if request is None:
-            raise T3Error(f"requestId: no request {args['requestId']} in this "
-                          "thread", code="invalid_request")
-        if action == "read":
-            return {"threadId": args["threadId"], "request": {
-                **_request_summary(request), "detail": request.detail,
-                "decision": request.decision, "answers": request.answers,
-                "answeredBy": request.answered_by, "resolvedAt": request.resolved_at,
-                "statusReason": request.status_reason}}
-        if ("decision" in args) == ("answers" in args):
-            raise T3Error("decision: give exactly one of decision or "
-                          "answers", code="invalid_request")
-        answered_by = {"kind": "client"} if scope.kind == "client" else \
-            {"kind": "thread", "threadId": await self._answering_thread(scope, state, request)}
-        return await self.threads.respond(
-            args["threadId"], request_id=request.id, decision=args.get("decision"),
-            answers=args.get("answers"), answered_by=answered_by,
-            command_id=self.derive_id("command", call.space, scope.key, "respond", request.id,
-                                      self.key(args)))
-
-
-    # -- thread metadata (t3_thread_update, link/unlink_pull_request) ------------------------------
-
-    async def _update_thread(self, call: Call, args: Args) -> dict[str, Any]:
-        if (args["action"] == "rename") != ("title" in args):
-            raise T3Error("title: required for rename, refused for "
-                          "regenerate_title", code="invalid_request")
-        return await self._change_metadata(call, args, args["action"], title=args.get("title"))
-
-    async def _link_pull_request(self, call: Call, args: Args) -> dict[str, Any]:
-        return await self._change_metadata(call, args, "link_pull_request",
-                                           pull_request=_pull_request(args["url"]))
-
-    async def _unlink_pull_request(self, call: Call, args: Args) -> dict[str, Any]:
-        return await self._change_metadata(call, args, "unlink_pull_request")
-
-    async def _change_metadata(self, call: Call, args: Args, action: str,
-                               **change: Any) -> dict[str, Any]:
-        """One metadata action on the target thread (default: the caller's). Another thread
-        takes the caller's live run and may not have broader modes (as t3_thread_send)."""
-        scope = call.scope
-        thread_id = args.get("threadId") or self.thread_caller(scope, f"{action} without "
-                                                                      "threadId")
-        await self._require_live_caller(scope, await self.thread(thread_id), action)
-        command = orch.UpdateThreadMetadata(
-            command_id=self.derive_id("command", call.space, scope.key, "thread-update", action,
-                                      thread_id, self.key(args)),
-            thread_id=thread_id, action=action, **change)
-        result = await self.orch.dispatch(command)
-        return {**result.result, "sequence": result.sequence}
-
-    async def _answering_thread(self, scope: Scope, target: ThreadState,
-                                request: orch.RuntimeRequest) -> str:
+    async def answering_thread(self, scope: Scope, target: ThreadState,
+                               request: orch.RuntimeRequest) -> str:
         """An agent answers only its descendants' requests, with a live run, and only
         what its own runtime mode allows without asking; else it could approve its own work
         through another thread, voiding approval-required."""
@@ -1261,7 +647,7 @@ class Toolkit:
         if caller is None or caller.thread is None:
             raise T3Error("the calling thread is gone", code="parent_not_active")
         assert target.thread is not None
-        if caller.thread.id not in await self._ancestors(target.thread):
+        if caller.thread.id not in await self.ancestors(target.thread):
             raise T3Error("an agent may answer only the requests of threads it delegated (its "
                           "descendants); the user answers the rest", code="capability_denied")
         if _live_run(caller, scope) is None:
@@ -1274,7 +660,7 @@ class Toolkit:
                           f"broader; this thread runs in {mode}", code="capability_denied")
         return caller.thread.id
 
-    async def _ancestors(self, thread: orch.AppThread) -> list[str]:
+    async def ancestors(self, thread: orch.AppThread) -> list[str]:
         """The thread's parent, grandparent, ... through delegation lineage (a fork is a
         thread of its own: its source gains no say over it)."""
         found: list[str] = []
@@ -1286,12 +672,1095 @@ class Toolkit:
             lineage = parent.thread.lineage if parent is not None and parent.thread else {}
         return found
 
+    async def plan_delegation(self, parent: ThreadState, args: Args, *, command_id: str,
+                              parent_run_id: str, title_from: str, wake: str,
+                              made_by: Mapping[str, str]) -> orch.DelegateTask:
+        """delegated_task.request, for delegate_task and /ws alike: the target, the modes
+        (``modes``: never broader than the parent's) and the depth limit."""
+        assert parent.thread is not None
+        info, model = self.resolve_target(args.get("target"), parent)
+        runtime, interaction = self.modes(args, parent, info)
+        depth = len(await self.ancestors(parent.thread)) + 1
+        if depth > self.ctx.max_delegation_depth:
+            raise T3Error(f"delegate_task: the child would be {depth} levels deep, beyond "
+                          f"max_delegation_depth = {self.ctx.max_delegation_depth} ([limits] in "
+                          "t3.toml)", code="capability_denied")
+        return orch.DelegateTask(
+            command_id=command_id, thread_id=parent.thread.id, parent_run_id=parent_run_id,
+            task=args["task"], title=orch.thread_title(args.get("title"), title_from,
+                                                       "Delegated task"),
+            provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
+            interaction_mode=interaction, completion_wake=wake, **made_by)
+
+    # -- send, wait, interrupt, answer, switch ----------------------------------------------
+
+    async def send(self, thread_id: str, *, text: str, mode: str, command_id: str,
+                   message_id: str, created_by: str, creation_source: str,
+                   target: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``mode`` auto: steer the active provider turn if there is one, else start (or queue
+        behind a run that cannot be steered yet); queue: a separate follow-up run; steer and
+        restart: the active provider turn, which must exist. A ``target`` naming another
+        provider instance or model switches the thread first: the message is a new run there
+        (auto never steers across a switch)."""
+        state = await self.thread(thread_id)  # (an archived thread: decide refuses, once)
+        steerable = steerable_run(state)
+        if target is not None:
+            switch = await self.plan_switch(thread_id, target,
+                                            command_id=orch.bounded_id(f"{command_id}:switch"))
+            if (switch.provider_instance_id, switch.model) != (
+                    state.thread.provider_instance_id, state.thread.model_selection.get("model")):
+                if mode in ("steer", "restart"):
+                    raise T3Error(f"mode {mode}: a message to another provider or model starts "
+                                  "a new run; use auto or queue", code="invalid_request")
+                steerable = None
+            await self.orch.dispatch(switch)
+        if mode in ("steer", "restart") and steerable is None:
+            raise T3Error(f"thread {thread_id} has no active provider turn to {mode}",
+                          code="thread_not_sendable")
+        dispatch_mode, target = {
+            "auto": ("steer_active", steerable.id) if steerable else ("start_immediately", None),
+            "queue": ("queue_after_active", None),
+            "steer": ("steer_active", steerable.id if steerable else None),
+            "restart": ("restart_active", steerable.id if steerable else None),
+        }[mode]
+        result = await self.orch.dispatch(orch.DispatchMessage(
+            command_id=command_id, thread_id=thread_id, message_id=message_id, text=text,
+            created_by=created_by, creation_source=creation_source, mode=dispatch_mode,
+            target_run_id=target))
+        run = (await self.thread(thread_id)).run(result.result["runId"])
+        return {"threadId": thread_id, "messageId": result.result["messageId"],
+                "runId": result.result["runId"], "status": run.status if run else None,
+                "delivery": result.result.get("delivery")}
+
+    async def wait(self, thread_id: str, *, run_id: str | None, timeout_s: float,
+                   progress: Callable[[float, str], Awaitable[None]] | None = None,
+                   lender: tuple[str, str] | None = None) -> dict[str, Any]:
+        """Until the run (``run_id``, else the latest) is terminal or one of its requests needs
+        an answer, or the timeout; woken by commits, with ``progress`` every PROGRESS_EVERY_S.
+        A timeout never cancels the work; shutdown ends the wait with the state as it is. An
+        agent that waits (``lender``) lends its process slot to the thread's work meanwhile."""
+        state = await self.thread(thread_id)
+        if run_id is not None and state.run(run_id) is None:
+            raise T3Error(f"run {run_id} was not found in {thread_id}", code="run_not_found")
+        run = state.run(run_id) if run_id else state.latest_run()
+        if run is None:
+            return {"threadId": thread_id, "runId": None, "status": "idle", "statusReason": None,
+                    "timedOut": False, "hasPendingQuestion": False, "pendingApproval": None}
+        pinned = run.id
+
+        def settled(s: ThreadState) -> bool:
+            r = s.run(pinned)
+            return r is None or r.status in RUN_TERMINAL or any(
+                q.run_id == pinned for q in s.pending_requests())
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        done = settled(state)
+        with self.orch.lending(lender, thread_id):
+            while not done and not self.orch.stopping:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                done = await self.orch.wait_until([thread_id], lambda s: settled(s[thread_id]),
+                                                  min(remaining, PROGRESS_EVERY_S))
+                if not done and progress is not None and not self.orch.stopping:
+                    await progress(timeout_s - max(0.0, deadline - loop.time()),
+                                   "waiting for the run to finish")
+        state = await self.thread(thread_id)
+        current = state.run(pinned)
+        pending = [q for q in state.pending_requests() if q.run_id == pinned]
+        question = next((q for q in pending if q.kind_ == "user_input"), None)
+        approval = next((q for q in pending if q.kind_ != "user_input"), None)
+        status = current.status if current else "idle"
+        return {"threadId": thread_id, "runId": pinned, "status": status,
+                "statusReason": current.status_reason if current else None,
+                "timedOut": not done and status not in RUN_TERMINAL and not pending,
+                "hasPendingQuestion": question is not None,
+                "pendingApproval": {"requestId": approval.id, "kind": approval.kind_,
+                                    "runId": approval.run_id} if approval else None}
+
+    async def interrupt(self, thread_id: str, *, run_id: str | None, reason: str | None,
+                        command_id: str) -> dict[str, Any]:
+        """Interrupt ``run_id``, else the newest active run. A terminal run is returned as it
+        is; with no active provider turn (nothing active, or a ``waiting`` run: its turn ended)
+        the status is ``no_active_run``."""
+        state = await self.thread(thread_id)
+        active = [r for r in state.runs if r.status in orch.RUN_LIVE or r.awaiting_agent_slot]
+        if run_id is not None:
+            run = state.run(run_id)
+            if run is None:
+                raise T3Error(f"run {run_id} was not found", code="run_not_found")
+            if run.status in RUN_TERMINAL:
+                return {"threadId": thread_id, "runId": run.id, "status": run.status}
+            if run.status == RunStatus.WAITING:
+                return {"threadId": thread_id, "runId": run.id, "status": "no_active_run"}
+            if not active or active[-1].id != run.id:
+                raise T3Error(f"run {run.id} is {run.status}; only the newest active run can be "
+                              "interrupted", code="thread_not_interruptible")
+        elif not active:
+            return {"threadId": thread_id, "runId": None, "status": "no_active_run"}
+        else:
+            run = active[-1]
+        result = await self.orch.dispatch(orch.InterruptRun(
+            command_id=command_id, thread_id=thread_id, run_id=run.id, reason=reason))
+        status = result.result.get("status", "interrupt_requested")
+        return {"threadId": thread_id, "runId": run.id,
+                "status": status if status in RUN_TERMINAL else "interrupt_requested"}
+
+    async def respond(self, thread_id: str, *, request_id: str, decision: str | None,
+                      answers: Mapping[str, Any] | None, answered_by: Mapping[str, Any],
+                      command_id: str) -> dict[str, Any]:
+        result = await self.orch.dispatch(orch.RespondRuntimeRequest(
+            command_id=command_id, thread_id=thread_id, request_id=request_id,
+            decision=decision, answers=answers, answered_by=answered_by))
+        return {"threadId": thread_id, "requestId": request_id,
+                "status": result.result.get("status", "resolved"), "decision": decision}
+
+    async def plan_switch(self, thread_id: str, target: Mapping[str, Any], *, command_id: str
+                          ) -> orch.SwitchProvider:
+        """``provider.switch`` to ``target`` ({providerInstanceId?, driverKind?, model?}): the
+        instance must be able to run the thread's interaction mode; its runtime mode steps down
+        to the broadest the instance offers that is no broader."""
+        state = await self.thread(thread_id)
+        thread = state.thread
+        assert thread is not None
+        info, model = self.resolve_target(target, state)
+        return orch.SwitchProvider(
+            command_id=command_id, thread_id=thread_id, provider_instance_id=info.instance_id,
+            model=model, runtime_mode=self.step_down(info, thread.runtime_mode, False,
+                                                     thread.interaction_mode))
+
+    # -- planning new threads: provider, model and modes ------------------------------------
+
+    def resolve_target(self, target: Mapping[str, Any] | None, caller: ThreadState | None
+                       ) -> tuple[orch.ProviderInfo, str | None]:
+        """The provider instance and model a new thread runs on: the target's, else the
+        caller's, else the first available instance; refused when it cannot run."""
+        target = target or {}
+        providers = self.orch.providers
+        instance_id = target.get("providerInstanceId")
+        driver = target.get("driverKind")
+        if instance_id is None and driver is not None:
+            candidates = [p for p in providers.values() if p.driver == driver]
+            if not candidates:
+                raise T3Error(f"no provider instance of driver {driver!r} is registered",
+                              code="provider_unavailable")
+            own = caller.thread.provider_instance_id if caller and caller.thread else None
+            chosen = next((p for p in candidates if p.instance_id == own and p.available),
+                          None) or next((p for p in candidates if p.available), candidates[0])
+            instance_id = chosen.instance_id
+        if instance_id is None:
+            if caller is not None and caller.thread is not None:
+                instance_id = caller.thread.provider_instance_id
+            else:
+                available = [p for p in providers.values() if p.available]
+                if not available:
+                    raise T3Error("no provider instance can run on this server",
+                                  code="provider_unavailable")
+                instance_id = available[0].instance_id
+        info = providers.get(instance_id)
+        if info is None:
+            raise T3Error(f"provider instance {instance_id!r} is not registered",
+                          code="provider_unavailable")
+        if driver is not None and info.driver != driver:
+            raise T3Error(f"target.driverKind: instance {instance_id} is driver {info.driver}, "
+                          f"not {driver}", code="invalid_request")
+        if not info.available:
+            raise T3Error(f"provider instance {instance_id} cannot run: "
+                          f"{'; '.join(info.constraints)}", code="provider_unavailable")
+        model = target.get("model")
+        advertised = [m["id"] for m in info.models]
+        if model is None:
+            if caller is not None and caller.thread is not None and \
+                    caller.thread.provider_instance_id == instance_id:
+                model = caller.thread.model_selection.get("model")
+            else:
+                model = info.first_model()
+        elif advertised and model not in advertised:
+            raise T3Error(f"model {model!r} is not offered by {instance_id} "
+                          f"({', '.join(advertised)})", code="model_unavailable")
+        return info, model
+
+    def modes(self, args: Mapping[str, Any], caller: ThreadState | None,
+              info: orch.ProviderInfo | None = None) -> tuple[str, str]:
+        """``runtimeMode`` / ``interactionMode`` with ``inherit`` (or left out) resolved (the
+        caller's, else full-access and default), never broader than the caller's; with
+        ``info``, what that provider runs (``step_down``)."""
+        parent = caller.thread if caller is not None else None
+        given = args.get("runtimeMode", "inherit")
+        runtime = parent.runtime_mode if parent and given == "inherit" else \
+            orch.RuntimeMode.FULL_ACCESS if given == "inherit" else given
+        interaction = args.get("interactionMode", "inherit")
+        if interaction == "inherit":
+            interaction = parent.interaction_mode if parent else orch.InteractionMode.DEFAULT
+        if parent is not None:
+            self.ceiling(parent, runtime, interaction)
+        if info is not None:
+            runtime = self.step_down(info, runtime, given != "inherit", interaction)
+        return runtime, interaction
+
+    @staticmethod
+    def ceiling(caller: orch.AppThread, runtime: str, interaction: str) -> None:
+        rank = orch.RUNTIME_RANK
+        if rank[orch.RuntimeMode(runtime)] > rank[orch.RuntimeMode(caller.runtime_mode)]:
+            raise T3Error(f"runtime mode {runtime} is broader than the caller's "
+                          f"{caller.runtime_mode}", code="runtime_mode_escalation_denied")
+        if orch.INTERACTION_RANK[orch.InteractionMode(interaction)] > \
+                orch.INTERACTION_RANK[orch.InteractionMode(caller.interaction_mode)]:
+            raise T3Error(f"interaction mode {interaction} is broader than the caller's "
+                          f"{caller.interaction_mode}", code="interaction_mode_escalation_denied")
+
+    def plan_create(self, *, command_id: str, thread_id: str, project_id: str, workspace: str,
+                    entry: Mapping[str, Any], message_id: str, caller: ThreadState | None,
+                    created_by: str, creation_source: str) -> orch.CreateThread:
+        """One new thread's command with provider, model and modes resolved (``entry``: prompt,
+        title, target, runtimeMode, interactionMode); refuses before anything is written."""
+        info, model = self.resolve_target(entry.get("target"), caller)
+        runtime, interaction = self.modes(entry, caller, info)
+        prompt = entry.get("prompt")
+        return orch.CreateThread(
+            command_id=command_id, thread_id=thread_id, project_id=project_id,
+            title=orch.thread_title(entry.get("title"), prompt, "New thread"),
+            provider_instance_id=info.instance_id, model=model, runtime_mode=runtime,
+            interaction_mode=interaction, workspace=workspace, created_by=created_by,
+            creation_source=creation_source,
+            initial_message=orch.InitialMessage(message_id, prompt) if prompt else None)
+
+    @staticmethod
+    def step_down(info: orch.ProviderInfo, runtime: str, explicit: bool,
+                  interaction: str | None = None) -> str:
+        """A provider that offers only some runtime modes: explicit ones must be offered;
+        inherited ones step down to the broadest it offers that is no broader. An interaction
+        mode it cannot enforce (plan) has nothing narrower to step down to: refused."""
+        if interaction is not None and info.interaction_modes is not None and \
+                interaction not in info.interaction_modes:
+            raise T3Error(f"interactionMode: {info.instance_id} cannot enforce {interaction} "
+                          f"(it offers {', '.join(info.interaction_modes)})",
+                          code="invalid_request")
+        if info.runtime_modes is None or runtime in info.runtime_modes:
+            return runtime
+        if explicit:
+            raise T3Error(f"runtimeMode: {info.instance_id} offers only "
+                          f"{', '.join(info.runtime_modes)}", code="invalid_request")
+        rank = orch.RUNTIME_RANK[orch.RuntimeMode(runtime)]
+        offered = [m for m in info.runtime_modes if orch.RUNTIME_RANK[orch.RuntimeMode(m)] <= rank]
+        if not offered:
+            raise T3Error(f"{info.instance_id} offers no runtime mode as narrow as {runtime}",
+                          code="runtime_mode_escalation_denied")
+        return max(offered, key=lambda m: orch.RUNTIME_RANK[orch.RuntimeMode(m)])
+
+    def created(self, state: ThreadState, run_id: str | None) -> dict[str, Any]:
+        thread = state.thread
+        assert thread is not None
+        run = state.run(run_id) if run_id else state.latest_run()
+        return {"threadId": thread.id, "runId": run.id if run else None,
+                "status": run.status if run else "idle", "title": thread.title,
+                "createdBy": thread.created_by, "creationSource": thread.creation_source,
+                "providerInstanceId": thread.provider_instance_id,
+                "model": thread.model_selection.get("model"), "projectId": thread.project_id,
+                **self.ctx.links(thread.id)}
+
+    async def create(self, command: orch.CreateThread) -> dict[str, Any]:
+        result = await self.orch.dispatch(command)
+        state = await self.thread(command.thread_id)
+        return self.created(state, result.result.get("runId"))
+
+    # -- diffs, rollback, fork and merge-back -----------------------------------------------
+
+    async def diff(self, thread_id: str, *, run_id: str | None = None,
+                   ordinal: int | None = None) -> dict[str, Any]:
+        """The unified diff of one run (by id or ordinal: its checkpoint against the one before
+        it) or, with neither, of the whole thread (its first ready checkpoint against its newest),
+        bounded (workspace.MAX_DIFF_CHARS) with a truncation flag. Unless both sides are ready
+        checkpoints, ``status`` says why there is none (pending, missing, error) in ``reason``."""
+        state = await self.thread(thread_id)
+        cps = {c.ordinal: c for c in state.entities["checkpoint"].values()}
+        run = None
+        if run_id is not None or ordinal is not None:
+            run = state.run(run_id) if run_id else next(
+                (r for r in state.runs if r.ordinal == ordinal), None)
+            if run is None or ordinal not in (None, run.ordinal):
+                raise T3Error(f"thread {thread_id} has no run {run_id or ordinal}",
+                              code="run_not_found")
+            before, after = cps.get(orch.kept_before(state.runs, run.ordinal)), cps.get(run.ordinal)
+        else:
+            ready = sorted(n for n, c in cps.items() if c.status == "ready")
+            before, after = (cps[ready[0]], cps[ready[-1]]) if ready else (None, None)
+        result: dict[str, Any] = {
+            "threadId": thread_id, "runId": run.id if run else None,
+            "ordinal": run.ordinal if run else None, "status": "ready", "reason": None,
+            "fromCheckpointId": before.id if before else None,
+            "toCheckpointId": after.id if after else None, "files": [], "diff": "",
+            "truncated": False}
+        for side, name in ((after, "this run's"), (before, "the previous")):
+            if side is None or side.status != "ready":
+                status, reason = _no_diff(side, name, run)
+                return {**result, "status": status, "reason": reason}
+        assert before is not None and after is not None and state.thread is not None
+        try:
+            if self.orch.workspaces is None or not state.thread.workspace:
+                raise T3Error("this server has no git workspaces")
+            found = await self.orch.workspaces.diff(state.thread.workspace, before.commit,
+                                                    after.commit)
+        except Exception as exc:  # the repository moved or git failed: said, not raised
+            return {**result, "status": "error", "reason": str(exc)[:1000]}
+        return {**result, "files": orch.file_changes(found), "diff": found.text,
+                "truncated": found.truncated}
+
+    async def rollback(self, thread_id: str, *, command_id: str, ordinal: int | None = None,
+                       checkpoint: str | None = None, timeout_s: float = 120.0
+                       ) -> dict[str, Any]:
+        """``checkpoint.rollback`` to run ``ordinal``'s checkpoint (0: the thread's baseline) or
+        to ``checkpoint`` (an id), answered once its effect has finished: status completed (the
+        files are restored) or failed with the reason, or running after ``timeout_s``."""
+        state = await self.thread(thread_id)
+        if checkpoint is None:
+            if ordinal is None or (ordinal and not any(r.ordinal == ordinal for r in state.runs)):
+                raise T3Error(f"thread {thread_id} has no run {ordinal}", code="run_not_found")
+            checkpoint = orch.checkpoint_id(thread_id, ordinal)
+        done = (await self.orch.dispatch(orch.RollbackThread(
+            command_id=command_id, thread_id=thread_id, checkpoint_id=checkpoint))).result
+        item_id = done["itemId"]
+
+        def item(states: Mapping[str, ThreadState]) -> orch.TurnItem | None:
+            found = states.get(thread_id)
+            return found.entities["turn-item"].get(item_id) if found else None
+        await self.orch.wait_until([thread_id], lambda s: getattr(item(s), "status", "") != (
+            "running"), timeout_s)
+        ended = item({thread_id: await self.thread(thread_id)})
+        assert ended is not None
+        return {**done, "status": ended.status, "reason": ended.text}
+
+    async def plan_fork(self, source_id: str, point: Mapping[str, Any], *, command_id: str,
+                        thread_id: str, title: str | None, created_by: str, creation_source: str,
+                        worktree: tuple[str, str, Sequence[str]]) -> orch.ForkThread:
+        """``thread.fork`` of ``source_id`` at ``point`` ({type: latest_stable | run, runId |
+        checkpoint, checkpointId}): the point must be a completed run (or a ready checkpoint);
+        ``worktree`` (path, branch, setup commands) is used when the point has a ready
+        checkpoint. Refuses before anything is written."""
+        state = await self.thread(source_id)
+        source = state.thread
+        assert source is not None
+        run, checkpoint = self._fork_point(state, point)
+        covered = [r for r in state.runs if run and r.ordinal <= run.ordinal and r.started_at
+                   and r.status != RunStatus.ROLLED_BACK]
+        binding: dict[str, Any] = {"workspace": source.workspace or "", "branch": source.branch,
+                                   "worktree_path": source.worktree_path}
+        git, preparation = self.orch.workspaces, None
+        repo = await git.top_level(source.workspace) if git and source.workspace else None
+        if repo and checkpoint is not None and checkpoint.status == "ready" and checkpoint.commit:
+            path, branch, setup = worktree
+            binding = {"workspace": path, "branch": branch, "worktree_path": path}
+            preparation = {"repo": repo, "baseRef": checkpoint.commit, "fromOrigin": False,
+                           "setup": list(setup)}
+        source_point = {"type": point["type"], "runId": run.id if run else None,
+                        "runOrdinal": run.ordinal if run else 0,
+                        "checkpointId": checkpoint.id if checkpoint else None}
+        create = orch.CreateThread(
+            command_id=command_id, thread_id=thread_id, project_id=source.project_id,
+            title=title or f"Fork of {source.title}"[:200],
+            provider_instance_id=source.provider_instance_id,
+            model=source.model_selection.get("model"), runtime_mode=source.runtime_mode,
+            interaction_mode=source.interaction_mode, created_by=created_by,
+            creation_source=creation_source, lineage={
+                "parentThreadId": source.id, "relationshipToParent": "fork",
+                "rootThreadId": source.lineage.get("rootThreadId") or source.id},
+            forked_from={"type": "run", "threadId": source.id, **source_point}, **binding)
+        return orch.ForkThread(
+            command_id=command_id, thread_id=thread_id, create=create, source_thread_id=source.id,
+            source_point=source_point, preparation=preparation,
+            context=orch.describe_handoff(orch.view(state), "full_thread_summary", covered,
+                                          source.provider_instance_id, self.orch.providers)
+            if covered else None,
+            native={"providerInstanceId": run.provider_instance_id,
+                    "providerThreadId": run.provider_thread_id} if run else None)
+
+    @staticmethod
+    def _fork_point(state: ThreadState, point: Mapping[str, Any]
+                    ) -> tuple[orch.Run | None, orch.Checkpoint | None]:
+        """The source run (None: a baseline checkpoint) and its checkpoint a fork starts at."""
+        checkpoints = state.entities["checkpoint"]
+        checkpoint = checkpoints.get(point.get("checkpointId") or "")
+        named = {"checkpoint": "checkpointId", "run": "runId or ordinal"}.get(point["type"])
+        if named and not any(point.get(k) for k in ("checkpointId", "runId", "ordinal")):
+            raise T3Error(f"sourcePoint: a {point['type']} point needs {named}",
+                          code="invalid_request")
+        if point["type"] == "checkpoint":
+            if checkpoint is None or checkpoint.status != "ready":
+                raise T3Error(f"sourcePoint: checkpoint {point['checkpointId']} is "
+                              f"{checkpoint.status if checkpoint else 'not found'} in this "
+                              "thread", code="invalid_request")
+            run = state.run(checkpoint.run_id) if checkpoint.run_id else None
+        elif point["type"] == "run":  # {runId} or {ordinal}
+            run = state.run(point.get("runId") or "") or next(
+                (r for r in state.runs if r.ordinal == point.get("ordinal")), None)
+            if run is None:
+                raise T3Error(f"sourcePoint: run {point.get('runId') or point.get('ordinal')} "
+                              "was not found", code="run_not_found")
+        else:
+            run = next((r for r in reversed(state.runs) if r.status == RunStatus.COMPLETED),
+                       None)
+            if run is None:
+                raise T3Error("sourcePoint: the thread has no completed run to fork from",
+                              code="invalid_request")
+        if run is not None and run.status != RunStatus.COMPLETED:
+            raise T3Error(f"sourcePoint: run {run.ordinal} is {run.status}; a fork starts at a "
+                          "completed run", code="invalid_request")
+        if point["type"] != "checkpoint" and run is not None:
+            checkpoint = checkpoints.get(orch.checkpoint_id(run.thread_id, run.ordinal))
+        return run, checkpoint
+
+    async def plan_merge_back(self, fork_id: str, target_id: str | None, *, command_id: str,
+                              created_by: str) -> orch.MergeBack:
+        """``thread.merge_back`` of fork ``fork_id`` into its parent (``target_id``, which
+        must be that parent when given): the fork's completed runs as its delta."""
+        fork = await self.thread(fork_id)
+        assert fork.thread is not None
+        parent_id = fork.thread.lineage.get("parentThreadId")
+        if fork.thread.lineage.get("relationshipToParent") != "fork" or \
+                target_id not in (None, parent_id):
+            raise T3Error(f"thread {fork_id} is not a fork of "
+                          f"{target_id or 'another thread'}", code="invalid_request")
+        parent = (await self.thread(parent_id)).thread
+        assert parent is not None
+        covered = [r for r in fork.runs if r.status in (RunStatus.COMPLETED, RunStatus.WAITING)]
+        if not covered:
+            raise T3Error(f"fork {fork_id} has no completed run to merge back",
+                          code="invalid_request")
+        return orch.MergeBack(
+            command_id=command_id, thread_id=parent.id, source_thread_id=fork_id,
+            created_by=created_by, delta=orch.describe_handoff(
+                orch.view(fork), "fork_delta_summary", covered, parent.provider_instance_id,
+                self.orch.providers, head=orch.merge_back_head(fork_id, parent.id, covered)))
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def shell_of(self, state: ThreadState) -> dict[str, Any]:
+        """A thread's shell as ``t3_thread_list`` shows it, from its live state, plus its
+        project (the /ws shell stream spans projects)."""
+        assert state.thread is not None
+        detail = _detail(self, state)
+        return {**shell(self, {"thread": state.thread.to_json(), **{
+            k: detail[k] for k in ("latestRunId", "status", "updatedAt", "itemCount",
+                                   "pendingRequestCount", "snoozed", "pendingBackgroundTasks")}}),
+                "projectId": state.thread.project_id}
+
     def projection(self, thread_id: str) -> tuple[int, dict[str, Any]]:
         """The thread's entities and the sequence they reflect, read in one snapshot."""
         sequence, rows = self.store.thread_entities(thread_id)
         projection: dict[str, Any] = {key: rows[kind] for kind, key in _PROJECTION_KEYS.items()}
         projection["thread"] = rows["thread"][0] if rows["thread"] else None
         return sequence, projection
+
+
+
+
+# =============================================================================================
+# Handlers: delegation (orchestrator_capabilities, delegate_task, task_status, task_cancel). A
+# handler takes the toolkit, the call and the checked arguments, as OPERATIONS calls it.
+
+
+async def _capabilities(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    caller = await kit.caller_thread(call.scope)
+    thread = caller.thread if caller else None
+    search = (args.get("search") or "").lower()
+    await kit.orch.probe_providers()
+    providers = []
+    for info in kit.orch.providers.values():
+        models = [dict(m) for m in info.models]
+        own = thread.model_selection.get("model") if thread and \
+            thread.provider_instance_id == info.instance_id else None
+        current = [m for m in models if not m.get("legacy") or m["id"] == own]
+        if search:
+            shown = [m for m in models if search in m["id"].lower()
+                     or search in str(m.get("label") or "").lower()]
+        elif info.driver in ("codex", "claudeAgent", "grok"):
+            shown = current
+        else:
+            shown = current[:8] + [m for m in current[8:] if m["id"] == own]
+        entry: dict[str, Any] = {
+            "providerInstanceId": info.instance_id, "driverKind": info.driver,
+            "displayName": info.display_name,
+            "models": [{"id": m["id"], "label": m.get("label"),
+                        **({"options": m["options"]} if m.get("options") else {})}
+                       for m in shown],
+            "omittedModels": len(models) - len(shown),
+            "canRunChildTask": info.available, "canRunCrossProviderChildTask": info.available,
+            "constraints": list(info.constraints)}
+        if info.runtime_modes is not None:
+            entry["runtimeModes"] = list(info.runtime_modes)
+        if info.interaction_modes is not None:
+            entry["interactionModes"] = list(info.interaction_modes)
+        providers.append(entry)
+    return {"parentThreadId": thread.id if thread else None,
+            "inheritedProviderInstanceId": thread.provider_instance_id if thread else None,
+            "inheritedModel": thread.model_selection.get("model") if thread else None,
+            "runtimeMode": thread.runtime_mode if thread else None,
+            "interactionMode": thread.interaction_mode if thread else None,
+            "providers": providers,
+            "features": dict(FEATURES)}
+
+
+async def _delegate(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    scope = call.scope
+    scope, key = call.scope, kit.key(args)
+    caller = await kit.caller_thread(scope)
+    if caller is None or caller.thread is None:
+        raise T3Error("the calling thread is gone", code="parent_not_active")
+    role = args.get("role")
+    command = await kit.plan_delegation(
+        caller, {**args, "task": args["task"] if role in (None, "general") else
+                 f"Act as the {role} sub-agent for this task.\n\n{args['task']}"},
+        command_id=kit.derive_id("command", "mcp", scope.key, "delegate-task", key),
+        parent_run_id="", title_from=args["task"], made_by=_AGENT_MADE,
+        wake="settled_only" if args.get("mode") == "wait" else "always")
+    parent_id = caller.thread.id
+    receipt = kit.store.receipt(command.command_id)
+    if receipt is not None:  # a retry: the same task, whatever the parent does now
+        if receipt.fingerprint != orch.fingerprint_of(command):
+            raise T3Error("clientRequestId: already used for a different delegate_task "
+                          "request", code="invalid_request")
+        task_id = receipt.result["taskId"]
+    else:
+        _, run = await kit.agent_caller(scope, "delegate_task")
+        result = await kit.orch.dispatch(dataclasses.replace(command, parent_run_id=run.id))
+        task_id = result.result["taskId"]
+    timed_out = False
+    if args.get("mode") == "wait":
+        timed_out = not await _wait_task(kit, parent_id, task_id, args, call.progress,
+                                         _lender(scope))
+        await _wait_ended(kit, parent_id, task_id, kit.derive_id(
+            "command", "mcp", scope.key, "delegate-task-wake-policy", key))
+    shaped = await _task_result(kit, parent_id, task_id)
+    shaped["waitTimedOut"] = timed_out and shaped["status"] not in orch.TASK_TERMINAL
+    return shaped
+
+
+async def _wait_ended(kit: Toolkit, parent_id: str, task_id: str, command_id: str) -> None:
+    """A wait that showed the agent its child's question: no notice or catch-up wake for
+    it. One that ends before the result (timed out, or a question or approval ended it):
+    the completion must now wake the parent, mid-turn or not. In that order, so the
+    question's notice is never queued."""
+    task = (await kit.thread(parent_id)).entities["subagent"][task_id]
+    question, _ = orch.task_attention(await kit.thread(task.child_thread_id), task)
+    if question is not None:
+        await kit.orch.dispatch(orch.SettleTaskQuestion(
+            command_id=kit.derive_id("command", "question-delivered", question.id),
+            thread_id=parent_id, task_id=task_id, request_id=question.id))
+    if task.status not in orch.TASK_TERMINAL and not kit.orch.stopping:
+        await kit.orch.dispatch(orch.SetWakePolicy(
+            command_id=command_id, thread_id=parent_id, task_id=task_id,
+            completion_wake="always"))
+
+
+async def _wait_task(kit: Toolkit, parent_id: str, task_id: str, args: Args,
+                     progress: Callable[[float, str], Awaitable[None]] | None,
+                     lender: tuple[str, str] | None) -> bool:
+    parent = await kit.thread(parent_id)
+    task = parent.entities["subagent"][task_id]
+    child_id = task.child_thread_id
+
+    def settled(states: Mapping[str, ThreadState]) -> bool:
+        current = states[parent_id].entities["subagent"][task_id]
+        child = states.get(child_id)
+        return current.status in orch.TASK_TERMINAL or bool(
+            child and any(orch.task_attention(child, current)))
+
+    timeout_s = args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    with kit.orch.lending(lender, child_id):  # the child never waits for the parent's slot
+        while not kit.orch.stopping:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            if await kit.orch.wait_until([parent_id, child_id], settled,
+                                         min(remaining, PROGRESS_EVERY_S)):
+                return True
+            if progress is not None and not kit.orch.stopping:
+                await progress(timeout_s - max(0.0, deadline - loop.time()),
+                               "waiting for the delegated task")
+    return False
+
+
+async def _task_result(kit: Toolkit, parent_id: str, task_id: str) -> dict[str, Any]:
+    parent = await kit.thread(parent_id)
+    task = parent.entities["subagent"].get(task_id)
+    if task is None:
+        raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
+    child = await kit.thread(task.child_thread_id)
+    terminal = task.status in orch.TASK_TERMINAL
+    children_open = any(s.status not in orch.TASK_TERMINAL
+                        for s in child.entities["subagent"].values())
+    # The task's known work: its original run and t3's completion follow-ups, up to the
+    # published run once there is one. Every other run is later work.
+    published = child.run(task.result_run_id or task.child_run_id)
+    work = [r for r in orch.task_work(child.runs)
+            if not terminal or published is None or r.ordinal <= published.ordinal]
+    busy = [r for r in work if r.status not in RUN_TERMINAL and r.status != RunStatus.WAITING]
+    if terminal:
+        status, state = task.status, "result_available"
+    elif not work or busy:
+        state = "working"
+        status = "queued" if busy and busy == work[:1] and \
+            busy[0].status == RunStatus.QUEUED else "running"
+    else:
+        status, state = "waiting", "waiting_for_children" if children_open else "working"
+    later = [r for r in child.runs if r.ordinal > 1 and r not in work]
+    latest = next((r for r in reversed(later) if orch.ran(r)), None)
+    later_transfer = orch.later_transfer_id(task.id, latest.id) if latest else None
+    question, approval = orch.task_attention(child, task)
+    return {"taskId": task.id, "childThreadId": task.child_thread_id,
+            "childRunId": task.child_run_id, "childNodeId": task.id, "status": status,
+            "workState": state,
+            "hasPendingChildRuns": any(r.status not in RUN_TERMINAL for r in later),
+            "providerInstanceId": task.provider_instance_id, "model": task.model,
+            "summary": task.result if terminal else None,
+            "resultContextTransferId": orch.result_transfer_id(task.id)
+            if terminal else None,
+            "latestTerminalRunId": latest.id if latest else None,
+            "latestTerminalStatus": latest.status if latest else None,
+            "latestTerminalSummary": orch.task_result(child, latest) if latest else None,
+            "latestTerminalResultContextTransferId": later_transfer
+            if later_transfer in parent.entities["context-transfer"] else None,
+            "hasPendingQuestion": question is not None,
+            "pendingApproval": {"requestId": approval.id, "kind": approval.kind_,
+                                "runId": approval.run_id} if approval else None,
+            "waitTimedOut": False, "childThreadLink": kit.ctx.link(task.child_thread_id)}
+
+
+async def _task_status(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    parent_id = kit.thread_caller(call.scope, "task_status")
+    return await _task_result(kit, parent_id, args["taskId"])
+
+
+async def _task_cancel(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    parent_id = kit.thread_caller(call.scope, "task_cancel")
+    before = await _task_result(kit, parent_id, args["taskId"])
+    terminal = before["status"] in orch.TASK_TERMINAL
+    if not terminal and not await _stoppable(kit, parent_id, args["taskId"]):
+        raise T3Error(f"task {args['taskId']} has no run to interrupt, no queued turn and no "
+                      "open task of its own", code="task_not_cancellable")
+    lost = await _cancel_task(kit, parent_id, args["taskId"], args.get("reason"),
+                              kit.key(args))
+    return {"taskId": args["taskId"], "status": before["status"] if terminal
+            else "cancelled" if lost else "cancel_requested"}
+
+
+async def _stoppable(kit: Toolkit, parent_id: str, task_id: str) -> bool:
+    parent = await kit.thread(parent_id)
+    task = parent.entities["subagent"][task_id]
+    child = await kit.thread(task.child_thread_id)
+    return child.run(task.child_run_id) is None or any(
+        s.status not in orch.TASK_TERMINAL for s in child.entities["subagent"].values()) \
+        or any(r.status in orch.RUN_LIVE or (r.status == RunStatus.QUEUED and
+                                             r.id == task.child_run_id) for r in child.runs)
+
+
+async def _cancel_task(kit: Toolkit, parent_id: str, task_id: str, reason: str | None,
+                       key: str) -> bool:
+    """Stop the task's own tasks, then its child thread as a person's Stop does, then cancel
+    its own queued turn even if held. True: its child run was lost, so it is cancelled here."""
+    parent = await kit.thread(parent_id)
+    task = parent.entities["subagent"].get(task_id)
+    if task is None:
+        raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
+    child = await kit.thread(task.child_thread_id)
+    for sub in list(child.entities["subagent"].values()):
+        if sub.status not in orch.TASK_TERMINAL:
+            await _cancel_task(kit, task.child_thread_id, sub.id, reason, key)
+    lost = task.status not in orch.TASK_TERMINAL and child.run(task.child_run_id) is None
+    if task.status not in orch.TASK_TERMINAL:  # a published result stays as it is
+        await kit.orch.dispatch(orch.RequestTaskCancel(
+            command_id=kit.derive_id("command", "task-cancel", task_id, key),
+            thread_id=parent_id, task_id=task_id, reason=reason))
+    if lost:
+        await kit.orch.dispatch(orch.FinalizeSubagent(
+            command_id=kit.derive_id("command", "task-cancel", "lost", task_id, key),
+            thread_id=parent_id, task_id=task_id, status="cancelled",
+            result="The task was cancelled: its child run was lost."))
+    await kit.orch.dispatch(orch.StopThread(
+        command_id=kit.derive_id("command", "task-cancel", "stop", task.child_thread_id, key),
+        thread_id=task.child_thread_id,
+        reason=reason or "The delegated task was cancelled by its parent."))
+    own = (await kit.thread(task.child_thread_id)).run(task.child_run_id)
+    if own is not None and own.status == RunStatus.QUEUED and not own.awaiting_agent_slot:
+        await kit.orch.dispatch(orch.CancelQueuedRun(
+            command_id=kit.derive_id("command", "task-cancel", own.id, key),
+            thread_id=own.thread_id, run_id=own.id))
+    return lost
+
+
+# =============================================================================================
+# Handlers: threads (create_threads, t3_thread_launch, list, read, diff, send, wait, interrupt,
+# t3_pending_request, metadata) and the shapes their results take
+
+
+async def _create_threads(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    scope = call.scope
+    caller = (await kit.agent_caller(scope, "create_threads"))[0] \
+        if scope.kind == "thread" else None
+    project = kit.ctx.project(args.get("projectId") or _home_project(caller))
+    key = kit.key(args)
+    # In the caller's own project a new thread works where the caller works (its worktree).
+    home = caller.thread if caller and caller.thread and \
+        caller.thread.project_id == project.id else None
+    commands = [dataclasses.replace(kit.plan_create(
+        command_id=kit.derive_id("command", "mcp", scope.key, "create-thread", key, str(i)),
+        thread_id=kit.derive_id("thread", "mcp", scope.key, "create-threads", key, str(i)),
+        project_id=project.id, workspace=home.workspace or project.path if home
+        else project.path, entry=entry,
+        message_id=kit.derive_id("message", "mcp", scope.key, "create-threads", key, str(i)),
+        caller=caller, **_AGENT_MADE), branch=home.branch if home else None,
+        worktree_path=home.worktree_path if home else None)
+        for i, entry in enumerate(args["threads"])]
+    return {"threads": [await kit.create(command) for command in commands]}
+
+
+async def _launch(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    """t3_thread_launch, and /ws launchThread's code (the thread records call.source)."""
+    scope, transport = call.scope, call.source
+    strategy = args.get("workspaceStrategy", "root")
+    kind = strategy if isinstance(strategy, str) else strategy["type"]
+    caller = (await kit.agent_caller(scope, "t3_thread_launch"))[0] \
+        if scope.kind == "thread" else None
+    key = kit.key(args)
+    thread_id = kit.derive_id("thread", transport, scope.key, "launch", key)
+    if args.get("scratch"):
+        if args.get("projectId") or kind != "root":
+            raise T3Error("scratch: cannot be combined with projectId "
+                          "or a workspaceStrategy", code="invalid_request")
+        project = kit.ctx.scratch_project
+        workspace, binding = str(Path(project.path) / _folder_name(thread_id)), {}
+    else:
+        project = kit.ctx.project(args.get("projectId") or _home_project(caller))
+        # An agent below full-access may have written what setup would run (a script, a
+        # Makefile, package.json): its launch's setup waits for an approval.
+        ask = caller is not None and caller.thread is not None and \
+            caller.thread.runtime_mode != orch.RuntimeMode.FULL_ACCESS
+        workspace, binding = await _bind_workspace(kit, kind, strategy, project, thread_id,
+                                                   bool(args.get("message")), ask)
+    entry = {"prompt": args.get("message"), "title": args.get("title"),
+             "target": args.get("target"), "runtimeMode": args.get("runtimeMode", "inherit"),
+             "interactionMode": args.get("interactionMode", "inherit")}
+    command = dataclasses.replace(kit.plan_create(
+        command_id=kit.derive_id("command", transport, scope.key, "launch", key),
+        thread_id=thread_id, project_id=project.id, workspace=workspace, entry=entry,
+        message_id=kit.derive_id("message", transport, scope.key, "launch", key),
+        caller=caller, **call.made_by), **binding)
+    folder = Path(workspace)
+    made = args.get("scratch") and not folder.exists()
+    if made:
+        folder.mkdir(parents=True)  # before the agent can start in it
+    try:
+        created = await kit.create(command)
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):  # only ever an empty folder
+                folder.rmdir()
+        raise
+    return {**created, "workspaceStrategy": "scratch" if args.get("scratch") else kind,
+            "workspacePath": workspace, "branch": command.branch,
+            "worktreePath": command.worktree_path}
+
+
+async def _bind_workspace(kit: Toolkit, kind: str, strategy: Any, project: Project, thread_id: str,
+                          has_message: bool, ask_setup: bool) -> tuple[str, dict[str, Any]]:
+    """A launch's workspace and the CreateThread fields that bind the thread to it; bad
+    input is refused before anything is made. A new worktree's path and default branch
+    derive from the thread id, so a retried launch asks for the same one; ``ask_setup``:
+    its setup commands wait for an approval."""
+    git = kit.orch.workspaces
+    if kind == "root":
+        return project.path, {}
+    if git is None:
+        raise T3Error(f"workspaceStrategy: {kind} needs git", code="invalid_request")
+    if kind == "existing_worktree":
+        path = os.path.realpath(strategy["worktreePath"])
+        try:
+            branch = await git.worktree_branch(project.path, path)
+        except Exception as exc:  # not a repository, or git failed
+            raise T3Error(f"worktreePath: {exc}", code="invalid_request") from None
+        if branch is None:
+            raise T3Error(f"worktreePath: {path} is not a worktree "
+                          f"of project {project.id}'s repository", code="invalid_request")
+        if strategy.get("branch", branch) != branch:
+            raise T3Error(f"branch: the worktree at {path} is on "
+                          f"{branch or 'a detached HEAD'}, not "
+                          f"{strategy['branch']}", code="invalid_request")
+        return path, {"branch": branch or None, "worktree_path": path}
+    if not has_message:
+        raise T3Error("message: a worktree launch needs the first message (the agent starts "
+                      "once its worktree is ready)", code="invalid_request")
+    repo = await git.top_level(project.path)
+    path, branch = new_worktree(git, thread_id)
+    branch = strategy.get("branch") or branch
+    from_origin = bool(strategy.get("startFromOrigin"))
+    problem = f"project {project.id} ({project.path}) is not a git repository" \
+        if repo is None else None
+    if repo and await kit.orch.state(thread_id) is None:  # (a retry asks again)
+        problem = await git.worktree_problem(repo, base_ref=strategy["baseRef"],
+                                             branch=branch, from_origin=from_origin)
+    if problem:
+        raise T3Error(f"workspaceStrategy: {problem}", code="invalid_request")
+    return path, {"branch": branch, "worktree_path": path, "preparation": {
+        "repo": repo, "baseRef": strategy["baseRef"], "fromOrigin": from_origin,
+        "setup": list(project.setup), **({"askSetup": True} if ask_setup and project.setup
+                                         else {})}}
+
+
+async def _list_threads(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    scope = call.scope
+    caller = await kit.caller_thread(scope)
+    project = kit.ctx.project(args.get("projectId") or (
+        caller.thread.project_id if caller and caller.thread else None), listing=True)
+    cursor = args.get("cursor", 0)
+    total, rows = kit.store.list_threads(
+        project.id, statuses=args.get("statuses") or (),
+        title_contains=args.get("titleContains") or "",
+        include_subagents=args.get("includeSubagents", True), offset=cursor,
+        limit=args.get("limit", 50), archived=args.get("archived", False),
+        snoozed=args.get("snoozed"), now=kit.orch.now())
+    page = [shell(kit, row) for row in rows]
+    more = cursor + len(page) < total
+    return {"projectId": project.id, "currentThreadId": scope.thread_id, "threads": page,
+            "nextCursor": cursor + len(page) if more else None, "total": total}
+
+
+def shell(kit: Toolkit, row: Mapping[str, Any]) -> dict[str, Any]:
+    thread = row["thread"]
+    return {"threadId": thread["id"], "title": thread["title"],
+            "createdBy": thread["createdBy"], "creationSource": thread["creationSource"],
+            "status": row["status"], "latestRunId": row["latestRunId"],
+            "providerInstanceId": thread["providerInstanceId"],
+            "model": thread["modelSelection"].get("model"),
+            "runtimeMode": thread["runtimeMode"], "interactionMode": thread["interactionMode"],
+            "branch": thread.get("branch"), "worktreePath": thread.get("worktreePath"),
+            "parentThreadId": thread["lineage"].get("parentThreadId"),
+            "relationshipToParent": thread["lineage"].get("relationshipToParent"),
+            "itemCount": row["itemCount"], "pendingRequestCount": row["pendingRequestCount"],
+            "createdAt": thread["createdAt"], "updatedAt": row["updatedAt"],
+            **kit.ctx.links(thread["id"]), **_thread_state(thread, row)}
+
+
+async def _read_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    scope = call.scope
+    state = await kit.thread(args["threadId"])
+    if "afterPosition" in args and "beforePosition" in args:
+        raise T3Error("beforePosition: cannot be combined with "
+                      "afterPosition", code="invalid_request")
+    view = args.get("view", "messages")
+    max_chars = args.get("maxCharsPerItem", DEFAULT_ITEM_CHARS)
+    limit = args.get("limit", 50)
+    rows = [i for i in state.items() if view == "activity" or i.type in (
+        "user_message", "assistant_message", "proposed_plan")]
+    newest_first = "beforePosition" in args or (
+        "afterPosition" not in args and scope.kind == "thread")
+    if newest_first:
+        before = args.get("beforePosition")
+        candidates = [r for r in rows if before is None or r.position < before][::-1]
+    else:
+        after = args.get("afterPosition", -1)
+        candidates = [r for r in rows if r.position > after]
+    run_limit = args.get("runLimit", 10)
+    result = {"thread": _detail(kit, state), "transfers": await _transfers(kit, state),
+              "recentRuns": [
+                  _run_summary(state, r) for r in state.runs[::-1][:run_limit]],
+              "items": [], "nextPosition": None, "hasMore": False, "earlierPosition": None,
+              **kit.ctx.links(state.thread.id if state.thread else "")}
+    room = READ_BUDGET_CHARS - _chars(result) - 30  # the budget holds the whole result
+    page: list[dict[str, Any]] = []
+    for row in candidates[:limit]:
+        item = _timeline_item(kit, state, row, max_chars)
+        size = _chars(item) + 2
+        if page and size > room:
+            break  # left to the next page
+        if size > room:  # the first item is cut to fit: every page moves on
+            item = _timeline_item(kit, state, row, max(MIN_ITEM_CHARS, len(
+                item["text"] or "") - (size - room) - _chars(TRUNCATION_MARK)))
+            size = _chars(item) + 2
+        room -= size
+        page.append(item)
+    if newest_first:
+        page.reverse()
+    first = page[0]["position"] if page else None
+    last = page[-1]["position"] if page else None
+    return {**result, "items": page,
+            "nextPosition": last if last is not None else args.get("afterPosition"),
+            "hasMore": last is not None and any(r.position > last for r in rows),
+            "earlierPosition": first if first is not None and any(
+                r.position < first for r in rows) else None}
+
+
+async def _thread_diff(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    return await kit.diff(args["threadId"], run_id=args.get("runId"),
+                          ordinal=args.get("ordinal"))
+
+
+async def _transfers(kit: Toolkit, state: ThreadState) -> list[dict[str, Any]]:
+    """Context transfers naming this thread: its tasks' spawns and results, or its own."""
+    own = list(state.entities["context-transfer"].values())
+    parent_id = state.thread.lineage.get("parentThreadId") if state.thread else None
+    parent = await kit.orch.state(parent_id) if parent_id else None
+    if parent is not None and state.thread is not None:
+        own += [t for t in parent.entities["context-transfer"].values()
+                if state.thread.id in (t.source_thread_id, t.target_thread_id)]
+    return [{**{k: v for k, v in t.to_json().items() if k not in ("threadId", "data")},
+             "summary": _bounded(t.summary, TRANSFER_SUMMARY_CHARS),
+             **{k: v for k, v in (t.data or {}).items() if k in ("sourcePoint",
+                                                                 "resolution")}}
+            for t in sorted(own, key=lambda t: (t.created_at, t.id))]
+
+
+def _detail(kit: Toolkit, state: ThreadState) -> dict[str, Any]:
+    thread = state.thread
+    assert thread is not None
+    latest = state.latest_run()
+    active = next((r for r in reversed(state.runs) if r.status in (
+        RunStatus.PREPARING, RunStatus.STARTING, RunStatus.RUNNING)), None)
+    return {"threadId": thread.id, "projectId": thread.project_id, "title": thread.title,
+            "createdBy": thread.created_by, "creationSource": thread.creation_source,
+            "status": state.status(), "latestRunId": latest.id if latest else None,
+            "activeRunId": active.id if active else None,
+            "providerInstanceId": thread.provider_instance_id,
+            "model": thread.model_selection.get("model"), "runtimeMode": thread.runtime_mode,
+            "interactionMode": thread.interaction_mode, "branch": thread.branch,
+            "worktreePath": thread.worktree_path, "workspacePath": thread.workspace,
+            "parentThreadId": thread.lineage.get("parentThreadId"),
+            "relationshipToParent": thread.lineage.get("relationshipToParent"),
+            "runCount": len(state.runs), "itemCount": len(state.entities["turn-item"]),
+            "pendingRequestCount": len(state.pending_requests()),
+            **_thread_state(thread.to_json(), {
+                "status": state.status(), "snoozed": state.snoozed(kit.orch.now()),
+                "pendingBackgroundTasks": state.pending_background_tasks()}),
+            "titleRegeneration": thread.title_regeneration, "createdAt": thread.created_at,
+            "updatedAt": max([thread.updated_at, *(t for t in (
+                (latest.requested_at, latest.completed_at) if latest else ()) if t)]),
+            **kit.ctx.links(thread.id)}
+
+
+def _run_summary(state: ThreadState, run: orch.Run) -> dict[str, Any]:
+    attempts = [a for a in state.entities["run-attempt"].values() if a.run_id == run.id]
+    return {"runId": run.id, "ordinal": run.ordinal, "status": run.status,
+            "statusReason": run.status_reason, "providerInstanceId": run.provider_instance_id,
+            "model": run.model_selection.get("model"), "requestedAt": run.requested_at,
+            "startedAt": run.started_at, "completedAt": run.completed_at,
+            "attemptCount": len(attempts), "queuePosition": run.queue_position,
+            "queueHeld": run.queue_held}
+
+
+def _timeline_item(kit: Toolkit, state: ThreadState, item: orch.TurnItem, max_chars: int
+                   ) -> dict[str, Any]:
+    message = state.entities["message"].get(item.message_id) if item.message_id else None
+    if message is not None:
+        text: str | None = message.text
+        created_by, source = message.created_by, message.creation_source
+    else:
+        text = item.text
+        created_by, source = (("system", "server") if item.type.startswith("run_interrupt")
+                              else ("agent", "provider"))
+    truncated = text is not None and len(text) > max_chars
+    text = _bounded(text, max_chars)
+    return {"position": item.position, "visibility": "local",
+            "sourceThreadId": item.thread_id, "itemId": item.id, "runId": item.run_id,
+            "messageId": item.message_id, "role": message.role if message else None,
+            "createdBy": created_by, "creationSource": source, "type": item.type,
+            "status": item.status, "title": item.title, "text": text,
+            "textTruncated": truncated, "updatedAt": item.updated_at,
+            **({"answeredBy": item.data["answeredBy"]}  # who answered a request
+               if item.data and item.data.get("answeredBy") else {})}
+
+
+async def _send(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    state = await kit.thread(args["threadId"])
+    await kit.require_live_caller(call.scope, state, "t3_thread_send")
+    ids = (call.space, call.scope.key, "thread-send", args["threadId"], kit.key(args))
+    return await kit.send(
+        args["threadId"], text=args["message"], mode=args.get("mode", "auto"),
+        command_id=kit.derive_id("command", *ids), message_id=kit.derive_id("message", *ids),
+        target=args.get("target"), **call.made_by)
+
+
+async def _wait(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    return await kit.wait(args["threadId"], run_id=args.get("runId"),
+                          timeout_s=args.get("timeoutMs", DEFAULT_WAIT_MS) / 1000,
+                          progress=call.progress, lender=_lender(call.scope))
+
+
+async def _interrupt(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    scope = call.scope
+    thread_id = args["threadId"]
+    await kit.require_live_caller(scope, await kit.thread(thread_id),
+                                  "t3_thread_interrupt")
+    return await kit.interrupt(
+        thread_id, run_id=args.get("runId"), reason=args.get("reason"),
+        command_id=kit.derive_id("command", call.space, scope.key, "thread-interrupt",
+                                 thread_id, kit.key(args)))
+
+
+async def _pending_request(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    scope = call.scope
+    state = await kit.thread(args["threadId"])
+    action = args["action"]
+    if action == "list":
+        return {"threadId": args["threadId"],
+                "requests": [_request_summary(r) for r in state.pending_requests()]}
+    if "requestId" not in args:
+        raise T3Error(f"requestId: required for action {action}", code="invalid_request")
+    request = state.entities["runtime-request"].get(args["requestId"])
+    if request is None:
+        raise T3Error(f"requestId: no request {args['requestId']} in this "
+                      "thread", code="invalid_request")
+    if action == "read":
+        return {"threadId": args["threadId"], "request": {
+            **_request_summary(request), "detail": request.detail,
+            "decision": request.decision, "answers": request.answers,
+            "answeredBy": request.answered_by, "resolvedAt": request.resolved_at,
+            "statusReason": request.status_reason}}
+    if ("decision" in args) == ("answers" in args):
+        raise T3Error("decision: give exactly one of decision or "
+                      "answers", code="invalid_request")
+    answered_by = {"kind": "client"} if scope.kind == "client" else \
+        {"kind": "thread", "threadId": await kit.answering_thread(scope, state, request)}
+    return await kit.respond(
+        args["threadId"], request_id=request.id, decision=args.get("decision"),
+        answers=args.get("answers"), answered_by=answered_by,
+        command_id=kit.derive_id("command", call.space, scope.key, "respond", request.id,
+                                 kit.key(args)))
+
+
+async def _update_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    if (args["action"] == "rename") != ("title" in args):
+        raise T3Error("title: required for rename, refused for "
+                      "regenerate_title", code="invalid_request")
+    return await _change_metadata(kit, call, args, args["action"], title=args.get("title"))
+
+
+async def _link_pull_request(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    return await _change_metadata(kit, call, args, "link_pull_request",
+                                  pull_request=_pull_request(args["url"]))
+
+
+async def _unlink_pull_request(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    return await _change_metadata(kit, call, args, "unlink_pull_request")
+
+
+async def _change_metadata(kit: Toolkit, call: Call, args: Args, action: str,
+                           **change: Any) -> dict[str, Any]:
+    """One metadata action on the target thread (default: the caller's). Another thread
+    takes the caller's live run and may not have broader modes (as t3_thread_send)."""
+    scope = call.scope
+    thread_id = args.get("threadId") or kit.thread_caller(scope, f"{action} without "
+                                                          "threadId")
+    await kit.require_live_caller(scope, await kit.thread(thread_id), action)
+    command = orch.UpdateThreadMetadata(
+        command_id=kit.derive_id("command", call.space, scope.key, "thread-update", action,
+                                 thread_id, kit.key(args)),
+        thread_id=thread_id, action=action, **change)
+    result = await kit.orch.dispatch(command)
+    return {**result.result, "sequence": result.sequence}
+
+
 
 
 # =============================================================================================
@@ -1313,7 +1782,7 @@ async def _launch_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]
         if v is not None}
     existed = kit.store.receipt(kit.derive_id(
         "command", call.source, call.scope.key, "launch", args["commandId"])) is not None
-    launched = await kit._launch(call, launch)  # (checked as launchThread's)
+    launched = await _launch(kit, call, launch)  # (checked as launchThread's)
     sequence, projection = kit.projection(launched["threadId"])
     return {"threadId": launched["threadId"], "runId": launched["runId"],
             "resumed": existed, "snapshotSequence": sequence, "projection": projection}
@@ -1328,7 +1797,7 @@ async def _fork_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     assert source is not None
     git = kit.orch.workspaces
     path, branch = new_worktree(git, thread_id) if git else ("", "")
-    command = await kit.threads.plan_fork(
+    command = await kit.plan_fork(
         args["sourceThreadId"], args.get("sourcePoint") or {"type": "latest_stable"},
         command_id=kit.derive_id("command", *ids), thread_id=thread_id, title=args.get("title"),
         worktree=(path, branch, kit.ctx.project(source.project_id).setup), **call.made_by)
@@ -1337,7 +1806,7 @@ async def _fork_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
 
 async def _merge_back(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     """``thread.merge_back``: the fork's delta goes to its parent with its next message."""
-    command = await kit.threads.plan_merge_back(
+    command = await kit.plan_merge_back(
         args["sourceThreadId"], args.get("targetThreadId"), created_by=orch.Actor.USER,
         command_id=kit.derive_id("command", call.source, call.scope.key, "merge-back",
                                  args["commandId"]))
@@ -1346,10 +1815,10 @@ async def _merge_back(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
 
 async def _rollback_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     """``checkpoint.rollback`` to run ``runOrdinal``'s checkpoint (0: the baseline) or to
-    ``checkpointId``, answered once the files are restored (ThreadService.rollback)."""
+    ``checkpointId``, answered once the files are restored (``rollback``)."""
     if ("runOrdinal" in args) == ("checkpointId" in args):
         raise T3Error("rollbackThread: give runOrdinal or checkpointId", code="invalid_request")
-    return await kit.threads.rollback(
+    return await kit.rollback(
         args["threadId"], ordinal=args.get("runOrdinal"), checkpoint=args.get("checkpointId"),
         command_id=kit.derive_id("command", call.space, call.scope.key, "thread-rollback",
                                  args["threadId"], kit.key(args)))
@@ -1359,7 +1828,7 @@ async def _turn_diff(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     if "runId" not in args and "ordinal" not in args:
         raise T3Error("getTurnDiff: runId or ordinal is required (getFullThreadDiff gives "
                       "the whole thread's)", code="invalid_request")
-    return await kit._thread_diff(call, args)
+    return await _thread_diff(kit, call, args)
 
 
 async def _thread_projection(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
@@ -1408,7 +1877,7 @@ async def _wire_command(kit: Toolkit, call: Call, a: Args) -> Any:
                           "workspaceStrategy", code="invalid_request")
         project = kit.ctx.project(a.get("projectId"))
         initial = a.get("initialMessage") or {}
-        return kit.threads.plan_create(
+        return kit.plan_create(
             command_id=command_id, thread_id=a.get("threadId") or derived("thread"),
             project_id=project.id, workspace=project.path, caller=None,
             message_id=initial.get("messageId") or derived("message"), entry={
@@ -1429,7 +1898,7 @@ async def _wire_command(kit: Toolkit, call: Call, a: Args) -> Any:
             command_id=command_id, parent_run_id=a["parentRunId"], title_from=a["task"],
             wake=a.get("completionWake", "settled_only"), made_by=made)
     if kind == "provider.switch":
-        return await kit.threads.plan_switch(a["threadId"], target, command_id=command_id)
+        return await kit.plan_switch(a["threadId"], target, command_id=command_id)
     if kind == "checkpoint.rollback" and a.get("scopeId", orch.checkpoint_scope_id(
             a["threadId"])) != orch.checkpoint_scope_id(a["threadId"]):
         raise T3Error(f"scopeId: thread {a['threadId']}'s checkpoints are in scope "
@@ -1470,7 +1939,7 @@ OPERATIONS: list[Operation] = [
         "List t3's provider instances and models you can delegate to, your inherited provider, "
         "model and modes, and the orchestration features. Model lists are short; pass search "
         "to find omitted models.",
-        obj({"search": {"type": "string", "maxLength": 256}}), Toolkit._capabilities,
+        obj({"search": {"type": "string", "maxLength": 256}}), _capabilities,
         CAPABILITIES_OUTPUT, read_only=True),
     Operation(
         "delegate_task",
@@ -1488,11 +1957,11 @@ OPERATIONS: list[Operation] = [
              "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS},
              "clientRequestId": CLIENT_REQUEST_ID, "runtimeMode": RUNTIME_INPUT,
              "interactionMode": INTERACTION_INPUT}, ["task"]),
-        Toolkit._delegate, _TASK, callers=THREAD, destructive=True),
+        _delegate, _TASK, callers=THREAD, destructive=True),
     Operation(
         "task_status",
         "The latest durable state and result of a task this thread delegated.",
-        obj({"taskId": text_field(1024)}, ["taskId"]), Toolkit._task_status, _TASK, callers=THREAD,
+        obj({"taskId": text_field(1024)}, ["taskId"]), _task_status, _TASK, callers=THREAD,
         read_only=True),
     Operation(
         "task_cancel",
@@ -1500,7 +1969,7 @@ OPERATIONS: list[Operation] = [
         "thread. A finished task is returned unchanged (its child thread is still stopped).",
         obj({"taskId": text_field(1024), "reason": {"type": "string", "maxLength": 2000},
              "clientRequestId": CLIENT_REQUEST_ID}, ["taskId"]),
-        Toolkit._task_cancel, TASK_CANCEL_OUTPUT, callers=THREAD, destructive=True),
+        _task_cancel, TASK_CANCEL_OUTPUT, callers=THREAD, destructive=True),
     Operation(
         "create_threads",
         "Create 1-20 ORDINARY top-level t3 threads (not delegation). Entries with a prompt start "
@@ -1509,7 +1978,7 @@ OPERATIONS: list[Operation] = [
         obj({"threads": {"type": "array", "minItems": 1, "maxItems": 20,
                          "items": _CREATE_ENTRY},
              "clientRequestId": CLIENT_REQUEST_ID, "projectId": text_field(256)}, ["threads"]),
-        Toolkit._create_threads, CREATE_OUTPUT, destructive=True),
+        _create_threads, CREATE_OUTPUT, destructive=True),
     Operation(
         "t3_thread_launch",
         "Launch one ordinary top-level thread bound to a workspace before its agent starts: "
@@ -1522,7 +1991,7 @@ OPERATIONS: list[Operation] = [
         "(a fresh folder outside any project). Pass the task in message. Launch has no "
         "retry key of its own: after a lost response, list threads before launching again.",
         _LAUNCH_INPUT,
-        Toolkit._launch, LAUNCH_OUTPUT, destructive=True),
+        _launch, LAUNCH_OUTPUT, destructive=True),
     Operation(
         "t3_thread_list",
         "List thread shells of one project, newest first (projectId, else the caller's or the "
@@ -1536,7 +2005,7 @@ OPERATIONS: list[Operation] = [
              "snoozed": {"type": "boolean"},
              "cursor": {"type": "integer", "minimum": 0},
              "limit": {"type": "integer", "minimum": 1, "maximum": 100}}),
-        Toolkit._list_threads, LIST_OUTPUT, ws=("listThreads",), read_only=True),
+        _list_threads, LIST_OUTPUT, ws=("listThreads",), read_only=True),
     Operation(
         "t3_thread_read",
         "Read a thread's durable state, recent runs and timeline. view 'messages' (default: "
@@ -1551,7 +2020,7 @@ OPERATIONS: list[Operation] = [
              "runLimit": {"type": "integer", "minimum": 1, "maximum": 50},
              "maxCharsPerItem": {"type": "integer", "minimum": 1, "maximum": 50_000}},
             ["threadId"]),
-        Toolkit._read_thread, READ_OUTPUT, ws=("readThread",), read_only=True),
+        _read_thread, READ_OUTPUT, ws=("readThread",), read_only=True),
     Operation(
         "t3_thread_diff",
         "The unified diff of one run of a thread (runId or ordinal: what the run changed in "
@@ -1559,7 +2028,7 @@ OPERATIONS: list[Operation] = [
         "whole thread; files with additions and deletions, text stops near 30,000 characters "
         "(truncated). status says why there is no diff: pending (the run is not finished), "
         "missing (not a git repository), error.",
-        _DIFF_INPUT, Toolkit._thread_diff, DIFF_OUTPUT, ws=("getFullThreadDiff",),
+        _DIFF_INPUT, _thread_diff, DIFF_OUTPUT, ws=("getFullThreadDiff",),
         read_only=True),
     Operation(
         "t3_thread_update",
@@ -1570,16 +2039,16 @@ OPERATIONS: list[Operation] = [
         obj({**_OWN_THREAD, "action": {"type": "string",
                                        "enum": ["rename", "regenerate_title"]},
              "title": TITLE}, ["action"]),
-        Toolkit._update_thread, UPDATE_OUTPUT, ws=("updateThread",), destructive=True),
+        _update_thread, UPDATE_OUTPUT, ws=("updateThread",), destructive=True),
     Operation(
         "link_pull_request",
         "Link a pull request to a thread (threadId, else your own): its https URL, like "
         "https://github.com/owner/repo/pull/123. Replaces an earlier link.",
-        obj({**_OWN_THREAD, "url": text_field(2048)}, ["url"]), Toolkit._link_pull_request,
+        obj({**_OWN_THREAD, "url": text_field(2048)}, ["url"]), _link_pull_request,
         UPDATE_OUTPUT, ws=("linkPullRequest",), destructive=True),
     Operation(
         "unlink_pull_request", "Remove a thread's pull request link (threadId, else your own).",
-        obj(_OWN_THREAD), Toolkit._unlink_pull_request, UPDATE_OUTPUT,
+        obj(_OWN_THREAD), _unlink_pull_request, UPDATE_OUTPUT,
         ws=("unlinkPullRequest",), destructive=True),
     Operation(
         "t3_thread_send",
@@ -1593,7 +2062,7 @@ OPERATIONS: list[Operation] = [
              "mode": {"type": "string", "enum": ["auto", "queue", "steer", "restart"]},
              "target": TARGET, "clientRequestId": CLIENT_REQUEST_ID},
             ["threadId", "message"]),
-        Toolkit._send, SEND_OUTPUT, ws=("sendToThread",), destructive=True),
+        _send, SEND_OUTPUT, ws=("sendToThread",), destructive=True),
     Operation(
         "t3_thread_wait",
         "Wait until a run (runId, else the thread's latest run) is completed, failed, "
@@ -1604,7 +2073,7 @@ OPERATIONS: list[Operation] = [
         obj({"threadId": THREAD_ID, "runId": text_field(512),
              "timeoutMs": {"type": "integer", "minimum": 0, "maximum": MAX_WAIT_MS}},
             ["threadId"]),
-        Toolkit._wait, WAIT_OUTPUT, ws=("waitForThread",), read_only=True),
+        _wait, WAIT_OUTPUT, ws=("waitForThread",), read_only=True),
     Operation(
         "t3_thread_interrupt",
         "Interrupt a run (runId, else the newest interruptible one). A terminal run is returned "
@@ -1612,7 +2081,7 @@ OPERATIONS: list[Operation] = [
         obj({"threadId": THREAD_ID, "runId": text_field(512), "reason": {
             "type": "string", "maxLength": 2000}, "clientRequestId": CLIENT_REQUEST_ID},
             ["threadId"]),
-        Toolkit._interrupt, INTERRUPT_OUTPUT, ws=("interruptThread",), destructive=True),
+        _interrupt, INTERRUPT_OUTPUT, ws=("interruptThread",), destructive=True),
     Operation(
         "t3_pending_request",
         "List, read or answer a thread's pending runtime requests (approvals and questions "
@@ -1627,7 +2096,7 @@ OPERATIONS: list[Operation] = [
              "decision": {"type": "string", "enum": list(orch.DECISIONS)},
              "answers": {"type": "object"}, "clientRequestId": CLIENT_REQUEST_ID},
             ["threadId", "action"]),
-        Toolkit._pending_request, PENDING_REQUEST_OUTPUT, destructive=True),
+        _pending_request, PENDING_REQUEST_OUTPUT, destructive=True),
     # A person's (the client token over /ws): T3 Code's own methods.
     _ws("dispatchCommand", "Any client command in T3 Code's wire form.",
         {"anyOf": list(_WIRE_COMMANDS.values())}, _dispatch_command),
@@ -1707,6 +2176,28 @@ def published_output(tool: Operation) -> dict[str, Any]:
     success = tool.output_schema
     return {"type": "object",
             "anyOf": [*success.get("anyOf", [success]), FAILURE_OUTPUT]}
+
+
+def _no_diff(side: orch.Checkpoint | None, name: str, run: orch.Run | None) -> tuple[str, str]:
+    """Why one side of a diff is not a ready checkpoint: (status, reason)."""
+    if side is not None:
+        return side.status, side.status_reason or f"{name} checkpoint is {side.status}" + (
+            " (the workspace is not in a git repository)" if side.status == "missing" else "")
+    if run is None:
+        return "missing", "the thread has no checkpoint yet"
+    if run.status not in RUN_TERMINAL:
+        return "pending", f"run {run.ordinal} is {run.status}: its checkpoint comes when it ends"
+    return "missing", f"{name} checkpoint does not exist (run {run.ordinal} is {run.status})"
+
+
+def steerable_run(state: ThreadState) -> orch.Run | None:
+    """The newest running run whose provider turn is running: what steering would reach."""
+    for run in (r for r in reversed(state.runs) if r.status == RunStatus.RUNNING):
+        attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
+        turn = state.entities["provider-turn"].get(attempt.provider_turn_id) if attempt else None
+        if turn is not None and turn.status == "running":
+            return run
+    return None
 
 
 def new_worktree(git: Any, thread_id: str) -> tuple[str, str]:

@@ -41,9 +41,9 @@ class World:
             "off": o.ProviderInfo("off", "acp", None, [], caps, available=False,
                                   constraints=("disabled in the configuration",))},
             workspaces=Workspaces(tmp_path))
-        self.orch.attach(Scheduler(self.orch, self.store, wall=time.time, redact=None))
         self.tools = Toolkit(self.orch, self.store, ServerContext(
             "env-test", [Project("proj", str(tmp_path), "P")], tmp_path))
+        self.orch.attach(Scheduler(self.tools, wall=time.time, redact=None))
 
     async def call(self, scope: Scope, tool: str, args: dict[str, Any]) -> dict[str, Any]:
         reset = current_scope.set(scope)
