@@ -71,14 +71,16 @@ log = logging.getLogger("t3.orchestrator")
 
 
 class T3Error(Exception):
-    """t3 could not do that."""
+    """t3 could not do that. ``detail``: more fields a transport adds to the failure's body."""
 
     code = "orchestration_error"
 
-    def __init__(self, message: str | None = None, *, code: str | None = None) -> None:
+    def __init__(self, message: str | None = None, *, code: str | None = None,
+                 **detail: Any) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
         if code is not None:
             self.code = code
+        self.detail = detail
 
 
 class CommandRejected(T3Error):

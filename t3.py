@@ -1032,163 +1032,33 @@ PROTOCOL_VERSION = 2
 _PROTOCOL_REFUSAL = {"code": "orchestration_protocol_incompatible",
                      "message": "Update this client to one that supports orchestration "
                                 "protocol 2.", "orchestrationProtocolVersion": PROTOCOL_VERSION}
-_SUBSCRIBER_BYTES = 4 * 1024 * 1024  # a stream this far behind its reader is cut off
-_AFTER = {"type": "integer", "minimum": 0}
-_STREAM_PARAMS = {"subscribeThread": {"type": "object", "additionalProperties": False,
-                                      "properties": {"threadId": {"type": "string",
-                                                                  "minLength": 1},
-                                                     "afterSequence": _AFTER},
-                                      "required": ["threadId"]},
-                  "subscribeShell": {"type": "object", "additionalProperties": False,
-                                     "properties": {"afterSequence": _AFTER}}}
-
 Emit = Callable[[Any], Awaitable[None]]  # a stream item: a dict, or prebuilt JSON text
 
 
-def _failure(code: str, message: str, **detail: Any) -> Exception:
-    """A /ws refusal of its own, in the one error tree (``detail``: more fields of the body)."""
-    from orchestrator import T3Error
-    failure = T3Error(message, code=code)
-    failure.detail = detail  # type: ignore[attr-defined]
-    return failure
-
-
 class ClientApi:
-    """The /ws methods. A person holding the client token is the caller: commands are recorded
-    ``createdBy: "user"`` with ``creationSource`` web (default) or cli."""
+    """The /ws methods: each an operation of tools.OPERATIONS, run for a person holding the
+    client token (commands are recorded ``createdBy: "user"`` with ``creationSource`` web, the
+    default, or cli); a stream sends its items through ``emit`` and returns when it ends."""
 
-    def __init__(self, *, orch: Any, toolkit: Any, store: Any,
-                 test_clock: TestClock | None = None) -> None:
+    def __init__(self, *, toolkit: Toolkit) -> None:
         from tools import Scope
-        self.orch, self.toolkit, self.store, self.test_clock = orch, toolkit, store, test_clock
+        self.toolkit = toolkit
         self.connections: set[_WsConnection] = set()
         self.scope = Scope(kind="client", key="client")
-        self._streams: dict[str, Callable[[Mapping[str, Any], Emit], Awaitable[None]]] = {
-            "subscribeThread": self.subscribe_thread, "subscribeShell": self.subscribe_shell}
 
     async def call(self, method: str, params: Mapping[str, Any], emit: Emit) -> Any:
-        """One method (``orchestration.`` prefix optional); a stream returns when it ends."""
-        from tools import BY_WS_NAME, Call, validate
+        """One method (``orchestration.`` prefix optional)."""
+        from orchestrator import T3Error
+        from tools import BY_WS_NAME, Call
         name = method.removeprefix("orchestration.")
-        if name in self._streams:
-            return await self._streams[name](validate(_STREAM_PARAMS[name], dict(params)), emit)
-        if name == "advanceTestClock" and self.test_clock is not None:
-            return await self.advance_test_clock(params)
         if name not in BY_WS_NAME:
-            raise _failure("invalid_request", f"unknown method {method!r}; the methods are "
-                           f"{', '.join([*BY_WS_NAME, *self._streams, 'unsubscribe'])}")
+            raise T3Error(f"unknown method {method!r}; the methods are "
+                          f"{', '.join([*BY_WS_NAME, 'unsubscribe'])}", code="invalid_request")
         source = params.get("creationSource", "web")
         if source not in ("web", "cli"):
-            raise _failure("invalid_request", "creationSource: must be web or cli")
-        return await self.toolkit.run(BY_WS_NAME[name], Call(self.scope, source), {
+            raise T3Error("creationSource: must be web or cli", code="invalid_request")
+        return await self.toolkit.run(BY_WS_NAME[name], Call(self.scope, source, emit=emit), {
             k: v for k, v in params.items() if k != "creationSource"})
-
-    async def advance_test_clock(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Tests only (T3_TEST_CLOCK): move the clock forward, and return once the scheduler
-        has fired what that made due."""
-        seconds = params.get("seconds")
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
-            raise _failure("invalid_request", "seconds: a number >= 0")
-        assert self.test_clock is not None
-        self.test_clock.advance(float(seconds))
-        from schedules import Scheduler
-        await self.orch.part(Scheduler).scheduler_pass()
-        return {"now": self.test_clock.iso()}
-
-    # -- streams ---------------------------------------------------------------------------------
-
-    async def subscribe_thread(self, params: Mapping[str, Any], emit: Emit) -> None:
-        """A snapshot at N (or, with ``afterSequence`` N, the stored events after N), a
-        ``synchronized`` marker, then each event as it commits: gap-free, none twice."""
-        thread_id, after = params["threadId"], params.get("afterSequence")
-        await self.toolkit.thread(thread_id)
-        subscription = self.orch.subscribe(thread_id=thread_id, max_bytes=_SUBSCRIBER_BYTES)
-        try:  # subscribed before reading: what commits meanwhile is in one or both, never lost
-            if after is None:
-                last, projection = self.toolkit.projection(thread_id)
-                await emit({"kind": "snapshot", "snapshotSequence": last,
-                            "projection": projection})
-            else:
-                last = after
-                while rows := self.store.events_after(last, thread_id=thread_id, limit=500):
-                    for row in rows:
-                        await emit({"kind": "event", "sequence": row["sequence"], "event": row})
-                        last = row["sequence"]
-            await emit({"kind": "synchronized", "sequence": last})
-            while True:
-                items = await subscription.take()
-                if subscription.overflowed:
-                    raise _resubscribe(last)
-                for sequence, _, text in items:
-                    if sequence > last:
-                        await emit(f'{{"kind":"event","sequence":{sequence},"event":{text}}}')
-                        last = sequence
-        finally:
-            self.orch.unsubscribe(subscription)
-
-    async def subscribe_shell(self, params: Mapping[str, Any], emit: Emit) -> None:
-        """The projects, threads and scheduled tasks (a snapshot, or those changed after
-        ``afterSequence``), ``synchronized``, then a thread's shell, or a scheduled task as
-        ``list_scheduled_tasks`` shows it, each time it changes."""
-        from tools import BY_WS_NAME, Call
-        after = params.get("afterSequence")
-        subscription = self.orch.subscribe(max_bytes=_SUBSCRIBER_BYTES // 64)
-        try:
-            last = self.store.max_sequence()
-            if after is None:
-                schedules = (await self.toolkit.run(BY_WS_NAME["listScheduledTasks"],
-                                                    Call(self.scope, "web"), {}))["tasks"]
-                await emit({"kind": "snapshot",
-                            "snapshot": {**self._shell_snapshot(last), "schedules": schedules}})
-            else:
-                for thread_id in self.store.threads_touched_after(after, limit=1000):
-                    await self._emit_shell(thread_id, last, emit)
-            await emit({"kind": "synchronized", "sequence": last})
-            while True:
-                items = await subscription.take()
-                if subscription.overflowed:
-                    raise _resubscribe(last)
-                changed = {thread_id: sequence for sequence, thread_id, _ in items}
-                for thread_id, sequence in changed.items():
-                    await self._emit_shell(thread_id, sequence, emit)
-                    last = max(last, sequence)
-        finally:
-            self.orch.unsubscribe(subscription)
-
-    async def _emit_shell(self, thread_id: str, sequence: int, emit: Emit) -> None:
-        state = await self.orch.state(thread_id)
-        if state is None:
-            return
-        if state.thread is None:  # a scheduled task's stream (schedules.py's operations)
-            from tools import BY_WS_NAME, Call
-            listed = (await self.toolkit.run(BY_WS_NAME["listScheduledTasks"], Call(
-                self.scope, "web"), {"scheduledTaskId": thread_id}))["tasks"]
-            await emit({"kind": "schedule.updated", "sequence": sequence, "task": listed[0]}
-                       if listed else {"kind": "schedule.removed", "sequence": sequence,
-                                       "scheduledTaskId": thread_id})
-        elif state.thread.deleted_at is not None:
-            await emit({"kind": "thread.removed", "sequence": sequence, "threadId": thread_id})
-        else:
-            await emit({"kind": "thread.updated", "sequence": sequence,
-                        "thread": self.toolkit.shell_of(state)})
-
-    def _shell_snapshot(self, sequence: int) -> dict[str, Any]:
-        from tools import shell
-        ctx = self.toolkit.ctx
-        projects = [*ctx.projects, ctx.scratch_project]
-        threads = []
-        for project in projects:
-            _, rows = self.store.list_threads(project.id, limit=500, archived=None,
-                                              now=self.orch.now())
-            threads += [{**shell(self.toolkit, row), "projectId": project.id} for row in rows]
-        return {"snapshotSequence": sequence, "threads": threads,
-                "projects": [{"projectId": p.id, "title": p.title, "path": p.path}
-                             for p in projects]}
-
-
-def _resubscribe(last: int) -> Exception:
-    return _failure("resubscribe", f"this stream fell too far behind its reader and was ended; "
-                    f"subscribe again with afterSequence = {last}", lastSequence=last)
 
 
 class _WsConnection:
@@ -1229,7 +1099,7 @@ class _WsConnection:
                     await self._send({"type": "websocket.close", "code": 1001})
 
     def _start(self, text: str) -> None:
-        from orchestrator import parse_json
+        from orchestrator import T3Error, parse_json
         try:
             frame, unparsed = parse_json(text), ""
         except ValueError as exc:
@@ -1239,13 +1109,13 @@ class _WsConnection:
         if not isinstance(frame, dict) or not isinstance(frame.get("method"), str) or \
                 not isinstance(frame.get("params", {}), dict) or \
                 not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-            failure = _failure("invalid_request", 'a frame is {"id": string or integer, '
-                               f'"method": string, "params": object}}{unparsed}')
+            failure = T3Error('a frame is {"id": string or integer, "method": string, '
+                              f'"params": object}}{unparsed}', code="invalid_request")
         elif request_id in self._tasks:
-            failure = _failure("invalid_request", f"request id {request_id!r} is in use")
+            failure = T3Error(f"request id {request_id!r} is in use", code="invalid_request")
         elif len(self._tasks) >= self.MAX_IN_FLIGHT:
-            failure = _failure("too_many_requests", f"at most {self.MAX_IN_FLIGHT} requests "
-                               "and streams at once on one connection")
+            failure = T3Error(f"at most {self.MAX_IN_FLIGHT} requests and streams at once on "
+                              "one connection", code="too_many_requests")
         if failure is not None:
             task = asyncio.create_task(self._reply(request_id, error=_error_body(failure, "")))
         elif frame["method"] in ("unsubscribe", "orchestration.unsubscribe"):
@@ -1426,7 +1296,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     web_view = WebView.load()
     if web_view is None:
         log.warning("ui.html is not installed beside t3.py: GET / (the web view) answers 404")
-    clients = ClientApi(orch=orch, toolkit=toolkit, store=store, test_clock=clock)
+    clients = ClientApi(toolkit=toolkit)
     app = build_app(mcp=_by_accept(sse.handle_request, plain.handle_request), web_view=web_view,
                     credentials=credentials, client_token=client_token,
                     ws=ws_endpoint(clients, client_token), environment_id=environment_id,
@@ -1535,6 +1405,8 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
         log.warning("interrupted the runs left active by the previous server in %d thread(s)",
                     len(recovered))
     orch.start()
+    if clock is not None:
+        clock.register(orch)
     return orch, adapters, toolkit
 
 
@@ -1701,6 +1573,20 @@ class TestClock:
 
     def advance(self, seconds: float) -> None:
         self.advanced += seconds
+
+    def register(self, orch: Orchestrator) -> None:
+        """/ws ``advanceTestClock {seconds}``: move the clock forward, and answer once the
+        scheduler has fired what that made due."""
+        from schedules import Scheduler
+        from tools import CLIENT, Operation, obj, register
+
+        async def advance(kit: Toolkit, call: Any, args: Mapping[str, Any]) -> dict[str, Any]:
+            self.advance(float(args["seconds"]))
+            await orch.part(Scheduler).scheduler_pass()
+            return {"now": self.iso()}
+        register(Operation("advanceTestClock", "Tests only: move the server's clock.", obj(
+            {"seconds": {"type": "number", "minimum": 0}}, ["seconds"]), advance, {},
+            callers=CLIENT, ws=("advanceTestClock",), mcp=False))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,16 +83,19 @@ Args = Mapping[str, Any]  # a tool's arguments, validated
 
 
 Progress = Callable[[float, str], Awaitable[None]]
+Emit = Callable[[Any], Awaitable[None]]  # a stream's item: a dict, or prebuilt JSON text
 
 
 @dataclass(frozen=True, slots=True)
 class Call:
     """One call of an operation: who calls, and where what it makes comes from (``mcp``: made
-    by an agent, or a client acting as one; ``web`` or ``cli``: by a person over /ws)."""
+    by an agent, or a client acting as one; ``web`` or ``cli``: by a person over /ws); a /ws
+    stream's items go to ``emit``."""
 
     scope: Scope
     source: str = "mcp"
     progress: Progress | None = None
+    emit: Emit | None = None
 
     @property
     def made_by(self) -> dict[str, str]:
@@ -228,7 +231,7 @@ def validate(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
     if "enum" in schema and value not in schema["enum"]:
         raise T3Error(f"{name}: must be one of "
                       f"{', '.join(map(str, schema['enum']))}", code="invalid_request")
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         if "minimum" in schema and value < schema["minimum"]:
             raise T3Error(f"{name}: must be >= {schema['minimum']}", code="invalid_request")
         if "maximum" in schema and value > schema["maximum"]:
@@ -517,7 +520,7 @@ class Operation:
     name: str
     description: str
     input_schema: Mapping[str, Any]
-    handler: Callable[[Toolkit, Call, Args], Awaitable[dict[str, Any]]]
+    handler: Callable[[Toolkit, Call, Args], Awaitable[dict[str, Any] | None]]
     output_schema: Mapping[str, Any]  # of a success; published_output adds the failure
     callers: frozenset[str] = ANYONE
     ws: tuple[str, ...] = ()
@@ -1913,6 +1916,113 @@ async def _wire_command(kit: Toolkit, call: Call, a: Args) -> Any:
 
 
 # =============================================================================================
+# A person's streams: subscribeThread and subscribeShell send items through ``call.emit`` until
+# the client unsubscribes (the task is cancelled) or falls SUBSCRIBER_BYTES behind its reader
+
+
+SUBSCRIBER_BYTES = 4 * 1024 * 1024
+
+
+async def _subscribe_thread(kit: Toolkit, call: Call, args: Args) -> None:
+    """A snapshot at N (or, with ``afterSequence`` N, the stored events after N), a
+    ``synchronized`` marker, then each event as it commits: gap-free, none twice."""
+    emit, thread_id, after = call.emit, args["threadId"], args.get("afterSequence")
+    assert emit is not None
+    await kit.thread(thread_id)
+    subscription = kit.orch.subscribe(thread_id=thread_id, max_bytes=SUBSCRIBER_BYTES)
+    try:  # subscribed before reading: what commits meanwhile is in one or both, never lost
+        if after is None:
+            last, projection = kit.projection(thread_id)
+            await emit({"kind": "snapshot", "snapshotSequence": last, "projection": projection})
+        else:
+            last = after
+            while rows := kit.store.events_after(last, thread_id=thread_id, limit=500):
+                for row in rows:
+                    await emit({"kind": "event", "sequence": row["sequence"], "event": row})
+                    last = row["sequence"]
+        await emit({"kind": "synchronized", "sequence": last})
+        while True:
+            items = await subscription.take()
+            if subscription.overflowed:
+                raise _resubscribe(last)
+            for sequence, _, text in items:
+                if sequence > last:
+                    await emit(f'{{"kind":"event","sequence":{sequence},"event":{text}}}')
+                    last = sequence
+    finally:
+        kit.orch.unsubscribe(subscription)
+
+
+async def _subscribe_shell(kit: Toolkit, call: Call, args: Args) -> None:
+    """The projects, threads and scheduled tasks (a snapshot, or those changed after
+    ``afterSequence``), ``synchronized``, then a thread's shell, or a scheduled task as
+    ``list_scheduled_tasks`` shows it, each time it changes."""
+    emit, after = call.emit, args.get("afterSequence")
+    assert emit is not None
+    subscription = kit.orch.subscribe(max_bytes=SUBSCRIBER_BYTES // 64)
+    try:
+        last = kit.store.max_sequence()
+        if after is None:
+            await emit({"kind": "snapshot", "snapshot": {
+                **_shell_snapshot(kit, last), "schedules": await _schedules(kit, call)}})
+        else:
+            for thread_id in kit.store.threads_touched_after(after, limit=1000):
+                await _emit_shell(kit, call, thread_id, last)
+        await emit({"kind": "synchronized", "sequence": last})
+        while True:
+            items = await subscription.take()
+            if subscription.overflowed:
+                raise _resubscribe(last)
+            changed = {thread_id: sequence for sequence, thread_id, _ in items}
+            for thread_id, sequence in changed.items():
+                await _emit_shell(kit, call, thread_id, sequence)
+                last = max(last, sequence)
+    finally:
+        kit.orch.unsubscribe(subscription)
+
+
+async def _emit_shell(kit: Toolkit, call: Call, thread_id: str, sequence: int) -> None:
+    assert call.emit is not None
+    state = await kit.orch.state(thread_id)
+    if state is None:
+        return
+    if state.thread is None:  # a scheduled task's stream (schedules.py's operations)
+        listed = await _schedules(kit, call, thread_id)
+        await call.emit({"kind": "schedule.updated", "sequence": sequence, "task": listed[0]}
+                        if listed else {"kind": "schedule.removed", "sequence": sequence,
+                                        "scheduledTaskId": thread_id})
+    elif state.thread.deleted_at is not None:
+        await call.emit({"kind": "thread.removed", "sequence": sequence, "threadId": thread_id})
+    else:
+        await call.emit({"kind": "thread.updated", "sequence": sequence,
+                         "thread": kit.shell_of(state)})
+
+
+async def _schedules(kit: Toolkit, call: Call, task_id: str | None = None) -> list[Any]:
+    """The scheduled tasks as ``listScheduledTasks`` shows them (none without schedules.py)."""
+    op = BY_WS_NAME.get("listScheduledTasks")
+    args = {"scheduledTaskId": task_id} if task_id else {}
+    return (await kit.run(op, call, args))["tasks"] if op else []
+
+
+def _shell_snapshot(kit: Toolkit, sequence: int) -> dict[str, Any]:
+    projects = [*kit.ctx.projects, kit.ctx.scratch_project]
+    threads = []
+    for project in projects:
+        _, rows = kit.store.list_threads(project.id, limit=500, archived=None,
+                                         now=kit.orch.now())
+        threads += [{**shell(kit, row), "projectId": project.id} for row in rows]
+    return {"snapshotSequence": sequence, "threads": threads,
+            "projects": [{"projectId": p.id, "title": p.title, "path": p.path}
+                         for p in projects]}
+
+
+def _resubscribe(last: int) -> T3Error:
+    return T3Error("this stream fell too far behind its reader and was ended; subscribe again "
+                   f"with afterSequence = {last}", code="resubscribe", lastSequence=last)
+
+
+# =============================================================================================
 # The operations table
 
 
@@ -1921,12 +2031,13 @@ _LAUNCH_INPUT = obj({"projectId": text_field(256), "title": TITLE, "message": te
                      "interactionMode": INTERACTION_INPUT,
                      "workspaceStrategy": WORKSPACE_STRATEGY, "scratch": {"type": "boolean"},
                      "clientRequestId": CLIENT_REQUEST_ID})
+SEQUENCE = {"type": "integer", "minimum": 0}
 _DIFF_INPUT = obj({"threadId": THREAD_ID, "runId": text_field(512),
                    "ordinal": {"type": "integer", "minimum": 1}}, ["threadId"])
 
 
 def _ws(name: str, description: str, input_schema: Mapping[str, Any],
-        handler: Callable[[Toolkit, Call, Args], Awaitable[dict[str, Any]]],
+        handler: Callable[[Toolkit, Call, Args], Awaitable[dict[str, Any] | None]],
         output_schema: Mapping[str, Any] = OBJECT) -> Operation:
     """A /ws-only operation: a person's, named as the /ws method."""
     return Operation(name, description, input_schema, handler, output_schema, callers=CLIENT,
@@ -2127,6 +2238,11 @@ OPERATIONS: list[Operation] = [
         obj({"threadId": THREAD_ID}, ["threadId"]), _thread_projection),
     _ws("listPendingRequests", "Every thread's pending runtime requests (or threadId's).",
         obj({"threadId": THREAD_ID}), _all_pending_requests),
+    _ws("subscribeThread", "A thread's snapshot (or the events after afterSequence), then each "
+        "event as it commits.", obj({"threadId": THREAD_ID, "afterSequence": SEQUENCE},
+                                    ["threadId"]), _subscribe_thread),
+    _ws("subscribeShell", "Every thread's and scheduled task's shell, then each change.",
+        obj({"afterSequence": SEQUENCE}), _subscribe_shell),
 ]
 TOOLS: list[Operation] = []  # the operations MCP publishes, in the table's order
 _BY_NAME: dict[str, Operation] = {}
