@@ -40,7 +40,8 @@ import time
 import tomllib
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import (Awaitable, Callable, Collection, Iterator, Mapping, MutableMapping,
+                             Sequence)
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -77,10 +78,10 @@ class ConfigError(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Config:
-    host: str
-    port: int
     projects: list[dict[str, Any]]  # id, path, title, setup (commands for a new worktree)
     providers: list[dict[str, Any]] | None  # None: detect installed CLIs
+    host: str = "127.0.0.1"
+    port: int = 3773
     credential_max_lifetime_s: int = 86_400
     credential_idle_s: int = 7_200
     max_delegation_depth: int = 5
@@ -94,14 +95,40 @@ class Config:
     keyfile: str | None = None
 
 
-_SECTIONS = {"server": {"host", "port", "allowed_origins", "allowed_hosts", "max_connections",
-                        "certfile", "keyfile"},
-             "projects": {"id", "path", "title", "setup"},
-             "providers": {"id", "driver", "command", "env", "models", "enabled", "displayName",
-                           "agent", "registry", "instructions", "allow_unverified"},
-             "limits": {"credential_max_lifetime_s", "credential_idle_s", "max_delegation_depth",
-                        "max_live_agent_processes", "max_scheduled_tasks_per_project",
-                        "min_agent_task_interval_s"}}
+def _strings(value: Any, _: Path) -> bool:
+    return isinstance(value, list) and all(isinstance(s, str) and s for s in value)
+
+
+_Rule = tuple[Callable[[Any, Path], bool], str]
+_FILE: _Rule = (lambda v, base: isinstance(v, str) and (base / v).is_file(),
+                "must name an existing file (%r)")
+_POSITIVE: _Rule = (lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                    "must be a positive integer")
+# The keys of each section but [[providers]], and each one's rule: a test of its value (given
+# the configuration file's folder) and the problem named when the test fails (%r: the value).
+_RULES: dict[str, dict[str, _Rule]] = {
+    "server": {"host": (lambda v, _: isinstance(v, str), "must be a string"),
+               "port": (lambda v, _: isinstance(v, int) and 0 <= v <= 65535,
+                        "must be an integer 0-65535"),
+               "allowed_origins": (_strings, "must be a list of non-empty strings"),
+               "allowed_hosts": (_strings, "must be a list of non-empty strings"),
+               "max_connections": (lambda v, _: isinstance(v, int) and v >= 1,
+                                   "must be a positive integer"),
+               "certfile": _FILE, "keyfile": _FILE},
+    "projects": {"id": (lambda v, _: isinstance(v, str) and bool(_ID.match(v)),
+                        "must match ^[a-zA-Z][a-zA-Z0-9_-]{0,63}$"),
+                 "path": (lambda v, _: isinstance(v, str) and Path(v).is_dir(),
+                          "must be an existing directory (%r)"),
+                 "title": (lambda v, _: isinstance(v, str), "must be a string"),
+                 "setup": (_strings, "must be a list of shell commands (strings)")},
+    "limits": dict.fromkeys(("credential_max_lifetime_s", "credential_idle_s",
+                             "max_delegation_depth", "max_live_agent_processes",
+                             "max_scheduled_tasks_per_project", "min_agent_task_interval_s"),
+                            _POSITIVE)}
+_SECTIONS: dict[str, Collection[str]] = {
+    **_RULES, "providers": {"id", "driver", "command", "env", "models", "enabled",
+                            "displayName", "agent", "registry", "instructions",
+                            "allow_unverified"}}
 
 
 _Fail = Callable[[str, "int | None", "str | None", str], ConfigError]
@@ -121,6 +148,16 @@ def load_config(path: Path, *, cwd: Path) -> Config:
         name = section + (f"[{index}]" if index is not None else "") + (f".{key}" if key else "")
         return ConfigError(f"{where}: {name}: {problem}")
 
+    def checked(section: str, index: int | None, entry: Mapping[str, Any], *required: str
+                ) -> dict[str, Any]:  # entry, with no unknown key and every rule passed
+        for key in entry:
+            if key not in _RULES[section]:
+                raise fail(section, index, key, "unknown key")
+        for key, (test, problem) in _RULES[section].items():
+            if (key in entry or key in required) and not test(entry.get(key), path.parent):
+                raise fail(section, index, key, problem.replace("%r", repr(entry.get(key))))
+        return dict(entry)
+
     for section in data:
         if section not in _SECTIONS:
             raise fail(section, None, None, "unknown section")
@@ -131,78 +168,30 @@ def load_config(path: Path, *, cwd: Path) -> Config:
             providers.append(_provider_entry(i, entry, fail, base=path.parent))
             if any(p["id"] == providers[-1]["id"] for p in providers[:-1]):
                 raise fail("providers", i, "id", f"duplicate provider id {providers[-1]['id']!r}")
-    limits = data.get("limits", {})
-    for key in limits:
-        if key not in _SECTIONS["limits"]:
-            raise fail("limits", None, key, "unknown key")
-        if not isinstance(limits[key], int) or isinstance(limits[key], bool) or limits[key] <= 0:
-            raise fail("limits", None, key, "must be a positive integer")
+    limits = checked("limits", None, data.get("limits", {}))
     if limits.get("min_agent_task_interval_s", 60) < 60:
         raise fail("limits", None, "min_agent_task_interval_s", "must be at least 60 (no task "
                    "runs more often than once a minute)")
-    return Config(**_server_section(data.get("server", {}), fail, base=path.parent),
-                  projects=_project_entries(data.get("projects", []), fail, cwd=cwd),
-                  providers=providers, **limits)
-
-
-def _server_section(server: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
-    for key in server:
-        if key not in _SECTIONS["server"]:
-            raise fail("server", None, key, "unknown key")
-    host, port = server.get("host", "127.0.0.1"), server.get("port", 3773)
-    if not isinstance(host, str):
-        raise fail("server", None, "host", "must be a string")
-    if not isinstance(port, int) or not 0 <= port <= 65535:
-        raise fail("server", None, "port", "must be an integer 0-65535")
-    values: dict[str, Any] = {"host": host, "port": port}
-    for key in ("allowed_origins", "allowed_hosts"):
-        listed = server.get(key, [])
-        if not isinstance(listed, list) or not all(isinstance(v, str) and v for v in listed):
-            raise fail("server", None, key, "must be a list of non-empty strings")
-        values[key] = tuple(v.rstrip("/") if key == "allowed_origins" else v.lower()
-                            for v in listed)
-    if "max_connections" in server:
-        if not isinstance(server["max_connections"], int) or server["max_connections"] < 1:
-            raise fail("server", None, "max_connections", "must be a positive integer")
-        values["max_connections"] = server["max_connections"]
+    server = checked("server", None, data.get("server", {}))
     for key in ("certfile", "keyfile"):
         if key in server:
-            name = server[key]
-            if not isinstance(name, str) or not (base / name).is_file():
-                raise fail("server", None, key, f"must name an existing file ({name!r})")
-            values[key] = str((base / name).resolve())
-    if ("certfile" in values) != ("keyfile" in values):
+            server[key] = str((path.parent / server[key]).resolve())
+    if ("certfile" in server) != ("keyfile" in server):
         raise fail("server", None, "certfile", "certfile and keyfile go together")
-    return values
-
-
-def _project_entries(entries: Sequence[Mapping[str, Any]], fail: _Fail, *, cwd: Path
-                     ) -> list[dict[str, Any]]:
+    server["allowed_origins"] = tuple(o.rstrip("/") for o in server.get("allowed_origins", ()))
+    server["allowed_hosts"] = tuple(h.lower() for h in server.get("allowed_hosts", ()))
     projects: list[dict[str, Any]] = []
-    for i, entry in enumerate(entries):
-        for key in entry:
-            if key not in _SECTIONS["projects"]:
-                raise fail("projects", i, key, "unknown key")
-        pid, ppath = entry.get("id"), entry.get("path")
-        if not isinstance(pid, str) or not _ID.match(pid):
-            raise fail("projects", i, "id", "must match ^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
-        if not isinstance(ppath, str) or not Path(ppath).is_dir():
-            raise fail("projects", i, "path", f"must be an existing directory ({ppath!r})")
-        title = entry.get("title", pid)
-        if not isinstance(title, str):
-            raise fail("projects", i, "title", "must be a string")
+    for i, entry in enumerate(data.get("projects", [])):
+        pid = checked("projects", i, entry, "id", "path")["id"]
         if any(p["id"] == pid for p in projects):
             raise fail("projects", i, "id", f"duplicate project id {pid!r}")
         if pid == "scratch":
             raise fail("projects", i, "id", "'scratch' is reserved for scratch workspaces")
-        setup = entry.get("setup", [])
-        if not isinstance(setup, list) or not all(isinstance(c, str) and c for c in setup):
-            raise fail("projects", i, "setup", "must be a list of shell commands (strings)")
-        projects.append({"id": pid, "path": str(Path(ppath).resolve()), "title": title,
-                         "setup": setup})
+        projects.append({"id": pid, "path": str(Path(entry["path"]).resolve()),
+                         "title": entry.get("title", pid), "setup": entry.get("setup", [])})
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
-    return projects
+    return Config(**server, projects=projects, providers=providers, **limits)
 
 
 def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
