@@ -358,23 +358,15 @@ def warn_readable_secrets(path: Path, config: Config) -> None:
                         "fix: chmod 600 %s", path, mode & 0o777, path)
 
 
-def client_token(data_dir: Path) -> str:
-    """Read the client token, creating it (mode 0600) on first use: whole, so that a reader
-    racing the creation never sees an empty file."""
+def client_token(data_dir: Path, *, rotate: bool = False) -> str:
+    """The client token, created on first use (0600, and whole: a reader racing the creation
+    never sees an empty file); ``rotate`` replaces it atomically, and a running server refuses
+    the old one from its next request on (``ClientToken``)."""
     path = data_dir / "client-token"
-    if not os.path.lexists(path):
+    if rotate or not os.path.lexists(path):
         with contextlib.suppress(FileExistsError):  # another process made it first
-            _write_private_atomic(path, secrets.token_urlsafe(32) + "\n", replace=False)
+            _write_private_atomic(path, secrets.token_urlsafe(32) + "\n", replace=rotate)
     return _read_token(path)
-
-
-def rotate_client_token(data_dir: Path) -> str:
-    """Replace the client token atomically; a running server refuses the old one from its next
-    request on (``ClientToken``)."""
-    path = data_dir / "client-token"
-    token = secrets.token_urlsafe(32)
-    _write_private_atomic(path, token + "\n", replace=True)
-    return token
 
 
 def _read_token(path: Path) -> str:
@@ -417,41 +409,18 @@ class ClientToken:
         return self._hash is not None and hmac.compare_digest(_hash(token), self._hash)
 
 
-class DataDirLock:
-    """An exclusive lock on ``<data-dir>/t3.lock``: one server per data directory."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.path = data_dir / "t3.lock"
-        self._fd: int | None = None
-
-    def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return True
-
-    def holder(self) -> str:
-        try:
-            return self.path.read_text().strip() or "?"
-        except OSError:
-            return "?"
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def _create_private(path: Path) -> None:
-    """Create ``path`` empty and 0600 unless it exists (never through a symlink): SQLite then
-    gives its -wal and -shm files the same mode."""
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+def _lock(data_dir: Path) -> int | None:
+    """An exclusive lock on ``t3.lock`` (one server per data directory), which then holds our
+    pid: its file descriptor, or None while another process holds it."""
+    fd = os.open(data_dir / "t3.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def _write_private_atomic(path: Path, text: str, *, replace: bool) -> None:
@@ -1304,46 +1273,47 @@ def _denial(send: _Send) -> _Send:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT or SIGTERM; the exit status (2: the data directory or the
+    configuration is refused, 1: the server cannot start)."""
     import providers as prov
-    # What t3 (SQLite, logs, backups too) creates in its data directory is private; agents,
-    # git and setup get the user's umask back (CHILD_UMASK): they write in the user's projects.
     import workspace
-    prov.CHILD_UMASK = workspace.CHILD_UMASK = os.umask(0o077)
-    try:
-        return await _serve(args, prov)
-    finally:
-        os.umask(prov.CHILD_UMASK)
-
-
-async def _serve(args: argparse.Namespace, prov: ModuleType) -> int:
     from store import DatabaseTooNew, Store, StoreError
 
-    try:
-        data_dir = open_data_dir(args.data_dir)
-        config_path = Path(args.config).expanduser().resolve() if args.config \
-            else data_dir / "t3.toml"
-        check_config_file(config_path)
-        config = load_config(config_path, cwd=Path.cwd())
-        client_token(data_dir)  # created, or refused when malformed, before anything starts
-    except DataDirError as exc:
-        print(f"t3: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(f"t3: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    warn_readable_secrets(config_path, config)
-    _raise_fd_limit(config.max_connections)
-    host = args.host or config.host
-    port = config.port if args.port is None else args.port
-    lock = DataDirLock(data_dir)
-    if not lock.acquire():
-        print(f"t3: another t3 server (pid {lock.holder()}) is already using {data_dir}; "
-              "stop it first or pass another --data-dir", file=sys.stderr)
-        return 1
-    server_json = data_dir / "server.json"
-    try:
+    # What t3 (SQLite, logs, backups too) creates in its data directory is private; agents,
+    # git and setup get the user's umask back (CHILD_UMASK): they write in the user's projects.
+    prov.CHILD_UMASK = workspace.CHILD_UMASK = os.umask(0o077)
+    with contextlib.ExitStack() as cleanup:  # undone in reverse order, whatever happens
+        cleanup.callback(os.umask, prov.CHILD_UMASK)
         try:
-            _create_private(data_dir / "t3.sqlite")
+            data_dir = open_data_dir(args.data_dir)
+            config_path = Path(args.config).expanduser().resolve() if args.config \
+                else data_dir / "t3.toml"
+            check_config_file(config_path)
+            config = load_config(config_path, cwd=Path.cwd())
+            client_token(data_dir)  # created, or refused when malformed, before anything starts
+        except DataDirError as exc:
+            print(f"t3: {exc}", file=sys.stderr)
+            return 2
+        except ConfigError as exc:
+            print(f"t3: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+        warn_readable_secrets(config_path, config)
+        _raise_fd_limit(config.max_connections)
+        lock = _lock(data_dir)
+        if lock is None:
+            holder = "?"
+            with contextlib.suppress(OSError):
+                holder = (data_dir / "t3.lock").read_text().strip() or "?"
+            print(f"t3: another t3 server (pid {holder}) is already using {data_dir}; "
+                  "stop it first or pass another --data-dir", file=sys.stderr)
+            return 1
+        cleanup.callback(os.close, lock)
+        cleanup.callback(_withdraw, data_dir / "server.json")
+        try:
+            # Created empty and 0600 first (never through a symlink): SQLite then gives its -wal
+            # and -shm files the same mode.
+            os.close(os.open(data_dir / "t3.sqlite", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
+                             0o600))
             store = Store(data_dir / "t3.sqlite", backups_dir=data_dir / "backups")
         except DatabaseTooNew as exc:
             print(f"t3: {exc}", file=sys.stderr)
@@ -1351,19 +1321,18 @@ async def _serve(args: argparse.Namespace, prov: ModuleType) -> int:
         except (StoreError, OSError) as exc:
             print(f"t3: cannot open the database: {exc}", file=sys.stderr)
             return 1
-        try:
-            return await _run(args, config, data_dir, store, host, port, server_json, prov=prov)
-        finally:
-            store.close()
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            if json.loads(server_json.read_text()).get("pid") == os.getpid():
-                server_json.unlink()
-        lock.release()
+        cleanup.callback(store.close)
+        return await _run(args, config, data_dir, store, prov=prov)
 
 
-async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Store, host: str,
-               port: int, server_json: Path, *, prov: ModuleType) -> int:
+def _withdraw(server_json: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if json.loads(server_json.read_text()).get("pid") == os.getpid():
+            server_json.unlink()
+
+
+async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Store, *,
+               prov: ModuleType) -> int:
     import hypercorn.asyncio.run
     import hypercorn.config
     import hypercorn.utils
@@ -1373,16 +1342,18 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     hconfig = _hypercorn_config(config, hypercorn)
     if hconfig is None:
         return 2
+    host, tls = args.host or config.host, hconfig.ssl_enabled
+    port = config.port if args.port is None else args.port
     # Bind first: provider-session credentials name the MCP URL, and recovery may start agents.
     try:
-        sock = _listen(host, port, cap=config.max_connections, tls=hconfig.ssl_enabled)
+        sock = _listen(host, port, cap=config.max_connections, tls=tls)
     except OSError as exc:
         print(f"t3: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 1
     port = sock.getsockname()[1]
     url_host = f"[{host}]" if ":" in host else host
     local_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, url_host)
-    scheme = "https" if hconfig.ssl_enabled else "http"
+    scheme = "https" if tls else "http"
     url = f"{scheme}://{url_host}:{port}"
 
     environment_id = await store.meta("environmentId", f"env-{uuid.uuid4().hex[:12]}")
@@ -1407,8 +1378,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                     credentials=credentials, client_token=client_token,
                     ws=ws_endpoint(clients, client_token), environment_id=environment_id,
                     hooks=webhook_endpoint(orch),
-                    policy=HttpPolicy.for_server(config=config, host=host, port=port,
-                                                 tls=hconfig.ssl_enabled))
+                    policy=HttpPolicy.for_server(config=config, host=host, port=port, tls=tls))
     stop, http_stop = asyncio.Event(), asyncio.Event()
     gc.freeze()  # what startup made lives on: full collections walk only what serving makes
     loop = asyncio.get_running_loop()
@@ -1421,12 +1391,11 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                      for k, a in adapters.items() if hasattr(a, "prepare")]
         server = tasks.create_task(_until_stopped(hypercorn.asyncio.run.worker_serve(
             hypercorn.utils.wrap_app(app, hconfig.wsgi_max_body_size, "asgi"), hconfig,
-            sockets=hypercorn.config.Sockets(secure_sockets=[sock] if hconfig.ssl_enabled else [],
-                                             insecure_sockets=[] if hconfig.ssl_enabled else [sock],
+            sockets=hypercorn.config.Sockets(secure_sockets=[sock] if tls else [],
+                                             insecure_sockets=[] if tls else [sock],
                                              quic_sockets=[]),
             shutdown_trigger=http_stop.wait)))
-        _announce(server_json, url=url, ws_url=f"{'wss' if hconfig.ssl_enabled else 'ws'}://"
-                  f"{url_host}:{port}/ws", port=port, environment_id=environment_id)
+        _announce(data_dir / "server.json", url=url, port=port, environment_id=environment_id)
         stopped = tasks.create_task(stop.wait())
         await asyncio.wait({server, stopped}, return_when=asyncio.FIRST_COMPLETED)
         log.info("shutting down")
@@ -1449,10 +1418,11 @@ async def _until_stopped(serving: Awaitable[None]) -> None:
         await serving
 
 
-def _announce(server_json: Path, *, url: str, ws_url: str, port: int, environment_id: str) -> None:
+def _announce(server_json: Path, *, url: str, port: int, environment_id: str) -> None:
     """server.json (how the commands for people find the server), then the ready line."""
     _write_private_atomic(server_json, json.dumps({
-        "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp", "wsUrl": ws_url, "port": port,
+        "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp",
+        "wsUrl": url.replace("http", "ws", 1) + "/ws", "port": port,
         "environmentId": environment_id,
         "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n",
         replace=True)
@@ -1796,7 +1766,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "token":
         try:
             data_dir = open_data_dir(args.data_dir)
-            print(rotate_client_token(data_dir) if args.rotate else client_token(data_dir))
+            print(client_token(data_dir, rotate=args.rotate))
         except DataDirError as exc:
             print(f"t3: {exc}", file=sys.stderr)
             return 2
