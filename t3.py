@@ -455,83 +455,78 @@ class Credentials:
 
     def __init__(self, *, max_lifetime_s: int, idle_s: int, mcp_url: str,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from tools import Scope
-        self._scope_type = Scope
-        self._sessions: dict[str, _SessionCredential] = {}  # token hash -> credential
-        self._by_session: dict[str, str] = {}  # provider session id -> token hash
         self.max_lifetime_s, self.idle_s, self.mcp_url = max_lifetime_s, idle_s, mcp_url
         self._clock = clock
+        self._live: dict[str, _SessionCredential] = {}  # token hash -> a credential not ended
+        self._issued: dict[str, _SessionCredential] = {}  # provider session id -> its last one
 
     def issue(self, *, thread_id: str, provider_instance_id: str,
               provider_session_id: str) -> McpEndpoint:
         """A new credential for one provider session, as the MCP endpoint its agent is given.
         Only the token's hash is kept; the raw token lives in the returned endpoint alone."""
         from orchestrator import McpEndpoint
+        from tools import Scope
         token = secrets.token_urlsafe(32)
-        now = self._clock()
         # The idempotency key names the caller (thread + instance), not this credential, so a
         # retry after a re-issue converges; hashed, so the ids derived from it stay short.
         key = "agent-" + _hash(f"{thread_id}\0{provider_instance_id}")[:32]
-        scope = self._scope_type(kind="thread", key=key, thread_id=thread_id,
-                                 provider_instance_id=provider_instance_id,
-                                 provider_session_id=provider_session_id,
-                                 capabilities=frozenset({"orchestration", "preview"}))
         self.revoke(provider_session_id)
-        digest = _hash(token)
-        self._sessions[digest] = _SessionCredential(scope=scope, session_id=provider_session_id,
-                                                    issued=now, touched=now)
-        self._by_session[provider_session_id] = digest
+        now = self._clock()
+        credential = _SessionCredential(
+            digest=_hash(token), issued=now, touched=now, scope=Scope(
+                kind="thread", key=key, thread_id=thread_id,
+                provider_instance_id=provider_instance_id,
+                provider_session_id=provider_session_id,
+                capabilities=frozenset({"orchestration", "preview"})))
+        self._live[credential.digest] = self._issued[provider_session_id] = credential
         return McpEndpoint(name="t3-code", url=self.mcp_url,
                            headers={"Authorization": f"Bearer {token}"})
 
     def set_active(self, provider_session_id: str, active: bool) -> None:
         """The session serves a turn (``active``), or has just finished one."""
-        if (credential := self._live(provider_session_id)) is not None:
+        if (credential := self._valid(self._issued.get(provider_session_id))) is not None:
             credential.active = active
             credential.touched = self._clock()
 
     def renewal_due(self, provider_session_id: str) -> bool:
         """True when the session was given a credential that has ended or is past half its
         maximum lifetime: its next turn should run in a session with a new one."""
-        if provider_session_id not in self._by_session:
+        if provider_session_id not in self._issued:
             return False
-        credential = self._live(provider_session_id)
+        credential = self._valid(self._issued[provider_session_id])
         return credential is None or \
             self._clock() - credential.issued > self.max_lifetime_s / 2
 
     def revoke(self, provider_session_id: str) -> None:
-        digest = self._by_session.pop(provider_session_id, None)
-        if digest is not None:
-            self._sessions.pop(digest, None)
+        credential = self._issued.pop(provider_session_id, None)
+        if credential is not None:
+            self._live.pop(credential.digest, None)
 
     def resolve(self, token: str) -> Scope | None:
-        credential = self._sessions.get(_hash(token))
-        if credential is None or self._live(credential.session_id) is not credential:
+        credential = self._valid(self._live.get(_hash(token)))
+        if credential is None:
             return None
         credential.touched = self._clock()
         return credential.scope
 
-    def _live(self, provider_session_id: str) -> _SessionCredential | None:
-        """The session's credential if it is still valid; an ended one is dropped for good
-        (its session id stays known, so ``renewal_due`` can tell)."""
-        digest = self._by_session.get(provider_session_id)
-        credential = self._sessions.get(digest) if digest else None
-        if credential is None:
+    def _valid(self, credential: _SessionCredential | None) -> _SessionCredential | None:
+        """``credential`` unless it has ended; one that has just ended is dropped for good."""
+        if credential is None or credential.digest not in self._live:
             return None
         now = self._clock()
         if now - credential.issued > self.max_lifetime_s or (
                 not credential.active and now - credential.touched > self.idle_s):
-            del self._sessions[digest]  # type: ignore[arg-type]
+            del self._live[credential.digest]
             return None
         return credential
 
 
 @dataclasses.dataclass(slots=True)
 class _SessionCredential:
-    scope: Scope
-    session_id: str
+    digest: str  # of the token
     issued: float
     touched: float
+    scope: Scope
     active: bool = False  # serving a turn: idle expiry does not apply
 
 
