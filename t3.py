@@ -252,20 +252,14 @@ def _model_table(m: Any) -> bool:
 
 def _line_of(text: str, section: str, index: int | None, key: str | None) -> int | None:
     """Best-effort line number of ``section[index].key`` in TOML text."""
-    seen = -1
-    in_section = False
+    seen, inside = -1, False  # the section's entries so far; whether this line is in one
     for number, line in enumerate(text.splitlines(), 1):
-        stripped = line.strip()
-        header = re.match(r"^\[\[?\s*([A-Za-z0-9_.-]+)\s*\]\]?", stripped)
+        header = re.match(r"\s*\[\[?\s*([A-Za-z0-9_.-]+)\s*\]\]?", line)
         if header:
-            in_section = header.group(1) == section
-            if in_section:
-                seen += 1
-                if key is None and (index is None or seen == index):
-                    return number
-            continue
-        if in_section and key and (index is None or seen == index) and \
-                re.match(rf"^{re.escape(key)}\s*=", stripped):
+            inside = header.group(1) == section
+            seen += 1 if inside else 0
+        if inside and index in (None, seen) and (
+                re.match(rf"\s*{re.escape(key)}\s*=", line) if key else header):
             return number
     return None
 
@@ -542,12 +536,9 @@ def bearer_auth(app: ASGIApp, *, credentials: Credentials, client_token: ClientT
     async def middleware(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         header = _header(scope, b"authorization") or ""
         token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if not token:
-            resolved = None
-        elif client_token.matches(token):
-            resolved = Scope(kind="client", key="client")
-        else:
-            resolved = credentials.resolve(token)
+        # An empty token matches neither: no well-formed token or credential is empty.
+        resolved = Scope(kind="client", key="client") if client_token.matches(token) \
+            else credentials.resolve(token)
         if resolved is None:
             log.warning("rejected an MCP request: %s", "unknown or expired token" if token
                         else "missing bearer token")
@@ -1317,7 +1308,7 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"t3: cannot open the database: {exc}", file=sys.stderr)
             return 1
         cleanup.callback(store.close)
-        return await _run(args, config, data_dir, store, prov=prov)
+        return await _run(args, config, data_dir, store)
 
 
 def _withdraw(server_json: Path) -> None:
@@ -1326,8 +1317,7 @@ def _withdraw(server_json: Path) -> None:
             server_json.unlink()
 
 
-async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Store, *,
-               prov: ModuleType) -> int:
+async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Store) -> int:
     import hypercorn.asyncio.run
     import hypercorn.config
     import hypercorn.utils
@@ -1357,8 +1347,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                               mcp_url=f"{scheme}://{local_host}:{port}/mcp")
     clock = TestClock.from_environment()
     orch, adapters, toolkit = await _start_domain(config, data_dir, store, environment_id,
-                                                  credentials, prov=prov, base_url=url,
-                                                  clock=clock)
+                                                  credentials, base_url=url, clock=clock)
     mcp_server = build_mcp_server(toolkit, version=VERSION)
     # Answers in SSE (progress flows); a JSON-only client gets JSON from a second manager.
     sse, plain = (StreamableHTTPSessionManager(app=mcp_server, stateless=True, json_response=j,
@@ -1441,11 +1430,11 @@ async def _shut_down(*, orch: Orchestrator, clients: ClientApi, server: asyncio.
 
 
 async def _start_domain(config: Config, data_dir: Path, store: Store, environment_id: str,
-                        credentials: Credentials, *, prov: ModuleType, base_url: str,
-                        clock: TestClock | None
+                        credentials: Credentials, *, base_url: str, clock: TestClock | None
                         ) -> tuple[Orchestrator, dict[str, Adapter], Toolkit]:
     """Adapters, the orchestrator (recovered and started) and the toolkit over it; git work
     (workspace.py) is handed to the orchestrator as the adapters are."""
+    import providers as prov
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
@@ -1619,8 +1608,7 @@ class TestClock:
     Durations t3 measures (leases, grace periods) keep the real clock."""
 
     def __init__(self, start: float) -> None:
-        self.start = start
-        self.advanced = 0.0
+        self.seconds = start
 
     @classmethod
     def from_environment(cls) -> TestClock | None:
@@ -1631,14 +1619,14 @@ class TestClock:
         return cls(float(start))
 
     def now(self) -> float:
-        return self.start + self.advanced
+        return self.seconds
 
     def iso(self) -> str:
         from orchestrator import iso_time
-        return iso_time(self.now())
+        return iso_time(self.seconds)
 
     def advance(self, seconds: float) -> None:
-        self.advanced += seconds
+        self.seconds += seconds
 
 
 # ---------------------------------------------------------------------------------------------
