@@ -1378,14 +1378,12 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
             sockets=hypercorn.config.Sockets(secure_sockets=[sock] if tls else [],
                                              insecure_sockets=[] if tls else [sock],
                                              quic_sockets=[]),
-            shutdown_trigger=http_stop.wait)))
+            shutdown_trigger=http_stop.wait), stop))
         _announce(data_dir / "server.json", url=url, port=port, environment_id=environment_id)
-        stopped = tasks.create_task(stop.wait())
-        await asyncio.wait({server, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        await stop.wait()
         log.info("shutting down")
         for task in preparing:
             task.cancel()  # an install in progress is killed; its partial directory is removed
-        stopped.cancel()
         await _shut_down(orch=orch, clients=clients, server=server, http_stop=http_stop,
                          sock=sock, grace_s=hconfig.graceful_timeout)
         for adapter in adapters.values():
@@ -1396,10 +1394,11 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     return 0
 
 
-async def _until_stopped(serving: Awaitable[None]) -> None:
+async def _until_stopped(serving: Awaitable[None], stop: asyncio.Event) -> None:
     """Hypercorn's serving: when it fails, the server shuts down as on a signal."""
     with contextlib.suppress(Exception):
         await serving
+    stop.set()
 
 
 def _announce(server_json: Path, *, url: str, port: int, environment_id: str) -> None:
@@ -1685,14 +1684,8 @@ def _parser(*, people: bool = True) -> argparse.ArgumentParser:
     def options(parser: argparse.ArgumentParser, default: Any) -> None:
         # Subcommands repeat the options with SUPPRESS defaults so that
         # `t3.py --port 0 serve` and `t3.py serve --port 0` both work.
-        parser.add_argument("--data-dir", default=default,
-                            help="data directory (default: $T3_HOME, else ~/.t3)")
-        parser.add_argument("--config", default=default,
-                            help="configuration file (default: <data-dir>/t3.toml)")
-        parser.add_argument("--host", default=default,
-                            help="address to listen on (default 127.0.0.1)")
-        parser.add_argument("--port", type=int, default=default,
-                            help="port to listen on (default 3773; 0 picks a free port)")
+        for flag, settings in _SERVE_OPTIONS.items():
+            parser.add_argument(flag, default=default, **settings)
     parser = argparse.ArgumentParser(
         prog="t3", description="t3: a local server that orchestrates coding agents over MCP. "
         "The commands after serve and token are for people: they talk to a running server "
@@ -1726,7 +1719,11 @@ def _names_no_command_for_people(argv: Sequence[str]) -> bool:
     return not {"-h", "--help"} & set(argv) and (not words or words[0] in ("serve", "token"))
 
 
-_SERVE_OPTIONS = ("--data-dir", "--config", "--host", "--port")
+_SERVE_OPTIONS: dict[str, dict[str, Any]] = {
+    "--data-dir": {"help": "data directory (default: $T3_HOME, else ~/.t3)"},
+    "--config": {"help": "configuration file (default: <data-dir>/t3.toml)"},
+    "--host": {"help": "address to listen on (default 127.0.0.1)"},
+    "--port": {"type": int, "help": "port to listen on (default 3773; 0 picks a free port)"}}
 
 
 def _cli() -> Any:
@@ -1748,8 +1745,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
     if args.command == "token":
         try:
-            data_dir = open_data_dir(args.data_dir)
-            print(client_token(data_dir, rotate=args.rotate))
+            print(client_token(open_data_dir(args.data_dir), rotate=args.rotate))
         except DataDirError as exc:
             print(f"t3: {exc}", file=sys.stderr)
             return 2
