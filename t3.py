@@ -283,8 +283,7 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]{32,}")  # what secrets.token_urlsafe(32) mak
 def open_data_dir(value: str | None) -> Path:
     """The data directory, created 0700 or checked and tightened to 0700; its own files and
     folders are checked (never a symlink) and tightened to 0600 / 0700."""
-    path = Path(value or os.environ.get("T3_HOME") or str(Path.home() / ".t3")).expanduser()
-    path = path.resolve()
+    path = Path(value or os.environ.get("T3_HOME") or Path.home() / ".t3").expanduser().resolve()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # the user's umask: not t3's folders
         with contextlib.suppress(FileExistsError):
@@ -694,8 +693,9 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
+        route = route_of(scope.get("path", ""))
         if scope["type"] == "websocket":
-            await _websocket(scope, receive, send, route_of(scope.get("path", "")), policy)
+            await _websocket(scope, receive, send, route, policy)
             return
         path, method = _shown_path(scope.get("path", "")), scope.get("method", "GET")
         started = False
@@ -705,7 +705,6 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
             started = started or message["type"] == "http.response.start"
             await send(message)
         try:
-            route = route_of(scope.get("path", ""))
             refusal = _refusal(scope, route, policy)
             if refusal is not None:
                 await _refuse(scope, tracked_send, *refusal)
