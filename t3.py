@@ -102,8 +102,6 @@ def _strings(value: Any, _: Path) -> bool:
 _Rule = tuple[Callable[[Any, Path], bool], str]
 _FILE: _Rule = (lambda v, base: isinstance(v, str) and (base / v).is_file(),
                 "must name an existing file (%r)")
-_POSITIVE: _Rule = (lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                    "must be a positive integer")
 # The keys of each section but [[providers]], and each one's rule: a test of its value (given
 # the configuration file's folder) and the problem named when the test fails (%r: the value).
 _RULES: dict[str, dict[str, _Rule]] = {
@@ -124,7 +122,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
     "limits": dict.fromkeys(("credential_max_lifetime_s", "credential_idle_s",
                              "max_delegation_depth", "max_live_agent_processes",
                              "max_scheduled_tasks_per_project", "min_agent_task_interval_s"),
-                            _POSITIVE)}
+                            (lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                             "must be a positive integer"))}
 _SECTIONS: dict[str, Collection[str]] = {
     **_RULES, "providers": {"id", "driver", "command", "env", "models", "enabled",
                             "displayName", "agent", "registry", "instructions",
