@@ -324,13 +324,13 @@ def _tighten(path: Path, mode: int) -> None:
         os.chmod(path, mode & 0o700)
 
 
-def check_config_file(path: Path) -> None:
+def check_config_file(path: Path) -> int:
     """Refuse a configuration file another user could have written: it names the commands t3
-    runs. Root's own files are trusted (root can do anything anyway)."""
+    runs. Root's own files are trusted (root can do anything anyway). Its mode, 0 if absent."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        return
+        return 0
     if info.st_uid not in (os.geteuid(), 0):
         raise DataDirError(f"refusing the configuration {path}: it belongs to uid "
                            f"{info.st_uid}, not to this user (uid {os.geteuid()}), and it "
@@ -339,15 +339,7 @@ def check_config_file(path: Path) -> None:
         raise DataDirError(f"refusing the configuration {path}: other users may write to it "
                            f"(mode {info.st_mode & 0o777:o}), and it names the commands t3 "
                            f"runs; fix: chmod 600 {path}")
-
-
-def warn_readable_secrets(path: Path, config: Config) -> None:
-    """Provider ``env`` values are often API keys: say so when other users may read them."""
-    with contextlib.suppress(FileNotFoundError):
-        mode = os.stat(path).st_mode
-        if mode & 0o044 and any(p["env"] for p in config.providers or ()):
-            log.warning("%s holds provider env values and other users may read it (mode %o); "
-                        "fix: chmod 600 %s", path, mode & 0o777, path)
+    return info.st_mode
 
 
 def client_token(data_dir: Path, *, rotate: bool = False) -> str:
@@ -1272,7 +1264,7 @@ async def serve(args: argparse.Namespace) -> int:
             data_dir = open_data_dir(args.data_dir)
             config_path = Path(args.config).expanduser().resolve() if args.config \
                 else data_dir / "t3.toml"
-            check_config_file(config_path)
+            config_mode = check_config_file(config_path)
             config = load_config(config_path, cwd=Path.cwd())
             client_token(data_dir)  # created, or refused when malformed, before anything starts
         except DataDirError as exc:
@@ -1281,7 +1273,10 @@ async def serve(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"t3: invalid configuration: {exc}", file=sys.stderr)
             return 2
-        warn_readable_secrets(config_path, config)
+        if config_mode & 0o044 and any(p["env"] for p in config.providers or ()):
+            # Provider env values are often API keys.
+            log.warning("%s holds provider env values and other users may read it (mode %o); "
+                        "fix: chmod 600 %s", config_path, config_mode & 0o777, config_path)
         _raise_fd_limit(config.max_connections)
         lock = _lock(data_dir)
         if lock is None:
