@@ -41,7 +41,8 @@ import time
 import tomllib
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import (Awaitable, Callable, Collection, Iterator, Mapping, MutableMapping,
+                             Sequence)
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -87,10 +88,10 @@ class ConfigError(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Config:
-    host: str
-    port: int
     projects: list[dict[str, Any]]  # id, path, title, setup (commands for a new worktree)
     providers: list[dict[str, Any]] | None  # None: detect installed CLIs
+    host: str = "127.0.0.1"
+    port: int = 3773
     credential_max_lifetime_s: int = 86_400
     credential_idle_s: int = 7_200
     max_delegation_depth: int = 5
@@ -104,14 +105,39 @@ class Config:
     keyfile: str | None = None
 
 
-_SECTIONS = {"server": {"host", "port", "allowed_origins", "allowed_hosts", "max_connections",
-                        "certfile", "keyfile"},
-             "projects": {"id", "path", "title", "setup"},
-             "providers": {"id", "driver", "command", "env", "models", "enabled", "displayName",
-                           "agent", "registry", "instructions", "allow_unverified"},
-             "limits": {"credential_max_lifetime_s", "credential_idle_s", "max_delegation_depth",
-                        "max_live_agent_processes", "max_scheduled_tasks_per_project",
-                        "min_agent_task_interval_s"}}
+def _strings(value: Any, _: Path) -> bool:
+    return isinstance(value, list) and all(isinstance(s, str) and s for s in value)
+
+
+_Rule = tuple[Callable[[Any, Path], bool], str]
+_FILE: _Rule = (lambda v, base: isinstance(v, str) and (base / v).is_file(),
+                "must name an existing file (%r)")
+# The keys of each section but [[providers]], and each one's rule: a test of its value (given
+# the configuration file's folder) and the problem named when the test fails (%r: the value).
+_RULES: dict[str, dict[str, _Rule]] = {
+    "server": {"host": (lambda v, _: isinstance(v, str), "must be a string"),
+               "port": (lambda v, _: isinstance(v, int) and 0 <= v <= 65535,
+                        "must be an integer 0-65535"),
+               "allowed_origins": (_strings, "must be a list of non-empty strings"),
+               "allowed_hosts": (_strings, "must be a list of non-empty strings"),
+               "max_connections": (lambda v, _: isinstance(v, int) and v >= 1,
+                                   "must be a positive integer"),
+               "certfile": _FILE, "keyfile": _FILE},
+    "projects": {"id": (lambda v, _: isinstance(v, str) and bool(_ID.match(v)),
+                        "must match ^[a-zA-Z][a-zA-Z0-9_-]{0,63}$"),
+                 "path": (lambda v, _: isinstance(v, str) and Path(v).is_dir(),
+                          "must be an existing directory (%r)"),
+                 "title": (lambda v, _: isinstance(v, str), "must be a string"),
+                 "setup": (_strings, "must be a list of shell commands (strings)")},
+    "limits": dict.fromkeys(("credential_max_lifetime_s", "credential_idle_s",
+                             "max_delegation_depth", "max_live_agent_processes",
+                             "max_scheduled_tasks_per_project", "min_agent_task_interval_s"),
+                            (lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                             "must be a positive integer"))}
+_SECTIONS: dict[str, Collection[str]] = {
+    **_RULES, "providers": {"id", "driver", "command", "env", "models", "enabled",
+                            "displayName", "agent", "registry", "instructions",
+                            "allow_unverified"}}
 
 
 _Fail = Callable[[str, "int | None", "str | None", str], ConfigError]
@@ -131,6 +157,16 @@ def load_config(path: Path, *, cwd: Path) -> Config:
         name = section + (f"[{index}]" if index is not None else "") + (f".{key}" if key else "")
         return ConfigError(f"{where}: {name}: {problem}")
 
+    def checked(section: str, index: int | None, entry: Mapping[str, Any], *required: str
+                ) -> dict[str, Any]:  # entry, with no unknown key and every rule passed
+        for key in entry:
+            if key not in _RULES[section]:
+                raise fail(section, index, key, "unknown key")
+        for key, (test, problem) in _RULES[section].items():
+            if (key in entry or key in required) and not test(entry.get(key), path.parent):
+                raise fail(section, index, key, problem.replace("%r", repr(entry.get(key))))
+        return dict(entry)
+
     for section in data:
         if section not in _SECTIONS:
             raise fail(section, None, None, "unknown section")
@@ -141,78 +177,30 @@ def load_config(path: Path, *, cwd: Path) -> Config:
             providers.append(_provider_entry(i, entry, fail, base=path.parent))
             if any(p["id"] == providers[-1]["id"] for p in providers[:-1]):
                 raise fail("providers", i, "id", f"duplicate provider id {providers[-1]['id']!r}")
-    limits = data.get("limits", {})
-    for key in limits:
-        if key not in _SECTIONS["limits"]:
-            raise fail("limits", None, key, "unknown key")
-        if not isinstance(limits[key], int) or isinstance(limits[key], bool) or limits[key] <= 0:
-            raise fail("limits", None, key, "must be a positive integer")
+    limits = checked("limits", None, data.get("limits", {}))
     if limits.get("min_agent_task_interval_s", 60) < 60:
         raise fail("limits", None, "min_agent_task_interval_s", "must be at least 60 (no task "
                    "runs more often than once a minute)")
-    return Config(**_server_section(data.get("server", {}), fail, base=path.parent),
-                  projects=_project_entries(data.get("projects", []), fail, cwd=cwd),
-                  providers=providers, **limits)
-
-
-def _server_section(server: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
-    for key in server:
-        if key not in _SECTIONS["server"]:
-            raise fail("server", None, key, "unknown key")
-    host, port = server.get("host", "127.0.0.1"), server.get("port", 3773)
-    if not isinstance(host, str):
-        raise fail("server", None, "host", "must be a string")
-    if not isinstance(port, int) or not 0 <= port <= 65535:
-        raise fail("server", None, "port", "must be an integer 0-65535")
-    values: dict[str, Any] = {"host": host, "port": port}
-    for key in ("allowed_origins", "allowed_hosts"):
-        listed = server.get(key, [])
-        if not isinstance(listed, list) or not all(isinstance(v, str) and v for v in listed):
-            raise fail("server", None, key, "must be a list of non-empty strings")
-        values[key] = tuple(v.rstrip("/") if key == "allowed_origins" else v.lower()
-                            for v in listed)
-    if "max_connections" in server:
-        if not isinstance(server["max_connections"], int) or server["max_connections"] < 1:
-            raise fail("server", None, "max_connections", "must be a positive integer")
-        values["max_connections"] = server["max_connections"]
+    server = checked("server", None, data.get("server", {}))
     for key in ("certfile", "keyfile"):
         if key in server:
-            name = server[key]
-            if not isinstance(name, str) or not (base / name).is_file():
-                raise fail("server", None, key, f"must name an existing file ({name!r})")
-            values[key] = str((base / name).resolve())
-    if ("certfile" in values) != ("keyfile" in values):
+            server[key] = str((path.parent / server[key]).resolve())
+    if ("certfile" in server) != ("keyfile" in server):
         raise fail("server", None, "certfile", "certfile and keyfile go together")
-    return values
-
-
-def _project_entries(entries: Sequence[Mapping[str, Any]], fail: _Fail, *, cwd: Path
-                     ) -> list[dict[str, Any]]:
+    server["allowed_origins"] = tuple(o.rstrip("/") for o in server.get("allowed_origins", ()))
+    server["allowed_hosts"] = tuple(h.lower() for h in server.get("allowed_hosts", ()))
     projects: list[dict[str, Any]] = []
-    for i, entry in enumerate(entries):
-        for key in entry:
-            if key not in _SECTIONS["projects"]:
-                raise fail("projects", i, key, "unknown key")
-        pid, ppath = entry.get("id"), entry.get("path")
-        if not isinstance(pid, str) or not _ID.match(pid):
-            raise fail("projects", i, "id", "must match ^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
-        if not isinstance(ppath, str) or not Path(ppath).is_dir():
-            raise fail("projects", i, "path", f"must be an existing directory ({ppath!r})")
-        title = entry.get("title", pid)
-        if not isinstance(title, str):
-            raise fail("projects", i, "title", "must be a string")
+    for i, entry in enumerate(data.get("projects", [])):
+        pid = checked("projects", i, entry, "id", "path")["id"]
         if any(p["id"] == pid for p in projects):
             raise fail("projects", i, "id", f"duplicate project id {pid!r}")
         if pid == "scratch":
             raise fail("projects", i, "id", "'scratch' is reserved for scratch workspaces")
-        setup = entry.get("setup", [])
-        if not isinstance(setup, list) or not all(isinstance(c, str) and c for c in setup):
-            raise fail("projects", i, "setup", "must be a list of shell commands (strings)")
-        projects.append({"id": pid, "path": str(Path(ppath).resolve()), "title": title,
-                         "setup": setup})
+        projects.append({"id": pid, "path": str(Path(entry["path"]).resolve()),
+                         "title": entry.get("title", pid), "setup": entry.get("setup", [])})
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
-    return projects
+    return Config(**server, projects=projects, providers=providers, **limits)
 
 
 def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
@@ -273,20 +261,14 @@ def _model_table(m: Any) -> bool:
 
 def _line_of(text: str, section: str, index: int | None, key: str | None) -> int | None:
     """Best-effort line number of ``section[index].key`` in TOML text."""
-    seen = -1
-    in_section = False
+    seen, inside = -1, False  # the section's entries so far; whether this line is in one
     for number, line in enumerate(text.splitlines(), 1):
-        stripped = line.strip()
-        header = re.match(r"^\[\[?\s*([A-Za-z0-9_.-]+)\s*\]\]?", stripped)
+        header = re.match(r"\s*\[\[?\s*([A-Za-z0-9_.-]+)\s*\]\]?", line)
         if header:
-            in_section = header.group(1) == section
-            if in_section:
-                seen += 1
-                if key is None and (index is None or seen == index):
-                    return number
-            continue
-        if in_section and key and (index is None or seen == index) and \
-                re.match(rf"^{re.escape(key)}\s*=", stripped):
+            inside = header.group(1) == section
+            seen += 1 if inside else 0
+        if inside and index in (None, seen) and (
+                re.match(rf"\s*{re.escape(key)}\s*=", line) if key else header):
             return number
     return None
 
@@ -310,8 +292,7 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]{32,}")  # what secrets.token_urlsafe(32) mak
 def open_data_dir(value: str | None) -> Path:
     """The data directory, created 0700 or checked and tightened to 0700; its own files and
     folders are checked (never a symlink) and tightened to 0600 / 0700."""
-    path = Path(value or os.environ.get("T3_HOME") or str(Path.home() / ".t3")).expanduser()
-    path = path.resolve()
+    path = Path(value or os.environ.get("T3_HOME") or Path.home() / ".t3").expanduser().resolve()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # the user's umask: not t3's folders
         with contextlib.suppress(FileExistsError):
@@ -353,13 +334,13 @@ def _tighten(path: Path, mode: int) -> None:
         os.chmod(path, mode & 0o700)
 
 
-def check_config_file(path: Path) -> None:
+def check_config_file(path: Path) -> int:
     """Refuse a configuration file another user could have written: it names the commands t3
-    runs. Root's own files are trusted (root can do anything anyway)."""
+    runs. Root's own files are trusted (root can do anything anyway). Its mode, 0 if absent."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        return
+        return 0
     if info.st_uid not in (os.geteuid(), 0):
         raise DataDirError(f"refusing the configuration {path}: it belongs to uid "
                            f"{info.st_uid}, not to this user (uid {os.geteuid()}), and it "
@@ -368,34 +349,18 @@ def check_config_file(path: Path) -> None:
         raise DataDirError(f"refusing the configuration {path}: other users may write to it "
                            f"(mode {info.st_mode & 0o777:o}), and it names the commands t3 "
                            f"runs; fix: chmod 600 {path}")
+    return info.st_mode
 
 
-def warn_readable_secrets(path: Path, config: Config) -> None:
-    """Provider ``env`` values are often API keys: say so when other users may read them."""
-    with contextlib.suppress(FileNotFoundError):
-        mode = os.stat(path).st_mode
-        if mode & 0o044 and any(p["env"] for p in config.providers or ()):
-            log.warning("%s holds provider env values and other users may read it (mode %o); "
-                        "fix: chmod 600 %s", path, mode & 0o777, path)
-
-
-def client_token(data_dir: Path) -> str:
-    """Read the client token, creating it (mode 0600) on first use: whole, so that a reader
-    racing the creation never sees an empty file."""
+def client_token(data_dir: Path, *, rotate: bool = False) -> str:
+    """The client token, created on first use (0600, and whole: a reader racing the creation
+    never sees an empty file); ``rotate`` replaces it atomically, and a running server refuses
+    the old one from its next request on (``ClientToken``)."""
     path = data_dir / "client-token"
-    if not os.path.lexists(path):
+    if rotate or not os.path.lexists(path):
         with contextlib.suppress(FileExistsError):  # another process made it first
-            _write_private_atomic(path, secrets.token_urlsafe(32) + "\n", replace=False)
+            _write_private_atomic(path, secrets.token_urlsafe(32) + "\n", replace=rotate)
     return _read_token(path)
-
-
-def rotate_client_token(data_dir: Path) -> str:
-    """Replace the client token atomically; a running server refuses the old one from its next
-    request on (``ClientToken``)."""
-    path = data_dir / "client-token"
-    token = secrets.token_urlsafe(32)
-    _write_private_atomic(path, token + "\n", replace=True)
-    return token
 
 
 def _read_token(path: Path) -> str:
@@ -438,41 +403,18 @@ class ClientToken:
         return self._hash is not None and hmac.compare_digest(_hash(token), self._hash)
 
 
-class DataDirLock:
-    """An exclusive lock on ``<data-dir>/t3.lock``: one server per data directory."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.path = data_dir / "t3.lock"
-        self._fd: int | None = None
-
-    def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return True
-
-    def holder(self) -> str:
-        try:
-            return self.path.read_text().strip() or "?"
-        except OSError:
-            return "?"
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def _create_private(path: Path) -> None:
-    """Create ``path`` empty and 0600 unless it exists (never through a symlink): SQLite then
-    gives its -wal and -shm files the same mode."""
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+def _lock(data_dir: Path) -> int | None:
+    """An exclusive lock on ``t3.lock`` (one server per data directory), which then holds our
+    pid: its file descriptor, or None while another process holds it."""
+    fd = os.open(data_dir / "t3.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def _write_private_atomic(path: Path, text: str, *, replace: bool) -> None:
@@ -507,83 +449,78 @@ class Credentials:
 
     def __init__(self, *, max_lifetime_s: int, idle_s: int, mcp_url: str,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from tools import Scope
-        self._scope_type = Scope
-        self._sessions: dict[str, _SessionCredential] = {}  # token hash -> credential
-        self._by_session: dict[str, str] = {}  # provider session id -> token hash
         self.max_lifetime_s, self.idle_s, self.mcp_url = max_lifetime_s, idle_s, mcp_url
         self._clock = clock
+        self._live: dict[str, _SessionCredential] = {}  # token hash -> a credential not ended
+        self._issued: dict[str, _SessionCredential] = {}  # provider session id -> its last one
 
     def issue(self, *, thread_id: str, provider_instance_id: str,
               provider_session_id: str) -> McpEndpoint:
         """A new credential for one provider session, as the MCP endpoint its agent is given.
         Only the token's hash is kept; the raw token lives in the returned endpoint alone."""
         from orchestrator import McpEndpoint
+        from tools import Scope
         token = secrets.token_urlsafe(32)
-        now = self._clock()
         # The idempotency key names the caller (thread + instance), not this credential, so a
         # retry after a re-issue converges; hashed, so the ids derived from it stay short.
         key = "agent-" + _hash(f"{thread_id}\0{provider_instance_id}")[:32]
-        scope = self._scope_type(kind="thread", key=key, thread_id=thread_id,
-                                 provider_instance_id=provider_instance_id,
-                                 provider_session_id=provider_session_id,
-                                 capabilities=frozenset({"orchestration", "preview"}))
         self.revoke(provider_session_id)
-        digest = _hash(token)
-        self._sessions[digest] = _SessionCredential(scope=scope, session_id=provider_session_id,
-                                                    issued=now, touched=now)
-        self._by_session[provider_session_id] = digest
+        now = self._clock()
+        credential = _SessionCredential(
+            digest=_hash(token), issued=now, touched=now, scope=Scope(
+                kind="thread", key=key, thread_id=thread_id,
+                provider_instance_id=provider_instance_id,
+                provider_session_id=provider_session_id,
+                capabilities=frozenset({"orchestration", "preview"})))
+        self._live[credential.digest] = self._issued[provider_session_id] = credential
         return McpEndpoint(name="t3-code", url=self.mcp_url,
                            headers={"Authorization": f"Bearer {token}"})
 
     def set_active(self, provider_session_id: str, active: bool) -> None:
         """The session serves a turn (``active``), or has just finished one."""
-        if (credential := self._live(provider_session_id)) is not None:
+        if (credential := self._valid(self._issued.get(provider_session_id))) is not None:
             credential.active = active
             credential.touched = self._clock()
 
     def renewal_due(self, provider_session_id: str) -> bool:
         """True when the session was given a credential that has ended or is past half its
         maximum lifetime: its next turn should run in a session with a new one."""
-        if provider_session_id not in self._by_session:
+        if provider_session_id not in self._issued:
             return False
-        credential = self._live(provider_session_id)
+        credential = self._valid(self._issued[provider_session_id])
         return credential is None or \
             self._clock() - credential.issued > self.max_lifetime_s / 2
 
     def revoke(self, provider_session_id: str) -> None:
-        digest = self._by_session.pop(provider_session_id, None)
-        if digest is not None:
-            self._sessions.pop(digest, None)
+        credential = self._issued.pop(provider_session_id, None)
+        if credential is not None:
+            self._live.pop(credential.digest, None)
 
     def resolve(self, token: str) -> Scope | None:
-        credential = self._sessions.get(_hash(token))
-        if credential is None or self._live(credential.session_id) is not credential:
+        credential = self._valid(self._live.get(_hash(token)))
+        if credential is None:
             return None
         credential.touched = self._clock()
         return credential.scope
 
-    def _live(self, provider_session_id: str) -> _SessionCredential | None:
-        """The session's credential if it is still valid; an ended one is dropped for good
-        (its session id stays known, so ``renewal_due`` can tell)."""
-        digest = self._by_session.get(provider_session_id)
-        credential = self._sessions.get(digest) if digest else None
-        if credential is None:
+    def _valid(self, credential: _SessionCredential | None) -> _SessionCredential | None:
+        """``credential`` unless it has ended; one that has just ended is dropped for good."""
+        if credential is None or credential.digest not in self._live:
             return None
         now = self._clock()
         if now - credential.issued > self.max_lifetime_s or (
                 not credential.active and now - credential.touched > self.idle_s):
-            del self._sessions[digest]  # type: ignore[arg-type]
+            del self._live[credential.digest]
             return None
         return credential
 
 
 @dataclasses.dataclass(slots=True)
 class _SessionCredential:
-    scope: Scope
-    session_id: str
+    digest: str  # of the token
     issued: float
     touched: float
+    scope: Scope
     active: bool = False  # serving a turn: idle expiry does not apply
 
 
@@ -599,12 +536,9 @@ def bearer_auth(app: ASGIApp, *, credentials: Credentials, client_token: ClientT
     async def middleware(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         header = _header(scope, b"authorization") or ""
         token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if not token:
-            resolved = None
-        elif client_token.matches(token):
-            resolved = Scope(kind="client", key="client")
-        else:
-            resolved = credentials.resolve(token)
+        # An empty token matches neither: no well-formed token or credential is empty.
+        resolved = Scope(kind="client", key="client") if client_token.matches(token) \
+            else credentials.resolve(token)
         if resolved is None:
             log.warning("rejected an MCP request: %s", "unknown or expired token" if token
                         else "missing bearer token")
@@ -760,8 +694,9 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
+        route = route_of(scope.get("path", ""))
         if scope["type"] == "websocket":
-            await _websocket(scope, receive, send, route_of(scope.get("path", "")), policy)
+            await _websocket(scope, receive, send, route, policy)
             return
         path, method = _shown_path(scope.get("path", "")), scope.get("method", "GET")
         started = False
@@ -771,7 +706,6 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
             started = started or message["type"] == "http.response.start"
             await send(message)
         try:
-            route = route_of(scope.get("path", ""))
             refusal = _refusal(scope, route, policy)
             if refusal is not None:
                 await _refuse(scope, tracked_send, *refusal)
@@ -1197,46 +1131,50 @@ def _denial(send: _Send) -> _Send:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT or SIGTERM; the exit status (2: the data directory or the
+    configuration is refused, 1: the server cannot start)."""
     import providers as prov
-    # What t3 (SQLite, logs, backups too) creates in its data directory is private; agents,
-    # git and setup get the user's umask back (CHILD_UMASK): they write in the user's projects.
     import workspace
-    prov.CHILD_UMASK = workspace.CHILD_UMASK = os.umask(0o077)
-    try:
-        return await _serve(args, prov)
-    finally:
-        os.umask(prov.CHILD_UMASK)
-
-
-async def _serve(args: argparse.Namespace, prov: ModuleType) -> int:
     from store import DatabaseTooNew, Store, StoreError
 
-    try:
-        data_dir = open_data_dir(args.data_dir)
-        config_path = Path(args.config).expanduser().resolve() if args.config \
-            else data_dir / "t3.toml"
-        check_config_file(config_path)
-        config = load_config(config_path, cwd=Path.cwd())
-        client_token(data_dir)  # created, or refused when malformed, before anything starts
-    except DataDirError as exc:
-        print(f"t3: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(f"t3: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    warn_readable_secrets(config_path, config)
-    _raise_fd_limit(config.max_connections)
-    host = args.host or config.host
-    port = config.port if args.port is None else args.port
-    lock = DataDirLock(data_dir)
-    if not lock.acquire():
-        print(f"t3: another t3 server (pid {lock.holder()}) is already using {data_dir}; "
-              "stop it first or pass another --data-dir", file=sys.stderr)
-        return 1
-    server_json = data_dir / "server.json"
-    try:
+    # What t3 (SQLite, logs, backups too) creates in its data directory is private; agents,
+    # git and setup get the user's umask back (CHILD_UMASK): they write in the user's projects.
+    prov.CHILD_UMASK = workspace.CHILD_UMASK = os.umask(0o077)
+    with contextlib.ExitStack() as cleanup:  # undone in reverse order, whatever happens
+        cleanup.callback(os.umask, prov.CHILD_UMASK)
         try:
-            _create_private(data_dir / "t3.sqlite")
+            data_dir = open_data_dir(args.data_dir)
+            config_path = Path(args.config).expanduser().resolve() if args.config \
+                else data_dir / "t3.toml"
+            config_mode = check_config_file(config_path)
+            config = load_config(config_path, cwd=Path.cwd())
+            client_token(data_dir)  # created, or refused when malformed, before anything starts
+        except DataDirError as exc:
+            print(f"t3: {exc}", file=sys.stderr)
+            return 2
+        except ConfigError as exc:
+            print(f"t3: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+        if config_mode & 0o044 and any(p["env"] for p in config.providers or ()):
+            # Provider env values are often API keys.
+            log.warning("%s holds provider env values and other users may read it (mode %o); "
+                        "fix: chmod 600 %s", config_path, config_mode & 0o777, config_path)
+        _raise_fd_limit(config.max_connections)
+        lock = _lock(data_dir)
+        if lock is None:
+            holder = "?"
+            with contextlib.suppress(OSError):
+                holder = (data_dir / "t3.lock").read_text().strip() or "?"
+            print(f"t3: another t3 server (pid {holder}) is already using {data_dir}; "
+                  "stop it first or pass another --data-dir", file=sys.stderr)
+            return 1
+        cleanup.callback(os.close, lock)
+        cleanup.callback(_withdraw, data_dir / "server.json")
+        try:
+            # Created empty and 0600 first (never through a symlink): SQLite then gives its -wal
+            # and -shm files the same mode.
+            os.close(os.open(data_dir / "t3.sqlite", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
+                             0o600))
             store = Store(data_dir / "t3.sqlite", backups_dir=data_dir / "backups")
         except DatabaseTooNew as exc:
             print(f"t3: {exc}", file=sys.stderr)
@@ -1244,19 +1182,17 @@ async def _serve(args: argparse.Namespace, prov: ModuleType) -> int:
         except (StoreError, OSError) as exc:
             print(f"t3: cannot open the database: {exc}", file=sys.stderr)
             return 1
-        try:
-            return await _run(args, config, data_dir, store, host, port, server_json, prov=prov)
-        finally:
-            store.close()
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            if json.loads(server_json.read_text()).get("pid") == os.getpid():
-                server_json.unlink()
-        lock.release()
+        cleanup.callback(store.close)
+        return await _run(args, config, data_dir, store)
 
 
-async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Store, host: str,
-               port: int, server_json: Path, *, prov: ModuleType) -> int:
+def _withdraw(server_json: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if json.loads(server_json.read_text()).get("pid") == os.getpid():
+            server_json.unlink()
+
+
+async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: Store) -> int:
     import hypercorn.asyncio.run
     import hypercorn.config
     import hypercorn.utils
@@ -1267,16 +1203,18 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     hconfig = _hypercorn_config(config, hypercorn)
     if hconfig is None:
         return 2
+    host, tls = args.host or config.host, hconfig.ssl_enabled
+    port = config.port if args.port is None else args.port
     # Bind first: provider-session credentials name the MCP URL, and recovery may start agents.
     try:
-        sock = _listen(host, port, cap=config.max_connections, tls=hconfig.ssl_enabled)
+        sock = _listen(host, port, cap=config.max_connections, tls=tls)
     except OSError as exc:
         print(f"t3: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 1
     port = sock.getsockname()[1]
     url_host = f"[{host}]" if ":" in host else host
     local_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, url_host)
-    scheme = "https" if hconfig.ssl_enabled else "http"
+    scheme = "https" if tls else "http"
     url = f"{scheme}://{url_host}:{port}"
 
     environment_id = await store.meta("environmentId", f"env-{uuid.uuid4().hex[:12]}")
@@ -1285,8 +1223,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                               mcp_url=f"{scheme}://{local_host}:{port}/mcp")
     clock = TestClock.from_environment()
     orch, adapters, toolkit = await _start_domain(config, data_dir, store, environment_id,
-                                                  credentials, prov=prov, base_url=url,
-                                                  clock=clock)
+                                                  credentials, base_url=url, clock=clock)
     mcp_server = build_mcp_server(toolkit, version=VERSION)
     # Answers in SSE (progress flows); a JSON-only client gets JSON from a second manager.
     sse, plain = (StreamableHTTPSessionManager(app=mcp_server, stateless=True, json_response=j,
@@ -1301,8 +1238,7 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                     credentials=credentials, client_token=client_token,
                     ws=ws_endpoint(clients, client_token), environment_id=environment_id,
                     hooks=webhook_endpoint(orch.part(Scheduler)),
-                    policy=HttpPolicy.for_server(config=config, host=host, port=port,
-                                                 tls=hconfig.ssl_enabled))
+                    policy=HttpPolicy.for_server(config=config, host=host, port=port, tls=tls))
     stop, http_stop = asyncio.Event(), asyncio.Event()
     gc.freeze()  # what startup made lives on: full collections walk only what serving makes
     loop = asyncio.get_running_loop()
@@ -1315,18 +1251,15 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
                      for k, a in adapters.items() if hasattr(a, "prepare")]
         server = tasks.create_task(_until_stopped(hypercorn.asyncio.run.worker_serve(
             hypercorn.utils.wrap_app(app, hconfig.wsgi_max_body_size, "asgi"), hconfig,
-            sockets=hypercorn.config.Sockets(secure_sockets=[sock] if hconfig.ssl_enabled else [],
-                                             insecure_sockets=[] if hconfig.ssl_enabled else [sock],
+            sockets=hypercorn.config.Sockets(secure_sockets=[sock] if tls else [],
+                                             insecure_sockets=[] if tls else [sock],
                                              quic_sockets=[]),
-            shutdown_trigger=http_stop.wait)))
-        _announce(server_json, url=url, ws_url=f"{'wss' if hconfig.ssl_enabled else 'ws'}://"
-                  f"{url_host}:{port}/ws", port=port, environment_id=environment_id)
-        stopped = tasks.create_task(stop.wait())
-        await asyncio.wait({server, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            shutdown_trigger=http_stop.wait), stop))
+        _announce(data_dir / "server.json", url=url, port=port, environment_id=environment_id)
+        await stop.wait()
         log.info("shutting down")
         for task in preparing:
             task.cancel()  # an install in progress is killed; its partial directory is removed
-        stopped.cancel()
         await _shut_down(orch=orch, clients=clients, server=server, http_stop=http_stop,
                          sock=sock, grace_s=hconfig.graceful_timeout)
         for adapter in adapters.values():
@@ -1337,16 +1270,18 @@ async def _run(args: argparse.Namespace, config: Config, data_dir: Path, store: 
     return 0
 
 
-async def _until_stopped(serving: Awaitable[None]) -> None:
+async def _until_stopped(serving: Awaitable[None], stop: asyncio.Event) -> None:
     """Hypercorn's serving: when it fails, the server shuts down as on a signal."""
     with contextlib.suppress(Exception):
         await serving
+    stop.set()
 
 
-def _announce(server_json: Path, *, url: str, ws_url: str, port: int, environment_id: str) -> None:
+def _announce(server_json: Path, *, url: str, port: int, environment_id: str) -> None:
     """server.json (how the commands for people find the server), then the ready line."""
     _write_private_atomic(server_json, json.dumps({
-        "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp", "wsUrl": ws_url, "port": port,
+        "pid": os.getpid(), "url": url, "mcpUrl": f"{url}/mcp",
+        "wsUrl": url.replace("http", "ws", 1) + "/ws", "port": port,
         "environmentId": environment_id,
         "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n",
         replace=True)
@@ -1370,11 +1305,11 @@ async def _shut_down(*, orch: Orchestrator, clients: ClientApi, server: asyncio.
 
 
 async def _start_domain(config: Config, data_dir: Path, store: Store, environment_id: str,
-                        credentials: Credentials, *, prov: ModuleType, base_url: str,
-                        clock: TestClock | None
+                        credentials: Credentials, *, base_url: str, clock: TestClock | None
                         ) -> tuple[Orchestrator, dict[str, Adapter], Toolkit]:
     """Adapters, the orchestrator (recovered and started) and the toolkit over it; git work
     (workspace.py) is handed to the orchestrator as the adapters are."""
+    import providers as prov
     orphans = prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
@@ -1553,8 +1488,7 @@ class TestClock:
     Durations t3 measures (leases, grace periods) keep the real clock."""
 
     def __init__(self, start: float) -> None:
-        self.start = start
-        self.advanced = 0.0
+        self.seconds = start
 
     @classmethod
     def from_environment(cls) -> TestClock | None:
@@ -1565,14 +1499,14 @@ class TestClock:
         return cls(float(start))
 
     def now(self) -> float:
-        return self.start + self.advanced
+        return self.seconds
 
     def iso(self) -> str:
         from orchestrator import iso_time
-        return iso_time(self.now())
+        return iso_time(self.seconds)
 
     def advance(self, seconds: float) -> None:
-        self.advanced += seconds
+        self.seconds += seconds
 
     def register(self, orch: Orchestrator) -> None:
         """/ws ``advanceTestClock {seconds}``: move the clock forward, and answer once the
@@ -1645,14 +1579,8 @@ def _parser(*, people: bool = True) -> argparse.ArgumentParser:
     def options(parser: argparse.ArgumentParser, default: Any) -> None:
         # Subcommands repeat the options with SUPPRESS defaults so that
         # `t3.py --port 0 serve` and `t3.py serve --port 0` both work.
-        parser.add_argument("--data-dir", default=default,
-                            help="data directory (default: $T3_HOME, else ~/.t3)")
-        parser.add_argument("--config", default=default,
-                            help="configuration file (default: <data-dir>/t3.toml)")
-        parser.add_argument("--host", default=default,
-                            help="address to listen on (default 127.0.0.1)")
-        parser.add_argument("--port", type=int, default=default,
-                            help="port to listen on (default 3773; 0 picks a free port)")
+        for flag, settings in _SERVE_OPTIONS.items():
+            parser.add_argument(flag, default=default, **settings)
     parser = argparse.ArgumentParser(
         prog="t3", description="t3: a local server that orchestrates coding agents over MCP. "
         "The commands after serve and token are for people: they talk to a running server "
@@ -1686,7 +1614,11 @@ def _names_no_command_for_people(argv: Sequence[str]) -> bool:
     return not {"-h", "--help"} & set(argv) and (not words or words[0] in ("serve", "token"))
 
 
-_SERVE_OPTIONS = ("--data-dir", "--config", "--host", "--port")
+_SERVE_OPTIONS: dict[str, dict[str, Any]] = {
+    "--data-dir": {"help": "data directory (default: $T3_HOME, else ~/.t3)"},
+    "--config": {"help": "configuration file (default: <data-dir>/t3.toml)"},
+    "--host": {"help": "address to listen on (default 127.0.0.1)"},
+    "--port": {"type": int, "help": "port to listen on (default 3773; 0 picks a free port)"}}
 
 
 def _cli() -> Any:
@@ -1708,8 +1640,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
     if args.command == "token":
         try:
-            data_dir = open_data_dir(args.data_dir)
-            print(rotate_client_token(data_dir) if args.rotate else client_token(data_dir))
+            print(client_token(open_data_dir(args.data_dir), rotate=args.rotate))
         except DataDirError as exc:
             print(f"t3: {exc}", file=sys.stderr)
             return 2
