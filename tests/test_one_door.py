@@ -108,6 +108,32 @@ def test_a_refused_case_is_refused_alike_by_every_transport(t3: T3Server, mcp: M
         "invalid_request")
 
 
+def test_interrupts_stops_and_schedules_are_refused_alike_by_every_transport(
+        t3: T3Server, mcp: McpClient) -> None:
+    """A deleted thread cannot be interrupted or stopped, and no task is scheduled in an
+    unknown project: MCP, a /ws method, dispatchCommand and the CLI answer the same code (as
+    far as each can express the call) and write nothing."""
+    gone = idle_thread(t3, "gone")
+    dispatch(t3, {"type": "thread.delete", "commandId": "del", "threadId": gone})
+    refused_everywhere(t3, {
+        "mcp": lambda: mcp_code(mcp, "t3_thread_interrupt", {"threadId": gone}),
+        "ws": lambda: ws_code(t3, "interruptThread", {"threadId": gone}),
+        "dispatch": lambda: ws_code(t3, "dispatchCommand", {
+            "type": "run.interrupt", "commandId": "i", "threadId": gone, "runId": "r"}),
+        "cli": lambda: cli_code(t3, "interrupt", gone)}, "thread_not_found")
+    refused_everywhere(t3, {
+        "dispatch": lambda: ws_code(t3, "dispatchCommand", {
+            "type": "thread.stop", "commandId": "s", "threadId": gone}),
+        "cli": lambda: cli_code(t3, "stop", gone)}, "thread_not_found")
+    task = {"prompt": "report", "schedule": {"type": "interval", "everyMs": 3_600_000},
+            "projectId": "nope"}
+    refused_everywhere(t3, {
+        "mcp": lambda: mcp_code(mcp, "schedule_task", task),
+        "ws": lambda: ws_code(t3, "scheduleTask", task),
+        "cli": lambda: cli_code(t3, "schedule", "report", "--every", "1h", "--project",
+                                "nope")}, "invalid_request")
+
+
 def children(mcp: McpClient, parent_id: str) -> list[dict[str, Any]]:
     threads = mcp.call("t3_thread_list", {"includeSubagents": True}).structured["threads"]
     return [t for t in threads if t["parentThreadId"] == parent_id]
