@@ -7,9 +7,9 @@ codex-acp, ...), ``grok`` (the same plus xAI's extensions), ``claudeAgent`` (cla
 stream-json), ``codex`` (codex app-server), ``pi`` (pi --mode rpc) and ``opencode`` (opencode
 serve, REST + SSE). Each delivers ``ORCHESTRATION_INSTRUCTIONS`` its own way to a session that
 has t3's MCP server. t3.py builds the adapters from the driver table (``DRIVERS``,
-``detect_providers``, ``build_adapter``); ``acpRegistry`` (an agent
-installed from an ACP registry, then run as ``acp``) is registry.py's. The core never imports
-this module; it never touches the database.
+``detect_providers``, ``build_adapter``); ``acpRegistry`` (an agent installed from an ACP
+registry, then run as ``acp``) is registry.py's. The core never imports this module, and it
+never touches the database.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import quote
 
 from orchestrator import (Capabilities, McpEndpoint, PlanUpdate, ReasoningDelta,
-                          RuntimeRequestOpened, TextDelta, ToolUpdate, TurnEnded, parse_json)
+                          RuntimeRequestOpened, TextDelta, ToolUpdate, parse_json)
 from providers import (Adapter, DriverAdapter, DriverSession, JsonRpcError, ProviderConfig,
                        ProviderProcess, RpcSession, UnavailableAdapter, log, opened)
 
@@ -119,9 +119,6 @@ def _texts(blocks: Iterable[Any] | None) -> list[str]:
 # ACP
 
 
-_STOP_STATUS = {"end_turn": "completed", "max_tokens": "completed",
-                "max_turn_requests": "completed", "refusal": "completed",
-                "cancelled": "interrupted"}
 _TOOL_KIND_TO_REQUEST = {"execute": "command", "edit": "file-change", "delete": "file-change",
                          "move": "file-change", "read": "file-read"}
 _INSTRUCTIONS_TAG = "t3_code_orchestration_instructions"
@@ -253,12 +250,12 @@ class AcpSession(RpcSession):
             result = await self._request("session/prompt", {
                 "sessionId": self.native_thread_ref, "prompt": prompt})
         except JsonRpcError as exc:
-            await self.events.put(TurnEnded("failed", f"The agent failed the turn: {exc}"))
+            await self._end_turn(f"The agent failed the turn: {exc}")
             return
         except ConnectionError:
             return  # the process is gone; the closed queue tells the orchestrator
-        reason = (result or {}).get("stopReason", "end_turn")
-        await self.events.put(TurnEnded(_STOP_STATUS.get(reason, "completed")))
+        # stopReason: end_turn, max_tokens, max_turn_requests and refusal complete the turn
+        await self._end_turn(interrupted=(result or {}).get("stopReason") == "cancelled")
 
     async def interrupt_turn(self) -> None:
         # ACP: the client answers every pending request "cancelled" and sends session/cancel;
@@ -556,10 +553,12 @@ class ClaudeSession(DriverSession):
         elif kind == "control_request":
             await self._on_control_request(message)
         elif kind == "result" and self._in_turn:
-            failed = bool(message.get("is_error"))
-            self._interrupted &= failed  # a turn that ended well all the same has completed
-            await self._end_turn(str(message.get("result") or message.get("subtype")
-                                     or "Claude Code failed") if failed else None)
+            # a turn that ended well after an interrupt has completed all the same
+            if message.get("is_error"):
+                await self._end_turn(str(message.get("result") or message.get("subtype") or
+                                         "Claude Code failed"), interrupted=self._interrupted)
+            else:
+                await self._end_turn()
 
     async def _on_control_request(self, message: Mapping[str, Any]) -> None:
         request = message.get("request") or {}
@@ -597,7 +596,7 @@ class ClaudeAdapter(DriverAdapter):
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
         """The aliases, and ``claude auth status --json``'s ``loggedIn`` (an API key in the
         environment counts)."""
-        _, out = await self._cli_output("auth", "status", "--json")
+        out = await self._cli_output("auth", "status", "--json")
         try:
             status = parse_json(out)
         except ValueError:
@@ -855,15 +854,10 @@ class CodexSession(RpcSession):
         if turn.get("id"):
             self._ended_turns.add(turn["id"])
         self._requests.clear()  # nothing can answer them any more
-        status = turn.get("status")
-        if status == "interrupted":
-            await self.events.put(TurnEnded("interrupted"))
-        elif status == "failed":
-            message = (turn.get("error") or {}).get("message") or self._last_error
-            await self.events.put(TurnEnded("failed", f"Codex failed the turn: "
-                                                      f"{message or 'no reason given'}"))
-        else:
-            await self.events.put(TurnEnded("completed"))
+        message = (turn.get("error") or {}).get("message") or self._last_error
+        await self._end_turn(f"Codex failed the turn: {message or 'no reason given'}"
+                             if turn.get("status") == "failed" else None,
+                             interrupted=turn.get("status") == "interrupted")
 
 
 def _codex_input(text: str) -> list[dict[str, Any]]:
@@ -1117,7 +1111,8 @@ class PiSession(DriverSession):
             await self.events.put(_pi_tool_update(message))
         elif kind in ("agent_end", "agent_settled") and self._in_turn:
             # pi 0.73.1 ends a prompt with agent_end (it has no agent_settled yet)
-            await self._end_turn(self._last_error and f"pi failed the turn: {self._last_error}")
+            await self._end_turn(self._last_error and f"pi failed the turn: {self._last_error}",
+                                 interrupted=self._interrupted)
 
 
 def _pi_tool_update(message: Mapping[str, Any]) -> ToolUpdate:
@@ -1161,7 +1156,7 @@ class PiAdapter(DriverAdapter):
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
         """``pi --list-models``: a table (provider, model, ...) after a header line, or "No
         models available. Use /login ..." when no provider is logged in."""
-        _, out = await self._cli_output("--list-models")
+        out = await self._cli_output("--list-models")
         if out.startswith("No models available"):
             return [], "not logged in: pi has no models (pi: /login, or a models.json)"
         rows = [line.split() for line in out.splitlines()[1:]]
@@ -1224,9 +1219,7 @@ def _free_port() -> int:
 
 
 class _HttpError(Exception):
-    def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:300]}")
-        self.status = status
+    """An answer of the opencode server with a status of 300 or more."""
 
 
 async def _http_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
@@ -1294,8 +1287,7 @@ class OpenCodeSession(DriverSession):
     # -- HTTP ------------------------------------------------------------------------------------
 
     def _target(self, path: str) -> str:
-        sep = "&" if "?" in path else "?"
-        return f"{path}{sep}directory={quote(self._cwd, safe='')}"
+        return f"{path}?directory={quote(self._cwd, safe='')}"
 
     async def _request(self, method: str, path: str, body: Any = None, *,
                        timeout: float = 60) -> Any:
@@ -1319,7 +1311,7 @@ class OpenCodeSession(DriverSession):
             text = data.decode(errors="replace")
             self._adapter.protocol_log.write(f"{self._label} <- {status} {text}")
             if status >= 300:
-                raise _HttpError(status, text)
+                raise _HttpError(f"HTTP {status}: {text[:300]}")
             return parse_json(text) if text.strip() else None
 
         return await asyncio.wait_for(exchange(), timeout)
@@ -1514,7 +1506,6 @@ class OpenCodeSession(DriverSession):
 
     async def _on_permission(self, props: Mapping[str, Any]) -> None:
         native_ref = str(props.get("id"))
-        self._requests[native_ref] = props
         permission = str(props.get("permission") or "")
         if self._never_asks(edit=permission in _OPENCODE_EDIT_TOOLS):
             await self._reply(native_ref, "once")
@@ -1523,17 +1514,18 @@ class OpenCodeSession(DriverSession):
             if permission in _OPENCODE_EDIT_TOOLS else "permission"
         metadata = props.get("metadata") or {}
         subject = metadata.get("command") or ", ".join(map(str, props.get("patterns") or []))
-        await self.events.put(RuntimeRequestOpened(
+        await self._hold(RuntimeRequestOpened(
             native_ref=native_ref, request_kind=kind,
             title=f"Allow {permission}{': ' + str(subject) if subject else ''}?",
             detail={"permission": permission, "patterns": props.get("patterns"),
-                    "metadata": metadata, "sessionID": props.get("sessionID")}))
+                    "metadata": metadata, "sessionID": props.get("sessionID")}), props)
 
     async def _turn_over(self) -> None:
         if not self._in_turn or not self._busy:
             return  # an idle from before this turn started
         self._requests.clear()  # nothing can answer them any more
-        await self._end_turn(self._error and f"opencode failed the turn: {self._error}")
+        await self._end_turn(self._error and f"opencode failed the turn: {self._error}",
+                             interrupted=self._interrupted)
 
 
 class OpenCodeAdapter(DriverAdapter):
@@ -1544,7 +1536,7 @@ class OpenCodeAdapter(DriverAdapter):
     async def _probe_cli(self) -> tuple[list[dict[str, Any]], str | None]:
         """``opencode models``: one ``provider/model`` per line, in opencode's order. opencode
         runs free models without a login, so it is never reported as not logged in."""
-        _, out = await self._cli_output("models")
+        out = await self._cli_output("models")
         return [{"id": line.strip()} for line in out.splitlines()
                 if re.fullmatch(r"[\w.@-]+/\S+", line.strip())], None
 

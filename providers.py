@@ -497,16 +497,16 @@ class DriverAdapter:
         """The CLI's models and, if it says so, why it cannot run ("not logged in ...")."""
         return [], None
 
-    async def _cli_output(self, *args: str) -> tuple[int, str]:
-        """Exit code and stdout of the instance's executable run with ``args`` in a scratch
-        directory (a cheap query such as a model list)."""
+    async def _cli_output(self, *args: str) -> str:
+        """The stdout of the instance's executable run with ``args`` in a scratch directory (a
+        cheap query such as a model list)."""
         with tempfile.TemporaryDirectory(prefix="t3-probe-") as cwd:
             process = await self._spawn([self.config.command[0], *args], cwd, self._env(""))
             try:
                 out, _ = await process.proc.communicate()
             finally:
                 await process.stop(grace=1.0)
-        return process.proc.returncode or 0, out.decode(errors="replace")
+        return out.decode(errors="replace")
 
     def _check_available(self) -> None:
         if not self.info.available:
@@ -592,7 +592,7 @@ class DriverSession:
         self._tasks = _Tasks()
         self._requests: dict[str, Any] = {}  # native_ref -> what answering a held request needs
         self._calls: dict[Any, asyncio.Future[Any]] = {}  # call id -> its answer, once it comes
-        self._in_turn = False  # for drivers that track turns here (_turn_starting, _end_turn)
+        self._in_turn = False  # for drivers that track turns here (_turn_starting)
         self._interrupted = False
 
     def alive(self) -> bool:
@@ -619,10 +619,10 @@ class DriverSession:
             self._in_turn = False
             raise
 
-    async def _end_turn(self, failure: str | None) -> None:
-        """The turn is over: interrupted (interrupt_turn ran) wins over a failure."""
+    async def _end_turn(self, failure: str | None = None, *, interrupted: bool = False) -> None:
+        """The turn is over: interrupted wins over a failure (the reason), else it completed."""
         self._in_turn = False
-        await self.events.put(TurnEnded("interrupted") if self._interrupted else
+        await self.events.put(TurnEnded("interrupted") if interrupted else
                               TurnEnded("failed", failure) if failure else TurnEnded("completed"))
 
     def _never_asks(self, *, edit: bool) -> bool:
