@@ -9,7 +9,7 @@ Rules: downloads over https only (plain http only to this machine's loopback), r
 a binary runs only when its checksum matches (``allow_unverified`` on the instance waives a
 missing one); archive members never land outside their directory; npm and uv install into the
 cache, never globally; a failed install leaves nothing behind. The core never imports this
-module: t3.py builds these adapters beside providers.py's.
+module: t3.py builds these adapters beside drivers.py's.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from orchestrator import Capabilities, parse_json
-from providers import AcpAdapter, AcpSession, JsonRpcError, ProviderConfig, log, redact
+from drivers import AcpAdapter, AcpSession
+from providers import JsonRpcError, ProviderConfig, log, redact
 
 __all__ = ["AcpRegistryAdapter", "RegistryAgent", "RegistryError", "read_registry",
            "registry_platform", "select_agent"]

@@ -10,7 +10,7 @@ app and its routes (Host and Origin checked, auth before the body is read, bodie
 size and time), the /ws protocol (parsing and shaping only: the rules are
 ``tools.Toolkit``'s, as for MCP), the capped listening socket, and startup/shutdown
 order. It wires the layers and decides nothing: ``store.py`` <- ``orchestrator.py`` <-
-``tools.py``, with ``providers.py`` handed in here.
+``tools.py``, with the adapters (``providers.py``, built by ``drivers.py``) handed in here.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def load_config(path: Path, *, cwd: Path) -> Config:
 
 
 def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
-    from providers import DRIVERS
+    from drivers import DRIVERS
     for key in entry:
         if key not in _SECTIONS["providers"]:
             raise fail("providers", i, key, "unknown key")
@@ -1318,7 +1318,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
     from tools import Project, ServerContext, Toolkit
     from workspace import Workspaces  # made under the data-dir lock: it clears stray indexes
     adapters = build_adapters(config, data_dir, prov)
-    _report_providers(adapters, detected=config.providers is None, detectable=prov.DETECTABLE)
+    _report_providers(adapters, detected=config.providers is None)
     orch = Orchestrator(store, adapters=adapters, providers=_LiveProviderInfo(adapters),
                         credentials=credentials, workspaces=Workspaces(data_dir),
                         max_live_agent_processes=config.max_live_agent_processes,
@@ -1345,10 +1345,10 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
     return orch, adapters, toolkit
 
 
-def _report_providers(adapters: Mapping[str, Adapter], *, detected: bool,
-                      detectable: Sequence[str]) -> None:
+def _report_providers(adapters: Mapping[str, Adapter], *, detected: bool) -> None:
     """One stderr line per provider instance: its driver, whether it can run, and why not. (An
     acpRegistry instance is still preparing here; it logs again once it is ready or failed.)"""
+    from drivers import DETECTABLE
     how = "detected on PATH" if detected else "configured"
     for adapter in adapters.values():
         info = adapter.info
@@ -1358,7 +1358,7 @@ def _report_providers(adapters: Mapping[str, Adapter], *, detected: bool,
     if any(adapter.info.available for adapter in adapters.values()):
         return
     if detected and not adapters:
-        hint = (f"no agent CLI on PATH ({', '.join(detectable)}) and no [[providers]] in the "
+        hint = (f"no agent CLI on PATH ({', '.join(DETECTABLE)}) and no [[providers]] in the "
                 "configuration; install one, or configure one (README: Configuration)")
     elif any(hasattr(adapter, "prepare") for adapter in adapters.values()):
         hint = "wait for the instances being prepared, or fix the reasons above"
@@ -1528,16 +1528,17 @@ class TestClock:
 
 
 def build_adapters(config: Config, data_dir: Path, prov: ModuleType) -> dict[str, Adapter]:
-    """One adapter per configured provider instance (or per detected CLI when none are configured).
-    Their processes are tagged with the data dir, so a later server can find its orphans. The
-    ``acpRegistry`` driver is registry.py's, imported only when an instance uses it."""
-    configs = [prov.ProviderConfig(instance_id=p["id"], driver=p["driver"], command=p["command"],
-                                   env=p["env"], models=p["models"], enabled=p["enabled"],
-                                   display_name=p["displayName"], agent=p["agent"],
-                                   registry=p["registry"], instructions=p["instructions"],
-                                   allow_unverified=p["allowUnverified"])
-               for p in config.providers] if config.providers is not None \
-        else prov.detect_providers()
+    """One adapter per configured provider instance (or per detected CLI when none are configured),
+    each driver's from drivers.py. Their processes are tagged with the data dir, so a later
+    server can find its orphans. The ``acpRegistry`` driver is registry.py's, imported only when
+    an instance uses it."""
+    import drivers
+    configs = [prov.ProviderConfig(
+        instance_id=p["id"], driver=p["driver"], command=p["command"] or [], env=p["env"],
+        models=p["models"], enabled=p["enabled"], display_name=p["displayName"],
+        agent=p["agent"], registry=p["registry"], instructions=p["instructions"],
+        allow_unverified=p["allowUnverified"]) for p in config.providers] \
+        if config.providers is not None else drivers.detect_providers()
     adapters: dict[str, Adapter] = {}
     for c in configs:
         if c.driver == "acpRegistry":
@@ -1546,8 +1547,8 @@ def build_adapters(config: Config, data_dir: Path, prov: ModuleType) -> dict[str
                 c, log_dir=data_dir / "logs", owner=str(data_dir),
                 cache_dir=data_dir / "agents" / "registry")
         else:
-            adapters[c.instance_id] = prov.build_adapter(c, log_dir=data_dir / "logs",
-                                                         owner=str(data_dir))
+            adapters[c.instance_id] = drivers.build_adapter(c, log_dir=data_dir / "logs",
+                                                            owner=str(data_dir))
     return adapters
 
 
