@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from orchestrator import (MAX_JSON_DEPTH, RUN_TERMINAL, REDACTED, EFFECTS, Actor,
-                          Command, CommandRejected, CreationSource, DispatchResult, Draft,
+                          Command, CommandRejected, CreationSource, Draft,
                           EffectKind, Entity, InteractionMode, RateLimited, Run,
                           RunStatus, RuntimeMode, T3Error, bounded_id, decides, epoch_of,
                           iso_time, json_too_deep, parse_json, parse_timestamp,
@@ -150,7 +150,14 @@ _TIME_OF_DAY = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)")
 def validate_schedule(schedule: Any) -> dict[str, Any]:
     """A schedule, checked and normalized: ``{"type": "interval", "everyMs"}`` (>= 60,000),
     ``{"type": "fixed_time", "timeOfDay": "HH:MM", "weekdays"?: [0..6, 0 = Sunday]}`` in the
-    server's local time zone, or ``{"type": "webhook", ...}`` (its options are the webhook's)."""
+    server's local time zone, or ``{"type": "webhook", ...}`` (its options are the webhook's);
+    or the same as a JSON string (models often send one)."""
+    if isinstance(schedule, str):
+        try:
+            schedule = parse_json(schedule)
+        except ValueError as exc:
+            raise T3Error(f"schedule: not an object, nor JSON of one ({exc})",
+                          code="invalid_request") from None
     _require(isinstance(schedule, Mapping), "schedule", "must be an object")
     kind = schedule.get("type")
     if kind == "interval":
@@ -304,10 +311,9 @@ class WebhookRequest:
 
 
 def signature_valid(schedule: Mapping[str, Any], request: WebhookRequest) -> bool:
-    """No signature asked for; or the header holds prefix + HMAC-SHA256(secret, raw body) in hex
-    (GitHub: ``X-Hub-Signature-256: sha256=<hex>``); or, for Standard Webhooks, one of the
-    space-separated ``v1,<base64>`` in ``webhook-signature`` is the HMAC-SHA256 of
-    ``<webhook-id>.<webhook-timestamp>.<body>`` under the secret's key. Constant-time compares."""
+    """No signature asked for; or its header holds prefix + the hex HMAC-SHA256 of the raw body
+    (GitHub: ``X-Hub-Signature-256: sha256=<hex>``); or, for Standard Webhooks, a ``v1,<base64>``
+    in ``webhook-signature`` signs what ``_signed_content`` says. Constant-time compares."""
     sig = schedule.get("signature")
     if not sig:
         return True
@@ -328,9 +334,8 @@ def signature_valid(schedule: Mapping[str, Any], request: WebhookRequest) -> boo
 
 
 def replay_key(schedule: Mapping[str, Any], request: WebhookRequest) -> str | None:
-    """What names the delivery for dedupe. A signed one: the hash of what its signature covers,
-    so a copy is known whatever delivery id it carries. Else its ``delivery_key``; None when
-    it has none (never a duplicate then)."""
+    """What names the delivery for dedupe: the hash of what its signature covers (a copy is
+    known whatever delivery id it carries), else its ``delivery_key`` (None: never a duplicate)."""
     if schedule.get("signature") and (signed := _signed_content(schedule, request)) is not None:
         return "signed:" + hashlib.sha256(signed).hexdigest()
     return delivery_key(schedule, request)
@@ -759,12 +764,11 @@ class Scheduler:
                 log.debug("scheduled task %s not fired: %s", task["id"], exc)
         self._schedule_wake.set()  # the loop aims again from the moved clock
 
-    async def fire(self, task_id: str, *, trigger: str,
-                   due_at: str | None = None) -> DispatchResult:
+    async def fire(self, task_id: str, *, trigger: str, due_at: str | None = None) -> None:
         """Fire a task once: the command id is the fire key (the task, the due time and the
         trigger), so a fire is recorded at most once, however often it is asked for."""
         stamp = str(int(epoch_of(due_at or iso_time(self._wall())) * 1000))
-        return await self.orch.dispatch(FireScheduledTask(
+        await self.orch.dispatch(FireScheduledTask(
             command_id=bounded_id(f"scheduled-task:{task_id}:{stamp}:{trigger}"),
             thread_id=task_id, trigger=trigger, due_at=due_at))
 
@@ -938,7 +942,7 @@ async def _schedule_task(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]
     scope = call.scope
     caller = (await kit.agent_caller(scope, "schedule_task"))[0] \
         if scope.kind == "thread" else None
-    schedule = _parse_schedule(args["schedule"]) if "schedule" in args else None
+    schedule = validate_schedule(args["schedule"]) if "schedule" in args else None
     limit = kit.ctx.min_agent_task_interval_s
     if caller is not None and schedule is not None and schedule["type"] == "interval" and \
             schedule["everyMs"] < limit * 1000:
@@ -1072,17 +1076,6 @@ def _within_task_cap(kit: Toolkit, caller: ThreadState | None,
         raise T3Error(f"project {project} holds {held} scheduled tasks, "
                       f"max_scheduled_tasks_per_project = {cap} ([limits] in t3.toml): delete "
                       "one first", code="capability_denied")
-
-
-def _parse_schedule(schedule: Any) -> dict[str, Any]:
-    """A schedule object, or the same as a JSON string (models often send one)."""
-    if isinstance(schedule, str):
-        try:
-            schedule = parse_json(schedule)
-        except ValueError as exc:
-            raise T3Error(f"schedule: not an object, nor JSON of one ({exc})",
-                          code="invalid_request") from None
-    return validate_schedule(schedule)
 
 
 async def _list_schedules(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
