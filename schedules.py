@@ -1,19 +1,21 @@
 """schedules.py: scheduled tasks and webhooks, a feature an auditor of the core may skip.
 
-A scheduled task is an event stream of its own (its id), holding a prompt that runs on a schedule
-(an interval, a fixed time of day, or each delivery to its webhook URL), posted into its bound
-thread or into a fresh thread each time. Its commands are decided here as the core's are (pure,
-registered with ``orchestrator.decides``), its run is an outbox effect that is safe to replay (its
-ids derive from the fire key), and ``Scheduler`` is its runtime, which t3.py attaches to the
-orchestrator. Its operations (``schedule_task``, ``list_scheduled_tasks``,
-``delete_scheduled_task``, and /ws ``listWebhookDeliveries``) join tools.OPERATIONS. The core
-never imports this module; t3.py does, before it serves, and also hands webhook requests
-(``/hooks/...``, token and body bounded there) to ``Scheduler.receive_webhook``.
+A scheduled task is an event stream of its own holding a prompt that runs on a schedule (an
+interval, a fixed time of day, or each delivery to its webhook URL), in its bound thread or in a
+fresh thread each time. Its commands are decided here as the core's are (pure, registered with
+``orchestrator.decides``); ``Scheduler`` is its runtime, which t3.py attaches to the orchestrator
+and hands webhook requests to (token and body size checked there); its operations join
+tools.OPERATIONS. The core never imports this module.
 
-Rules: a fire happens at most once, crash or not (its command id is its fire key); a fixed-time
-fire missed by more than MISSED_FIXED_TIME_GRACE_S is skipped; a task never runs twice at once
-(webhook deliveries wait in line); a delivery's signature, age, filters and rate are checked
-before anything is written, and its secrets never reach the log.
+Rules:
+- A fire happens at most once, crash or not: its command id is its fire key, and its run is an
+  effect safe to replay (its ids derive from that key). A fixed-time fire missed by more than
+  MISSED_FIXED_TIME_GRACE_S is skipped.
+- A task never runs twice at once: webhook deliveries wait in line.
+- A delivery's signature, nesting and rate are checked before anything is written; its secrets
+  never reach the log, a template or a filter.
+- An agent acts only on its own project's tasks, within its own modes; it never holds a hook's
+  token, and changes a prompt or a webhook's schedule only on a task its own thread made.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from orchestrator import (MAX_JSON_DEPTH, RUN_TERMINAL, REDACTED, EFFECTS, Actor,
-                          Command, CommandRejected, CreationSource, DispatchResult, Draft,
+                          Command, CommandRejected, CreationSource, Draft,
                           EffectKind, Entity, InteractionMode, RateLimited, Run,
                           RunStatus, RuntimeMode, T3Error, bounded_id, decides, epoch_of,
                           iso_time, json_too_deep, parse_json, parse_timestamp,
@@ -59,12 +61,14 @@ log = logging.getLogger("t3.schedules")
 
 
 SCHEDULE_RUN_STATUSES = frozenset({"never", "running", "succeeded", "failed"})
+DELIVERY_OUTCOMES = frozenset({"queued", "running", "succeeded", "failed", "skipped",
+                               "duplicate", "expired"})
+DELIVERY_WAITING = frozenset({"queued", "running"})  # the task's waiting line
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledTask(Entity):
-    """Recurring work: its prompt runs on a schedule, in its bound thread or in a fresh
-    thread each time. A task is an event stream of its own, keyed by its id."""
+    """Recurring work; an event stream of its own, keyed by its id."""
 
     kind: ClassVar[str] = "scheduled-task"
     opens_stream: ClassVar[bool] = True
@@ -97,11 +101,6 @@ class ScheduledTask(Entity):
     deleted_at: str | None = None
 
 
-DELIVERY_OUTCOMES = frozenset({"queued", "running", "succeeded", "failed", "skipped",
-                               "duplicate", "expired"})
-DELIVERY_WAITING = frozenset({"queued", "running"})  # the task's waiting line
-
-
 @dataclass(frozen=True, slots=True)
 class WebhookDelivery(Entity):
     """One request to a webhook task's URL, as its log shows it (secrets redacted)."""
@@ -110,7 +109,7 @@ class WebhookDelivery(Entity):
     _checks: ClassVar[Mapping[str, frozenset[str]]] = {"outcome": DELIVERY_OUTCOMES}
     task_id: str
     received_at: str
-    outcome: str  # queued | running | succeeded | failed | skipped | duplicate | expired
+    outcome: str
     method: str
     headers: Mapping[str, str]
     body_excerpt: str
@@ -140,46 +139,43 @@ register_entities(ScheduledTask, WebhookDelivery)
 
 
 # =============================================================================================
-# Scheduled tasks: schedules, their commands, and their decisions. A fire is a command whose id is
-# its fire key (task, due time, trigger), so it happens at most once, crash or not; its run is an
-# effect that is safe to replay (its own ids derive from the fire key).
+# Schedules: what a task's schedule may be, and when it is next due
 
 
 MIN_INTERVAL_MS = 60_000
 MISSED_FIXED_TIME_GRACE_S = 600.0  # a fixed-time fire later than this is skipped, not run late
-SCHEDULED_PROMPT = "[Triggered by schedule task: {title}]\n\n{prompt}"
 _TIME_OF_DAY = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)")
 
 
 def validate_schedule(schedule: Any) -> dict[str, Any]:
     """A schedule, checked and normalized: ``{"type": "interval", "everyMs"}`` (>= 60,000),
     ``{"type": "fixed_time", "timeOfDay": "HH:MM", "weekdays"?: [0..6, 0 = Sunday]}`` in the
-    server's local time zone, or ``{"type": "webhook", ...}`` (its options are the webhook's)."""
-    if not isinstance(schedule, Mapping):
-        raise T3Error("schedule: must be an object", code="invalid_request")
+    server's local time zone, or ``{"type": "webhook", ...}`` (its options are the webhook's);
+    or the same as a JSON string (models often send one)."""
+    if isinstance(schedule, str):
+        try:
+            schedule = parse_json(schedule)
+        except ValueError as exc:
+            raise T3Error(f"schedule: not an object, nor JSON of one ({exc})",
+                          code="invalid_request") from None
+    _require(isinstance(schedule, Mapping), "schedule", "must be an object")
     kind = schedule.get("type")
     if kind == "interval":
         every = schedule.get("everyMs")
-        if set(schedule) - {"type", "everyMs"} or not isinstance(every, int) or \
-                isinstance(every, bool) or every < MIN_INTERVAL_MS:
-            raise T3Error(f"schedule: an interval is {{type, everyMs}} with everyMs >= "
-                          f"{MIN_INTERVAL_MS}", code="invalid_request")
+        _require(set(schedule) <= {"type", "everyMs"} and _is_int(every, MIN_INTERVAL_MS),
+                 "schedule", f"an interval is {{type, everyMs}} with everyMs >= {MIN_INTERVAL_MS}")
         return {"type": "interval", "everyMs": every}
     if kind == "fixed_time":
         at, days = schedule.get("timeOfDay"), schedule.get("weekdays")
-        if set(schedule) - {"type", "timeOfDay", "weekdays"} or not isinstance(at, str) or \
-                not _TIME_OF_DAY.fullmatch(at) or (days is not None and not (
-                    isinstance(days, list) and all(isinstance(d, int) and not isinstance(d, bool)
-                                                   and 0 <= d <= 6 for d in days))):
-            raise T3Error("schedule: a fixed time is {type, timeOfDay: \"HH:MM\", weekdays?: "
-                          "[0-6, 0 = Sunday]}", code="invalid_request")
-        hours, minutes = _TIME_OF_DAY.fullmatch(at).groups()  # type: ignore[union-attr]
+        clock = _TIME_OF_DAY.fullmatch(at) if isinstance(at, str) else None
+        _require(set(schedule) <= {"type", "timeOfDay", "weekdays"} and clock is not None and (
+            days is None or isinstance(days, list) and all(_is_int(d, 0, 6) for d in days)),
+            "schedule", 'a fixed time is {type, timeOfDay: "HH:MM", weekdays?: [0-6, 0 = Sunday]}')
+        hours, minutes = clock.groups()  # type: ignore[union-attr]
         return {"type": "fixed_time", "timeOfDay": f"{int(hours):02d}:{minutes}",
                 **({"weekdays": sorted(set(days))} if days else {})}
-    if kind == "webhook":
-        return _validate_webhook(schedule)
-    raise T3Error("schedule.type: must be interval, fixed_time or webhook",
-                  code="invalid_request")
+    _require(kind == "webhook", "schedule.type", "must be interval, fixed_time or webhook")
+    return _validate_webhook(schedule)
 
 
 def next_run_after(schedule: Mapping[str, Any], after: float) -> float | None:
@@ -203,178 +199,24 @@ def next_run_after(schedule: Mapping[str, Any], after: float) -> float | None:
     return None
 
 
+def _next_run_at(schedule: Mapping[str, Any], now: str) -> str | None:
+    due = next_run_after(schedule, epoch_of(now))
+    return iso_time(due) if due is not None else None
 
 
+def _require(ok: Any, name: str, problem: str) -> None:
+    """Refuse a request whose field ``name`` is not ``ok``, saying what it must be."""
+    if not ok:
+        raise T3Error(f"{name}: {problem}", code="invalid_request")
 
 
-@dataclass(frozen=True, slots=True)
-class UpsertScheduledTask(Command):
-    """Create a task, or change one (fields left None stay as they are)."""
-
-    type: ClassVar[str] = "scheduled-task.upsert"
-    # thread_id: the task's id: its stream
-    title: str | None = None
-    prompt: str | None = None
-    enabled: bool | None = None
-    schedule: Mapping[str, Any] | None = None
-    project_id: str | None = None
-    workspace: str | None = None
-    bound_thread_id: str | None = None
-    bind: bool | None = None  # None: keep the binding; False: unbind
-    model_selection: Mapping[str, Any] | None = None
-    runtime_mode: str | None = None
-    interaction_mode: str | None = None
-    created_by: str = Actor.USER
-    creation_source: str = CreationSource.MCP
-    creator_thread_id: str | None = None
-    hook_token_sha256: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DeleteScheduledTask(Command):
-    type: ClassVar[str] = "scheduled-task.delete"
-    # thread_id: the task's id
-
-
-@dataclass(frozen=True, slots=True)
-class FireScheduledTask(Command):
-    """A task is due (trigger scheduled) or asked to run now (manual). The command id is the
-    fire key. (A webhook delivery fires in the command that records it, or in the one that
-    settles the run before it: ``_fire_next_delivery``.)"""
-
-    type: ClassVar[str] = "scheduled-task.fire"
-    # thread_id: the task's id
-    trigger: str  # scheduled | manual
-    due_at: str | None = None  # scheduled: the next_run_at this fire is for
-
-    def __post_init__(self) -> None:
-        if self.trigger not in ("scheduled", "manual"):
-            raise ValueError(f"unknown trigger {self.trigger!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class SettleScheduledRun(Command):
-    """What became of a fire: its run started (``run_id``), or ended (succeeded / failed)."""
-
-    type: ClassVar[str] = "scheduled-task.settle"
-    # thread_id: the task's id
-    fire_key: str
-    status: str  # running | succeeded | failed
-    error: str | None = None
-    run_thread_id: str | None = None
-    run_id: str | None = None
-
-
-def _scheduled_task(d: Draft, task_id: str) -> ScheduledTask:
-    task = d.get("scheduled-task", task_id)
-    if task is None or task.deleted_at is not None:
-        raise CommandRejected(f"scheduled task {task_id} was not found", code="task_not_found")
-    return task  # type: ignore[no-any-return]
-
-
-@decides(UpsertScheduledTask, thread=False)
-def _decide_upsert_task(d: Draft, c: UpsertScheduledTask, **_: Any) -> Mapping[str, Any]:
-    task = d.get("scheduled-task", c.thread_id)
-    changes = {k: v for k, v in (
-        ("title", c.title), ("prompt", c.prompt), ("enabled", c.enabled),
-        ("schedule", c.schedule), ("model_selection", c.model_selection),
-        ("runtime_mode", c.runtime_mode), ("interaction_mode", c.interaction_mode),
-        ("hook_token_sha256", c.hook_token_sha256)) if v is not None}
-    if c.bind is not None:
-        changes["bound_thread_id"] = c.bound_thread_id if c.bind else None
-    if task is None:
-        if c.title is None or c.prompt is None or c.schedule is None or c.project_id is None \
-                or c.workspace is None or c.model_selection is None:
-            raise CommandRejected("a new scheduled task needs a title, prompt, schedule, "
-                                  "project and provider", code="invalid_request")
-        task = ScheduledTask(
-            id=c.thread_id, title=c.title, prompt=c.prompt, enabled=True, schedule=c.schedule,
-            project_id=c.project_id, workspace=c.workspace, model_selection=c.model_selection,
-            runtime_mode=c.runtime_mode or RuntimeMode.APPROVAL_REQUIRED,
-            interaction_mode=c.interaction_mode or InteractionMode.DEFAULT,
-            created_by=c.created_by, creation_source=c.creation_source, created_at=d.now,
-            updated_at=d.now, creator_thread_id=c.creator_thread_id)
-    elif task.deleted_at is not None:
-        raise CommandRejected(f"scheduled task {task.id} was deleted", code="task_not_found")
-    updated = replace(task, **changes, updated_at=d.now)
-    if task.next_run_at is None or updated.schedule != task.schedule or \
-            updated.enabled != task.enabled or d.state.entities["scheduled-task"].get(
-                task.id) is None:  # a new or changed timing is aimed again from now
-        due = next_run_after(updated.schedule, epoch_of(d.now)) if updated.enabled else None
-        updated = replace(updated, next_run_at=iso_time(due) if due is not None else None)
-    d.put(_fire_next_delivery(d, updated))  # deliveries that waited while it was paused
-    return {"scheduledTaskId": task.id, "nextRunAt": updated.next_run_at}
-
-
-@decides(DeleteScheduledTask, thread=False)
-def _decide_delete_task(d: Draft, c: DeleteScheduledTask, **_: Any) -> Mapping[str, Any]:
-    task = _scheduled_task(d, c.thread_id)
-    d.put(replace(task, deleted_at=d.now, enabled=False, next_run_at=None, updated_at=d.now))
-    for delivery in d.all("webhook-delivery"):
-        if delivery.outcome == "queued":
-            d.put(replace(delivery, outcome="failed", prompt=None, updated_at=d.now,
-                          error="The scheduled task was deleted before this delivery ran."))
-    return {"scheduledTaskId": task.id, "deleted": True}
-
-
-@decides(FireScheduledTask, thread=False)
-def _decide_fire(d: Draft, c: FireScheduledTask, **_: Any) -> Mapping[str, Any]:
-    task = _scheduled_task(d, c.thread_id)
-    now = epoch_of(d.now)
-    if task.last_run_status == "running":
-        raise CommandRejected(f"scheduled task {task.id} is running; it never runs twice at "
-                              "once", code="invalid_request")
-    next_at = task.next_run_at
-    if c.trigger == "scheduled":
-        if not task.enabled or task.next_run_at != c.due_at or c.due_at is None:
-            raise CommandRejected("the fire is stale: the task changed meanwhile")
-        due = next_run_after(task.schedule, now)
-        next_at = iso_time(due) if due is not None else None
-        if task.schedule["type"] == "fixed_time" and \
-                now - epoch_of(c.due_at) > MISSED_FIXED_TIME_GRACE_S:
-            d.put(replace(task, next_run_at=next_at, updated_at=d.now))  # skipped, re-aimed
-            return {"scheduledTaskId": task.id, "fired": False, "nextRunAt": next_at}
-    d.put(replace(_fired(d, task, c.command_id, task.prompt), next_run_at=next_at))
-    return {"scheduledTaskId": task.id, "fired": True, "fireKey": c.command_id,
-            "nextRunAt": next_at}
-
-
-def _fired(d: Draft, task: ScheduledTask, fire_key: str, prompt: str) -> ScheduledTask:
-    """The task once a fire started: its run requested (an effect safe to replay: its ids derive
-    from the fire key), the task running. The caller puts it."""
-    d.effect("scheduled-task.run", {
-        "taskId": task.id, "fireKey": fire_key,
-        "prompt": SCHEDULED_PROMPT.format(title=task.title, prompt=prompt)}, fire_key)
-    return replace(task, last_run_status="running", last_run_at=d.now, last_run_error=None,
-                   last_fire_key=fire_key, last_run_thread_id=None, last_run_id=None,
-                   run_count=task.run_count + 1, updated_at=d.now)
-
-
-@decides(SettleScheduledRun, thread=False)
-def _decide_settle_run(d: Draft, c: SettleScheduledRun, **_: Any) -> Mapping[str, Any]:
-    task = d.get("scheduled-task", c.thread_id)
-    if task is None or task.last_fire_key != c.fire_key or task.last_run_status != "running":
-        raise CommandRejected("that fire is not the task's running one")
-    delivery = next((x.id for x in d.all("webhook-delivery") if x.fire_key == c.fire_key), None)
-    if c.status == "running":
-        task = replace(task, last_run_thread_id=c.run_thread_id, last_run_id=c.run_id,
-                       updated_at=d.now)
-        d.update("webhook-delivery", delivery, run_thread_id=c.run_thread_id, run_id=c.run_id,
-                 updated_at=d.now)
-    else:
-        task = replace(task, last_run_status=c.status, last_run_error=c.error, updated_at=d.now)
-        d.update("webhook-delivery", delivery, outcome=c.status, error=c.error, updated_at=d.now)
-        task = _fire_next_delivery(d, task)  # in this same commit: the line never stalls
-    d.put(task)
-    return {"scheduledTaskId": task.id, "status": c.status}
+def _is_int(value: Any, low: int, high: float = math.inf) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 # =============================================================================================
-# Webhooks: a webhook task runs once per delivery to its URL. t3.py checks the token and bounds the
-# body; the runtime checks signature and rate; one command records the delivery with its outcome
-# and, when the task is idle, fires it in that commit. Deliveries wait in line, one run at a time:
-# settling a run fires the next. What the signature covers (else a delivery id header) makes the
-# command id, so a second copy finds the receipt and is recorded a duplicate.
+# Webhooks: what a webhook schedule may hold, how a delivery is signed and named (for dedupe),
+# and what its log, templates and filters see of it
 
 
 HOOK_BODY_MAX_BYTES = 1024 * 1024  # t3.py refuses a longer body (413) before reading it
@@ -400,55 +242,58 @@ _MISSING = object()
 def _validate_webhook(schedule: Mapping[str, Any]) -> dict[str, Any]:
     """``{"type": "webhook", "signature"?: {header, secret, prefix?}, "filters"?: [{path,
     equals}], "maxDeliveryAgeMinutes"?, "deliveryIdHeader"?, "timestampHeader"?}``, checked."""
-    def fail(name: str, problem: str) -> T3Error:
-        return T3Error(f"schedule.{name}: {problem}", code="invalid_request")
-
-    def header(value: Any, name: str) -> str:
-        if not isinstance(value, str) or not _HEADER_NAME.fullmatch(value):
-            raise fail(name, "an HTTP header name (letters, digits and -, at most 128)")
-        return value
-    unknown = sorted(set(schedule) - set(_WEBHOOK_KEYS))
-    if unknown:
-        raise fail(unknown[0], f"unknown field; a webhook takes {', '.join(_WEBHOOK_KEYS[1:])}")
+    if unknown := sorted(set(schedule) - set(_WEBHOOK_KEYS)):
+        raise T3Error(f"schedule.{unknown[0]}: unknown field; a webhook takes "
+                      f"{', '.join(_WEBHOOK_KEYS[1:])}", code="invalid_request")
     checked: dict[str, Any] = {"type": "webhook"}
-    if isinstance(sig := schedule.get("signature"), Mapping) and \
-            sig.get("scheme") == STANDARD_WEBHOOKS:
-        if set(sig) != {"scheme", "secret"} or not _standard_key(sig["secret"]):
-            raise fail("signature", f"{{scheme: {STANDARD_WEBHOOKS}, secret: whsec_<base64>}}")
-        if schedule.get("timestampHeader") is not None:
-            raise fail("timestampHeader", "the scheme's signed webhook-timestamp is the one read")
-        checked["signature"] = {"scheme": STANDARD_WEBHOOKS, "secret": sig["secret"]}
-    elif sig is not None:
-        if not isinstance(sig, Mapping) or set(sig) - {"header", "secret", "prefix"}:
-            raise fail("signature", "an object {header, secret, prefix?}, or {scheme: "
-                       f"{STANDARD_WEBHOOKS}, secret}}")
-        secret, prefix = sig.get("secret"), sig.get("prefix", "")
-        if not isinstance(secret, str) or not 1 <= len(secret) <= 1024:
-            raise fail("signature.secret", "a string of 1 to 1,024 characters")
-        if not isinstance(prefix, str) or len(prefix) > 64:
-            raise fail("signature.prefix", "a string of at most 64 characters (e.g. sha256=)")
-        checked["signature"] = {"header": header(sig.get("header"), "signature.header"),
-                                "secret": secret, **({"prefix": prefix} if prefix else {})}
+    if (sig := schedule.get("signature")) is not None:
+        checked["signature"] = _validate_signature(sig, schedule)
     if (filters := schedule.get("filters")) is not None:
-        if not isinstance(filters, list) or len(filters) > MAX_HOOK_FILTERS:
-            raise fail("filters", f"a list of at most {MAX_HOOK_FILTERS} {{path, equals}}")
+        _require(isinstance(filters, list) and len(filters) <= MAX_HOOK_FILTERS,
+                 "schedule.filters", f"a list of at most {MAX_HOOK_FILTERS} {{path, equals}}")
         for i, f in enumerate(filters):
-            if not isinstance(f, Mapping) or set(f) != {"path", "equals"}:
-                raise fail(f"filters[{i}]", "an object {path, equals}")
-            if not isinstance(f["path"], str) or not _FILTER_PATH.fullmatch(f["path"]):
-                raise fail(f"filters[{i}].path", "a dotted path (e.g. pull_request.base.ref, "
-                           "commits.0.id, headers.x-github-event, query.name)")
-            if not (f["equals"] is None or isinstance(f["equals"], (str, bool, int, float))):
-                raise fail(f"filters[{i}].equals", "a string, number, boolean or null")
+            name = f"schedule.filters[{i}]"
+            _require(isinstance(f, Mapping) and set(f) == {"path", "equals"}, name,
+                     "an object {path, equals}")
+            _require(isinstance(f["path"], str) and _FILTER_PATH.fullmatch(f["path"]),
+                     f"{name}.path", "a dotted path (e.g. pull_request.base.ref, commits.0.id, "
+                     "headers.x-github-event, query.name)")
+            _require(f["equals"] is None or isinstance(f["equals"], (str, bool, int, float)),
+                     f"{name}.equals", "a string, number, boolean or null")
         checked["filters"] = [{"path": f["path"], "equals": f["equals"]} for f in filters]
     if (age := schedule.get("maxDeliveryAgeMinutes")) is not None:
-        if not isinstance(age, int) or isinstance(age, bool) or not 1 <= age <= 10_080:
-            raise fail("maxDeliveryAgeMinutes", "an integer from 1 to 10080 (a week)")
+        _require(_is_int(age, 1, 10_080), "schedule.maxDeliveryAgeMinutes",
+                 "an integer from 1 to 10080 (a week)")
         checked["maxDeliveryAgeMinutes"] = age
     for name in ("deliveryIdHeader", "timestampHeader"):
         if schedule.get(name) is not None:
-            checked[name] = header(schedule[name], name)
+            checked[name] = _header_name(schedule[name], name)
     return checked
+
+
+def _validate_signature(sig: Any, schedule: Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(sig, Mapping) and sig.get("scheme") == STANDARD_WEBHOOKS:
+        _require(set(sig) == {"scheme", "secret"} and _standard_key(sig["secret"]),
+                 "schedule.signature", f"{{scheme: {STANDARD_WEBHOOKS}, secret: whsec_<base64>}}")
+        _require(schedule.get("timestampHeader") is None, "schedule.timestampHeader",
+                 "the scheme's signed webhook-timestamp is the one read")
+        return {"scheme": STANDARD_WEBHOOKS, "secret": sig["secret"]}
+    _require(isinstance(sig, Mapping) and set(sig) <= {"header", "secret", "prefix"},
+             "schedule.signature", "an object {header, secret, prefix?}, or {scheme: "
+             f"{STANDARD_WEBHOOKS}, secret}}")
+    secret, prefix = sig.get("secret"), sig.get("prefix", "")
+    _require(isinstance(secret, str) and 1 <= len(secret) <= 1024, "schedule.signature.secret",
+             "a string of 1 to 1,024 characters")
+    _require(isinstance(prefix, str) and len(prefix) <= 64, "schedule.signature.prefix",
+             "a string of at most 64 characters (e.g. sha256=)")
+    return {"header": _header_name(sig.get("header"), "signature.header"), "secret": secret,
+            **({"prefix": prefix} if prefix else {})}
+
+
+def _header_name(value: Any, name: str) -> str:
+    _require(isinstance(value, str) and _HEADER_NAME.fullmatch(value), f"schedule.{name}",
+             "an HTTP header name (letters, digits and -, at most 128)")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,10 +311,9 @@ class WebhookRequest:
 
 
 def signature_valid(schedule: Mapping[str, Any], request: WebhookRequest) -> bool:
-    """No signature asked for; or the header holds prefix + HMAC-SHA256(secret, raw body) in hex
-    (GitHub: ``X-Hub-Signature-256: sha256=<hex>``); or, for Standard Webhooks, one of the
-    space-separated ``v1,<base64>`` in ``webhook-signature`` is the HMAC-SHA256 of
-    ``<webhook-id>.<webhook-timestamp>.<body>`` under the secret's key. Constant-time compares."""
+    """No signature asked for; or its header holds prefix + the hex HMAC-SHA256 of the raw body
+    (GitHub: ``X-Hub-Signature-256: sha256=<hex>``); or, for Standard Webhooks, a ``v1,<base64>``
+    in ``webhook-signature`` signs what ``_signed_content`` says. Constant-time compares."""
     sig = schedule.get("signature")
     if not sig:
         return True
@@ -490,23 +334,20 @@ def signature_valid(schedule: Mapping[str, Any], request: WebhookRequest) -> boo
 
 
 def replay_key(schedule: Mapping[str, Any], request: WebhookRequest) -> str | None:
-    """What names the delivery for dedupe. A signed one: the hash of what its signature covers,
-    so a copy is known whatever delivery id it carries. Else the task's ``deliveryIdHeader``, or
-    ``X-GitHub-Delivery``, ``webhook-id`` or ``X-Request-Id``; None when absent (never a
-    duplicate then)."""
+    """What names the delivery for dedupe: the hash of what its signature covers (a copy is
+    known whatever delivery id it carries), else its ``delivery_key`` (None: never a duplicate)."""
     if schedule.get("signature") and (signed := _signed_content(schedule, request)) is not None:
         return "signed:" + hashlib.sha256(signed).hexdigest()
     return delivery_key(schedule, request)
 
 
 def delivery_key(schedule: Mapping[str, Any], request: WebhookRequest) -> str | None:
-    """The delivery id header's value, as the log shows it (None when absent)."""
+    """The value of the task's ``deliveryIdHeader``, else of the first of DELIVERY_ID_HEADERS
+    present, as the log shows it (None when absent)."""
     names = [schedule["deliveryIdHeader"]] if schedule.get("deliveryIdHeader") \
         else DELIVERY_ID_HEADERS
     value = next((v.strip() for n in names if (v := request.header(n)) and v.strip()), None)
     return bounded_id(value) if value else None
-
-
 
 
 def _signed_content(schedule: Mapping[str, Any], request: WebhookRequest) -> bytes | None:
@@ -536,8 +377,8 @@ def delivery_excerpt(schedule: Mapping[str, Any], body: bytes,
     in providers.redact; without one nothing is kept), the signature's secret blanked too."""
     if redact is None:
         return ""
-    return _blank_secret(schedule, redact(body[:DELIVERY_EXCERPT_BYTES].decode("utf-8",
-                                                                               "replace")))
+    text = body[:DELIVERY_EXCERPT_BYTES].decode("utf-8", "replace")
+    return _blank_secret(schedule, redact(text))
 
 
 def _blank_secret(schedule: Mapping[str, Any], text: str) -> str:
@@ -601,21 +442,24 @@ class _Delivery:
         return _PLACEHOLDER.sub(filled, template).strip()
 
     def unmatched_filter(self) -> str | None:
-        """Why the delivery is skipped: the first filter it does not match, or None."""
+        """Why the delivery is skipped: the first filter it does not match (in JSON's equality:
+        true is not 1, 1 is 1.0), or None."""
         for i, f in enumerate(self.schedule.get("filters") or ()):
-            if not _same_json(self.value(f["path"]), f["equals"]):
-                return f"filters[{i}] ({f['path']} equals {json.dumps(f['equals'])}) did not match"
+            found, wanted = self.value(f["path"]), f["equals"]
+            if found is _MISSING or isinstance(found, bool) != isinstance(wanted, bool) or \
+                    found != wanted:
+                return f"filters[{i}] ({f['path']} equals {json.dumps(wanted)}) did not match"
         return None
 
     def too_old(self, now: float) -> str | None:
         """Why the delivery is expired: its timestamp header is missing, unreadable, or further
         than ``maxDeliveryAgeMinutes`` from now (either way); None without a limit."""
         limit = self.schedule.get("maxDeliveryAgeMinutes")
+        if limit is None:
+            return None
         names = [self.schedule["timestampHeader"]] if self.schedule.get("timestampHeader") \
             else TIMESTAMP_HEADERS
         name, value = next(((n, v) for n in names if (v := self.request.header(n))), ("", None))
-        if limit is None:
-            return None
         if value is None:  # else a replay would only have to leave its stamp out
             return f"it has no timestamp header ({', '.join(names)}) and " \
                 f"maxDeliveryAgeMinutes is {limit}"
@@ -630,13 +474,66 @@ class _Delivery:
         return None
 
 
-def _same_json(found: Any, wanted: Any) -> bool:
-    """JSON equality: true is not 1, 1 is 1.0."""
-    if found is _MISSING or isinstance(found, bool) != isinstance(wanted, bool):
-        return False
-    return bool(found == wanted)
+# =============================================================================================
+# Decisions: the commands on a task's stream (a command's thread_id is the task's id). A webhook
+# delivery fires in the command that records it, or in the one that settles the run before it.
 
 
+_CHANGEABLE = ("title", "prompt", "enabled", "schedule", "model_selection", "runtime_mode",
+               "interaction_mode", "hook_token_sha256")  # UpsertScheduledTask's, None: unchanged
+
+
+@dataclass(frozen=True, slots=True)
+class UpsertScheduledTask(Command):
+    """Create a task, or change one (fields left None stay as they are)."""
+
+    type: ClassVar[str] = "scheduled-task.upsert"
+    title: str | None = None
+    prompt: str | None = None
+    enabled: bool | None = None
+    schedule: Mapping[str, Any] | None = None
+    project_id: str | None = None
+    workspace: str | None = None
+    bound_thread_id: str | None = None
+    bind: bool | None = None  # None: keep the binding; False: unbind
+    model_selection: Mapping[str, Any] | None = None
+    runtime_mode: str | None = None
+    interaction_mode: str | None = None
+    created_by: str = Actor.USER
+    creation_source: str = CreationSource.MCP
+    creator_thread_id: str | None = None
+    hook_token_sha256: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteScheduledTask(Command):
+    type: ClassVar[str] = "scheduled-task.delete"
+
+
+@dataclass(frozen=True, slots=True)
+class FireScheduledTask(Command):
+    """A task is due (trigger scheduled) or asked to run now (manual); the command id is the
+    fire key."""
+
+    type: ClassVar[str] = "scheduled-task.fire"
+    trigger: str  # scheduled | manual
+    due_at: str | None = None  # scheduled: the next_run_at this fire is for
+
+    def __post_init__(self) -> None:
+        if self.trigger not in ("scheduled", "manual"):
+            raise ValueError(f"unknown trigger {self.trigger!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SettleScheduledRun(Command):
+    """What became of a fire: its run started (``run_id``), or ended (succeeded / failed)."""
+
+    type: ClassVar[str] = "scheduled-task.settle"
+    fire_key: str
+    status: str  # running | succeeded | failed
+    error: str | None = None
+    run_thread_id: str | None = None
+    run_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -645,10 +542,9 @@ class ReceiveWebhookDelivery(Command):
     outcome, and queue its run unless it is a duplicate, expired, skipped or failed."""
 
     type: ClassVar[str] = "webhook-delivery.receive"
-    # The command id holds what names the delivery (``replay_key``): a copy is the same command.
+    # The command id, webhook:<task>:<replay_key>[:<n>] (random without a key), names the
+    # delivery, so a copy is the same command whatever else it carries.
     fingerprint_fields: ClassVar[tuple[str, ...]] = ("thread_id",)
-    # command_id: webhook:<task>:<replay key>[:<n>] when it has one, else random
-    # thread_id: the task's id
     delivery_id: str
     request: WebhookRequest
     body_excerpt: str  # the log's copy: ``delivery_excerpt``
@@ -656,11 +552,90 @@ class ReceiveWebhookDelivery(Command):
     duplicate_of: str | None = None  # the delivery first recorded under this key
 
 
+@decides(UpsertScheduledTask, thread=False)
+def _decide_upsert_task(d: Draft, c: UpsertScheduledTask, **_: Any) -> Mapping[str, Any]:
+    task = d.get("scheduled-task", c.thread_id)
+    if task is None:
+        if None in (c.title, c.prompt, c.schedule, c.project_id, c.workspace, c.model_selection):
+            raise CommandRejected("a new scheduled task needs a title, prompt, schedule, "
+                                  "project and provider", code="invalid_request")
+        task = ScheduledTask(
+            id=c.thread_id, title=c.title, prompt=c.prompt, enabled=True, schedule=c.schedule,
+            project_id=c.project_id, workspace=c.workspace, model_selection=c.model_selection,
+            runtime_mode=c.runtime_mode or RuntimeMode.APPROVAL_REQUIRED,
+            interaction_mode=c.interaction_mode or InteractionMode.DEFAULT,
+            created_by=c.created_by, creation_source=c.creation_source, created_at=d.now,
+            updated_at=d.now, creator_thread_id=c.creator_thread_id)
+    elif task.deleted_at is not None:
+        raise CommandRejected(f"scheduled task {task.id} was deleted", code="task_not_found")
+    changes = {name: getattr(c, name) for name in _CHANGEABLE if getattr(c, name) is not None}
+    if c.bind is not None:
+        changes["bound_thread_id"] = c.bound_thread_id if c.bind else None
+    updated = replace(task, **changes, updated_at=d.now)
+    # A new task (no next run yet) or a changed timing is aimed again from now.
+    if task.next_run_at is None or updated.schedule != task.schedule or \
+            updated.enabled != task.enabled:
+        updated = replace(updated, next_run_at=_next_run_at(updated.schedule, d.now)
+                          if updated.enabled else None)
+    d.put(_fire_next_delivery(d, updated))  # deliveries that waited while it was paused
+    return {"scheduledTaskId": task.id, "nextRunAt": updated.next_run_at}
+
+
+@decides(DeleteScheduledTask, thread=False)
+def _decide_delete_task(d: Draft, c: DeleteScheduledTask, **_: Any) -> Mapping[str, Any]:
+    task = _scheduled_task(d, c.thread_id)
+    d.put(replace(task, deleted_at=d.now, enabled=False, next_run_at=None, updated_at=d.now))
+    for delivery in d.all("webhook-delivery"):
+        if delivery.outcome == "queued":
+            d.put(replace(delivery, outcome="failed", prompt=None, updated_at=d.now,
+                          error="The scheduled task was deleted before this delivery ran."))
+    return {"scheduledTaskId": task.id, "deleted": True}
+
+
+@decides(FireScheduledTask, thread=False)
+def _decide_fire(d: Draft, c: FireScheduledTask, **_: Any) -> Mapping[str, Any]:
+    task = _scheduled_task(d, c.thread_id)
+    if task.last_run_status == "running":
+        raise CommandRejected(f"scheduled task {task.id} is running; it never runs twice at "
+                              "once", code="invalid_request")
+    next_at = task.next_run_at
+    if c.trigger == "scheduled":
+        if not task.enabled or task.next_run_at != c.due_at or c.due_at is None:
+            raise CommandRejected("the fire is stale: the task changed meanwhile")
+        next_at = _next_run_at(task.schedule, d.now)
+        if task.schedule["type"] == "fixed_time" and \
+                epoch_of(d.now) - epoch_of(c.due_at) > MISSED_FIXED_TIME_GRACE_S:
+            d.put(replace(task, next_run_at=next_at, updated_at=d.now))  # skipped, re-aimed
+            return {"scheduledTaskId": task.id, "fired": False, "nextRunAt": next_at}
+    d.put(replace(_fired(d, task, c.command_id, task.prompt), next_run_at=next_at))
+    return {"scheduledTaskId": task.id, "fired": True, "fireKey": c.command_id,
+            "nextRunAt": next_at}
+
+
+@decides(SettleScheduledRun, thread=False)
+def _decide_settle_run(d: Draft, c: SettleScheduledRun, **_: Any) -> Mapping[str, Any]:
+    task = d.get("scheduled-task", c.thread_id)
+    if task is None or task.last_fire_key != c.fire_key or task.last_run_status != "running":
+        raise CommandRejected("that fire is not the task's running one")
+    delivery = next((x.id for x in d.all("webhook-delivery") if x.fire_key == c.fire_key), None)
+    if c.status == "running":
+        task = replace(task, last_run_thread_id=c.run_thread_id, last_run_id=c.run_id,
+                       updated_at=d.now)
+        d.update("webhook-delivery", delivery, run_thread_id=c.run_thread_id, run_id=c.run_id,
+                 updated_at=d.now)
+    else:
+        task = replace(task, last_run_status=c.status, last_run_error=c.error, updated_at=d.now)
+        d.update("webhook-delivery", delivery, outcome=c.status, error=c.error, updated_at=d.now)
+        task = _fire_next_delivery(d, task)  # in this same commit: the line never stalls
+    d.put(task)
+    return {"scheduledTaskId": task.id, "status": c.status}
+
+
 @decides(ReceiveWebhookDelivery, thread=False)
 def _decide_receive_delivery(d: Draft, c: ReceiveWebhookDelivery, **_: Any
                              ) -> Mapping[str, Any]:
     task = d.get("scheduled-task", c.thread_id)
-    if task is None or task.deleted_at is not None or task.schedule.get("type") != "webhook":
+    if not _is_hook(task):
         raise CommandRejected("No webhook at this address.", code="hook_not_found")
     if not task.enabled:
         raise CommandRejected(f"Scheduled task {task.id} is paused (enabled: false).",
@@ -698,10 +673,32 @@ def _decide_receive_delivery(d: Draft, c: ReceiveWebhookDelivery, **_: Any
             "outcome": d.get("webhook-delivery", delivery.id).outcome}
 
 
+def _scheduled_task(d: Draft, task_id: str) -> ScheduledTask:
+    task = d.get("scheduled-task", task_id)
+    if task is None or task.deleted_at is not None:
+        raise CommandRejected(f"scheduled task {task_id} was not found", code="task_not_found")
+    return task  # type: ignore[no-any-return]
+
+
+def _is_hook(task: ScheduledTask | None) -> bool:
+    """A webhook task that was not deleted."""
+    return task is not None and task.deleted_at is None and task.schedule.get("type") == "webhook"
+
+
+def _fired(d: Draft, task: ScheduledTask, fire_key: str, prompt: str) -> ScheduledTask:
+    """The task once a fire started: its run requested, the task running. The caller puts it."""
+    d.effect("scheduled-task.run", {
+        "taskId": task.id, "fireKey": fire_key,
+        "prompt": f"[Triggered by schedule task: {task.title}]\n\n{prompt}"}, fire_key)
+    return replace(task, last_run_status="running", last_run_at=d.now, last_run_error=None,
+                   last_fire_key=fire_key, last_run_thread_id=None, last_run_id=None,
+                   run_count=task.run_count + 1, updated_at=d.now)
+
+
 def _fire_next_delivery(d: Draft, task: ScheduledTask, *,
                         arriving: WebhookDelivery | None = None) -> ScheduledTask:
-    """Fire the oldest queued delivery if the task is idle, enabled and not deleted; put what
-    this changes (and ``arriving``, joining the line). Returns the task for the caller to put."""
+    """Fire the oldest queued delivery if the task is idle, enabled and not deleted, and put
+    the delivery (``arriving`` joins the line first). Returns the task for the caller to put."""
     line = sorted([x for x in d.all("webhook-delivery") if x.outcome == "queued"]
                   + ([arriving] if arriving else []), key=lambda x: x.ordinal)
     idle = bool(line) and task.enabled and task.deleted_at is None and \
@@ -717,13 +714,15 @@ def _fire_next_delivery(d: Draft, task: ScheduledTask, *,
 
 
 # =============================================================================================
-# Scheduled tasks and webhooks at runtime
+# Runtime: the scheduler, and the run a fire requests
+
+
+_RESTARTED = "Run was interrupted by a server restart."
 
 
 class Scheduler:
-    """Fires what is due (no polling: it sleeps until the next due time or a change), runs each
-    fire's turn, settles the task when that run ends, and takes webhook deliveries. t3.py
-    attaches it to the orchestrator, which shows it every committed run and task (``watches``)
+    """Fires what is due, runs each fire's turn, settles the task when that run ends, and takes
+    webhook deliveries. The orchestrator shows it every committed run and task (``watches``)
     and starts ``run``."""
 
     watches = frozenset({"run", "scheduled-task"})
@@ -734,54 +733,42 @@ class Scheduler:
         self._wall = wall  # epoch seconds, from the same clock as ``clock`` (tests move both)
         self._redact = redact  # what webhook delivery logs keep of a body goes through it
         self._schedule_wake = asyncio.Event()
-        self._pass_waiters: list[asyncio.Future[None]] = []
         self._scheduled_runs: dict[str, tuple[str, str]] = {}  # run id -> (task id, fire key)
         self._hook_hits: dict[str, collections.deque[float]] = {}  # task id -> admitted at
         self.making_task = asyncio.Lock()  # a project's task count holds until its commit
 
     def committed(self, entity: Run | ScheduledTask) -> None:
         if isinstance(entity, ScheduledTask):
-            self.reschedule()  # its timing or state changed: aim again
+            self._schedule_wake.set()  # its timing or state changed: aim again
         elif entity.status in RUN_TERMINAL and entity.id in self._scheduled_runs:
             self.orch.spawn(self.settle_scheduled(entity), f"settle {entity.id}")
-
-    def reschedule(self) -> None:
-        """Look at what is due again now (the clock moved, or a task changed)."""
-        self._schedule_wake.set()
-
-    async def scheduler_pass(self) -> None:
-        """Wake the scheduler and return once a whole pass has fired what was due (tests that
-        move the clock use it to know what did, and did not, fire)."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._pass_waiters.append(waiter)
-        self.reschedule()
-        await waiter
 
     async def run(self) -> None:
         """Fire every due task, then sleep until the next due time or a change: no polling."""
         await self._resume_scheduled()
         while not self.orch.stopping:
-            self._schedule_wake.clear()
-            waiters, self._pass_waiters = self._pass_waiters, []
-            for task in self._store.due_tasks(iso_time(self._wall())):
-                try:
-                    await self.fire(task["id"], trigger="scheduled", due_at=task["nextRunAt"])
-                except CommandRejected as exc:  # changed meanwhile: the next pass sees how
-                    log.debug("scheduled task %s not fired: %s", task["id"], exc)
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+            await self.scheduler_pass()
+            self._schedule_wake.clear()  # after the pass: a change from now on wakes it
             due = self._store.next_due_at()
             timeout = None if due is None else max(0.0, epoch_of(due) - self._wall())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._schedule_wake.wait(), timeout)
 
-    async def fire(self, task_id: str, *, trigger: str,
-                   due_at: str | None = None) -> DispatchResult:
+    async def scheduler_pass(self) -> None:
+        """Fire every task due now. Tests that move the clock call it too, to know what did, and
+        did not, fire: a fire the loop makes at the same time is the same command."""
+        for task in self._store.due_tasks(iso_time(self._wall())):
+            try:
+                await self.fire(task["id"], trigger="scheduled", due_at=task["nextRunAt"])
+            except CommandRejected as exc:  # changed meanwhile: the next pass sees how
+                log.debug("scheduled task %s not fired: %s", task["id"], exc)
+        self._schedule_wake.set()  # the loop aims again from the moved clock
+
+    async def fire(self, task_id: str, *, trigger: str, due_at: str | None = None) -> None:
         """Fire a task once: the command id is the fire key (the task, the due time and the
         trigger), so a fire is recorded at most once, however often it is asked for."""
         stamp = str(int(epoch_of(due_at or iso_time(self._wall())) * 1000))
-        return await self.orch.dispatch(FireScheduledTask(
+        await self.orch.dispatch(FireScheduledTask(
             command_id=bounded_id(f"scheduled-task:{task_id}:{stamp}:{trigger}"),
             thread_id=task_id, trigger=trigger, due_at=due_at))
 
@@ -793,25 +780,24 @@ class Scheduler:
         state = await self.orch.state(task_id)
         task = state.entities["scheduled-task"].get(task_id) if state else None
         if task is None or task.last_fire_key != fire_key:
-            return  # deleted, or a later fire replaced it
-        made = {"created_by": Actor.SYSTEM, "creation_source": CreationSource.SERVER}
+            return  # a later fire replaced it
+        made = {"command_id": bounded_id(f"command:{fire_key}"),
+                "message_id": bounded_id(f"message:{fire_key}"),
+                "created_by": Actor.SYSTEM, "creation_source": CreationSource.SERVER}
+        selection = task.model_selection
         try:
             if task.bound_thread_id:
-                sent = await self.toolkit.send(
-                    task.bound_thread_id, text=prompt, mode="queue",
-                    command_id=bounded_id(f"command:{fire_key}"),
-                    message_id=bounded_id(f"message:{fire_key}"), **made)
-                thread_id, run_id = task.bound_thread_id, sent["runId"]
+                thread_id = task.bound_thread_id
+                sent = await self.toolkit.send(thread_id, text=prompt, mode="queue", **made)
+                run_id = sent["runId"]
             else:
                 thread_id = bounded_id(f"thread:{fire_key}")
                 created = await self.orch.dispatch(self.toolkit.plan_create(
-                    command_id=bounded_id(f"command:{fire_key}"), thread_id=thread_id,
-                    project_id=task.project_id, workspace=task.workspace, caller=None,
-                    message_id=bounded_id(f"message:{fire_key}"), entry={
+                    thread_id=thread_id, project_id=task.project_id, workspace=task.workspace,
+                    caller=None, entry={
                         "prompt": prompt, "title": task.title, "target": {
-                            "providerInstanceId": task.model_selection.get("instanceId"),
-                            **({"model": task.model_selection["model"]}
-                               if task.model_selection.get("model") else {})},
+                            "providerInstanceId": selection.get("instanceId"),
+                            **({"model": selection["model"]} if selection.get("model") else {})},
                         "runtimeMode": task.runtime_mode,
                         "interactionMode": task.interaction_mode}, **made))
                 run_id = created.result["runId"]
@@ -824,16 +810,15 @@ class Scheduler:
         if run is not None and run.status in RUN_TERMINAL:  # it ended before we watched
             await self.settle_scheduled(run)
 
-    async def settle_scheduled(self, run: Run, *, restarted: bool = False) -> None:
-        """A fired run ended: the task's last run succeeded or failed, with its reason."""
+    async def settle_scheduled(self, run: Run, *, reason: str | None = None) -> None:
+        """A fired run ended: the task's last run succeeded, or failed with ``reason`` (else
+        the run's own)."""
         task_id, fire_key = self._scheduled_runs.pop(run.id, (None, None))
         if task_id is None or fire_key is None:
             return
-        reason = "Run was interrupted by a server restart." if restarted else \
-            run.status_reason or f"The run ended {run.status}."
-        await self._settle(task_id, fire_key,
-                           "succeeded" if run.status == RunStatus.COMPLETED else "failed",
-                           error=None if run.status == RunStatus.COMPLETED else reason)
+        failed = run.status != RunStatus.COMPLETED
+        await self._settle(task_id, fire_key, "failed" if failed else "succeeded", error=(
+            reason or run.status_reason or f"The run ended {run.status}.") if failed else None)
 
     async def _settle(self, task_id: str, fire_key: str, status: str, **fields: Any) -> None:
         await self.orch.try_dispatch(SettleScheduledRun(
@@ -846,27 +831,25 @@ class Scheduler:
         for task in self._store.scheduled_tasks():
             if task["lastRunStatus"] != "running" or not task.get("lastRunId"):
                 continue
+            task_id, fire_key = task["id"], task["lastFireKey"]
             try:
                 thread = await self.orch.state(task["lastRunThreadId"])
                 run = thread.run(task["lastRunId"]) if thread else None
                 if run is None:
-                    await self._settle(task["id"], task["lastFireKey"], "failed",
-                                       error="Run was interrupted by a server restart.")
+                    await self._settle(task_id, fire_key, "failed", error=_RESTARTED)
                     continue
-                self._scheduled_runs[run.id] = (task["id"], task["lastFireKey"])
+                self._scheduled_runs[run.id] = (task_id, fire_key)
                 if run.status in RUN_TERMINAL:
-                    await self.settle_scheduled(run, restarted=run.status != RunStatus.COMPLETED)
+                    await self.settle_scheduled(run, reason=_RESTARTED)
             except Exception as exc:  # one task's state never stops the scheduler
-                log.error("recovery of scheduled task %s failed: %s", task["id"], exc,
+                log.error("recovery of scheduled task %s failed: %s", task_id, exc,
                           exc_info=exc)
 
     async def webhook_task(self, task_id: str) -> ScheduledTask | None:
         """The webhook task with this id, unless deleted (t3.py checks the hook token on it)."""
         state = await self.orch.state(task_id)
         task = state.entities["scheduled-task"].get(task_id) if state else None
-        if task is None or task.deleted_at is not None or task.schedule.get("type") != "webhook":
-            return None
-        return task  # type: ignore[no-any-return]
+        return task if _is_hook(task) else None
 
     async def receive_webhook(self, task_id: str, request: WebhookRequest) -> Mapping[str, Any]:
         """A delivery whose token t3.py checked: signature (``invalid_signature``), nesting
@@ -928,7 +911,6 @@ class Scheduler:
         hits.append(now)
 
 
-# its thread and message ids derive from the fire key
 EFFECTS["scheduled-task.run"] = EffectKind(lambda o, row: o.part(Scheduler).run_scheduled(
     row.thread_id, row.payload["fireKey"], row.payload["prompt"]), replay_safe=True)
 
@@ -948,30 +930,54 @@ _SCHEDULE_RESULT = {
     "interactionMode": INTERACTION, "createdBy": ACTOR, "creationSource": SOURCE,
     "createdAt": STRING, "updatedAt": STRING, "hookUrl": STRING, "hookNote": STRING,
     "deliveries": list_of({"type": "object"})}
-SCHEDULE_OUTPUT = shape(_SCHEDULE_RESULT, optional=["hookUrl", "hookNote", "deliveries"])
+_SUMMARY_EXTRAS = ("hookUrl", "hookNote", "deliveries")  # only where they apply
+SCHEDULE_OUTPUT = shape(_SCHEDULE_RESULT, optional=list(_SUMMARY_EXTRAS))
 LIST_SCHEDULES_OUTPUT = shape({"tasks": list_of(SCHEDULE_OUTPUT)})
 DELETE_SCHEDULE_OUTPUT = shape({"scheduledTaskId": STRING, "deleted": BOOLEAN})
 
 
 async def _schedule_task(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    """schedule_task, and /ws scheduleTask's code (what it makes records call.made_by)."""
+    """schedule_task and /ws scheduleTask: make a task (``call.made_by`` is its maker), or
+    change the one ``scheduledTaskId`` names."""
     scope = call.scope
     caller = (await kit.agent_caller(scope, "schedule_task"))[0] \
         if scope.kind == "thread" else None
-    schedule = _parse_schedule(args["schedule"]) if "schedule" in args else None
+    schedule = validate_schedule(args["schedule"]) if "schedule" in args else None
     limit = kit.ctx.min_agent_task_interval_s
     if caller is not None and schedule is not None and schedule["type"] == "interval" and \
             schedule["everyMs"] < limit * 1000:
-        raise T3Error(f"schedule.everyMs: an agent's task runs at "
-                      f"most every {limit} s, min_agent_task_interval_s = {limit} "
-                      "([limits] in t3.toml)", code="capability_denied")
+        raise T3Error(f"schedule.everyMs: an agent's task runs at most every {limit} s, "
+                      f"min_agent_task_interval_s = {limit} ([limits] in t3.toml)",
+                      code="capability_denied")
     if "scheduledTaskId" in args:
-        task = await _visible_task(kit, scope, caller, args["scheduledTaskId"],
-                                   changing=True)
-        command, token = _task_update(kit, call, caller, task, args, schedule)
+        task = await _visible_task(kit, scope, caller, args["scheduledTaskId"], changing=True)
+        if caller is not None:
+            _agent_may_change(caller, task, args, schedule)
+        fields, token = _run_settings(kit, caller, args, schedule, task.project_id, task)
+        command = UpsertScheduledTask(
+            command_id=kit.derive_id("command", call.source, scope.key, "schedule-task-update",
+                                     task.id, kit.key(args)),
+            thread_id=task.id, title=args.get("title"), prompt=args.get("prompt"),
+            enabled=args.get("enabled"), **fields)
         await kit.orch.dispatch(command)
     else:
-        command, token = _task_create(kit, call, caller, args, schedule)
+        _require(schedule is not None and "prompt" in args, "prompt", "a new scheduled task "
+                 "needs a prompt and a schedule (or give scheduledTaskId to change one)")
+        home = caller.thread.project_id if caller and caller.thread else None
+        if caller is not None and (home == kit.ctx.scratch_project.id
+                                   or args.get("projectId", home) != home):
+            raise T3Error("projectId: an agent schedules tasks only in its own thread's project "
+                          f"({home}, not a scratch folder)", code="capability_denied")
+        project = kit.ctx.project(home or args.get("projectId"))
+        fields, token = _run_settings(kit, caller, args, schedule, project.id)
+        retry = (call.source, scope.key, "schedule-task", kit.key(args))
+        command = UpsertScheduledTask(
+            command_id=kit.derive_id("command", *retry),
+            thread_id=kit.derive_id("scheduled-task", *retry),
+            title=thread_title(args.get("title"), args["prompt"], "Scheduled task"),
+            prompt=args["prompt"], enabled=args.get("enabled", True), project_id=project.id,
+            workspace=project.path, creator_thread_id=scope.thread_id, **fields,
+            **call.made_by)
         async with kit.orch.part(Scheduler).making_task:
             _within_task_cap(kit, caller, command)
             await kit.orch.dispatch(command)
@@ -980,74 +986,37 @@ async def _schedule_task(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]
     task = await _visible_task(kit, scope, caller, command.thread_id)
     return _task_summary(kit, task, hook_token=token)
 
-def _task_create(kit: Toolkit, call: Call, caller: ThreadState | None, args: Args,
-                 schedule: dict[str, Any] | None
-                 ) -> tuple[UpsertScheduledTask, str | None]:
-    scope, transport = call.scope, call.source
-    if schedule is None or "prompt" not in args:
-        raise T3Error("prompt: a new scheduled task needs a prompt and a schedule (or give "
-                      "scheduledTaskId to change one)", code="invalid_request")
-    home = caller.thread.project_id if caller and caller.thread else None
-    if caller is not None and (home == kit.ctx.scratch_project.id
-                               or args.get("projectId", home) != home):
-        raise T3Error("projectId: an agent schedules tasks only in its own thread's project "
-                      f"({home}, not a scratch folder)", code="capability_denied")
-    project = kit.ctx.project(home or args.get("projectId"))
-    here = caller is not None and caller.thread is not None and \
-        caller.thread.project_id == project.id
-    bind = args.get("bindToCurrentThread", here)
-    if bind and not here:
-        raise T3Error(f"bindToCurrentThread: needs a calling thread in project {project.id} "
-                      "(the client token has none)", code="invalid_request")
-    info, model = kit.resolve_target(args.get("target"), caller)
-    runtime, interaction = kit.modes(args, caller)
-    # An agent never holds a hook's token: a person mints its URL (_task_summary's hookNote).
-    token = secrets.token_urlsafe(32) if schedule["type"] == "webhook" and caller is None \
-        else None
-    key = kit.key(args)
-    return UpsertScheduledTask(
-        command_id=kit.derive_id("command", transport, scope.key, "schedule-task", key),
-        thread_id=kit.derive_id("scheduled-task", transport, scope.key, "schedule-task", key),
-        title=thread_title(args.get("title"), args["prompt"], "Scheduled task"),
-        prompt=args["prompt"], schedule=schedule, project_id=project.id,
-        workspace=project.path, bind=bool(bind),
-        bound_thread_id=caller.thread.id if bind and caller and caller.thread else None,
-        model_selection={"instanceId": info.instance_id, "model": model},
-        runtime_mode=runtime, interaction_mode=interaction,
-        enabled=args.get("enabled", True), hook_token_sha256=_sha256(token),
-        creator_thread_id=scope.thread_id, **call.made_by), token
 
-def _task_update(kit: Toolkit, call: Call, caller: ThreadState | None, task: ScheduledTask,
-                 args: Args, schedule: dict[str, Any] | None
-                 ) -> tuple[UpsertScheduledTask, str | None]:
-    scope, transport = call.scope, call.source
-    if caller is not None:
-        _agent_may_change(caller, task, args, schedule)
-    bind = args.get("bindToCurrentThread")
-    if bind and (caller is None or caller.thread is None
-                 or caller.thread.project_id != task.project_id):
-        raise T3Error("bindToCurrentThread: needs a calling thread "
-                      f"in project {task.project_id}", code="invalid_request")
-    selection, runtime, interaction = task.model_selection, None, None
-    if "target" in args:
-        info, model = kit.resolve_target(args["target"], caller)
+def _run_settings(kit: Toolkit, caller: ThreadState | None, args: Args,
+                  schedule: dict[str, Any] | None, project_id: str,
+                  task: ScheduledTask | None = None) -> tuple[dict[str, Any], str | None]:
+    """The UpsertScheduledTask fields a new task and a change to ``task`` share (a change's
+    only as given), and the hook token minted for a person: shown once, only its hash kept."""
+    here = caller is not None and caller.thread is not None and \
+        caller.thread.project_id == project_id
+    bind = args.get("bindToCurrentThread", here if task is None else None)
+    _require(here or not bind, "bindToCurrentThread", f"needs a calling thread in project "
+             f"{project_id}" + (" (the client token has none)" if task is None else ""))
+    selection = task.model_selection if task is not None else None
+    if task is None or "target" in args:
+        info, model = kit.resolve_target(args.get("target"), caller)
         selection = {"instanceId": info.instance_id, "model": model}
-    if "runtimeMode" in args or "interactionMode" in args:
-        runtime, interaction = kit.modes(
-            {"runtimeMode": task.runtime_mode, "interactionMode": task.interaction_mode,
-             **args}, caller)
-    rotate = caller is None and (args.get("rotateHookToken") or (
-        schedule is not None and schedule["type"] == "webhook"
-        and task.hook_token_sha256 is None))
-    token = secrets.token_urlsafe(32) if rotate else None
-    return UpsertScheduledTask(
-        command_id=kit.derive_id("command", transport, scope.key, "schedule-task-update",
-                                 task.id, kit.key(args)),
-        thread_id=task.id, title=args.get("title"), prompt=args.get("prompt"),
-        enabled=args.get("enabled"), schedule=schedule, bind=bind,
-        bound_thread_id=caller.thread.id if bind and caller and caller.thread else None,
-        model_selection=selection, runtime_mode=runtime, interaction_mode=interaction,
-        hook_token_sha256=_sha256(token)), token
+    runtime = interaction = None
+    if task is None or "runtimeMode" in args or "interactionMode" in args:
+        kept = {"runtimeMode": task.runtime_mode, "interactionMode": task.interaction_mode} \
+            if task is not None else {}
+        runtime, interaction = kit.modes({**kept, **args}, caller)
+    # An agent never holds a hook's token: a person mints its URL (_task_summary's hookNote).
+    webhook = schedule is not None and schedule["type"] == "webhook"
+    mint = caller is None and (webhook and (task is None or task.hook_token_sha256 is None)
+                               or task is not None and bool(args.get("rotateHookToken")))
+    token = secrets.token_urlsafe(32) if mint else None
+    return {"schedule": schedule, "bind": bind, "model_selection": selection,
+            "bound_thread_id": caller.thread.id if bind and caller and caller.thread else None,
+            "runtime_mode": runtime, "interaction_mode": interaction,
+            "hook_token_sha256": hashlib.sha256(token.encode()).hexdigest() if token else None
+            }, token
+
 
 async def _visible_task(kit: Toolkit, scope: Scope, caller: ThreadState | None, task_id: str, *,
                         changing: bool = False) -> ScheduledTask:
@@ -1061,19 +1030,40 @@ async def _visible_task(kit: Toolkit, scope: Scope, caller: ThreadState | None, 
                                         or caller.thread.project_id != task.project_id)):
         raise T3Error(f"no scheduled task {task_id} in your project", code="task_not_found")
     if changing and caller is not None and caller.thread is not None:
-        runs_in = await kit.orch.state(task.bound_thread_id) if task.bound_thread_id \
-            else None
-        runtime, interaction = (runs_in.thread.runtime_mode, runs_in.thread.interaction_mode) \
-            if runs_in is not None and runs_in.thread is not None else \
-            (task.runtime_mode, task.interaction_mode)
+        bound = await kit.orch.state(task.bound_thread_id) if task.bound_thread_id else None
+        runs_as = bound.thread if bound is not None and bound.thread is not None else task
         try:
-            kit.ceiling(caller.thread, runtime, interaction)
+            kit.ceiling(caller.thread, runs_as.runtime_mode, runs_as.interaction_mode)
         except T3Error as exc:
-            raise T3Error(f"scheduled task {task_id} runs in {runtime}/{interaction}, "
-                          f"broader than your {caller.thread.runtime_mode}/"
-                          f"{caller.thread.interaction_mode}: only a caller with those modes "
-                          "(or the client) may change it", code="capability_denied") from exc
+            raise T3Error(f"scheduled task {task_id} runs in {runs_as.runtime_mode}/"
+                          f"{runs_as.interaction_mode}, broader than your "
+                          f"{caller.thread.runtime_mode}/{caller.thread.interaction_mode}: only "
+                          "a caller with those modes (or the client) may change it",
+                          code="capability_denied") from exc
     return task  # type: ignore[no-any-return]
+
+
+def _agent_may_change(caller: ThreadState, task: ScheduledTask, args: Args,
+                      schedule: dict[str, Any] | None) -> None:
+    """An agent never holds a hook's token (a person rotates it), and changes a task's prompt or
+    a webhook's schedule (signature, filters) only on a task its own thread made: else it could
+    turn a person's signed hook into an unsigned one that runs its words."""
+    assert caller.thread is not None
+    if args.get("rotateHookToken"):
+        raise T3Error("rotateHookToken: a person rotates a hook's token (python t3.py schedule "
+                      "--id ID --rotate-hook-token, or /ws scheduleTask); an agent never holds "
+                      "one", code="capability_denied")
+    if task.creator_thread_id == caller.thread.id:
+        return
+    changed = "prompt" if args.get("prompt", task.prompt) != task.prompt else "schedule" if (
+        schedule is not None and schedule != task.schedule
+        and "webhook" in (schedule["type"], task.schedule["type"])) else None
+    if changed is not None:
+        maker = f"thread {task.creator_thread_id}" if task.creator_thread_id else "a person"
+        raise T3Error(f"{changed}: scheduled task {task.id} was made by {maker}; an agent "
+                      "changes the prompt, signature and filters only of tasks its thread made",
+                      code="capability_denied")
+
 
 def _within_task_cap(kit: Toolkit, caller: ThreadState | None,
                      command: UpsertScheduledTask) -> None:
@@ -1083,9 +1073,10 @@ def _within_task_cap(kit: Toolkit, caller: ThreadState | None,
     if caller is None or kit.store.receipt(command.command_id) is not None:
         return
     if (held := sum(t["projectId"] == project for t in kit.store.scheduled_tasks())) >= cap:
-        raise T3Error(f"project {project} holds {held} scheduled "
-                      f"tasks, max_scheduled_tasks_per_project = {cap} ([limits] in "
-                      "t3.toml): delete one first", code="capability_denied")
+        raise T3Error(f"project {project} holds {held} scheduled tasks, "
+                      f"max_scheduled_tasks_per_project = {cap} ([limits] in t3.toml): delete "
+                      "one first", code="capability_denied")
+
 
 async def _list_schedules(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     scope = call.scope
@@ -1094,13 +1085,14 @@ async def _list_schedules(kit: Toolkit, call: Call, args: Args) -> dict[str, Any
     if scope.kind == "thread":
         home = caller.thread.project_id if caller and caller.thread else ""
         if wanted not in (None, home):
-            raise T3Error(f"projectId: an agent lists only its "
-                          f"own project's tasks ({home})", code="capability_denied")
+            raise T3Error(f"projectId: an agent lists only its own project's tasks ({home})",
+                          code="capability_denied")
         wanted = home
     tasks = [ScheduledTask.from_json(t) for t in kit.store.scheduled_tasks()]
     return {"tasks": [_task_summary(kit, t, deliveries=args.get("includeDeliveries"))
                       for t in tasks if wanted in (None, t.project_id)
                       and args.get("scheduledTaskId") in (None, t.id)]}
+
 
 async def _delete_schedule(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     scope = call.scope
@@ -1109,30 +1101,31 @@ async def _delete_schedule(kit: Toolkit, call: Call, args: Args) -> dict[str, An
     task = await _visible_task(kit, scope, caller, args["scheduledTaskId"], changing=True)
     await kit.orch.dispatch(DeleteScheduledTask(
         command_id=kit.derive_id("command", call.source, scope.key, "delete-scheduled-task",
-                            task.id),
-        thread_id=task.id))
+                                 task.id), thread_id=task.id))
     return {"scheduledTaskId": task.id, "deleted": True}
+
+
+async def _webhook_deliveries(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    """A webhook task's kept deliveries, newest first, as recorded (secrets redacted)."""
+    task_id = args["scheduledTaskId"]
+    if await kit.orch.part(Scheduler).webhook_task(task_id) is None:
+        raise T3Error(f"no webhook task {task_id}", code="task_not_found")
+    return {"scheduledTaskId": task_id, "deliveries": kit.store.deliveries(task_id)}
+
 
 def _task_summary(kit: Toolkit, task: ScheduledTask, *, hook_token: str | None = None,
                   deliveries: bool = False) -> dict[str, Any]:
+    """A task as results show it: its fields, the signature's secret left out (it is
+    write-only), and its hook URL once, when a token was just minted."""
     schedule = dict(task.schedule)
-    if isinstance(schedule.get("signature"), Mapping):  # the secret is write-only
+    if isinstance(schedule.get("signature"), Mapping):
         schedule["signature"] = {k: v for k, v in schedule["signature"].items()
                                  if k != "secret"}
-    summary = {
-        "scheduledTaskId": task.id, "title": task.title, "prompt": task.prompt,
-        "enabled": task.enabled, "projectId": task.project_id,
-        "boundThreadId": task.bound_thread_id, "schedule": schedule,
-        "nextRunAt": task.next_run_at, "lastRunAt": task.last_run_at,
-        "lastRunStatus": task.last_run_status, "lastRunError": task.last_run_error,
-        "lastRunThreadId": task.last_run_thread_id, "lastRunId": task.last_run_id,
-        "runCount": task.run_count,
-        "providerInstanceId": task.model_selection.get("instanceId"),
-        "model": task.model_selection.get("model"), "runtimeMode": task.runtime_mode,
-        "interactionMode": task.interaction_mode, "createdBy": task.created_by,
-        "creationSource": task.creation_source, "createdAt": task.created_at,
-        "updatedAt": task.updated_at}
-    if hook_token is not None:  # shown once: only its hash is kept
+    row = {**task.to_json(), "scheduledTaskId": task.id, "schedule": schedule,
+           "providerInstanceId": task.model_selection.get("instanceId"),
+           "model": task.model_selection.get("model")}
+    summary = {key: row[key] for key in _SCHEDULE_RESULT if key not in _SUMMARY_EXTRAS}
+    if hook_token is not None:
         # The id may hold a % (clientRequestId is quoted into it): quote it once more.
         summary["hookUrl"] = (f"{kit.ctx.base_url}/hooks/"
                               f"{urllib.parse.quote(task.id, safe=':~')}/{hook_token}")
@@ -1144,57 +1137,6 @@ def _task_summary(kit: Toolkit, task: ScheduledTask, *, hook_token: str | None =
     if deliveries and task.schedule.get("type") == "webhook":
         summary["deliveries"] = kit.store.deliveries(task.id)
     return summary
-
-
-
-async def _webhook_deliveries(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    """A webhook task's kept deliveries, newest first, as recorded (secrets redacted)."""
-    task_id = args["scheduledTaskId"]
-    if await kit.orch.part(Scheduler).webhook_task(task_id) is None:
-        raise T3Error(f"no webhook task {task_id}", code="task_not_found")
-    return {"scheduledTaskId": task_id, "deliveries": kit.store.deliveries(task_id)}
-
-
-
-
-def _agent_may_change(caller: ThreadState, task: ScheduledTask, args: Args,
-                      schedule: dict[str, Any] | None) -> None:
-    """An agent never holds a hook's token (a person rotates it), and changes a task's prompt or
-    a webhook's schedule (signature, filters) only on a task its own thread made: else it could
-    turn a person's signed hook into an unsigned one that runs its words."""
-    assert caller.thread is not None
-    if args.get("rotateHookToken"):
-        raise T3Error("rotateHookToken: a person rotates a hook's "
-                      "token (python t3.py schedule --id ID --rotate-hook-token, or /ws "
-                      "scheduleTask); an agent never holds one", code="capability_denied")
-    if task.creator_thread_id == caller.thread.id:
-        return
-    for name, changed in (
-            ("prompt", args.get("prompt", task.prompt) != task.prompt),
-            ("schedule", schedule is not None and schedule != task.schedule
-             and "webhook" in (schedule["type"], task.schedule["type"]))):
-        if changed:
-            maker = f"thread {task.creator_thread_id}" if task.creator_thread_id else "a person"
-            raise T3Error(f"{name}: scheduled task {task.id} was made "
-                          f"by {maker}; an agent changes the prompt, signature and filters "
-                          "only of tasks its thread made", code="capability_denied")
-
-
-
-
-def _parse_schedule(schedule: Any) -> dict[str, Any]:
-    """A schedule object, or the same as a JSON string (models often send one)."""
-    if isinstance(schedule, str):
-        try:
-            schedule = parse_json(schedule)
-        except ValueError as exc:
-            raise T3Error("schedule: not an object, nor JSON of "
-                          f"one ({exc})", code="invalid_request") from None
-    return validate_schedule(schedule)
-
-
-def _sha256(token: str | None) -> str | None:
-    return hashlib.sha256(token.encode()).hexdigest() if token is not None else None
 
 
 register(
