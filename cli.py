@@ -6,6 +6,8 @@ Each command finds the server through ``<data-dir>/server.json`` and talks to it
 reaches the terminal), or one JSON document with --json; its exit code is stable. It prints
 what the server shapes and adds up nothing: ``show`` reads a streaming message's text with
 ``readThread``. From ``t3.py`` it takes the client token's reader and the protocol version.
+Each command is an entry of one table (``_command``): its usage, help and options beside the
+handler that runs it, THREAD already resolved to a thread id.
 """
 
 from __future__ import annotations
@@ -314,10 +316,10 @@ def _unreachable(data_dir: Path, server: Mapping[str, Any], exc: BaseException) 
                     f"{server.get('pid')}): {why}", exit=EXIT_NO_SERVER)
 
 
-def _out(args: argparse.Namespace, document: Any, text: str) -> int:
-    """With --json the document (one line), else the text for people; 0, success."""
+def _out(args: argparse.Namespace, document: Any, text: str, *, exit: int = 0) -> int:
+    """With --json the document (one line), else the text for people; ``exit``."""
     print(json.dumps(document, ensure_ascii=False) if args.json else inert(text), flush=True)
-    return 0
+    return exit
 
 
 def _given(**values: Any) -> dict[str, Any]:
@@ -563,11 +565,11 @@ async def _switch(client: WsClient, args: argparse.Namespace) -> int:
 async def _rollback(client: WsClient, args: argparse.Namespace) -> int:
     done = await client.request("rollbackThread", {
         "threadId": args.thread, "runOrdinal": args.run, "creationSource": "cli"})
-    completed = done["status"] == "completed"
-    _out(args, done, f"rolled {args.thread} back to run {done['ordinal']} ("
-         f"{len(done['rolledBackRunIds'])} later run(s) rolled back)" if completed else
-         f"rollback of {args.thread} {done['status']}: {done['reason'] or 'still restoring'}")
-    return 0 if completed else EXIT_FAILED
+    if done["status"] != "completed":
+        return _out(args, done, f"rollback of {args.thread} {done['status']}: "
+                    f"{done['reason'] or 'still restoring'}", exit=EXIT_FAILED)
+    return _out(args, done, f"rolled {args.thread} back to run {done['ordinal']} ("
+                f"{len(done['rolledBackRunIds'])} later run(s) rolled back)")
 
 
 @_command("wait THREAD", "wait for a thread's run to end",
@@ -580,8 +582,7 @@ async def _wait(client: WsClient, args: argparse.Namespace) -> int:
     async with _spinner(args, f"waiting for {args.thread}"):
         result = await _wait_for(client, args.thread, run_id=args.run, timeout_s=args.timeout)
     code, text = _wait_outcome(result)
-    _out(args, result, text)
-    return code
+    return _out(args, result, text, exit=code)
 
 
 async def _wait_for(client: WsClient, thread_id: str, *, run_id: str | None,
@@ -676,8 +677,9 @@ _command("resume THREAD", "release a stopped thread's held turns",
 
 @_command("requests", "list pending approvals and questions",
           "List the pending requests (approvals and questions) of every thread, or of THREAD.",
-          _arg("of", metavar="THREAD", nargs="?"))  # not `thread`: "" here means every thread
+          _arg("of", metavar="THREAD", nargs="?"))
 async def _requests(client: WsClient, args: argparse.Namespace) -> int:
+    # THREAD is resolved here, not before the command: an empty one means every thread
     params = {"threadId": await _thread_ref(client, args.of)} if args.of else {}
     listed = await client.request("listPendingRequests", params)
     rows = [f"{r['requestId']}  {r['kind']}: {r['title']}\n    thread {r['threadId']}; answer "
@@ -1220,8 +1222,7 @@ async def _diff(client: WsClient, args: argparse.Namespace) -> int:
         ordinal=args.run)})  # with an ordinal, that run's diff
     what = "the thread" if args.run is None else f"run {args.run}"
     if found["status"] != "ready":
-        _out(args, found, f"no diff for {what}: {found['reason']}")
-        return EXIT_FAILED
+        return _out(args, found, f"no diff for {what}: {found['reason']}", exit=EXIT_FAILED)
     lines = [f"{f['kind']:<9} +{f['additions']:<5} -{f['deletions']:<5} {f['path']}"
              for f in found["files"]] or [f"no changes in {what}"]
     return _out(args, found, "\n".join([*lines, "", found["diff"].rstrip("\n")] + (
