@@ -180,6 +180,7 @@ def _outcome(frame: Mapping[str, Any] | None) -> Any:
                       detail=error)
     return frame.get("result")
 
+
 # =============================================================================================
 # Commands for people: finding and reaching the server, printing, exit codes (scripts rely on
 # them), and the table of commands.
@@ -1176,9 +1177,9 @@ async def _rename(client: WsClient, args: argparse.Namespace) -> int:
           "Link the pull request at URL (https://host/owner/repo/pull/N) to a thread.")
 async def _link_pr(client: WsClient, args: argparse.Namespace) -> int:
     """link-pr, and unlink-pr."""
-    updated = await client.request(*(
-        ("linkPullRequest", {"threadId": args.thread, "url": args.url})
-        if args.command == "link-pr" else ("unlinkPullRequest", {"threadId": args.thread})))
+    updated = await client.request(
+        "linkPullRequest" if args.command == "link-pr" else "unlinkPullRequest",
+        {"threadId": args.thread, **_given(url=getattr(args, "url", None))})
     pr = updated["linkedPullRequest"]
     return _out(args, updated, f"{args.thread}: " + (
         f"{_pr_words(pr)} {pr['url']}" if pr else "no pull request linked"))
@@ -1218,8 +1219,8 @@ _command("snooze THREAD UNTIL", "snooze a thread until a time",
           "git repository there are no checkpoints (exit 1).",
           _arg("--run", type=int, metavar="N", help="only run N (its ordinal, from 1)"))
 async def _diff(client: WsClient, args: argparse.Namespace) -> int:
-    found = await client.request("getFullThreadDiff", {"threadId": args.thread, **_given(
-        ordinal=args.run)})  # with an ordinal, that run's diff
+    method = "getFullThreadDiff" if args.run is None else "getTurnDiff"
+    found = await client.request(method, {"threadId": args.thread, **_given(ordinal=args.run)})
     what = "the thread" if args.run is None else f"run {args.run}"
     if found["status"] != "ready":
         return _out(args, found, f"no diff for {what}: {found['reason']}", exit=EXIT_FAILED)
