@@ -6,6 +6,8 @@ Each command finds the server through ``<data-dir>/server.json`` and talks to it
 reaches the terminal), or one JSON document with --json; its exit code is stable. It prints
 what the server shapes and adds up nothing: ``show`` reads a streaming message's text with
 ``readThread``. From ``t3.py`` it takes the client token's reader and the protocol version.
+Each command is an entry of one table (``_command``): its usage, help and options beside the
+handler that runs it, THREAD already resolved to a thread id.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +183,7 @@ def _outcome(frame: Mapping[str, Any] | None) -> Any:
 
 # =============================================================================================
 # Commands for people: finding and reaching the server, printing, exit codes (scripts rely on
-# them); then the commands that start, steer, wait for and answer threads.
+# them), and the table of commands.
 
 
 EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER, EXIT_UNFINISHED, EXIT_NOT_COMPLETED = 1, 2, 3, 4, 5
@@ -245,6 +248,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 async def _connected(args: argparse.Namespace) -> int:
+    """Connects, resolves THREAD (and FORK) to a thread id, and runs the command."""
     data_dir, server, token = _server_of(args.data_dir)
     client = WsClient(server["wsUrl"], token)
     try:
@@ -257,7 +261,9 @@ async def _connected(args: argparse.Namespace) -> int:
             raise CliError(f"the server at {server['wsUrl']} refused the connection (HTTP "
                            f"{exc.status}): {exc}", exit=EXIT_NO_SERVER) from exc
         try:
-            return await _COMMANDS[args.command](client, args)
+            if getattr(args, "thread", None) is not None:
+                args.thread = await _thread_ref(client, args.thread)
+            return await _COMMANDS[args.command].run(client, args)
         except WsError as exc:
             if exc.code == "connection_closed":
                 raise CliError("the server closed the connection (did it stop?)",
@@ -311,10 +317,10 @@ def _unreachable(data_dir: Path, server: Mapping[str, Any], exc: BaseException) 
                     f"{server.get('pid')}): {why}", exit=EXIT_NO_SERVER)
 
 
-def _out(args: argparse.Namespace, document: Any, text: str) -> int:
-    """With --json the document (one line), else the text for people; 0, success."""
+def _out(args: argparse.Namespace, document: Any, text: str, *, exit: int = 0) -> int:
+    """With --json the document (one line), else the text for people; ``exit``."""
     print(json.dumps(document, ensure_ascii=False) if args.json else inert(text), flush=True)
-    return 0
+    return exit
 
 
 def _given(**values: Any) -> dict[str, Any]:
@@ -348,7 +354,92 @@ async def _thread_ref(client: WsClient, text: str) -> str:
     return str(found["threadId"]) if found else text
 
 
-async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
+async def _dispatch(client: WsClient, kind: str, **fields: Any) -> dict[str, Any]:
+    """The client command ``kind`` over dispatchCommand, made here by the user."""
+    return await client.request("dispatchCommand", {
+        "type": kind, "commandId": _new_id(), "creationSource": "cli", **fields})
+
+
+def _new_id() -> str:
+    """A command's or request's id: 12 hex digits, the end of a thread id that a person types."""
+    return uuid.uuid4().hex[:12]
+
+
+def _pr_words(pr: Mapping[str, Any]) -> str:
+    """A linked pull request for people: the host its link goes to, then owner/repo#N."""
+    return f"{urllib.parse.urlsplit(pr['url']).hostname}/{pr['repository']}#{pr['number']}"
+
+
+Handler = Callable[[WsClient, argparse.Namespace], Awaitable[int]]
+Option = tuple[tuple[str, ...], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    usage: str  # the name, then the required positionals: THREAD, FORK (a thread too), ...
+    summary: str
+    description: str
+    options: tuple[Option | list[Option], ...]  # a list: options that exclude each other
+    run: Handler
+
+
+_COMMANDS: dict[str, _Command] = {}  # in the order --help lists them
+
+
+def _command(usage: str, summary: str, description: str, *options: Option | list[Option]
+             ) -> Callable[[Handler], Handler]:
+    """Registers the handler it decorates as the command ``usage`` names."""
+    def register(run: Handler) -> Handler:
+        _COMMANDS[usage.split()[0]] = _Command(usage, summary, description, options, run)
+        return run
+    return register
+
+
+def _arg(*flags: str, **settings: Any) -> Option:
+    return flags, settings
+
+
+def add_parsers(sub: Any) -> None:
+    """The commands for people, each with --data-dir and --json."""
+    for command in _COMMANDS.values():
+        name, *positionals = command.usage.split()
+        parser = sub.add_parser(name, help=command.summary, description=command.description,
+                                epilog=CLI_EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--data-dir", default=argparse.SUPPRESS,
+                            help="the server's data directory (default: $T3_HOME, else ~/.t3)")
+        parser.add_argument("--json", action="store_true",
+                            help="print one JSON document (for scripts) instead of text")
+        for metavar in positionals:
+            parser.add_argument("thread" if metavar == "FORK" else metavar.lower(),
+                                metavar=metavar)
+        for option in command.options:
+            group = parser.add_mutually_exclusive_group() if isinstance(option, list) else parser
+            for flags, settings in option if isinstance(option, list) else [option]:
+                group.add_argument(*flags, **settings)
+
+
+_PROJECT = _arg("--project", help="project id (default: the first configured)")
+_PROVIDER = _arg("--provider", help="provider instance id (default: the first available)")
+_REASON = _arg("--reason", help="recorded in the timeline")
+
+
+# =============================================================================================
+# Commands for people: list, show, start, steer, wait for and answer threads.
+
+
+@_command("threads", "list threads with their status",
+          "List a project's threads, newest activity first: the status of the latest run, the "
+          "id, the title.", _PROJECT,
+          _arg("--all", action="store_true", help="include delegated (task) threads"),
+          _arg("--status", action="append", choices=["idle", *RunStatus],
+               help="only threads whose latest run has this status (repeatable)"),
+          _arg("--title", help="only threads whose title contains this"),
+          _arg("--archived", action="store_true", help="only archived threads"),
+          _arg("--snoozed", action=argparse.BooleanOptionalAction,
+               help="only snoozed threads (--no-snoozed: only the others)"),
+          _arg("--limit", type=int, default=50, help="at most this many (1-100; 50)"))
+async def _threads(client: WsClient, args: argparse.Namespace) -> int:
     listed = await client.request("listThreads", {
         "includeSubagents": args.all, "limit": args.limit, **_given(
             projectId=args.project, statuses=args.status, titleContains=args.title,
@@ -365,30 +456,50 @@ async def _cmd_threads(client: WsClient, args: argparse.Namespace) -> int:
     return _out(args, listed, "\n".join(rows) or f"no threads in project {listed['projectId']}")
 
 
-def _pr_words(pr: Mapping[str, Any]) -> str:
-    """A linked pull request for people: the host its link goes to, then owner/repo#N."""
-    return f"{urllib.parse.urlsplit(pr['url']).hostname}/{pr['repository']}#{pr['number']}"
+@_command("show THREAD", "a thread's timeline, or follow it live",
+          "Print a thread's timeline: user and assistant messages, tool calls, approvals, "
+          "questions, tasks and errors, in order. With --json, one JSON document {thread, runs, "
+          "items}; followed, one JSON object per line.",
+          _arg("--follow", "-f", action="store_true",
+               help="keep printing what happens until Ctrl-C"),
+          _arg("--until-done", action="store_true",
+               help="follow until the latest run ends (exit codes as for wait)"))
+async def _show(client: WsClient, args: argparse.Namespace) -> int:
+    view = _Timeline(client, args.thread, json_lines=args.json)
+    try:
+        if args.follow or args.until_done:
+            return await view.follow(until_done=args.until_done)
+        view.load((await client.request("getThreadProjection", {"threadId": args.thread}))[
+            "projection"])
+        if args.json:
+            return _out(args, view.document(), "")
+        view.print_all()
+        return 0
+    finally:  # a message's line left open: done, Ctrl-C, or the server gone
+        view.end_line()
 
 
-def _strategy_arg(args: argparse.Namespace) -> dict[str, Any] | None:
-    """``new``'s workspace options as a workspaceStrategy (None: the project root)."""
-    if args.worktree and args.existing_worktree:
-        raise SystemExit("t3: --worktree and --existing-worktree exclude each other")
-    if (args.branch or args.from_origin) and not (args.worktree or args.existing_worktree):
-        raise SystemExit("t3: --branch and --from-origin go with --worktree")
-    if args.worktree:
-        return _given(type="worktree", baseRef=args.worktree, branch=args.branch,
-                      startFromOrigin=args.from_origin or None)
-    if args.existing_worktree:
-        return _given(type="existing_worktree", branch=args.branch,
-                      worktreePath=str(Path(args.existing_worktree).resolve()))
-    return None
-
-
-async def _cmd_new(client: WsClient, args: argparse.Namespace) -> int:
+@_command("new", "start a thread", "Start a thread (and its first run, given TEXT); print its id.",
+          _arg("text", metavar="TEXT", nargs="?", help="the first message"), _PROVIDER,
+          _arg("--model", help="model (default: the provider's first)"), _PROJECT,
+          _arg("--scratch", action="store_true",
+               help="run in a fresh folder of its own instead of a project"),
+          _arg("--worktree", metavar="BASE",
+               help="run in a new git worktree on a new branch from BASE (a ref)"),
+          _arg("--existing-worktree", metavar="PATH",
+               help="run in this existing worktree of the project's repository"),
+          _arg("--branch", help="the new worktree's branch (default t3/<hash>); with "
+                                "--existing-worktree, the branch it must be on"),
+          _arg("--from-origin", action="store_true",
+               help="with --worktree: fetch origin and start from origin/BASE"),
+          _arg("--title", help="title (default: from TEXT)"),
+          _arg("--runtime-mode", choices=list(RuntimeMode),
+               help="what the agent may do without asking (default full-access)"),
+          _arg("--interaction-mode", choices=list(InteractionMode)))
+async def _new(client: WsClient, args: argparse.Namespace) -> int:
     selection = _given(instanceId=args.provider, model=args.model)
     launched = await client.request("launchThread", {
-        "commandId": uuid.uuid4().hex[:12], "creationSource": "cli", **_given(
+        "commandId": _new_id(), "creationSource": "cli", **_given(
             initialMessage={"text": _text_arg(args.text)} if args.text is not None else None,
             projectId=args.project, title=args.title, runtimeMode=args.runtime_mode,
             interactionMode=args.interaction_mode, modelSelection=selection or None,
@@ -406,22 +517,73 @@ async def _cmd_new(client: WsClient, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _cmd_send(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
+def _strategy_arg(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``new``'s workspace options as a workspaceStrategy (None: the project root)."""
+    if args.worktree and args.existing_worktree:
+        raise SystemExit("t3: --worktree and --existing-worktree exclude each other")
+    if (args.branch or args.from_origin) and not (args.worktree or args.existing_worktree):
+        raise SystemExit("t3: --branch and --from-origin go with --worktree")
+    if args.worktree:
+        return _given(type="worktree", baseRef=args.worktree, branch=args.branch,
+                      startFromOrigin=args.from_origin or None)
+    if args.existing_worktree:
+        return _given(type="existing_worktree", branch=args.branch,
+                      worktreePath=str(Path(args.existing_worktree).resolve()))
+    return None
+
+
+@_command("send THREAD", "send a message to a thread",
+          "Send TEXT to a thread: auto starts an idle thread or steers its active turn; queue "
+          "runs it after; steer and restart need an active turn.",
+          _arg("text", metavar="TEXT"),
+          _arg("--mode", choices=["auto", "queue", "steer", "restart"], default="auto"),
+          _arg("--provider", help="switch the thread to this provider instance first"),
+          _arg("--model", help="switch the thread to this model first"))
+async def _send(client: WsClient, args: argparse.Namespace) -> int:
     target = _given(providerInstanceId=args.provider, model=args.model)
     sent = await client.request("sendToThread", {
-        "threadId": thread_id, "message": _text_arg(args.text), "mode": args.mode,
+        "threadId": args.thread, "message": _text_arg(args.text), "mode": args.mode,
         "creationSource": "cli", **_given(target=target or None)})
     return _out(args, sent, f"{sent.get('delivery') or 'sent'}: {sent['runId']} ({sent['status']})")
 
 
-async def _cmd_wait(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
-    async with _spinner(args, f"waiting for {thread_id}"):
-        result = await _wait_for(client, thread_id, run_id=args.run, timeout_s=args.timeout)
+@_command("switch THREAD", "send a thread's next runs to another provider or model",
+          "Switch a thread to provider instance ID (and model M): its next run goes there, with "
+          "a context handoff of the conversation that provider missed.",
+          _arg("--provider", required=True, metavar="ID"), _arg("--model", metavar="M"))
+async def _switch(client: WsClient, args: argparse.Namespace) -> int:
+    done = (await _dispatch(client, "provider.switch", threadId=args.thread, modelSelection=_given(
+        instanceId=args.provider, model=args.model)))["result"]
+    return _out(args, done, f"switched {args.thread} to {done['providerInstanceId']}"
+                + (f" ({done['model']})" if done.get("model") else "")
+                + f"; runtime mode {done['runtimeMode']}")
+
+
+@_command("rollback THREAD", "take a thread's workspace and conversation back to run N",
+          "Restore the files to run N's checkpoint (0: before the first run), mark the later "
+          "runs rolled_back; the next message continues from run N.",
+          _arg("--run", type=int, required=True, metavar="N"))
+async def _rollback(client: WsClient, args: argparse.Namespace) -> int:
+    done = await client.request("rollbackThread", {
+        "threadId": args.thread, "runOrdinal": args.run, "creationSource": "cli"})
+    if done["status"] != "completed":
+        return _out(args, done, f"rollback of {args.thread} {done['status']}: "
+                    f"{done['reason'] or 'still restoring'}", exit=EXIT_FAILED)
+    return _out(args, done, f"rolled {args.thread} back to run {done['ordinal']} ("
+                f"{len(done['rolledBackRunIds'])} later run(s) rolled back)")
+
+
+@_command("wait THREAD", "wait for a thread's run to end",
+          "Wait until the thread's latest run (or --run) ends, or one of its requests needs an "
+          "answer; the exit code says which.",
+          _arg("--run", help="this run instead of the latest"),
+          _arg("--timeout", type=float, metavar="SECONDS",
+               help="give up after this long (default: no limit); the run goes on"))
+async def _wait(client: WsClient, args: argparse.Namespace) -> int:
+    async with _spinner(args, f"waiting for {args.thread}"):
+        result = await _wait_for(client, args.thread, run_id=args.run, timeout_s=args.timeout)
     code, text = _wait_outcome(result)
-    _out(args, result, text)
-    return code
+    return _out(args, result, text, exit=code)
 
 
 async def _wait_for(client: WsClient, thread_id: str, *, run_id: str | None,
@@ -483,33 +645,43 @@ async def _spinner(args: argparse.Namespace, label: str) -> AsyncIterator[None]:
         sys.stderr.flush()
 
 
-async def _cmd_interrupt(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
-    result = await client.request("interruptThread", {"threadId": thread_id, **_given(
+@_command("interrupt THREAD", "interrupt a thread's active run",
+          "Interrupt the thread's newest active run (or --run).",
+          _arg("--run", help="this run (it must be the newest active one)"), _REASON)
+async def _interrupt(client: WsClient, args: argparse.Namespace) -> int:
+    result = await client.request("interruptThread", {"threadId": args.thread, **_given(
         runId=args.run, reason=args.reason)})
     return _out(args, result, {
-        "no_active_run": f"nothing to interrupt: {thread_id} has no active run",
+        "no_active_run": f"nothing to interrupt: {args.thread} has no active run",
         "interrupt_requested": f"interrupt requested: {result['runId']}"}.get(
         result["status"], f"already {result['status']}: {result['runId']}"))
 
 
-async def _cmd_stop(client: WsClient, args: argparse.Namespace) -> int:
-    """stop (thread.stop) and resume (thread.resume), over dispatchCommand."""
-    thread_id = await _thread_ref(client, args.thread)
-    result = (await client.request("dispatchCommand", {
-        "type": f"thread.{args.command}", "commandId": uuid.uuid4().hex,
-        "creationSource": "cli", "threadId": thread_id, **_given(
-            reason=getattr(args, "reason", None))}))["result"]
+@_command("stop THREAD", "stop a thread: interrupt its turn, hold its queue",
+          "Stop a thread: interrupt its running turn and hold its queued turns until `resume` "
+          "(held turns survive a server restart).", _REASON)
+async def _stop(client: WsClient, args: argparse.Namespace) -> int:
+    """stop (thread.stop), and resume (thread.resume)."""
+    result = (await _dispatch(client, f"thread.{args.command}", threadId=args.thread,
+                              **_given(reason=getattr(args, "reason", None))))["result"]
     if args.command == "resume":
-        text = f"resumed {thread_id}: {len(result['releasedRunIds'])} queued run(s) released"
+        text = f"resumed {args.thread}: {len(result['releasedRunIds'])} queued run(s) released"
     else:
-        text = (f"stopped {thread_id}: {len(result['interruptedRunIds'])} run(s) interrupted, "
+        text = (f"stopped {args.thread}: {len(result['interruptedRunIds'])} run(s) interrupted, "
                 f"{len(result['heldRunIds'])} queued run(s) held (`resume` releases them)")
     return _out(args, result, text)
 
 
-async def _cmd_requests(client: WsClient, args: argparse.Namespace) -> int:
-    params = {"threadId": await _thread_ref(client, args.thread)} if args.thread else {}
+_command("resume THREAD", "release a stopped thread's held turns",
+         "Release the turns a Stop held, in their queue order.")(_stop)
+
+
+@_command("requests", "list pending approvals and questions",
+          "List the pending requests (approvals and questions) of every thread, or of THREAD.",
+          _arg("of", metavar="THREAD", nargs="?"))
+async def _requests(client: WsClient, args: argparse.Namespace) -> int:
+    # THREAD is resolved here, not before the command: an empty one means every thread
+    params = {"threadId": await _thread_ref(client, args.of)} if args.of else {}
     listed = await client.request("listPendingRequests", params)
     rows = [f"{r['requestId']}  {r['kind']}: {r['title']}\n    thread {r['threadId']}; answer "
             + ("TEXT, decline or cancel" if r["kind"] == "user_input"
@@ -517,16 +689,19 @@ async def _cmd_requests(client: WsClient, args: argparse.Namespace) -> int:
     return _out(args, listed, "\n".join(rows) or "no pending requests")
 
 
-async def _cmd_answer(client: WsClient, args: argparse.Namespace) -> int:
+@_command("answer REQUEST", "answer a pending request",
+          "Answer a pending request. An approval: accept, acceptForSession, decline or cancel. A "
+          "question: decline, cancel, a JSON object of answers, or one TEXT per question in "
+          "order (a multi-select question takes labels separated by commas).",
+          _arg("answer", metavar="accept|decline|TEXT", nargs="+"))
+async def _answer(client: WsClient, args: argparse.Namespace) -> int:
     pending = (await client.request("listPendingRequests"))["requests"]
     request = _pick(pending, args.request, key="requestId", what="pending request")
     if request is None:
         raise CliError(f"request_not_found: no pending request matches {args.request!r} "
                        "(`python t3.py requests` lists them)")
-    result = await client.request("dispatchCommand", {
-        "type": "runtime-request.respond", "commandId": uuid.uuid4().hex,
-        "creationSource": "cli", "threadId": request["threadId"],
-        "requestId": request["requestId"], **_response(request, args.answer)})
+    result = await _dispatch(client, "runtime-request.respond", threadId=request["threadId"],
+                             requestId=request["requestId"], **_response(request, args.answer))
     return _out(args, result, f"answered {request['requestId']}: "
                               f"{result['result'].get('status', 'resolved')}")
 
@@ -562,9 +737,11 @@ def _answer_value(question: Mapping[str, Any], text: str) -> str | list[str]:
     return parts if question.get("multiSelect") and set(parts) <= labels else text
 
 
-async def _cmd_tasks(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
-    tree = await _task_tree(client, thread_id, {thread_id})
+@_command("tasks THREAD", "a thread's delegated tasks, as a tree",
+          "Print the tasks the thread delegated, each with its status and child thread, and "
+          "their own tasks below them.")
+async def _tasks(client: WsClient, args: argparse.Namespace) -> int:
+    tree = await _task_tree(client, args.thread, {args.thread})
     lines = [f"{tree['threadId']}  {tree['title']} ({tree['status']})"]
 
     def walk(tasks: Sequence[Mapping[str, Any]], indent: str) -> None:
@@ -597,45 +774,8 @@ async def _task_tree(client: WsClient, thread_id: str, seen: set[str]) -> dict[s
 
 
 # =============================================================================================
-# Commands for people: show, a thread's timeline as the server shapes it (followed: as it
-# changes, through subscribeThread).
-
-
-async def _cmd_show(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
-    view = _Timeline(client, thread_id, json_lines=args.json)
-    if not (args.follow or args.until_done):
-        view.load((await client.request("getThreadProjection", {"threadId": thread_id}))[
-            "projection"])
-        if args.json:
-            return _out(args, view.document(), "")
-        view.print_all()
-        view.end_line()
-        return 0
-    try:
-        return await _follow(client, view, until_done=args.until_done)
-    finally:  # Ctrl-C, or the server gone
-        view.end_line()
-
-
-async def _follow(client: WsClient, view: _Timeline, *, until_done: bool) -> int:
-    params: dict[str, Any] = {"threadId": view.thread_id}
-    while True:  # again from the last sequence seen when the stream fell behind
-        try:
-            async with contextlib.aclosing(client.stream("subscribeThread", params)) as stream:
-                async for item in stream:
-                    if item["kind"] == "snapshot":
-                        view.load(item["projection"])
-                        view.print_all()
-                        continue
-                    if item["kind"] == "event":
-                        await view.apply(item["event"])
-                    params["afterSequence"] = item["sequence"]
-                    if until_done and (code := view.finished()) is not None:
-                        return code
-        except WsError as exc:
-            if exc.code != "resubscribe":
-                raise
+# Commands for people: show's timeline, a thread's entities as the server sends them (followed:
+# as they change, through subscribeThread).
 
 
 class _Timeline:
@@ -648,14 +788,33 @@ class _Timeline:
     def __init__(self, client: WsClient, thread_id: str, *, json_lines: bool) -> None:
         self.client, self.thread_id, self.json_lines = client, thread_id, json_lines
         self.thread: dict[str, Any] = {}
-        self.runs: dict[str, dict[str, Any]] = {}
-        self.items: dict[str, dict[str, Any]] = {}
-        self.messages: dict[str, dict[str, Any]] = {}
+        self.entities: dict[str, dict[str, dict[str, Any]]] = {
+            "run": {}, "message": {}, "turn-item": {}}  # by their events' names
         self._item_of: dict[str, str] = {}  # message id -> its item's id
         self._shown: dict[str, Any] = {}  # item id -> what of it was printed
         self._open: str | None = None  # the item whose message is printing, its line open
         self._run: str | None = None  # the run of the item printed last
         self._ended: set[str] = set()  # the runs whose end line was printed
+
+    async def follow(self, *, until_done: bool) -> int:
+        params: dict[str, Any] = {"threadId": self.thread_id}
+        while True:  # again from the last sequence seen when the stream fell behind
+            try:
+                async with contextlib.aclosing(self.client.stream("subscribeThread", params)
+                                               ) as stream:
+                    async for item in stream:
+                        if item["kind"] == "snapshot":
+                            self.load(item["projection"])
+                            self.print_all()
+                            continue
+                        if item["kind"] == "event":
+                            await self._apply(item["event"])
+                        params["afterSequence"] = item["sequence"]
+                        if until_done and (code := self._finished()) is not None:
+                            return code
+            except WsError as exc:
+                if exc.code != "resubscribe":
+                    raise
 
     def load(self, projection: Mapping[str, Any]) -> None:
         self.thread = projection["thread"] or {}
@@ -663,15 +822,9 @@ class _Timeline:
             for entity in projection[key]:
                 self._put(kind, entity)
 
-    def _put(self, kind: str, entity: dict[str, Any]) -> None:
-        {"run": self.runs, "message": self.messages, "turn-item": self.items}[kind][
-            entity["id"]] = entity
-        if kind == "turn-item" and entity.get("messageId"):
-            self._item_of[entity["messageId"]] = entity["id"]
-
     def document(self) -> dict[str, Any]:
         return {"thread": self.thread, "runs": self._runs(),
-                "items": [self._shape(i) for i in self._ordered()]}
+                "items": [self._shape(i) for i in self._items()]}
 
     def print_all(self) -> None:
         t, runs = self.thread, self._runs()
@@ -684,25 +837,36 @@ class _Timeline:
                       f"/{(t.get('modelSelection') or {}).get('model')} | {t.get('runtimeMode')}"
                       + (f" | PR {_pr_words(pr)} {pr['url']}"
                          if (pr := t.get("linkedPullRequest")) else ""))
-        for item in self._ordered():
+        for item in self._items():
             self._show(item)
         sys.stdout.flush()  # followed, a message still streaming keeps its line open
 
-    async def apply(self, event: Mapping[str, Any]) -> None:
+    def end_line(self) -> None:
+        if self._open is not None:
+            print()
+            self._open = None
+
+    def _put(self, kind: str, entity: dict[str, Any]) -> None:
+        self.entities[kind][entity["id"]] = entity
+        if kind == "turn-item" and entity.get("messageId"):
+            self._item_of[entity["messageId"]] = entity["id"]
+
+    async def _apply(self, event: Mapping[str, Any]) -> None:
         kind, payload = event["type"].rsplit(".", 1)[0], event["payload"]  # thread.archived...
+        runs, messages, items = (self.entities[k] for k in ("run", "message", "turn-item"))
         item_id = payload["id"] if kind == "turn-item" else self._item_of.get(payload.get("id", ""))
-        before = self.runs.get(payload["id"]) if kind == "run" else None
+        before = runs.get(payload["id"]) if kind == "run" else None
         if kind == "thread":
             self.thread = payload
-        elif kind == "message-text" and item_id in self.items:  # an open message grew
-            self.messages[payload["id"]] = {**self.messages.get(payload["id"], {}),
-                                            "text": await self._text_now(self.items[item_id])}
-        elif kind in ("run", "message", "turn-item"):
+        elif kind == "message-text" and item_id in items:  # an open message grew
+            messages[payload["id"]] = {**messages.get(payload["id"], {}),
+                                       "text": await self._text_now(items[item_id])}
+        elif kind in self.entities:
             self._put(kind, payload)
         if kind == "run" and (before is None or before["status"] != payload["status"]):
             self._run_changed(payload)
-        elif item_id in self.items:
-            self._show(self.items[item_id])
+        elif item_id in items:
+            self._show(items[item_id])
         sys.stdout.flush()
 
     async def _text_now(self, item: Mapping[str, Any]) -> str:
@@ -715,7 +879,7 @@ class _Timeline:
         return str((self._shape(item) if found is None or found["textTruncated"] else found)[
             "text"])
 
-    def finished(self) -> int | None:
+    def _finished(self) -> int | None:
         """None while the latest run goes on; else, its end line printed (also for a run that
         ended before the follow began), the exit code `wait` would give."""
         status = runs[-1]["status"] if (runs := self._runs()) else "completed"
@@ -726,14 +890,14 @@ class _Timeline:
         return 0 if status == "completed" else EXIT_NOT_COMPLETED
 
     def _runs(self) -> list[dict[str, Any]]:
-        return sorted(self.runs.values(), key=lambda r: r["ordinal"])
+        return sorted(self.entities["run"].values(), key=lambda r: r["ordinal"])
 
-    def _ordered(self) -> list[dict[str, Any]]:
-        return sorted(self.items.values(), key=lambda i: i["position"])
+    def _items(self) -> list[dict[str, Any]]:
+        return sorted(self.entities["turn-item"].values(), key=lambda i: i["position"])
 
     def _shape(self, item: Mapping[str, Any]) -> dict[str, Any]:
         """A turn item as --json shows it: a message's item with the message's text and role."""
-        message = self.messages.get(item.get("messageId") or "") or {}
+        message = self.entities["message"].get(item.get("messageId") or "") or {}
         text = message.get("text") if item.get("messageId") else item.get("text")
         return {"position": item["position"], "itemId": item["id"], "runId": item["runId"],
                 "type": item["type"], "status": item["status"], "title": item.get("title"),
@@ -757,7 +921,7 @@ class _Timeline:
                 self._say(text[len(before[2]):], end="")
             return
         self.end_line()
-        if item["runId"] != self._run and (run := self.runs.get(item["runId"])):
+        if item["runId"] != self._run and (run := self.entities["run"].get(item["runId"])):
             self._run = item["runId"]
             self._say(f"--- run {run['ordinal']} ({run['status']}) on "
                       f"{run['providerInstanceId']}")
@@ -773,11 +937,6 @@ class _Timeline:
             self.end_line()
             reason = f": {run['statusReason']}" if run.get("statusReason") else ""
             self._say(f"--- run {run['ordinal']} {run['status']}{reason}")
-
-    def end_line(self) -> None:
-        if self._open is not None:
-            print()
-            self._open = None
 
     @staticmethod
     def _line(document: Mapping[str, Any]) -> None:
@@ -825,7 +984,13 @@ def _rendered(item: Mapping[str, Any]) -> str:
 # that run the schedule tools' own code. ID is matched like THREAD, among the scheduled tasks.
 
 
-async def _cmd_schedules(client: WsClient, args: argparse.Namespace) -> int:
+@_command("schedules", "list scheduled tasks, with their next and last runs",
+          "List the scheduled tasks: id, title, schedule, enabled, next run, the last run's "
+          "status and time (its error below when it failed), the number of runs; times in this "
+          "machine's time zone.",
+          _arg("--all", action="store_true", help="include paused tasks"),
+          _arg("--project", help="only this project's tasks"))
+async def _schedules(client: WsClient, args: argparse.Namespace) -> int:
     listed = await client.request("listScheduledTasks", _given(projectId=args.project))
     tasks = [t for t in listed["tasks"] if args.all or t["enabled"]]
     rows = [["ID", "TITLE", "SCHEDULE", "ENABLED", "NEXT RUN", "LAST RUN", "RUNS"]] + [[
@@ -844,27 +1009,79 @@ async def _cmd_schedules(client: WsClient, args: argparse.Namespace) -> int:
     return _out(args, {"tasks": tasks}, "\n".join(lines))
 
 
-async def _cmd_schedule(client: WsClient, args: argparse.Namespace) -> int:
+def _every_ms(text: str) -> int:
+    """--every: 90s, 15m (a bare number is minutes), 2h, 1d."""
+    match = re.fullmatch(r"(\d+)\s*(s|m|min|h|d)?", text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration such as 15m, 90s, 2h or 1d")
+    return int(match[1]) * {"s": 1000, "h": 3_600_000, "d": 86_400_000}.get(
+        match[2] or "m", 60_000)
+
+
+_DAYS = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"]  # as schedules count: 0 = Sunday
+
+
+def _weekdays(text: str) -> list[int]:
+    """--weekdays: days (mon, monday, 0-6 with 0 = Sunday) and ranges (mon-fri, 1-5), by commas."""
+    def day(part: str) -> int:
+        part = part.strip().lower()[:3]
+        if part in _DAYS or part.isdigit() and int(part) < 7:
+            return _DAYS.index(part) if part in _DAYS else int(part)
+        raise argparse.ArgumentTypeError(f"{part!r}: a day is mon..sun or 0..6 (0 = Sunday)")
+    days: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        start = day(first)
+        end = day(last) if last else start
+        days.update((start + i) % 7 for i in range((end - start) % 7 + 1))
+    return sorted(days)
+
+
+@_command("schedule", "create or change a scheduled task",
+          "Create a scheduled task: PROMPT runs on a schedule (--every, --at, or --webhook), each "
+          "time in a fresh thread of the project; print its id, and a webhook task's URL (shown "
+          "only then). With --id ID, change a task instead: only what is given changes.",
+          _arg("prompt", metavar="PROMPT", nargs="?",
+               help="what each run is asked (`-`: standard input)"),
+          _arg("--id", metavar="ID", help="change this task instead of creating one"),
+          _arg("--prompt", dest="prompt_option", metavar="PROMPT",
+               help="the new prompt (as PROMPT)"),
+          [_arg("--every", type=_every_ms, metavar="DURATION",
+                help="run every 15m, 90s, 2h, 1d, ... (a bare number is minutes; at least 1 "
+                     "minute)"),
+           _arg("--at", metavar="HH:MM", help="run daily at this time (the server's zone)"),
+           _arg("--webhook", action="store_true",
+                help="run when the task's webhook URL is called (printed once)")],
+          _arg("--weekdays", type=_weekdays, metavar="DAYS",
+               help="with --at, only on these days: mon-fri, sat,sun, 1,3,5 (0 = Sunday)"),
+          _arg("--secret-header", metavar="H",
+               help="with --webhook: the header that carries the HMAC-SHA256 signature"),
+          _arg("--secret", metavar="S",
+               help="with --webhook: the signing secret (`-`: standard input)"),
+          _arg("--prefix", metavar="P",
+               help="with --webhook: the signature's prefix, e.g. sha256="),
+          _arg("--standard-webhooks", action="store_true",
+               help="with --webhook and --secret whsec_...: check Standard Webhooks signatures "
+                    "(webhook-id, webhook-timestamp, webhook-signature)"),
+          _arg("--title", help="title (default: from PROMPT)"), _PROVIDER, _PROJECT,
+          _arg("--runtime-mode", choices=list(RuntimeMode),
+               help="what each run's agent may do without asking"),
+          [_arg("--enable", dest="enabled", action="store_const", const=True,
+                help="resume a paused task (its next run is aimed from now)"),
+           _arg("--disable", "--disabled", dest="enabled", action="store_const", const=False,
+                help="pause: no runs until --enable")],
+          _arg("--run-now", action="store_true", help="also run it once now"),
+          _arg("--rotate-hook-token", action="store_true",
+               help="give a webhook task a new URL (printed once); the old one stops working"))
+async def _schedule(client: WsClient, args: argparse.Namespace) -> int:
     params = _schedule_params(args)
     if args.id is not None:
         params["scheduledTaskId"] = await _schedule_ref(client, args.id)
     made = await client.request("scheduleTask", {
-        "clientRequestId": uuid.uuid4().hex[:12], **params, "creationSource": "cli"})
+        "clientRequestId": _new_id(), **params, "creationSource": "cli"})
     hook = made.get("hookUrl")  # minted now, and never shown again
     return _out(args, made, made["scheduledTaskId"] + (
         f"\nwebhook URL (shown only now; it is the task's secret): {hook}" if hook else ""))
-
-
-async def _cmd_unschedule(client: WsClient, args: argparse.Namespace) -> int:
-    deleted = await client.request("deleteScheduledTask", {
-        "scheduledTaskId": await _schedule_ref(client, args.id), "creationSource": "cli"})
-    return _out(args, deleted, f"deleted {deleted['scheduledTaskId']}")
-
-
-async def _schedule_ref(client: WsClient, text: str) -> str:
-    found = _pick((await client.request("listScheduledTasks"))["tasks"], text,
-                  key="scheduledTaskId", what="scheduled task")
-    return str(found["scheduledTaskId"]) if found else text
 
 
 def _schedule_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -902,7 +1119,18 @@ def _schedule_params(args: argparse.Namespace) -> dict[str, Any]:
                   runNow=args.run_now or None, rotateHookToken=args.rotate_hook_token or None)
 
 
-_DAYS = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"]  # as schedules count: 0 = Sunday
+@_command("unschedule ID", "delete a scheduled task",
+          "Delete a scheduled task for good (the threads of its past runs stay).")
+async def _unschedule(client: WsClient, args: argparse.Namespace) -> int:
+    deleted = await client.request("deleteScheduledTask", {
+        "scheduledTaskId": await _schedule_ref(client, args.id), "creationSource": "cli"})
+    return _out(args, deleted, f"deleted {deleted['scheduledTaskId']}")
+
+
+async def _schedule_ref(client: WsClient, text: str) -> str:
+    found = _pick((await client.request("listScheduledTasks"))["tasks"], text,
+                  key="scheduledTaskId", what="scheduled task")
+    return str(found["scheduledTaskId"]) if found else text
 
 
 def _schedule_words(schedule: Mapping[str, Any]) -> str:
@@ -920,31 +1148,6 @@ def _schedule_words(schedule: Mapping[str, Any]) -> str:
         _DAYS[d].title() for d in days))
 
 
-def _every_ms(text: str) -> int:
-    """--every: 90s, 15m (a bare number is minutes), 2h, 1d."""
-    match = re.fullmatch(r"(\d+)\s*(s|m|min|h|d)?", text.strip().lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r}: a duration such as 15m, 90s, 2h or 1d")
-    return int(match[1]) * {"s": 1000, "h": 3_600_000, "d": 86_400_000}.get(
-        match[2] or "m", 60_000)
-
-
-def _weekdays(text: str) -> list[int]:
-    """--weekdays: days (mon, monday, 0-6 with 0 = Sunday) and ranges (mon-fri, 1-5), by commas."""
-    def day(part: str) -> int:
-        part = part.strip().lower()[:3]
-        if part in _DAYS or part.isdigit() and int(part) < 7:
-            return _DAYS.index(part) if part in _DAYS else int(part)
-        raise argparse.ArgumentTypeError(f"{part!r}: a day is mon..sun or 0..6 (0 = Sunday)")
-    days: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        start = day(first)
-        end = day(last) if last else start
-        days.update((start + i) % 7 for i in range((end - start) % 7 + 1))
-    return sorted(days)
-
-
 def _local_time(iso: str | None) -> str:
     """A time t3 wrote, in this machine's time zone, to the minute; "-" for none."""
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch_of(iso))) if iso else "-"
@@ -952,316 +1155,107 @@ def _local_time(iso: str | None) -> str:
 
 # =============================================================================================
 # Commands for people: a thread's title, pull request link and place (rename, link-pr,
-# unlink-pr, archive, unarchive, delete, snooze, unsnooze, visit), its provider and history
-# (switch, rollback, fork, merge-back) and what its runs changed (diff).
+# unlink-pr, archive, unarchive, delete, snooze, unsnooze, visit), what its runs changed (diff)
+# and its history (fork, merge-back).
 
 
-async def _cmd_rename(client: WsClient, args: argparse.Namespace) -> int:
+@_command("rename THREAD", "rename a thread, or have its agent title it",
+          "Give a thread TITLE, or with --regenerate let its provider suggest a title from the "
+          "first message (else one is made from that message).",
+          _arg("title", metavar="TITLE", nargs="?"), _arg("--regenerate", action="store_true"))
+async def _rename(client: WsClient, args: argparse.Namespace) -> int:
     if (args.title is None) != args.regenerate:
         raise CliError("give TITLE or --regenerate (not both)", exit=EXIT_USAGE)
-    updated = await client.request("updateThread", {
-        "threadId": await _thread_ref(client, args.thread), **({"action": "regenerate_title"}
-        if args.regenerate else {"action": "rename", "title": args.title})})
+    updated = await client.request("updateThread", {"threadId": args.thread, **(
+        {"action": "regenerate_title"} if args.regenerate else
+        {"action": "rename", "title": args.title})})
     regenerating = " (a new title is being generated)" if updated["titleRegeneration"] else ""
     return _out(args, updated, f"{updated['threadId']}: {updated['title']}{regenerating}")
 
 
-async def _cmd_link_pr(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
-    updated = await client.request(*(("linkPullRequest", {"threadId": thread_id, "url": args.url})
-                                     if args.command == "link-pr" else
-                                     ("unlinkPullRequest", {"threadId": thread_id})))
+@_command("link-pr THREAD URL", "link a pull request to a thread",
+          "Link the pull request at URL (https://host/owner/repo/pull/N) to a thread.")
+async def _link_pr(client: WsClient, args: argparse.Namespace) -> int:
+    """link-pr, and unlink-pr."""
+    updated = await client.request(
+        "linkPullRequest" if args.command == "link-pr" else "unlinkPullRequest",
+        {"threadId": args.thread, **_given(url=getattr(args, "url", None))})
     pr = updated["linkedPullRequest"]
-    return _out(args, updated, f"{thread_id}: " + (
+    return _out(args, updated, f"{args.thread}: " + (
         f"{_pr_words(pr)} {pr['url']}" if pr else "no pull request linked"))
 
 
-async def _cmd_lifecycle(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
+_command("unlink-pr THREAD", "remove a thread's pull request link",
+         "Remove a thread's pull request link.")(_link_pr)
+
+
+async def _lifecycle(client: WsClient, args: argparse.Namespace) -> int:
+    """archive, unarchive, delete, unsnooze, visit and snooze: the thread.<command> command."""
     when = getattr(args, "until", None)
     if when is not None and re.fullmatch(r"\d+\s*(s|m|min|h|d)?", when.strip().lower()):
         when = str(time.time() + _every_ms(when) / 1000)  # a duration from now
-    done = await client.request("dispatchCommand", {
-        "type": f"thread.{args.command}", "commandId": uuid.uuid4().hex[:12],
-        "threadId": thread_id, "creationSource": "cli", **_given(snoozedUntil=when)})
-    until = done["result"].get("snoozedUntil")
-    return _out(args, done["result"], f"{args.command.removesuffix('e')}ed {thread_id}" + (
+    done = (await _dispatch(client, f"thread.{args.command}", threadId=args.thread,
+                            **_given(snoozedUntil=when)))["result"]
+    until = done.get("snoozedUntil")
+    return _out(args, done, f"{args.command.removesuffix('e')}ed {args.thread}" + (
         f" until {_local_time(until)}" if until and args.command == "snooze" else ""))
 
 
-def _thread_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
-    rename = command("rename THREAD", "rename a thread, or have its agent title it",
-                     "Give a thread TITLE, or with --regenerate let its provider suggest a "
-                     "title from the first message (else one is made from that message).")
-    rename.add_argument("title", metavar="TITLE", nargs="?")
-    rename.add_argument("--regenerate", action="store_true")
-    command("link-pr THREAD URL", "link a pull request to a thread",
-            "Link the pull request at URL (https://host/owner/repo/pull/N) to a thread.")
-    for name, summary in (
-            ("unlink-pr", "remove a thread's pull request link"),
-            ("archive", "archive a thread: it leaves the list (threads --archived shows it); "
-                        "its queued runs are cancelled"),
-            ("unarchive", "bring an archived thread back to the list"),
-            ("delete", "delete a thread for good: never listed or read again"),
-            ("unsnooze", "wake a snoozed thread"), ("visit", "mark a thread as seen now")):
-        command(f"{name} THREAD", summary, summary[0].upper() + summary[1:] + ".")
-    command("snooze THREAD UNTIL", "snooze a thread until a time", (
-        "Snooze a thread until UNTIL: a duration from now (30m, 2h, 1d) or an ISO time. It "
-        "wakes early only for a pending request or a failed run."))
+for _name, _summary in (
+        ("archive", "archive a thread: it leaves the list (threads --archived shows it); its "
+                    "queued runs are cancelled"),
+        ("unarchive", "bring an archived thread back to the list"),
+        ("delete", "delete a thread for good: never listed or read again"),
+        ("unsnooze", "wake a snoozed thread"), ("visit", "mark a thread as seen now")):
+    _command(f"{_name} THREAD", _summary, _summary[0].upper() + _summary[1:] + ".")(_lifecycle)
+_command("snooze THREAD UNTIL", "snooze a thread until a time",
+         "Snooze a thread until UNTIL: a duration from now (30m, 2h, 1d) or an ISO time. It wakes "
+         "early only for a pending request or a failed run.")(_lifecycle)
 
 
-async def _cmd_switch(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
-    done = (await client.request("dispatchCommand", {
-        "type": "provider.switch", "commandId": uuid.uuid4().hex[:12], "threadId": thread_id,
-        "creationSource": "cli", "modelSelection": _given(instanceId=args.provider,
-                                                          model=args.model)}))["result"]
-    return _out(args, done, f"switched {thread_id} to {done['providerInstanceId']}"
-                + (f" ({done['model']})" if done.get("model") else "")
-                + f"; runtime mode {done['runtimeMode']}")
-
-
-async def _cmd_rollback(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
-    done = await client.request("rollbackThread", {"threadId": thread_id, "runOrdinal": args.run,
-                                                   "creationSource": "cli"})
-    undone = len(done["rolledBackRunIds"])
-    _out(args, done, f"rolled {thread_id} back to run {done['ordinal']} ({undone} later run(s) "
-         f"rolled back)" if done["status"] == "completed" else
-         f"rollback of {thread_id} {done['status']}: {done['reason'] or 'still restoring'}")
-    return 0 if done["status"] == "completed" else EXIT_FAILED
-
-
-async def _cmd_fork(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
-    point = {"type": "run", "ordinal": args.run} if args.run is not None else \
-        {"type": "checkpoint", "checkpointId": args.checkpoint} if args.checkpoint else \
-        {"type": "latest_stable"}
-    done = await client.request("forkThread", _given(
-        commandId=uuid.uuid4().hex[:12], sourceThreadId=thread_id, sourcePoint=point,
-        title=args.title, creationSource="cli"))
-    where = f" in worktree {done['worktreePath']} on {done['branch']}" \
-        if done.get("worktreePath") and done["worktreePath"] == done.get("workspacePath") else ""
-    return _out(args, done, f"forked {thread_id} at run {done['sourcePoint']['runOrdinal']} into "
-                f"{done['threadId']}{where}")
-
-
-async def _cmd_merge_back(client: WsClient, args: argparse.Namespace) -> int:
-    fork_id = await _thread_ref(client, args.fork)
-    done = await client.request("mergeBack", {
-        "commandId": uuid.uuid4().hex[:12], "sourceThreadId": fork_id, "creationSource": "cli"})
-    covered = done["coveredRunOrdinals"]
-    return _out(args, done, f"merge-back of {fork_id} (runs {covered['from']}-{covered['to']}) "
-                f"goes to {done['threadId']} with its next message")
-
-
-async def _cmd_diff(client: WsClient, args: argparse.Namespace) -> int:
-    thread_id = await _thread_ref(client, args.thread)
-    found = await client.request(*(("getTurnDiff", {"threadId": thread_id, "ordinal": args.run})
-                                   if args.run is not None else ("getFullThreadDiff",
-                                                     {"threadId": thread_id})))
+@_command("diff THREAD", "what a thread's runs changed in its workspace",
+          "Print the files a thread changed (kind, lines added and deleted) and the unified "
+          "diff, between its first and newest checkpoints, or of run N only (--run). Outside a "
+          "git repository there are no checkpoints (exit 1).",
+          _arg("--run", type=int, metavar="N", help="only run N (its ordinal, from 1)"))
+async def _diff(client: WsClient, args: argparse.Namespace) -> int:
+    method = "getFullThreadDiff" if args.run is None else "getTurnDiff"
+    found = await client.request(method, {"threadId": args.thread, **_given(ordinal=args.run)})
     what = "the thread" if args.run is None else f"run {args.run}"
     if found["status"] != "ready":
-        _out(args, found, f"no diff for {what}: {found['reason']}")
-        return EXIT_FAILED
+        return _out(args, found, f"no diff for {what}: {found['reason']}", exit=EXIT_FAILED)
     lines = [f"{f['kind']:<9} +{f['additions']:<5} -{f['deletions']:<5} {f['path']}"
              for f in found["files"]] or [f"no changes in {what}"]
     return _out(args, found, "\n".join([*lines, "", found["diff"].rstrip("\n")] + (
         ["[diff truncated at 30,000 characters]"] if found["truncated"] else [])))
 
 
-# =============================================================================================
-# Command line
+@_command("fork THREAD", "a new thread that continues from a point of this one",
+          "Fork THREAD: a new thread with its conversation up to its latest completed run (or run "
+          "N, or checkpoint ID), natively where the provider can, else as a context handoff; in "
+          "git, in a new worktree at that point's checkpoint.",
+          [_arg("--run", type=int, metavar="N", help="fork at run N (its ordinal)"),
+           _arg("--checkpoint", metavar="ID", help="fork at this checkpoint")],
+          _arg("--title", metavar="T", help="the fork's title (default: Fork of ...)"))
+async def _fork(client: WsClient, args: argparse.Namespace) -> int:
+    point = {"type": "run", "ordinal": args.run} if args.run is not None else \
+        {"type": "checkpoint", "checkpointId": args.checkpoint} if args.checkpoint else \
+        {"type": "latest_stable"}
+    done = await client.request("forkThread", _given(
+        commandId=_new_id(), sourceThreadId=args.thread, sourcePoint=point, title=args.title,
+        creationSource="cli"))
+    where = f" in worktree {done['worktreePath']} on {done['branch']}" \
+        if done.get("worktreePath") and done["worktreePath"] == done.get("workspacePath") else ""
+    return _out(args, done, f"forked {args.thread} at run {done['sourcePoint']['runOrdinal']} "
+                f"into {done['threadId']}{where}")
 
 
-_COMMANDS: dict[str, Callable[[WsClient, argparse.Namespace], Awaitable[int]]] = {
-    "threads": _cmd_threads, "show": _cmd_show, "new": _cmd_new, "send": _cmd_send,
-    "wait": _cmd_wait, "interrupt": _cmd_interrupt, "stop": _cmd_stop, "resume": _cmd_stop,
-    "requests": _cmd_requests, "switch": _cmd_switch, "rollback": _cmd_rollback,
-    "answer": _cmd_answer, "tasks": _cmd_tasks, "schedules": _cmd_schedules,
-    "schedule": _cmd_schedule, "unschedule": _cmd_unschedule, "diff": _cmd_diff,
-    "fork": _cmd_fork, "merge-back": _cmd_merge_back, "rename": _cmd_rename,
-    "link-pr": _cmd_link_pr, "unlink-pr": _cmd_link_pr, **{name: _cmd_lifecycle for name in (
-        "archive", "unarchive", "delete", "snooze", "unsnooze", "visit")}}
-
-
-def add_parsers(sub: Any) -> None:
-    """The commands for people, each with --data-dir and --json."""
-
-    def command(usage: str, summary: str, description: str) -> argparse.ArgumentParser:
-        """The parser of ``usage``: a command's name, then its required positionals (THREAD)."""
-        name, *positionals = usage.split()
-        parser: argparse.ArgumentParser = sub.add_parser(
-            name, help=summary, description=description, epilog=CLI_EXIT_CODES,
-            formatter_class=argparse.RawDescriptionHelpFormatter)
-        parser.add_argument("--data-dir", default=argparse.SUPPRESS,
-                            help="the server's data directory (default: $T3_HOME, else ~/.t3)")
-        parser.add_argument("--json", action="store_true",
-                            help="print one JSON document (for scripts) instead of text")
-        for metavar in positionals:
-            parser.add_argument(metavar.lower(), metavar=metavar)
-        return parser
-    threads = command("threads", "list threads with their status",
-                      "List a project's threads, newest activity first: the status of the "
-                      "latest run, the id, the title.")
-    threads.add_argument("--project", help="project id (default: the first configured)")
-    threads.add_argument("--all", action="store_true", help="include delegated (task) threads")
-    threads.add_argument("--status", action="append", choices=["idle", *RunStatus],
-                         help="only threads whose latest run has this status (repeatable)")
-    threads.add_argument("--title", help="only threads whose title contains this")
-    threads.add_argument("--archived", action="store_true", help="only archived threads")
-    threads.add_argument("--snoozed", action=argparse.BooleanOptionalAction,
-                         help="only snoozed threads (--no-snoozed: only the others)")
-    threads.add_argument("--limit", type=int, default=50, help="at most this many (1-100; 50)")
-    show = command("show THREAD", "a thread's timeline, or follow it live",
-                   "Print a thread's timeline: user and assistant messages, tool calls, "
-                   "approvals, questions, tasks and errors, in order. With --json, one JSON "
-                   "document {thread, runs, items}; followed, one JSON object per line.")
-    show.add_argument("--follow", "-f", action="store_true",
-                      help="keep printing what happens until Ctrl-C")
-    show.add_argument("--until-done", action="store_true",
-                      help="follow until the latest run ends (exit codes as for wait)")
-    _new_parser(command("new", "start a thread", "Start a thread (and its first run, given "
-                        "TEXT); print its id."))
-    send = command("send THREAD", "send a message to a thread",
-                   "Send TEXT to a thread: auto starts an idle thread or steers its active "
-                   "turn; queue runs it after; steer and restart need an active turn.")
-    send.add_argument("text", metavar="TEXT")
-    send.add_argument("--mode", choices=["auto", "queue", "steer", "restart"], default="auto")
-    send.add_argument("--provider", help="switch the thread to this provider instance first")
-    send.add_argument("--model", help="switch the thread to this model first")
-    switch = command("switch THREAD", "send a thread's next runs to another provider or model",
-                     "Switch a thread to provider instance ID (and model M): its next run goes "
-                     "there, with a context handoff of the conversation that provider missed.")
-    switch.add_argument("--provider", required=True, metavar="ID")
-    switch.add_argument("--model", metavar="M")
-    rollback = command("rollback THREAD",
-                       "take a thread's workspace and conversation back to run N",
-                       "Restore the files to run N's checkpoint (0: before the first run), mark "
-                       "the later runs rolled_back; the next message continues from run N.")
-    rollback.add_argument("--run", type=int, required=True, metavar="N")
-    wait = command("wait THREAD", "wait for a thread's run to end",
-                   "Wait until the thread's latest run (or --run) ends, or one of its requests "
-                   "needs an answer; the exit code says which.")
-    wait.add_argument("--run", help="this run instead of the latest")
-    wait.add_argument("--timeout", type=float, metavar="SECONDS",
-                      help="give up after this long (default: no limit); the run goes on")
-    _control_parsers(command)
-    _thread_parsers(command)
-    diff = command("diff THREAD", "what a thread's runs changed in its workspace",
-                   "Print the files a thread changed (kind, lines added and deleted) and the "
-                   "unified diff, between its first and newest checkpoints, or of run N only "
-                   "(--run). Outside a git repository there are no checkpoints (exit 1).")
-    diff.add_argument("--run", type=int, metavar="N", help="only run N (its ordinal, from 1)")
-    _fork_parsers(command)
-
-
-def _fork_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
-    fork = command("fork THREAD", "a new thread that continues from a point of this one",
-                   "Fork THREAD: a new thread with its conversation up to its latest completed "
-                   "run (or run N, or checkpoint ID), natively where the provider can, else as "
-                   "a context handoff; in git, in a new worktree at that point's checkpoint.")
-    point = fork.add_mutually_exclusive_group()
-    point.add_argument("--run", type=int, metavar="N", help="fork at run N (its ordinal)")
-    point.add_argument("--checkpoint", metavar="ID", help="fork at this checkpoint")
-    fork.add_argument("--title", metavar="T", help="the fork's title (default: Fork of ...)")
-    command("merge-back FORK", "hand a fork's work back to the thread it was forked from",
-            "Merge FORK back: its runs' conversation goes to the thread it was forked from, as a "
-            "context handoff with that thread's next message.")
-
-
-def _new_parser(new: argparse.ArgumentParser) -> None:
-    new.add_argument("text", metavar="TEXT", nargs="?", help="the first message")
-    new.add_argument("--provider", help="provider instance id (default: the first available)")
-    new.add_argument("--model", help="model (default: the provider's first)")
-    new.add_argument("--project", help="project id (default: the first configured)")
-    new.add_argument("--scratch", action="store_true",
-                     help="run in a fresh folder of its own instead of a project")
-    new.add_argument("--worktree", metavar="BASE",
-                     help="run in a new git worktree on a new branch from BASE (a ref)")
-    new.add_argument("--existing-worktree", metavar="PATH",
-                     help="run in this existing worktree of the project's repository")
-    new.add_argument("--branch", help="the new worktree's branch (default t3/<hash>); with "
-                                      "--existing-worktree, the branch it must be on")
-    new.add_argument("--from-origin", action="store_true",
-                     help="with --worktree: fetch origin and start from origin/BASE")
-    new.add_argument("--title", help="title (default: from TEXT)")
-    new.add_argument("--runtime-mode", choices=list(RuntimeMode),
-                     help="what the agent may do without asking (default full-access)")
-    new.add_argument("--interaction-mode", choices=list(InteractionMode))
-
-
-def _control_parsers(command: Callable[[str, str, str], argparse.ArgumentParser]) -> None:
-    """Commands that steer threads and answer them: interrupt, stop, resume, requests, answer,
-    tasks, and the scheduled tasks'."""
-    interrupt = command("interrupt THREAD", "interrupt a thread's active run",
-                        "Interrupt the thread's newest active run (or --run).")
-    interrupt.add_argument("--run", help="this run (it must be the newest active one)")
-    interrupt.add_argument("--reason", help="recorded in the timeline")
-    stop = command("stop THREAD", "stop a thread: interrupt its turn, hold its queue",
-                   "Stop a thread: interrupt its running turn and hold its queued turns "
-                   "until `resume` (held turns survive a server restart).")
-    stop.add_argument("--reason", help="recorded in the timeline")
-    command("resume THREAD", "release a stopped thread's held turns",
-            "Release the turns a Stop held, in their queue order.")
-    requests = command("requests", "list pending approvals and questions",
-                       "List the pending requests (approvals and questions) of every thread, "
-                       "or of THREAD.")
-    requests.add_argument("thread", metavar="THREAD", nargs="?")
-    answer = command("answer REQUEST", "answer a pending request",
-                     "Answer a pending request. An approval: accept, acceptForSession, decline "
-                     "or cancel. A question: decline, cancel, a JSON object of answers, or one "
-                     "TEXT per question in order (a multi-select question takes labels "
-                     "separated by commas).")
-    answer.add_argument("answer", metavar="accept|decline|TEXT", nargs="+")
-    command("tasks THREAD", "a thread's delegated tasks, as a tree",
-            "Print the tasks the thread delegated, each with its status and child thread, and "
-            "their own tasks below them.")
-    schedules = command("schedules", "list scheduled tasks, with their next and last runs",
-                        "List the scheduled tasks: id, title, schedule, enabled, next run, the "
-                        "last run's status and time (its error below when it failed), the number "
-                        "of runs; times in this machine's time zone.")
-    schedules.add_argument("--all", action="store_true", help="include paused tasks")
-    schedules.add_argument("--project", help="only this project's tasks")
-    _schedule_parser(command("schedule", "create or change a scheduled task", (
-        "Create a scheduled task: PROMPT runs on a schedule (--every, --at, or --webhook), each "
-        "time in a fresh thread of the project; print its id, and a webhook task's URL (shown "
-        "only then). With --id ID, change a task instead: only what is given changes.")))
-    command("unschedule ID", "delete a scheduled task",
-            "Delete a scheduled task for good (the threads of its past runs stay).")
-
-
-def _schedule_parser(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("prompt", metavar="PROMPT", nargs="?", help="what each run is asked (`-`: standard input)")
-    add("--id", metavar="ID", help="change this task instead of creating one")
-    add("--prompt", dest="prompt_option", metavar="PROMPT", help="the new prompt (as PROMPT)")
-    when = parser.add_mutually_exclusive_group()
-    when.add_argument("--every", type=_every_ms, metavar="DURATION",
-                      help="run every 15m, 90s, 2h, 1d, ... (a bare number is minutes; at least "
-                           "1 minute)")
-    when.add_argument("--at", metavar="HH:MM", help="run daily at this time (the server's zone)")
-    when.add_argument("--webhook", action="store_true",
-                      help="run when the task's webhook URL is called (printed once)")
-    add("--weekdays", type=_weekdays, metavar="DAYS",
-        help="with --at, only on these days: mon-fri, sat,sun, 1,3,5 (0 = Sunday)")
-    add("--secret-header", metavar="H", help="with --webhook: the header that carries the "
-                                             "HMAC-SHA256 signature")
-    add("--secret", metavar="S", help="with --webhook: the signing secret (`-`: standard input)")
-    add("--prefix", metavar="P", help="with --webhook: the signature's prefix, e.g. sha256=")
-    add("--standard-webhooks", action="store_true", help="with --webhook and --secret whsec_...: "
-        "check Standard Webhooks signatures (webhook-id, webhook-timestamp, webhook-signature)")
-    add("--title", help="title (default: from PROMPT)")
-    add("--provider", help="provider instance id (default: the first available)")
-    add("--project", help="project id (default: the first configured)")
-    add("--runtime-mode", choices=list(RuntimeMode),
-        help="what each run's agent may do without asking")
-    enabled = parser.add_mutually_exclusive_group()
-    enabled.add_argument("--enable", dest="enabled", action="store_const", const=True,
-                         help="resume a paused task (its next run is aimed from now)")
-    enabled.add_argument("--disable", "--disabled", dest="enabled", action="store_const",
-                         const=False, help="pause: no runs until --enable")
-    add("--run-now", action="store_true", help="also run it once now")
-    add("--rotate-hook-token", action="store_true",
-        help="give a webhook task a new URL (printed once); the old one stops working")
-
+@_command("merge-back FORK", "hand a fork's work back to the thread it was forked from",
+          "Merge FORK back: its runs' conversation goes to the thread it was forked from, as a "
+          "context handoff with that thread's next message.")
+async def _merge_back(client: WsClient, args: argparse.Namespace) -> int:
+    done = await client.request("mergeBack", {
+        "commandId": _new_id(), "sourceThreadId": args.thread, "creationSource": "cli"})
+    covered = done["coveredRunOrdinals"]
+    return _out(args, done, f"merge-back of {args.thread} (runs {covered['from']}-"
+                f"{covered['to']}) goes to {done['threadId']} with its next message")
