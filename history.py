@@ -1,22 +1,14 @@
 """history.py: forks, merge-backs, rollbacks and diffs, a feature an auditor of the core may skip.
 
-A person works with a thread's history: a fork (``thread.fork``, /ws forkThread) is a new thread
-that continues another's conversation from a completed run; a merge-back (``thread.merge_back``,
-/ws mergeBack) hands a fork's runs to its parent's next run; a rollback (``checkpoint.rollback``,
-/ws rollbackThread or dispatchCommand) puts a thread's files back to a checkpoint and its later
-runs ``rolled_back``; a diff (``t3_thread_diff``, /ws getTurnDiff and getFullThreadDiff) compares
-two checkpoints. Checkpoints are the core's: captured at each run's end (orchestrator.py).
-
-The commands are decided here as the core's are (pure, registered with ``orchestrator.decides``);
-a rollback's restore is a replay-safe outbox effect (``EFFECTS``); a fork's first run and a
-parent's run after a merge-back get their context through the core's ``RUN_HOOKS``; the
-operations join tools.OPERATIONS (and ``checkpoint.rollback`` dispatchCommand's wire commands).
-The core never imports this module; t3.py does (FEATURES), before it serves.
-
-Rules: a fork starts at a completed run (or a ready checkpoint) and gets the source's context up
-to there only; a merge-back is delivered once; a rollback runs only on an idle thread and no
-message is taken until it ended; every step of it is idempotent, so a server killed mid-way
-finishes it after its restart; run ordinals keep increasing.
+A fork (``thread.fork``, /ws forkThread) continues a thread's conversation from a completed run
+in a new thread; a merge-back (``thread.merge_back``, /ws mergeBack) hands a fork's runs to its
+parent's next run; a rollback (``checkpoint.rollback``, /ws rollbackThread or dispatchCommand)
+puts a thread's files back to a checkpoint and its later runs ``rolled_back``; a diff
+(``t3_thread_diff``, /ws getTurnDiff and getFullThreadDiff) compares two checkpoints, which the
+core captures at each run's end. The commands are decided here as the core's are (pure, with
+``orchestrator.decides``), a restore is a replay-safe outbox effect (``EFFECTS``), a fork's and a
+merge-back's context reach their runs through ``RUN_HOOKS``, and the operations join
+tools.OPERATIONS. The core never imports this module; t3.py does (FEATURES), before it serves.
 """
 
 from __future__ import annotations

@@ -1304,19 +1304,17 @@ def client_commands() -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class RunHooks:
-    """A feature module's part in how a run starts (history.py: a fork's first run, a parent's
-    run after a merge-back), added to RUN_HOOKS when t3.py imports it. The first three are
-    called in decide, and are pure as decide is; ``session`` by the runtime."""
+    """A feature module's part in a run's start (history.py: a fork's first run, a parent's run
+    after a merge-back), in RUN_HOOKS once t3.py imported it. In decide, pure as decide is:
+    ``preparation``, the workspace a run that starts now (not queued) prepares first (as
+    CreateThread's); ``context``, at MarkRunStarted once per run, the context handoff it recorded
+    in place of the provider's (``_hand_off``; the bool: the session opened as a native fork);
+    ``handoffs``, the further handoffs it recorded for the run's first prompt, in order. In the
+    runtime: ``session``, extra ``open_session`` arguments (a native fork's ``fork``)."""
 
-    # a run that starts now (not queued): the workspace it prepares first (as a launch's,
-    # CreateThread.preparation), if any
     preparation: Callable[[Draft], Mapping[str, Any] | None]
-    # MarkRunStarted, once per run: the context handoff it recorded for the run in place of the
-    # provider handoff (``_hand_off``), if any; the bool: the session opened as a native fork
     context: Callable[[Draft, Run, bool], str | None]
-    # MarkRunStarted: further handoffs it recorded for the run's first prompt, ids in order
     handoffs: Callable[[Draft, Run], list[str]]
-    # extra ``open_session`` arguments for the run's new session (a native fork's ``fork``)
     session: Callable[[Orchestrator, ThreadState, Run, ProviderAdapter],
                       Awaitable[Mapping[str, Any]]]
 

@@ -1027,7 +1027,6 @@ async def _capabilities(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
 
 
 async def _delegate(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    scope = call.scope
     scope, key = call.scope, kit.key(args)
     caller = await kit.caller_thread(scope)
     if caller is None or caller.thread is None:
@@ -1335,8 +1334,7 @@ async def _bind_workspace(kit: Toolkit, kind: str, strategy: Any, project: Proje
 
 
 async def _list_threads(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    scope = call.scope
-    caller = await kit.caller_thread(scope)
+    caller = await kit.caller_thread(call.scope)
     project = kit.ctx.project(args.get("projectId") or (
         caller.thread.project_id if caller and caller.thread else None), listing=True)
     cursor = args.get("cursor", 0)
@@ -1348,7 +1346,7 @@ async def _list_threads(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
         snoozed=args.get("snoozed"), now=kit.orch.now())
     page = [shell(kit, row) for row in rows]
     more = cursor + len(page) < total
-    return {"projectId": project.id, "currentThreadId": scope.thread_id, "threads": page,
+    return {"projectId": project.id, "currentThreadId": call.scope.thread_id, "threads": page,
             "nextCursor": cursor + len(page) if more else None, "total": total}
 
 
@@ -1369,7 +1367,6 @@ def shell(kit: Toolkit, row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def _read_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    scope = call.scope
     state = await kit.thread(args["threadId"])
     if "afterPosition" in args and "beforePosition" in args:
         raise T3Error("beforePosition: cannot be combined with "
@@ -1380,7 +1377,7 @@ async def _read_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     rows = [i for i in state.items() if view == "activity" or i.type in (
         "user_message", "assistant_message", "proposed_plan")]
     newest_first = "beforePosition" in args or (
-        "afterPosition" not in args and scope.kind == "thread")
+        "afterPosition" not in args and call.scope.kind == "thread")
     if newest_first:
         before = args.get("beforePosition")
         candidates = [r for r in rows if before is None or r.position < before][::-1]
