@@ -551,9 +551,6 @@ class Toolkit:
                  ) -> None:
         self.orch, self.store, self.ctx = orchestrator, store, context
 
-    def list_tools(self) -> list[types.Tool]:
-        return list(_published_tools().values())
-
     async def call(self, name: str, arguments: Mapping[str, Any] | None, *,
                    progress: Progress | None = None) -> dict[str, Any]:
         """MCP: run tool ``name`` for the caller ``current_scope`` holds (set by t3.py's auth)."""
@@ -942,7 +939,10 @@ class Toolkit:
                           code="runtime_mode_escalation_denied")
         return max(offered, key=lambda m: orch.RUNTIME_RANK[orch.RuntimeMode(m)])
 
-    def created(self, state: ThreadState, run_id: str | None) -> dict[str, Any]:
+    async def create(self, command: orch.CreateThread) -> dict[str, Any]:
+        """A new thread (``plan_create``'s command), as create_threads and launches show it."""
+        run_id = (await self.orch.dispatch(command)).result.get("runId")
+        state = await self.thread(command.thread_id)
         thread = state.thread
         assert thread is not None
         run = state.run(run_id) if run_id else state.latest_run()
@@ -952,11 +952,6 @@ class Toolkit:
                 "providerInstanceId": thread.provider_instance_id,
                 "model": thread.model_selection.get("model"), "projectId": thread.project_id,
                 **self.ctx.links(thread.id)}
-
-    async def create(self, command: orch.CreateThread) -> dict[str, Any]:
-        result = await self.orch.dispatch(command)
-        state = await self.thread(command.thread_id)
-        return self.created(state, result.result.get("runId"))
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -2054,7 +2049,7 @@ def failure_result(code: str, message: str) -> types.CallToolResult:
 
 def build_mcp_server(toolkit: Toolkit, *, version: str) -> Server:
     async def list_tools(ctx: ServerRequestContext, params: Any) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=toolkit.list_tools())
+        return types.ListToolsResult(tools=list(_published_tools().values()))
 
     async def call_tool(ctx: ServerRequestContext, params: types.CallToolRequestParams
                         ) -> types.CallToolResult:
