@@ -61,6 +61,7 @@ __all__ = [
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
     "handoff_text", "handoff_line", "handoff_prompt", "Workspaces", "AdvancePreparation",
     "parse_json", "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS",
+    "RunHooks", "RUN_HOOKS", "HANDOFF_LABELS", "thread_work",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -556,7 +557,7 @@ class ContextTransfer(Entity):
     target_run_id: str | None = None
     summary: str | None = None
     consumed_at: str | None = None
-    data: Mapping[str, Any] | None = None  # fork, merge_back: see "Fork and merge-back"
+    data: Mapping[str, Any] | None = None  # fork, merge_back: history.py's
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,6 +595,12 @@ def checkpoint_scope_id(thread_id: str) -> str:
 def checkpoint_id(thread_id: str, ordinal: int) -> str:
     return bounded_id(f"checkpoint:scope:{checkpoint_scope_id(thread_id)}:name:{ordinal}")
 
+
+def kept_before(runs: Sequence[Run], ordinal: int) -> int:
+    """The checkpoint ordinal a run's changes are measured from: the newest earlier run that
+    was not rolled back (0: the thread's baseline)."""
+    return max([r.ordinal for r in runs if r.ordinal < ordinal
+                and r.status != RunStatus.ROLLED_BACK] + [0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -888,7 +895,7 @@ class CreateThread(Command):
     # A launch into a new worktree: {repo, baseRef, fromOrigin, setup}; the first run waits
     # ``preparing`` until the ``workspace.prepare`` effect made it (needs initial_message).
     preparation: Mapping[str, Any] | None = None
-    lineage: Mapping[str, Any] | None = None  # a fork's (ForkThread); else a root thread's
+    lineage: Mapping[str, Any] | None = None  # a fork's (history.py); else a root thread's
     forked_from: Mapping[str, Any] | None = None
 
 
@@ -1291,6 +1298,32 @@ def decides(command_class: type[Any], *, client: bool | tuple[str, ...] = False,
     return register
 
 
+def client_commands() -> tuple[str, ...]:
+    """What a person's client may send (/ws and MCP); the rest are the server's own: a client
+    forging provider output or recovery would falsify the record."""
+    return tuple(t for entry in _COMMANDS.values() for t in entry.client_types)
+
+
+@dataclass(frozen=True, slots=True)
+class RunHooks:
+    """A feature module's part in a run's start (history.py: a fork's first run, a parent's run
+    after a merge-back), in RUN_HOOKS once t3.py imported it. In decide, pure as decide is:
+    ``preparation``, the workspace a run that starts now (not queued) prepares first (as
+    CreateThread's); ``context``, at MarkRunStarted once per run, the context handoff it recorded
+    in place of the provider's (``_hand_off``; the bool: the session opened as a native fork);
+    ``handoffs``, the further handoffs it recorded for the run's first prompt, in order. In the
+    runtime: ``session``, extra ``open_session`` arguments (a native fork's ``fork``)."""
+
+    preparation: Callable[[Draft], Mapping[str, Any] | None]
+    context: Callable[[Draft, Run, bool], str | None]
+    handoffs: Callable[[Draft, Run], list[str]]
+    session: Callable[[Orchestrator, ThreadState, Run, ProviderAdapter],
+                      Awaitable[Mapping[str, Any]]]
+
+
+RUN_HOOKS: list[RunHooks] = []
+
+
 def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
            providers: Mapping[str, ProviderInfo]) -> Decision:
     """State + command -> events + effect requests. Raises CommandRejected; never does I/O."""
@@ -1304,8 +1337,8 @@ def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
 
 
 @decides(CreateThread, client=True, thread=False)
-def _decide_create_thread(d: Draft, c: CreateThread, *, providers: Mapping[str, ProviderInfo],
-                          **_: Any) -> Mapping[str, Any]:
+def decide_create_thread(d: Draft, c: CreateThread, *, providers: Mapping[str, ProviderInfo],
+                         **_: Any) -> Mapping[str, Any]:
     if d.state.thread is not None:
         raise CommandRejected(f"thread {c.thread_id} already exists", code="invalid_request")
     _registered(providers, c.provider_instance_id)
@@ -1422,7 +1455,14 @@ def _user_item(d: Draft, run: Run, message_id: str, node_id: str, intent: str) -
                      message_id=message_id, input_intent=intent)
 
 
-def _sendable(d: Draft) -> AppThread:
+def thread_work(d: Draft) -> TurnItem | None:
+    """Work of the thread's own that is no run's, while it runs: a ``running`` item of no run
+    (history.py's rollback). No message is taken meanwhile; deleting the thread cancels it."""
+    return next((i for i in d.all("turn-item") if i.run_id is None and i.status == "running"),
+                None)
+
+
+def sendable(d: Draft) -> AppThread:
     thread = d.thread
     assert thread is not None
     if thread.archived_at is not None:
@@ -1440,20 +1480,20 @@ def _registered(providers: Mapping[str, ProviderInfo], instance_id: str) -> Prov
 @decides(DispatchMessage, client=True)
 def _decide_dispatch(d: Draft, c: DispatchMessage, *, providers: Mapping[str, ProviderInfo],
                      **_: Any) -> Mapping[str, Any]:
-    thread = _sendable(d)
+    thread = sendable(d)
     if d.get("message", c.message_id) is not None:
         raise CommandRejected(f"message {c.message_id} already exists", code="invalid_request")
-    if rollback_in_progress(d):
-        raise CommandRejected("a rollback of the thread is running; send again once it ended",
-                              code="thread_not_sendable")
+    if (work := thread_work(d)) is not None:
+        raise CommandRejected(f"a {work.type} of the thread is running; send again once it "
+                              "ended", code="thread_not_sendable")
     if c.mode in ("steer_active", "restart_active"):
         return _decide_steer(d, c, providers)
     blocking = next((r for r in reversed(d.runs()) if r.status in RUN_BLOCKING), None)
     queued_exists = any(r.status == RunStatus.QUEUED and not r.queue_held for r in d.runs())
     queued = blocking is not None or queued_exists
     run = _new_run(d, message_id=c.message_id, text=c.text, created_by=c.created_by,
-                   creation_source=c.creation_source, queued=queued,
-                   preparation=None if queued else _fork_preparation(d))
+                   creation_source=c.creation_source, queued=queued, preparation=None if queued
+                   else next(filter(None, (h.preparation(d) for h in RUN_HOOKS)), None))
     _promote_queued(d)  # only acts if queued runs were left with nothing blocking them
     run = d.get("run", run.id)
     return {"threadId": thread.id, "runId": run.id, "messageId": c.message_id,
@@ -1790,11 +1830,12 @@ def _decide_mark_started(d: Draft, c: MarkRunStarted, *, providers: Mapping[str,
             model=run.model_selection.get("model"), created_at=d.now, updated_at=d.now, pid=c.pid)
     d.put(replace(session, status="running", pid=c.pid, updated_at=d.now))
     pthread = d.get("provider-thread", run.provider_thread_id)
-    # Once per run: a restarted attempt's turn already had it.
-    handoff_id = None if run.context_handoff_id else (
-        _take_fork(d, run, c.native_fork) or
-        _hand_off(d, run, pthread, c.resume_failed, providers))
-    merged = _take_merge_backs(d, run)
+    # Once per run (a restarted attempt's turn already had it): a feature's context (a fork's),
+    # else the provider handoff; then the features' further handoffs (merge-backs).
+    handoff_id = None if run.context_handoff_id else next(filter(None, (
+        h.context(d, run, c.native_fork) for h in RUN_HOOKS)), None) or \
+        _hand_off(d, run, pthread, c.resume_failed, providers)
+    carried = [i for h in RUN_HOOKS for i in h.handoffs(d, run)]
     if pthread is None:
         pthread = ProviderThread(id=run.provider_thread_id or "", app_thread_id=run.thread_id,
                                  driver=providers_driver, provider_instance_id=provider,
@@ -1818,8 +1859,8 @@ def _decide_mark_started(d: Draft, c: MarkRunStarted, *, providers: Mapping[str,
              provider_turn_id=turn.id)
     d.put(replace(run, status=RunStatus.RUNNING, started_at=run.started_at or d.now,
                   context_handoff_id=run.context_handoff_id or handoff_id))
-    return {"runId": run.id, "providerTurnId": turn.id, "contextHandoffId": handoff_id,
-            "mergeBackHandoffIds": merged}
+    return {"runId": run.id, "providerTurnId": turn.id,
+            "handoffIds": [i for i in (handoff_id, *carried) if i]}  # the first prompt's
 
 
 @decides(IngestProviderEvents)
@@ -2554,8 +2595,8 @@ DELETED = "The thread was deleted."
 def _end_owned(d: Draft, reason: str) -> None:
     """A deleted thread leaves nothing going: its open delegated tasks, runs (queued ones
     first, so that the last run's end publishes a delegated child's result; if none of them
-    ran, the deletion does), rollback, requests and sessions end; its agent process is stopped
-    and no start of it goes on."""
+    ran, the deletion does), work of its own (``thread_work``), requests and sessions end; its
+    agent process is stopped and no start of it goes on."""
     for task in d.all("subagent"):
         if task.status not in TASK_TERMINAL:  # its child thread lives on, reporting to no one
             d.put(replace(task, status="cancelled", cancel_requested=True, result=reason,
@@ -2574,10 +2615,9 @@ def _end_owned(d: Draft, reason: str) -> None:
         first = d.runs()[0]
         d.effect("subagent.finalize", {**task, "runId": first.id, "publish": True}, first.id,
                  thread_id=task["parentThreadId"])
-    for item in d.all("turn-item"):
-        if item.type == "rollback" and item.status == "running":  # its effect then does nothing
-            d.put(replace(item, status="cancelled", text=reason, updated_at=d.now,
-                          completed_at=d.now))
+    if (work := thread_work(d)) is not None:  # its effect then does nothing
+        d.put(replace(work, status="cancelled", text=reason, updated_at=d.now,
+                      completed_at=d.now))
     _end_sessions(d, reason)
     d.cancel_effect_types += _START_EFFECTS
     d.effect("provider-session.stop", {"reason": reason}, "deleted")
@@ -2726,6 +2766,8 @@ HANDOFF_LINE = 240  # characters of one item line
 _HANDOFF_HEADERS = {
     "full_thread_summary": "Full conversation context for provider handoff.",
     "delta_since_target_last_seen": "Conversation delta since this provider last participated."}
+# A strategy's label in the prompt where it is not its name (history.py adds a merge-back's).
+HANDOFF_LABELS: dict[str, str] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -2742,7 +2784,7 @@ class SwitchProvider(Command):
 @decides(SwitchProvider, client=True)
 def _decide_switch(d: Draft, c: SwitchProvider, *, providers: Mapping[str, ProviderInfo],
                    **_: Any) -> Mapping[str, Any]:
-    thread = _sendable(d)
+    thread = sendable(d)
     _registered(providers, c.provider_instance_id)
     before = thread.provider_instance_id, thread.model_selection.get("model")
     if (c.provider_instance_id, c.model, c.runtime_mode) != (*before, thread.runtime_mode):
@@ -2774,15 +2816,15 @@ def record_handoff(d: Draft, run: Run, strategy: str, covered: Sequence[Run],
     id, or None when nothing is covered."""
     if not covered:
         return None
-    return _put_handoff(d, run, describe_handoff(d, strategy, covered, run.provider_instance_id,
-                                                 providers))
+    return put_handoff(d, run, describe_handoff(d, strategy, covered, run.provider_instance_id,
+                                                providers))
 
 
 def describe_handoff(d: Any, strategy: str, covered: Sequence[Run], to_instance: str,
                      providers: Mapping[str, ProviderInfo], head: Sequence[str] | None = None
                      ) -> dict[str, Any]:
     """What a handoff of ``covered`` (runs of the thread ``d`` holds: a Draft, or any view
-    with its ``get``/``all``) to ``to_instance`` says and records (``_put_handoff``)."""
+    with its ``get``/``all``) to ``to_instance`` says and records (``put_handoff``)."""
     def driver(instance: str) -> str:
         return providers[instance].driver if instance in providers else instance
     instances = list(dict.fromkeys(r.provider_instance_id for r in covered))
@@ -2797,7 +2839,7 @@ def describe_handoff(d: Any, strategy: str, covered: Sequence[Run], to_instance:
                 lines=_item_lines(d, {r.id for r in covered}))}
 
 
-def _put_handoff(d: Draft, run: Run, about: Mapping[str, Any], key: str = "") -> str:
+def put_handoff(d: Draft, run: Run, about: Mapping[str, Any], key: str = "") -> str:
     """The ContextHandoff ``describe_handoff`` described, for ``run``, and its turn item."""
     strategy, froms, instances = (about["strategy"], about["fromProviderThreadIds"],
                                   about["fromProviderInstanceIds"])
@@ -2869,237 +2911,8 @@ def handoff_prompt(text: str, *handoffs: ContextHandoff | None) -> str:
     given = [h for h in handoffs if h is not None]
     if not given:
         return text
-    labels = {"fork_delta_summary": MERGE_BACK_LABEL}
-    return "".join(f"Context handoff ({labels.get(h.strategy, h.strategy)}):\n"
+    return "".join(f"Context handoff ({HANDOFF_LABELS.get(h.strategy, h.strategy)}):\n"
                    f"{h.summary_text}\n\n" for h in given) + f"User message:\n{text}"
-
-
-# =============================================================================================
-# Fork and merge-back. ``thread.fork`` makes a thread (lineage ``fork``) with a pending ``fork``
-# ContextTransfer: the source point (a completed run) and a full_thread_summary up to it. At the
-# fork's first run its session opens as a native fork of the source's provider thread where the
-# driver can (transfer consumed as ``native_fork``), else the run carries the summary
-# (``portable_context``). A point with a ready checkpoint gives the fork its own worktree at that
-# commit (first run ``preparing``); outside git it shares the source's workspace.
-# ``thread.merge_back`` records on the parent a pending ``merge_back`` transfer of the fork's
-# completed runs (superseding a pending one from that fork); the parent's next run carries each as
-# a MERGE_BACK_LABEL handoff.
-
-MERGE_BACK_LABEL = "merge_back / fork_delta_summary"
-
-
-@dataclass(frozen=True, slots=True)
-class ForkThread(Command):
-    type: ClassVar[str] = "thread.fork"
-    # thread_id: the fork (the command's thread)
-    create: CreateThread  # the fork as made: lineage, forkedFrom, workspace; no message
-    source_thread_id: str
-    source_point: Mapping[str, Any]  # {type, runId, runOrdinal, checkpointId}
-    context: Mapping[str, Any] | None  # describe_handoff of the source's runs up to the point
-    native: Mapping[str, Any] | None  # {providerInstanceId, providerThreadId} of the source run
-    preparation: Mapping[str, Any] | None = None  # the fork's own worktree, made at first run
-
-
-@dataclass(frozen=True, slots=True)
-class MergeBack(Command):
-    type: ClassVar[str] = "thread.merge_back"
-    # thread_id: the fork's parent (the command's thread)
-    source_thread_id: str  # the fork
-    delta: Mapping[str, Any]  # describe_handoff of the fork's runs (fork_delta_summary)
-    created_by: str
-
-
-def fork_transfer_id(fork_thread_id: str) -> str:
-    return bounded_id(f"context-transfer:fork:{fork_thread_id}")
-
-
-def view(state: ThreadState) -> Draft:
-    """A read-only view of a thread's state with a draft's ``get``/``all``/``runs``."""
-    return Draft(state, None, "")
-
-
-@decides(ForkThread, thread=False)
-def _decide_fork(d: Draft, c: ForkThread, **kw: Any) -> Mapping[str, Any]:
-    result = _decide_create_thread(d, c.create, **kw)
-    transfer = d.put(ContextTransfer(
-        id=fork_transfer_id(c.thread_id), thread_id=c.thread_id, type="fork",
-        source_thread_id=c.source_thread_id, target_thread_id=c.thread_id, status="pending",
-        created_by=c.create.created_by, created_at=d.now, updated_at=d.now, data={
-            "sourcePoint": c.source_point, "context": c.context, "native": c.native,
-            "preparation": c.preparation}))
-    return {**result, "sourceThreadId": c.source_thread_id, "sourcePoint": c.source_point,
-            "contextTransferId": transfer.id, "workspacePath": c.create.workspace,
-            "worktreePath": c.create.worktree_path, "branch": c.create.branch}
-
-
-def _fork_transfer(d: Draft) -> ContextTransfer | None:
-    """The fork's pending transfer, until its first run started."""
-    transfer = d.get("context-transfer", fork_transfer_id(d.thread.id)) if d.thread else None
-    return transfer if transfer is not None and transfer.status == "pending" else None
-
-
-def _fork_preparation(d: Draft) -> Mapping[str, Any] | None:
-    """The worktree a fork's first run makes (again, after a first run that failed to)."""
-    transfer = _fork_transfer(d)
-    if transfer is None or any(r.started_at for r in d.runs()):
-        return None
-    return (transfer.data or {}).get("preparation")
-
-
-def _take_fork(d: Draft, run: Run, native: bool) -> str | None:
-    """At the fork's first run: consume its transfer; the portable context's handoff id."""
-    transfer = _fork_transfer(d)
-    if transfer is None:
-        return None
-    data = transfer.data or {}
-    handoff_id = _put_handoff(d, run, data["context"]) if data.get("context") and not native \
-        else None
-    d.put(replace(transfer, status="consumed", target_run_id=run.id, consumed_at=d.now,
-                  updated_at=d.now, data={**data, "resolution": {
-                      "strategy": "native_fork" if native else "portable_context",
-                      "contextHandoffId": handoff_id}}))
-    return handoff_id
-
-
-@decides(MergeBack)
-def _decide_merge_back(d: Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
-    thread = _sendable(d)
-    superseded = [d.put(replace(t, status="superseded", updated_at=d.now)).id
-                  for t in d.all("context-transfer") if t.type == "merge_back"
-                  and t.status == "pending" and t.source_thread_id == c.source_thread_id]
-    transfer = d.put(ContextTransfer(
-        id=bounded_id(f"context-transfer:merge_back:{c.command_id}"), thread_id=thread.id,
-        type="merge_back", source_thread_id=c.source_thread_id, target_thread_id=thread.id,
-        status="pending", created_by=c.created_by, created_at=d.now, updated_at=d.now,
-        data={"delta": c.delta}))
-    return {"threadId": thread.id, "forkThreadId": c.source_thread_id,
-            "contextTransferId": transfer.id, "coveredRunOrdinals": c.delta["covered"],
-            "superseded": superseded}
-
-
-def _take_merge_backs(d: Draft, run: Run) -> list[str]:
-    """At a thread's next run: its pending merge-backs as handoffs, oldest first; their ids."""
-    pending = sorted((t for t in d.all("context-transfer") if t.type == "merge_back"
-                      and t.status == "pending"), key=lambda t: t.created_at)
-    ids = []
-    for transfer in pending:
-        ids.append(_put_handoff(d, run, (transfer.data or {})["delta"],
-                                f":merge-back:{transfer.source_thread_id}"))
-        d.put(replace(transfer, status="consumed", target_run_id=run.id, consumed_at=d.now,
-                      updated_at=d.now))
-    return ids
-
-
-def merge_back_head(fork_id: str, target_id: str, covered: Sequence[Run]) -> list[str]:
-    """The merge-back summary's lines before the fork's items."""
-    return ["Merge-back context from forked conversation.", f"Source thread: {fork_id}",
-            f"Target thread: {target_id}",
-            f"Covered fork runs: {covered[0].ordinal}-{covered[-1].ordinal}", "", "Fork delta:"]
-
-
-# =============================================================================================
-# Rollback: ``checkpoint.rollback`` records a running ``rollback`` item and a replay-safe effect;
-# no run starts meanwhile. The effect restores the files, deletes later refs, rolls back provider
-# conversations natively where the driver can (``supports_rollback``) and closes the live session;
-# FinishRollback then marks later runs ``rolled_back``, their checkpoints ``stale``, and resets the
-# other provider threads (a fresh session with a full handoff). Every step is idempotent; run
-# ordinals keep increasing.
-
-
-@dataclass(frozen=True, slots=True)
-class RollbackThread(Command):
-    type: ClassVar[str] = "checkpoint.rollback"
-    checkpoint_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class FinishRollback(Command):
-    type: ClassVar[str] = "checkpoint.rollback-finish"
-    item_id: str
-    native_provider_thread_ids: tuple[str, ...] = ()  # their conversations were rolled back
-    failure: str | None = None  # the restore failed: nothing is marked
-
-
-def rollback_in_progress(d: Draft) -> bool:
-    return any(i.type == "rollback" and i.status == "running" for i in d.all("turn-item"))
-
-
-def kept_before(runs: Sequence[Run], ordinal: int) -> int:
-    """The checkpoint ordinal a run's changes are measured from: the newest earlier run that
-    was not rolled back (0: the thread's baseline)."""
-    return max([r.ordinal for r in runs if r.ordinal < ordinal
-                and r.status != RunStatus.ROLLED_BACK] + [0])
-
-
-@decides(RollbackThread, client=True)
-def _decide_rollback(d: Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any]:
-    cp = d.get("checkpoint", c.checkpoint_id)
-    if cp is None or cp.thread_id != c.thread_id:
-        raise CommandRejected(f"thread {c.thread_id} has no checkpoint {c.checkpoint_id}",
-                              code="invalid_request")
-    if cp.status != "ready" or not cp.commit:
-        raise CommandRejected(f"checkpoint {cp.ordinal} is {cp.status}: only a ready checkpoint "
-                              "can be restored", code="invalid_request")
-    busy = next((r for r in d.runs() if r.status in RUN_BLOCKING or r.status == RunStatus.QUEUED),
-                None)
-    if busy is not None or rollback_in_progress(d):
-        raise CommandRejected("the thread is busy (" + (
-            f"run {busy.ordinal} is {busy.status}" if busy else "a rollback is running")
-            + "): stop or wait for it first", code="thread_not_sendable")
-    later = [r.id for r in d.runs() if r.ordinal > cp.ordinal and r.status != RunStatus.ROLLED_BACK]
-    item = d.put(TurnItem(
-        id=bounded_id(f"turn-item:rollback:{c.command_id}"), thread_id=c.thread_id, run_id=None,
-        node_id=None, type="rollback", status="running", position=d.position(),
-        updated_at=d.now, title=f"Rollback to checkpoint {cp.ordinal}", started_at=d.now,
-        data={"checkpointId": cp.id, "ordinal": cp.ordinal, "rolledBackRunIds": later}))
-    d.effect("checkpoint.rollback", {"itemId": item.id, "checkpointId": cp.id}, item.id)
-    return {"threadId": c.thread_id, "checkpointId": cp.id, "ordinal": cp.ordinal,
-            "rolledBackRunIds": later, "itemId": item.id}
-
-
-@decides(FinishRollback)
-def _decide_finish_rollback(d: Draft, c: FinishRollback, **_: Any) -> Mapping[str, Any]:
-    item = d.get("turn-item", c.item_id)
-    if item is None or item.status != "running":
-        raise CommandRejected("the rollback has already finished")
-    n = item.data["ordinal"]
-    d.put(replace(item, status="failed" if c.failure else "completed", text=c.failure,
-                  updated_at=d.now, completed_at=d.now))
-    if c.failure:
-        return {"status": "failed", "reason": c.failure}
-    for run in d.runs():
-        if run.ordinal > n and run.status != RunStatus.ROLLED_BACK:
-            d.put(replace(run, status=RunStatus.ROLLED_BACK,
-                          status_reason=f"rolled back to checkpoint {n}"))
-            d.update("node", run.root_node_id, status="rolled_back")
-    for cp in d.all("checkpoint"):
-        if cp.ordinal > n and cp.status != "stale":
-            d.put(replace(cp, status="stale", status_reason=f"rolled back to checkpoint {n}"))
-    for pthread in d.all("provider-thread"):
-        if (pthread.last_run_ordinal or 0) <= n:
-            continue  # it never saw a rolled-back run
-        kept = [r.ordinal for r in d.runs() if r.provider_thread_id == pthread.id
-                and r.ordinal <= n and r.started_at is not None]
-        native = pthread.id in c.native_provider_thread_ids
-        d.put(replace(pthread, last_run_ordinal=max(kept) if kept and native else None,
-                      native_thread_ref=pthread.native_thread_ref if native else None,
-                      updated_at=d.now))
-    return {"status": "completed", "reason": None}
-
-
-def kept_turns(state: ThreadState, pthread_id: str, ordinal: int) -> int:
-    """How many provider turns of ``pthread_id`` belong to runs up to ``ordinal``."""
-    attempts = state.entities["run-attempt"]
-    return sum(1 for t in state.entities["provider-turn"].values()
-               if t.provider_thread_id == pthread_id and (run := state.run(
-                   getattr(attempts.get(t.run_attempt_id), "run_id", ""))) is not None
-               and run.ordinal <= ordinal and run.status != RunStatus.ROLLED_BACK)
-
-
-def client_commands() -> tuple[str, ...]:
-    """What a person's client may send (/ws and MCP); the rest are the server's own: a client
-    forging provider output or recovery would falsify the record."""
-    return tuple(t for entry in _COMMANDS.values() for t in entry.client_types)
 
 
 # =============================================================================================
@@ -3212,7 +3025,7 @@ class Orchestrator:
                  workspaces: Workspaces | None = None) -> None:
         self._store = store
         self.workspaces = workspaces  # git as an effect (workspace.py, handed in by t3.py)
-        self._adapters = dict(adapters)
+        self.adapters = dict(adapters)
         self.providers = providers  # read live: an instance may become available later
         self._clock = clock
         self.new_id = new_id
@@ -3252,7 +3065,7 @@ class Orchestrator:
     async def probe_providers(self) -> None:
         """Let every adapter that can ask its CLI for models and login state do so; each one
         bounds and caches its own probe (providers.py), so this is cheap after the first."""
-        await asyncio.gather(*(a.probe() for a in self._adapters.values() if hasattr(a, "probe")))
+        await asyncio.gather(*(a.probe() for a in self.adapters.values() if hasattr(a, "probe")))
 
     def now(self) -> str:
         """The orchestrator's clock (a test clock moves it)."""
@@ -3675,10 +3488,8 @@ class _Sessions:
         state = await self.orch.state(thread_id) or state
         handoffs = state.entities["context-handoff"]
         try:
-            await live.handle.start_turn(handoff_prompt(
-                message.text if message else "", handoffs.get(started.result.get(
-                    "contextHandoffId")), *(handoffs.get(h) for h in started.result.get(
-                        "mergeBackHandoffIds") or ())))
+            await live.handle.start_turn(handoff_prompt(message.text if message else "", *(
+                handoffs.get(h) for h in started.result.get("handoffIds", ()))))
         except Exception as exc:
             live.turn = None
             await self.orch.dispatch(FailRun(
@@ -3693,7 +3504,7 @@ class _Sessions:
         thread = state.thread
         assert thread is not None
         live = self.live.get(thread.id)
-        adapter = self.orch._adapters.get(run.provider_instance_id)
+        adapter = self.orch.adapters.get(run.provider_instance_id)
         same = live is not None and (live.instance_id, live.model) == (
             run.provider_instance_id, run.model_selection.get("model"))
         if live is not None and live.handle.alive() and same:
@@ -3727,14 +3538,15 @@ class _Sessions:
                                       provider_instance_id=run.provider_instance_id,
                                       provider_session_id=session_id) \
             if self._credentials and adapter.info.capabilities.supports_mcp else None
-        fork = await self._native_fork(state, run, adapter) if pthread is None else None
+        extra: dict[str, Any] = {}
+        for hooks in RUN_HOOKS:  # a feature's say in how it opens (a fork's: natively)
+            extra.update(await hooks.session(self.orch, state, run, adapter))
         try:
             handle = await adapter.open_session(
                 session_id=session_id, thread_id=thread.id, cwd=thread.workspace or os.getcwd(),
                 model=run.model_selection.get("model"), runtime_mode=thread.runtime_mode,
                 interaction_mode=thread.interaction_mode,
-                resume_ref=pthread.native_thread_ref if pthread else None, mcp=mcp,
-                **({"fork": fork} if fork else {}))
+                resume_ref=pthread.native_thread_ref if pthread else None, mcp=mcp, **extra)
         except BaseException:
             if self._credentials:
                 self._credentials.revoke(session_id)
@@ -3748,28 +3560,6 @@ class _Sessions:
         self.live[thread.id] = live
         self.orch.spawn(self._pump(live), f"pump {session_id}")
         return live
-
-    async def _native_fork(self, state: ThreadState, run: Run, adapter: ProviderAdapter
-                           ) -> dict[str, Any] | None:
-        """{ref, dropTurns} for a fork's first session to open as a native fork of the source
-        run's conversation ("Fork and merge-back"); None when the driver or instance cannot. If
-        the fork itself fails the driver opens a new conversation (portable context)."""
-        transfer = _fork_transfer(view(state))
-        native = (transfer.data or {}).get("native") if transfer else None
-        caps = adapter.info.capabilities
-        if transfer is None or not native or not caps.supports_fork or \
-                native["providerInstanceId"] != run.provider_instance_id:
-            return None
-        source = await self.orch.state(transfer.source_thread_id)
-        pthread = source.entities["provider-thread"].get(native["providerThreadId"]) \
-            if source else None
-        if source is None or pthread is None or not pthread.native_thread_ref:
-            return None
-        later = kept_turns(source, pthread.id, len(source.runs)) - kept_turns(
-            source, pthread.id, (transfer.data or {})["sourcePoint"]["runOrdinal"])
-        if later and not caps.supports_fork_from_turn:
-            return None
-        return {"ref": pthread.native_thread_ref, "dropTurns": later}
 
     def _started(self, run_id: str) -> None:
         """A start is over (or off): a slot granted to it and not used goes to the next run in
@@ -4084,65 +3874,6 @@ async def _capture_checkpoints(ws: Workspaces | None, state: ThreadState, run: R
     return tuple(found)
 
 
-async def _rollback(o: Orchestrator, thread_id: str, item_id: str, checkpoint: str) -> None:
-    """The ``checkpoint.rollback`` effect (see "Rollback"): restore, drop later refs, roll
-    back or close the provider conversations, then FinishRollback. Safe to run again."""
-    state = await o.state(thread_id)
-    item = state.entities["turn-item"].get(item_id) if state else None
-    if state is None or state.thread is None or item is None or item.status != "running":
-        return  # finished before a crash: nothing left to do
-    cp, ws, cwd = state.entities["checkpoint"][checkpoint], o.workspaces, \
-        state.thread.workspace
-    failure, native = None, []
-    try:
-        if ws is None or not cwd:
-            raise T3Error("this server has no git workspaces")
-        await ws.restore(cwd, cp.commit)
-        for later in state.entities["checkpoint"].values():
-            if later.ordinal > cp.ordinal and later.ref:
-                await ws.delete_ref(cwd, later.ref)
-    except Exception as exc:  # GitError, OSError: said in the item, nothing marked
-        failure = f"the workspace was not restored: {exc}"[:2000]
-    if failure is None:  # idle: no run may be active during a rollback
-        await o.sessions.stop(thread_id, f"Closed by a rollback to checkpoint {cp.ordinal}.")
-    for pthread in state.entities["provider-thread"].values() if failure is None else ():
-        if (pthread.last_run_ordinal or 0) > cp.ordinal and await _rollback_natively(
-                o, state, pthread, kept_turns(state, pthread.id, cp.ordinal)):
-            native.append(pthread.id)
-    await o.try_dispatch(FinishRollback(
-        command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
-        item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
-
-
-async def _rollback_natively(o: Orchestrator, state: ThreadState, pthread: ProviderThread,
-                             keep: int) -> bool:
-    """Roll ``pthread``'s conversation back to its first ``keep`` turns in a short session;
-    False when the driver cannot (the next turn starts fresh with a handoff)."""
-    adapter = o._adapters.get(pthread.provider_instance_id)
-    thread = state.thread
-    if adapter is None or thread is None or not pthread.native_thread_ref or \
-            not adapter.info.capabilities.supports_rollback:
-        return False
-    handle = None
-    try:
-        handle = await adapter.open_session(
-            session_id=o.new_id("provider-session"), thread_id=thread.id,
-            cwd=thread.workspace or os.getcwd(), model=None,
-            runtime_mode=thread.runtime_mode, interaction_mode=thread.interaction_mode,
-            resume_ref=pthread.native_thread_ref, mcp=None)
-        if handle.native_thread_ref != pthread.native_thread_ref:
-            return False  # the conversation is gone: a fresh one gets the handoff
-        await handle.rollback(keep)  # type: ignore[attr-defined]
-        return True
-    except Exception as exc:
-        log.warning("native rollback of %s failed (%s); the next turn starts fresh",
-                    pthread.id, exc)
-        return False
-    finally:
-        if handle is not None:
-            await handle.close()
-
-
 async def _regenerate_title(o: Orchestrator, thread_id: str, request_id: str) -> None:
     """Ask the thread's provider for a title, else take ``title_fallback``; skipped once a
     rename, another regeneration, archive or delete made this request stale."""
@@ -4163,7 +3894,7 @@ async def _regenerate_title(o: Orchestrator, thread_id: str, request_id: str) ->
 async def _ask_title(o: Orchestrator, thread: AppThread, text: str) -> str | None:
     """A one-shot session of the thread's provider (no history, no t3 tools, the narrowest
     modes it offers) answers TITLE_PROMPT; None if it cannot within TITLE_TIMEOUT_S."""
-    adapter = o._adapters.get(thread.provider_instance_id)
+    adapter = o.adapters.get(thread.provider_instance_id)
     if adapter is None or not adapter.info.available:
         return None
     narrowest = min(adapter.info.runtime_modes or list(RuntimeMode), key=RUNTIME_RANK.get)
@@ -4350,11 +4081,9 @@ EFFECTS: dict[str, EffectKind] = {
         row.payload["runId"], row.payload.get("publish", True)), replay_safe=True),
     "subagent.question": EffectKind(_route_question, replay_safe=True),
     "subagent.question-settled": EffectKind(_withdraw_question, replay_safe=True),
-    # each step of these two is idempotent
+    # each step of it is idempotent
     "thread-title.generate": EffectKind(lambda o, row: _regenerate_title(
         o, row.payload["threadId"], row.payload["requestId"]), replay_safe=True),
-    "checkpoint.rollback": EffectKind(lambda o, row: _rollback(
-        o, row.thread_id, row.payload["itemId"], row.payload["checkpointId"]), replay_safe=True),
     # a second attempt first removes what the first one left
     "workspace.prepare": EffectKind(_prepare_workspace, replay_safe=True, fails_run=True),
     "checkpoint.forget": EffectKind(_forget_checkpoints, replay_safe=True),  # gone refs: no error

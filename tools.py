@@ -3,7 +3,8 @@
 ``OPERATIONS`` is the one table of what callers may do: each operation has a name, a hand-written
 input JSON Schema (``anyOf``, never a ``type`` array, so every client takes it) and the exact
 shape of its result, who may call it (``client``: the client token, over MCP or as a person over
-/ws; ``thread``: an agent inside a t3 thread) and a handler, a plain method of ``Toolkit``. MCP
+/ws; ``thread``: an agent inside a t3 thread) and a handler, a plain function ``(kit, call,
+args)``; feature modules add theirs (``register``, and ``register_wire`` for a wire command). MCP
 publishes the operations that are tools; ``t3.py``'s /ws methods call the same entries by their
 /ws names (``dispatchCommand`` takes T3 Code's wire commands). Arguments are checked here
 against that one schema (the SDK's low-level server does not): unknown fields are refused, and a
@@ -461,7 +462,7 @@ def _wire(kind: str, properties: Mapping[str, Any], required: Sequence[str] = ("
                 "createdAt": STRING, **properties}, ["type", "commandId", *required])
 
 
-_WIRE_COMMANDS = {kind: _wire(kind, *rest) for kind, *rest in (
+_WIRE_COMMANDS = [_wire(kind, *rest) for kind, *rest in (
     ("thread.create", {"threadId": CLIENT_REQUEST_ID, "projectId": text_field(256),
                        "title": SEED_TITLE, "modelSelection": _SELECTION, **_MODES,
                        "initialMessage": _INITIAL,
@@ -485,17 +486,15 @@ _WIRE_COMMANDS = {kind: _wire(kind, *rest) for kind, *rest in (
     ("delegated_task.cancel", {**_TASK_REF, "reason": _REASON}, ["parentThreadId", "taskId"]),
     ("thread.stop", {**_THREAD, "reason": _REASON}),
     ("provider.switch", {**_THREAD, "modelSelection": _SELECTION}, ["threadId", "modelSelection"]),
-    ("checkpoint.rollback", {**_THREAD, "scopeId": STRING, "checkpointId": THREAD_ID},
-     ["threadId", "checkpointId"]),
     ("thread.snooze", {**_THREAD, "snoozedUntil": THREAD_ID}, ["threadId", "snoozedUntil"]),
     ("thread.visit", {**_THREAD, "visitedAt": THREAD_ID}),
     ("thread.unsnooze", {**_THREAD, "reason": enum_of(["user"])}),
     *((kind, _THREAD) for kind in ("thread.resume", "thread.archive", "thread.unarchive",
-                                   "thread.delete")))}
+                                   "thread.delete")))]
 _WIRE_TYPES = {c.type: c for c in (orch.InterruptRun, orch.RespondRuntimeRequest,
                                    orch.CancelQueuedRun, orch.StopThread, orch.ResumeThread,
-                                   orch.RollbackThread, orch.SetWakePolicy,
-                                   orch.RequestTaskCancel)}
+                                   orch.SetWakePolicy, orch.RequestTaskCancel)}
+_WIRE_BUILDERS: dict[str, Callable[[Toolkit, Args, str], Any]] = {}  # register_wire's
 _PROJECTION_KEYS = {"run": "runs", "run-attempt": "attempts", "node": "nodes",
                     "subagent": "subagents", "provider-session": "providerSessions",
                     "provider-thread": "providerThreads", "provider-turn": "providerTurns",
@@ -538,13 +537,7 @@ UPDATE_OUTPUT = shape({"threadId": STRING, "action": enum_of(orch.METADATA_ACTIO
                        "titleRegeneration": TITLE_REGENERATION,
                        "linkedPullRequest": PULL_REQUEST, "updatedAt": STRING})
 _OWN_THREAD = {"threadId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}
-FILE_CHANGE = shape({"path": STRING, "kind": STRING, "additions": INTEGER,
-                     "deletions": INTEGER})
-DIFF_OUTPUT = shape({"threadId": STRING, "runId": OPT_STRING, "ordinal": OPT_INTEGER,
-                     "status": enum_of(["ready", "pending", "missing", "error", "stale"]),
-                     "reason": OPT_STRING, "fromCheckpointId": OPT_STRING,
-                     "toCheckpointId": OPT_STRING, "files": list_of(FILE_CHANGE),
-                     "diff": STRING, "truncated": BOOLEAN})
+
 
 # =============================================================================================
 # The toolkit
@@ -560,9 +553,6 @@ class Toolkit:
     def __init__(self, orchestrator: orch.Orchestrator, store: Store, context: ServerContext
                  ) -> None:
         self.orch, self.store, self.ctx = orchestrator, store, context
-
-    def list_tools(self) -> list[types.Tool]:
-        return list(_published_tools().values())
 
     async def call(self, name: str, arguments: Mapping[str, Any] | None, *,
                    progress: Progress | None = None) -> dict[str, Any]:
@@ -952,7 +942,10 @@ class Toolkit:
                           code="runtime_mode_escalation_denied")
         return max(offered, key=lambda m: orch.RUNTIME_RANK[orch.RuntimeMode(m)])
 
-    def created(self, state: ThreadState, run_id: str | None) -> dict[str, Any]:
+    async def create(self, command: orch.CreateThread) -> dict[str, Any]:
+        """A new thread (``plan_create``'s command), as create_threads and launches show it."""
+        run_id = (await self.orch.dispatch(command)).result.get("runId")
+        state = await self.thread(command.thread_id)
         thread = state.thread
         assert thread is not None
         run = state.run(run_id) if run_id else state.latest_run()
@@ -962,179 +955,6 @@ class Toolkit:
                 "providerInstanceId": thread.provider_instance_id,
                 "model": thread.model_selection.get("model"), "projectId": thread.project_id,
                 **self.ctx.links(thread.id)}
-
-    async def create(self, command: orch.CreateThread) -> dict[str, Any]:
-        result = await self.orch.dispatch(command)
-        state = await self.thread(command.thread_id)
-        return self.created(state, result.result.get("runId"))
-
-    # -- diffs, rollback, fork and merge-back -----------------------------------------------
-
-    async def diff(self, thread_id: str, *, run_id: str | None = None,
-                   ordinal: int | None = None) -> dict[str, Any]:
-        """The unified diff of one run (by id or ordinal: its checkpoint against the one before
-        it) or, with neither, of the whole thread (its first ready checkpoint against its newest),
-        bounded (workspace.MAX_DIFF_CHARS) with a truncation flag. Unless both sides are ready
-        checkpoints, ``status`` says why there is none (pending, missing, error) in ``reason``."""
-        state = await self.thread(thread_id)
-        cps = {c.ordinal: c for c in state.entities["checkpoint"].values()}
-        run = None
-        if run_id is not None or ordinal is not None:
-            run = state.run(run_id) if run_id else next(
-                (r for r in state.runs if r.ordinal == ordinal), None)
-            if run is None or ordinal not in (None, run.ordinal):
-                raise T3Error(f"thread {thread_id} has no run {run_id or ordinal}",
-                              code="run_not_found")
-            before, after = cps.get(orch.kept_before(state.runs, run.ordinal)), cps.get(run.ordinal)
-        else:
-            ready = sorted(n for n, c in cps.items() if c.status == "ready")
-            before, after = (cps[ready[0]], cps[ready[-1]]) if ready else (None, None)
-        result: dict[str, Any] = {
-            "threadId": thread_id, "runId": run.id if run else None,
-            "ordinal": run.ordinal if run else None, "status": "ready", "reason": None,
-            "fromCheckpointId": before.id if before else None,
-            "toCheckpointId": after.id if after else None, "files": [], "diff": "",
-            "truncated": False}
-        for side, name in ((after, "this run's"), (before, "the previous")):
-            if side is None or side.status != "ready":
-                status, reason = _no_diff(side, name, run)
-                return {**result, "status": status, "reason": reason}
-        assert before is not None and after is not None and state.thread is not None
-        try:
-            if self.orch.workspaces is None or not state.thread.workspace:
-                raise T3Error("this server has no git workspaces")
-            found = await self.orch.workspaces.diff(state.thread.workspace, before.commit,
-                                                    after.commit)
-        except Exception as exc:  # the repository moved or git failed: said, not raised
-            return {**result, "status": "error", "reason": str(exc)[:1000]}
-        return {**result, "files": orch.file_changes(found), "diff": found.text,
-                "truncated": found.truncated}
-
-    async def rollback(self, thread_id: str, *, command_id: str, ordinal: int | None = None,
-                       checkpoint: str | None = None, timeout_s: float = 120.0
-                       ) -> dict[str, Any]:
-        """``checkpoint.rollback`` to run ``ordinal``'s checkpoint (0: the thread's baseline) or
-        to ``checkpoint`` (an id), answered once its effect has finished: status completed (the
-        files are restored) or failed with the reason, or running after ``timeout_s``."""
-        state = await self.thread(thread_id)
-        if checkpoint is None:
-            if ordinal is None or (ordinal and not any(r.ordinal == ordinal for r in state.runs)):
-                raise T3Error(f"thread {thread_id} has no run {ordinal}", code="run_not_found")
-            checkpoint = orch.checkpoint_id(thread_id, ordinal)
-        done = (await self.orch.dispatch(orch.RollbackThread(
-            command_id=command_id, thread_id=thread_id, checkpoint_id=checkpoint))).result
-        item_id = done["itemId"]
-
-        def item(states: Mapping[str, ThreadState]) -> orch.TurnItem | None:
-            found = states.get(thread_id)
-            return found.entities["turn-item"].get(item_id) if found else None
-        await self.orch.wait_until([thread_id], lambda s: getattr(item(s), "status", "") != (
-            "running"), timeout_s)
-        ended = item({thread_id: await self.thread(thread_id)})
-        assert ended is not None
-        return {**done, "status": ended.status, "reason": ended.text}
-
-    async def plan_fork(self, source_id: str, point: Mapping[str, Any], *, command_id: str,
-                        thread_id: str, title: str | None, created_by: str, creation_source: str,
-                        worktree: tuple[str, str, Sequence[str]]) -> orch.ForkThread:
-        """``thread.fork`` of ``source_id`` at ``point`` ({type: latest_stable | run, runId |
-        checkpoint, checkpointId}): the point must be a completed run (or a ready checkpoint);
-        ``worktree`` (path, branch, setup commands) is used when the point has a ready
-        checkpoint. Refuses before anything is written."""
-        state = await self.thread(source_id)
-        source = state.thread
-        assert source is not None
-        run, checkpoint = self._fork_point(state, point)
-        covered = [r for r in state.runs if run and r.ordinal <= run.ordinal and r.started_at
-                   and r.status != RunStatus.ROLLED_BACK]
-        binding: dict[str, Any] = {"workspace": source.workspace or "", "branch": source.branch,
-                                   "worktree_path": source.worktree_path}
-        git, preparation = self.orch.workspaces, None
-        repo = await git.top_level(source.workspace) if git and source.workspace else None
-        if repo and checkpoint is not None and checkpoint.status == "ready" and checkpoint.commit:
-            path, branch, setup = worktree
-            binding = {"workspace": path, "branch": branch, "worktree_path": path}
-            preparation = {"repo": repo, "baseRef": checkpoint.commit, "fromOrigin": False,
-                           "setup": list(setup)}
-        source_point = {"type": point["type"], "runId": run.id if run else None,
-                        "runOrdinal": run.ordinal if run else 0,
-                        "checkpointId": checkpoint.id if checkpoint else None}
-        create = orch.CreateThread(
-            command_id=command_id, thread_id=thread_id, project_id=source.project_id,
-            title=title or f"Fork of {source.title}"[:200],
-            provider_instance_id=source.provider_instance_id,
-            model=source.model_selection.get("model"), runtime_mode=source.runtime_mode,
-            interaction_mode=source.interaction_mode, created_by=created_by,
-            creation_source=creation_source, lineage={
-                "parentThreadId": source.id, "relationshipToParent": "fork",
-                "rootThreadId": source.lineage.get("rootThreadId") or source.id},
-            forked_from={"type": "run", "threadId": source.id, **source_point}, **binding)
-        return orch.ForkThread(
-            command_id=command_id, thread_id=thread_id, create=create, source_thread_id=source.id,
-            source_point=source_point, preparation=preparation,
-            context=orch.describe_handoff(orch.view(state), "full_thread_summary", covered,
-                                          source.provider_instance_id, self.orch.providers)
-            if covered else None,
-            native={"providerInstanceId": run.provider_instance_id,
-                    "providerThreadId": run.provider_thread_id} if run else None)
-
-    @staticmethod
-    def _fork_point(state: ThreadState, point: Mapping[str, Any]
-                    ) -> tuple[orch.Run | None, orch.Checkpoint | None]:
-        """The source run (None: a baseline checkpoint) and its checkpoint a fork starts at."""
-        checkpoints = state.entities["checkpoint"]
-        checkpoint = checkpoints.get(point.get("checkpointId") or "")
-        named = {"checkpoint": "checkpointId", "run": "runId or ordinal"}.get(point["type"])
-        if named and not any(point.get(k) for k in ("checkpointId", "runId", "ordinal")):
-            raise T3Error(f"sourcePoint: a {point['type']} point needs {named}",
-                          code="invalid_request")
-        if point["type"] == "checkpoint":
-            if checkpoint is None or checkpoint.status != "ready":
-                raise T3Error(f"sourcePoint: checkpoint {point['checkpointId']} is "
-                              f"{checkpoint.status if checkpoint else 'not found'} in this "
-                              "thread", code="invalid_request")
-            run = state.run(checkpoint.run_id) if checkpoint.run_id else None
-        elif point["type"] == "run":  # {runId} or {ordinal}
-            run = state.run(point.get("runId") or "") or next(
-                (r for r in state.runs if r.ordinal == point.get("ordinal")), None)
-            if run is None:
-                raise T3Error(f"sourcePoint: run {point.get('runId') or point.get('ordinal')} "
-                              "was not found", code="run_not_found")
-        else:
-            run = next((r for r in reversed(state.runs) if r.status == RunStatus.COMPLETED),
-                       None)
-            if run is None:
-                raise T3Error("sourcePoint: the thread has no completed run to fork from",
-                              code="invalid_request")
-        if run is not None and run.status != RunStatus.COMPLETED:
-            raise T3Error(f"sourcePoint: run {run.ordinal} is {run.status}; a fork starts at a "
-                          "completed run", code="invalid_request")
-        if point["type"] != "checkpoint" and run is not None:
-            checkpoint = checkpoints.get(orch.checkpoint_id(run.thread_id, run.ordinal))
-        return run, checkpoint
-
-    async def plan_merge_back(self, fork_id: str, target_id: str | None, *, command_id: str,
-                              created_by: str) -> orch.MergeBack:
-        """``thread.merge_back`` of fork ``fork_id`` into its parent (``target_id``, which
-        must be that parent when given): the fork's completed runs as its delta."""
-        fork = await self.thread(fork_id)
-        assert fork.thread is not None
-        parent_id = fork.thread.lineage.get("parentThreadId")
-        if fork.thread.lineage.get("relationshipToParent") != "fork" or \
-                target_id not in (None, parent_id):
-            raise T3Error(f"thread {fork_id} is not a fork of "
-                          f"{target_id or 'another thread'}", code="invalid_request")
-        parent = (await self.thread(parent_id)).thread
-        assert parent is not None
-        covered = [r for r in fork.runs if r.status in (RunStatus.COMPLETED, RunStatus.WAITING)]
-        if not covered:
-            raise T3Error(f"fork {fork_id} has no completed run to merge back",
-                          code="invalid_request")
-        return orch.MergeBack(
-            command_id=command_id, thread_id=parent.id, source_thread_id=fork_id,
-            created_by=created_by, delta=orch.describe_handoff(
-                orch.view(fork), "fork_delta_summary", covered, parent.provider_instance_id,
-                self.orch.providers, head=orch.merge_back_head(fork_id, parent.id, covered)))
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -1205,7 +1025,6 @@ async def _capabilities(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
 
 
 async def _delegate(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    scope = call.scope
     scope, key = call.scope, kit.key(args)
     caller = await kit.caller_thread(scope)
     if caller is None or caller.thread is None:
@@ -1395,7 +1214,7 @@ async def _cancel_task(kit: Toolkit, parent_id: str, task_id: str, reason: str |
 
 
 # =============================================================================================
-# Handlers: threads (create_threads, t3_thread_launch, list, read, diff, send, wait, interrupt,
+# Handlers: threads (create_threads, t3_thread_launch, list, read, send, wait, interrupt,
 # t3_pending_request, metadata) and the shapes their results take
 
 
@@ -1513,8 +1332,7 @@ async def _bind_workspace(kit: Toolkit, kind: str, strategy: Any, project: Proje
 
 
 async def _list_threads(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    scope = call.scope
-    caller = await kit.caller_thread(scope)
+    caller = await kit.caller_thread(call.scope)
     project = kit.ctx.project(args.get("projectId") or (
         caller.thread.project_id if caller and caller.thread else None), listing=True)
     cursor = args.get("cursor", 0)
@@ -1526,7 +1344,7 @@ async def _list_threads(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
         snoozed=args.get("snoozed"), now=kit.orch.now())
     page = [shell(kit, row) for row in rows]
     more = cursor + len(page) < total
-    return {"projectId": project.id, "currentThreadId": scope.thread_id, "threads": page,
+    return {"projectId": project.id, "currentThreadId": call.scope.thread_id, "threads": page,
             "nextCursor": cursor + len(page) if more else None, "total": total}
 
 
@@ -1547,7 +1365,6 @@ def shell(kit: Toolkit, row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def _read_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    scope = call.scope
     state = await kit.thread(args["threadId"])
     if "afterPosition" in args and "beforePosition" in args:
         raise T3Error("beforePosition: cannot be combined with "
@@ -1558,7 +1375,7 @@ async def _read_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     rows = [i for i in state.items() if view == "activity" or i.type in (
         "user_message", "assistant_message", "proposed_plan")]
     newest_first = "beforePosition" in args or (
-        "afterPosition" not in args and scope.kind == "thread")
+        "afterPosition" not in args and call.scope.kind == "thread")
     if newest_first:
         before = args.get("beforePosition")
         candidates = [r for r in rows if before is None or r.position < before][::-1]
@@ -1593,11 +1410,6 @@ async def _read_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
             "hasMore": last is not None and any(r.position > last for r in rows),
             "earlierPosition": first if first is not None and any(
                 r.position < first for r in rows) else None}
-
-
-async def _thread_diff(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    return await kit.diff(args["threadId"], run_id=args.get("runId"),
-                          ordinal=args.get("ordinal"))
 
 
 async def _transfers(kit: Toolkit, state: ThreadState) -> list[dict[str, Any]]:
@@ -1791,49 +1603,6 @@ async def _launch_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]
             "resumed": existed, "snapshotSequence": sequence, "projection": projection}
 
 
-async def _fork_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    """``thread.fork``: a new thread with the source's context up to ``sourcePoint``, in a
-    worktree of its own at that point's checkpoint when there is a ready one."""
-    ids = (call.source, call.scope.key, "fork", args["commandId"])
-    thread_id = kit.derive_id("thread", *ids)
-    source = (await kit.thread(args["sourceThreadId"])).thread
-    assert source is not None
-    git = kit.orch.workspaces
-    path, branch = new_worktree(git, thread_id) if git else ("", "")
-    command = await kit.plan_fork(
-        args["sourceThreadId"], args.get("sourcePoint") or {"type": "latest_stable"},
-        command_id=kit.derive_id("command", *ids), thread_id=thread_id, title=args.get("title"),
-        worktree=(path, branch, kit.ctx.project(source.project_id).setup), **call.made_by)
-    return {**(await kit.orch.dispatch(command)).result, "threadId": thread_id}
-
-
-async def _merge_back(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    """``thread.merge_back``: the fork's delta goes to its parent with its next message."""
-    command = await kit.plan_merge_back(
-        args["sourceThreadId"], args.get("targetThreadId"), created_by=orch.Actor.USER,
-        command_id=kit.derive_id("command", call.source, call.scope.key, "merge-back",
-                                 args["commandId"]))
-    return dict((await kit.orch.dispatch(command)).result)
-
-
-async def _rollback_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    """``checkpoint.rollback`` to run ``runOrdinal``'s checkpoint (0: the baseline) or to
-    ``checkpointId``, answered once the files are restored (``rollback``)."""
-    if ("runOrdinal" in args) == ("checkpointId" in args):
-        raise T3Error("rollbackThread: give runOrdinal or checkpointId", code="invalid_request")
-    return await kit.rollback(
-        args["threadId"], ordinal=args.get("runOrdinal"), checkpoint=args.get("checkpointId"),
-        command_id=kit.derive_id("command", call.space, call.scope.key, "thread-rollback",
-                                 args["threadId"], kit.key(args)))
-
-
-async def _turn_diff(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    if "runId" not in args and "ordinal" not in args:
-        raise T3Error("getTurnDiff: runId or ordinal is required (getFullThreadDiff gives "
-                      "the whole thread's)", code="invalid_request")
-    return await _thread_diff(kit, call, args)
-
-
 async def _thread_projection(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     await kit.thread(args["threadId"])
     sequence, projection = kit.projection(args["threadId"])
@@ -1863,6 +1632,8 @@ async def _wire_command(kit: Toolkit, call: Call, a: Args) -> Any:
     meets the server's internal command ids."""
     kind, made = a["type"], call.made_by
     command_id = kit.derive_id("command", "ws", "client", a["commandId"])
+    if kind in _WIRE_BUILDERS:  # a feature module's (register_wire)
+        return _WIRE_BUILDERS[kind](kit, a, command_id)
 
     def derived(what: str) -> str:  # an id the client left out
         return kit.derive_id(what, "ws", "client", a["commandId"])
@@ -1902,13 +1673,9 @@ async def _wire_command(kit: Toolkit, call: Call, a: Args) -> Any:
             wake=a.get("completionWake", "settled_only"), made_by=made)
     if kind == "provider.switch":
         return await kit.plan_switch(a["threadId"], target, command_id=command_id)
-    if kind == "checkpoint.rollback" and a.get("scopeId", orch.checkpoint_scope_id(
-            a["threadId"])) != orch.checkpoint_scope_id(a["threadId"]):
-        raise T3Error(f"scopeId: thread {a['threadId']}'s checkpoints are in scope "
-                      f"{orch.checkpoint_scope_id(a['threadId'])}", code="invalid_request")
     fields = {"threadId": "thread_id", "parentThreadId": "thread_id", "runId": "run_id",
               "reason": "reason", "requestId": "request_id", "decision": "decision",
-              "answers": "answers", "taskId": "task_id", "checkpointId": "checkpoint_id",
+              "answers": "answers", "taskId": "task_id",
               "completionWake": "completion_wake"}
     extra = {"answered_by": {"kind": "client"}} if kind == "runtime-request.respond" else {}
     return _WIRE_TYPES[kind](command_id=command_id, **extra, **{
@@ -2032,13 +1799,11 @@ _LAUNCH_INPUT = obj({"projectId": text_field(256), "title": TITLE, "message": te
                      "workspaceStrategy": WORKSPACE_STRATEGY, "scratch": {"type": "boolean"},
                      "clientRequestId": CLIENT_REQUEST_ID})
 SEQUENCE = {"type": "integer", "minimum": 0}
-_DIFF_INPUT = obj({"threadId": THREAD_ID, "runId": text_field(512),
-                   "ordinal": {"type": "integer", "minimum": 1}}, ["threadId"])
 
 
-def _ws(name: str, description: str, input_schema: Mapping[str, Any],
-        handler: Callable[[Toolkit, Call, Args], Awaitable[dict[str, Any] | None]],
-        output_schema: Mapping[str, Any] = OBJECT) -> Operation:
+def ws_op(name: str, description: str, input_schema: Mapping[str, Any],
+          handler: Callable[[Toolkit, Call, Args], Awaitable[dict[str, Any] | None]],
+          output_schema: Mapping[str, Any] = OBJECT) -> Operation:
     """A /ws-only operation: a person's, named as the /ws method."""
     return Operation(name, description, input_schema, handler, output_schema, callers=CLIENT,
                      ws=(name,), mcp=False)
@@ -2133,15 +1898,6 @@ OPERATIONS: list[Operation] = [
             ["threadId"]),
         _read_thread, READ_OUTPUT, ws=("readThread",), read_only=True),
     Operation(
-        "t3_thread_diff",
-        "The unified diff of one run of a thread (runId or ordinal: what the run changed in "
-        "its workspace, between its checkpoint and the one before) or, with neither, of the "
-        "whole thread; files with additions and deletions, text stops near 30,000 characters "
-        "(truncated). status says why there is no diff: pending (the run is not finished), "
-        "missing (not a git repository), error.",
-        _DIFF_INPUT, _thread_diff, DIFF_OUTPUT, ws=("getFullThreadDiff",),
-        read_only=True),
-    Operation(
         "t3_thread_update",
         "Update a thread's metadata (threadId, else your own thread): action 'rename' with "
         "title, or 'regenerate_title' (no title: the thread's provider suggests one from the "
@@ -2209,40 +1965,22 @@ OPERATIONS: list[Operation] = [
             ["threadId", "action"]),
         _pending_request, PENDING_REQUEST_OUTPUT, destructive=True),
     # A person's (the client token over /ws): T3 Code's own methods.
-    _ws("dispatchCommand", "Any client command in T3 Code's wire form.",
-        {"anyOf": list(_WIRE_COMMANDS.values())}, _dispatch_command),
-    _ws("launchThread", "t3_thread_launch in T3 Code's form; answered with the projection.",
-        obj({"commandId": CLIENT_REQUEST_ID, "projectId": text_field(256), "title": SEED_TITLE,
-             "modelSelection": _SELECTION, **_MODES, "scratch": {"type": "boolean"},
-             "workspaceStrategy": WORKSPACE_STRATEGY, "initialMessage": _INITIAL},
-            ["commandId"]), _launch_thread),
-    _ws("forkThread", "thread.fork: a thread with the source's context up to sourcePoint.",
-        obj({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID, "title": SEED_TITLE,
-             "sourcePoint": obj({
-                     "type": {"type": "string", "enum": ["latest_stable", "run", "checkpoint"]},
-                     "runId": THREAD_ID, "ordinal": {"type": "integer", "minimum": 1},
-                     "checkpointId": THREAD_ID}, ["type"])}, ["commandId", "sourceThreadId"]),
-        _fork_thread),
-    _ws("mergeBack", "thread.merge_back: a fork's delta to its parent.",
-        obj({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID,
-             "targetThreadId": THREAD_ID}, ["commandId", "sourceThreadId"]),
-        _merge_back),
-    _ws("rollbackThread", "checkpoint.rollback to a run's checkpoint (0: the baseline), or to "
-        "checkpointId, answered once the files are restored.",
-        obj({"threadId": THREAD_ID, "runOrdinal": {"type": "integer", "minimum": 0},
-             "checkpointId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}, ["threadId"]),
-        _rollback_thread),
-    _ws("getTurnDiff", "t3_thread_diff of one run (runId or ordinal).", _DIFF_INPUT,
-        _turn_diff, DIFF_OUTPUT),
-    _ws("getThreadProjection", "A thread's entities and the sequence they reflect.",
-        obj({"threadId": THREAD_ID}, ["threadId"]), _thread_projection),
-    _ws("listPendingRequests", "Every thread's pending runtime requests (or threadId's).",
-        obj({"threadId": THREAD_ID}), _all_pending_requests),
-    _ws("subscribeThread", "A thread's snapshot (or the events after afterSequence), then each "
-        "event as it commits.", obj({"threadId": THREAD_ID, "afterSequence": SEQUENCE},
-                                    ["threadId"]), _subscribe_thread),
-    _ws("subscribeShell", "Every thread's and scheduled task's shell, then each change.",
-        obj({"afterSequence": SEQUENCE}), _subscribe_shell),
+    ws_op("dispatchCommand", "Any client command in T3 Code's wire form.",
+          {"anyOf": _WIRE_COMMANDS}, _dispatch_command),
+    ws_op("launchThread", "t3_thread_launch in T3 Code's form; answered with the projection.",
+          obj({"commandId": CLIENT_REQUEST_ID, "projectId": text_field(256), "title": SEED_TITLE,
+               "modelSelection": _SELECTION, **_MODES, "scratch": {"type": "boolean"},
+               "workspaceStrategy": WORKSPACE_STRATEGY, "initialMessage": _INITIAL},
+              ["commandId"]), _launch_thread),
+    ws_op("getThreadProjection", "A thread's entities and the sequence they reflect.",
+          obj({"threadId": THREAD_ID}, ["threadId"]), _thread_projection),
+    ws_op("listPendingRequests", "Every thread's pending runtime requests (or threadId's).",
+          obj({"threadId": THREAD_ID}), _all_pending_requests),
+    ws_op("subscribeThread", "A thread's snapshot (or the events after afterSequence), then "
+          "each event as it commits.", obj({"threadId": THREAD_ID, "afterSequence": SEQUENCE},
+                                           ["threadId"]), _subscribe_thread),
+    ws_op("subscribeShell", "Every thread's and scheduled task's shell, then each change.",
+          obj({"afterSequence": SEQUENCE}), _subscribe_shell),
 ]
 TOOLS: list[Operation] = []  # the operations MCP publishes, in the table's order
 _BY_NAME: dict[str, Operation] = {}
@@ -2263,6 +2001,14 @@ def register(*operations: Operation) -> None:
         BY_WS_NAME.update((name, op) for name in op.ws)
     _published_tools.cache_clear()
 
+
+def register_wire(kind: str, properties: Mapping[str, Any], required: Sequence[str],
+                  build: Callable[[Toolkit, Args, str], Any]) -> None:
+    """A client command a feature module adds to dispatchCommand (history.py's
+    checkpoint.rollback), as ``register`` adds an operation: its wire form and ``build(kit,
+    args, command_id)``, the orchestrator command the checked wire command becomes."""
+    _WIRE_COMMANDS.append(_wire(kind, properties, required))
+    _WIRE_BUILDERS[kind] = build
 
 
 def published_input(op: Operation) -> dict[str, Any]:
@@ -2292,18 +2038,6 @@ def published_output(tool: Operation) -> dict[str, Any]:
     success = tool.output_schema
     return {"type": "object",
             "anyOf": [*success.get("anyOf", [success]), FAILURE_OUTPUT]}
-
-
-def _no_diff(side: orch.Checkpoint | None, name: str, run: orch.Run | None) -> tuple[str, str]:
-    """Why one side of a diff is not a ready checkpoint: (status, reason)."""
-    if side is not None:
-        return side.status, side.status_reason or f"{name} checkpoint is {side.status}" + (
-            " (the workspace is not in a git repository)" if side.status == "missing" else "")
-    if run is None:
-        return "missing", "the thread has no checkpoint yet"
-    if run.status not in RUN_TERMINAL:
-        return "pending", f"run {run.ordinal} is {run.status}: its checkpoint comes when it ends"
-    return "missing", f"{name} checkpoint does not exist (run {run.ordinal} is {run.status})"
 
 
 def steerable_run(state: ThreadState) -> orch.Run | None:
@@ -2431,7 +2165,7 @@ def failure_result(code: str, message: str) -> types.CallToolResult:
 
 def build_mcp_server(toolkit: Toolkit, *, version: str) -> Server:
     async def list_tools(ctx: ServerRequestContext, params: Any) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=toolkit.list_tools())
+        return types.ListToolsResult(tools=list(_published_tools().values()))
 
     async def call_tool(ctx: ServerRequestContext, params: types.CallToolRequestParams
                         ) -> types.CallToolResult:

@@ -1,0 +1,592 @@
+"""history.py: forks, merge-backs, rollbacks and diffs, a feature an auditor of the core may skip.
+
+A fork (``thread.fork``, /ws forkThread) continues a thread's conversation from a completed run
+in a new thread; a merge-back (``thread.merge_back``, /ws mergeBack) hands a fork's runs to its
+parent's next run; a rollback (``checkpoint.rollback``, /ws rollbackThread or dispatchCommand)
+puts a thread's files back to a checkpoint and its later runs ``rolled_back``; a diff
+(``t3_thread_diff``, /ws getTurnDiff and getFullThreadDiff) compares two checkpoints, which the
+core captures at each run's end. The commands are decided here as the core's are (pure, with
+``orchestrator.decides``), a restore is a replay-safe outbox effect (``EFFECTS``), a fork's and a
+merge-back's context reach their runs through ``RUN_HOOKS``, and the operations join
+tools.OPERATIONS. The core never imports this module; t3.py does (FEATURES), before it serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from orchestrator import (EFFECTS, HANDOFF_LABELS, RUN_BLOCKING, RUN_HOOKS, RUN_TERMINAL, Actor,
+                          Checkpoint, Command, CommandRejected, ContextTransfer, CreateThread,
+                          Draft, EffectKind, Orchestrator, ProviderAdapter, ProviderThread, Run,
+                          RunHooks, RunStatus, T3Error, ThreadState, TurnItem, bounded_id,
+                          checkpoint_id, checkpoint_scope_id, decide_create_thread, decides,
+                          describe_handoff, file_changes, kept_before, put_handoff, sendable,
+                          thread_work)
+from tools import (BOOLEAN, CLIENT_REQUEST_ID, INTEGER, OPT_INTEGER, OPT_STRING, SEED_TITLE,
+                   STRING, THREAD_ID, Args, Call, Operation, Toolkit, enum_of, list_of,
+                   new_worktree, obj, register, register_wire, shape, text_field, ws_op)
+
+__all__ = ["ForkThread", "MergeBack", "RollbackThread", "FinishRollback", "MERGE_BACK_LABEL",
+           "fork_transfer_id", "merge_back_head", "kept_turns"]
+
+log = logging.getLogger("t3.history")
+
+
+# =============================================================================================
+# Fork and merge-back. ``thread.fork`` makes a thread (lineage ``fork``) with a pending ``fork``
+# ContextTransfer: the source point (a completed run) and a full_thread_summary up to it. At the
+# fork's first run its session opens as a native fork of the source's provider thread where the
+# driver can (transfer consumed as ``native_fork``), else the run carries the summary
+# (``portable_context``). A point with a ready checkpoint gives the fork its own worktree at that
+# commit (first run ``preparing``); outside git it shares the source's workspace.
+# ``thread.merge_back`` records on the parent a pending ``merge_back`` transfer of the fork's
+# completed runs (superseding a pending one from that fork); the parent's next run carries each as
+# a MERGE_BACK_LABEL handoff.
+
+MERGE_BACK_LABEL = "merge_back / fork_delta_summary"
+
+
+@dataclass(frozen=True, slots=True)
+class ForkThread(Command):
+    type: ClassVar[str] = "thread.fork"
+    # thread_id: the fork (the command's thread)
+    create: CreateThread  # the fork as made: lineage, forkedFrom, workspace; no message
+    source_thread_id: str
+    source_point: Mapping[str, Any]  # {type, runId, runOrdinal, checkpointId}
+    context: Mapping[str, Any] | None  # describe_handoff of the source's runs up to the point
+    native: Mapping[str, Any] | None  # {providerInstanceId, providerThreadId} of the source run
+    preparation: Mapping[str, Any] | None = None  # the fork's own worktree, made at first run
+
+
+@dataclass(frozen=True, slots=True)
+class MergeBack(Command):
+    type: ClassVar[str] = "thread.merge_back"
+    # thread_id: the fork's parent (the command's thread)
+    source_thread_id: str  # the fork
+    delta: Mapping[str, Any]  # describe_handoff of the fork's runs (fork_delta_summary)
+    created_by: str
+
+
+def fork_transfer_id(fork_thread_id: str) -> str:
+    return bounded_id(f"context-transfer:fork:{fork_thread_id}")
+
+
+def view(state: ThreadState) -> Draft:
+    """A read-only view of a thread's state with a draft's ``get``/``all``/``runs``."""
+    return Draft(state, None, "")
+
+
+@decides(ForkThread, thread=False)
+def _decide_fork(d: Draft, c: ForkThread, **kw: Any) -> Mapping[str, Any]:
+    result = decide_create_thread(d, c.create, **kw)
+    transfer = d.put(ContextTransfer(
+        id=fork_transfer_id(c.thread_id), thread_id=c.thread_id, type="fork",
+        source_thread_id=c.source_thread_id, target_thread_id=c.thread_id, status="pending",
+        created_by=c.create.created_by, created_at=d.now, updated_at=d.now, data={
+            "sourcePoint": c.source_point, "context": c.context, "native": c.native,
+            "preparation": c.preparation}))
+    return {**result, "sourceThreadId": c.source_thread_id, "sourcePoint": c.source_point,
+            "contextTransferId": transfer.id, "workspacePath": c.create.workspace,
+            "worktreePath": c.create.worktree_path, "branch": c.create.branch}
+
+
+def _fork_transfer(d: Draft) -> ContextTransfer | None:
+    """The fork's pending transfer, until its first run started."""
+    transfer = d.get("context-transfer", fork_transfer_id(d.thread.id)) if d.thread else None
+    return transfer if transfer is not None and transfer.status == "pending" else None
+
+
+def _fork_preparation(d: Draft) -> Mapping[str, Any] | None:
+    """The worktree a fork's first run makes (again, after a first run that failed to)."""
+    transfer = _fork_transfer(d)
+    if transfer is None or any(r.started_at for r in d.runs()):
+        return None
+    return (transfer.data or {}).get("preparation")
+
+
+def _take_fork(d: Draft, run: Run, native: bool) -> str | None:
+    """At the fork's first run: consume its transfer; the portable context's handoff id."""
+    transfer = _fork_transfer(d)
+    if transfer is None:
+        return None
+    data = transfer.data or {}
+    handoff_id = put_handoff(d, run, data["context"]) if data.get("context") and not native \
+        else None
+    d.put(replace(transfer, status="consumed", target_run_id=run.id, consumed_at=d.now,
+                  updated_at=d.now, data={**data, "resolution": {
+                      "strategy": "native_fork" if native else "portable_context",
+                      "contextHandoffId": handoff_id}}))
+    return handoff_id
+
+
+async def _native_fork(o: Orchestrator, state: ThreadState, run: Run, adapter: ProviderAdapter
+                       ) -> Mapping[str, Any]:
+    """``fork`` ({ref, dropTurns}) for a fork's first session to open as a native fork of the
+    source run's conversation; nothing when the driver or instance cannot. If the fork itself
+    fails the driver opens a new conversation (portable context)."""
+    transfer = _fork_transfer(view(state))
+    native = (transfer.data or {}).get("native") if transfer else None
+    caps = adapter.info.capabilities
+    if transfer is None or not native or not caps.supports_fork or \
+            native["providerInstanceId"] != run.provider_instance_id:
+        return {}
+    source = await o.state(transfer.source_thread_id)
+    pthread = source.entities["provider-thread"].get(native["providerThreadId"]) \
+        if source else None
+    if source is None or pthread is None or not pthread.native_thread_ref:
+        return {}
+    later = kept_turns(source, pthread.id, len(source.runs)) - kept_turns(
+        source, pthread.id, (transfer.data or {})["sourcePoint"]["runOrdinal"])
+    if later and not caps.supports_fork_from_turn:
+        return {}
+    return {"fork": {"ref": pthread.native_thread_ref, "dropTurns": later}}
+
+
+@decides(MergeBack)
+def _decide_merge_back(d: Draft, c: MergeBack, **_: Any) -> Mapping[str, Any]:
+    thread = sendable(d)
+    superseded = [d.put(replace(t, status="superseded", updated_at=d.now)).id
+                  for t in d.all("context-transfer") if t.type == "merge_back"
+                  and t.status == "pending" and t.source_thread_id == c.source_thread_id]
+    transfer = d.put(ContextTransfer(
+        id=bounded_id(f"context-transfer:merge_back:{c.command_id}"), thread_id=thread.id,
+        type="merge_back", source_thread_id=c.source_thread_id, target_thread_id=thread.id,
+        status="pending", created_by=c.created_by, created_at=d.now, updated_at=d.now,
+        data={"delta": c.delta}))
+    return {"threadId": thread.id, "forkThreadId": c.source_thread_id,
+            "contextTransferId": transfer.id, "coveredRunOrdinals": c.delta["covered"],
+            "superseded": superseded}
+
+
+def _take_merge_backs(d: Draft, run: Run) -> list[str]:
+    """At a thread's next run: its pending merge-backs as handoffs, oldest first; their ids."""
+    pending = sorted((t for t in d.all("context-transfer") if t.type == "merge_back"
+                      and t.status == "pending"), key=lambda t: t.created_at)
+    ids = []
+    for transfer in pending:
+        ids.append(put_handoff(d, run, (transfer.data or {})["delta"],
+                               f":merge-back:{transfer.source_thread_id}"))
+        d.put(replace(transfer, status="consumed", target_run_id=run.id, consumed_at=d.now,
+                      updated_at=d.now))
+    return ids
+
+
+def merge_back_head(fork_id: str, target_id: str, covered: Sequence[Run]) -> list[str]:
+    """The merge-back summary's lines before the fork's items."""
+    return ["Merge-back context from forked conversation.", f"Source thread: {fork_id}",
+            f"Target thread: {target_id}",
+            f"Covered fork runs: {covered[0].ordinal}-{covered[-1].ordinal}", "", "Fork delta:"]
+
+
+RUN_HOOKS.append(RunHooks(preparation=_fork_preparation, context=_take_fork,
+                          handoffs=_take_merge_backs, session=_native_fork))
+HANDOFF_LABELS["fork_delta_summary"] = MERGE_BACK_LABEL
+
+
+# =============================================================================================
+# Rollback: ``checkpoint.rollback`` records a running ``rollback`` item (the core's
+# ``thread_work``: no message is taken meanwhile, a deletion cancels it) and a replay-safe effect.
+# The effect restores the files, deletes later refs, rolls back provider conversations natively
+# where the driver can (``supports_rollback``) and closes the live session; FinishRollback then
+# marks later runs ``rolled_back``, their checkpoints ``stale``, and resets the other provider
+# threads (a fresh session with a full handoff). Every step is idempotent; run ordinals keep
+# increasing.
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackThread(Command):
+    type: ClassVar[str] = "checkpoint.rollback"
+    checkpoint_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRollback(Command):
+    type: ClassVar[str] = "checkpoint.rollback-finish"
+    item_id: str
+    native_provider_thread_ids: tuple[str, ...] = ()  # their conversations were rolled back
+    failure: str | None = None  # the restore failed: nothing is marked
+
+
+@decides(RollbackThread, client=True)
+def _decide_rollback(d: Draft, c: RollbackThread, **_: Any) -> Mapping[str, Any]:
+    cp = d.get("checkpoint", c.checkpoint_id)
+    if cp is None or cp.thread_id != c.thread_id:
+        raise CommandRejected(f"thread {c.thread_id} has no checkpoint {c.checkpoint_id}",
+                              code="invalid_request")
+    if cp.status != "ready" or not cp.commit:
+        raise CommandRejected(f"checkpoint {cp.ordinal} is {cp.status}: only a ready checkpoint "
+                              "can be restored", code="invalid_request")
+    busy = next((r for r in d.runs() if r.status in RUN_BLOCKING or r.status == RunStatus.QUEUED),
+                None)
+    work = thread_work(d)
+    if busy is not None or work is not None:
+        raise CommandRejected("the thread is busy (" + (
+            f"run {busy.ordinal} is {busy.status}" if busy else f"a {work.type} is running")
+            + "): stop or wait for it first", code="thread_not_sendable")
+    later = [r.id for r in d.runs() if r.ordinal > cp.ordinal and r.status != RunStatus.ROLLED_BACK]
+    item = d.put(TurnItem(
+        id=bounded_id(f"turn-item:rollback:{c.command_id}"), thread_id=c.thread_id, run_id=None,
+        node_id=None, type="rollback", status="running", position=d.position(),
+        updated_at=d.now, title=f"Rollback to checkpoint {cp.ordinal}", started_at=d.now,
+        data={"checkpointId": cp.id, "ordinal": cp.ordinal, "rolledBackRunIds": later}))
+    d.effect("checkpoint.rollback", {"itemId": item.id, "checkpointId": cp.id}, item.id)
+    return {"threadId": c.thread_id, "checkpointId": cp.id, "ordinal": cp.ordinal,
+            "rolledBackRunIds": later, "itemId": item.id}
+
+
+@decides(FinishRollback)
+def _decide_finish_rollback(d: Draft, c: FinishRollback, **_: Any) -> Mapping[str, Any]:
+    item = d.get("turn-item", c.item_id)
+    if item is None or item.status != "running":
+        raise CommandRejected("the rollback has already finished")
+    n = item.data["ordinal"]
+    d.put(replace(item, status="failed" if c.failure else "completed", text=c.failure,
+                  updated_at=d.now, completed_at=d.now))
+    if c.failure:
+        return {"status": "failed", "reason": c.failure}
+    for run in d.runs():
+        if run.ordinal > n and run.status != RunStatus.ROLLED_BACK:
+            d.put(replace(run, status=RunStatus.ROLLED_BACK,
+                          status_reason=f"rolled back to checkpoint {n}"))
+            d.update("node", run.root_node_id, status="rolled_back")
+    for cp in d.all("checkpoint"):
+        if cp.ordinal > n and cp.status != "stale":
+            d.put(replace(cp, status="stale", status_reason=f"rolled back to checkpoint {n}"))
+    for pthread in d.all("provider-thread"):
+        if (pthread.last_run_ordinal or 0) <= n:
+            continue  # it never saw a rolled-back run
+        kept = [r.ordinal for r in d.runs() if r.provider_thread_id == pthread.id
+                and r.ordinal <= n and r.started_at is not None]
+        native = pthread.id in c.native_provider_thread_ids
+        d.put(replace(pthread, last_run_ordinal=max(kept) if kept and native else None,
+                      native_thread_ref=pthread.native_thread_ref if native else None,
+                      updated_at=d.now))
+    return {"status": "completed", "reason": None}
+
+
+def kept_turns(state: ThreadState, pthread_id: str, ordinal: int) -> int:
+    """How many provider turns of ``pthread_id`` belong to runs up to ``ordinal``."""
+    attempts = state.entities["run-attempt"]
+    return sum(1 for t in state.entities["provider-turn"].values()
+               if t.provider_thread_id == pthread_id and (run := state.run(
+                   getattr(attempts.get(t.run_attempt_id), "run_id", ""))) is not None
+               and run.ordinal <= ordinal and run.status != RunStatus.ROLLED_BACK)
+
+
+async def _rollback(o: Orchestrator, thread_id: str, item_id: str, checkpoint: str) -> None:
+    """The ``checkpoint.rollback`` effect: restore, drop later refs, roll back or close the
+    provider conversations, then FinishRollback. Safe to run again."""
+    state = await o.state(thread_id)
+    item = state.entities["turn-item"].get(item_id) if state else None
+    if state is None or state.thread is None or item is None or item.status != "running":
+        return  # finished before a crash, or the thread was deleted: nothing left to do
+    cp, ws, cwd = state.entities["checkpoint"][checkpoint], o.workspaces, \
+        state.thread.workspace
+    failure, native = None, []
+    try:
+        if ws is None or not cwd:
+            raise T3Error("this server has no git workspaces")
+        await ws.restore(cwd, cp.commit)
+        for later in state.entities["checkpoint"].values():
+            if later.ordinal > cp.ordinal and later.ref:
+                await ws.delete_ref(cwd, later.ref)
+    except Exception as exc:  # GitError, OSError: said in the item, nothing marked
+        failure = f"the workspace was not restored: {exc}"[:2000]
+    if failure is None:  # idle: no run may be active during a rollback
+        await o.sessions.stop(thread_id, f"Closed by a rollback to checkpoint {cp.ordinal}.")
+    for pthread in state.entities["provider-thread"].values() if failure is None else ():
+        if (pthread.last_run_ordinal or 0) > cp.ordinal and await _rollback_natively(
+                o, state, pthread, kept_turns(state, pthread.id, cp.ordinal)):
+            native.append(pthread.id)
+    await o.try_dispatch(FinishRollback(
+        command_id=bounded_id(f"command:rollback-finish:{item_id}"), thread_id=thread_id,
+        item_id=item_id, native_provider_thread_ids=tuple(native), failure=failure))
+
+
+async def _rollback_natively(o: Orchestrator, state: ThreadState, pthread: ProviderThread,
+                             keep: int) -> bool:
+    """Roll ``pthread``'s conversation back to its first ``keep`` turns in a short session;
+    False when the driver cannot (the next turn starts fresh with a handoff)."""
+    adapter = o.adapters.get(pthread.provider_instance_id)
+    thread = state.thread
+    if adapter is None or thread is None or not pthread.native_thread_ref or \
+            not adapter.info.capabilities.supports_rollback:
+        return False
+    handle = None
+    try:
+        handle = await adapter.open_session(
+            session_id=o.new_id("provider-session"), thread_id=thread.id,
+            cwd=thread.workspace or os.getcwd(), model=None,
+            runtime_mode=thread.runtime_mode, interaction_mode=thread.interaction_mode,
+            resume_ref=pthread.native_thread_ref, mcp=None)
+        if handle.native_thread_ref != pthread.native_thread_ref:
+            return False  # the conversation is gone: a fresh one gets the handoff
+        await handle.rollback(keep)  # type: ignore[attr-defined]
+        return True
+    except Exception as exc:
+        log.warning("native rollback of %s failed (%s); the next turn starts fresh",
+                    pthread.id, exc)
+        return False
+    finally:
+        if handle is not None:
+            await handle.close()
+
+
+# each step is idempotent
+EFFECTS["checkpoint.rollback"] = EffectKind(lambda o, row: _rollback(
+    o, row.thread_id, row.payload["itemId"], row.payload["checkpointId"]), replay_safe=True)
+
+
+# =============================================================================================
+# Operations: t3_thread_diff (MCP, and /ws getFullThreadDiff), /ws getTurnDiff, forkThread,
+# mergeBack and rollbackThread, and dispatchCommand's checkpoint.rollback
+
+
+ROLLBACK_WAIT_S = 120.0  # rollbackThread answers ``running`` after this
+FILE_CHANGE = shape({"path": STRING, "kind": STRING, "additions": INTEGER,
+                     "deletions": INTEGER})
+DIFF_OUTPUT = shape({"threadId": STRING, "runId": OPT_STRING, "ordinal": OPT_INTEGER,
+                     "status": enum_of(["ready", "pending", "missing", "error", "stale"]),
+                     "reason": OPT_STRING, "fromCheckpointId": OPT_STRING,
+                     "toCheckpointId": OPT_STRING, "files": list_of(FILE_CHANGE),
+                     "diff": STRING, "truncated": BOOLEAN})
+_DIFF_INPUT = obj({"threadId": THREAD_ID, "runId": text_field(512),
+                   "ordinal": {"type": "integer", "minimum": 1}}, ["threadId"])
+
+
+async def _thread_diff(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    """The unified diff of one run (``runId`` or ``ordinal``: its checkpoint against the one
+    before it) or, with neither, of the whole thread (its first ready checkpoint against its
+    newest), bounded (workspace.MAX_DIFF_CHARS) with a truncation flag. Unless both sides are
+    ready checkpoints, ``status`` says why there is none (pending, missing, error) in
+    ``reason``."""
+    thread_id, run_id, ordinal = args["threadId"], args.get("runId"), args.get("ordinal")
+    state = await kit.thread(thread_id)
+    cps = {c.ordinal: c for c in state.entities["checkpoint"].values()}
+    run = None
+    if run_id is not None or ordinal is not None:
+        run = state.run(run_id) if run_id else next(
+            (r for r in state.runs if r.ordinal == ordinal), None)
+        if run is None or ordinal not in (None, run.ordinal):
+            raise T3Error(f"thread {thread_id} has no run {run_id or ordinal}",
+                          code="run_not_found")
+        before, after = cps.get(kept_before(state.runs, run.ordinal)), cps.get(run.ordinal)
+    else:
+        ready = sorted(n for n, c in cps.items() if c.status == "ready")
+        before, after = (cps[ready[0]], cps[ready[-1]]) if ready else (None, None)
+    result: dict[str, Any] = {
+        "threadId": thread_id, "runId": run.id if run else None,
+        "ordinal": run.ordinal if run else None, "status": "ready", "reason": None,
+        "fromCheckpointId": before.id if before else None,
+        "toCheckpointId": after.id if after else None, "files": [], "diff": "",
+        "truncated": False}
+    for side, name in ((after, "this run's"), (before, "the previous")):
+        if side is None or side.status != "ready":
+            status, reason = _no_diff(side, name, run)
+            return {**result, "status": status, "reason": reason}
+    assert before is not None and after is not None and state.thread is not None
+    try:
+        if kit.orch.workspaces is None or not state.thread.workspace:
+            raise T3Error("this server has no git workspaces")
+        found = await kit.orch.workspaces.diff(state.thread.workspace, before.commit,
+                                               after.commit)
+    except Exception as exc:  # the repository moved or git failed: said, not raised
+        return {**result, "status": "error", "reason": str(exc)[:1000]}
+    return {**result, "files": file_changes(found), "diff": found.text,
+            "truncated": found.truncated}
+
+
+def _no_diff(side: Checkpoint | None, name: str, run: Run | None) -> tuple[str, str]:
+    """Why one side of a diff is not a ready checkpoint: (status, reason)."""
+    if side is not None:
+        return side.status, side.status_reason or f"{name} checkpoint is {side.status}" + (
+            " (the workspace is not in a git repository)" if side.status == "missing" else "")
+    if run is None:
+        return "missing", "the thread has no checkpoint yet"
+    if run.status not in RUN_TERMINAL:
+        return "pending", f"run {run.ordinal} is {run.status}: its checkpoint comes when it ends"
+    return "missing", f"{name} checkpoint does not exist (run {run.ordinal} is {run.status})"
+
+
+async def _turn_diff(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    if "runId" not in args and "ordinal" not in args:
+        raise T3Error("getTurnDiff: runId or ordinal is required (getFullThreadDiff gives "
+                      "the whole thread's)", code="invalid_request")
+    return await _thread_diff(kit, call, args)
+
+
+async def _fork_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    """``thread.fork`` of ``sourceThreadId`` at ``sourcePoint`` (default latest_stable): a new
+    thread with the source's context up to there, in a worktree of its own at that point's
+    checkpoint when the source works in git and it is ready. Refused before anything is
+    written."""
+    ids = (call.source, call.scope.key, "fork", args["commandId"])
+    thread_id, command_id = kit.derive_id("thread", *ids), kit.derive_id("command", *ids)
+    state = await kit.thread(args["sourceThreadId"])
+    source = state.thread
+    assert source is not None
+    setup = kit.ctx.project(source.project_id).setup
+    point = args.get("sourcePoint") or {"type": "latest_stable"}
+    run, checkpoint = _fork_point(state, point)
+    covered = [r for r in state.runs if run and r.ordinal <= run.ordinal and r.started_at
+               and r.status != RunStatus.ROLLED_BACK]
+    binding: dict[str, Any] = {"workspace": source.workspace or "", "branch": source.branch,
+                               "worktree_path": source.worktree_path}
+    git, preparation = kit.orch.workspaces, None
+    repo = await git.top_level(source.workspace) if git and source.workspace else None
+    if repo and checkpoint is not None and checkpoint.status == "ready" and checkpoint.commit:
+        path, branch = new_worktree(git, thread_id)
+        binding = {"workspace": path, "branch": branch, "worktree_path": path}
+        preparation = {"repo": repo, "baseRef": checkpoint.commit, "fromOrigin": False,
+                       "setup": list(setup)}
+    source_point = {"type": point["type"], "runId": run.id if run else None,
+                    "runOrdinal": run.ordinal if run else 0,
+                    "checkpointId": checkpoint.id if checkpoint else None}
+    create = CreateThread(
+        command_id=command_id, thread_id=thread_id, project_id=source.project_id,
+        title=args.get("title") or f"Fork of {source.title}"[:200],
+        provider_instance_id=source.provider_instance_id,
+        model=source.model_selection.get("model"), runtime_mode=source.runtime_mode,
+        interaction_mode=source.interaction_mode, **call.made_by, lineage={
+            "parentThreadId": source.id, "relationshipToParent": "fork",
+            "rootThreadId": source.lineage.get("rootThreadId") or source.id},
+        forked_from={"type": "run", "threadId": source.id, **source_point}, **binding)
+    command = ForkThread(
+        command_id=command_id, thread_id=thread_id, create=create, source_thread_id=source.id,
+        source_point=source_point, preparation=preparation,
+        context=describe_handoff(view(state), "full_thread_summary", covered,
+                                 source.provider_instance_id, kit.orch.providers)
+        if covered else None,
+        native={"providerInstanceId": run.provider_instance_id,
+                "providerThreadId": run.provider_thread_id} if run else None)
+    return {**(await kit.orch.dispatch(command)).result, "threadId": thread_id}
+
+
+def _fork_point(state: ThreadState, point: Mapping[str, Any]
+                ) -> tuple[Run | None, Checkpoint | None]:
+    """The source run (None: a baseline checkpoint) and its checkpoint a fork starts at."""
+    checkpoints = state.entities["checkpoint"]
+    checkpoint = checkpoints.get(point.get("checkpointId") or "")
+    named = {"checkpoint": "checkpointId", "run": "runId or ordinal"}.get(point["type"])
+    if named and not any(point.get(k) for k in ("checkpointId", "runId", "ordinal")):
+        raise T3Error(f"sourcePoint: a {point['type']} point needs {named}",
+                      code="invalid_request")
+    if point["type"] == "checkpoint":
+        if checkpoint is None or checkpoint.status != "ready":
+            raise T3Error(f"sourcePoint: checkpoint {point['checkpointId']} is "
+                          f"{checkpoint.status if checkpoint else 'not found'} in this "
+                          "thread", code="invalid_request")
+        run = state.run(checkpoint.run_id) if checkpoint.run_id else None
+    elif point["type"] == "run":  # {runId} or {ordinal}
+        run = state.run(point.get("runId") or "") or next(
+            (r for r in state.runs if r.ordinal == point.get("ordinal")), None)
+        if run is None:
+            raise T3Error(f"sourcePoint: run {point.get('runId') or point.get('ordinal')} "
+                          "was not found", code="run_not_found")
+    else:
+        run = next((r for r in reversed(state.runs) if r.status == RunStatus.COMPLETED), None)
+        if run is None:
+            raise T3Error("sourcePoint: the thread has no completed run to fork from",
+                          code="invalid_request")
+    if run is not None and run.status != RunStatus.COMPLETED:
+        raise T3Error(f"sourcePoint: run {run.ordinal} is {run.status}; a fork starts at a "
+                      "completed run", code="invalid_request")
+    if point["type"] != "checkpoint" and run is not None:
+        checkpoint = checkpoints.get(checkpoint_id(run.thread_id, run.ordinal))
+    return run, checkpoint
+
+
+async def _merge_back(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    """``thread.merge_back`` of fork ``sourceThreadId`` into its parent (``targetThreadId``,
+    which must be that parent when given): the fork's completed runs as its delta, which goes
+    to the parent with its next message."""
+    fork_id, target_id = args["sourceThreadId"], args.get("targetThreadId")
+    command_id = kit.derive_id("command", call.source, call.scope.key, "merge-back",
+                               args["commandId"])
+    fork = await kit.thread(fork_id)
+    assert fork.thread is not None
+    parent_id = fork.thread.lineage.get("parentThreadId")
+    if fork.thread.lineage.get("relationshipToParent") != "fork" or \
+            target_id not in (None, parent_id):
+        raise T3Error(f"thread {fork_id} is not a fork of "
+                      f"{target_id or 'another thread'}", code="invalid_request")
+    parent = (await kit.thread(parent_id)).thread
+    assert parent is not None
+    covered = [r for r in fork.runs if r.status in (RunStatus.COMPLETED, RunStatus.WAITING)]
+    if not covered:
+        raise T3Error(f"fork {fork_id} has no completed run to merge back",
+                      code="invalid_request")
+    return dict((await kit.orch.dispatch(MergeBack(
+        command_id=command_id, thread_id=parent.id, source_thread_id=fork_id,
+        created_by=Actor.USER, delta=describe_handoff(
+            view(fork), "fork_delta_summary", covered, parent.provider_instance_id,
+            kit.orch.providers, head=merge_back_head(fork_id, parent.id, covered))))).result)
+
+
+async def _rollback_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
+    """``checkpoint.rollback`` to run ``runOrdinal``'s checkpoint (0: the thread's baseline) or
+    to ``checkpointId``, answered once its effect has finished: status completed (the files are
+    restored) or failed with the reason, or running after ROLLBACK_WAIT_S."""
+    if ("runOrdinal" in args) == ("checkpointId" in args):
+        raise T3Error("rollbackThread: give runOrdinal or checkpointId", code="invalid_request")
+    thread_id, ordinal, checkpoint = args["threadId"], args.get("runOrdinal"), \
+        args.get("checkpointId")
+    command_id = kit.derive_id("command", call.space, call.scope.key, "thread-rollback",
+                               thread_id, kit.key(args))
+    state = await kit.thread(thread_id)
+    if checkpoint is None:
+        if ordinal and not any(r.ordinal == ordinal for r in state.runs):
+            raise T3Error(f"thread {thread_id} has no run {ordinal}", code="run_not_found")
+        checkpoint = checkpoint_id(thread_id, ordinal)
+    done = (await kit.orch.dispatch(RollbackThread(
+        command_id=command_id, thread_id=thread_id, checkpoint_id=checkpoint))).result
+    item_id = done["itemId"]
+    await kit.orch.wait_until([thread_id], lambda s: s[thread_id].entities["turn-item"][
+        item_id].status != "running", ROLLBACK_WAIT_S)
+    ended = (await kit.thread(thread_id)).entities["turn-item"][item_id]
+    return {**done, "status": ended.status, "reason": ended.text}
+
+
+def _wire_rollback(kit: Toolkit, a: Args, command_id: str) -> RollbackThread:
+    """dispatchCommand's checkpoint.rollback; the seed's ``scopeId``, when sent, is checked."""
+    scope = checkpoint_scope_id(a["threadId"])
+    if a.get("scopeId", scope) != scope:
+        raise T3Error(f"scopeId: thread {a['threadId']}'s checkpoints are in scope {scope}",
+                      code="invalid_request")
+    return RollbackThread(command_id=command_id, thread_id=a["threadId"],
+                          checkpoint_id=a["checkpointId"])
+
+
+register(
+    Operation(
+        "t3_thread_diff",
+        "The unified diff of one run of a thread (runId or ordinal: what the run changed in "
+        "its workspace, between its checkpoint and the one before) or, with neither, of the "
+        "whole thread; files with additions and deletions, text stops near 30,000 characters "
+        "(truncated). status says why there is no diff: pending (the run is not finished), "
+        "missing (not a git repository), error.",
+        _DIFF_INPUT, _thread_diff, DIFF_OUTPUT, ws=("getFullThreadDiff",), read_only=True),
+    ws_op("getTurnDiff", "t3_thread_diff of one run (runId or ordinal).", _DIFF_INPUT,
+          _turn_diff, DIFF_OUTPUT),
+    ws_op("forkThread", "thread.fork: a thread with the source's context up to sourcePoint.",
+          obj({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID, "title": SEED_TITLE,
+               "sourcePoint": obj({
+                   "type": {"type": "string", "enum": ["latest_stable", "run", "checkpoint"]},
+                   "runId": THREAD_ID, "ordinal": {"type": "integer", "minimum": 1},
+                   "checkpointId": THREAD_ID}, ["type"])}, ["commandId", "sourceThreadId"]),
+          _fork_thread),
+    ws_op("mergeBack", "thread.merge_back: a fork's delta to its parent.",
+          obj({"commandId": CLIENT_REQUEST_ID, "sourceThreadId": THREAD_ID,
+               "targetThreadId": THREAD_ID}, ["commandId", "sourceThreadId"]), _merge_back),
+    ws_op("rollbackThread", "checkpoint.rollback to a run's checkpoint (0: the baseline), or "
+          "to checkpointId, answered once the files are restored.",
+          obj({"threadId": THREAD_ID, "runOrdinal": {"type": "integer", "minimum": 0},
+               "checkpointId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}, ["threadId"]),
+          _rollback_thread))
+register_wire("checkpoint.rollback", {"threadId": THREAD_ID, "scopeId": STRING,
+                                      "checkpointId": THREAD_ID},
+              ["threadId", "checkpointId"], _wire_rollback)
