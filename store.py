@@ -5,9 +5,9 @@ What it owns:
   transaction together with ``PRAGMA user_version = NNNN``. An older database is copied into
   ``backups/`` (sqlite3 backup API, temp file + rename) before it is migrated; a newer one is
   refused untouched.
-- One writer: a dedicated thread owns the only write connection and runs one job at a time
-  from a queue, each inside ``BEGIN IMMEDIATE``; callers await a future. Reads use a separate
-  ``query_only`` connection.
+- One writer: a dedicated thread owns the only write connection and runs the jobs of a queue
+  inside ``BEGIN IMMEDIATE``, those queued meanwhile together (each in its own savepoint, one
+  fsync for all); callers await a future. Reads use a separate ``query_only`` connection.
 - ``commit``: a command's receipt, its events (global ``sequence``, per-thread
   ``stream_version``), the projection rows those events imply, its outbox rows and any outbox
   cancellations, in ONE transaction. A command id seen before is answered from its receipt.
@@ -38,20 +38,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
-    "SQL_DIR",
-    "StoreError",
-    "DatabaseTooNew",
-    "FingerprintMismatch",
-    "NewEvent",
-    "NewEffect",
-    "Commit",
-    "CommitResult",
-    "Receipt",
-    "EffectRow",
-    "Store",
-    "apply_migrations",
-    "schema_files",
-    "crash_point",
+    "SQL_DIR", "StoreError", "DatabaseTooNew", "FingerprintMismatch", "crash_point",
+    "NewEvent", "NewEffect", "Commit", "CommitResult", "Receipt", "EffectRow",
+    "TEXT_APPENDED", "event_kind", "projection_writes", "rebuild_projections",
+    "connect", "add_functions", "apply_migrations", "schema_files", "Store",
 ]
 
 # Beside store.py in a checkout; in <prefix>/share/t3/sql where an installed wheel puts it.
@@ -193,7 +183,7 @@ def _receipt_from_row(row: sqlite3.Row) -> Receipt:
 
 # ---------------------------------------------------------------------------------------------
 # Projections: which table an event's entity lands in, and the columns reads index.
-# (kind, table, primary key column, payload key of the id, {column: payload key})
+# {kind: (table, primary key column, {column: payload key, dotted for a nested one})}
 
 _PROJECTIONS: dict[str, tuple[str, str, dict[str, str]]] = {
     "thread": ("threads", "thread_id", {
@@ -294,9 +284,12 @@ INSERT INTO effect_outbox (effect_id, command_id, thread_id, effect_type, payloa
 VALUES (?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)
 ON CONFLICT (effect_id) DO NOTHING
 """
-# A cancelled row holds no lease; its parameters: the reason, the time.
+# The heads of outbox updates, each caller adding its WHERE: a cancelled row, or one back in
+# line, holds no lease. _CANCEL takes (reason, time), _REQUEUE (when it is due, time).
 _CANCEL = """UPDATE effect_outbox SET status = 'cancelled', lease_owner = NULL,
     lease_expires_ms = NULL, last_error = ?, updated_at = ?"""
+_REQUEUE = """UPDATE effect_outbox SET status = 'pending', lease_owner = NULL,
+    lease_expires_ms = NULL, available_at_ms = ?, updated_at = ?"""
 _CANCEL_EFFECTS = f"""{_CANCEL}
 WHERE thread_id = ? AND effect_type = ? AND status IN ('pending', 'running')
 RETURNING effect_id
@@ -867,10 +860,8 @@ class Store:
                 f"{_CANCEL} WHERE replay_safe = 0 AND (status = 'running' OR "
                 "(status = 'pending' AND attempt_count > 0)) RETURNING *", (reason, stamp)
             ).fetchall()
-            requeued = conn.execute(
-                "UPDATE effect_outbox SET status = 'pending', available_at_ms = ?, "
-                "lease_owner = NULL, lease_expires_ms = NULL, updated_at = ? "
-                "WHERE status = 'running'", (now_ms, stamp)).rowcount
+            requeued = conn.execute(f"{_REQUEUE} WHERE status = 'running'",
+                                    (now_ms, stamp)).rowcount
             return [_effect_from_row(r) for r in cancelled], requeued
         return await self.write(run)
 
@@ -878,10 +869,8 @@ class Store:
         """At shutdown: replay-safe rows go back to pending; process-bound ones are cancelled."""
         def run(conn: sqlite3.Connection) -> int:
             stamp = _now_iso()
-            n = conn.execute("UPDATE effect_outbox SET status = 'pending', available_at_ms = ?, "
-                             "attempt_count = attempt_count - 1, lease_owner = NULL, "
-                             "lease_expires_ms = NULL, updated_at = ? WHERE status = 'running' "
-                             "AND lease_owner = ? AND replay_safe = 1",
+            n = conn.execute(f"{_REQUEUE}, attempt_count = attempt_count - 1 "
+                             "WHERE status = 'running' AND lease_owner = ? AND replay_safe = 1",
                              (now_ms, stamp, owner)).rowcount
             n += conn.execute(f"{_CANCEL} WHERE status = 'running' AND lease_owner = ?",
                               (reason, stamp, owner)).rowcount
