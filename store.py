@@ -573,7 +573,8 @@ def _backup(path: Path, backups_dir: Path, version: int) -> None:
 
 
 def _now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z"
+    now = time.time()  # one reading: two could straddle a second and step back almost one
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
 
 
 _STOP = object()
