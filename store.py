@@ -35,7 +35,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "SQL_DIR", "StoreError", "DatabaseTooNew", "FingerprintMismatch", "crash_point",
@@ -50,6 +53,7 @@ SQL_DIR = next((d for d in (Path(__file__).resolve().parent / "sql",
                Path(__file__).resolve().parent / "sql")
 log = logging.getLogger("t3.store")
 T = TypeVar("T")
+_Value = TypeVar("_Value", bound="DataclassInstance")
 
 
 class StoreError(Exception):
@@ -161,7 +165,7 @@ class EffectRow:
     last_error: str | None
 
 
-def _from_row(cls: type[T], row: sqlite3.Row, **decoded: Any) -> T:
+def _from_row(cls: type[_Value], row: sqlite3.Row, **decoded: Any) -> _Value:
     """``row`` as ``cls``: each field is the column of the same name, unless ``decoded`` gives it
     (a ``*_json`` column parsed, a 0/1 made a bool)."""
     return cls(**{f.name: decoded[f.name] if f.name in decoded else row[f.name]
