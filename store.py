@@ -5,9 +5,9 @@ What it owns:
   transaction together with ``PRAGMA user_version = NNNN``. An older database is copied into
   ``backups/`` (sqlite3 backup API, temp file + rename) before it is migrated; a newer one is
   refused untouched.
-- One writer: a dedicated thread owns the only write connection and runs one job at a time
-  from a queue, each inside ``BEGIN IMMEDIATE``; callers await a future. Reads use a separate
-  ``query_only`` connection.
+- One writer: a dedicated thread owns the only write connection and runs the jobs of a queue
+  inside ``BEGIN IMMEDIATE``, those queued meanwhile together (each in its own savepoint, one
+  fsync for all); callers await a future. Reads use a separate ``query_only`` connection.
 - ``commit``: a command's receipt, its events (global ``sequence``, per-thread
   ``stream_version``), the projection rows those events imply, its outbox rows and any outbox
   cancellations, in ONE transaction. A command id seen before is answered from its receipt.
@@ -32,26 +32,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from contextlib import closing, contextmanager, suppress
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
-    "SQL_DIR",
-    "StoreError",
-    "DatabaseTooNew",
-    "FingerprintMismatch",
-    "NewEvent",
-    "NewEffect",
-    "Commit",
-    "CommitResult",
-    "Receipt",
-    "EffectRow",
-    "Store",
-    "apply_migrations",
-    "schema_files",
-    "crash_point",
+    "SQL_DIR", "StoreError", "DatabaseTooNew", "FingerprintMismatch", "crash_point",
+    "NewEvent", "NewEffect", "Commit", "CommitResult", "Receipt", "EffectRow",
+    "TEXT_APPENDED", "event_kind", "projection_writes", "rebuild_projections",
+    "connect", "add_functions", "apply_migrations", "schema_files", "Store",
 ]
 
 # Beside store.py in a checkout; in <prefix>/share/t3/sql where an installed wheel puts it.
@@ -60,6 +53,7 @@ SQL_DIR = next((d for d in (Path(__file__).resolve().parent / "sql",
                Path(__file__).resolve().parent / "sql")
 log = logging.getLogger("t3.store")
 T = TypeVar("T")
+_Value = TypeVar("_Value", bound="DataclassInstance")
 
 
 class StoreError(Exception):
@@ -171,43 +165,29 @@ class EffectRow:
     last_error: str | None
 
 
+def _from_row(cls: type[_Value], row: sqlite3.Row, **decoded: Any) -> _Value:
+    """``row`` as ``cls``: each field is the column of the same name, unless ``decoded`` gives it
+    (a ``*_json`` column parsed, a 0/1 made a bool)."""
+    return cls(**{f.name: decoded[f.name] if f.name in decoded else row[f.name]
+                  for f in fields(cls)})
+
+
 def _effect_from_row(row: sqlite3.Row) -> EffectRow:
     if row["status"] not in ("pending", "running", "succeeded", "failed", "cancelled"):
         raise StoreError(f"unknown outbox status {row['status']!r}")
-    return EffectRow(
-        effect_id=row["effect_id"],
-        command_id=row["command_id"],
-        thread_id=row["thread_id"],
-        effect_type=row["effect_type"],
-        payload=json.loads(row["payload_json"]),
-        replay_safe=bool(row["replay_safe"]),
-        status=row["status"],
-        attempt_count=row["attempt_count"],
-        max_attempts=row["max_attempts"],
-        available_at_ms=row["available_at_ms"],
-        lease_owner=row["lease_owner"],
-        lease_expires_ms=row["lease_expires_ms"],
-        last_error=row["last_error"],
-    )
+    return _from_row(EffectRow, row, payload=json.loads(row["payload_json"]),
+                     replay_safe=bool(row["replay_safe"]))
 
 
 def _receipt_from_row(row: sqlite3.Row) -> Receipt:
     if row["status"] not in ("accepted", "rejected"):
         raise StoreError(f"unknown receipt status {row['status']!r}")
-    return Receipt(
-        command_id=row["command_id"],
-        command_type=row["command_type"],
-        fingerprint=row["fingerprint"],
-        thread_id=row["thread_id"],
-        status=row["status"],
-        result_sequence=row["result_sequence"],
-        result=json.loads(row["result_json"]),
-    )
+    return _from_row(Receipt, row, result=json.loads(row["result_json"]))
 
 
 # ---------------------------------------------------------------------------------------------
 # Projections: which table an event's entity lands in, and the columns reads index.
-# (kind, table, primary key column, payload key of the id, {column: payload key})
+# {kind: (table, primary key column, {column: payload key, dotted for a nested one})}
 
 _PROJECTIONS: dict[str, tuple[str, str, dict[str, str]]] = {
     "thread": ("threads", "thread_id", {
@@ -248,7 +228,6 @@ _PROJECTIONS: dict[str, tuple[str, str, dict[str, str]]] = {
         "webhook_delivery_id": "id", "thread_id": "taskId", "received_at": "receivedAt",
         "delivery_key": "deliveryKey", "outcome": "outcome"}),
 }
-PROJECTION_KINDS = tuple(_PROJECTIONS)
 
 
 def _upsert_sql(table: str, pk: str, columns: Mapping[str, str]) -> str:
@@ -309,9 +288,13 @@ INSERT INTO effect_outbox (effect_id, command_id, thread_id, effect_type, payloa
 VALUES (?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)
 ON CONFLICT (effect_id) DO NOTHING
 """
-_CANCEL_EFFECTS = """
-UPDATE effect_outbox SET status = 'cancelled', lease_owner = NULL, lease_expires_ms = NULL,
-       last_error = ?, updated_at = ?
+# The heads of outbox updates, each caller adding its WHERE: a cancelled row, or one back in
+# line, holds no lease. _CANCEL takes (reason, time), _REQUEUE (when it is due, time).
+_CANCEL = """UPDATE effect_outbox SET status = 'cancelled', lease_owner = NULL,
+    lease_expires_ms = NULL, last_error = ?, updated_at = ?"""
+_REQUEUE = """UPDATE effect_outbox SET status = 'pending', lease_owner = NULL,
+    lease_expires_ms = NULL, available_at_ms = ?, updated_at = ?"""
+_CANCEL_EFFECTS = f"""{_CANCEL}
 WHERE thread_id = ? AND effect_type = ? AND status IN ('pending', 'running')
 RETURNING effect_id
 """
@@ -423,17 +406,11 @@ DELETE FROM webhook_deliveries WHERE thread_id = ? AND outcome NOT IN ('queued',
     {_NEWEST_DELIVERIES} LIMIT {DELIVERIES_KEPT})
 """
 # A task whose run is still running is not due: it never runs twice at once.
-_DUE_TASKS = """
-SELECT payload_json FROM scheduled_tasks
-WHERE enabled = 1 AND deleted_at IS NULL AND next_run_at IS NOT NULL AND next_run_at <= ?
-  AND json_extract(payload_json, '$.lastRunStatus') != 'running'
-ORDER BY next_run_at
-"""
-_NEXT_DUE_TASK = """
-SELECT MIN(next_run_at) FROM scheduled_tasks
+_DUE = """FROM scheduled_tasks
 WHERE enabled = 1 AND deleted_at IS NULL AND next_run_at IS NOT NULL
-  AND json_extract(payload_json, '$.lastRunStatus') != 'running'
-"""
+  AND json_extract(payload_json, '$.lastRunStatus') != 'running'"""
+_DUE_TASKS = f"SELECT payload_json {_DUE} AND next_run_at <= ? ORDER BY next_run_at"
+_NEXT_DUE_TASK = f"SELECT MIN(next_run_at) {_DUE}"
 _SCHEDULED_TASKS = """
 SELECT payload_json FROM scheduled_tasks WHERE deleted_at IS NULL ORDER BY scheduled_task_id
 """
@@ -504,6 +481,16 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     conn.execute("COMMIT")
 
 
+@contextmanager
+def _snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A read transaction: every statement in it sees the same committed state."""
+    conn.execute("BEGIN")
+    try:
+        yield conn
+    finally:
+        conn.execute("COMMIT")
+
+
 _SCHEMA_NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
 
@@ -544,19 +531,15 @@ def apply_migrations(path: Path, *, backups_dir: Path, sql_dir: Path = SQL_DIR,
     latest = files[-1][0] if files else 0
     if path.exists():
         # Look before touching anything: opening in WAL mode would already modify a newer file.
-        probe = sqlite3.connect(_readonly_uri(path), uri=True)
-        try:
+        with closing(sqlite3.connect(_readonly_uri(path), uri=True)) as probe:
             current = probe.execute("PRAGMA user_version").fetchone()[0]
             has_schema = probe.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] > 0
-        finally:
-            probe.close()
         if current > latest:
             raise DatabaseTooNew(f"{path} has schema version {current}, newer than this t3 "
                                  f"(knows {latest}); it was left untouched")
         if has_schema and current < min(latest, stop_after or latest):
             _backup(path, backups_dir, current)
-    conn = connect(path)
-    try:
+    with closing(connect(path)) as conn:
         current = int(conn.execute("PRAGMA user_version").fetchone()[0])
         for version, file in files:
             if version <= current or (stop_after is not None and version > stop_after):
@@ -571,29 +554,22 @@ def apply_migrations(path: Path, *, backups_dir: Path, sql_dir: Path = SQL_DIR,
             log.info("applied schema %s", file.name)
             current = version
         return current
-    finally:
-        conn.close()
 
 
 def _readonly_uri(path: Path) -> str:
     return Path(path).resolve().as_uri() + "?mode=ro"  # as_uri escapes '#', '?' and '%'
 
 
-def _backup(path: Path, backups_dir: Path, version: int) -> Path:
+def _backup(path: Path, backups_dir: Path, version: int) -> None:
     backups_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     target = backups_dir / f"t3-v{version}-{stamp}.sqlite"
     temp = target.with_suffix(".sqlite.tmp")
-    source = sqlite3.connect(_readonly_uri(path), uri=True)
-    dest = sqlite3.connect(temp)
-    try:
+    with closing(sqlite3.connect(_readonly_uri(path), uri=True)) as source, \
+            closing(sqlite3.connect(temp)) as dest:
         source.backup(dest)
-    finally:
-        dest.close()
-        source.close()
     os.replace(temp, target)
     log.info("backed up schema v%d database to %s before migrating", version, target)
-    return target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,7 +577,8 @@ def _backup(path: Path, backups_dir: Path, version: int) -> Path:
 
 
 def _now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z"
+    now = time.time()  # one reading: two could straddle a second and step back almost one
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
 
 
 _STOP = object()
@@ -618,7 +595,7 @@ def _answer(outcomes: list[_Outcome]) -> None:
         if exc is None:
             future.set_result(result)
         else:
-            future.set_exception(exc if isinstance(exc, StoreError) else _translate(exc))
+            future.set_exception(_translate(exc))
 
 
 class Store:
@@ -729,10 +706,8 @@ class Store:
 
     def thread_entities(self, thread_id: str) -> tuple[int, dict[str, list[dict[str, Any]]]]:
         """Every projected entity of one thread and the sequence it reflects, in one snapshot."""
-        conn = self._reader
-        conn.execute("BEGIN")
-        try:
-            entities: dict[str, list[dict[str, Any]]] = {}
+        entities: dict[str, list[dict[str, Any]]] = {}
+        with _snapshot(self._reader) as conn:
             for kind, (table, _, _) in _PROJECTIONS.items():
                 rows = conn.execute(f"SELECT payload_json FROM {table} WHERE thread_id = ?",
                                     (thread_id,)).fetchall()
@@ -742,8 +717,6 @@ class Store:
                     message["text"] += "".join(
                         r[0] for r in conn.execute(_APPENDED_TEXT, (message["id"],)))
             sequence = conn.execute(_MAX_SEQUENCE).fetchone()[0]
-        finally:
-            conn.execute("COMMIT")
         return sequence, entities
 
     def list_threads(self, project_id: str, *, statuses: Sequence[str] = (),
@@ -759,18 +732,14 @@ class Store:
                   "needle": title_contains.lower() or None,
                   "statuses": json.dumps(sorted(statuses)) if statuses else None,
                   "offset": offset, "limit": limit}
-        conn = self._reader
         try:
-            conn.execute("BEGIN")
-            try:
+            with _snapshot(self._reader) as conn:
                 # The count passes over them all; the page is a range of the index, read until
                 # it holds `limit` matches (none is read once the offset is past the count).
                 total = conn.execute(_COUNT_LISTED_THREADS, params).fetchone()[0]
                 params["offset"] = min(offset, total)  # a cursor may be too big for SQLite
                 rows = conn.execute(_PAGE_OF_LISTED_THREADS, params).fetchall() \
                     if offset < total else []
-            finally:
-                conn.execute("COMMIT")
         except sqlite3.Error as exc:
             raise StoreError(f"database error: {exc}") from exc
         return total, [{"thread": json.loads(r["thread_json"]), "latestRunId": r["latest_run_id"],
@@ -851,9 +820,8 @@ class Store:
 
     async def renew_lease(self, effect: EffectRow, *, owner: str, until_ms: int) -> bool:
         def run(conn: sqlite3.Connection) -> bool:
-            cur = conn.execute(_RENEW_LEASE, (until_ms, _now_iso(), effect.effect_id, owner,
-                                              effect.attempt_count))
-            return cur.rowcount == 1
+            return conn.execute(_RENEW_LEASE, (until_ms, _now_iso(), effect.effect_id, owner,
+                                               effect.attempt_count)).rowcount == 1
         return await self.write(run)
 
     async def settle_effect(self, effect: EffectRow, *, owner: str, status: str,
@@ -894,15 +862,11 @@ class Store:
         def run(conn: sqlite3.Connection) -> tuple[list[EffectRow], int]:
             stamp = _now_iso()
             cancelled = conn.execute(
-                "UPDATE effect_outbox SET status = 'cancelled', lease_owner = NULL, "
-                "lease_expires_ms = NULL, last_error = ?, updated_at = ? "
-                "WHERE replay_safe = 0 AND (status = 'running' OR "
+                f"{_CANCEL} WHERE replay_safe = 0 AND (status = 'running' OR "
                 "(status = 'pending' AND attempt_count > 0)) RETURNING *", (reason, stamp)
             ).fetchall()
-            requeued = conn.execute(
-                "UPDATE effect_outbox SET status = 'pending', available_at_ms = ?, "
-                "lease_owner = NULL, lease_expires_ms = NULL, updated_at = ? "
-                "WHERE status = 'running'", (now_ms, stamp)).rowcount
+            requeued = conn.execute(f"{_REQUEUE} WHERE status = 'running'",
+                                    (now_ms, stamp)).rowcount
             return [_effect_from_row(r) for r in cancelled], requeued
         return await self.write(run)
 
@@ -910,14 +874,10 @@ class Store:
         """At shutdown: replay-safe rows go back to pending; process-bound ones are cancelled."""
         def run(conn: sqlite3.Connection) -> int:
             stamp = _now_iso()
-            n = conn.execute("UPDATE effect_outbox SET status = 'pending', available_at_ms = ?, "
-                             "attempt_count = attempt_count - 1, lease_owner = NULL, "
-                             "lease_expires_ms = NULL, updated_at = ? WHERE status = 'running' "
-                             "AND lease_owner = ? AND replay_safe = 1",
+            n = conn.execute(f"{_REQUEUE}, attempt_count = attempt_count - 1 "
+                             "WHERE status = 'running' AND lease_owner = ? AND replay_safe = 1",
                              (now_ms, stamp, owner)).rowcount
-            n += conn.execute("UPDATE effect_outbox SET status = 'cancelled', lease_owner = NULL, "
-                              "lease_expires_ms = NULL, last_error = ?, updated_at = ? "
-                              "WHERE status = 'running' AND lease_owner = ?",
+            n += conn.execute(f"{_CANCEL} WHERE status = 'running' AND lease_owner = ?",
                               (reason, stamp, owner)).rowcount
             return n
         return await self.write(run)
@@ -946,19 +906,18 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
     sequences: list[int] = []
     stream_versions: list[int] = []
     payloads_json: list[str] = []
-    versions: dict[str, int] = {}
+    next_versions: dict[str, int] = {}
     for event in commit.events:
-        if event.thread_id not in versions:
-            versions[event.thread_id] = conn.execute(_NEXT_STREAM_VERSION,
-                                                     (event.thread_id,)).fetchone()[0]
+        version = next_versions.get(event.thread_id)
+        if version is None:
+            version = conn.execute(_NEXT_STREAM_VERSION, (event.thread_id,)).fetchone()[0]
+        next_versions[event.thread_id] = version + 1
         payload_json = json.dumps(event.payload, separators=(",", ":"))
-        sequence = conn.execute(_INSERT_EVENT, (
-            event.event_id, event.thread_id, versions[event.thread_id], commit.command_id,
-            event.type, event.occurred_at, payload_json)).fetchone()[0]
-        stream_versions.append(versions[event.thread_id])
+        sequences.append(conn.execute(_INSERT_EVENT, (
+            event.event_id, event.thread_id, version, commit.command_id, event.type,
+            event.occurred_at, payload_json)).fetchone()[0])
+        stream_versions.append(version)
         payloads_json.append(payload_json)
-        versions[event.thread_id] += 1
-        sequences.append(sequence)
         _project(conn, event.type, event.payload, payload_json)
     crash_point("commit:after-events")
     cancelled: list[str] = []

@@ -37,15 +37,17 @@ from store import crash_point
 __all__ = ["GitError", "Workspaces", "FileChange", "Diff", "checkpoint_ref", "ref_problem"]
 
 GIT_TIMEOUT_S = 120.0
-AUTHOR = ("t3", "t3@localhost")
+_AUTHOR = {"GIT_AUTHOR_NAME": "t3", "GIT_AUTHOR_EMAIL": "t3@localhost",
+           "GIT_COMMITTER_NAME": "t3", "GIT_COMMITTER_EMAIL": "t3@localhost"}
 MAX_DIFF_CHARS = 30_000
 SETUP_TIMEOUT_S = 600.0
 SETUP_OUTPUT_CHARS = 20_000
 # Variables that would point git somewhere else, or change what it does, if inherited.
 _GIT_VARIABLES = re.compile(r"GIT_[A-Z_]+")
 # t3.py narrows its own umask to keep the data directory private; git and setup commands write
-# in the user's repositories and get the umask t3 was started with (as agents do).
-CHILD_UMASK: int | None = None
+# in the user's repositories and get the umask t3 was started with (as agents do). Until it is
+# set, -1: the child keeps this process's umask.
+CHILD_UMASK = -1
 _BRANCH = re.compile(r"[A-Za-z0-9._/-]{1,200}")
 # Keys naming a command, and what stands for them when a repository sets them (the user's own
 # global and system values follow, so theirs win, e.g. git-lfs's filter). An empty value switches
@@ -151,7 +153,7 @@ class Workspaces:
                 tree = (await _git(root, "write-tree", env=env)).strip()
                 crash_point(f"checkpoint:capture:{ref.rsplit('/', 1)[-1]}")  # the index exists
                 commit = (await _git(root, "commit-tree", tree, "-m",
-                                     f"t3 checkpoint {ref}", env=_author())).strip()
+                                     f"t3 checkpoint {ref}", env=_AUTHOR)).strip()
                 await _git(root, "update-ref", ref, commit)
             finally:
                 index.unlink(missing_ok=True)
@@ -305,7 +307,7 @@ class Workspaces:
         proc = await asyncio.create_subprocess_shell(
             command, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True, umask=_umask())
+            start_new_session=True, umask=CHILD_UMASK)
         try:
             async with asyncio.timeout(SETUP_TIMEOUT_S):
                 out, _ = await proc.communicate()
@@ -373,22 +375,12 @@ def ref_problem(value: str, what: str) -> str | None:
     return None
 
 
-def _author() -> dict[str, str]:
-    name, email = AUTHOR
-    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email,
-            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email}
-
-
 async def _maybe(cwd: str, *args: str) -> str | None:
     """A git query's stripped output, or None when git says no."""
     try:
         return (await _git(cwd, *args)).strip()
     except GitError:
         return None
-
-
-def _umask() -> int:
-    return -1 if CHILD_UMASK is None else CHILD_UMASK  # -1: Popen leaves it as it is
 
 
 async def _git(cwd: str, *args: str, env: dict[str, str] | None = None,
@@ -433,7 +425,7 @@ async def _run(cwd: str, args: tuple[str, ...], env: dict[str, str],
     fixed = [arg for setting in _FIXED for arg in ("-c", setting)]
     proc = await asyncio.create_subprocess_exec(
         "git", "--no-pager", *fixed, *args, cwd=cwd, env=clean, stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, umask=_umask())
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, umask=CHILD_UMASK)
     try:
         async with asyncio.timeout(GIT_TIMEOUT_S):
             out, err = await proc.communicate(stdin)
