@@ -1512,9 +1512,9 @@ class TestClock:
         """/ws ``advanceTestClock {seconds}``: move the clock forward, and answer once the
         scheduler has fired what that made due."""
         from schedules import Scheduler
-        from tools import CLIENT, Operation, obj, register
+        from tools import CLIENT, Call, Operation, obj, register
 
-        async def advance(kit: Toolkit, call: Any, args: Mapping[str, Any]) -> dict[str, Any]:
+        async def advance(kit: Toolkit, call: Call, args: Mapping[str, Any]) -> dict[str, Any]:
             self.advance(float(args["seconds"]))
             await orch.part(Scheduler).scheduler_pass()
             return {"now": self.iso()}
@@ -1622,7 +1622,7 @@ _SERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "--port": {"type": int, "help": "port to listen on (default 3773; 0 picks a free port)"}}
 
 
-def _cli() -> Any:
+def _cli() -> ModuleType:
     """cli.py, imported only here. It imports this module: run as a script, this module is
     ``__main__``, and cli's ``import t3`` gets it rather than a second copy."""
     sys.modules.setdefault("t3", sys.modules[__name__])

@@ -1626,7 +1626,7 @@ async def _dispatch_command(kit: Toolkit, call: Call, args: Args) -> dict[str, A
             "commandType": command.type}
 
 
-async def _wire_command(kit: Toolkit, call: Call, a: Args) -> Any:
+async def _wire_command(kit: Toolkit, call: Call, a: Args) -> orch.Command:
     """The orchestrator command for a checked wire command, through the rules the tools
     use. Its id is the client's commandId in a namespace of its own, so a client never
     meets the server's internal command ids."""
