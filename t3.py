@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the layers' types, for annotations: t3.py imports the layers when it serves
     import hypercorn.config
     from orchestrator import McpEndpoint, Orchestrator, ProviderInfo
-    from schedules import Scheduler
     from providers import Adapter
+    from schedules import Scheduler
     from store import Store
-    from tools import Scope, Toolkit
+    from tools import Emit, Scope, Toolkit
 
 __all__ = ["VERSION", "main", "Config", "ConfigError", "load_config", "DataDirError",
            "open_data_dir", "ClientToken", "Credentials", "HttpPolicy", "Route", "WebView",
@@ -958,15 +958,14 @@ def _by_accept(sse: ASGIApp, plain: ASGIApp) -> ASGIApp:
 # =============================================================================================
 # The /ws client API for the CLI and the web view: {"id", "method", "params"} gets {"id",
 # "result"} or {"id", "error": {"code", "message"}}; a stream sends {"id", "item"} until
-# unsubscribed or too far behind. A method is an operation of tools.OPERATIONS, run for a person
-# (the client token); this frames it. Streams and the test clock are /ws's own.
+# unsubscribed or too far behind. A method is an operation of tools.OPERATIONS (the streams
+# too), run for a person (the client token); this frames it.
 
 
 PROTOCOL_VERSION = 2
 _PROTOCOL_REFUSAL = {"code": "orchestration_protocol_incompatible",
                      "message": "Update this client to one that supports orchestration "
                                 "protocol 2.", "orchestrationProtocolVersion": PROTOCOL_VERSION}
-Emit = Callable[[Any], Awaitable[None]]  # a stream item: a dict, or prebuilt JSON text
 
 
 class ClientApi:
