@@ -59,9 +59,9 @@ __all__ = [
     "EffectKind", "Entity", "Command", "Draft", "Part", "RateLimited", "iso_time", "epoch_of",
     "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
-    "handoff_text", "handoff_line", "handoff_prompt", "Workspaces", "AdvancePreparation",
+    "handoff_prompt", "Workspaces", "AdvancePreparation",
     "parse_json", "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS",
-    "RunHooks", "RUN_HOOKS", "HANDOFF_LABELS", "thread_work",
+    "RunHooks", "RUN_HOOKS", "HANDOFF_LABELS", "thread_work", "put_item",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -582,32 +582,12 @@ class Checkpoint(Entity):
     status_reason: str | None = None
 
 
-def file_changes(diff: Any) -> list[dict[str, Any]]:
-    """A workspace Diff's files as checkpoints and diffs carry them."""
-    return [{"path": f.path, "kind": f.kind, "additions": f.additions, "deletions": f.deletions}
-            for f in diff.files]
-
-
-def checkpoint_scope_id(thread_id: str) -> str:
-    return bounded_id(f"checkpoint-scope:thread:{thread_id}:name:root")
-
-
-def checkpoint_id(thread_id: str, ordinal: int) -> str:
-    return bounded_id(f"checkpoint:scope:{checkpoint_scope_id(thread_id)}:name:{ordinal}")
-
-
-def kept_before(runs: Sequence[Run], ordinal: int) -> int:
-    """The checkpoint ordinal a run's changes are measured from: the newest earlier run that
-    was not rolled back (0: the thread's baseline)."""
-    return max([r.ordinal for r in runs if r.ordinal < ordinal
-                and r.status != RunStatus.ROLLED_BACK] + [0])
-
-
 @dataclass(frozen=True, slots=True)
 class ContextHandoff(Entity):
     """The context a provider got when it joined a thread's conversation late: after a
     provider switch (the delta since it last took part, or the whole thread) or after a resume
-    that failed (the whole thread). Deterministic text, no model call (``handoff_text``)."""
+    that failed (the whole thread), or from a fork or a merge-back (history.py records them
+    all). Deterministic text, no model call."""
 
     kind: ClassVar[str] = "context-handoff"
     thread_id: str
@@ -1094,8 +1074,7 @@ class IngestProviderEvents(Command):
 
 @dataclass(frozen=True, slots=True)
 class CompleteRun(Command):
-    """A waiting run's finalization; ``checkpoints`` are what its capture found (Orchestrator.
-    _capture_checkpoints): {ordinal, status, ref?, commit?, files, reason?} each."""
+    """A waiting run's finalization; ``checkpoints``: what RunHooks.finalize captured."""
 
     type: ClassVar[str] = "run.complete"
     run_id: str
@@ -1306,19 +1285,26 @@ def client_commands() -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class RunHooks:
-    """A feature module's part in a run's start (history.py: a fork's first run, a parent's run
-    after a merge-back), in RUN_HOOKS once t3.py imported it. In decide, pure as decide is:
+    """A feature module's part in a thread's runs (history.py's: context handoffs, forks,
+    merge-backs, checkpoints), in RUN_HOOKS once t3.py imported it. In decide, pure as decide is:
     ``preparation``, the workspace a run that starts now (not queued) prepares first (as
     CreateThread's); ``context``, at MarkRunStarted once per run, the context handoff it recorded
-    in place of the provider's (``_hand_off``; the bool: the session opened as a native fork);
-    ``handoffs``, the further handoffs it recorded for the run's first prompt, in order. In the
-    runtime: ``session``, extra ``open_session`` arguments (a native fork's ``fork``)."""
+    for the run (its ``context_handoff_id``); ``handoffs``, the further handoffs it recorded for
+    the run's first prompt, in order; ``completed``, at CompleteRun, what it recorded of
+    ``checkpoints``: the run's checkpoint id; ``deleted``, at a thread's deletion. In the runtime:
+    ``session``, extra ``open_session`` arguments (a native fork's ``fork``); ``started``, after
+    MarkRunStarted, before the prompt goes out; ``finalize``, the ``checkpoints`` a waiting run's
+    CompleteRun carries."""
 
     preparation: Callable[[Draft], Mapping[str, Any] | None]
-    context: Callable[[Draft, Run, bool], str | None]
+    context: Callable[[Draft, Run, MarkRunStarted, Mapping[str, ProviderInfo]], str | None]
     handoffs: Callable[[Draft, Run], list[str]]
+    completed: Callable[[Draft, Run, Sequence[Mapping[str, Any]]], str | None]
+    deleted: Callable[[Draft], None]
     session: Callable[[Orchestrator, ThreadState, Run, ProviderAdapter],
                       Awaitable[Mapping[str, Any]]]
+    started: Callable[[Orchestrator, ThreadState, Run], Awaitable[None]]
+    finalize: Callable[[Orchestrator, ThreadState, Run], Awaitable[Sequence[Mapping[str, Any]]]]
 
 
 RUN_HOOKS: list[RunHooks] = []
@@ -1441,7 +1427,7 @@ def _steer_in(d: Draft, run: Run, attempt: RunAttempt, message_id: str, text: st
                                      "messageId": message_id}, message_id)
 
 
-def _put_item(d: Draft, item_id: str, run: Run, node_id: str | None, type_: str, status: str,
+def put_item(d: Draft, item_id: str, run: Run, node_id: str | None, type_: str, status: str,
               **fields: Any) -> TurnItem:
     """A new turn item of ``run`` at the timeline's end; a finished one completed now."""
     return d.put(TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
@@ -1451,7 +1437,7 @@ def _put_item(d: Draft, item_id: str, run: Run, node_id: str | None, type_: str,
 
 
 def _user_item(d: Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
-    return _put_item(d, _message_item_id(message_id), run, node_id, "user_message", "completed",
+    return put_item(d, _message_item_id(message_id), run, node_id, "user_message", "completed",
                      message_id=message_id, input_intent=intent)
 
 
@@ -1597,7 +1583,7 @@ def _interrupt(d: Draft, run: Run, reason: str | None) -> str:
     attempt = d.get("run-attempt", run.active_attempt_id)
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
     why = reason or "Interrupted on request."
-    _put_item(d, bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
+    put_item(d, bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
               run, run.root_node_id, "run_interrupt_request", "completed", text=why)
     if turn is None or turn.status != "running":
         # Nothing reached the provider yet: the run ends here and its start is called off.
@@ -1830,11 +1816,9 @@ def _decide_mark_started(d: Draft, c: MarkRunStarted, *, providers: Mapping[str,
             model=run.model_selection.get("model"), created_at=d.now, updated_at=d.now, pid=c.pid)
     d.put(replace(session, status="running", pid=c.pid, updated_at=d.now))
     pthread = d.get("provider-thread", run.provider_thread_id)
-    # Once per run (a restarted attempt's turn already had it): a feature's context (a fork's),
-    # else the provider handoff; then the features' further handoffs (merge-backs).
+    # Once per run (a restarted attempt's turn already had it); then further handoffs.
     handoff_id = None if run.context_handoff_id else next(filter(None, (
-        h.context(d, run, c.native_fork) for h in RUN_HOOKS)), None) or \
-        _hand_off(d, run, pthread, c.resume_failed, providers)
+        h.context(d, run, c, providers) for h in RUN_HOOKS)), None)
     carried = [i for h in RUN_HOOKS for i in h.handoffs(d, run)]
     if pthread is None:
         pthread = ProviderThread(id=run.provider_thread_id or "", app_thread_id=run.thread_id,
@@ -1925,7 +1909,7 @@ def _ingest_one(d: Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents
             return _end_run(d, run, RunStatus.INTERRUPTED, _interrupt_reason(d, run))
         failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
                    "code": None, "retryable": None}
-        _put_item(d, bounded_id(f"turn-item:{attempt.id}:error"), run, attempt.root_node_id,
+        put_item(d, bounded_id(f"turn-item:{attempt.id}:error"), run, attempt.root_node_id,
                   "error", "failed", title="Provider error", text=event.failure)
         return _end_run(d, run, RunStatus.FAILED, event.failure or "The provider failed.", failure)
     return run
@@ -1982,7 +1966,7 @@ def _ingest_request(d: Draft, run: Run, attempt: RunAttempt, session_id: str | N
         provider_turn_id=attempt.provider_turn_id,
         response_capability={"type": "live", **(
             {"providerSessionId": session_id} if session_id else {"setup": True})}))
-    _put_item(d, _request_item_id(request_id), run, node_id, node_kind, "waiting",
+    put_item(d, _request_item_id(request_id), run, node_id, node_kind, "waiting",
               title=event.title, text=event.title, data={
                   "requestId": request_id, "requestKind": event.request_kind, **event.detail})
     task = _parent_task(d)
@@ -2014,7 +1998,7 @@ def _append_text(d: Draft, run: Run, attempt: RunAttempt, role: str, text: str) 
                               node_id=attempt.root_node_id, role=role, text=text, streaming=True,
                               created_by=Actor.AGENT, creation_source=CreationSource.PROVIDER,
                               created_at=d.now, updated_at=d.now))
-    _put_item(d, _message_item_id(message_id), run, attempt.root_node_id,
+    put_item(d, _message_item_id(message_id), run, attempt.root_node_id,
               "assistant_message" if role == "assistant" else "reasoning", "running",
               message_id=message_id)
 
@@ -2057,40 +2041,13 @@ def _decide_complete(d: Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     if run is None or run.status != RunStatus.WAITING:
         raise CommandRejected("the run is not waiting for finalization")
     d.update("node", run.root_node_id, status="completed", completed_at=d.now)
-    checkpoint = _record_checkpoints(d, run, c.checkpoints)
+    checkpoint = next(filter(None, (h.completed(d, run, c.checkpoints) for h in RUN_HOOKS)),
+                      None)
     run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now,
-                        checkpoint_id=checkpoint.id if checkpoint else run.checkpoint_id))
+                        checkpoint_id=checkpoint or run.checkpoint_id))
     _finalize_if_settled(d, run)
     _promote_queued(d)
     return {"runId": run.id, "status": run.status}
-
-
-def _record_checkpoints(d: Draft, run: Run, found: Sequence[Mapping[str, Any]]
-                        ) -> Checkpoint | None:
-    """The checkpoints a finalization captured (baselines first, the run's own last; ones the
-    thread already has are kept), and the run's ``checkpoint`` turn item; the run's one."""
-    made = None
-    for record in sorted(found, key=lambda r: r["ordinal"]):
-        n = record["ordinal"]
-        if d.get("checkpoint", checkpoint_id(run.thread_id, n)) is not None:
-            continue
-        made = d.put(Checkpoint(
-            id=checkpoint_id(run.thread_id, n), thread_id=run.thread_id,
-            scope_id=checkpoint_scope_id(run.thread_id), run_id=run.id if n == run.ordinal
-            else None, ordinal=n, status=record["status"], files=record.get("files") or [],
-            captured_at=d.now, ref=record.get("ref"), commit=record.get("commit"),
-            parent_checkpoint_id=checkpoint_id(run.thread_id, kept_before(d.runs(), n))
-            if n else None,
-            status_reason=record.get("reason")), "checkpoint.captured")
-    if made is None or made.ordinal != run.ordinal or made.status == "missing":
-        return made  # outside git the timeline says nothing
-    _put_item(d, bounded_id(f"turn-item:checkpoint:{made.id}"), run, run.root_node_id,
-              "checkpoint", "completed",
-              title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
-              if made.status == "ready" else f"Checkpoint {made.ordinal}: git failed",
-              data={"checkpointId": made.id, "scopeId": made.scope_id, "status": made.status,
-                    "files": made.files, "reason": made.status_reason})
-    return made
 
 
 @decides(FailRun)
@@ -2102,7 +2059,7 @@ def _decide_fail_run(d: Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
         raise CommandRejected("the attempt is no longer current")
     attempt = d.get("run-attempt", run.active_attempt_id)
     if c.status == RunStatus.FAILED:
-        _put_item(d, bounded_id(f"turn-item:{run.active_attempt_id}:error"), run,
+        put_item(d, bounded_id(f"turn-item:{run.active_attempt_id}:error"), run,
                   run.root_node_id, "error", "failed", title="Run failed", text=c.reason)
     if attempt is not None:
         _close_streams(d, attempt)
@@ -2215,7 +2172,7 @@ def _decide_delegate(d: Draft, c: DelegateTask, *, providers: Mapping[str, Provi
                    child_run_id=child_run.id, prompt=c.task, title=c.title, model=c.model,
                    completion_wake=c.completion_wake, status="running", started_at=d.now,
                    updated_at=d.now))
-    _put_item(d, _task_item_id(task_id), run, task_id, "subagent", "running", title=c.title,
+    put_item(d, _task_item_id(task_id), run, task_id, "subagent", "running", title=c.title,
               text=c.task, data={"taskId": task_id, "childThreadId": child_id,
                                  "providerInstanceId": c.provider_instance_id, "model": c.model})
     d.put(ContextTransfer(id=bounded_id(f"context-transfer:subagent_spawn:{task_id}"),
@@ -2583,8 +2540,8 @@ def _decide_lifecycle(d: Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[s
                 _cancel_queued(d, run)
     if verb == "delete":
         _end_owned(d, DELETED)
-    if verb == "delete" and thread.workspace:  # its checkpoints' hidden refs go with it
-        d.effect("checkpoint.forget", {"workspace": thread.workspace}, thread.id)
+        for hooks in RUN_HOOKS:
+            hooks.deleted(d)
     return {"threadId": thread.id, "archived": thread.archived_at is not None,
             "deleted": thread.deleted_at is not None, "snoozedUntil": thread.snoozed_until}
 
@@ -2706,7 +2663,7 @@ def _setup_request_id(run_id: str) -> str:
 
 
 def _begin_preparation(d: Draft, run: Run, preparation: Mapping[str, Any]) -> None:
-    _put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
+    put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
               "running", title="Preparing workspace", data={"phase": "worktree"})
     d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
@@ -2756,16 +2713,10 @@ def _setup_answered(d: Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
 
 
 # =============================================================================================
-# Provider switch and context handoff. ``provider.switch`` changes the instance (and model) a
-# thread's next runs go to. A run on a provider thread that missed earlier runs (never took part,
-# or could not resume) carries a ContextHandoff: a deterministic summary of what it missed,
-# injected before the user's text.
+# Provider switch. ``provider.switch`` changes the instance (and model) a thread's next runs go
+# to. A run on a provider thread that missed earlier runs (never took part, or could not resume)
+# carries a ContextHandoff (history.py records it through RUN_HOOKS), put before the user's text.
 
-HANDOFF_BUDGET = 32_000  # characters of summary; the newest context is kept when cut
-HANDOFF_LINE = 240  # characters of one item line
-_HANDOFF_HEADERS = {
-    "full_thread_summary": "Full conversation context for provider handoff.",
-    "delta_since_target_last_seen": "Conversation delta since this provider last participated."}
 # A strategy's label in the prompt where it is not its name (history.py adds a merge-back's).
 HANDOFF_LABELS: dict[str, str] = {}
 
@@ -2794,116 +2745,6 @@ def _decide_switch(d: Draft, c: SwitchProvider, *, providers: Mapping[str, Provi
     return {"threadId": thread.id, "providerInstanceId": c.provider_instance_id,
             "model": c.model, "runtimeMode": c.runtime_mode,
             "previous": {"providerInstanceId": before[0], "model": before[1]}}
-
-
-def _hand_off(d: Draft, run: Run, pthread: ProviderThread | None, resume_failed: bool,
-              providers: Mapping[str, ProviderInfo]) -> str | None:
-    """The handoff ``run`` needs on its provider thread, if any, recorded; its id. A provider
-    thread that never took part or could not resume its conversation gets every earlier run;
-    one coming back to its own conversation gets the runs since it last took part."""
-    earlier = [r for r in d.runs() if r.ordinal < run.ordinal and r.started_at is not None
-               and r.status != RunStatus.ROLLED_BACK]
-    if pthread is None or resume_failed or pthread.last_run_ordinal is None:
-        return record_handoff(d, run, "full_thread_summary", earlier, providers)
-    return record_handoff(d, run, "delta_since_target_last_seen",
-                          [r for r in earlier if r.ordinal > (pthread.last_run_ordinal or 0)],
-                          providers)
-
-
-def record_handoff(d: Draft, run: Run, strategy: str, covered: Sequence[Run],
-                   providers: Mapping[str, ProviderInfo]) -> str | None:
-    """A ContextHandoff of ``covered`` (runs, oldest first) for ``run``, with its turn item; its
-    id, or None when nothing is covered."""
-    if not covered:
-        return None
-    return put_handoff(d, run, describe_handoff(d, strategy, covered, run.provider_instance_id,
-                                                providers))
-
-
-def describe_handoff(d: Any, strategy: str, covered: Sequence[Run], to_instance: str,
-                     providers: Mapping[str, ProviderInfo], head: Sequence[str] | None = None
-                     ) -> dict[str, Any]:
-    """What a handoff of ``covered`` (runs of the thread ``d`` holds: a Draft, or any view
-    with its ``get``/``all``) to ``to_instance`` says and records (``put_handoff``)."""
-    def driver(instance: str) -> str:
-        return providers[instance].driver if instance in providers else instance
-    instances = list(dict.fromkeys(r.provider_instance_id for r in covered))
-    span = {"from": covered[0].ordinal, "to": covered[-1].ordinal}
-    return {"strategy": strategy, "covered": span, "fromProviderInstanceIds": instances,
-            "fromProviderThreadIds": list(dict.fromkeys(r.provider_thread_id or ""
-                                                        for r in covered)),
-            "fromModelSelections": [dict(r.model_selection) for r in covered],
-            "summary": handoff_text(
-                strategy=strategy, from_drivers=[driver(i) for i in instances],
-                to_driver=driver(to_instance), covered=span, head=head,
-                lines=_item_lines(d, {r.id for r in covered}))}
-
-
-def put_handoff(d: Draft, run: Run, about: Mapping[str, Any], key: str = "") -> str:
-    """The ContextHandoff ``describe_handoff`` described, for ``run``, and its turn item."""
-    strategy, froms, instances = (about["strategy"], about["fromProviderThreadIds"],
-                                  about["fromProviderInstanceIds"])
-    handoff = d.put(ContextHandoff(
-        id=bounded_id(f"context-handoff:{run.id}{key}"), thread_id=run.thread_id,
-        target_run_id=run.id, from_provider_thread_ids=froms,
-        to_provider_thread_id=run.provider_thread_id or "", covered_run_ordinals=about["covered"],
-        strategy=strategy, status="consumed", summary_text=about["summary"], created_at=d.now,
-        updated_at=d.now, created_by_provider_instance_id=instances[-1]))
-    _put_item(
-        d, bounded_id(f"turn-item:handoff:{run.id}{key}"), run, run.root_node_id, "handoff",
-        "completed", title=f"{strategy} handoff to {run.provider_instance_id}",
-        text=about["summary"], data={
-            "contextHandoffId": handoff.id, "fromProviderThreadIds": froms,
-            "toProviderThreadId": handoff.to_provider_thread_id,
-            "fromProviderInstanceIds": instances, "toProviderInstanceId": run.provider_instance_id,
-            "fromModelSelections": about["fromModelSelections"],
-            "toModel": run.model_selection.get("model"), "strategy": strategy})
-    return handoff.id
-
-
-def _item_lines(d: Any, run_ids: set[str]) -> list[str]:
-    """The covered runs' user-visible items as handoff lines, in timeline order."""
-    lines = []
-    for item in sorted(d.all("turn-item"), key=lambda i: i.position):
-        if item.run_id not in run_ids:
-            continue
-        message = d.get("message", item.message_id)
-        text = {"user_message": ("User", message.text if message else item.text),
-                "assistant_message": ("Assistant", message.text if message else item.text),
-                "tool_call": ("Command", item.title),
-                "checkpoint": ("Checkpoint", f"{len((item.data or {}).get('files') or [])} files"),
-                "handoff": ("Handoff", item.text or (item.data or {}).get("strategy"))
-                }.get(item.type)
-        if text is not None and text[1]:
-            lines.append(handoff_line(*text))
-    return lines
-
-
-def handoff_line(label: str, text: str) -> str:
-    """``- Label: text`` with whitespace collapsed, at most HANDOFF_LINE characters."""
-    line = f"- {label}: {' '.join(text.split())}"
-    return line if len(line) <= HANDOFF_LINE else line[:HANDOFF_LINE - 3] + "..."
-
-
-def handoff_text(*, strategy: str, from_drivers: Sequence[str], to_driver: str,
-                 covered: Mapping[str, int], lines: Sequence[str],
-                 budget: int = HANDOFF_BUDGET, head: Sequence[str] | None = None) -> str:
-    """The handoff summary, pure and deterministic; ``head``: the
-    lines before the items, when not a provider handoff's. Over ``budget`` characters the
-    oldest item lines go first, replaced by one line saying how many."""
-    head = "\n".join(head or [
-        _HANDOFF_HEADERS[strategy], f"From driver: {', '.join(from_drivers)}",
-        f"To driver: {to_driver}", f"Covered app runs: {covered['from']}-{covered['to']}", "",
-        "Canonical conversation context:"])
-    items = list(lines) or ["- No user-visible context items."]
-    room = budget - len(head) - 80  # 80: room for the line that says what was cut
-    kept = 0
-    while kept < len(items) and room >= len(items[-1 - kept]) + 1:
-        room -= len(items[-1 - kept]) + 1
-        kept += 1
-    cut = [f"- ({len(items) - kept} earlier items omitted to fit the handoff budget.)"] \
-        if kept < len(items) else []
-    return "\n".join([head, *cut, *items[len(items) - kept:]])[:budget]
 
 
 def handoff_prompt(text: str, *handoffs: ContextHandoff | None) -> str:
@@ -3484,7 +3325,8 @@ class _Sessions:
         except CommandRejected:
             live.turn = None
             return
-        await _capture_baseline(self.orch.workspaces, state, run)
+        for hooks in RUN_HOOKS:
+            await hooks.started(self.orch, state, run)
         state = await self.orch.state(thread_id) or state
         handoffs = state.entities["context-handoff"]
         try:
@@ -3824,56 +3666,6 @@ class _Sessions:
 # The effects: what each outbox row does, and whether a claim after a crash may run it again
 
 
-async def _capture_baseline(ws: Workspaces | None, state: ThreadState, run: Run) -> None:
-    """Before a run's first attempt: capture the ``kept_before`` checkpoint unless the thread
-    has it ready. A git failure only loses the baseline; the turn goes on."""
-    thread = state.thread
-    before = kept_before(state.runs, run.ordinal)
-    previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id, before))
-    attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
-    if ws is None or thread is None or not thread.workspace or (
-            previous is not None and previous.status == "ready") or (
-            attempt is not None and attempt.attempt_ordinal > 1):
-        return
-    try:
-        await ws.capture(thread.workspace, ws.checkpoint_ref(thread.id, before))
-    except Exception as exc:
-        log.warning("baseline checkpoint of %s not captured: %s", run.id, exc)
-
-
-async def _capture_checkpoints(ws: Workspaces | None, state: ThreadState, run: Run
-                               ) -> tuple[dict[str, Any], ...]:
-    """CompleteRun.checkpoints for a finished root turn: the baselines 0 and ``kept_before``
-    the thread lacks (ready when their ref exists) and the run's own capture with its files;
-    outside git all ``missing``, a git failure ``error``. A rerun only rewrites the ref."""
-    thread, n = state.thread, run.ordinal
-    assert thread is not None
-    have = {c.ordinal for c in state.entities["checkpoint"].values()}
-    prev = kept_before(state.runs, n)  # n-1 unless runs were rolled back
-    ordinals = [*sorted({0, prev} - have), n]
-    cwd = thread.workspace
-    if ws is None or not cwd or await ws.top_level(cwd) is None:
-        return tuple({"ordinal": o, "status": "missing"} for o in ordinals)
-    found: list[dict[str, Any]] = []
-    try:
-        for o in ordinals[:-1]:
-            ref = ws.checkpoint_ref(thread.id, o)
-            commit = await ws.ref_commit(cwd, ref)
-            found.append({"ordinal": o, "status": "ready" if commit else "missing",
-                          "ref": ref, "commit": commit})
-        before = await ws.ref_commit(cwd, ws.checkpoint_ref(thread.id, prev)) if n else None
-        ref = ws.checkpoint_ref(thread.id, n)
-        commit = await ws.capture(cwd, ref)
-        files = file_changes(await ws.diff(cwd, before, commit)) if before else []
-        found.append({"ordinal": n, "status": "ready", "ref": ref, "commit": commit,
-                      "files": files})
-    except Exception as exc:  # GitError, OSError: the run completes all the same
-        log.warning("checkpoint of %s failed: %s", run.id, exc)
-        found = [f for f in found if f["ordinal"] != n] + [
-            {"ordinal": n, "status": "error", "reason": str(exc)[:1000]}]
-    return tuple(found)
-
-
 async def _regenerate_title(o: Orchestrator, thread_id: str, request_id: str) -> None:
     """Ask the thread's provider for a title, else take ``title_fallback``; skipped once a
     rename, another regeneration, archive or delete made this request stale."""
@@ -4032,21 +3824,16 @@ async def _withdraw_question(o: Orchestrator, row: _store.EffectRow) -> None:
         f"question of task {p['taskId']} not withdrawn")
 
 
-async def _forget_checkpoints(o: Orchestrator, row: _store.EffectRow) -> None:
-    if o.workspaces is not None:
-        await o.workspaces.delete_ref(row.payload["workspace"],
-                                      o.workspaces.checkpoint_ref(row.thread_id, None))
-
-
 async def _finalize_run(o: Orchestrator, row: _store.EffectRow) -> None:
     run_id = row.payload["runId"]
     state = await o.state(row.thread_id)
     run = state.run(run_id) if state else None
     if state is None or run is None or run.status != RunStatus.WAITING:
         return  # already finalized (a replay after a crash): the effect is idempotent
-    found = await _capture_checkpoints(o.workspaces, state, run)
+    found = [f for hooks in RUN_HOOKS for f in await hooks.finalize(o, state, run)]
     await o.try_dispatch(CompleteRun(command_id=bounded_id(f"command:finalize:{run_id}"),
-                                     thread_id=row.thread_id, run_id=run_id, checkpoints=found))
+                                     thread_id=row.thread_id, run_id=run_id,
+                                     checkpoints=tuple(found)))
 
 
 _Runner = Callable[["Orchestrator", _store.EffectRow], Awaitable[None]]
@@ -4086,7 +3873,6 @@ EFFECTS: dict[str, EffectKind] = {
         o, row.payload["threadId"], row.payload["requestId"]), replay_safe=True),
     # a second attempt first removes what the first one left
     "workspace.prepare": EffectKind(_prepare_workspace, replay_safe=True, fails_run=True),
-    "checkpoint.forget": EffectKind(_forget_checkpoints, replay_safe=True),  # gone refs: no error
 }
 
 
