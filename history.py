@@ -25,16 +25,16 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from orchestrator import (EFFECTS, HANDOFF_LABELS, RUN_BLOCKING, RUN_HOOKS, RUN_TERMINAL, Actor,
-                          Checkpoint, Command, CommandRejected, ContextHandoff, ContextTransfer,
-                          CreateThread, Draft, EffectKind, MarkRunStarted, Orchestrator,
+                          Command, CommandRejected, ContextHandoff, ContextTransfer, CreateThread,
+                          Draft, EffectKind, Entity, MarkRunStarted, Orchestrator,
                           ProviderAdapter, ProviderInfo, ProviderThread, Run, RunHooks, RunStatus,
                           T3Error, ThreadState, TurnItem, bounded_id, decide_create_thread,
-                          decides, put_item, sendable, thread_work)
+                          decides, put_item, register_entities, sendable, thread_work)
 from tools import (BOOLEAN, CLIENT_REQUEST_ID, INTEGER, OPT_INTEGER, OPT_STRING, SEED_TITLE,
                    STRING, THREAD_ID, Args, Call, Operation, Toolkit, enum_of, list_of,
                    new_worktree, obj, register, register_wire, shape, text_field, ws_op)
 
-__all__ = ["ForkThread", "MergeBack", "RollbackThread", "FinishRollback", "MERGE_BACK_LABEL",
+__all__ = ["Checkpoint", "ForkThread", "MergeBack", "RollbackThread", "FinishRollback", "MERGE_BACK_LABEL",
            "fork_transfer_id", "merge_back_head", "kept_turns", "describe_handoff", "put_handoff",
            "handoff_line", "handoff_text", "HANDOFF_BUDGET", "checkpoint_id",
            "checkpoint_scope_id", "kept_before", "file_changes"]
@@ -160,13 +160,36 @@ def handoff_text(*, strategy: str, from_drivers: Sequence[str], to_driver: str,
     return "\n".join([head, *cut, *items[len(items) - kept:]])[:budget]
 
 
-
 # =============================================================================================
 # Checkpoints: the workspace as a hidden git ref (workspace.py) at one point of a thread, ordinal
 # 0 before its first run (captured as the run starts), N after run N's root turn (captured by the
 # ``run.finalize`` effect, recorded by CompleteRun with a ``checkpoint`` turn item). Outside git
 # they are ``missing``; a git failure is ``error`` and the run goes on. A deleted thread's refs go
 # with it (``checkpoint.forget``).
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint(Entity):
+    """``files``: the changes against the previous checkpoint: [{path, kind, additions,
+    deletions}]."""
+
+    kind: ClassVar[str] = "checkpoint"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {
+        "status": frozenset({"ready", "missing", "error", "stale"})}
+    thread_id: str
+    scope_id: str
+    run_id: str | None
+    ordinal: int  # ordinalWithinScope = the app run ordinal (0: the thread's baseline)
+    status: str  # ready | missing (not in a git repository) | error (git failed) | stale
+    files: Sequence[Mapping[str, Any]]
+    captured_at: str
+    ref: str | None = None
+    commit: str | None = None
+    parent_checkpoint_id: str | None = None
+    status_reason: str | None = None
+
+
+register_entities(Checkpoint)
 
 
 def checkpoint_scope_id(thread_id: str) -> str:

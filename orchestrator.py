@@ -561,28 +561,6 @@ class ContextTransfer(Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class Checkpoint(Entity):
-    """The workspace as a hidden git ref (workspace.py) at one point of a thread: ordinal 0
-    before its first run, N after run N's root turn. ``files`` are the changes against the
-    previous checkpoint: [{path, kind, additions, deletions}]."""
-
-    kind: ClassVar[str] = "checkpoint"
-    _checks: ClassVar[Mapping[str, frozenset[str]]] = {
-        "status": frozenset({"ready", "missing", "error", "stale"})}
-    thread_id: str
-    scope_id: str
-    run_id: str | None
-    ordinal: int  # ordinalWithinScope = the app run ordinal (0: the thread's baseline)
-    status: str  # ready | missing (not in a git repository) | error (git failed) | stale
-    files: Sequence[Mapping[str, Any]]
-    captured_at: str
-    ref: str | None = None
-    commit: str | None = None
-    parent_checkpoint_id: str | None = None
-    status_reason: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class ContextHandoff(Entity):
     """The context a provider got when it joined a thread's conversation late: after a
     provider switch (the delta since it last took part, or the whole thread) or after a resume
@@ -617,7 +595,7 @@ def register_entities(*classes: type[Entity]) -> None:
 
 register_entities(AppThread, Run, RunAttempt, ExecutionNode, ProviderSession, ProviderThread,
                   ProviderTurn, RuntimeRequest, ConversationMessage, TurnItem, Subagent,
-                  ContextTransfer, ContextHandoff, Checkpoint)
+                  ContextTransfer, ContextHandoff)
 
 
 @dataclass(slots=True)

@@ -848,7 +848,7 @@ def sample_entities() -> dict[str, list[Any]]:
         headers={"x-github-event": "push"}, body_excerpt="{}", body_truncated=False,
         query={"a": ["1"]}, delivery_key="abc")]
     entities["context-handoff"] = list(handoff_sim().state.entities["context-handoff"].values())
-    entities["checkpoint"] = [o.Checkpoint(
+    entities["checkpoint"] = [history.Checkpoint(
         id=history.checkpoint_id(THREAD, 1), thread_id=THREAD, scope_id=history.checkpoint_scope_id(THREAD),
         run_id="run-1", ordinal=1, status="ready", captured_at=NOW, ref="refs/t3/x/1",
         commit="c0ffee", files=[{"path": "a.txt", "kind": "modified", "additions": 1,
