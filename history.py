@@ -22,14 +22,15 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, cast
 
 from orchestrator import (EFFECTS, HANDOFF_LABELS, RUN_BLOCKING, RUN_HOOKS, RUN_TERMINAL, Actor,
                           Command, CommandRejected, ContextHandoff, ContextTransfer, CreateThread,
                           Draft, EffectKind, Entity, MarkRunStarted, Orchestrator,
                           ProviderAdapter, ProviderInfo, ProviderThread, Run, RunHooks, RunStatus,
-                          T3Error, ThreadState, TurnItem, bounded_id, decide_create_thread,
-                          decides, put_item, register_entities, sendable, thread_work)
+                          T3Error, ThreadState, TurnItem, Workspaces, bounded_id,
+                          decide_create_thread, decides, put_item, register_entities, sendable,
+                          thread_work)
 from tools import (BOOLEAN, CLIENT_REQUEST_ID, INTEGER, OPT_INTEGER, OPT_STRING, SEED_TITLE,
                    STRING, THREAD_ID, Args, Call, Operation, Toolkit, enum_of, list_of,
                    new_worktree, obj, register, register_wire, shape, text_field, ws_op)
@@ -192,6 +193,22 @@ class Checkpoint(Entity):
 register_entities(Checkpoint)
 
 
+class _Git(Workspaces, Protocol):
+    """What checkpoints, diffs and rollbacks ask of git (workspace.py) beside a launch's."""
+
+    def checkpoint_ref(self, thread_id: str, ordinal: int | None) -> str: ...
+    async def capture(self, cwd: str, ref: str) -> str | None: ...
+    async def delete_ref(self, cwd: str, ref: str) -> None: ...
+    async def ref_commit(self, cwd: str, ref: str) -> str | None: ...
+    async def diff(self, cwd: str, before: str | None, after: str) -> Any: ...
+    async def restore(self, cwd: str, commit: str) -> None: ...
+
+
+def _git(o: Orchestrator) -> _Git | None:
+    """The server's git, as t3.py handed it in (None: this server has no git workspaces)."""
+    return cast("_Git | None", o.workspaces)
+
+
 def checkpoint_scope_id(thread_id: str) -> str:
     return bounded_id(f"checkpoint-scope:thread:{thread_id}:name:root")
 
@@ -250,7 +267,7 @@ def _forget_checkpoints(d: Draft) -> None:
 async def _capture_baseline(o: Orchestrator, state: ThreadState, run: Run) -> None:
     """RunHooks.started: before a run's first attempt, capture the ``kept_before`` checkpoint
     unless the thread has it ready. A git failure only loses the baseline; the turn goes on."""
-    thread, ws = state.thread, o.workspaces
+    thread, ws = state.thread, _git(o)
     before = kept_before(state.runs, run.ordinal)
     previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id, before))
     attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
@@ -269,7 +286,7 @@ async def _capture_checkpoints(o: Orchestrator, state: ThreadState, run: Run
     """RunHooks.finalize, for a finished root turn: the baselines 0 and ``kept_before`` the
     thread lacks (ready when their ref exists) and the run's own capture with its files; outside
     git all ``missing``, a git failure ``error``. A rerun only rewrites the ref."""
-    thread, n, ws = state.thread, run.ordinal, o.workspaces
+    thread, n, ws = state.thread, run.ordinal, _git(o)
     assert thread is not None
     have = {c.ordinal for c in state.entities["checkpoint"].values()}
     prev = kept_before(state.runs, n)  # n-1 unless runs were rolled back
@@ -298,8 +315,8 @@ async def _capture_checkpoints(o: Orchestrator, state: ThreadState, run: Run
 
 
 async def _forget_refs(o: Orchestrator, workspace: str, thread_id: str) -> None:
-    if o.workspaces is not None:
-        await o.workspaces.delete_ref(workspace, o.workspaces.checkpoint_ref(thread_id, None))
+    if (ws := _git(o)) is not None:
+        await ws.delete_ref(workspace, ws.checkpoint_ref(thread_id, None))
 
 
 EFFECTS["checkpoint.forget"] = EffectKind(lambda o, row: _forget_refs(  # gone refs: no error
@@ -556,7 +573,7 @@ async def _rollback(o: Orchestrator, thread_id: str, item_id: str, checkpoint: s
     item = state.entities["turn-item"].get(item_id) if state else None
     if state is None or state.thread is None or item is None or item.status != "running":
         return  # finished before a crash, or the thread was deleted: nothing left to do
-    cp, ws, cwd = state.entities["checkpoint"][checkpoint], o.workspaces, \
+    cp, ws, cwd = state.entities["checkpoint"][checkpoint], _git(o), \
         state.thread.workspace
     failure, native = None, []
     try:
@@ -662,10 +679,9 @@ async def _thread_diff(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
             return {**result, "status": status, "reason": reason}
     assert before is not None and after is not None and state.thread is not None
     try:
-        if kit.orch.workspaces is None or not state.thread.workspace:
+        if (ws := _git(kit.orch)) is None or not state.thread.workspace:
             raise T3Error("this server has no git workspaces")
-        found = await kit.orch.workspaces.diff(state.thread.workspace, before.commit,
-                                               after.commit)
+        found = await ws.diff(state.thread.workspace, before.commit, after.commit)
     except Exception as exc:  # the repository moved or git failed: said, not raised
         return {**result, "status": "error", "reason": str(exc)[:1000]}
     return {**result, "files": file_changes(found), "diff": found.text,

@@ -45,23 +45,23 @@ import store as _store
 
 __all__ = [
     "T3Error", "CommandRejected", "RunStatus", "RUN_TERMINAL", "RUN_BLOCKING", "RuntimeMode",
-    "InteractionMode", "Actor", "CreationSource", "AppThread", "Run", "RunAttempt", "ExecutionNode",
-    "ProviderSession", "ProviderThread", "ProviderTurn", "RuntimeRequest", "ConversationMessage",
-    "TurnItem", "ThreadState", "Capabilities", "ProviderInfo", "Clock", "IdSource",
-    "CreateThread", "InitialMessage", "DispatchMessage", "InterruptRun", "RespondRuntimeRequest",
-    "CancelQueuedRun", "Decision", "decide", "AdapterEvent", "TextDelta", "ReasoningDelta",
-    "ToolUpdate", "PlanUpdate", "RuntimeRequestOpened", "TurnEnded", "ProviderAdapter",
-    "ProviderSessionHandle", "Orchestrator", "McpEndpoint", "SessionCredentials", "Subagent",
-    "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
-    "task_result", "TASK_TERMINAL", "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS",
-    "mode_to_answer", "result_transfer_id", "AwaitAgentSlot", "GrantAgentSlot", "thread_title",
-    "Subscription", "client_commands", "decides", "register_entities",
-    "EffectKind", "Entity", "Command", "Draft", "Part", "RateLimited", "iso_time", "epoch_of",
-    "parse_timestamp", "redact_hook_tokens",
+    "InteractionMode", "Actor", "CreationSource", "AppThread", "Run", "RunAttempt",
+    "ExecutionNode", "ProviderSession", "ProviderThread", "ProviderTurn", "RuntimeRequest",
+    "ConversationMessage", "TurnItem", "ThreadState", "Capabilities", "ProviderInfo", "Clock",
+    "IdSource", "CreateThread", "InitialMessage", "DispatchMessage", "InterruptRun",
+    "RespondRuntimeRequest", "CancelQueuedRun", "Decision", "decide", "AdapterEvent",
+    "TextDelta", "ReasoningDelta", "ToolUpdate", "PlanUpdate", "RuntimeRequestOpened",
+    "TurnEnded", "ProviderAdapter", "ProviderSessionHandle", "Orchestrator", "McpEndpoint",
+    "SessionCredentials", "Subagent", "ContextTransfer", "DelegateTask", "SetWakePolicy",
+    "RequestTaskCancel", "FinalizeSubagent", "task_result", "TASK_TERMINAL",
+    "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS", "mode_to_answer", "result_transfer_id",
+    "AwaitAgentSlot", "GrantAgentSlot", "thread_title", "Subscription", "client_commands",
+    "decides", "register_entities", "EffectKind", "Entity", "Command", "Draft", "Part",
+    "RateLimited", "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
-    "handoff_prompt", "Workspaces", "AdvancePreparation",
-    "parse_json", "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS",
-    "RunHooks", "RUN_HOOKS", "HANDOFF_LABELS", "thread_work", "put_item",
+    "handoff_prompt", "Workspaces", "AdvancePreparation", "parse_json", "json_too_deep",
+    "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS", "RunHooks", "RUN_HOOKS",
+    "HANDOFF_LABELS", "thread_work", "put_item", "MarkRunStarted",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -255,21 +255,11 @@ def parse_timestamp(value: str) -> float | None:
 
 
 @functools.cache  # every event (de)serializes whole entities: ~140 calls per command otherwise
-def _camel(name: str) -> str:
-    """``provider_turn_id`` -> ``providerTurnId``; ``kind_`` -> ``kind`` (a name a ClassVar took)."""
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
-
-
-_NAMES: dict[type, tuple[tuple[str, str], ...]] = {}
-
-
 def _names(cls: type) -> tuple[tuple[str, str], ...]:
-    """A dataclass's (field name, camelCase key) pairs, computed once per class."""
-    names = _NAMES.get(cls)
-    if names is None:
-        names = _NAMES[cls] = tuple((f.name, _camel(f.name)) for f in fields(cls))
-    return names
+    """A dataclass's (field name, camelCase key) pairs: ``provider_turn_id`` ->
+    ``providerTurnId``; ``kind_`` -> ``kind`` (a name a ClassVar took)."""
+    return tuple((f.name, f.name.split("_")[0] + "".join(
+        part.title() for part in f.name.split("_")[1:])) for f in fields(cls))
 
 
 @dataclass(frozen=True, slots=True)
@@ -844,7 +834,7 @@ class CreateThread(Command):
     model: str | None
     runtime_mode: str
     interaction_mode: str
-    workspace: str
+    workspace: str | None
     created_by: str
     creation_source: str
     initial_message: InitialMessage | None = None
@@ -853,7 +843,7 @@ class CreateThread(Command):
     # A launch into a new worktree: {repo, baseRef, fromOrigin, setup}; the first run waits
     # ``preparing`` until the ``workspace.prepare`` effect made it (needs initial_message).
     preparation: Mapping[str, Any] | None = None
-    lineage: Mapping[str, Any] | None = None  # a fork's (history.py); else a root thread's
+    lineage: Mapping[str, Any] | None = None  # a fork's (history.py), a child's; None: a root's
     forked_from: Mapping[str, Any] | None = None
 
 
@@ -1406,7 +1396,7 @@ def _steer_in(d: Draft, run: Run, attempt: RunAttempt, message_id: str, text: st
 
 
 def put_item(d: Draft, item_id: str, run: Run, node_id: str | None, type_: str, status: str,
-              **fields: Any) -> TurnItem:
+             **fields: Any) -> TurnItem:
     """A new turn item of ``run`` at the timeline's end; a finished one completed now."""
     return d.put(TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
                           type=type_, status=status, position=d.position(), updated_at=d.now,
@@ -1416,7 +1406,7 @@ def put_item(d: Draft, item_id: str, run: Run, node_id: str | None, type_: str, 
 
 def _user_item(d: Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
     return put_item(d, _message_item_id(message_id), run, node_id, "user_message", "completed",
-                     message_id=message_id, input_intent=intent)
+                    message_id=message_id, input_intent=intent)
 
 
 def thread_work(d: Draft) -> TurnItem | None:
@@ -1452,9 +1442,8 @@ def _decide_dispatch(d: Draft, c: DispatchMessage, *, providers: Mapping[str, Pr
                               "ended", code="thread_not_sendable")
     if c.mode in ("steer_active", "restart_active"):
         return _decide_steer(d, c, providers)
-    blocking = next((r for r in reversed(d.runs()) if r.status in RUN_BLOCKING), None)
-    queued_exists = any(r.status == RunStatus.QUEUED and not r.queue_held for r in d.runs())
-    queued = blocking is not None or queued_exists
+    queued = any(r.status in RUN_BLOCKING or (r.status == RunStatus.QUEUED and not r.queue_held)
+                 for r in d.runs())
     run = _new_run(d, message_id=c.message_id, text=c.text, created_by=c.created_by,
                    creation_source=c.creation_source, queued=queued, preparation=None if queued
                    else next(filter(None, (h.preparation(d) for h in RUN_HOOKS)), None))
@@ -1487,8 +1476,7 @@ def _steerable_run(d: Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
 def _decide_steer(d: Draft, c: DispatchMessage, providers: Mapping[str, ProviderInfo]
                   ) -> Mapping[str, Any]:
     run, attempt = _steerable_run(d, c.target_run_id)
-    caps = providers[run.provider_instance_id].capabilities \
-        if run.provider_instance_id in providers else Capabilities()
+    caps = getattr(providers.get(run.provider_instance_id), "capabilities", Capabilities())
     result = {"threadId": run.thread_id, "runId": run.id, "messageId": c.message_id}
     if c.mode == "steer_active" and caps.supports_active_steering:
         _steer_in(d, run, attempt, c.message_id, c.text, c.created_by, c.creation_source)
@@ -1518,8 +1506,7 @@ def _decide_steer(d: Draft, c: DispatchMessage, providers: Mapping[str, Provider
     _user_item(d, run, c.message_id, new_root, "steer")
     d.effect("provider-turn.restart", {"runId": run.id, "interruptedAttemptId": attempt.id,
                                        "attemptId": new_attempt_id}, new_attempt_id)
-    delivery = "restarted" if c.mode == "restart_active" else "steered"
-    return {**result, "delivery": delivery}
+    return {**result, "delivery": "restarted" if c.mode == "restart_active" else "steered"}
 
 
 # A turn or message that is a session command: interrupting it or cutting into it is unsafe.
@@ -1562,7 +1549,7 @@ def _interrupt(d: Draft, run: Run, reason: str | None) -> str:
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
     why = reason or "Interrupted on request."
     put_item(d, bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
-              run, run.root_node_id, "run_interrupt_request", "completed", text=why)
+             run, run.root_node_id, "run_interrupt_request", "completed", text=why)
     if turn is None or turn.status != "running":
         # Nothing reached the provider yet: the run ends here and its start is called off.
         _end_run(d, run, RunStatus.INTERRUPTED,
@@ -1708,13 +1695,12 @@ def _decide_respond(d: Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[str
     _question_closed(d, request)
     if request.response_capability.get("setup"):
         _setup_answered(d, c, request, declined)
-        return {"threadId": request.thread_id, "requestId": request.id, "status": "resolved",
-                "decision": c.decision}
-    d.effect("runtime-request.respond", {
-        "requestId": request.id, "runId": request.run_id,
-        "providerSessionId": request.response_capability.get("providerSessionId"),
-        "nativeRequestRef": request.native_request_ref, "decision": c.decision,
-        "answers": c.answers}, request.id)
+    else:
+        d.effect("runtime-request.respond", {
+            "requestId": request.id, "runId": request.run_id,
+            "providerSessionId": request.response_capability.get("providerSessionId"),
+            "nativeRequestRef": request.native_request_ref, "decision": c.decision,
+            "answers": c.answers}, request.id)
     return {"threadId": request.thread_id, "requestId": request.id, "status": "resolved",
             "decision": c.decision}
 
@@ -1867,14 +1853,12 @@ def _ingest_one(d: Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents
         _ingest_tool(d, run, attempt, event)
     elif isinstance(event, PlanUpdate):
         item_id = bounded_id(f"turn-item:{attempt.id}:plan")
-        item = d.get("turn-item", item_id)
+        item = d.get("turn-item", item_id) or TurnItem(
+            id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=attempt.root_node_id,
+            type="todo_list", status="running", position=d.position(), updated_at=d.now,
+            title="Plan", started_at=d.now)
         text = "\n".join(f"[{e.get('status', 'pending')}] {e.get('content', '')}"
                          for e in event.entries)
-        if item is None:
-            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id,
-                            node_id=attempt.root_node_id, type="todo_list", status="running",
-                            position=d.position(), updated_at=d.now, title="Plan",
-                            started_at=d.now)
         d.put(replace(item, text=text, data={"steps": list(event.entries)}, updated_at=d.now))
     elif isinstance(event, RuntimeRequestOpened):
         _close_streams(d, attempt)
@@ -1888,7 +1872,7 @@ def _ingest_one(d: Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents
         failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
                    "code": None, "retryable": None}
         put_item(d, bounded_id(f"turn-item:{attempt.id}:error"), run, attempt.root_node_id,
-                  "error", "failed", title="Provider error", text=event.failure)
+                 "error", "failed", title="Provider error", text=event.failure)
         return _end_run(d, run, RunStatus.FAILED, event.failure or "The provider failed.", failure)
     return run
 
@@ -1897,9 +1881,7 @@ def _ingest_tool(d: Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) -> 
     """A tool call's node and turn item, made on its first update and updated by the rest."""
     root_id = attempt.root_node_id
     node_id = bounded_id(f"node:{attempt.id}:tool:{event.native_id}")
-    status = {"pending": "running", "in_progress": "running"}.get(event.status, event.status)
-    if status not in _NODE_STATUSES:
-        status = "running"
+    status = event.status if event.status in _NODE_STATUSES - {"pending"} else "running"
     ended = d.now if status in ("completed", "failed") else None
     node = d.get("node", node_id) or ExecutionNode(
         id=node_id, thread_id=run.thread_id, run_id=run.id, parent_node_id=root_id,
@@ -1945,8 +1927,8 @@ def _ingest_request(d: Draft, run: Run, attempt: RunAttempt, session_id: str | N
         response_capability={"type": "live", **(
             {"providerSessionId": session_id} if session_id else {"setup": True})}))
     put_item(d, _request_item_id(request_id), run, node_id, node_kind, "waiting",
-              title=event.title, text=event.title, data={
-                  "requestId": request_id, "requestKind": event.request_kind, **event.detail})
+             title=event.title, text=event.title, data={
+                 "requestId": request_id, "requestKind": event.request_kind, **event.detail})
     task = _parent_task(d)
     if event.request_kind == "user_input" and task is not None:
         # Users rarely watch child threads: the parent's agent hears about the question.
@@ -1977,8 +1959,8 @@ def _append_text(d: Draft, run: Run, attempt: RunAttempt, role: str, text: str) 
                               created_by=Actor.AGENT, creation_source=CreationSource.PROVIDER,
                               created_at=d.now, updated_at=d.now))
     put_item(d, _message_item_id(message_id), run, attempt.root_node_id,
-              "assistant_message" if role == "assistant" else "reasoning", "running",
-              message_id=message_id)
+             "assistant_message" if role == "assistant" else "reasoning", "running",
+             message_id=message_id)
 
 
 def _open_stream_id(d: Draft, attempt: RunAttempt, role: str) -> str | None:
@@ -2038,7 +2020,7 @@ def _decide_fail_run(d: Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
     attempt = d.get("run-attempt", run.active_attempt_id)
     if c.status == RunStatus.FAILED:
         put_item(d, bounded_id(f"turn-item:{run.active_attempt_id}:error"), run,
-                  run.root_node_id, "error", "failed", title="Run failed", text=c.reason)
+                 run.root_node_id, "error", "failed", title="Run failed", text=c.reason)
     if attempt is not None:
         _close_streams(d, attempt)
     failure = {"class": "unknown", "message": c.reason[:4096], "code": None, "retryable": None} \
@@ -2125,20 +2107,16 @@ def _decide_delegate(d: Draft, c: DelegateTask, *, providers: Mapping[str, Provi
     info = _registered(providers, c.provider_instance_id)
     task_id = c.task_id
     child_id = bounded_id(f"thread:delegated-task:{c.command_id}")
-    child = Draft(ThreadState(), c, d.now, sharing=d)
-    child.put(AppThread(
-        id=child_id, project_id=parent.project_id, title=c.title,
-        provider_instance_id=c.provider_instance_id,
-        model_selection={"instanceId": c.provider_instance_id, "model": c.model},
-        runtime_mode=c.runtime_mode, interaction_mode=c.interaction_mode,
-        created_by=c.created_by, creation_source=c.creation_source, created_at=d.now,
-        updated_at=d.now, lineage={"parentThreadId": parent.id, "relationshipToParent": "subagent",
-                                   "rootThreadId": parent.lineage.get("rootThreadId") or parent.id},
-        forked_from={"type": "node", "nodeId": task_id}, branch=parent.branch,
-        worktree_path=parent.worktree_path, workspace=parent.workspace), "thread.created")
-    child_run = _new_run(child, message_id=bounded_id(f"message:delegated-task:{c.command_id}"),
-                         text=c.task, created_by=c.created_by,
-                         creation_source=c.creation_source, queued=False)
+    child_run_id = decide_create_thread(Draft(ThreadState(), c, d.now, sharing=d), CreateThread(
+        command_id=c.command_id, thread_id=child_id, project_id=parent.project_id, title=c.title,
+        provider_instance_id=c.provider_instance_id, model=c.model, runtime_mode=c.runtime_mode,
+        interaction_mode=c.interaction_mode, workspace=parent.workspace, created_by=c.created_by,
+        creation_source=c.creation_source, initial_message=InitialMessage(
+            bounded_id(f"message:delegated-task:{c.command_id}"), c.task),
+        branch=parent.branch, worktree_path=parent.worktree_path, lineage={
+            "parentThreadId": parent.id, "relationshipToParent": "subagent",
+            "rootThreadId": parent.lineage.get("rootThreadId") or parent.id},
+        forked_from={"type": "node", "nodeId": task_id}), providers=providers)["runId"]
     d.put(ExecutionNode(id=task_id, thread_id=parent.id, run_id=run.id,
                         parent_node_id=run.root_node_id, root_node_id=run.root_node_id or task_id,
                         kind_="subagent", status="running", counts_for_run=False,
@@ -2147,18 +2125,18 @@ def _decide_delegate(d: Draft, c: DelegateTask, *, providers: Mapping[str, Provi
                    parent_node_id=run.root_node_id or task_id, origin="app_owned",
                    created_by=c.created_by, driver=info.driver,
                    provider_instance_id=c.provider_instance_id, child_thread_id=child_id,
-                   child_run_id=child_run.id, prompt=c.task, title=c.title, model=c.model,
+                   child_run_id=child_run_id, prompt=c.task, title=c.title, model=c.model,
                    completion_wake=c.completion_wake, status="running", started_at=d.now,
                    updated_at=d.now))
     put_item(d, _task_item_id(task_id), run, task_id, "subagent", "running", title=c.title,
-              text=c.task, data={"taskId": task_id, "childThreadId": child_id,
-                                 "providerInstanceId": c.provider_instance_id, "model": c.model})
+             text=c.task, data={"taskId": task_id, "childThreadId": child_id,
+                                "providerInstanceId": c.provider_instance_id, "model": c.model})
     d.put(ContextTransfer(id=bounded_id(f"context-transfer:subagent_spawn:{task_id}"),
                           thread_id=parent.id, type="subagent_spawn", source_thread_id=parent.id,
                           target_thread_id=child_id, status="consumed", created_by=c.created_by,
-                          created_at=d.now, updated_at=d.now, target_run_id=child_run.id,
+                          created_at=d.now, updated_at=d.now, target_run_id=child_run_id,
                           consumed_at=d.now))
-    return {"taskId": task_id, "childThreadId": child_id, "childRunId": child_run.id}
+    return {"taskId": task_id, "childThreadId": child_id, "childRunId": child_run_id}
 
 
 def _task(d: Draft, task_id: str) -> Subagent:
@@ -2597,7 +2575,7 @@ def _title_of(reply: str) -> str | None:
 
 class Workspaces(Protocol):
     """What launches ask of git (workspace.py, which this file never imports; tools.py checks a
-    launch's strategy with the queries before anything is made)."""
+    launch's strategy with the queries before anything is made; history.py asks more)."""
 
     worktrees_dir: Path
 
@@ -2610,13 +2588,6 @@ class Workspaces(Protocol):
     async def remove_worktree(self, repo: str, path: str, branch: str | None = None
                               ) -> None: ...
     async def run_setup(self, cwd: str, command: str) -> tuple[int, str]: ...
-    # checkpoints and diffs
-    def checkpoint_ref(self, thread_id: str, ordinal: int | None) -> str: ...
-    async def capture(self, cwd: str, ref: str) -> str | None: ...
-    async def delete_ref(self, cwd: str, ref: str) -> None: ...
-    async def ref_commit(self, cwd: str, ref: str) -> str | None: ...
-    async def diff(self, cwd: str, before: str | None, after: str) -> Any: ...
-    async def restore(self, cwd: str, commit: str) -> None: ...
 
 
 PREPARATION_OUTPUT_CHARS = 20_000
@@ -2642,7 +2613,7 @@ def _setup_request_id(run_id: str) -> str:
 
 def _begin_preparation(d: Draft, run: Run, preparation: Mapping[str, Any]) -> None:
     put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
-              "running", title="Preparing workspace", data={"phase": "worktree"})
+             "running", title="Preparing workspace", data={"phase": "worktree"})
     d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
 
