@@ -469,6 +469,7 @@ def merge_back_head(fork_id: str, target_id: str, covered: Sequence[Run]) -> lis
             f"Covered fork runs: {covered[0].ordinal}-{covered[-1].ordinal}", "", "Fork delta:"]
 
 
+# history.py's part in every run: context handoffs, checkpoints, a fork's first run, merge-backs
 RUN_HOOKS.append(RunHooks(
     preparation=_fork_preparation, context=_hand_off, handoffs=_take_merge_backs,
     completed=_record_checkpoints, deleted=_forget_checkpoints, session=_native_fork,

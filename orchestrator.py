@@ -1770,25 +1770,21 @@ def _decide_mark_started(d: Draft, c: MarkRunStarted, *, providers: Mapping[str,
         raise CommandRejected("the run is no longer waiting to start")
     thread = d.thread
     assert thread is not None
-    session = d.get("provider-session", c.provider_session_id)
     provider = run.provider_instance_id
-    providers_driver = providers[provider].driver if provider in providers else provider
-    if session is None:
-        session = ProviderSession(
-            id=c.provider_session_id, thread_id=run.thread_id, driver=providers_driver,
-            provider_instance_id=provider, status="running", cwd=c.cwd,
-            model=run.model_selection.get("model"), created_at=d.now, updated_at=d.now, pid=c.pid)
+    driver = getattr(providers.get(provider), "driver", provider)
+    session = d.get("provider-session", c.provider_session_id) or ProviderSession(
+        id=c.provider_session_id, thread_id=run.thread_id, driver=driver,
+        provider_instance_id=provider, status="running", cwd=c.cwd,
+        model=run.model_selection.get("model"), created_at=d.now, updated_at=d.now)
     d.put(replace(session, status="running", pid=c.pid, updated_at=d.now))
-    pthread = d.get("provider-thread", run.provider_thread_id)
     # Once per run (a restarted attempt's turn already had it); then further handoffs.
     handoff_id = None if run.context_handoff_id else next(filter(None, (
         h.context(d, run, c, providers) for h in RUN_HOOKS)), None)
     carried = [i for h in RUN_HOOKS for i in h.handoffs(d, run)]
-    if pthread is None:
-        pthread = ProviderThread(id=run.provider_thread_id or "", app_thread_id=run.thread_id,
-                                 driver=providers_driver, provider_instance_id=provider,
-                                 status="active", created_at=d.now, updated_at=d.now,
-                                 first_run_ordinal=run.ordinal)
+    pthread = d.get("provider-thread", run.provider_thread_id) or ProviderThread(
+        id=run.provider_thread_id or "", app_thread_id=run.thread_id, driver=driver,
+        provider_instance_id=provider, status="active", created_at=d.now, updated_at=d.now,
+        first_run_ordinal=run.ordinal)
     d.put(replace(pthread, status="active", provider_session_id=c.provider_session_id,
                   native_thread_ref=c.native_thread_ref or pthread.native_thread_ref,
                   last_run_ordinal=run.ordinal, updated_at=d.now))
@@ -2546,14 +2542,6 @@ def thread_title(title: str | None, prompt: str | None, fallback: str) -> str:
                                 or c.isspace()).split())
         return line if len(line) <= 80 else line[:77] + "..."
     return fallback
-
-
-def title_fallback(state: ThreadState) -> str:
-    """A deterministic title: the first message's first 80 characters, else the title."""
-    assert state.thread is not None
-    first = state.runs[0] if state.runs else None
-    message = state.entities["message"].get(first.user_message_id) if first else None
-    return thread_title(None, message.text if message else None, state.thread.title)
 
 
 def _title_of(reply: str) -> str | None:
@@ -3616,17 +3604,19 @@ class _Sessions:
 
 
 async def _regenerate_title(o: Orchestrator, thread_id: str, request_id: str) -> None:
-    """Ask the thread's provider for a title, else take ``title_fallback``; skipped once a
-    rename, another regeneration, archive or delete made this request stale."""
+    """Ask the thread's provider for a title, else take its first message's first 80
+    characters; skipped once a rename, another regeneration, archive or delete made this request
+    stale."""
     state = await o.state(thread_id)
     thread = state.thread if state else None
     if state is None or thread is None or thread.deleted_at is not None or \
             (thread.title_regeneration or {}).get("requestId") != request_id:
         return
     first = state.runs[0] if state.runs else None
-    message = state.entities["message"].get(first.user_message_id) if first else None
-    title = (await _ask_title(o, thread, message.text) if message else None) \
-        or title_fallback(state)
+    prompt = getattr(state.entities["message"].get(first.user_message_id), "text", None) \
+        if first else None
+    title = (await _ask_title(o, thread, prompt) if prompt else None) \
+        or thread_title(None, prompt, thread.title)
     await o.dispatch(CompleteTitleRegeneration(
         command_id=bounded_id(f"command:title:{request_id}"), thread_id=thread_id,
         request_id=request_id, title=title))
