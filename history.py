@@ -1,14 +1,19 @@
-"""history.py: forks, merge-backs, rollbacks and diffs, a feature an auditor of the core may skip.
+"""history.py: a thread's history: context handoffs, checkpoints, forks, merge-backs, rollbacks
+and diffs, a feature an auditor of the core may skip.
 
-A fork (``thread.fork``, /ws forkThread) continues a thread's conversation from a completed run
-in a new thread; a merge-back (``thread.merge_back``, /ws mergeBack) hands a fork's runs to its
-parent's next run; a rollback (``checkpoint.rollback``, /ws rollbackThread or dispatchCommand)
-puts a thread's files back to a checkpoint and its later runs ``rolled_back``; a diff
-(``t3_thread_diff``, /ws getTurnDiff and getFullThreadDiff) compares two checkpoints, which the
-core captures at each run's end. The commands are decided here as the core's are (pure, with
-``orchestrator.decides``), a restore is a replay-safe outbox effect (``EFFECTS``), a fork's and a
-merge-back's context reach their runs through ``RUN_HOOKS``, and the operations join
-tools.OPERATIONS. The core never imports this module; t3.py does (FEATURES), before it serves.
+A context handoff is a summary of a thread's runs for a provider that missed them: after a
+provider switch or a resume that failed, at a fork's first run, at a parent's run after a
+merge-back. A checkpoint is the workspace as a hidden git ref, captured before a thread's first
+run and at each run's end. A fork (``thread.fork``, /ws forkThread) continues a thread's
+conversation from a completed run in a new thread; a merge-back (``thread.merge_back``, /ws
+mergeBack) hands a fork's runs to its parent's next run; a rollback (``checkpoint.rollback``, /ws
+rollbackThread or dispatchCommand) puts a thread's files back to a checkpoint and its later runs
+``rolled_back``; a diff (``t3_thread_diff``, /ws getTurnDiff and getFullThreadDiff) compares two
+checkpoints. The commands are decided here as the core's are (pure, with
+``orchestrator.decides``), a restore and a deleted thread's refs are replay-safe outbox effects
+(``EFFECTS``), handoffs and checkpoints reach the core's runs through ``RUN_HOOKS``, and the
+operations join tools.OPERATIONS. The core never imports this module; t3.py does (FEATURES),
+before it serves.
 """
 
 from __future__ import annotations
@@ -17,23 +22,305 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, cast
 
 from orchestrator import (EFFECTS, HANDOFF_LABELS, RUN_BLOCKING, RUN_HOOKS, RUN_TERMINAL, Actor,
-                          Checkpoint, Command, CommandRejected, ContextTransfer, CreateThread,
-                          Draft, EffectKind, Orchestrator, ProviderAdapter, ProviderThread, Run,
-                          RunHooks, RunStatus, T3Error, ThreadState, TurnItem, bounded_id,
-                          checkpoint_id, checkpoint_scope_id, decide_create_thread, decides,
-                          describe_handoff, file_changes, kept_before, put_handoff, sendable,
+                          Command, CommandRejected, ContextHandoff, ContextTransfer, CreateThread,
+                          Draft, EffectKind, Entity, MarkRunStarted, Orchestrator,
+                          ProviderAdapter, ProviderInfo, ProviderThread, Run, RunHooks, RunStatus,
+                          T3Error, ThreadState, TurnItem, Workspaces, bounded_id,
+                          decide_create_thread, decides, put_item, register_entities, sendable,
                           thread_work)
 from tools import (BOOLEAN, CLIENT_REQUEST_ID, INTEGER, OPT_INTEGER, OPT_STRING, SEED_TITLE,
                    STRING, THREAD_ID, Args, Call, Operation, Toolkit, enum_of, list_of,
                    new_worktree, obj, register, register_wire, shape, text_field, ws_op)
 
-__all__ = ["ForkThread", "MergeBack", "RollbackThread", "FinishRollback", "MERGE_BACK_LABEL",
-           "fork_transfer_id", "merge_back_head", "kept_turns"]
+__all__ = ["Checkpoint", "ForkThread", "MergeBack", "RollbackThread", "FinishRollback", "MERGE_BACK_LABEL",
+           "fork_transfer_id", "merge_back_head", "kept_turns", "describe_handoff", "put_handoff",
+           "handoff_line", "handoff_text", "HANDOFF_BUDGET", "checkpoint_id",
+           "checkpoint_scope_id", "kept_before", "file_changes"]
 
 log = logging.getLogger("t3.history")
+
+
+# =============================================================================================
+# Context handoffs. A run on a provider thread that missed earlier runs (it never took part, or
+# could not resume its conversation) carries a ContextHandoff with a turn item: a deterministic
+# summary of what it missed, which the core's ``handoff_prompt`` puts before the user's text. A
+# fork's first run and a parent's run after a merge-back carry theirs the same way.
+
+HANDOFF_BUDGET = 32_000  # characters of summary; the newest context is kept when cut
+HANDOFF_LINE = 240  # characters of one item line
+_HANDOFF_HEADERS = {
+    "full_thread_summary": "Full conversation context for provider handoff.",
+    "delta_since_target_last_seen": "Conversation delta since this provider last participated."}
+
+
+def _hand_off(d: Draft, run: Run, started: MarkRunStarted,
+              providers: Mapping[str, ProviderInfo]) -> str | None:
+    """RunHooks.context: a fork's first run's context (``_take_fork``), else the handoff ``run``
+    needs on its provider thread, if any, recorded; its id. A provider thread that never took
+    part or could not resume its conversation gets every earlier run; one coming back to its own
+    conversation gets the runs since it last took part."""
+    if (forked := _take_fork(d, run, started.native_fork)) is not None:
+        return forked
+    pthread = d.get("provider-thread", run.provider_thread_id)
+    covered = [r for r in d.runs() if r.ordinal < run.ordinal and r.started_at is not None
+               and r.status != RunStatus.ROLLED_BACK]
+    strategy = "full_thread_summary"
+    if pthread is not None and not started.resume_failed and pthread.last_run_ordinal is not None:
+        strategy = "delta_since_target_last_seen"
+        covered = [r for r in covered if r.ordinal > pthread.last_run_ordinal]
+    return put_handoff(d, run, describe_handoff(
+        d, strategy, covered, run.provider_instance_id, providers)) if covered else None
+
+
+def describe_handoff(d: Any, strategy: str, covered: Sequence[Run], to_instance: str,
+                     providers: Mapping[str, ProviderInfo], head: Sequence[str] | None = None
+                     ) -> dict[str, Any]:
+    """What a handoff of ``covered`` (runs of the thread ``d`` holds: a Draft, or any view
+    with its ``get``/``all``) to ``to_instance`` says and records (``put_handoff``)."""
+    def driver(instance: str) -> str:
+        return providers[instance].driver if instance in providers else instance
+    instances = list(dict.fromkeys(r.provider_instance_id for r in covered))
+    span = {"from": covered[0].ordinal, "to": covered[-1].ordinal}
+    return {"strategy": strategy, "covered": span, "fromProviderInstanceIds": instances,
+            "fromProviderThreadIds": list(dict.fromkeys(r.provider_thread_id or ""
+                                                        for r in covered)),
+            "fromModelSelections": [dict(r.model_selection) for r in covered],
+            "summary": handoff_text(
+                strategy=strategy, from_drivers=[driver(i) for i in instances],
+                to_driver=driver(to_instance), covered=span, head=head,
+                lines=_item_lines(d, {r.id for r in covered}))}
+
+
+def put_handoff(d: Draft, run: Run, about: Mapping[str, Any], key: str = "") -> str:
+    """The ContextHandoff ``describe_handoff`` described, for ``run``, and its turn item."""
+    strategy, froms, instances = (about["strategy"], about["fromProviderThreadIds"],
+                                  about["fromProviderInstanceIds"])
+    handoff = d.put(ContextHandoff(
+        id=bounded_id(f"context-handoff:{run.id}{key}"), thread_id=run.thread_id,
+        target_run_id=run.id, from_provider_thread_ids=froms,
+        to_provider_thread_id=run.provider_thread_id or "", covered_run_ordinals=about["covered"],
+        strategy=strategy, status="consumed", summary_text=about["summary"], created_at=d.now,
+        updated_at=d.now, created_by_provider_instance_id=instances[-1]))
+    put_item(
+        d, bounded_id(f"turn-item:handoff:{run.id}{key}"), run, run.root_node_id, "handoff",
+        "completed", title=f"{strategy} handoff to {run.provider_instance_id}",
+        text=about["summary"], data={
+            "contextHandoffId": handoff.id, "fromProviderThreadIds": froms,
+            "toProviderThreadId": handoff.to_provider_thread_id,
+            "fromProviderInstanceIds": instances, "toProviderInstanceId": run.provider_instance_id,
+            "fromModelSelections": about["fromModelSelections"],
+            "toModel": run.model_selection.get("model"), "strategy": strategy})
+    return handoff.id
+
+
+def _item_lines(d: Any, run_ids: set[str]) -> list[str]:
+    """The covered runs' user-visible items as handoff lines, in timeline order."""
+    lines = []
+    for item in sorted(d.all("turn-item"), key=lambda i: i.position):
+        if item.run_id not in run_ids:
+            continue
+        message = d.get("message", item.message_id)
+        text = {"user_message": ("User", message.text if message else item.text),
+                "assistant_message": ("Assistant", message.text if message else item.text),
+                "tool_call": ("Command", item.title),
+                "checkpoint": ("Checkpoint", f"{len((item.data or {}).get('files') or [])} files"),
+                "handoff": ("Handoff", item.text or (item.data or {}).get("strategy"))
+                }.get(item.type)
+        if text is not None and text[1]:
+            lines.append(handoff_line(*text))
+    return lines
+
+
+def handoff_line(label: str, text: str) -> str:
+    """``- Label: text`` with whitespace collapsed, at most HANDOFF_LINE characters."""
+    line = f"- {label}: {' '.join(text.split())}"
+    return line if len(line) <= HANDOFF_LINE else line[:HANDOFF_LINE - 3] + "..."
+
+
+def handoff_text(*, strategy: str, from_drivers: Sequence[str], to_driver: str,
+                 covered: Mapping[str, int], lines: Sequence[str],
+                 budget: int = HANDOFF_BUDGET, head: Sequence[str] | None = None) -> str:
+    """The handoff summary, pure and deterministic; ``head``: the
+    lines before the items, when not a provider handoff's. Over ``budget`` characters the
+    oldest item lines go first, replaced by one line saying how many."""
+    head = "\n".join(head or [
+        _HANDOFF_HEADERS[strategy], f"From driver: {', '.join(from_drivers)}",
+        f"To driver: {to_driver}", f"Covered app runs: {covered['from']}-{covered['to']}", "",
+        "Canonical conversation context:"])
+    items = list(lines) or ["- No user-visible context items."]
+    room = budget - len(head) - 80  # 80: room for the line that says what was cut
+    kept = 0
+    while kept < len(items) and room >= len(items[-1 - kept]) + 1:
+        room -= len(items[-1 - kept]) + 1
+        kept += 1
+    cut = [f"- ({len(items) - kept} earlier items omitted to fit the handoff budget.)"] \
+        if kept < len(items) else []
+    return "\n".join([head, *cut, *items[len(items) - kept:]])[:budget]
+
+
+# =============================================================================================
+# Checkpoints: the workspace as a hidden git ref (workspace.py) at one point of a thread, ordinal
+# 0 before its first run (captured as the run starts), N after run N's root turn (captured by the
+# ``run.finalize`` effect, recorded by CompleteRun with a ``checkpoint`` turn item). Outside git
+# they are ``missing``; a git failure is ``error`` and the run goes on. A deleted thread's refs go
+# with it (``checkpoint.forget``).
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint(Entity):
+    """``files``: the changes against the previous checkpoint: [{path, kind, additions,
+    deletions}]."""
+
+    kind: ClassVar[str] = "checkpoint"
+    _checks: ClassVar[Mapping[str, frozenset[str]]] = {
+        "status": frozenset({"ready", "missing", "error", "stale"})}
+    thread_id: str
+    scope_id: str
+    run_id: str | None
+    ordinal: int  # ordinalWithinScope = the app run ordinal (0: the thread's baseline)
+    status: str  # ready | missing (not in a git repository) | error (git failed) | stale
+    files: Sequence[Mapping[str, Any]]
+    captured_at: str
+    ref: str | None = None
+    commit: str | None = None
+    parent_checkpoint_id: str | None = None
+    status_reason: str | None = None
+
+
+register_entities(Checkpoint)
+
+
+class _Git(Workspaces, Protocol):
+    """What checkpoints, diffs and rollbacks ask of git (workspace.py) beside a launch's."""
+
+    def checkpoint_ref(self, thread_id: str, ordinal: int | None) -> str: ...
+    async def capture(self, cwd: str, ref: str) -> str | None: ...
+    async def delete_ref(self, cwd: str, ref: str) -> None: ...
+    async def ref_commit(self, cwd: str, ref: str) -> str | None: ...
+    async def diff(self, cwd: str, before: str | None, after: str) -> Any: ...
+    async def restore(self, cwd: str, commit: str) -> None: ...
+
+
+def _git(o: Orchestrator) -> _Git | None:
+    """The server's git, as t3.py handed it in (None: this server has no git workspaces)."""
+    return cast("_Git | None", o.workspaces)
+
+
+def checkpoint_scope_id(thread_id: str) -> str:
+    return bounded_id(f"checkpoint-scope:thread:{thread_id}:name:root")
+
+
+def checkpoint_id(thread_id: str, ordinal: int) -> str:
+    return bounded_id(f"checkpoint:scope:{checkpoint_scope_id(thread_id)}:name:{ordinal}")
+
+
+def kept_before(runs: Sequence[Run], ordinal: int) -> int:
+    """The checkpoint ordinal a run's changes are measured from: the newest earlier run that
+    was not rolled back (0: the thread's baseline)."""
+    return max([r.ordinal for r in runs if r.ordinal < ordinal
+                and r.status != RunStatus.ROLLED_BACK] + [0])
+
+
+def file_changes(diff: Any) -> list[dict[str, Any]]:
+    """A workspace Diff's files as checkpoints and diffs carry them."""
+    return [{"path": f.path, "kind": f.kind, "additions": f.additions, "deletions": f.deletions}
+            for f in diff.files]
+
+
+def _record_checkpoints(d: Draft, run: Run, found: Sequence[Mapping[str, Any]]) -> str | None:
+    """RunHooks.completed: the checkpoints a finalization captured (baselines first, the run's
+    own last; ones the thread already has are kept), and the run's ``checkpoint`` turn item; the
+    id of the last one recorded."""
+    made = None
+    for record in sorted(found, key=lambda r: r["ordinal"]):
+        n = record["ordinal"]
+        if d.get("checkpoint", checkpoint_id(run.thread_id, n)) is not None:
+            continue
+        made = d.put(Checkpoint(
+            id=checkpoint_id(run.thread_id, n), thread_id=run.thread_id,
+            scope_id=checkpoint_scope_id(run.thread_id), run_id=run.id if n == run.ordinal
+            else None, ordinal=n, status=record["status"], files=record.get("files") or [],
+            captured_at=d.now, ref=record.get("ref"), commit=record.get("commit"),
+            parent_checkpoint_id=checkpoint_id(run.thread_id, kept_before(d.runs(), n))
+            if n else None,
+            status_reason=record.get("reason")), "checkpoint.captured")
+    if made is None or made.ordinal != run.ordinal or made.status == "missing":
+        return made.id if made else None  # outside git the timeline says nothing
+    put_item(d, bounded_id(f"turn-item:checkpoint:{made.id}"), run, run.root_node_id,
+             "checkpoint", "completed",
+             title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
+             if made.status == "ready" else f"Checkpoint {made.ordinal}: git failed",
+             data={"checkpointId": made.id, "scopeId": made.scope_id, "status": made.status,
+                   "files": made.files, "reason": made.status_reason})
+    return made.id
+
+
+def _forget_checkpoints(d: Draft) -> None:
+    """RunHooks.deleted: a deleted thread's checkpoints' hidden refs go with it."""
+    if d.thread is not None and d.thread.workspace:
+        d.effect("checkpoint.forget", {"workspace": d.thread.workspace}, d.thread.id)
+
+
+async def _capture_baseline(o: Orchestrator, state: ThreadState, run: Run) -> None:
+    """RunHooks.started: before a run's first attempt, capture the ``kept_before`` checkpoint
+    unless the thread has it ready. A git failure only loses the baseline; the turn goes on."""
+    thread, ws = state.thread, _git(o)
+    before = kept_before(state.runs, run.ordinal)
+    previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id, before))
+    attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
+    if ws is None or thread is None or not thread.workspace or (
+            previous is not None and previous.status == "ready") or (
+            attempt is not None and attempt.attempt_ordinal > 1):
+        return
+    try:
+        await ws.capture(thread.workspace, ws.checkpoint_ref(thread.id, before))
+    except Exception as exc:
+        log.warning("baseline checkpoint of %s not captured: %s", run.id, exc)
+
+
+async def _capture_checkpoints(o: Orchestrator, state: ThreadState, run: Run
+                               ) -> list[dict[str, Any]]:
+    """RunHooks.finalize, for a finished root turn: the baselines 0 and ``kept_before`` the
+    thread lacks (ready when their ref exists) and the run's own capture with its files; outside
+    git all ``missing``, a git failure ``error``. A rerun only rewrites the ref."""
+    thread, n, ws = state.thread, run.ordinal, _git(o)
+    assert thread is not None
+    have = {c.ordinal for c in state.entities["checkpoint"].values()}
+    prev = kept_before(state.runs, n)  # n-1 unless runs were rolled back
+    ordinals = [*sorted({0, prev} - have), n]
+    cwd = thread.workspace
+    if ws is None or not cwd or await ws.top_level(cwd) is None:
+        return [{"ordinal": k, "status": "missing"} for k in ordinals]
+    found: list[dict[str, Any]] = []
+    try:
+        for k in ordinals[:-1]:
+            ref = ws.checkpoint_ref(thread.id, k)
+            commit = await ws.ref_commit(cwd, ref)
+            found.append({"ordinal": k, "status": "ready" if commit else "missing",
+                          "ref": ref, "commit": commit})
+        before = await ws.ref_commit(cwd, ws.checkpoint_ref(thread.id, prev)) if n else None
+        ref = ws.checkpoint_ref(thread.id, n)
+        commit = await ws.capture(cwd, ref)
+        files = file_changes(await ws.diff(cwd, before, commit)) if before else []
+        found.append({"ordinal": n, "status": "ready", "ref": ref, "commit": commit,
+                      "files": files})
+    except Exception as exc:  # GitError, OSError: the run completes all the same
+        log.warning("checkpoint of %s failed: %s", run.id, exc)
+        found = [f for f in found if f["ordinal"] != n] + [
+            {"ordinal": n, "status": "error", "reason": str(exc)[:1000]}]
+    return found
+
+
+async def _forget_refs(o: Orchestrator, workspace: str, thread_id: str) -> None:
+    if (ws := _git(o)) is not None:
+        await ws.delete_ref(workspace, ws.checkpoint_ref(thread_id, None))
+
+
+EFFECTS["checkpoint.forget"] = EffectKind(lambda o, row: _forget_refs(  # gone refs: no error
+    o, row.payload["workspace"], row.thread_id), replay_safe=True)
 
 
 # =============================================================================================
@@ -182,8 +469,11 @@ def merge_back_head(fork_id: str, target_id: str, covered: Sequence[Run]) -> lis
             f"Covered fork runs: {covered[0].ordinal}-{covered[-1].ordinal}", "", "Fork delta:"]
 
 
-RUN_HOOKS.append(RunHooks(preparation=_fork_preparation, context=_take_fork,
-                          handoffs=_take_merge_backs, session=_native_fork))
+# history.py's part in every run: context handoffs, checkpoints, a fork's first run, merge-backs
+RUN_HOOKS.append(RunHooks(
+    preparation=_fork_preparation, context=_hand_off, handoffs=_take_merge_backs,
+    completed=_record_checkpoints, deleted=_forget_checkpoints, session=_native_fork,
+    started=_capture_baseline, finalize=_capture_checkpoints))
 HANDOFF_LABELS["fork_delta_summary"] = MERGE_BACK_LABEL
 
 
@@ -284,7 +574,7 @@ async def _rollback(o: Orchestrator, thread_id: str, item_id: str, checkpoint: s
     item = state.entities["turn-item"].get(item_id) if state else None
     if state is None or state.thread is None or item is None or item.status != "running":
         return  # finished before a crash, or the thread was deleted: nothing left to do
-    cp, ws, cwd = state.entities["checkpoint"][checkpoint], o.workspaces, \
+    cp, ws, cwd = state.entities["checkpoint"][checkpoint], _git(o), \
         state.thread.workspace
     failure, native = None, []
     try:
@@ -390,10 +680,9 @@ async def _thread_diff(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
             return {**result, "status": status, "reason": reason}
     assert before is not None and after is not None and state.thread is not None
     try:
-        if kit.orch.workspaces is None or not state.thread.workspace:
+        if (ws := _git(kit.orch)) is None or not state.thread.workspace:
             raise T3Error("this server has no git workspaces")
-        found = await kit.orch.workspaces.diff(state.thread.workspace, before.commit,
-                                               after.commit)
+        found = await ws.diff(state.thread.workspace, before.commit, after.commit)
     except Exception as exc:  # the repository moved or git failed: said, not raised
         return {**result, "status": "error", "reason": str(exc)[:1000]}
     return {**result, "files": file_changes(found), "diff": found.text,

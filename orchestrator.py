@@ -45,23 +45,23 @@ import store as _store
 
 __all__ = [
     "T3Error", "CommandRejected", "RunStatus", "RUN_TERMINAL", "RUN_BLOCKING", "RuntimeMode",
-    "InteractionMode", "Actor", "CreationSource", "AppThread", "Run", "RunAttempt", "ExecutionNode",
-    "ProviderSession", "ProviderThread", "ProviderTurn", "RuntimeRequest", "ConversationMessage",
-    "TurnItem", "ThreadState", "Capabilities", "ProviderInfo", "Clock", "IdSource",
-    "CreateThread", "InitialMessage", "DispatchMessage", "InterruptRun", "RespondRuntimeRequest",
-    "CancelQueuedRun", "Decision", "decide", "AdapterEvent", "TextDelta", "ReasoningDelta",
-    "ToolUpdate", "PlanUpdate", "RuntimeRequestOpened", "TurnEnded", "ProviderAdapter",
-    "ProviderSessionHandle", "Orchestrator", "McpEndpoint", "SessionCredentials", "Subagent",
-    "ContextTransfer", "DelegateTask", "SetWakePolicy", "RequestTaskCancel", "FinalizeSubagent",
-    "task_result", "TASK_TERMINAL", "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS",
-    "mode_to_answer", "result_transfer_id", "AwaitAgentSlot", "GrantAgentSlot", "thread_title",
-    "Subscription", "client_commands", "decides", "register_entities",
-    "EffectKind", "Entity", "Command", "Draft", "Part", "RateLimited", "iso_time", "epoch_of",
-    "parse_timestamp", "redact_hook_tokens",
+    "InteractionMode", "Actor", "CreationSource", "AppThread", "Run", "RunAttempt",
+    "ExecutionNode", "ProviderSession", "ProviderThread", "ProviderTurn", "RuntimeRequest",
+    "ConversationMessage", "TurnItem", "ThreadState", "Capabilities", "ProviderInfo", "Clock",
+    "IdSource", "CreateThread", "InitialMessage", "DispatchMessage", "InterruptRun",
+    "RespondRuntimeRequest", "CancelQueuedRun", "Decision", "decide", "AdapterEvent",
+    "TextDelta", "ReasoningDelta", "ToolUpdate", "PlanUpdate", "RuntimeRequestOpened",
+    "TurnEnded", "ProviderAdapter", "ProviderSessionHandle", "Orchestrator", "McpEndpoint",
+    "SessionCredentials", "Subagent", "ContextTransfer", "DelegateTask", "SetWakePolicy",
+    "RequestTaskCancel", "FinalizeSubagent", "task_result", "TASK_TERMINAL",
+    "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS", "mode_to_answer", "result_transfer_id",
+    "AwaitAgentSlot", "GrantAgentSlot", "thread_title", "Subscription", "client_commands",
+    "decides", "register_entities", "EffectKind", "Entity", "Command", "Draft", "Part",
+    "RateLimited", "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
-    "handoff_text", "handoff_line", "handoff_prompt", "Workspaces", "AdvancePreparation",
-    "parse_json", "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS",
-    "RunHooks", "RUN_HOOKS", "HANDOFF_LABELS", "thread_work",
+    "handoff_prompt", "Workspaces", "AdvancePreparation", "parse_json", "json_too_deep",
+    "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS", "RunHooks", "RUN_HOOKS",
+    "HANDOFF_LABELS", "thread_work", "put_item", "MarkRunStarted",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -255,21 +255,11 @@ def parse_timestamp(value: str) -> float | None:
 
 
 @functools.cache  # every event (de)serializes whole entities: ~140 calls per command otherwise
-def _camel(name: str) -> str:
-    """``provider_turn_id`` -> ``providerTurnId``; ``kind_`` -> ``kind`` (a name a ClassVar took)."""
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
-
-
-_NAMES: dict[type, tuple[tuple[str, str], ...]] = {}
-
-
 def _names(cls: type) -> tuple[tuple[str, str], ...]:
-    """A dataclass's (field name, camelCase key) pairs, computed once per class."""
-    names = _NAMES.get(cls)
-    if names is None:
-        names = _NAMES[cls] = tuple((f.name, _camel(f.name)) for f in fields(cls))
-    return names
+    """A dataclass's (field name, camelCase key) pairs: ``provider_turn_id`` ->
+    ``providerTurnId``; ``kind_`` -> ``kind`` (a name a ClassVar took)."""
+    return tuple((f.name, f.name.split("_")[0] + "".join(
+        part.title() for part in f.name.split("_")[1:])) for f in fields(cls))
 
 
 @dataclass(frozen=True, slots=True)
@@ -561,53 +551,11 @@ class ContextTransfer(Entity):
 
 
 @dataclass(frozen=True, slots=True)
-class Checkpoint(Entity):
-    """The workspace as a hidden git ref (workspace.py) at one point of a thread: ordinal 0
-    before its first run, N after run N's root turn. ``files`` are the changes against the
-    previous checkpoint: [{path, kind, additions, deletions}]."""
-
-    kind: ClassVar[str] = "checkpoint"
-    _checks: ClassVar[Mapping[str, frozenset[str]]] = {
-        "status": frozenset({"ready", "missing", "error", "stale"})}
-    thread_id: str
-    scope_id: str
-    run_id: str | None
-    ordinal: int  # ordinalWithinScope = the app run ordinal (0: the thread's baseline)
-    status: str  # ready | missing (not in a git repository) | error (git failed) | stale
-    files: Sequence[Mapping[str, Any]]
-    captured_at: str
-    ref: str | None = None
-    commit: str | None = None
-    parent_checkpoint_id: str | None = None
-    status_reason: str | None = None
-
-
-def file_changes(diff: Any) -> list[dict[str, Any]]:
-    """A workspace Diff's files as checkpoints and diffs carry them."""
-    return [{"path": f.path, "kind": f.kind, "additions": f.additions, "deletions": f.deletions}
-            for f in diff.files]
-
-
-def checkpoint_scope_id(thread_id: str) -> str:
-    return bounded_id(f"checkpoint-scope:thread:{thread_id}:name:root")
-
-
-def checkpoint_id(thread_id: str, ordinal: int) -> str:
-    return bounded_id(f"checkpoint:scope:{checkpoint_scope_id(thread_id)}:name:{ordinal}")
-
-
-def kept_before(runs: Sequence[Run], ordinal: int) -> int:
-    """The checkpoint ordinal a run's changes are measured from: the newest earlier run that
-    was not rolled back (0: the thread's baseline)."""
-    return max([r.ordinal for r in runs if r.ordinal < ordinal
-                and r.status != RunStatus.ROLLED_BACK] + [0])
-
-
-@dataclass(frozen=True, slots=True)
 class ContextHandoff(Entity):
     """The context a provider got when it joined a thread's conversation late: after a
     provider switch (the delta since it last took part, or the whole thread) or after a resume
-    that failed (the whole thread). Deterministic text, no model call (``handoff_text``)."""
+    that failed (the whole thread), or from a fork or a merge-back (history.py records them
+    all). Deterministic text, no model call."""
 
     kind: ClassVar[str] = "context-handoff"
     thread_id: str
@@ -637,7 +585,7 @@ def register_entities(*classes: type[Entity]) -> None:
 
 register_entities(AppThread, Run, RunAttempt, ExecutionNode, ProviderSession, ProviderThread,
                   ProviderTurn, RuntimeRequest, ConversationMessage, TurnItem, Subagent,
-                  ContextTransfer, ContextHandoff, Checkpoint)
+                  ContextTransfer, ContextHandoff)
 
 
 @dataclass(slots=True)
@@ -886,7 +834,7 @@ class CreateThread(Command):
     model: str | None
     runtime_mode: str
     interaction_mode: str
-    workspace: str
+    workspace: str | None
     created_by: str
     creation_source: str
     initial_message: InitialMessage | None = None
@@ -895,7 +843,7 @@ class CreateThread(Command):
     # A launch into a new worktree: {repo, baseRef, fromOrigin, setup}; the first run waits
     # ``preparing`` until the ``workspace.prepare`` effect made it (needs initial_message).
     preparation: Mapping[str, Any] | None = None
-    lineage: Mapping[str, Any] | None = None  # a fork's (history.py); else a root thread's
+    lineage: Mapping[str, Any] | None = None  # a fork's (history.py), a child's; None: a root's
     forked_from: Mapping[str, Any] | None = None
 
 
@@ -1094,8 +1042,7 @@ class IngestProviderEvents(Command):
 
 @dataclass(frozen=True, slots=True)
 class CompleteRun(Command):
-    """A waiting run's finalization; ``checkpoints`` are what its capture found (Orchestrator.
-    _capture_checkpoints): {ordinal, status, ref?, commit?, files, reason?} each."""
+    """A waiting run's finalization; ``checkpoints``: what RunHooks.finalize captured."""
 
     type: ClassVar[str] = "run.complete"
     run_id: str
@@ -1306,19 +1253,26 @@ def client_commands() -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class RunHooks:
-    """A feature module's part in a run's start (history.py: a fork's first run, a parent's run
-    after a merge-back), in RUN_HOOKS once t3.py imported it. In decide, pure as decide is:
+    """A feature module's part in a thread's runs (history.py's: context handoffs, forks,
+    merge-backs, checkpoints), in RUN_HOOKS once t3.py imported it. In decide, pure as decide is:
     ``preparation``, the workspace a run that starts now (not queued) prepares first (as
     CreateThread's); ``context``, at MarkRunStarted once per run, the context handoff it recorded
-    in place of the provider's (``_hand_off``; the bool: the session opened as a native fork);
-    ``handoffs``, the further handoffs it recorded for the run's first prompt, in order. In the
-    runtime: ``session``, extra ``open_session`` arguments (a native fork's ``fork``)."""
+    for the run (its ``context_handoff_id``); ``handoffs``, the further handoffs it recorded for
+    the run's first prompt, in order; ``completed``, at CompleteRun, what it recorded of
+    ``checkpoints``: the run's checkpoint id; ``deleted``, at a thread's deletion. In the runtime:
+    ``session``, extra ``open_session`` arguments (a native fork's ``fork``); ``started``, after
+    MarkRunStarted, before the prompt goes out; ``finalize``, the ``checkpoints`` a waiting run's
+    CompleteRun carries."""
 
     preparation: Callable[[Draft], Mapping[str, Any] | None]
-    context: Callable[[Draft, Run, bool], str | None]
+    context: Callable[[Draft, Run, MarkRunStarted, Mapping[str, ProviderInfo]], str | None]
     handoffs: Callable[[Draft, Run], list[str]]
+    completed: Callable[[Draft, Run, Sequence[Mapping[str, Any]]], str | None]
+    deleted: Callable[[Draft], None]
     session: Callable[[Orchestrator, ThreadState, Run, ProviderAdapter],
                       Awaitable[Mapping[str, Any]]]
+    started: Callable[[Orchestrator, ThreadState, Run], Awaitable[None]]
+    finalize: Callable[[Orchestrator, ThreadState, Run], Awaitable[Sequence[Mapping[str, Any]]]]
 
 
 RUN_HOOKS: list[RunHooks] = []
@@ -1441,8 +1395,8 @@ def _steer_in(d: Draft, run: Run, attempt: RunAttempt, message_id: str, text: st
                                      "messageId": message_id}, message_id)
 
 
-def _put_item(d: Draft, item_id: str, run: Run, node_id: str | None, type_: str, status: str,
-              **fields: Any) -> TurnItem:
+def put_item(d: Draft, item_id: str, run: Run, node_id: str | None, type_: str, status: str,
+             **fields: Any) -> TurnItem:
     """A new turn item of ``run`` at the timeline's end; a finished one completed now."""
     return d.put(TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=node_id,
                           type=type_, status=status, position=d.position(), updated_at=d.now,
@@ -1451,8 +1405,8 @@ def _put_item(d: Draft, item_id: str, run: Run, node_id: str | None, type_: str,
 
 
 def _user_item(d: Draft, run: Run, message_id: str, node_id: str, intent: str) -> TurnItem:
-    return _put_item(d, _message_item_id(message_id), run, node_id, "user_message", "completed",
-                     message_id=message_id, input_intent=intent)
+    return put_item(d, _message_item_id(message_id), run, node_id, "user_message", "completed",
+                    message_id=message_id, input_intent=intent)
 
 
 def thread_work(d: Draft) -> TurnItem | None:
@@ -1488,9 +1442,8 @@ def _decide_dispatch(d: Draft, c: DispatchMessage, *, providers: Mapping[str, Pr
                               "ended", code="thread_not_sendable")
     if c.mode in ("steer_active", "restart_active"):
         return _decide_steer(d, c, providers)
-    blocking = next((r for r in reversed(d.runs()) if r.status in RUN_BLOCKING), None)
-    queued_exists = any(r.status == RunStatus.QUEUED and not r.queue_held for r in d.runs())
-    queued = blocking is not None or queued_exists
+    queued = any(r.status in RUN_BLOCKING or (r.status == RunStatus.QUEUED and not r.queue_held)
+                 for r in d.runs())
     run = _new_run(d, message_id=c.message_id, text=c.text, created_by=c.created_by,
                    creation_source=c.creation_source, queued=queued, preparation=None if queued
                    else next(filter(None, (h.preparation(d) for h in RUN_HOOKS)), None))
@@ -1523,8 +1476,7 @@ def _steerable_run(d: Draft, run_id: str | None) -> tuple[Run, RunAttempt]:
 def _decide_steer(d: Draft, c: DispatchMessage, providers: Mapping[str, ProviderInfo]
                   ) -> Mapping[str, Any]:
     run, attempt = _steerable_run(d, c.target_run_id)
-    caps = providers[run.provider_instance_id].capabilities \
-        if run.provider_instance_id in providers else Capabilities()
+    caps = getattr(providers.get(run.provider_instance_id), "capabilities", Capabilities())
     result = {"threadId": run.thread_id, "runId": run.id, "messageId": c.message_id}
     if c.mode == "steer_active" and caps.supports_active_steering:
         _steer_in(d, run, attempt, c.message_id, c.text, c.created_by, c.creation_source)
@@ -1554,8 +1506,7 @@ def _decide_steer(d: Draft, c: DispatchMessage, providers: Mapping[str, Provider
     _user_item(d, run, c.message_id, new_root, "steer")
     d.effect("provider-turn.restart", {"runId": run.id, "interruptedAttemptId": attempt.id,
                                        "attemptId": new_attempt_id}, new_attempt_id)
-    delivery = "restarted" if c.mode == "restart_active" else "steered"
-    return {**result, "delivery": delivery}
+    return {**result, "delivery": "restarted" if c.mode == "restart_active" else "steered"}
 
 
 # A turn or message that is a session command: interrupting it or cutting into it is unsafe.
@@ -1597,8 +1548,8 @@ def _interrupt(d: Draft, run: Run, reason: str | None) -> str:
     attempt = d.get("run-attempt", run.active_attempt_id)
     turn = d.get("provider-turn", attempt.provider_turn_id) if attempt else None
     why = reason or "Interrupted on request."
-    _put_item(d, bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
-              run, run.root_node_id, "run_interrupt_request", "completed", text=why)
+    put_item(d, bounded_id(f"turn-item:{run.id}:interrupt-request:{d.command.command_id}"),
+             run, run.root_node_id, "run_interrupt_request", "completed", text=why)
     if turn is None or turn.status != "running":
         # Nothing reached the provider yet: the run ends here and its start is called off.
         _end_run(d, run, RunStatus.INTERRUPTED,
@@ -1744,13 +1695,12 @@ def _decide_respond(d: Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[str
     _question_closed(d, request)
     if request.response_capability.get("setup"):
         _setup_answered(d, c, request, declined)
-        return {"threadId": request.thread_id, "requestId": request.id, "status": "resolved",
-                "decision": c.decision}
-    d.effect("runtime-request.respond", {
-        "requestId": request.id, "runId": request.run_id,
-        "providerSessionId": request.response_capability.get("providerSessionId"),
-        "nativeRequestRef": request.native_request_ref, "decision": c.decision,
-        "answers": c.answers}, request.id)
+    else:
+        d.effect("runtime-request.respond", {
+            "requestId": request.id, "runId": request.run_id,
+            "providerSessionId": request.response_capability.get("providerSessionId"),
+            "nativeRequestRef": request.native_request_ref, "decision": c.decision,
+            "answers": c.answers}, request.id)
     return {"threadId": request.thread_id, "requestId": request.id, "status": "resolved",
             "decision": c.decision}
 
@@ -1820,27 +1770,21 @@ def _decide_mark_started(d: Draft, c: MarkRunStarted, *, providers: Mapping[str,
         raise CommandRejected("the run is no longer waiting to start")
     thread = d.thread
     assert thread is not None
-    session = d.get("provider-session", c.provider_session_id)
     provider = run.provider_instance_id
-    providers_driver = providers[provider].driver if provider in providers else provider
-    if session is None:
-        session = ProviderSession(
-            id=c.provider_session_id, thread_id=run.thread_id, driver=providers_driver,
-            provider_instance_id=provider, status="running", cwd=c.cwd,
-            model=run.model_selection.get("model"), created_at=d.now, updated_at=d.now, pid=c.pid)
+    driver = getattr(providers.get(provider), "driver", provider)
+    session = d.get("provider-session", c.provider_session_id) or ProviderSession(
+        id=c.provider_session_id, thread_id=run.thread_id, driver=driver,
+        provider_instance_id=provider, status="running", cwd=c.cwd,
+        model=run.model_selection.get("model"), created_at=d.now, updated_at=d.now)
     d.put(replace(session, status="running", pid=c.pid, updated_at=d.now))
-    pthread = d.get("provider-thread", run.provider_thread_id)
-    # Once per run (a restarted attempt's turn already had it): a feature's context (a fork's),
-    # else the provider handoff; then the features' further handoffs (merge-backs).
+    # Once per run (a restarted attempt's turn already had it); then further handoffs.
     handoff_id = None if run.context_handoff_id else next(filter(None, (
-        h.context(d, run, c.native_fork) for h in RUN_HOOKS)), None) or \
-        _hand_off(d, run, pthread, c.resume_failed, providers)
+        h.context(d, run, c, providers) for h in RUN_HOOKS)), None)
     carried = [i for h in RUN_HOOKS for i in h.handoffs(d, run)]
-    if pthread is None:
-        pthread = ProviderThread(id=run.provider_thread_id or "", app_thread_id=run.thread_id,
-                                 driver=providers_driver, provider_instance_id=provider,
-                                 status="active", created_at=d.now, updated_at=d.now,
-                                 first_run_ordinal=run.ordinal)
+    pthread = d.get("provider-thread", run.provider_thread_id) or ProviderThread(
+        id=run.provider_thread_id or "", app_thread_id=run.thread_id, driver=driver,
+        provider_instance_id=provider, status="active", created_at=d.now, updated_at=d.now,
+        first_run_ordinal=run.ordinal)
     d.put(replace(pthread, status="active", provider_session_id=c.provider_session_id,
                   native_thread_ref=c.native_thread_ref or pthread.native_thread_ref,
                   last_run_ordinal=run.ordinal, updated_at=d.now))
@@ -1905,14 +1849,12 @@ def _ingest_one(d: Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents
         _ingest_tool(d, run, attempt, event)
     elif isinstance(event, PlanUpdate):
         item_id = bounded_id(f"turn-item:{attempt.id}:plan")
-        item = d.get("turn-item", item_id)
+        item = d.get("turn-item", item_id) or TurnItem(
+            id=item_id, thread_id=run.thread_id, run_id=run.id, node_id=attempt.root_node_id,
+            type="todo_list", status="running", position=d.position(), updated_at=d.now,
+            title="Plan", started_at=d.now)
         text = "\n".join(f"[{e.get('status', 'pending')}] {e.get('content', '')}"
                          for e in event.entries)
-        if item is None:
-            item = TurnItem(id=item_id, thread_id=run.thread_id, run_id=run.id,
-                            node_id=attempt.root_node_id, type="todo_list", status="running",
-                            position=d.position(), updated_at=d.now, title="Plan",
-                            started_at=d.now)
         d.put(replace(item, text=text, data={"steps": list(event.entries)}, updated_at=d.now))
     elif isinstance(event, RuntimeRequestOpened):
         _close_streams(d, attempt)
@@ -1925,8 +1867,8 @@ def _ingest_one(d: Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents
             return _end_run(d, run, RunStatus.INTERRUPTED, _interrupt_reason(d, run))
         failure = {"class": "provider_error", "message": (event.failure or "")[:4096],
                    "code": None, "retryable": None}
-        _put_item(d, bounded_id(f"turn-item:{attempt.id}:error"), run, attempt.root_node_id,
-                  "error", "failed", title="Provider error", text=event.failure)
+        put_item(d, bounded_id(f"turn-item:{attempt.id}:error"), run, attempt.root_node_id,
+                 "error", "failed", title="Provider error", text=event.failure)
         return _end_run(d, run, RunStatus.FAILED, event.failure or "The provider failed.", failure)
     return run
 
@@ -1935,9 +1877,7 @@ def _ingest_tool(d: Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) -> 
     """A tool call's node and turn item, made on its first update and updated by the rest."""
     root_id = attempt.root_node_id
     node_id = bounded_id(f"node:{attempt.id}:tool:{event.native_id}")
-    status = {"pending": "running", "in_progress": "running"}.get(event.status, event.status)
-    if status not in _NODE_STATUSES:
-        status = "running"
+    status = event.status if event.status in _NODE_STATUSES - {"pending"} else "running"
     ended = d.now if status in ("completed", "failed") else None
     node = d.get("node", node_id) or ExecutionNode(
         id=node_id, thread_id=run.thread_id, run_id=run.id, parent_node_id=root_id,
@@ -1982,9 +1922,9 @@ def _ingest_request(d: Draft, run: Run, attempt: RunAttempt, session_id: str | N
         provider_turn_id=attempt.provider_turn_id,
         response_capability={"type": "live", **(
             {"providerSessionId": session_id} if session_id else {"setup": True})}))
-    _put_item(d, _request_item_id(request_id), run, node_id, node_kind, "waiting",
-              title=event.title, text=event.title, data={
-                  "requestId": request_id, "requestKind": event.request_kind, **event.detail})
+    put_item(d, _request_item_id(request_id), run, node_id, node_kind, "waiting",
+             title=event.title, text=event.title, data={
+                 "requestId": request_id, "requestKind": event.request_kind, **event.detail})
     task = _parent_task(d)
     if event.request_kind == "user_input" and task is not None:
         # Users rarely watch child threads: the parent's agent hears about the question.
@@ -2014,9 +1954,9 @@ def _append_text(d: Draft, run: Run, attempt: RunAttempt, role: str, text: str) 
                               node_id=attempt.root_node_id, role=role, text=text, streaming=True,
                               created_by=Actor.AGENT, creation_source=CreationSource.PROVIDER,
                               created_at=d.now, updated_at=d.now))
-    _put_item(d, _message_item_id(message_id), run, attempt.root_node_id,
-              "assistant_message" if role == "assistant" else "reasoning", "running",
-              message_id=message_id)
+    put_item(d, _message_item_id(message_id), run, attempt.root_node_id,
+             "assistant_message" if role == "assistant" else "reasoning", "running",
+             message_id=message_id)
 
 
 def _open_stream_id(d: Draft, attempt: RunAttempt, role: str) -> str | None:
@@ -2057,40 +1997,13 @@ def _decide_complete(d: Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     if run is None or run.status != RunStatus.WAITING:
         raise CommandRejected("the run is not waiting for finalization")
     d.update("node", run.root_node_id, status="completed", completed_at=d.now)
-    checkpoint = _record_checkpoints(d, run, c.checkpoints)
+    checkpoint = next(filter(None, (h.completed(d, run, c.checkpoints) for h in RUN_HOOKS)),
+                      None)
     run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now,
-                        checkpoint_id=checkpoint.id if checkpoint else run.checkpoint_id))
+                        checkpoint_id=checkpoint or run.checkpoint_id))
     _finalize_if_settled(d, run)
     _promote_queued(d)
     return {"runId": run.id, "status": run.status}
-
-
-def _record_checkpoints(d: Draft, run: Run, found: Sequence[Mapping[str, Any]]
-                        ) -> Checkpoint | None:
-    """The checkpoints a finalization captured (baselines first, the run's own last; ones the
-    thread already has are kept), and the run's ``checkpoint`` turn item; the run's one."""
-    made = None
-    for record in sorted(found, key=lambda r: r["ordinal"]):
-        n = record["ordinal"]
-        if d.get("checkpoint", checkpoint_id(run.thread_id, n)) is not None:
-            continue
-        made = d.put(Checkpoint(
-            id=checkpoint_id(run.thread_id, n), thread_id=run.thread_id,
-            scope_id=checkpoint_scope_id(run.thread_id), run_id=run.id if n == run.ordinal
-            else None, ordinal=n, status=record["status"], files=record.get("files") or [],
-            captured_at=d.now, ref=record.get("ref"), commit=record.get("commit"),
-            parent_checkpoint_id=checkpoint_id(run.thread_id, kept_before(d.runs(), n))
-            if n else None,
-            status_reason=record.get("reason")), "checkpoint.captured")
-    if made is None or made.ordinal != run.ordinal or made.status == "missing":
-        return made  # outside git the timeline says nothing
-    _put_item(d, bounded_id(f"turn-item:checkpoint:{made.id}"), run, run.root_node_id,
-              "checkpoint", "completed",
-              title=f"Checkpoint {made.ordinal}: {len(made.files)} file(s) changed"
-              if made.status == "ready" else f"Checkpoint {made.ordinal}: git failed",
-              data={"checkpointId": made.id, "scopeId": made.scope_id, "status": made.status,
-                    "files": made.files, "reason": made.status_reason})
-    return made
 
 
 @decides(FailRun)
@@ -2102,8 +2015,8 @@ def _decide_fail_run(d: Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
         raise CommandRejected("the attempt is no longer current")
     attempt = d.get("run-attempt", run.active_attempt_id)
     if c.status == RunStatus.FAILED:
-        _put_item(d, bounded_id(f"turn-item:{run.active_attempt_id}:error"), run,
-                  run.root_node_id, "error", "failed", title="Run failed", text=c.reason)
+        put_item(d, bounded_id(f"turn-item:{run.active_attempt_id}:error"), run,
+                 run.root_node_id, "error", "failed", title="Run failed", text=c.reason)
     if attempt is not None:
         _close_streams(d, attempt)
     failure = {"class": "unknown", "message": c.reason[:4096], "code": None, "retryable": None} \
@@ -2190,20 +2103,16 @@ def _decide_delegate(d: Draft, c: DelegateTask, *, providers: Mapping[str, Provi
     info = _registered(providers, c.provider_instance_id)
     task_id = c.task_id
     child_id = bounded_id(f"thread:delegated-task:{c.command_id}")
-    child = Draft(ThreadState(), c, d.now, sharing=d)
-    child.put(AppThread(
-        id=child_id, project_id=parent.project_id, title=c.title,
-        provider_instance_id=c.provider_instance_id,
-        model_selection={"instanceId": c.provider_instance_id, "model": c.model},
-        runtime_mode=c.runtime_mode, interaction_mode=c.interaction_mode,
-        created_by=c.created_by, creation_source=c.creation_source, created_at=d.now,
-        updated_at=d.now, lineage={"parentThreadId": parent.id, "relationshipToParent": "subagent",
-                                   "rootThreadId": parent.lineage.get("rootThreadId") or parent.id},
-        forked_from={"type": "node", "nodeId": task_id}, branch=parent.branch,
-        worktree_path=parent.worktree_path, workspace=parent.workspace), "thread.created")
-    child_run = _new_run(child, message_id=bounded_id(f"message:delegated-task:{c.command_id}"),
-                         text=c.task, created_by=c.created_by,
-                         creation_source=c.creation_source, queued=False)
+    child_run_id = decide_create_thread(Draft(ThreadState(), c, d.now, sharing=d), CreateThread(
+        command_id=c.command_id, thread_id=child_id, project_id=parent.project_id, title=c.title,
+        provider_instance_id=c.provider_instance_id, model=c.model, runtime_mode=c.runtime_mode,
+        interaction_mode=c.interaction_mode, workspace=parent.workspace, created_by=c.created_by,
+        creation_source=c.creation_source, initial_message=InitialMessage(
+            bounded_id(f"message:delegated-task:{c.command_id}"), c.task),
+        branch=parent.branch, worktree_path=parent.worktree_path, lineage={
+            "parentThreadId": parent.id, "relationshipToParent": "subagent",
+            "rootThreadId": parent.lineage.get("rootThreadId") or parent.id},
+        forked_from={"type": "node", "nodeId": task_id}), providers=providers)["runId"]
     d.put(ExecutionNode(id=task_id, thread_id=parent.id, run_id=run.id,
                         parent_node_id=run.root_node_id, root_node_id=run.root_node_id or task_id,
                         kind_="subagent", status="running", counts_for_run=False,
@@ -2212,18 +2121,18 @@ def _decide_delegate(d: Draft, c: DelegateTask, *, providers: Mapping[str, Provi
                    parent_node_id=run.root_node_id or task_id, origin="app_owned",
                    created_by=c.created_by, driver=info.driver,
                    provider_instance_id=c.provider_instance_id, child_thread_id=child_id,
-                   child_run_id=child_run.id, prompt=c.task, title=c.title, model=c.model,
+                   child_run_id=child_run_id, prompt=c.task, title=c.title, model=c.model,
                    completion_wake=c.completion_wake, status="running", started_at=d.now,
                    updated_at=d.now))
-    _put_item(d, _task_item_id(task_id), run, task_id, "subagent", "running", title=c.title,
-              text=c.task, data={"taskId": task_id, "childThreadId": child_id,
-                                 "providerInstanceId": c.provider_instance_id, "model": c.model})
+    put_item(d, _task_item_id(task_id), run, task_id, "subagent", "running", title=c.title,
+             text=c.task, data={"taskId": task_id, "childThreadId": child_id,
+                                "providerInstanceId": c.provider_instance_id, "model": c.model})
     d.put(ContextTransfer(id=bounded_id(f"context-transfer:subagent_spawn:{task_id}"),
                           thread_id=parent.id, type="subagent_spawn", source_thread_id=parent.id,
                           target_thread_id=child_id, status="consumed", created_by=c.created_by,
-                          created_at=d.now, updated_at=d.now, target_run_id=child_run.id,
+                          created_at=d.now, updated_at=d.now, target_run_id=child_run_id,
                           consumed_at=d.now))
-    return {"taskId": task_id, "childThreadId": child_id, "childRunId": child_run.id}
+    return {"taskId": task_id, "childThreadId": child_id, "childRunId": child_run_id}
 
 
 def _task(d: Draft, task_id: str) -> Subagent:
@@ -2583,8 +2492,8 @@ def _decide_lifecycle(d: Draft, c: ChangeThreadLifecycle, **_: Any) -> Mapping[s
                 _cancel_queued(d, run)
     if verb == "delete":
         _end_owned(d, DELETED)
-    if verb == "delete" and thread.workspace:  # its checkpoints' hidden refs go with it
-        d.effect("checkpoint.forget", {"workspace": thread.workspace}, thread.id)
+        for hooks in RUN_HOOKS:
+            hooks.deleted(d)
     return {"threadId": thread.id, "archived": thread.archived_at is not None,
             "deleted": thread.deleted_at is not None, "snoozedUntil": thread.snoozed_until}
 
@@ -2635,14 +2544,6 @@ def thread_title(title: str | None, prompt: str | None, fallback: str) -> str:
     return fallback
 
 
-def title_fallback(state: ThreadState) -> str:
-    """A deterministic title: the first message's first 80 characters, else the title."""
-    assert state.thread is not None
-    first = state.runs[0] if state.runs else None
-    message = state.entities["message"].get(first.user_message_id) if first else None
-    return thread_title(None, message.text if message else None, state.thread.title)
-
-
 def _title_of(reply: str) -> str | None:
     line = next((s for s in (raw.strip(" \t\"'`*#") for raw in reply.splitlines()) if s), "")
     return thread_title(None, line, "") or None
@@ -2662,7 +2563,7 @@ def _title_of(reply: str) -> str | None:
 
 class Workspaces(Protocol):
     """What launches ask of git (workspace.py, which this file never imports; tools.py checks a
-    launch's strategy with the queries before anything is made)."""
+    launch's strategy with the queries before anything is made; history.py asks more)."""
 
     worktrees_dir: Path
 
@@ -2675,13 +2576,6 @@ class Workspaces(Protocol):
     async def remove_worktree(self, repo: str, path: str, branch: str | None = None
                               ) -> None: ...
     async def run_setup(self, cwd: str, command: str) -> tuple[int, str]: ...
-    # checkpoints and diffs
-    def checkpoint_ref(self, thread_id: str, ordinal: int | None) -> str: ...
-    async def capture(self, cwd: str, ref: str) -> str | None: ...
-    async def delete_ref(self, cwd: str, ref: str) -> None: ...
-    async def ref_commit(self, cwd: str, ref: str) -> str | None: ...
-    async def diff(self, cwd: str, before: str | None, after: str) -> Any: ...
-    async def restore(self, cwd: str, commit: str) -> None: ...
 
 
 PREPARATION_OUTPUT_CHARS = 20_000
@@ -2706,8 +2600,8 @@ def _setup_request_id(run_id: str) -> str:
 
 
 def _begin_preparation(d: Draft, run: Run, preparation: Mapping[str, Any]) -> None:
-    _put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
-              "running", title="Preparing workspace", data={"phase": "worktree"})
+    put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
+             "running", title="Preparing workspace", data={"phase": "worktree"})
     d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
 
@@ -2756,16 +2650,10 @@ def _setup_answered(d: Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
 
 
 # =============================================================================================
-# Provider switch and context handoff. ``provider.switch`` changes the instance (and model) a
-# thread's next runs go to. A run on a provider thread that missed earlier runs (never took part,
-# or could not resume) carries a ContextHandoff: a deterministic summary of what it missed,
-# injected before the user's text.
+# Provider switch. ``provider.switch`` changes the instance (and model) a thread's next runs go
+# to. A run on a provider thread that missed earlier runs (never took part, or could not resume)
+# carries a ContextHandoff (history.py records it through RUN_HOOKS), put before the user's text.
 
-HANDOFF_BUDGET = 32_000  # characters of summary; the newest context is kept when cut
-HANDOFF_LINE = 240  # characters of one item line
-_HANDOFF_HEADERS = {
-    "full_thread_summary": "Full conversation context for provider handoff.",
-    "delta_since_target_last_seen": "Conversation delta since this provider last participated."}
 # A strategy's label in the prompt where it is not its name (history.py adds a merge-back's).
 HANDOFF_LABELS: dict[str, str] = {}
 
@@ -2794,116 +2682,6 @@ def _decide_switch(d: Draft, c: SwitchProvider, *, providers: Mapping[str, Provi
     return {"threadId": thread.id, "providerInstanceId": c.provider_instance_id,
             "model": c.model, "runtimeMode": c.runtime_mode,
             "previous": {"providerInstanceId": before[0], "model": before[1]}}
-
-
-def _hand_off(d: Draft, run: Run, pthread: ProviderThread | None, resume_failed: bool,
-              providers: Mapping[str, ProviderInfo]) -> str | None:
-    """The handoff ``run`` needs on its provider thread, if any, recorded; its id. A provider
-    thread that never took part or could not resume its conversation gets every earlier run;
-    one coming back to its own conversation gets the runs since it last took part."""
-    earlier = [r for r in d.runs() if r.ordinal < run.ordinal and r.started_at is not None
-               and r.status != RunStatus.ROLLED_BACK]
-    if pthread is None or resume_failed or pthread.last_run_ordinal is None:
-        return record_handoff(d, run, "full_thread_summary", earlier, providers)
-    return record_handoff(d, run, "delta_since_target_last_seen",
-                          [r for r in earlier if r.ordinal > (pthread.last_run_ordinal or 0)],
-                          providers)
-
-
-def record_handoff(d: Draft, run: Run, strategy: str, covered: Sequence[Run],
-                   providers: Mapping[str, ProviderInfo]) -> str | None:
-    """A ContextHandoff of ``covered`` (runs, oldest first) for ``run``, with its turn item; its
-    id, or None when nothing is covered."""
-    if not covered:
-        return None
-    return put_handoff(d, run, describe_handoff(d, strategy, covered, run.provider_instance_id,
-                                                providers))
-
-
-def describe_handoff(d: Any, strategy: str, covered: Sequence[Run], to_instance: str,
-                     providers: Mapping[str, ProviderInfo], head: Sequence[str] | None = None
-                     ) -> dict[str, Any]:
-    """What a handoff of ``covered`` (runs of the thread ``d`` holds: a Draft, or any view
-    with its ``get``/``all``) to ``to_instance`` says and records (``put_handoff``)."""
-    def driver(instance: str) -> str:
-        return providers[instance].driver if instance in providers else instance
-    instances = list(dict.fromkeys(r.provider_instance_id for r in covered))
-    span = {"from": covered[0].ordinal, "to": covered[-1].ordinal}
-    return {"strategy": strategy, "covered": span, "fromProviderInstanceIds": instances,
-            "fromProviderThreadIds": list(dict.fromkeys(r.provider_thread_id or ""
-                                                        for r in covered)),
-            "fromModelSelections": [dict(r.model_selection) for r in covered],
-            "summary": handoff_text(
-                strategy=strategy, from_drivers=[driver(i) for i in instances],
-                to_driver=driver(to_instance), covered=span, head=head,
-                lines=_item_lines(d, {r.id for r in covered}))}
-
-
-def put_handoff(d: Draft, run: Run, about: Mapping[str, Any], key: str = "") -> str:
-    """The ContextHandoff ``describe_handoff`` described, for ``run``, and its turn item."""
-    strategy, froms, instances = (about["strategy"], about["fromProviderThreadIds"],
-                                  about["fromProviderInstanceIds"])
-    handoff = d.put(ContextHandoff(
-        id=bounded_id(f"context-handoff:{run.id}{key}"), thread_id=run.thread_id,
-        target_run_id=run.id, from_provider_thread_ids=froms,
-        to_provider_thread_id=run.provider_thread_id or "", covered_run_ordinals=about["covered"],
-        strategy=strategy, status="consumed", summary_text=about["summary"], created_at=d.now,
-        updated_at=d.now, created_by_provider_instance_id=instances[-1]))
-    _put_item(
-        d, bounded_id(f"turn-item:handoff:{run.id}{key}"), run, run.root_node_id, "handoff",
-        "completed", title=f"{strategy} handoff to {run.provider_instance_id}",
-        text=about["summary"], data={
-            "contextHandoffId": handoff.id, "fromProviderThreadIds": froms,
-            "toProviderThreadId": handoff.to_provider_thread_id,
-            "fromProviderInstanceIds": instances, "toProviderInstanceId": run.provider_instance_id,
-            "fromModelSelections": about["fromModelSelections"],
-            "toModel": run.model_selection.get("model"), "strategy": strategy})
-    return handoff.id
-
-
-def _item_lines(d: Any, run_ids: set[str]) -> list[str]:
-    """The covered runs' user-visible items as handoff lines, in timeline order."""
-    lines = []
-    for item in sorted(d.all("turn-item"), key=lambda i: i.position):
-        if item.run_id not in run_ids:
-            continue
-        message = d.get("message", item.message_id)
-        text = {"user_message": ("User", message.text if message else item.text),
-                "assistant_message": ("Assistant", message.text if message else item.text),
-                "tool_call": ("Command", item.title),
-                "checkpoint": ("Checkpoint", f"{len((item.data or {}).get('files') or [])} files"),
-                "handoff": ("Handoff", item.text or (item.data or {}).get("strategy"))
-                }.get(item.type)
-        if text is not None and text[1]:
-            lines.append(handoff_line(*text))
-    return lines
-
-
-def handoff_line(label: str, text: str) -> str:
-    """``- Label: text`` with whitespace collapsed, at most HANDOFF_LINE characters."""
-    line = f"- {label}: {' '.join(text.split())}"
-    return line if len(line) <= HANDOFF_LINE else line[:HANDOFF_LINE - 3] + "..."
-
-
-def handoff_text(*, strategy: str, from_drivers: Sequence[str], to_driver: str,
-                 covered: Mapping[str, int], lines: Sequence[str],
-                 budget: int = HANDOFF_BUDGET, head: Sequence[str] | None = None) -> str:
-    """The handoff summary, pure and deterministic; ``head``: the
-    lines before the items, when not a provider handoff's. Over ``budget`` characters the
-    oldest item lines go first, replaced by one line saying how many."""
-    head = "\n".join(head or [
-        _HANDOFF_HEADERS[strategy], f"From driver: {', '.join(from_drivers)}",
-        f"To driver: {to_driver}", f"Covered app runs: {covered['from']}-{covered['to']}", "",
-        "Canonical conversation context:"])
-    items = list(lines) or ["- No user-visible context items."]
-    room = budget - len(head) - 80  # 80: room for the line that says what was cut
-    kept = 0
-    while kept < len(items) and room >= len(items[-1 - kept]) + 1:
-        room -= len(items[-1 - kept]) + 1
-        kept += 1
-    cut = [f"- ({len(items) - kept} earlier items omitted to fit the handoff budget.)"] \
-        if kept < len(items) else []
-    return "\n".join([head, *cut, *items[len(items) - kept:]])[:budget]
 
 
 def handoff_prompt(text: str, *handoffs: ContextHandoff | None) -> str:
@@ -3484,7 +3262,8 @@ class _Sessions:
         except CommandRejected:
             live.turn = None
             return
-        await _capture_baseline(self.orch.workspaces, state, run)
+        for hooks in RUN_HOOKS:
+            await hooks.started(self.orch, state, run)
         state = await self.orch.state(thread_id) or state
         handoffs = state.entities["context-handoff"]
         try:
@@ -3824,68 +3603,20 @@ class _Sessions:
 # The effects: what each outbox row does, and whether a claim after a crash may run it again
 
 
-async def _capture_baseline(ws: Workspaces | None, state: ThreadState, run: Run) -> None:
-    """Before a run's first attempt: capture the ``kept_before`` checkpoint unless the thread
-    has it ready. A git failure only loses the baseline; the turn goes on."""
-    thread = state.thread
-    before = kept_before(state.runs, run.ordinal)
-    previous = state.entities["checkpoint"].get(checkpoint_id(run.thread_id, before))
-    attempt = state.entities["run-attempt"].get(run.active_attempt_id or "")
-    if ws is None or thread is None or not thread.workspace or (
-            previous is not None and previous.status == "ready") or (
-            attempt is not None and attempt.attempt_ordinal > 1):
-        return
-    try:
-        await ws.capture(thread.workspace, ws.checkpoint_ref(thread.id, before))
-    except Exception as exc:
-        log.warning("baseline checkpoint of %s not captured: %s", run.id, exc)
-
-
-async def _capture_checkpoints(ws: Workspaces | None, state: ThreadState, run: Run
-                               ) -> tuple[dict[str, Any], ...]:
-    """CompleteRun.checkpoints for a finished root turn: the baselines 0 and ``kept_before``
-    the thread lacks (ready when their ref exists) and the run's own capture with its files;
-    outside git all ``missing``, a git failure ``error``. A rerun only rewrites the ref."""
-    thread, n = state.thread, run.ordinal
-    assert thread is not None
-    have = {c.ordinal for c in state.entities["checkpoint"].values()}
-    prev = kept_before(state.runs, n)  # n-1 unless runs were rolled back
-    ordinals = [*sorted({0, prev} - have), n]
-    cwd = thread.workspace
-    if ws is None or not cwd or await ws.top_level(cwd) is None:
-        return tuple({"ordinal": o, "status": "missing"} for o in ordinals)
-    found: list[dict[str, Any]] = []
-    try:
-        for o in ordinals[:-1]:
-            ref = ws.checkpoint_ref(thread.id, o)
-            commit = await ws.ref_commit(cwd, ref)
-            found.append({"ordinal": o, "status": "ready" if commit else "missing",
-                          "ref": ref, "commit": commit})
-        before = await ws.ref_commit(cwd, ws.checkpoint_ref(thread.id, prev)) if n else None
-        ref = ws.checkpoint_ref(thread.id, n)
-        commit = await ws.capture(cwd, ref)
-        files = file_changes(await ws.diff(cwd, before, commit)) if before else []
-        found.append({"ordinal": n, "status": "ready", "ref": ref, "commit": commit,
-                      "files": files})
-    except Exception as exc:  # GitError, OSError: the run completes all the same
-        log.warning("checkpoint of %s failed: %s", run.id, exc)
-        found = [f for f in found if f["ordinal"] != n] + [
-            {"ordinal": n, "status": "error", "reason": str(exc)[:1000]}]
-    return tuple(found)
-
-
 async def _regenerate_title(o: Orchestrator, thread_id: str, request_id: str) -> None:
-    """Ask the thread's provider for a title, else take ``title_fallback``; skipped once a
-    rename, another regeneration, archive or delete made this request stale."""
+    """Ask the thread's provider for a title, else take its first message's first 80
+    characters; skipped once a rename, another regeneration, archive or delete made this request
+    stale."""
     state = await o.state(thread_id)
     thread = state.thread if state else None
     if state is None or thread is None or thread.deleted_at is not None or \
             (thread.title_regeneration or {}).get("requestId") != request_id:
         return
     first = state.runs[0] if state.runs else None
-    message = state.entities["message"].get(first.user_message_id) if first else None
-    title = (await _ask_title(o, thread, message.text) if message else None) \
-        or title_fallback(state)
+    prompt = getattr(state.entities["message"].get(first.user_message_id), "text", None) \
+        if first else None
+    title = (await _ask_title(o, thread, prompt) if prompt else None) \
+        or thread_title(None, prompt, thread.title)
     await o.dispatch(CompleteTitleRegeneration(
         command_id=bounded_id(f"command:title:{request_id}"), thread_id=thread_id,
         request_id=request_id, title=title))
@@ -4032,21 +3763,16 @@ async def _withdraw_question(o: Orchestrator, row: _store.EffectRow) -> None:
         f"question of task {p['taskId']} not withdrawn")
 
 
-async def _forget_checkpoints(o: Orchestrator, row: _store.EffectRow) -> None:
-    if o.workspaces is not None:
-        await o.workspaces.delete_ref(row.payload["workspace"],
-                                      o.workspaces.checkpoint_ref(row.thread_id, None))
-
-
 async def _finalize_run(o: Orchestrator, row: _store.EffectRow) -> None:
     run_id = row.payload["runId"]
     state = await o.state(row.thread_id)
     run = state.run(run_id) if state else None
     if state is None or run is None or run.status != RunStatus.WAITING:
         return  # already finalized (a replay after a crash): the effect is idempotent
-    found = await _capture_checkpoints(o.workspaces, state, run)
+    found = [f for hooks in RUN_HOOKS for f in await hooks.finalize(o, state, run)]
     await o.try_dispatch(CompleteRun(command_id=bounded_id(f"command:finalize:{run_id}"),
-                                     thread_id=row.thread_id, run_id=run_id, checkpoints=found))
+                                     thread_id=row.thread_id, run_id=run_id,
+                                     checkpoints=tuple(found)))
 
 
 _Runner = Callable[["Orchestrator", _store.EffectRow], Awaitable[None]]
@@ -4086,7 +3812,6 @@ EFFECTS: dict[str, EffectKind] = {
         o, row.payload["threadId"], row.payload["requestId"]), replay_safe=True),
     # a second attempt first removes what the first one left
     "workspace.prepare": EffectKind(_prepare_workspace, replay_safe=True, fails_run=True),
-    "checkpoint.forget": EffectKind(_forget_checkpoints, replay_safe=True),  # gone refs: no error
 }
 
 

@@ -285,6 +285,7 @@ def test_decide_records_each_checkpoint_once_and_only_a_git_one_in_the_timeline(
     run's checkpointId, one `checkpoint` item); run 2's completion records only checkpoint 2,
     even when its capture repeats ordinal 1; a run outside git gets a `missing` checkpoint and
     no item."""
+    import history
     import orchestrator as o
     from test_decide import THREAD, Sim, running_sim
 
@@ -300,7 +301,7 @@ def test_decide_records_each_checkpoint_once_and_only_a_git_one_in_the_timeline(
                      "files": files}))
     cps = {c.ordinal: c for c in sim.state.entities["checkpoint"].values()}
     assert sorted(cps) == [0, 1] and cps[1].files == files and cps[0].run_id is None
-    assert sim.run(1).checkpoint_id == cps[1].id == o.checkpoint_id(THREAD, 1)
+    assert sim.run(1).checkpoint_id == cps[1].id == history.checkpoint_id(THREAD, 1)
     assert cps[1].parent_checkpoint_id == cps[0].id
     [item] = [i for i in sim.state.items() if i.type == "checkpoint"]
     assert item.data["files"] == files and item.run_id == sim.run(1).id
@@ -309,7 +310,7 @@ def test_decide_records_each_checkpoint_once_and_only_a_git_one_in_the_timeline(
     done = finish(sim, 2, ({"ordinal": 1, "status": "ready", "ref": "r1", "commit": "cX"},
                            {"ordinal": 2, "status": "missing"}))
     assert [e.type for e in done.events].count("checkpoint.captured") == 1
-    assert sim.get("checkpoint", o.checkpoint_id(THREAD, 1)).commit == "c1"
-    assert sim.get("checkpoint", o.checkpoint_id(THREAD, 2)).status == "missing"
-    assert sim.run(2).checkpoint_id == o.checkpoint_id(THREAD, 2)
+    assert sim.get("checkpoint", history.checkpoint_id(THREAD, 1)).commit == "c1"
+    assert sim.get("checkpoint", history.checkpoint_id(THREAD, 2)).status == "missing"
+    assert sim.run(2).checkpoint_id == history.checkpoint_id(THREAD, 2)
     assert len([i for i in sim.state.items() if i.type == "checkpoint"]) == 1

@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import history  # noqa: E402
 import orchestrator as o  # noqa: E402
 import schedules  # noqa: E402
 from harness import CountingIds  # noqa: E402
@@ -847,11 +848,11 @@ def sample_entities() -> dict[str, list[Any]]:
         headers={"x-github-event": "push"}, body_excerpt="{}", body_truncated=False,
         query={"a": ["1"]}, delivery_key="abc")]
     entities["context-handoff"] = list(handoff_sim().state.entities["context-handoff"].values())
-    entities["checkpoint"] = [o.Checkpoint(
-        id=o.checkpoint_id(THREAD, 1), thread_id=THREAD, scope_id=o.checkpoint_scope_id(THREAD),
+    entities["checkpoint"] = [history.Checkpoint(
+        id=history.checkpoint_id(THREAD, 1), thread_id=THREAD, scope_id=history.checkpoint_scope_id(THREAD),
         run_id="run-1", ordinal=1, status="ready", captured_at=NOW, ref="refs/t3/x/1",
         commit="c0ffee", files=[{"path": "a.txt", "kind": "modified", "additions": 1,
-                                 "deletions": 2}], parent_checkpoint_id=o.checkpoint_id(THREAD, 0))]
+                                 "deletions": 2}], parent_checkpoint_id=history.checkpoint_id(THREAD, 0))]
     return entities
 
 

@@ -21,7 +21,7 @@ from test_lifecycle_stop import cli_json
 from test_schedules import prompts
 from test_worktrees import git, make_repo, session_cwds
 
-import orchestrator as o
+import history
 from cli import WsError
 
 
@@ -133,7 +133,7 @@ def test_fork_from_a_checkpoint_in_git_runs_in_its_own_worktree_at_that_checkpoi
     sent = mcp.call("t3_thread_send", {"threadId": tid, "message": "WRITE_FILE notes.txt second"})
     assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
 
-    forked = cli_json(t3, "fork", tid, "--checkpoint", o.checkpoint_id(tid, 1))
+    forked = cli_json(t3, "fork", tid, "--checkpoint", history.checkpoint_id(tid, 1))
     path = forked["worktreePath"]
     assert path and Path(path).parent == t3.data_dir / "worktrees", forked
     sent = mcp.call("t3_thread_send", {"threadId": forked["threadId"], "message": "ECHO_CWD"})

@@ -20,6 +20,7 @@ from test_delegation import call_line, items, tool_results, wait
 from test_lifecycle_stop import cli_json, runs
 from test_schedules import prompts
 
+import history
 import orchestrator as o
 
 
@@ -161,12 +162,12 @@ def test_an_agent_cannot_switch_a_thread_beyond_its_scope(t3_factory, tmp_path: 
 def test_handoff_text_keeps_the_newest_lines_within_the_budget() -> None:
     """Over the budget the oldest item lines go, one line says how many; the header and the
     newest lines stay, and the text is the same every time."""
-    lines = [o.handoff_line("User", f"message {n} " + "x" * 300) for n in range(200)]
-    made = [o.handoff_text(strategy="full_thread_summary", from_drivers=["codex"],
+    lines = [history.handoff_line("User", f"message {n} " + "x" * 300) for n in range(200)]
+    made = [history.handoff_text(strategy="full_thread_summary", from_drivers=["codex"],
                            to_driver="claude", covered={"from": 1, "to": 9}, lines=lines)
             for _ in range(2)]
     text = made[0]
-    assert made[0] == made[1] and len(text) <= o.HANDOFF_BUDGET
+    assert made[0] == made[1] and len(text) <= history.HANDOFF_BUDGET
     assert text.startswith("Full conversation context for provider handoff.\nFrom driver: codex\n"
                            "To driver: claude\nCovered app runs: 1-9\n\n"
                            "Canonical conversation context:\n")
@@ -174,15 +175,15 @@ def test_handoff_text_keeps_the_newest_lines_within_the_budget() -> None:
     kept = sum(line in text for line in lines)
     assert f"- ({200 - kept} earlier items omitted to fit the handoff budget.)" in text
     assert kept > 100  # the budget is used, not wasted
-    small = o.handoff_text(strategy="delta_since_target_last_seen", from_drivers=["acp"],
+    small = history.handoff_text(strategy="delta_since_target_last_seen", from_drivers=["acp"],
                            to_driver="acp", covered={"from": 2, "to": 2}, lines=[])
     assert small.endswith("Canonical conversation context:\n- No user-visible context items.")
 
 
 def test_handoff_line_collapses_whitespace_and_is_cut_at_240() -> None:
     """One item line: whitespace collapsed, at most 240 characters ending in '...'."""
-    assert o.handoff_line("Assistant", "two\n\n  lines") == "- Assistant: two lines"
-    long = o.handoff_line("User", "word " * 100)
+    assert history.handoff_line("Assistant", "two\n\n  lines") == "- Assistant: two lines"
+    long = history.handoff_line("User", "word " * 100)
     assert len(long) == 240 and long.endswith("...") and long.startswith("- User: word word")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-import orchestrator
+import history
 import cli
 import tools
 from harness import McpClient, T3Server, agent_log, wait_until
@@ -196,7 +196,7 @@ def test_dispatch_command_takes_the_seeds_wire_shapes(t3: T3Server) -> None:
               "parentRunId": sent["runId"], "parentNodeId": "node-1", "task": "t",
               "createdBy": "user", "creationSource": "web"}, "parent_not_active"),
             ({"type": "checkpoint.rollback", "commandId": "r", "threadId": tid,
-              "scopeId": orchestrator.checkpoint_scope_id(tid), "checkpointId": "nope"},
+              "scopeId": history.checkpoint_scope_id(tid), "checkpointId": "nope"},
              "invalid_request"),
             ({"type": "message.dispatch", "commandId": "m2", "threadId": tid, "text": "x",
               "createdBy": "agent"}, "invalid_request")):
