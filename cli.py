@@ -520,9 +520,9 @@ async def _new(client: WsClient, args: argparse.Namespace) -> int:
 def _strategy_arg(args: argparse.Namespace) -> dict[str, Any] | None:
     """``new``'s workspace options as a workspaceStrategy (None: the project root)."""
     if args.worktree and args.existing_worktree:
-        raise SystemExit("t3: --worktree and --existing-worktree exclude each other")
+        raise CliError("--worktree and --existing-worktree exclude each other", exit=EXIT_USAGE)
     if (args.branch or args.from_origin) and not (args.worktree or args.existing_worktree):
-        raise SystemExit("t3: --branch and --from-origin go with --worktree")
+        raise CliError("--branch and --from-origin go with --worktree", exit=EXIT_USAGE)
     if args.worktree:
         return _given(type="worktree", baseRef=args.worktree, branch=args.branch,
                       startFromOrigin=args.from_origin or None)

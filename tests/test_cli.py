@@ -355,6 +355,16 @@ def test_schedule_schedules_and_unschedule_follow_the_clock(t3_factory) -> None:
     assert nightly not in cli(t3, "schedules", "--all").stdout
 
 
+def test_options_that_exclude_each_other_are_a_usage_error(t3: T3Server) -> None:
+    """new's workspace options that cannot go together exit 2 (usage), one line on stderr,
+    and make nothing."""
+    for args in (("--worktree", "main", "--existing-worktree", "."), ("--branch", "b")):
+        done = cli(t3, "new", "hello", *args)
+        assert done.returncode == 2 and done.stdout == "", done
+        assert done.stderr.startswith("t3: --") and len(done.stderr.splitlines()) == 1, done
+    assert cli(t3, "threads", "--json").stdout.count('"threadId"') == 0
+
+
 def test_no_server_is_one_clear_line_and_exit_3(t3_factory, tmp_path: Path) -> None:
     """With no data directory, no server.json, or a server.json left by a killed server, every
     command prints one line on stderr, nothing on stdout, and exits 3; a typed failure from a
