@@ -2361,19 +2361,14 @@ def _finalize_if_settled(d: Draft, ended: Run | None = None) -> None:
 
 
 # =============================================================================================
-# Thread metadata and lifecycle: titles, pull request links, archive, delete, snooze, visit. Only
-# archive and delete touch runs (cancel queued ones, refuse while one is active). A title
-# regeneration runs on a lane of its own (a slow provider never holds up turns) and applies only
-# while its marker is current, so a later rename wins.
+# A thread's lifecycle: archive, delete, snooze, visit (its title and pull request link are
+# metadata.py's). Only archive and delete touch runs (cancel queued ones, refuse while one is
+# active); both end a title regeneration in flight.
 
 
 THREAD_LIFECYCLE = ("thread.archive", "thread.unarchive", "thread.delete", "thread.snooze",
                     "thread.unsnooze", "thread.visit")
-METADATA_ACTIONS = ("rename", "regenerate_title", "link_pull_request", "unlink_pull_request")
-TITLE_TIMEOUT_S = 60.0
-TITLE_PROMPT = ("<t3_title_request>\nReply with only a short title (at most 8 words, no quotes) "
-                "for a conversation that begins with this message:\n\n{text}\n"
-                "</t3_title_request>")
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -2391,71 +2386,12 @@ class ChangeThreadLifecycle(Command):
             raise ValueError(f"{self.type} needs a time")
 
 
-@dataclass(frozen=True, slots=True)
-class UpdateThreadMetadata(Command):
-    type: ClassVar[str] = "thread.metadata.update"
-    action: str  # METADATA_ACTIONS
-    title: str | None = None  # rename only
-    pull_request: Mapping[str, Any] | None = None  # link_pull_request only
-
-    def __post_init__(self) -> None:
-        if self.action not in METADATA_ACTIONS:
-            raise ValueError(f"unknown action {self.action!r}")
-        if (self.action == "rename") != bool(self.title):
-            raise ValueError("title: rename needs one, other actions take none")
-        if (self.action == "link_pull_request") != (self.pull_request is not None):
-            raise ValueError("pullRequest: link_pull_request needs one, other actions none")
-
-
-@dataclass(frozen=True, slots=True)
-class CompleteTitleRegeneration(Command):
-    """The title effect's answer: applied only if ``request_id`` is still the marker."""
-
-    type: ClassVar[str] = "thread.title.regeneration.complete"
-    request_id: str
-    title: str
-
-
 def parse_time(value: str) -> str:
     """An ISO 8601 time (naive: UTC) or epoch seconds/milliseconds as t3 writes times."""
     epoch = parse_timestamp(value)
     if epoch is None:
         raise ValueError(f"not a time: {value!r}")
     return iso_time(epoch)
-
-
-def metadata_result(thread: AppThread, action: str, command_id: str) -> dict[str, Any]:
-    return {"threadId": thread.id, "action": action, "commandId": command_id,
-            "title": thread.title, "titleRegeneration": thread.title_regeneration,
-            "linkedPullRequest": thread.linked_pull_request, "updatedAt": thread.updated_at}
-
-
-@decides(UpdateThreadMetadata)
-def _decide_metadata(d: Draft, c: UpdateThreadMetadata, **_: Any) -> Mapping[str, Any]:
-    thread = d.thread
-    assert thread is not None
-    changed: dict[str, Any] = {
-        "rename": {"title": c.title, "title_regeneration": None},
-        "regenerate_title": {"title_regeneration": {"requestId": c.command_id,
-                                                    "startedAt": d.now}},
-        "link_pull_request": {"linked_pull_request": dict(c.pull_request or {})},
-        "unlink_pull_request": {"linked_pull_request": None}}[c.action]
-    thread = d.put(replace(thread, **changed, updated_at=d.now), "thread.metadata-updated")
-    if c.action == "regenerate_title":
-        d.effect("thread-title.generate", {"threadId": thread.id, "requestId": c.command_id},
-                 c.command_id, thread_id=bounded_id(f"title-lane:{thread.id}"))
-    return metadata_result(thread, c.action, c.command_id)
-
-
-@decides(CompleteTitleRegeneration)
-def _decide_title_complete(d: Draft, c: CompleteTitleRegeneration, **_: Any
-                           ) -> Mapping[str, Any]:
-    thread = d.thread
-    assert thread is not None
-    if (thread.title_regeneration or {}).get("requestId") == c.request_id:
-        thread = d.put(replace(thread, title=c.title, title_regeneration=None, updated_at=d.now),
-                       "thread.metadata-updated")
-    return metadata_result(thread, "regenerate_title", c.request_id)
 
 
 @decides(ChangeThreadLifecycle, client=THREAD_LIFECYCLE)
@@ -2544,9 +2480,7 @@ def thread_title(title: str | None, prompt: str | None, fallback: str) -> str:
     return fallback
 
 
-def _title_of(reply: str) -> str | None:
-    line = next((s for s in (raw.strip(" \t\"'`*#") for raw in reply.splitlines()) if s), "")
-    return thread_title(None, line, "") or None
+
 
 
 # =============================================================================================
@@ -3603,57 +3537,6 @@ class _Sessions:
 # The effects: what each outbox row does, and whether a claim after a crash may run it again
 
 
-async def _regenerate_title(o: Orchestrator, thread_id: str, request_id: str) -> None:
-    """Ask the thread's provider for a title, else take its first message's first 80
-    characters; skipped once a rename, another regeneration, archive or delete made this request
-    stale."""
-    state = await o.state(thread_id)
-    thread = state.thread if state else None
-    if state is None or thread is None or thread.deleted_at is not None or \
-            (thread.title_regeneration or {}).get("requestId") != request_id:
-        return
-    first = state.runs[0] if state.runs else None
-    prompt = getattr(state.entities["message"].get(first.user_message_id), "text", None) \
-        if first else None
-    title = (await _ask_title(o, thread, prompt) if prompt else None) \
-        or thread_title(None, prompt, thread.title)
-    await o.dispatch(CompleteTitleRegeneration(
-        command_id=bounded_id(f"command:title:{request_id}"), thread_id=thread_id,
-        request_id=request_id, title=title))
-
-
-async def _ask_title(o: Orchestrator, thread: AppThread, text: str) -> str | None:
-    """A one-shot session of the thread's provider (no history, no t3 tools, the narrowest
-    modes it offers) answers TITLE_PROMPT; None if it cannot within TITLE_TIMEOUT_S."""
-    adapter = o.adapters.get(thread.provider_instance_id)
-    if adapter is None or not adapter.info.available:
-        return None
-    narrowest = min(adapter.info.runtime_modes or list(RuntimeMode), key=RUNTIME_RANK.get)
-    handle, parts = None, []
-    try:
-        async with asyncio.timeout(TITLE_TIMEOUT_S):
-            handle = await adapter.open_session(
-                session_id=o.new_id("provider-session"), thread_id=thread.id,
-                cwd=thread.workspace or os.getcwd(),
-                model=thread.model_selection.get("model"), runtime_mode=narrowest,
-                interaction_mode=InteractionMode.PLAN, resume_ref=None, mcp=None)
-            await handle.start_turn(TITLE_PROMPT.format(text=text[:2000]))
-            while (event := await handle.events.get()) is not None:
-                if isinstance(event, TextDelta):
-                    parts.append(event.text)
-                elif isinstance(event, (TurnEnded, RuntimeRequestOpened)):
-                    break
-            if not isinstance(event, TurnEnded) or event.status != "completed":
-                return None
-    except Exception as exc:  # any failure of the provider: the fallback title
-        log.info("no title from %s: %s", thread.provider_instance_id, exc)
-        return None
-    finally:
-        if handle is not None:
-            await handle.close()
-    return _title_of("".join(parts))
-
-
 async def _finalize_task(o: Orchestrator, parent_id: str, task_id: str, child_id: str,
                          run_id: str, publish: bool) -> None:
     child = await o.state(child_id)
@@ -3807,9 +3690,6 @@ EFFECTS: dict[str, EffectKind] = {
         row.payload["runId"], row.payload.get("publish", True)), replay_safe=True),
     "subagent.question": EffectKind(_route_question, replay_safe=True),
     "subagent.question-settled": EffectKind(_withdraw_question, replay_safe=True),
-    # each step of it is idempotent
-    "thread-title.generate": EffectKind(lambda o, row: _regenerate_title(
-        o, row.payload["threadId"], row.payload["requestId"]), replay_safe=True),
     # a second attempt first removes what the first one left
     "workspace.prepare": EffectKind(_prepare_workspace, replay_safe=True, fails_run=True),
 }

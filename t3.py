@@ -70,7 +70,7 @@ _ID = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 # Feature modules an auditor of the core may skip: the core never imports them; each registers
 # its entities, commands, effects and operations into the core's tables when imported here.
-FEATURES = ("schedules", "history")
+FEATURES = ("schedules", "history", "metadata")
 
 
 def load_features() -> None:

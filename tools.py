@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -532,11 +531,7 @@ _CREATE_ENTRY = obj({"prompt": text_field(120_000), "title": TITLE, "target": TA
                      "runtimeMode": RUNTIME_INPUT, "interactionMode": INTERACTION_INPUT})
 
 ROLES = ["implementation", "research", "review", "design", "test", "general"]
-UPDATE_OUTPUT = shape({"threadId": STRING, "action": enum_of(orch.METADATA_ACTIONS),
-                       "commandId": STRING, "sequence": INTEGER, "title": STRING,
-                       "titleRegeneration": TITLE_REGENERATION,
-                       "linkedPullRequest": PULL_REQUEST, "updatedAt": STRING})
-_OWN_THREAD = {"threadId": THREAD_ID, "clientRequestId": CLIENT_REQUEST_ID}
+
 
 
 # =============================================================================================
@@ -1544,37 +1539,6 @@ async def _pending_request(kit: Toolkit, call: Call, args: Args) -> dict[str, An
                                  kit.key(args)))
 
 
-async def _update_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    if (args["action"] == "rename") != ("title" in args):
-        raise T3Error("title: required for rename, refused for "
-                      "regenerate_title", code="invalid_request")
-    return await _change_metadata(kit, call, args, args["action"], title=args.get("title"))
-
-
-async def _link_pull_request(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    return await _change_metadata(kit, call, args, "link_pull_request",
-                                  pull_request=_pull_request(args["url"]))
-
-
-async def _unlink_pull_request(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
-    return await _change_metadata(kit, call, args, "unlink_pull_request")
-
-
-async def _change_metadata(kit: Toolkit, call: Call, args: Args, action: str,
-                           **change: Any) -> dict[str, Any]:
-    """One metadata action on the target thread (default: the caller's). Another thread
-    takes the caller's live run and may not have broader modes (as t3_thread_send)."""
-    scope = call.scope
-    thread_id = args.get("threadId") or kit.thread_caller(scope, f"{action} without "
-                                                          "threadId")
-    await kit.require_live_caller(scope, await kit.thread(thread_id), action)
-    command = orch.UpdateThreadMetadata(
-        command_id=kit.derive_id("command", call.space, scope.key, "thread-update", action,
-                                 thread_id, kit.key(args)),
-        thread_id=thread_id, action=action, **change)
-    result = await kit.orch.dispatch(command)
-    return {**result.result, "sequence": result.sequence}
-
 
 
 
@@ -1898,26 +1862,6 @@ OPERATIONS: list[Operation] = [
             ["threadId"]),
         _read_thread, READ_OUTPUT, ws=("readThread",), read_only=True),
     Operation(
-        "t3_thread_update",
-        "Update a thread's metadata (threadId, else your own thread): action 'rename' with "
-        "title, or 'regenerate_title' (no title: the thread's provider suggests one from the "
-        "first message, shown as titleRegeneration until it lands). Reuse clientRequestId "
-        "when retrying.",
-        obj({**_OWN_THREAD, "action": {"type": "string",
-                                       "enum": ["rename", "regenerate_title"]},
-             "title": TITLE}, ["action"]),
-        _update_thread, UPDATE_OUTPUT, ws=("updateThread",), destructive=True),
-    Operation(
-        "link_pull_request",
-        "Link a pull request to a thread (threadId, else your own): its https URL, like "
-        "https://github.com/owner/repo/pull/123. Replaces an earlier link.",
-        obj({**_OWN_THREAD, "url": text_field(2048)}, ["url"]), _link_pull_request,
-        UPDATE_OUTPUT, ws=("linkPullRequest",), destructive=True),
-    Operation(
-        "unlink_pull_request", "Remove a thread's pull request link (threadId, else your own).",
-        obj(_OWN_THREAD), _unlink_pull_request, UPDATE_OUTPUT,
-        ws=("unlinkPullRequest",), destructive=True),
-    Operation(
         "t3_thread_send",
         "Send a message to a thread. mode 'auto' (default) starts an idle thread, steers an "
         "active turn, or queues behind a turn that cannot be steered yet; 'queue' makes a "
@@ -2094,22 +2038,6 @@ def _live_run(state: ThreadState, scope: Scope) -> orch.Run | None:
             or pthread.provider_session_id != scope.provider_session_id:
         return None
     return run
-
-
-# Only https, an ASCII host with no user info before it (``https://github.com@evil.example/``
-# goes to evil.example) and ASCII names: what a person reads is where the link goes.
-_PULL_REQUEST_URL = re.compile(r"https://[A-Za-z0-9.-]+(?::\d{1,5})?/([\w.~%+-]+/[\w.~%+-]+)/"
-                               r"(?:pull|pulls|-/merge_requests)/(\d{1,9})/?", re.ASCII)
-
-
-def _pull_request(url: str) -> dict[str, Any]:
-    """A pull (or merge) request's URL as {repository, number, url}; anything else is refused."""
-    match = _PULL_REQUEST_URL.fullmatch(url)
-    if match is None:
-        raise T3Error("url: not a pull request URL (expected https://"
-                      "host/owner/repo/pull/NUMBER: an ASCII host, no "
-                      "user info, no control characters)", code="invalid_request")
-    return {"repository": match[1], "number": int(match[2]), "url": url}
 
 
 def _lender(scope: Scope) -> tuple[str, str] | None:

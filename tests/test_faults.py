@@ -31,6 +31,7 @@ from harness import (CountingIds, McpClient, ServerStartError, T3Server, agent_l
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orchestrator as o  # noqa: E402
+import metadata  # noqa: E402
 import store  # noqa: E402
 
 LONG = 60.0  # generous: two cores are shared with other test processes
@@ -370,7 +371,7 @@ def test_a_held_writer_queues_at_most_two_ingest_commits_before_a_command(tmp_pa
                        message="three more chunks from each session, the lock held")
 
             async def queue_rename() -> asyncio.Task[o.DispatchResult]:
-                task = asyncio.ensure_future(target.orch.dispatch(o.UpdateThreadMetadata(
+                task = asyncio.ensure_future(target.orch.dispatch(metadata.UpdateThreadMetadata(
                     command_id="rename-while-held", thread_id=target.thread_ids[1],
                     action="rename", title="renamed while the writer was held")))
                 stepped = asyncio.get_running_loop().create_future()  # set after the task's

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import orchestrator as o
+import metadata  # noqa: E402
 from cli import WsClient, WsError
 from harness import McpClient, T3Server, wait_until
 from test_tool_denials import CLIENT, World, agent, run
@@ -267,15 +268,15 @@ def test_a_stale_regeneration_never_overwrites_a_later_rename() -> None:
                          provider_instance_id="a", model=None, runtime_mode="full-access",
                          interaction_mode="default", workspace="/tmp", created_by="user",
                          creation_source="web"))
-    first = apply(o.UpdateThreadMetadata("g1", "t", "regenerate_title"))
+    first = apply(metadata.UpdateThreadMetadata("g1", "t", "regenerate_title"))
     assert [e.effect_type for e in first.effects] == ["thread-title.generate"]
-    apply(o.UpdateThreadMetadata("r1", "t", "rename", title="Mine"))
-    assert not apply(o.CompleteTitleRegeneration("done-g1", "t", "g1", "Stale")).events
+    apply(metadata.UpdateThreadMetadata("r1", "t", "rename", title="Mine"))
+    assert not apply(metadata.CompleteTitleRegeneration("done-g1", "t", "g1", "Stale")).events
     assert state.thread.title == "Mine"
-    apply(o.UpdateThreadMetadata("g2", "t", "regenerate_title"))
-    apply(o.UpdateThreadMetadata("g3", "t", "regenerate_title"))
-    assert not apply(o.CompleteTitleRegeneration("done-g2", "t", "g2", "Older")).events
-    apply(o.CompleteTitleRegeneration("done-g3", "t", "g3", "Newest"))
+    apply(metadata.UpdateThreadMetadata("g2", "t", "regenerate_title"))
+    apply(metadata.UpdateThreadMetadata("g3", "t", "regenerate_title"))
+    assert not apply(metadata.CompleteTitleRegeneration("done-g2", "t", "g2", "Older")).events
+    apply(metadata.CompleteTitleRegeneration("done-g3", "t", "g3", "Newest"))
     assert (state.thread.title, state.thread.title_regeneration) == ("Newest", None)
 
 
