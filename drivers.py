@@ -144,7 +144,7 @@ class AcpSession(RpcSession):
         super().__init__(adapter, process, runtime_mode=runtime_mode, probe=probe)
         self.agent_capabilities: Mapping[str, Any] = {}
         self.advertised_models: list[Mapping[str, Any]] = []  # session/new's availableModels
-        self.forked = False  # opened by session/fork (orchestrator "Fork and merge-back")
+        self.forked = False  # opened by session/fork (history.py, "Fork and merge-back")
         self._loading = False
         self._instructions: str | None = None  # sent with the first prompt, then None
         self._prompt_task: asyncio.Task[None] | None = None
@@ -680,7 +680,7 @@ class CodexSession(RpcSession):
     def __init__(self, adapter: CodexAdapter, process: ProviderProcess, *, runtime_mode: str,
                  probe: bool = False) -> None:
         super().__init__(adapter, process, runtime_mode=runtime_mode, probe=probe)
-        self.forked = False  # opened by thread/fork (orchestrator "Fork and merge-back")
+        self.forked = False  # opened by thread/fork (history.py, "Fork and merge-back")
         self._turn_id: str | None = None
         self._ended_turns: set[str] = set()
         self._last_error: str | None = None

@@ -16,6 +16,11 @@ Rules that hold everywhere below:
 - A run whose provider process is gone never stays ``running``: it ends ``interrupted`` or
   ``failed`` with a visible ``statusReason``.
 - No SQL, subprocesses or HTTP here; never imports ``providers.py`` or ``tools.py``.
+
+Features outside the core (schedules.py, history.py, metadata.py) plug in only through the
+tables here: ``decides`` (a command and its decide function), ``register_entities``,
+``EFFECTS`` (an outbox effect), ``RUN_HOOKS`` (a say in a run's start) and
+``Orchestrator.attach`` (a runtime ``Part``); this file never imports them.
 """
 
 from __future__ import annotations

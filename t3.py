@@ -10,7 +10,9 @@ app and its routes (Host and Origin checked, auth before the body is read, bodie
 size and time), the /ws protocol (parsing and shaping only: the rules are
 ``tools.Toolkit``'s, as for MCP), the capped listening socket, and startup/shutdown
 order. It wires the layers and decides nothing: ``store.py`` <- ``orchestrator.py`` <-
-``tools.py``, with the adapters (``providers.py``, built by ``drivers.py``) handed in here.
+``tools.py``, with the adapters (``providers.py``, built by ``drivers.py``) handed in here, and
+it loads the feature modules the core never imports (``FEATURES``: schedules.py, history.py,
+metadata.py), which plug into the core's tables.
 """
 
 from __future__ import annotations
@@ -809,7 +811,7 @@ def _bounded_body(app: ASGIApp) -> ASGIApp:
     return bounded
 
 
-# A delivery refused after its body was read: the status for each of the orchestrator's codes.
+# A delivery refused after its body was read: the status for each of the scheduler's codes.
 _HOOK_STATUS = {"hook_not_found": 404, "hook_disabled": 409, "invalid_signature": 401,
                 "invalid_request": 400, "rate_limited": 429, "queue_full": 429}
 
