@@ -826,6 +826,7 @@ class Command:
     """What every command carries: its id (the same id again is answered from its receipt) and
     the stream it is decided on, a thread's or a scheduled task's."""
 
+    type: ClassVar[str]  # its wire name (ChangeThreadLifecycle: one of several, a field)
     command_id: str
     thread_id: str
 
@@ -1086,7 +1087,7 @@ class RecoverThread(Command):
     resumable_run_ids: frozenset[str] = frozenset()
 
 
-def fingerprint_of(command: Any) -> str:
+def fingerprint_of(command: Command) -> str:
     """A hash of what the command asks for, without its id: same id + other payload is refused."""
     def plain(value: Any) -> Any:
         if hasattr(value, "__dataclass_fields__"):
@@ -1132,7 +1133,7 @@ class Decision:
     cancel_effect_types: tuple[str, ...] = ()
     entities: tuple[Any, ...] = ()  # what each event records, for the in-memory state
 
-    def commit(self, command: Any) -> _store.Commit:
+    def commit(self, command: Command) -> _store.Commit:
         return _store.Commit(
             command_id=command.command_id, command_type=command.type,
             fingerprint=fingerprint_of(command), thread_id=command.thread_id, events=self.events,
@@ -1283,7 +1284,7 @@ class RunHooks:
 RUN_HOOKS: list[RunHooks] = []
 
 
-def decide(state: ThreadState, command: Any, *, now: str, new_id: IdSource,
+def decide(state: ThreadState, command: Command, *, now: str, new_id: IdSource,
            providers: Mapping[str, ProviderInfo]) -> Decision:
     """State + command -> events + effect requests. Raises CommandRejected; never does I/O."""
     entry = _COMMANDS[type(command)]
@@ -2788,7 +2789,7 @@ class Orchestrator:
         """The orchestrator's clock (a test clock moves it)."""
         return self._clock()
 
-    async def dispatch(self, command: Any) -> DispatchResult:
+    async def dispatch(self, command: Command) -> DispatchResult:
         """Decide and commit one command; a command id seen before returns its first result."""
         async with self._lock(command.thread_id):
             receipt = self._store.receipt(command.command_id)
@@ -2818,13 +2819,13 @@ class Orchestrator:
             self._effect_wake.set()
         return DispatchResult(outcome.receipt.result_sequence, decision.result)
 
-    def _replay(self, command: Any, receipt: _store.Receipt) -> DispatchResult:
+    def _replay(self, command: Command, receipt: _store.Receipt) -> DispatchResult:
         if receipt.fingerprint != fingerprint_of(command):
             raise T3Error(f"the request id behind command {command.command_id!r} was already "
                           "used for a different request", code="invalid_request")
         return DispatchResult(receipt.result_sequence, receipt.result, replayed=True)
 
-    async def try_dispatch(self, command: Any, note: str = "") -> bool:
+    async def try_dispatch(self, command: Command, note: str = "") -> bool:
         """Dispatch where the state may have moved on meanwhile: a CommandRejected is only
         logged (under ``note``); False then."""
         try:

@@ -1994,7 +1994,7 @@ def steerable_run(state: ThreadState) -> orch.Run | None:
     return None
 
 
-def new_worktree(git: Any, thread_id: str) -> tuple[str, str]:
+def new_worktree(git: orch.Workspaces, thread_id: str) -> tuple[str, str]:
     """The path and default branch of a thread's own new worktree: from its id, so that a
     retried launch (or fork) asks for the same one."""
     return (str(git.worktrees_dir / _folder_name(thread_id)),
