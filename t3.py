@@ -111,6 +111,12 @@ def _strings(value: Any, _: Path) -> bool:
     return isinstance(value, list) and all(isinstance(s, str) and s for s in value)
 
 
+def _count(value: Any, least: int, most: int | None = None) -> bool:
+    """An integer (true and false are not) from ``least`` to ``most``."""
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value and (
+        most is None or value <= most)
+
+
 _Rule = tuple[Callable[[Any, Path], bool], str]
 _FILE: _Rule = (lambda v, base: isinstance(v, str) and (base / v).is_file(),
                 "must name an existing file (%r)")
@@ -118,12 +124,10 @@ _FILE: _Rule = (lambda v, base: isinstance(v, str) and (base / v).is_file(),
 # the configuration file's folder) and the problem named when the test fails (%r: the value).
 _RULES: dict[str, dict[str, _Rule]] = {
     "server": {"host": (lambda v, _: isinstance(v, str), "must be a string"),
-               "port": (lambda v, _: isinstance(v, int) and 0 <= v <= 65535,
-                        "must be an integer 0-65535"),
+               "port": (lambda v, _: _count(v, 0, 65535), "must be an integer 0-65535"),
                "allowed_origins": (_strings, "must be a list of non-empty strings"),
                "allowed_hosts": (_strings, "must be a list of non-empty strings"),
-               "max_connections": (lambda v, _: isinstance(v, int) and v >= 1,
-                                   "must be a positive integer"),
+               "max_connections": (lambda v, _: _count(v, 1), "must be a positive integer"),
                "certfile": _FILE, "keyfile": _FILE},
     "projects": {"id": (lambda v, _: isinstance(v, str) and bool(_ID.match(v)),
                         "must match ^[a-zA-Z][a-zA-Z0-9_-]{0,63}$"),
@@ -134,8 +138,7 @@ _RULES: dict[str, dict[str, _Rule]] = {
     "limits": dict.fromkeys(("credential_max_lifetime_s", "credential_idle_s",
                              "max_delegation_depth", "max_live_agent_processes",
                              "max_scheduled_tasks_per_project", "min_agent_task_interval_s"),
-                            (lambda v, _: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                             "must be a positive integer"))}
+                            (lambda v, _: _count(v, 1), "must be a positive integer"))}
 _SECTIONS: dict[str, Collection[str]] = {
     **_RULES, "providers": {"id", "driver", "command", "env", "models", "enabled",
                             "displayName", "agent", "registry", "instructions",
@@ -169,9 +172,14 @@ def load_config(path: Path, *, cwd: Path) -> Config:
                 raise fail(section, index, key, problem.replace("%r", repr(entry.get(key))))
         return dict(entry)
 
-    for section in data:
+    for section, value in data.items():
         if section not in _SECTIONS:
             raise fail(section, None, None, "unknown section")
+        many = section in ("projects", "providers")
+        if not (isinstance(value, list) and all(isinstance(e, dict) for e in value) if many
+                else isinstance(value, dict)):
+            raise fail(section, None, None, f"must be {'tables [[' if many else 'a table ['}"
+                       f"{section}{']]' if many else ']'}")
     providers: list[dict[str, Any]] | None = None
     if "providers" in data:
         providers = []
@@ -264,13 +272,15 @@ def _model_table(m: Any) -> bool:
 def _line_of(text: str, section: str, index: int | None, key: str | None) -> int | None:
     """Best-effort line number of ``section[index].key`` in TOML text."""
     seen, inside = -1, False  # the section's entries so far; whether this line is in one
+    top = True  # before any header: where ``section = ...`` would stand
     for number, line in enumerate(text.splitlines(), 1):
         header = re.match(r"\s*\[\[?\s*([A-Za-z0-9_.-]+)\s*\]\]?", line)
         if header:
-            inside = header.group(1) == section
+            inside, top = header.group(1) == section, False
             seen += 1 if inside else 0
         if inside and index in (None, seen) and (
-                re.match(rf"\s*{re.escape(key)}\s*=", line) if key else header):
+                re.match(rf"\s*{re.escape(key)}\s*=", line) if key else header) or (
+                top and key is None and re.match(rf"\s*{re.escape(section)}\s*=", line)):
             return number
     return None
 

@@ -442,6 +442,24 @@ def test_model_tables_are_checked(tmp_path: Path, model: dict) -> None:
     assert server_module.load_config(good, cwd=tmp_path).providers[0]["models"][0]["label"] == "M"
 
 
+@pytest.mark.parametrize(("text", "said"), [
+    ("limits = 3\n", ":1: limits: must be a table [limits]"),
+    ("server = 3\n", ":1: server: must be a table [server]"),
+    ("projects = 3\n", ":1: projects: must be tables [[projects]]"),
+    ("[server]\nport = true\n", ":2: server.port: must be an integer 0-65535"),
+    ("[server]\nmax_connections = false\n", ":2: server.max_connections: must be a positive")])
+def test_a_section_or_value_of_the_wrong_kind_is_a_config_error(tmp_path: Path, text: str,
+                                                                said: str) -> None:
+    """A section that is not a table (or tables), and true or false where a number goes, stop
+    the load with the file, line and key, not with a traceback or as 1 and 0."""
+    import t3 as server_module
+    config = tmp_path / "t3.toml"
+    config.write_text(text)
+    with pytest.raises(server_module.ConfigError) as refused:
+        server_module.load_config(config, cwd=tmp_path)
+    assert str(refused.value).startswith(f"{config}{said}"), refused.value
+
+
 def test_wait_reports_progress(mcp: McpClient) -> None:
     """A wait longer than 5 s sends MCP progress notifications to a client that asked for them."""
     created = create(mcp, "SLOW:130 take a while")
