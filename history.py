@@ -718,7 +718,7 @@ async def _fork_thread(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
     state = await kit.thread(args["sourceThreadId"])
     source = state.thread
     assert source is not None
-    setup = kit.ctx.project(source.project_id).setup
+    setup = kit.ctx.project(source.project_id, listing=True).setup  # scratch: none
     point = args.get("sourcePoint") or {"type": "latest_stable"}
     run, checkpoint = _fork_point(state, point)
     covered = [r for r in state.runs if run and r.ordinal <= run.ordinal and r.started_at

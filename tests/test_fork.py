@@ -95,6 +95,19 @@ def test_fork_from_run_1_carries_only_run_1_and_merge_back_reaches_the_parent(
     assert prompts(agent_log_path)[4] == "and again"  # delivered once
 
 
+def test_a_scratch_thread_forks_like_any_other(t3) -> None:
+    """A thread in a scratch folder (t3_thread_launch scratch: true) can be forked: the fork
+    shares its folder (no git there) and its first run gets the source's run."""
+    mcp = t3.client()
+    tid = mcp.call("t3_thread_launch", {"scratch": True, "message": "plan the kiwi migration"}
+                   ).structured["threadId"]
+    assert wait(mcp, tid)["status"] == "completed"
+    fork = ws(t3, "forkThread", {"commandId": "f", "sourceThreadId": tid})
+    assert fork["sourcePoint"]["runOrdinal"] == 1 and fork["worktreePath"] is None
+    sent = mcp.call("t3_thread_send", {"threadId": fork["threadId"], "message": "go on"})
+    assert wait(mcp, fork["threadId"], runId=sent.structured["runId"])["status"] == "completed"
+
+
 def test_an_acp_agent_with_session_fork_forks_the_latest_run_natively(
         t3_factory, tmp_path: Path) -> None:
     """An ACP agent that advertises session/fork: a fork of the latest run opens by session/fork
