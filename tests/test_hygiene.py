@@ -99,3 +99,26 @@ def test_the_repository_tracks_no_built_artefacts() -> None:
                              check=True).stdout.decode().split("\0")
     built = [f for f in tracked if f.endswith((".whl", ".tar.gz", ".zip", ".so", ".pyc"))]
     assert built == []
+
+
+CORE = ("store", "orchestrator", "tools", "providers", "workspace")
+FEATURES = ("schedules", "history", "metadata", "drivers", "registry", "cli")
+
+
+def test_the_core_imports_no_feature_module() -> None:
+    """store, orchestrator, tools, providers and workspace import none of the feature modules
+    (they plug into the core's tables when t3.py loads them), so an auditor of the core reads
+    only the core; every feature module is one t3.py knows how to load."""
+    import ast
+
+    import t3
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in CORE:
+        with open(os.path.join(root, f"{name}.py")) as f:
+            tree = ast.parse(f.read())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & set(FEATURES), (name, imported & set(FEATURES))
+    assert set(t3.FEATURES) <= set(FEATURES)
