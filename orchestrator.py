@@ -826,9 +826,11 @@ class Command:
     """What every command carries: its id (the same id again is answered from its receipt) and
     the stream it is decided on, a thread's or a scheduled task's."""
 
-    type: ClassVar[str]  # its wire name (ChangeThreadLifecycle: one of several, a field)
     command_id: str
     thread_id: str
+    # its wire name (ChangeThreadLifecycle's is one of several, a field); declared after the
+    # fields, since a field of that name in a subclass takes this place in the field order
+    type: ClassVar[str]
 
 
 @dataclass(frozen=True, slots=True)
