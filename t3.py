@@ -720,7 +720,10 @@ def build_app(*, mcp: ASGIApp, credentials: Credentials, client_token: ClientTok
         try:
             refusal = _refusal(scope, route, policy)
             if refusal is not None:
-                await _refuse(scope, tracked_send, *refusal)
+                # GET /mcp is how MCP clients ask for a server stream, once initialized; they
+                # send their next POST on the same pooled connection, which must stay open.
+                await _refuse(scope, tracked_send, *refusal,
+                              keep=(method, path, refusal[0]) == ("GET", "/mcp", 405))
             elif route is not None:
                 await route.handler(scope, receive, tracked_send)
         except _SlowBody:
@@ -924,11 +927,13 @@ def _header(scope: MutableMapping[str, Any], name: bytes) -> str | None:
 
 
 async def _refuse(scope: MutableMapping[str, Any], send: _Send, status: int, error: str,
-                  message: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+                  message: str, headers: Sequence[tuple[bytes, bytes]] = (), *,
+                  keep: bool = False) -> None:
     """An error answer sent without reading (all of) the body. An HTTP/1 connection then
-    closes: what is left of the body must not be read as the next request. (HTTP/2 forbids the
-    header; there the answer ends only its stream.)"""
-    if str(scope.get("http_version", "1.1")).startswith("1"):
+    closes (``keep``: a bodiless request the protocol expects to be refused): what is left of
+    the body must not be read as the next request. (HTTP/2 forbids the header; there the answer
+    ends only its stream.)"""
+    if not keep and str(scope.get("http_version", "1.1")).startswith("1"):
         headers = [*headers, (b"connection", b"close")]
     await _send_json(send, status, {"error": error, "message": message}, headers)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -534,11 +535,28 @@ def test_an_agents_line_nested_200000_deep_is_skipped_and_reading_goes_on(
 
 def test_get_mcp_is_405(t3: T3Server) -> None:
     """GET /mcp answers 405 with `Allow: POST, DELETE` (no idle stream is held), with or
-    without a token; other wrong methods get 405 too."""
+    without a token, and keeps the connection: an MCP client asks so once initialized and sends
+    its next POST on the same connection (bun's fetch, in opencode, raced a close there and
+    lost its tools/list). Other wrong methods get 405 and a closed connection."""
     for headers in ({}, {"Authorization": f"Bearer {t3.token}", "Accept": "text/event-stream"}):
         response = raw_request("GET", t3.mcp_url, headers=headers, timeout=10)
-        assert_refused(response, 405, "method_not_allowed")
+        assert response.status == 405 and response.json()["error"] == "method_not_allowed"
         assert response.headers["allow"] == "POST, DELETE"
+    port = urllib.parse.urlsplit(t3.url).port
+    body = b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}'
+    with connect(t3, f"GET /mcp HTTP/1.1\nHost: 127.0.0.1:{port}\n"
+                     f"Authorization: Bearer {t3.token}\n\n") as sock:
+        first = b""
+        while b"\r\n\r\n" not in first or len(first.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"(?i)content-length: *(\d+)", first).group(1)):  # the whole 405
+            first += sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 405") and b"connection: close" not in first.lower()
+        sock.sendall(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer "
+                     f"{t3.token}\r\nContent-Type: application/json\r\nAccept: application/json"
+                     f"\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+                     .encode() + body)
+        second = read_to_end(sock)
+    assert second.startswith(b"HTTP/1.1 200") and b"t3_thread_read" in second, second[:300]
     assert_refused(raw_request("POST", f"{t3.url}/healthz", b"", timeout=10), 405,
                    "method_not_allowed")
     assert_refused(raw_request("GET", f"{t3.url}/nope", timeout=10), 404, "not_found")
