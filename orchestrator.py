@@ -2378,7 +2378,6 @@ THREAD_LIFECYCLE = ("thread.archive", "thread.unarchive", "thread.delete", "thre
                     "thread.unsnooze", "thread.visit")
 
 
-
 @dataclass(frozen=True, slots=True)
 class ChangeThreadLifecycle(Command):
     """One of THREAD_LIFECYCLE; ``at`` is thread.snooze's snoozedUntil or thread.visit's
@@ -2486,9 +2485,6 @@ def thread_title(title: str | None, prompt: str | None, fallback: str) -> str:
                                 or c.isspace()).split())
         return line if len(line) <= 80 else line[:77] + "..."
     return fallback
-
-
-
 
 
 # =============================================================================================

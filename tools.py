@@ -533,7 +533,6 @@ _CREATE_ENTRY = obj({"prompt": text_field(120_000), "title": TITLE, "target": TA
 ROLES = ["implementation", "research", "review", "design", "test", "general"]
 
 
-
 # =============================================================================================
 # The toolkit
 
@@ -969,8 +968,6 @@ class Toolkit:
         projection: dict[str, Any] = {key: rows[kind] for kind, key in _PROJECTION_KEYS.items()}
         projection["thread"] = rows["thread"][0] if rows["thread"] else None
         return sequence, projection
-
-
 
 
 # =============================================================================================
@@ -1537,9 +1534,6 @@ async def _pending_request(kit: Toolkit, call: Call, args: Args) -> dict[str, An
         answers=args.get("answers"), answered_by=answered_by,
         command_id=kit.derive_id("command", call.space, scope.key, "respond", request.id,
                                  kit.key(args)))
-
-
-
 
 
 # =============================================================================================
