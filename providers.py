@@ -8,8 +8,13 @@ session turns its protocol into the domain's adapter events (``orchestrator.Text
 queue; ``None`` = the process is gone, with ``session.exit_reason``).
 
 Process rules: every provider process starts in its own process group (``start_new_session``)
-and asks the kernel to kill it if t3 dies (``PR_SET_PDEATHSIG``); it carries ``T3_OWNER`` in its
-environment so a restarted server can find and kill what a killed one left (``kill_orphans``).
+and is recorded in ``<data-dir>/processes/<pid>`` (pid, start time, group, thread) before it is
+told anything; the record goes when the process is reaped. Its group dies with t3, even on kill
+-9: on Linux the kernel kills it (``PR_SET_PDEATHSIG``); elsewhere, or with
+``T3_PORTABLE_PROCESSES=1`` (``PORTABLE``), a watcher in its group ends the group when a pipe
+whose write end only t3 holds ends (``_WATCHED``). A starting server ends every recorded
+process that is still the same process (``kill_orphans``); on the Linux path also every process
+with ``T3_OWNER=<data-dir>`` in its environment (one that left its group).
 Its environment is the server's minus t3's own variables (``_T3_VARIABLES``: the data dir, test
 hooks, per-session values), plus the instance's ``env``, plus what the driver sets per session.
 Stop = close stdin, wait, SIGTERM the group, wait, SIGKILL the group: no grandchild survives.
@@ -28,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
+import functools
 import itertools
 import json
 import logging
@@ -36,6 +43,7 @@ import re
 import shutil
 import signal
 import string
+import subprocess
 import sys
 import tempfile
 import time
@@ -238,68 +246,115 @@ class _SessionEvents(asyncio.Queue[AdapterEvent | None]):
 # t3.py narrows its own umask to keep the data directory private; agents create files in the
 # user's project and get the umask t3 was started with.
 CHILD_UMASK: int | None = None
+# The portable process rules (records, the watcher, start times from ps) without the Linux-only
+# ones (PR_SET_PDEATHSIG, the /proc environment sweep): everywhere but Linux, and on Linux when
+# asked, so that they are tested there.
+PORTABLE = sys.platform != "linux" or os.environ.get("T3_PORTABLE_PROCESSES") == "1"
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if CHILD_UMASK is not None:
-        os.umask(CHILD_UMASK)
+def _die_with_parent() -> None:  # runs in the child between fork and exec (the Linux path)
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+# The portable parent-death rule. The agent's command runs under this trampoline (argv: the
+# pipe's read end, the program, its arguments): it forks a watcher, a /bin/sh with no
+# environment whose stdin is that pipe and whose output is discarded, then execs the agent as
+# the same pid, without the pipe. The watcher stays in the agent's process group; when t3 ends,
+# however it ends, the pipe's write end closes with it, ``read`` meets EOF and the watcher
+# SIGKILLs the group. It ignores SIGTERM, so a stop's grace period does not disarm it.
+_WATCHER = "trap '' HUP INT TERM; read _; kill -KILL 0"
+_WATCHED = ("import os,sys\n"
+            "r=int(sys.argv[1])\n"
+            "if os.fork()==0:\n"
+            " n=os.open(os.devnull,os.O_WRONLY)\n"
+            " os.dup2(r,0);os.dup2(n,1);os.dup2(n,2);os.close(r)\n"
+            f" os.execve('/bin/sh',['t3-watch','-c',{_WATCHER!r}],{{}})\n"
+            "os.close(r)\n"
+            "os.execv(sys.argv[2],sys.argv[2:])\n")
+
+
+@functools.cache
+def _death_pipe() -> int:
+    """The read end of the pipe the watchers hold. Its write end is never closed and never
+    inherited (``os.pipe`` makes both close-on-exec): it ends when t3 does."""
+    return os.pipe()[0]
 
 
 # t3's own variables (read by it, or set per session): never passed on from the server's
 # environment. A named set, not every T3_*: other tools' variables of that shape pass through.
 _T3_VARIABLES = frozenset({"T3_HOME", "T3_CRASH_AT", "T3_MAX_PAGE_COUNT", "T3_TEST_HOOKS",
                            "T3_TEST_CLOCK", "T3_MCP_URL", "T3_MCP_BEARER_TOKEN", "T3_OWNER",
-                           "T3_SERVER_PID", "T3_THREAD_ID"})
+                           "T3_SERVER_PID", "T3_THREAD_ID", "T3_PORTABLE_PROCESSES"})
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's protocol for a process's pipes, which also says when the process exited
+    (``exited``): ``Process.wait`` on 3.11 waits for the pipes too, and a helper may hold them."""
+
+    def __init__(self, *, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
 
 
 class ProviderProcess:
-    """A provider subprocess in its own process group."""
+    """A provider subprocess in its own process group, recorded until it is reaped."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, exited: asyncio.Future[None],
+                 record: Path) -> None:
         self.proc = proc
         self.pid = proc.pid
-        self._reaper = asyncio.get_running_loop().create_task(self._kill_group_on_exit())
+        self._record = record
+        self._reaper = asyncio.get_running_loop().create_task(self._kill_group_on_exit(exited))
 
     @classmethod
     async def spawn(cls, command: Sequence[str], *, cwd: str, owner: str,
                     env: Mapping[str, str]) -> ProviderProcess:
-        """Start ``command``. Its environment is built here and nowhere else: the server's minus
-        ``_T3_VARIABLES``, then ``env``, then the marker ``kill_orphans`` finds it by."""
+        """Start ``command`` and record it. Its environment is built here and nowhere else: the
+        server's minus ``_T3_VARIABLES``, then ``env``, then the marker ``kill_orphans`` finds
+        it by."""
         environment = {k: v for k, v in os.environ.items() if k not in _T3_VARIABLES}
         environment.update(env)
         environment.update(T3_OWNER=owner, T3_SERVER_PID=str(os.getpid()))
-        proc = await asyncio.create_subprocess_exec(
-            *command, cwd=cwd, env=environment, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, limit=_LINE_LIMIT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        return cls(proc)
-
-    async def _kill_group_on_exit(self) -> None:
-        """When the provider exits, SIGKILL what is left of its group: helpers holding its pipes
-        open would keep stdout from EOF (and ``Process.wait`` on 3.11), so no turn would end."""
-        if not hasattr(os, "pidfd_open"):  # not Linux: stop() still kills the group
-            return
+        argv, kept = list(command), ()
+        if PORTABLE:  # the trampoline execs a path: a missing program fails here, as without it
+            program = command[0] if os.sep in command[0] else shutil.which(
+                command[0], path=environment.get("PATH", os.defpath))
+            if program is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), command[0])
+            kept = (_death_pipe(),)
+            argv = [sys.executable, "-I", "-S", "-c", _WATCHED, str(kept[0]), program, *argv[1:]]
         loop = asyncio.get_running_loop()
+        transport, protocol = await loop.subprocess_exec(
+            lambda: _ExitProtocol(limit=_LINE_LIMIT, loop=loop), *argv, cwd=cwd,
+            env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, pass_fds=kept,
+            umask=-1 if CHILD_UMASK is None else CHILD_UMASK,
+            preexec_fn=None if PORTABLE else _die_with_parent)
+        pid = transport.get_pid()
+        record = Path(owner) / "processes" / str(pid)
         try:
-            fd = os.pidfd_open(self.pid)
-        except ProcessLookupError:  # already gone and reaped
-            self._kill_group(signal.SIGKILL)
-            return
-        exited: asyncio.Future[None] = loop.create_future()
+            _write_record(record, {"pid": pid, "pgid": pid, "started": await _started(pid),
+                                   "threadId": env.get("T3_THREAD_ID", "")})
+        except BaseException:  # unrecorded, it must not run
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            transport.close()
+            raise
+        return cls(asyncio.subprocess.Process(transport, protocol, loop), protocol.exited, record)
 
-        def readable() -> None:
-            if not exited.done():
-                exited.set_result(None)
-        loop.add_reader(fd, readable)
-        try:
-            await exited  # a pidfd becomes readable when the process exits
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
+    async def _kill_group_on_exit(self, exited: asyncio.Future[None]) -> None:
+        """When the provider exits, SIGKILL what is left of its group (helpers holding its pipes
+        open would keep stdout from EOF, so no turn would end; the watcher), then drop its
+        record."""
+        await exited
         self._kill_group(signal.SIGKILL)
+        self._record.unlink(missing_ok=True)
 
     def alive(self) -> bool:
         return self.proc.returncode is None
@@ -420,16 +475,37 @@ async def _write_json_line(process: ProviderProcess, protocol_log: _ProtocolLog,
 
 
 def kill_orphans(owner: str) -> int:
-    """Kill processes a previous t3 on this data directory started: those whose environment has
-    the entry ``T3_OWNER=<owner>`` (a whole entry: ``FOO=T3_OWNER=<owner>`` is not one)."""
+    """End what a previous t3 on this data directory left running (call it before starting
+    any process): each recorded process that is still the same process (its pid and start time
+    match the record; a reused pid is left alone), with its whole group, and on the Linux path
+    each process whose environment has the entry ``T3_OWNER=<owner>`` (a whole entry:
+    ``FOO=T3_OWNER=<owner>`` is not one), which finds what left its group. Either finds what
+    the other misses: an agent that cleared its environment, a grandchild in a session of its
+    own. The number of processes and groups killed."""
+    records = Path(owner) / "processes"
+    entries = []
+    for path in records.iterdir() if records.is_dir() else ():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            entry = json.loads(path.read_bytes())
+            entries.append((int(entry["pid"]), int(entry["pgid"]), entry["started"]))
+        path.unlink(missing_ok=True)
+    by_ps = _ps_starts([pid for pid, _, started in entries if str(started).startswith("ps ")])
+    killed = 0
+    for pid, pgid, started in entries:
+        now = by_ps.get(pid) if str(started).startswith("ps ") else _proc_start(pid)
+        if started is not None and now == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+                killed += 1
+    return killed + (0 if PORTABLE else _kill_by_environment(owner))
+
+
+def _kill_by_environment(owner: str) -> int:
     # /proc/<pid>/environ is NUL-separated entries; with a NUL in front, every entry is NUL-bounded
     needle = b"\0T3_OWNER=" + owner.encode() + b"\0"
     ours = f"\0T3_SERVER_PID={os.getpid()}\0".encode()
     killed = 0
-    proc_dir = Path("/proc")
-    if not proc_dir.exists():
-        return 0
-    for entry in proc_dir.iterdir():
+    for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
@@ -443,6 +519,73 @@ def kill_orphans(owner: str) -> int:
             except (ProcessLookupError, PermissionError):
                 pass
     return killed
+
+
+def _write_record(path: Path, entry: Mapping[str, Any]) -> None:
+    """Once write() has returned, the record is the kernel's: a kill -9 of t3 right after
+    cannot lose it. No fsync: what loses the kernel's cache (a power loss) ends the agents too."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:  # a data dir t3.py did not prepare (in-process tests)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, flags, 0o600)
+    try:
+        os.write(fd, json.dumps(entry).encode())
+    finally:
+        os.close(fd)
+
+
+# A process's start time, which with its pid names one process: "proc <boot id> <clock ticks since
+# boot>" from /proc (exact), or "ps <lstart>" from ps(1), to the second, on every POSIX system
+# (on Linux, ps derives it from the boot time: a step of the clock changes it, and a survivor is
+# then left alone rather than a stranger killed). The portable path asks ps, at each start
+# (while the agent starts up) and once for all records at startup.
+_PS = ("ps", "-o", "pid=,lstart=", "-p")
+_PS_ENV = {"LC_ALL": "C", "TZ": "UTC0", "PATH": os.environ.get("PATH", os.defpath)}
+
+
+async def _started(pid: int) -> str | None:
+    if not PORTABLE:
+        return _proc_start(pid)
+    try:
+        ps = await asyncio.create_subprocess_exec(*_PS, str(pid), stdout=subprocess.PIPE,
+                                                  stderr=subprocess.DEVNULL, env=_PS_ENV)
+    except OSError as exc:  # recorded without a start time, which a restart never matches
+        log.error("cannot read the start time of process %d with ps: %s", pid, exc)
+        return None
+    return _ps_lines((await ps.communicate())[0]).get(pid)
+
+
+def _ps_starts(pids: Sequence[int]) -> dict[int, str]:
+    if not pids:
+        return {}
+    try:
+        ps = subprocess.run([*_PS, ",".join(map(str, pids))], capture_output=True, env=_PS_ENV,
+                            timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.error("cannot read start times with ps, so no recorded process is ended: %s", exc)
+        return {}
+    return _ps_lines(ps.stdout)
+
+
+def _ps_lines(out: bytes) -> dict[int, str]:
+    """``<pid> <lstart>`` lines -> {pid: "ps <lstart>"} (its spaces normalised)."""
+    return {int(pid): "ps " + " ".join(rest) for pid, *rest in
+            (line.split() for line in out.decode(errors="replace").splitlines()) if pid.isdigit()}
+
+
+@functools.cache
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def _proc_start(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return f"proc {_boot_id()} {stat[stat.rindex(')') + 2:].split()[19]}"
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # =============================================================================================

@@ -296,8 +296,9 @@ class DataDirError(Exception):
 
 _OWN_FILES = ("t3.sqlite", "t3.sqlite-wal", "t3.sqlite-shm", "client-token", "server.json",
               "t3.lock")
-_OWN_DIRS = ("logs", "backups", "scratch", "worktrees", "agents")
-_TIGHTENED_DIRS = ("logs", "backups", "agents")  # their files are t3's; the others hold workspaces
+_OWN_DIRS = ("logs", "backups", "scratch", "worktrees", "agents", "processes")
+# Their files are t3's; the others hold workspaces.
+_TIGHTENED_DIRS = ("logs", "backups", "agents", "processes")
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{32,}")  # what secrets.token_urlsafe(32) makes (43 chars)
 
 
