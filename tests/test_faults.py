@@ -221,10 +221,12 @@ def test_kill9_after_a_start_is_claimed_before_the_prompt_goes_out_runs_it_once(
     ("before-commit:run.complete", "hello", "completed", "You said: hello"),
 ])
 def test_kill9_during_a_turn(t3_factory: T3Factory, agent_log_path: Path, test_marker: str,
-                             point: str, prompt: str, status: str, kept: str) -> None:
+                             point: str, prompt: str, status: str, kept: str,
+                             process_rules: dict[str, str]) -> None:
     """Crash mid-turn: committed output survives, the run ends as designed (interrupted with a
-    reason, or finalized), no outbox row or run is stuck, the old agent is gone, the thread works."""
-    t3 = t3_factory(env={"T3_TEST_HOOKS": "1", "T3_CRASH_AT": point})
+    reason, or finalized), no outbox row or run is stuck, the old agent is gone, the thread works
+    (with either process rules)."""
+    t3 = t3_factory(env={"T3_TEST_HOOKS": "1", "T3_CRASH_AT": point, **process_rules})
     mcp = t3.client()
     thread_id, run_id = create(mcp, prompt)  # acknowledged before the turn reaches the point
     wait_until(lambda: not t3.running, LONG, message="server reached its crash point")

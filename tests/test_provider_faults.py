@@ -15,6 +15,12 @@ from harness import (McpClient, T3Server, agent_log, count_prompts, pids_alive, 
                      scripted_provider, wait_until)
 
 
+@pytest.fixture
+def t3(t3_factory, process_rules: dict[str, str]) -> T3Server:
+    """The server for the death cases, with either process rules (the group is killed the same)."""
+    return t3_factory(env=process_rules)
+
+
 def start(mcp: McpClient, prompt: str, **entry: object) -> tuple[str, str]:
     result = mcp.call("create_threads", {"threads": [{"prompt": prompt, **entry}]})
     assert result.ok, result.structured

@@ -843,9 +843,9 @@ def test_forty_children_with_four_slots_all_complete(t3_factory, tmp_path: Path)
 T3_OWN = {"T3_HOME": "/t3/home/elsewhere", "T3_TEST_HOOKS": "1", "T3_CRASH_AT": "never:reached",
           "T3_MAX_PAGE_COUNT": "1000000", "T3_MCP_URL": "http://127.0.0.1:9/not-this-session",
           "T3_MCP_BEARER_TOKEN": "not-this-session", "T3_OWNER": "/not/this/owner",
-          "T3_SERVER_PID": "1", "T3_THREAD_ID": "not-this-thread"}
+          "T3_SERVER_PID": "1", "T3_THREAD_ID": "not-this-thread", "T3_PORTABLE_PROCESSES": "1"}
 NEVER_PASSED_ON = ("T3_HOME", "T3_TEST_HOOKS", "T3_CRASH_AT", "T3_MAX_PAGE_COUNT", "T3_MCP_URL",
-                   "T3_MCP_BEARER_TOKEN")
+                   "T3_MCP_BEARER_TOKEN", "T3_PORTABLE_PROCESSES")
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -918,9 +918,13 @@ def test_installer_environment_lacks_t3_variables(t3_factory: Any, tmp_path: Pat
     assert installer_env["T3_TEST_SESSION"] == os.environ["T3_TEST_SESSION"]
 
 
-def test_a_bystander_naming_the_owner_survives_a_restart(t3: T3Server, agent_log_path: Path,
+def test_a_bystander_naming_the_owner_survives_a_restart(t3_factory: Any, agent_log_path: Path,
                                                          bystanders: list[subprocess.Popen[bytes]]) -> None:
-    """A restart kills an orphan with the entry T3_OWNER=<dir>, not a bystander with FOO=T3_OWNER=<dir>."""
+    """A restart kills an orphan with the entry T3_OWNER=<dir>, not a bystander with FOO=T3_OWNER=<dir>
+    (the Linux path's sweep: what left its agent's process group is found by its environment)."""
+    if sys.platform != "linux":
+        pytest.skip("the environment sweep reads /proc: the Linux path only")
+    t3 = t3_factory(env={"T3_PORTABLE_PROCESSES": "0"})
     mcp = t3.client()
     created = create(mcp, "DETACH")
     assert wait(mcp, created["threadId"])["status"] == "completed"
