@@ -339,7 +339,7 @@ class ProviderProcess:
         pid = transport.get_pid()
         record = Path(owner) / "processes" / str(pid)
         try:
-            _write_record(record, {"pid": pid, "pgid": pid, "started": await _started(pid),
+            _write_record(record, {"pid": pid, "pgid": pid, "started": (await _starts([pid])).get(pid),
                                    "threadId": env.get("T3_THREAD_ID", "")})
         except BaseException:  # unrecorded, it must not run
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -474,26 +474,24 @@ async def _write_json_line(process: ProviderProcess, protocol_log: _ProtocolLog,
     await stdin.drain()
 
 
-def kill_orphans(owner: str) -> int:
-    """End what a previous t3 on this data directory left running (call it before starting
-    any process): each recorded process that is still the same process (its pid and start time
-    match the record; a reused pid is left alone), with its whole group, and on the Linux path
-    each process whose environment has the entry ``T3_OWNER=<owner>`` (a whole entry:
-    ``FOO=T3_OWNER=<owner>`` is not one), which finds what left its group. Either finds what
-    the other misses: an agent that cleared its environment, a grandchild in a session of its
-    own. The number of processes and groups killed."""
-    records = Path(owner) / "processes"
+async def kill_orphans(owner: str) -> int:
+    """End what an earlier t3 on this data directory left running, before this one starts any
+    process: the group of each recorded process that is still the same process (pid and start
+    time match: a reused pid is spared), and on the Linux path each process with the entry
+    ``T3_OWNER=<owner>`` in its environment (not ``FOO=T3_OWNER=<owner>``). Each finds what
+    the other cannot: an agent that cleared its environment; a grandchild that left its group.
+    The number of processes and groups killed."""
     entries = []
-    for path in records.iterdir() if records.is_dir() else ():
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            entry = json.loads(path.read_bytes())
+    for path in (Path(owner) / "processes").iterdir():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # empty: t3 died
+            entry = json.loads(path.read_bytes())                             # as it wrote it
             entries.append((int(entry["pid"]), int(entry["pgid"]), entry["started"]))
-        path.unlink(missing_ok=True)
-    by_ps = _ps_starts([pid for pid, _, started in entries if str(started).startswith("ps ")])
+        with contextlib.suppress(OSError):
+            path.unlink()
+    now = await _starts([pid for pid, _, _ in entries])
     killed = 0
     for pid, pgid, started in entries:
-        now = by_ps.get(pid) if str(started).startswith("ps ") else _proc_start(pid)
-        if started is not None and now == started:
+        if started is not None and started == now.get(pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
                 killed += 1
@@ -524,55 +522,35 @@ def _kill_by_environment(owner: str) -> int:
 def _write_record(path: Path, entry: Mapping[str, Any]) -> None:
     """Once write() has returned, the record is the kernel's: a kill -9 of t3 right after
     cannot lose it. No fsync: what loses the kernel's cache (a power loss) ends the agents too."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    try:
-        fd = os.open(path, flags, 0o600)
-    except FileNotFoundError:  # a data dir t3.py did not prepare (in-process tests)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, flags, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, json.dumps(entry).encode())
     finally:
         os.close(fd)
 
 
-# A process's start time, which with its pid names one process: "proc <boot id> <clock ticks since
-# boot>" from /proc (exact), or "ps <lstart>" from ps(1), to the second, on every POSIX system
-# (on Linux, ps derives it from the boot time: a step of the clock changes it, and a survivor is
-# then left alone rather than a stranger killed). The portable path asks ps, at each start
-# (while the agent starts up) and once for all records at startup.
-_PS = ("ps", "-o", "pid=,lstart=", "-p")
+# A start time, which with the pid names one process: "proc <boot id> <clock ticks since boot>"
+# from /proc (exact; the Linux path), else "ps <lstart>" from ps(1), to the second, on every
+# POSIX system. (Linux's ps derives it from the boot time, which a step of the clock moves: a
+# survivor is then spared rather than a stranger killed.) A record made under the other rules
+# never matches: on Linux the environment sweep still finds its processes.
 _PS_ENV = {"LC_ALL": "C", "TZ": "UTC0", "PATH": os.environ.get("PATH", os.defpath)}
 
 
-async def _started(pid: int) -> str | None:
-    if not PORTABLE:
-        return _proc_start(pid)
+async def _starts(pids: Sequence[int]) -> dict[int, str]:
+    """{pid: its start time} for those of ``pids`` alive (ps once for all on the portable path)."""
+    if not PORTABLE or not pids:
+        return {pid: started for pid in pids if (started := _proc_start(pid))}
     try:
-        ps = await asyncio.create_subprocess_exec(*_PS, str(pid), stdout=subprocess.PIPE,
-                                                  stderr=subprocess.DEVNULL, env=_PS_ENV)
-    except OSError as exc:  # recorded without a start time, which a restart never matches
-        log.error("cannot read the start time of process %d with ps: %s", pid, exc)
-        return None
-    return _ps_lines((await ps.communicate())[0]).get(pid)
-
-
-def _ps_starts(pids: Sequence[int]) -> dict[int, str]:
-    if not pids:
+        ps = await asyncio.create_subprocess_exec(
+            "ps", "-o", "pid=,lstart=", "-p", ",".join(map(str, pids)), stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, env=_PS_ENV)
+        out = (await ps.communicate())[0].decode(errors="replace")
+    except OSError as exc:  # then no record matches: nothing is killed by mistake
+        log.error("cannot read start times with ps: %s", exc)
         return {}
-    try:
-        ps = subprocess.run([*_PS, ",".join(map(str, pids))], capture_output=True, env=_PS_ENV,
-                            timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.error("cannot read start times with ps, so no recorded process is ended: %s", exc)
-        return {}
-    return _ps_lines(ps.stdout)
-
-
-def _ps_lines(out: bytes) -> dict[int, str]:
-    """``<pid> <lstart>`` lines -> {pid: "ps <lstart>"} (its spaces normalised)."""
-    return {int(pid): "ps " + " ".join(rest) for pid, *rest in
-            (line.split() for line in out.decode(errors="replace").splitlines()) if pid.isdigit()}
+    return {int(pid): "ps " + " ".join(lstart) for pid, *lstart in
+            (line.split() for line in out.splitlines() if line.strip()) if pid.isdigit()}
 
 
 @functools.cache

@@ -1327,7 +1327,7 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
     """Adapters, the orchestrator (recovered and started) and the toolkit over it; git work
     (workspace.py) is handed to the orchestrator as the adapters are."""
     import providers as prov
-    orphans = prov.kill_orphans(str(data_dir))
+    orphans = await prov.kill_orphans(str(data_dir))
     if orphans:
         log.warning("killed %d provider process(es) left by a previous server", orphans)
     load_features()

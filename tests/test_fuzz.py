@@ -149,7 +149,7 @@ class InProcessTarget(Target):
     def __init__(self, tmp: Path) -> None:
         config = t3.load_config(write_config(tmp), cwd=tmp)
         data_dir = tmp / "data"
-        for sub in ("logs", "backups", "scratch", "worktrees", "agents"):
+        for sub in ("logs", "backups", "scratch", "worktrees", "agents", "processes"):
             (data_dir / sub).mkdir(parents=True, exist_ok=True)
         self.db_path = data_dir / "t3.sqlite"
         self.loop = asyncio.new_event_loop()

@@ -25,8 +25,11 @@ from providers import ProviderProcess, kill_orphans  # noqa: E402
 
 
 @pytest.fixture
-def portable(process_rules: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+def portable(process_rules: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+             tmp_path: Path) -> Iterator[bool]:
+    """The process rules in this process; ``tmp_path`` is the data directory."""
     monkeypatch.setattr(providers, "PORTABLE", process_rules["T3_PORTABLE_PROCESSES"] == "1")
+    (tmp_path / "processes").mkdir()
     yield providers.PORTABLE
 
 
@@ -62,7 +65,7 @@ def test_the_sweep_ends_a_recorded_process_and_spares_a_reused_pid(tmp_path: Pat
             claimed["started"] = claimed["started"][:-1] + ("1" if last != "1" else "2")
             (tmp_path / "processes" / str(reused.pid)).write_text(json.dumps(claimed))
             (tmp_path / "processes" / "12345").write_text("{not json")
-            assert kill_orphans(str(tmp_path)) == 1
+            assert await kill_orphans(str(tmp_path)) == 1
             await asyncio.wait_for(same.proc.wait(), 10)
             assert same.proc.returncode == -signal.SIGKILL
             assert reused.alive() and pids_alive([reused.pid])
