@@ -12,7 +12,7 @@ and is recorded in ``<data-dir>/processes/<pid>`` (pid, start time, group, threa
 told anything; the record goes when the process is reaped. Its group dies with t3, even on kill
 -9: on Linux the kernel kills it (``PR_SET_PDEATHSIG``); elsewhere, or with
 ``T3_PORTABLE_PROCESSES=1`` (``PORTABLE``), a watcher in its group ends the group when a pipe
-whose write end only t3 holds ends (``_WATCHED``). A starting server ends every recorded
+whose write end only t3 holds ends (``_spawn_watcher``). A starting server ends every recorded
 process that is still the same process (``kill_orphans``); on the Linux path also every process
 with ``T3_OWNER=<data-dir>`` in its environment (one that left its group).
 Its environment is the server's minus t3's own variables (``_T3_VARIABLES``: the data dir, test
@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import errno
 import functools
 import itertools
 import json
@@ -254,24 +253,23 @@ PORTABLE = sys.platform != "linux" or os.environ.get("T3_PORTABLE_PROCESSES") ==
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec (the Linux path)
     with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG; None: any libc
 
 
-# The portable parent-death rule. The agent's command runs under this trampoline (argv: the
-# pipe's read end, the program, its arguments): it forks a watcher, a /bin/sh with no
-# environment whose stdin is that pipe and whose output is discarded, then execs the agent as
-# the same pid, without the pipe. The watcher stays in the agent's process group; when t3 ends,
-# however it ends, the pipe's write end closes with it, ``read`` meets EOF and the watcher
-# SIGKILLs the group. It ignores SIGTERM, so a stop's grace period does not disarm it.
+# The portable parent-death rule: a watcher in each agent's process group, a /bin/sh with no
+# environment and its output discarded whose stdin is the read end of a pipe only t3 writes to.
+# It is spawned by the agent's own child process before that execs the agent, so it has the
+# agent's group, and it inherits nothing else (the pipe's ends are close-on-exec, so the agent
+# holds neither). When t3 ends, however it ends, the write end closes with it, ``read`` meets
+# EOF and the watcher SIGKILLs the group. It ignores SIGTERM: a stop's grace period does not
+# disarm it.
 _WATCHER = "trap '' HUP INT TERM; read _; kill -KILL 0"
-_WATCHED = ("import os,sys\n"
-            "r=int(sys.argv[1])\n"
-            "if os.fork()==0:\n"
-            " n=os.open(os.devnull,os.O_WRONLY)\n"
-            " os.dup2(r,0);os.dup2(n,1);os.dup2(n,2);os.close(r)\n"
-            f" os.execve('/bin/sh',['t3-watch','-c',{_WATCHER!r}],{{}})\n"
-            "os.close(r)\n"
-            "os.execv(sys.argv[2],sys.argv[2:])\n")
+
+
+def _spawn_watcher() -> None:  # runs in the child between fork and exec (the portable path)
+    os.posix_spawn("/bin/sh", ["t3-watch", "-c", _WATCHER], {}, file_actions=[
+        (os.POSIX_SPAWN_DUP2, _death_pipe(), 0),
+        (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0), (os.POSIX_SPAWN_DUP2, 1, 2)])
 
 
 @functools.cache
@@ -321,21 +319,15 @@ class ProviderProcess:
         environment = {k: v for k, v in os.environ.items() if k not in _T3_VARIABLES}
         environment.update(env)
         environment.update(T3_OWNER=owner, T3_SERVER_PID=str(os.getpid()))
-        argv, kept = list(command), ()
-        if PORTABLE:  # the trampoline execs a path: a missing program fails here, as without it
-            program = command[0] if os.sep in command[0] else shutil.which(
-                command[0], path=environment.get("PATH", os.defpath))
-            if program is None:
-                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), command[0])
-            kept = (_death_pipe(),)
-            argv = [sys.executable, "-I", "-S", "-c", _WATCHED, str(kept[0]), program, *argv[1:]]
+        if PORTABLE:
+            _death_pipe()  # made here, not in a child
         loop = asyncio.get_running_loop()
         transport, protocol = await loop.subprocess_exec(
-            lambda: _ExitProtocol(limit=_LINE_LIMIT, loop=loop), *argv, cwd=cwd,
+            lambda: _ExitProtocol(limit=_LINE_LIMIT, loop=loop), *command, cwd=cwd,
             env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, pass_fds=kept,
+            stderr=subprocess.PIPE, start_new_session=True,
             umask=-1 if CHILD_UMASK is None else CHILD_UMASK,
-            preexec_fn=None if PORTABLE else _die_with_parent)
+            preexec_fn=_spawn_watcher if PORTABLE else _die_with_parent)
         pid = transport.get_pid()
         record = Path(owner) / "processes" / str(pid)
         try:
