@@ -259,10 +259,10 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec (the 
 # The portable parent-death rule: a watcher in each agent's process group, a /bin/sh with no
 # environment and its output discarded whose stdin is the read end of a pipe only t3 writes to.
 # It is spawned by the agent's own child process before that execs the agent, so it has the
-# agent's group, and it inherits nothing else (the pipe's ends are close-on-exec, so the agent
-# holds neither). When t3 ends, however it ends, the write end closes with it, ``read`` meets
-# EOF and the watcher SIGKILLs the group. It ignores SIGTERM: a stop's grace period does not
-# disarm it.
+# agent's group, and it holds nothing else of t3's (t3's descriptors are close-on-exec: the
+# agent holds neither end of the pipe). It is the agent's child. When t3 ends, however it
+# ends, the write end closes with it, ``read`` meets EOF and the watcher SIGKILLs the group.
+# It ignores SIGTERM: a stop's grace period does not disarm it.
 _WATCHER = "trap '' HUP INT TERM; read _; kill -KILL 0"
 
 
@@ -331,7 +331,8 @@ class ProviderProcess:
         pid = transport.get_pid()
         record = Path(owner) / "processes" / str(pid)
         try:
-            _write_record(record, {"pid": pid, "pgid": pid, "started": (await _starts([pid])).get(pid),
+            started = (await _starts([pid])).get(pid)
+            _write_record(record, {"pid": pid, "pgid": pid, "started": started,
                                    "threadId": env.get("T3_THREAD_ID", "")})
         except BaseException:  # unrecorded, it must not run
             with contextlib.suppress(ProcessLookupError, PermissionError):
