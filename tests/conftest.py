@@ -45,6 +45,9 @@ SESSION_ENV = "T3_TEST_SESSION"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if sys.platform != "linux":  # README, Platforms: on macOS the portable path is tested here
+        pytest.exit("t3's tests read /proc (process hygiene, environments, process groups): they "
+                    "run on Linux, where T3_PORTABLE_PROCESSES=1 tests macOS's process rules")
     config.addinivalue_line("markers", "real_cli: drives the real npm agent CLIs against the fake model server")
     config.addinivalue_line("markers", "soak: long fault loops for bench/; skipped unless `-m soak`")
     # Set before xdist starts its workers, so they and everything they start carry the same id.
