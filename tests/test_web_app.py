@@ -198,14 +198,8 @@ def test_a_persons_whole_session_in_the_web_view(t3_factory, tmp_path: Path,
                   ".some(b => b.innerText === 'Accept')")
     page.click("#requests button", text="Accept")
     page.wait_for(lines_with("permission granted: allow-once"))
+    page.wait_for(lines_with("completed", within="#heading h1"))  # the run ended
     assert len(page.evaluate("window.t3Notes")) == 2
-
-    # A refused action shows the typed failure: steering with no turn running.
-    page.evaluate("document.querySelector('#composer-mode option[value=steer]').disabled = false")
-    send(page, "nothing runs", mode="steer")
-    page.wait_for(lines_with("Send failed: thread_not_sendable"))
-    steps.shot("refused", ("Send failed: thread_not_sendable",))
-    page.evaluate("document.querySelector('#composer-text').value = ''")
 
     # Roll back to run 1: the dialog says what is lost; run 2 is struck out.
     click_in(page, "checkpoint", "Checkpoint 1", "Roll back to here")
@@ -245,6 +239,11 @@ def test_a_persons_whole_session_in_the_web_view(t3_factory, tmp_path: Path,
     page.click("#panel-rename button[type=submit]")
     page.wait_for(lines_with("daily renamed", within="#heading"))
     page.click("#toolbar button", text="Link PR")
+    page.type_into("#pr-url", "https://example.com/not-a-pull-request")
+    page.click("#panel-pr button[type=submit]")  # refused: the typed failure is shown
+    page.wait_for(lines_with("Link PR failed: invalid_request: url: not a pull request URL"))
+    steps.shot("refused", ("Link PR failed: invalid_request",), ("Pull request",))
+    page.evaluate("document.querySelector('#pr-url').value = ''")
     page.type_into("#pr-url", "https://github.com/acme/widgets/pull/7")
     page.click("#panel-pr button[type=submit]")
     page.wait_for(lines_with("Pull request: github.com/acme/widgets#7"))
