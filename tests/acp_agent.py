@@ -490,9 +490,11 @@ class Agent:
                 if i % 256 == 255:
                     await asyncio.sleep(0)  # let a cancel in
         elif m := re.search(r"(?<!\w)TOOLS:(\d+)", rest):
-            for i in range(int(m.group(1))):
-                t.tool_call(f"step-{i}", f"step {i}", {"step": i})
-                t.tool_done(f"step-{i}", True, {"output": i}, f"output {i}")
+            for i in range(int(m.group(1))):  # each call reported once, already completed
+                t.update({"sessionUpdate": "tool_call", "toolCallId": f"step-{i}",
+                          "title": f"step {i}", "kind": "execute", "status": "completed",
+                          "rawInput": {"step": i}, "content": [{"type": "content", "content": {
+                              "type": "text", "text": f"output {i}"}}]})
                 if i % 128 == 127:
                     await asyncio.sleep(0)  # let a cancel in
             t.chunk(f"ran {m.group(1)} tools")
