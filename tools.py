@@ -1774,7 +1774,7 @@ OPERATIONS: list[Operation] = [
         "model and modes, and the orchestration features. Model lists are short; pass search "
         "to find omitted models.",
         obj({"search": {"type": "string", "maxLength": 256}}), _capabilities,
-        CAPABILITIES_OUTPUT, read_only=True),
+        CAPABILITIES_OUTPUT, ws=("getCapabilities",), read_only=True),
     Operation(
         "delegate_task",
         "Delegate ONE task to a t3-owned child agent of THIS thread, on any provider, using only "

@@ -238,6 +238,26 @@ class Page:
         self.click(selector)
         self.call("Input.insertText", {"text": text})
 
+    def press(self, key: str, *, shift: bool = False) -> None:
+        """A key pressed and released as a user's (Enter, Escape), with Shift held if asked; its
+        text (a line break for Enter) is typed unless the page prevents it."""
+        code = {"Enter": 13, "Escape": 27}[key]
+        down = {"key": key, "code": key, "windowsVirtualKeyCode": code,
+                "modifiers": 8 if shift else 0}
+        self.call("Input.dispatchKeyEvent", {"type": "keyDown", **down,
+                                             **({"text": "\r"} if key == "Enter" else {})})
+        self.call("Input.dispatchKeyEvent", {"type": "keyUp", **down})
+
+    def choose(self, selector: str, value: str) -> None:
+        """Pick `value` in a <select> as a user's pick does: the value changes, then its input
+        and change events fire (headless Chromium draws no popup to click in)."""
+        self.wait_for(f"""() => [...document.querySelectorAll({json.dumps(selector + ' option')})]
+            .some(o => o.value === {json.dumps(value)} && !o.disabled)""")
+        self.evaluate(f"""(() => {{ const s = document.querySelector({json.dumps(selector)});
+            s.value = {json.dumps(value)};
+            for (const kind of ['input', 'change']) s.dispatchEvent(new Event(kind,
+                                                                   {{bubbles: true}})); }})()""")
+
     def screenshot(self, path: Path) -> Path:
         data = self.call("Page.captureScreenshot", {"format": "png"})["data"]
         path.write_bytes(base64.b64decode(data))
