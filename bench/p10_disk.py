@@ -12,7 +12,8 @@ checkpoints into the database file, anything else) from just before the prompt i
 after the run has completed, plus what checkpointing the frames still in the WAL then costs
 (done by the bench itself, a passive checkpoint measured on its own `/proc/self/io`): the server
 would write that later. The agent process (a warm session, started before) is not counted.
-Also shown: the bytes the run's events carry (their payloads), and the ingest commits made.
+Also shown: the growth of the provider protocol logs (`logs/`, part of what the server wrote),
+the bytes the run's events carry (their payloads), and the ingest commits made.
 
 Target: written <= 10x the answer's length, and a subscriber sees 99% of the chunks within 250 ms
 of their send (the maximum is shown too). A kill -9 losing at most that window of text is pinned
@@ -58,12 +59,13 @@ async def stream(server: T3Server, n: int, seconds: float) -> dict[str, Any]:
         await client.request("waitForThread", {"threadId": thread_id})
         delays: list[float] = []
         seen = -1
-        before = sent = 0
+        before = sent = logs_before = 0
         run_id = None
         subscription = client.stream("subscribeThread", {"threadId": thread_id})
         async for item in subscription:
             if item["kind"] == "synchronized":
                 before, sent = write_bytes(pid), item["sequence"]
+                logs_before = logs_size(server.data_dir)
                 run_id = (await client.request("sendToThread", {
                     "threadId": thread_id, "message": f"PACED:{n}:{WIDTH}:{seconds}"}))["runId"]
                 continue
@@ -85,7 +87,12 @@ async def stream(server: T3Server, n: int, seconds: float) -> dict[str, Any]:
         if done["status"] != "completed" or seen != n - 1 or len(delays) != n:
             raise RuntimeError(f"run ended {done['status']}, saw {len(delays)} of {n} chunks")
         after = write_bytes(pid)
-    return {"thread": thread_id, "sent": sent, "written": after - before, "delays": delays}
+    return {"thread": thread_id, "sent": sent, "written": after - before, "delays": delays,
+            "logs": logs_size(server.data_dir) - logs_before}
+
+
+def logs_size(data_dir: Path) -> int:
+    return sum(f.stat().st_size for f in (data_dir / "logs").glob("*") if f.is_file())
 
 
 def checkpoint_rest(db_path: Path) -> tuple[int, int, int]:
@@ -130,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"({answer / 1e6:.2f} MB)"),
         ("server wrote", f"{run['written'] / 1e6:.2f} MB (/proc write_bytes), + {rest / 1e6:.2f} MB "
                          f"to checkpoint the {frames} WAL frames left ({done} backfilled)"),
+        ("of which protocol logs", f"{run['logs'] / 1e6:.2f} MB (their growth on disk)"),
         ("events of the run carry", f"{payload / 1e6:.2f} MB ({payload / answer:.2f}x), "
                                     f"{commits} ingest commits"),
         ("subscriber delay per chunk", f"p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {worst:.0f} ms"),
