@@ -2731,7 +2731,7 @@ class Orchestrator:
     # they all go into the commit it then makes: the writer stays busy, the batches grow.
     MAX_INGEST_COMMITS = 2
     # Text deltas wait at most this long for company (any other event ends the wait): a commit
-    # writes a dozen pages whatever it carries. A kill -9 loses this window and the commit in flight.
+    # writes a dozen pages whatever it carries. A kill -9 loses this window and a commit in flight.
     INGEST_WINDOW_S = 0.2
     MAX_CACHED_THREADS = 512
 

@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     _bench.report("P10 disk (a long streamed answer)", [
         ("answer", f"{n:,} chunks of {WIDTH} characters over {seconds:.0f} s "
                    f"({answer / 1e6:.2f} MB)"),
-        ("server wrote", f"{run['written'] / 1e6:.2f} MB (/proc write_bytes), + {rest / 1e6:.2f} MB "
-                         f"to checkpoint the {frames} WAL frames left ({done} backfilled)"),
+        ("server wrote", f"{run['written'] / 1e6:.2f} MB (/proc write_bytes), "
+                         f"+ {rest / 1e6:.2f} MB to checkpoint the {frames} WAL frames left "
+                         f"({done} backfilled)"),
         ("of which protocol logs", f"{run['logs'] / 1e6:.2f} MB (their growth on disk)"),
         ("events of the run carry", f"{payload / 1e6:.2f} MB ({payload / answer:.2f}x), "
                                     f"{commits} ingest commits"),
