@@ -2738,8 +2738,7 @@ class Orchestrator:
     def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
                  new_id: Callable[[str], str] = random_id, lease_ms: int = 30_000,
-                 backoff_base_ms: int = 100,
-                 credentials: SessionCredentials | None = None,
+                 backoff_base_ms: int = 100, credentials: SessionCredentials | None = None,
                  max_live_agent_processes: int = 16, max_delegation_depth: int = 5,
                  workspaces: Workspaces | None = None) -> None:
         self._store = store
@@ -2759,8 +2758,7 @@ class Orchestrator:
         self._effect_wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
-        self.sessions = _Sessions(self, credentials=credentials,
-                                  max_live=max_live_agent_processes,
+        self.sessions = _Sessions(self, credentials=credentials, max_live=max_live_agent_processes,
                                   max_loans=max_live_agent_processes * max_delegation_depth)
         self.lending = self.sessions.lending  # (what tools.py's waits call)
         self._parts: list[Part] = []
