@@ -139,8 +139,8 @@ log.addFilter(_redact_record)
 
 class _ProtocolLog:
     """The raw traffic of one provider instance: one redacted, timestamped line per protocol
-    message in ``provider-<id>.log.gz``, gzip-compressed (a log line costs about a tenth of its
-    length on disk), rotated when the uncompressed text passes ``max_bytes`` (backups
+    message in ``provider-<id>.log.gz``, gzip-compressed (a streamed answer's lines take a
+    thirtieth of their length on disk), rotated when the uncompressed text passes ``max_bytes`` (backups
     ``provider-<id>.log.1.gz`` .. ``.3.gz``). Not ``logging``: a record per delta cost more than
     all else t3 does with it (bench/README.md, P2). Lines are compressed as they come and the
     compressor is sync-flushed to the file ``FLUSH_S`` after the first unflushed line, when a turn
