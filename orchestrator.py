@@ -2730,13 +2730,15 @@ class Orchestrator:
     # commit per streaming session. A session waiting for a slot leaves its deltas queued, and
     # they all go into the commit it then makes: the writer stays busy, the batches grow.
     MAX_INGEST_COMMITS = 2
+    # Text deltas wait at most this long for company (any other event ends the wait): a commit
+    # writes a dozen pages whatever it carries. A kill -9 loses this window and a commit in flight.
+    INGEST_WINDOW_S = 0.2
     MAX_CACHED_THREADS = 512
 
     def __init__(self, store: _store.Store, *, adapters: Mapping[str, ProviderAdapter],
                  providers: Mapping[str, ProviderInfo], clock: Callable[[], str] = utc_now,
                  new_id: Callable[[str], str] = random_id, lease_ms: int = 30_000,
-                 coalesce_s: float = 0.02, backoff_base_ms: int = 100,
-                 credentials: SessionCredentials | None = None,
+                 backoff_base_ms: int = 100, credentials: SessionCredentials | None = None,
                  max_live_agent_processes: int = 16, max_delegation_depth: int = 5,
                  workspaces: Workspaces | None = None) -> None:
         self._store = store
@@ -2756,8 +2758,7 @@ class Orchestrator:
         self._effect_wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stopping = False
-        self.sessions = _Sessions(self, credentials=credentials, coalesce_s=coalesce_s,
-                                  max_live=max_live_agent_processes,
+        self.sessions = _Sessions(self, credentials=credentials, max_live=max_live_agent_processes,
                                   max_loans=max_live_agent_processes * max_delegation_depth)
         self.lending = self.sessions.lending  # (what tools.py's waits call)
         self._parts: list[Part] = []
@@ -3119,10 +3120,9 @@ class _Sessions:
     IDLE_RELEASE_S = 30 * 60.0  # a provider process with no turn for this long is stopped
 
     def __init__(self, orch: Orchestrator, *, credentials: SessionCredentials | None,
-                 coalesce_s: float, max_live: int, max_loans: int) -> None:
+                 max_live: int, max_loans: int) -> None:
         self.orch = orch
         self._credentials = credentials
-        self._coalesce_s = coalesce_s
         self.live: dict[str, _LiveSession] = {}  # thread id -> its session
         self._ingest_slots = asyncio.Semaphore(Orchestrator.MAX_INGEST_COMMITS)
         # Live sessions + sessions opening + slots granted to a run whose start has not run yet
@@ -3420,7 +3420,7 @@ class _Sessions:
                 if event is None:
                     break
                 batch = [event]
-                ended = await _coalesce(events, batch, self._coalesce_s)
+                ended = await _coalesce(events, batch, Orchestrator.INGEST_WINDOW_S)
                 if live.turn is None:
                     log.debug("dropping %d event(s) outside a turn on %s", len(batch),
                               live.session_id)

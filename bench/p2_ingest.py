@@ -1,7 +1,7 @@
 """P2 ingest: provider text deltas persisted per second, from the scripted agent streaming
 `FAST:n:10` 10-character chunks through the real server (ACP over stdio -> driver ->
-orchestrator, which coalesces 20 ms of deltas into one `provider.ingest` command -> one commit
-that appends only their text: store.TEXT_APPENDED), against a raw sqlite3 loop.
+orchestrator, which coalesces up to 200 ms of deltas into one `provider.ingest` command -> one
+commit that appends only their text: store.TEXT_APPENDED), against a raw sqlite3 loop.
 
 Real: wall time from `create_threads` to `t3_thread_wait` returning completed, for FAST:N and for
 FAST:N0 in the same repetition; the difference removes the fixed cost (agent process start, ACP

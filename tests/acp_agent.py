@@ -42,6 +42,9 @@ in its text (case-sensitive tokens; see below for their order and combinations):
                        chunk padded with dots to w characters
   TOOLS:n              n completed tool calls "step <i>" as fast as possible (one timeline item
                        each: long threads), then the line "ran <n> tools"
+  PACED:n:w:s          n chunks spread evenly over s seconds (float), each "<i>@<time.time() at
+                       its send, 4 decimals> " padded with dots to w characters: a reader of the
+                       text can tell when each chunk left the agent
   WRITE_FILE path text (a whole line) write "text\n" (a literal \n in it is a line break) to path,
                        relative to the session cwd (parent folders made); line "wrote <path>"
   DELETE_FILE path     (a whole line) delete path, relative to the session cwd; line "deleted <path>"
@@ -56,7 +59,7 @@ NO_TITLE, with JSON-RPC error -32603 (t3 then falls back to a title of its own).
 
 A prompt runs these steps in the order listed: CRASH/KILL_SELF/HALF_LINE/ORPHAN/HANG/FAIL end it;
 THINK/PLAN/BACKGROUND add updates; DETACH; then the DELAYED_CALL lines (scheduled), the CALL_TOOL
-lines, the WRITE_FILE / DELETE_FILE lines, the ECHO_PROMPT line; then at most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, TOOLS, ECHO_CWD,
+lines, the WRITE_FILE / DELETE_FILE lines, the ECHO_PROMPT line; then at most one of ASK_PERMISSION, ASK_QUESTION, SLOW, FAST, TOOLS, PACED, ECHO_CWD,
 ECHO_MCP, ECHO_ENV (first found), and the hello reply only when nothing else replied. Outputs of
 different steps are separated by "\n". Trigger words are looked for
 outside the CALL_TOOL / DELAYED_CALL lines, so a call's JSON arguments (e.g. a prompt for another
@@ -498,6 +501,13 @@ class Agent:
                 if i % 128 == 127:
                     await asyncio.sleep(0)  # let a cancel in
             t.chunk(f"ran {m.group(1)} tools")
+        elif m := re.search(r"(?<!\w)PACED:(\d+):(\d+):(\d+(?:\.\d+)?)", rest):
+            n, width, seconds = int(m.group(1)), int(m.group(2)), float(m.group(3))
+            start = time.monotonic()
+            for i in range(n):
+                if (wait := start + i * seconds / n - time.monotonic()) > 0:
+                    await asyncio.sleep(wait)  # a cancel lands here
+                t.chunk(f"{i}@{time.time():.4f} ".rjust(width, "."))
         elif has_word(rest, "ECHO_CWD"):
             t.chunk(s.cwd)
         elif has_word(rest, "ECHO_MCP"):

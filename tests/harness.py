@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 __all__ = ["REPO", "T3_PY", "ACP_AGENT", "ServerStartError", "T3Server", "Progress", "ToolResult", "McpClient",
            "mcp_session", "RawResponse", "raw_request", "raw_post", "wait_until", "agent_log", "count_prompts",
-           "output_problems", "mcp_results",
+           "output_problems", "mcp_results", "protocol_log",
            "scripted_provider", "write_config", "pids_alive", "processes_matching", "kill_matching", "child_pids",
            "process_group", "start_time", "leaked_processes", "describe_process", "KEPT_MARKERS",
            "CountingIds"]
@@ -424,6 +425,13 @@ def mcp_results(tmp_path: Path) -> list[dict[str, Any]]:
             found += [json.loads(line) for line in f
                       if '"dir": "mcp"' in line and line.endswith("\n")]
     return [e for e in found if e.get("dir") == "mcp" and e.get("error") is None]
+
+
+def protocol_log(path: Path) -> str:
+    """The text of a provider protocol log (`logs/provider-<id>.log.gz`, or a rotated one) as far
+    as it was flushed: a log still open, or cut by a kill -9, lacks the gzip trailer, and that is
+    not an error here."""
+    return zlib.decompressobj(wbits=31).decompress(path.read_bytes()).decode()
 
 
 def count_prompts(path: Path) -> int:

@@ -4,6 +4,7 @@ rotation, credentials redacted, and an ended turn's traffic on disk before t3 se
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -11,19 +12,22 @@ from typing import Any
 import pytest
 
 import providers
+from harness import protocol_log
 from orchestrator import TextDelta, TurnEnded
 
 
 def logged(path: Path) -> list[str]:
-    """The messages of a log and its rotated files, oldest first, without their timestamps."""
-    files = sorted(path.parent.glob(f"{path.name}.*"), key=lambda p: -int(p.suffix[1:])) + [path]
-    return [line.split(" ", 2)[2] for f in files for line in f.read_text().splitlines()]
+    """The messages of a log and its rotated files (x.log.gz, x.log.1.gz ...), oldest first,
+    without their timestamps."""
+    backups = path.parent.glob(path.name.replace(".gz", ".*.gz"))
+    files = sorted(backups, key=lambda p: -int(p.suffixes[-2][1:])) + [path]
+    return [line.split(" ", 2)[2] for f in files for line in protocol_log(f).splitlines()]
 
 
 def test_rotation_keeps_every_line_in_order(tmp_path: Path) -> None:
     """Lines written past the size limit roll over into .1, .2 ...; together they hold every
     line once, in order, with bearer tokens and Authorization values redacted."""
-    path = tmp_path / "provider-x.log"
+    path = tmp_path / "provider-x.log.gz"
     log = providers._ProtocolLog(path, max_bytes=2_000, backup_count=50)
     lines = [f'agent[1] <- {{"n":{i},"text":"{i} "}}' for i in range(300)]
     lines[7] = 'agent[1] -> {"headers":[{"name":"Authorization","value":"Bearer s3cret-1"}]}'
@@ -31,7 +35,7 @@ def test_rotation_keeps_every_line_in_order(tmp_path: Path) -> None:
     for line in lines:
         log.write(line)
     log.close()
-    assert len(list(tmp_path.glob("provider-x.log.*"))) > 5
+    assert len(list(tmp_path.glob("provider-x.log.*.gz"))) > 5
     assert all(f.stat().st_size < 2_000 + 200 for f in tmp_path.iterdir())
     kept = logged(path)
     assert kept == [providers.redact(line) for line in lines]
@@ -41,13 +45,13 @@ def test_rotation_keeps_every_line_in_order(tmp_path: Path) -> None:
 
 def test_rotation_drops_the_oldest_beyond_the_backup_count(tmp_path: Path) -> None:
     """With 3 backups only the newest four files remain, and they end with the last line."""
-    path = tmp_path / "provider-x.log"
+    path = tmp_path / "provider-x.log.gz"
     log = providers._ProtocolLog(path, max_bytes=500, backup_count=3)
     for i in range(200):
         log.write(f"line {i}")
     log.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "provider-x.log", "provider-x.log.1", "provider-x.log.2", "provider-x.log.3"]
+        "provider-x.log.1.gz", "provider-x.log.2.gz", "provider-x.log.3.gz", "provider-x.log.gz"]
     kept = logged(path)
     assert kept == [f"line {i}" for i in range(200 - len(kept), 200)]
 
@@ -55,7 +59,7 @@ def test_rotation_drops_the_oldest_beyond_the_backup_count(tmp_path: Path) -> No
 def test_a_turn_end_flushes_the_log_before_it_is_delivered(tmp_path: Path) -> None:
     """Deltas stay buffered (flushed on a timer), but putting a turn's end or the process's end
     on a session's event queue writes everything logged so far to the file first."""
-    path = tmp_path / "provider-x.log"
+    path = tmp_path / "provider-x.log.gz"
 
     async def scenario() -> list[int]:
         log = providers._ProtocolLog(path)
@@ -95,7 +99,7 @@ def read_lines(tmp_path: Path, writes: list[bytes]) -> tuple[list[dict], list[st
         for data in writes:
             reader.feed_data(data)
         reader.feed_eof()
-        log = providers._ProtocolLog(tmp_path / "provider-x.log")
+        log = providers._ProtocolLog(tmp_path / "provider-x.log.gz")
         got: list[dict] = []
 
         async def on_message(message: dict) -> None:
@@ -106,7 +110,7 @@ def read_lines(tmp_path: Path, writes: list[bytes]) -> tuple[list[dict], list[st
         return got
 
     got = asyncio.run(scenario())
-    return got, logged(tmp_path / "provider-x.log")
+    return got, logged(tmp_path / "provider-x.log.gz")
 
 
 def test_json_lines_split_across_reads_arrive_whole_and_in_order(tmp_path: Path) -> None:
@@ -128,3 +132,22 @@ def test_a_line_over_the_limit_stops_reading(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(providers, "_LINE_LIMIT", 100_000)
     got, _ = read_lines(tmp_path, [b'{"n": 0}\n' + b"y" * 70_000, b"y" * 70_000, b'\n{"n": 1}\n'])
     assert got == [{"n": 0}]
+
+
+def test_a_log_cut_short_reads_back_and_is_never_appended_to(tmp_path: Path) -> None:
+    """What a flush handed to the file decompresses without the gzip trailer (a kill -9 leaves
+    none), and the next log opened on that path first moves the cut file to .1.gz: each file is
+    one gzip member, whole once closed."""
+    path = tmp_path / "provider-x.log.gz"
+    first = providers._ProtocolLog(path)
+    for i in range(3):
+        first.write(f"line {i}")  # outside an event loop each line is flushed at once
+    first._file.close()  # as a kill -9 would: no trailer
+    cut = path.read_bytes()
+    assert logged(path) == ["line 0", "line 1", "line 2"]
+    second = providers._ProtocolLog(path)
+    second.write("line 3")
+    second.close()
+    assert (tmp_path / "provider-x.log.1.gz").read_bytes() == cut
+    assert gzip.decompress(path.read_bytes()).decode().endswith(" line 3\n")  # whole: trailer checked
+    assert logged(path) == [f"line {i}" for i in range(4)]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from fake_model import FakeModelServer
+from harness import protocol_log
 from real_cli import acp_provider, create, text, wait
 
 pytestmark = pytest.mark.real_cli
@@ -29,6 +30,6 @@ def test_full_access_selects_the_agents_mode(cli: str, model: FakeModelServer, t
     done = wait(mcp, created["threadId"])
     assert done["status"] == "completed" and done["pendingApproval"] is None, done
     assert "TOOL_RESULT_SEEN" in text(mcp, created["threadId"])
-    log = (server.data_dir / "logs" / "provider-agent.log").read_text()
+    log = protocol_log(server.data_dir / "logs" / "provider-agent.log.gz")
     chosen = re.findall(r'"method":"session/set_mode","params":\{[^}]*"modeId":"([^"]+)"', log)
     assert chosen == ([FULL_ACCESS_MODE[cli]] if FULL_ACCESS_MODE[cli] else [])

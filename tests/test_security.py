@@ -33,7 +33,8 @@ import orchestrator as orch
 import providers
 import registry
 from harness import (ACP_AGENT, T3_PY, McpClient, RawResponse, ServerStartError, T3Server,
-                     agent_log, pids_alive, raw_post, raw_request, scripted_provider, wait_until)
+                     agent_log, pids_alive, protocol_log, raw_post, raw_request, scripted_provider,
+                     wait_until)
 from real_cli import text
 from test_registry import ArchiveServer, binary_registry, registry_provider, settled
 from test_webhooks import CLOCK, PUSH, github, last_sequence, make_hook
@@ -239,7 +240,7 @@ def test_data_dir_and_everything_in_it_are_private(t3: T3Server) -> None:
     done = mcp.call("t3_thread_wait", {"threadId": launched["threadId"], "timeoutMs": 30_000})
     assert done.structured["status"] == "completed"
     names = set(modes_under(t3.data_dir))
-    assert {"t3.sqlite-wal", "t3.sqlite-shm", "logs/provider-scripted.log"} <= names, names
+    assert {"t3.sqlite-wal", "t3.sqlite-shm", "logs/provider-scripted.log.gz"} <= names, names
     assert any(name.startswith("scratch/") for name in names), names
     assert not_private(t3.data_dir) == {}
 
@@ -1046,10 +1047,10 @@ def test_an_installers_secret_is_redacted_in_the_reason_and_the_logs(t3_factory:
                     env=fake_npm(tmp_path, body))
     [reason] = settled(t3.client())["constraints"]
     assert "_authToken=<redacted>" in reason and "Authorization: Bearer <redacted>" in reason
-    traffic = t3.data_dir / "logs" / "provider-reg.log"
-    wait_until(lambda: "Bearer <redacted>" in traffic.read_text(), 10, message="traffic logged")
+    traffic = t3.data_dir / "logs" / "provider-reg.log.gz"
+    wait_until(lambda: "Bearer <redacted>" in protocol_log(traffic), 10, message="traffic logged")
     wait_until(lambda: "provider reg unavailable" in t3.stderr_text(), 10, message="logged")
-    assert SECRET not in reason + traffic.read_text() + t3.stderr_text()
+    assert SECRET not in reason + protocol_log(traffic) + t3.stderr_text()
 
 
 # ---- item 9: acpRegistry

@@ -339,6 +339,19 @@ def test_pragmas_take_effect_on_the_writer_and_the_reader(st: Store) -> None:
         assert f.read(20)[18:20] == b"\x02\x02", "the file header records WAL mode"
 
 
+def test_a_new_database_gets_1_kb_pages_and_an_existing_one_keeps_its_own(
+        tmp_path: Path, open_store: Callable[..., Store]) -> None:
+    """t3 creates its database with 1 KB pages; one made with 4 KB pages (an older t3) keeps
+    them through migration and use."""
+    old = tmp_path / "old.sqlite"
+    with closing(sqlite3.connect(old)) as conn:
+        conn.execute("PRAGMA page_size = 4096")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("CREATE TABLE made_before (x)")
+    assert open_store().read("PRAGMA page_size")[0][0] == 1024
+    assert open_store(old).read("PRAGMA page_size")[0][0] == 4096
+
+
 def test_the_reader_is_query_only(st: Store) -> None:
     """A write through `Store.read` raises and leaves the table empty."""
     with pytest.raises(store.StoreError):

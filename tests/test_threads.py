@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import (T3_PY, McpClient, T3Server, agent_log, count_prompts, raw_post,
-                     scripted_provider, wait_until, write_config)
+from harness import (T3_PY, McpClient, T3Server, agent_log, count_prompts, protocol_log,
+                     raw_post, scripted_provider, wait_until, write_config)
 
 
 def event_count(server: T3Server) -> int:
@@ -589,7 +589,7 @@ def test_traffic_log_holds_an_ended_turns_every_line_redacted(mcp: McpClient, t3
     agent streamed, in order, and the session's bearer token only as <redacted>."""
     created = create(mcp, "FAST:3000")
     assert wait(mcp, created["threadId"])["status"] == "completed"
-    log = (t3.data_dir / "logs" / "provider-scripted.log").read_text()
+    log = protocol_log(t3.data_dir / "logs" / "provider-scripted.log.gz")
     chunks = re.findall(r'"agent_message_chunk", "content": \{"type": "text", "text": "(\d+) "', log)
     assert chunks == [str(i) for i in range(3000)]
     [opened] = [e["msg"] for e in agent_log(agent_log_path)
