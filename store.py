@@ -427,10 +427,20 @@ SELECT thread_id FROM events WHERE sequence > ? GROUP BY thread_id ORDER BY MAX(
 LIMIT ?
 """
 
+# A thread whose queued runs wait behind one waiting for an agent process slot needs nothing
+# from recovery: those runs keep their places, and the line of the slot's waiters is rebuilt
+# from the store (_RUNS_AWAITING_SLOT), so a restart does not walk the threads of a backlog.
 _THREADS_NEEDING_RECOVERY = """
-SELECT thread_id FROM runs WHERE status IN ('preparing', 'starting', 'running', 'queued')
+SELECT thread_id FROM runs WHERE status IN ('preparing', 'starting', 'running')
+UNION SELECT thread_id FROM runs WHERE status = 'queued' GROUP BY thread_id
+  HAVING NOT COALESCE(MAX(json_extract(payload_json, '$.awaitingAgentSlot')), 0)
 UNION SELECT thread_id FROM provider_sessions WHERE status NOT IN ('stopped', 'error')
 UNION SELECT thread_id FROM runtime_requests WHERE status = 'pending'
+"""
+_RUNS_AWAITING_SLOT = """
+SELECT thread_id, run_id, json_extract(payload_json, '$.activeAttemptId') FROM runs
+WHERE status = 'queued' AND json_extract(payload_json, '$.awaitingAgentSlot')
+ORDER BY json_extract(payload_json, '$.requestedAt'), rowid
 """
 
 
@@ -847,6 +857,11 @@ class Store:
 
     def threads_needing_recovery(self) -> list[str]:
         return [r[0] for r in self._reader.execute(_THREADS_NEEDING_RECOVERY)]
+
+    def runs_awaiting_slot(self) -> list[tuple[str, str, str]]:
+        """(thread id, run id, attempt id) of the runs waiting for an agent process slot, in
+        the order they were requested."""
+        return [(r[0], r[1], r[2]) for r in self._reader.execute(_RUNS_AWAITING_SLOT)]
 
     def effect(self, effect_id: str) -> EffectRow | None:
         row = self._reader.execute("SELECT * FROM effect_outbox WHERE effect_id = ?",
