@@ -3053,7 +3053,9 @@ class Orchestrator:
                     break
                 self._effect_tasks[row.effect_id] = self.spawn(self._run_effect(row),
                                                                f"effect {row.effect_type}")
-            due = self._store.next_effect_due_ms()
+            # at the limit, an effect's end wakes the loop: no need to look for the next due
+            due = None if len(self._effect_tasks) >= self.MAX_CONCURRENT_EFFECTS \
+                else self._store.next_effect_due_ms()
             timeout = None if due is None else max(0.001, (due - _ms()) / 1000)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._effect_wake.wait(), timeout)
@@ -3387,7 +3389,7 @@ class _Sessions:
             return
         while self._line and self._slots_used() < self._max_live:
             self._grant(*self._line.pop(0))
-        for entry in list(self._line):
+        for entry in list(self._line) if self._waits else ():
             if (lender := self._lender_for(entry[0])) is not None:
                 self._line.remove(entry)
                 self._loans[entry[1]] = lender

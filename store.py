@@ -427,13 +427,21 @@ SELECT thread_id FROM events WHERE sequence > ? GROUP BY thread_id ORDER BY MAX(
 LIMIT ?
 """
 
-# A thread whose queued runs wait behind one waiting for an agent process slot needs nothing
-# from recovery: those runs keep their places, and the line of the slot's waiters is rebuilt
-# from the store (_RUNS_AWAITING_SLOT), so a restart does not walk the threads of a backlog.
+# What a restart must settle: threads where the old process may have had something live, or
+# a queued run with nothing ahead of it. Not those of a backlog, so that a restart does not walk
+# it: a run whose start (or preparation) was never claimed had nothing live, its effect just
+# runs; a run waiting for an agent process slot waits on (the line of those waiting is rebuilt
+# from the store: _RUNS_AWAITING_SLOT), and so do queued runs behind either.
 _THREADS_NEEDING_RECOVERY = """
-SELECT thread_id FROM runs WHERE status IN ('preparing', 'starting', 'running')
-UNION SELECT thread_id FROM runs WHERE status = 'queued' GROUP BY thread_id
-  HAVING NOT COALESCE(MAX(json_extract(payload_json, '$.awaitingAgentSlot')), 0)
+SELECT thread_id FROM runs r WHERE status = 'running' OR status IN ('preparing', 'starting')
+  AND NOT EXISTS (SELECT 1 FROM effect_outbox o WHERE o.thread_id = r.thread_id
+    AND o.status = 'pending' AND o.attempt_count = 0
+    AND o.effect_type IN ('provider-turn.start', 'workspace.prepare')
+    AND json_extract(o.payload_json, '$.runId') = r.run_id)
+UNION SELECT thread_id FROM runs q WHERE status = 'queued' AND NOT EXISTS (
+  SELECT 1 FROM runs b WHERE b.thread_id = q.thread_id
+    AND (b.status IN ('preparing', 'starting', 'running', 'waiting')
+         OR json_extract(b.payload_json, '$.awaitingAgentSlot')))
 UNION SELECT thread_id FROM provider_sessions WHERE status NOT IN ('stopped', 'error')
 UNION SELECT thread_id FROM runtime_requests WHERE status = 'pending'
 """
