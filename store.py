@@ -300,20 +300,24 @@ RETURNING effect_id
 """
 # A row is claimable when it is due and pending, or running with an expired lease (its worker
 # is presumed dead; the attempt number fences that worker out). At most one row per thread
-# runs at a time, so a thread's provider effects happen in order.
-_CLAIM_EFFECT = """
+# runs at a time, so a thread's provider effects happen in order. The first of each kind is
+# read in index order, so a claim does not sort a backlog of pending rows.
+_FIRST_CLAIMABLE = """SELECT * FROM (
+    SELECT o.effect_id, o.available_at_ms, o.created_at FROM effect_outbox o WHERE {due}
+      AND NOT EXISTS (SELECT 1 FROM effect_outbox r
+                      WHERE r.thread_id = o.thread_id AND r.status = 'running'
+                        AND r.lease_expires_ms >= :now AND r.effect_id <> o.effect_id)
+    ORDER BY o.available_at_ms, o.created_at, o.effect_id LIMIT 1)"""
+_CLAIM_EFFECT = f"""
 UPDATE effect_outbox
 SET status = 'running', attempt_count = attempt_count + 1, lease_owner = :owner,
     lease_expires_ms = :now + :lease, last_error = NULL, updated_at = :stamp
 WHERE effect_id = (
-    SELECT o.effect_id FROM effect_outbox o
-    WHERE ((o.status = 'pending' AND o.available_at_ms <= :now)
-           OR (o.status = 'running' AND o.lease_expires_ms < :now))
-      AND NOT EXISTS (SELECT 1 FROM effect_outbox r
-                      WHERE r.thread_id = o.thread_id AND r.status = 'running'
-                        AND r.lease_expires_ms >= :now AND r.effect_id <> o.effect_id)
-    ORDER BY o.available_at_ms, o.created_at, o.effect_id
-    LIMIT 1)
+    SELECT effect_id FROM (
+        {_FIRST_CLAIMABLE.format(due="o.status = 'pending' AND o.available_at_ms <= :now")}
+        UNION ALL
+        {_FIRST_CLAIMABLE.format(due="o.status = 'running' AND o.lease_expires_ms < :now")})
+    ORDER BY available_at_ms, created_at, effect_id LIMIT 1)
 RETURNING *
 """
 _RENEW_LEASE = """
@@ -330,10 +334,11 @@ WHERE effect_id = ? AND status = 'running' AND lease_owner = ? AND attempt_count
 # its thread (a settle wakes the worker for those), or the earliest lease to expire.
 _NEXT_DUE = """
 SELECT MIN(t) FROM (
-    SELECT o.available_at_ms AS t FROM effect_outbox o
+    SELECT * FROM (SELECT o.available_at_ms AS t FROM effect_outbox o
     WHERE o.status = 'pending'
       AND NOT EXISTS (SELECT 1 FROM effect_outbox r
                       WHERE r.thread_id = o.thread_id AND r.status = 'running')
+    ORDER BY o.available_at_ms LIMIT 1)
     UNION ALL
     SELECT lease_expires_ms FROM effect_outbox WHERE status = 'running')
 """
