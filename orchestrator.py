@@ -2892,8 +2892,7 @@ class Orchestrator:
         state = self._cached(thread_id)
         if state is None:
             sequence, rows = self._store.thread_entities(thread_id)
-            if not any(rows.get(kind) for kind, cls in _ENTITY_TYPES.items()
-                       if cls.opens_stream):
+            if not any(rows.get(k) for k, cls in _ENTITY_TYPES.items() if cls.opens_stream):
                 return None
             state = self._states[thread_id] = ThreadState.load(sequence, rows)
             self._evict()
@@ -3053,9 +3052,8 @@ class Orchestrator:
                     break
                 self._effect_tasks[row.effect_id] = self.spawn(self._run_effect(row),
                                                                f"effect {row.effect_type}")
-            # at the limit, an effect's end wakes the loop: no need to look for the next due
             due = None if len(self._effect_tasks) >= self.MAX_CONCURRENT_EFFECTS \
-                else self._store.next_effect_due_ms()
+                else self._store.next_effect_due_ms()  # at the limit, an effect's end wakes it
             timeout = None if due is None else max(0.001, (due - _ms()) / 1000)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._effect_wake.wait(), timeout)
