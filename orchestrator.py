@@ -2922,8 +2922,7 @@ class Orchestrator:
                     self._locks.pop(thread_id, None)
 
     def _notify(self, thread_id: str) -> None:
-        signal = self._signals.pop(thread_id, None)
-        if signal is not None:
+        if (signal := self._signals.pop(thread_id, None)) is not None:
             signal.set()
 
     async def wait_until(self, thread_ids: Sequence[str],
@@ -2936,8 +2935,7 @@ class Orchestrator:
         deadline = loop.time() + timeout_s
         while True:
             signals = [self._signals.setdefault(t, asyncio.Event()) for t in thread_ids]
-            found = {t: await self.state(t) for t in thread_ids}
-            states = {t: state for t, state in found.items() if state is not None}
+            states = {t: state for t in thread_ids if (state := await self.state(t)) is not None}
             gone = [t for t, s in states.items() if s.thread and s.thread.deleted_at]
             if gone:  # deleted while (or before) it was waited on
                 raise T3Error(f"thread {gone[0]} was not found", code="thread_not_found")
