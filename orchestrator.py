@@ -2750,7 +2750,8 @@ class Orchestrator:
         self._lease_ms = lease_ms
         self._backoff_base_ms = backoff_base_ms
         self._worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._states: dict[str, ThreadState] = {}
+        self._states: collections.OrderedDict[str, ThreadState] = collections.OrderedDict()
+        self._held: dict[str, ThreadState] = {}  # evicted while in use (_evict)
         self._locks: dict[str, asyncio.Lock] = {}
         self._signals: dict[str, asyncio.Event] = {}
         self._subscriptions: set[Subscription] = set()
@@ -2790,7 +2791,7 @@ class Orchestrator:
 
     async def dispatch(self, command: Command) -> DispatchResult:
         """Decide and commit one command; a command id seen before returns its first result."""
-        async with self._lock(command.thread_id):
+        async with self._locks.setdefault(command.thread_id, asyncio.Lock()):
             receipt = self._store.receipt(command.command_id)
             if receipt is not None:
                 return self._replay(command, receipt)
@@ -2842,7 +2843,7 @@ class Orchestrator:
         touched: set[str] = set()
         for event, sequence, entity in zip(events, sequences, entities, strict=True):
             kind = _store.event_kind(event.type)
-            state = self._states.get(event.thread_id)
+            state = self._cached(event.thread_id)
             if state is None and entity.opens_stream:  # a new thread or task
                 state = self._states[event.thread_id] = ThreadState()
             touched.add(event.thread_id)
@@ -2855,6 +2856,7 @@ class Orchestrator:
                 part.committed(entity)
         for thread_id in touched:
             self._notify(thread_id)
+        self._evict()
 
     def subscribe(self, *, thread_id: str | None = None,
                   max_bytes: int = 8 * 1024 * 1024) -> Subscription:
@@ -2886,42 +2888,42 @@ class Orchestrator:
                         f'"payload":{outcome.payloads_json[index]}}}')
                 subscription.offer(outcome.sequences[index], event.thread_id, texts[index])
 
-    def _lock(self, thread_id: str) -> asyncio.Lock:
-        return self._locks.setdefault(thread_id, asyncio.Lock())
-
     async def state(self, thread_id: str) -> ThreadState | None:
         """The thread's current state (cached; loaded from the store on first use)."""
-        state = self._states.pop(thread_id, None)
+        state = self._cached(thread_id)
         if state is None:
             sequence, rows = self._store.thread_entities(thread_id)
-            if not any(rows.get(kind) for kind, cls in _ENTITY_TYPES.items()
-                       if cls.opens_stream):
+            if not any(rows.get(k) for k, cls in _ENTITY_TYPES.items() if cls.opens_stream):
                 return None
-            state = ThreadState.load(sequence, rows)
+            state = self._states[thread_id] = ThreadState.load(sequence, rows)
             self._evict()
-        self._states[thread_id] = state  # most recently used last
+        return state
+
+    def _cached(self, thread_id: str) -> ThreadState | None:
+        """The thread's cached state, now the most recently used."""
+        state = self._held.pop(thread_id, None) or self._states.pop(thread_id, None)
+        if state is not None:
+            self._states[thread_id] = state
         return state
 
     def _evict(self) -> None:
-        """Keep the cache bounded: drop the least recently used threads that are at rest."""
-        excess = len(self._states) - self.MAX_CACHED_THREADS
-        for thread_id in list(self._states):
-            if excess <= 0:
-                return
-            state = self._states[thread_id]
-            lock = self._locks.get(thread_id)
-            if (lock is None or not lock.locked()) and thread_id not in self.sessions.live \
-                    and state.blocking_run() is None and not state.queued_runs():
-                del self._states[thread_id]
-                self._locks.pop(thread_id, None)
-                excess -= 1
-
-    def _signal(self, thread_id: str) -> asyncio.Event:
-        return self._signals.setdefault(thread_id, asyncio.Event())
+        """Keep the cache bounded, O(1) per load: the least recently used threads at rest go, one
+        in use (a command or session on it, a run active or queued) waits in _held until used
+        again (every commit uses it); each pass also looks at the oldest held one again."""
+        while len(self._states) > self.MAX_CACHED_THREADS:
+            evicted = [self._states.popitem(last=False)]
+            if self._held:
+                evicted.append((held := next(iter(self._held)), self._held.pop(held)))
+            for thread_id, state in evicted:
+                lock = self._locks.get(thread_id)
+                if (lock is not None and lock.locked()) or thread_id in self.sessions.live \
+                        or state.blocking_run() is not None or state.queued_runs():
+                    self._held[thread_id] = state
+                else:
+                    self._locks.pop(thread_id, None)
 
     def _notify(self, thread_id: str) -> None:
-        signal = self._signals.pop(thread_id, None)
-        if signal is not None:
+        if (signal := self._signals.pop(thread_id, None)) is not None:
             signal.set()
 
     async def wait_until(self, thread_ids: Sequence[str],
@@ -2933,9 +2935,8 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            signals = [self._signal(t) for t in thread_ids]
-            found = {t: await self.state(t) for t in thread_ids}
-            states = {t: state for t, state in found.items() if state is not None}
+            signals = [self._signals.setdefault(t, asyncio.Event()) for t in thread_ids]
+            states = {t: state for t in thread_ids if (state := await self.state(t)) is not None}
             gone = [t for t, s in states.items() if s.thread and s.thread.deleted_at]
             if gone:  # deleted while (or before) it was waited on
                 raise T3Error(f"thread {gone[0]} was not found", code="thread_not_found")
@@ -3008,6 +3009,7 @@ class Orchestrator:
                 log.error("recovery of thread %s failed: %s", thread_id, exc, exc_info=exc)
                 await self._fail_runs(thread_id, stamp,
                                       f"Recovery after a server restart failed: {exc}"[:2000])
+        self.sessions.line_up(self._store.runs_awaiting_slot())  # the line was in memory
         return recovered
 
     async def _recover_thread(self, thread_id: str, reason: str, stamp: str) -> bool:
@@ -3049,7 +3051,8 @@ class Orchestrator:
                     break
                 self._effect_tasks[row.effect_id] = self.spawn(self._run_effect(row),
                                                                f"effect {row.effect_type}")
-            due = self._store.next_effect_due_ms()
+            due = None if len(self._effect_tasks) >= self.MAX_CONCURRENT_EFFECTS \
+                else self._store.next_effect_due_ms()  # at the limit, an effect's end wakes it
             timeout = None if due is None else max(0.001, (due - _ms()) / 1000)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._effect_wake.wait(), timeout)
@@ -3326,7 +3329,7 @@ class _Sessions:
         work: list[str] = []
         while thread_id and thread_id not in work:
             work.append(thread_id)
-            state = self.orch._states.get(thread_id)
+            state = self.orch._cached(thread_id)
             lineage = state.thread.lineage if state and state.thread else {}
             thread_id = lineage.get("parentThreadId") if lineage.get(
                 "relationshipToParent") == "subagent" else None
@@ -3367,7 +3370,11 @@ class _Sessions:
                 reason=f"Waiting for a free agent process: max_live_agent_processes = "
                        f"{self._max_live} are running; it starts when one frees.")):
             return  # interrupted meanwhile
-        self._line.append((run.thread_id, run.id, run.active_attempt_id or ""))
+        self.line_up([(run.thread_id, run.id, run.active_attempt_id or "")])
+
+    def line_up(self, waiting: Sequence[tuple[str, str, str]]) -> None:
+        """Runs (thread, run, attempt) join the end of the line; free slots go to its head."""
+        self._line.extend(waiting)
         self.rebalance()
 
     def rebalance(self) -> None:
@@ -3378,7 +3385,7 @@ class _Sessions:
             return
         while self._line and self._slots_used() < self._max_live:
             self._grant(*self._line.pop(0))
-        for entry in list(self._line):
+        for entry in list(self._line) if self._waits else ():
             if (lender := self._lender_for(entry[0])) is not None:
                 self._line.remove(entry)
                 self._loans[entry[1]] = lender

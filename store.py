@@ -300,20 +300,24 @@ RETURNING effect_id
 """
 # A row is claimable when it is due and pending, or running with an expired lease (its worker
 # is presumed dead; the attempt number fences that worker out). At most one row per thread
-# runs at a time, so a thread's provider effects happen in order.
-_CLAIM_EFFECT = """
+# runs at a time, so a thread's provider effects happen in order. The first of each kind is
+# read in index order, so a claim does not sort a backlog of pending rows.
+_FIRST_CLAIMABLE = """SELECT * FROM (
+    SELECT o.effect_id, o.available_at_ms, o.created_at FROM effect_outbox o WHERE {due}
+      AND NOT EXISTS (SELECT 1 FROM effect_outbox r
+                      WHERE r.thread_id = o.thread_id AND r.status = 'running'
+                        AND r.lease_expires_ms >= :now AND r.effect_id <> o.effect_id)
+    ORDER BY o.available_at_ms, o.created_at, o.effect_id LIMIT 1)"""
+_CLAIM_EFFECT = f"""
 UPDATE effect_outbox
 SET status = 'running', attempt_count = attempt_count + 1, lease_owner = :owner,
     lease_expires_ms = :now + :lease, last_error = NULL, updated_at = :stamp
 WHERE effect_id = (
-    SELECT o.effect_id FROM effect_outbox o
-    WHERE ((o.status = 'pending' AND o.available_at_ms <= :now)
-           OR (o.status = 'running' AND o.lease_expires_ms < :now))
-      AND NOT EXISTS (SELECT 1 FROM effect_outbox r
-                      WHERE r.thread_id = o.thread_id AND r.status = 'running'
-                        AND r.lease_expires_ms >= :now AND r.effect_id <> o.effect_id)
-    ORDER BY o.available_at_ms, o.created_at, o.effect_id
-    LIMIT 1)
+    SELECT effect_id FROM (
+        {_FIRST_CLAIMABLE.format(due="o.status = 'pending' AND o.available_at_ms <= :now")}
+        UNION ALL
+        {_FIRST_CLAIMABLE.format(due="o.status = 'running' AND o.lease_expires_ms < :now")})
+    ORDER BY available_at_ms, created_at, effect_id LIMIT 1)
 RETURNING *
 """
 _RENEW_LEASE = """
@@ -330,10 +334,11 @@ WHERE effect_id = ? AND status = 'running' AND lease_owner = ? AND attempt_count
 # its thread (a settle wakes the worker for those), or the earliest lease to expire.
 _NEXT_DUE = """
 SELECT MIN(t) FROM (
-    SELECT o.available_at_ms AS t FROM effect_outbox o
+    SELECT * FROM (SELECT o.available_at_ms AS t FROM effect_outbox o
     WHERE o.status = 'pending'
       AND NOT EXISTS (SELECT 1 FROM effect_outbox r
                       WHERE r.thread_id = o.thread_id AND r.status = 'running')
+    ORDER BY o.available_at_ms LIMIT 1)
     UNION ALL
     SELECT lease_expires_ms FROM effect_outbox WHERE status = 'running')
 """
@@ -427,10 +432,28 @@ SELECT thread_id FROM events WHERE sequence > ? GROUP BY thread_id ORDER BY MAX(
 LIMIT ?
 """
 
+# What a restart must settle: threads where the old process may have had something live, or
+# a queued run with nothing ahead of it. Not those of a backlog, so that a restart does not walk
+# it: a run whose start (or preparation) was never claimed had nothing live, its effect just
+# runs; a run waiting for an agent process slot waits on (the line of those waiting is rebuilt
+# from the store: _RUNS_AWAITING_SLOT), and so do queued runs behind either.
 _THREADS_NEEDING_RECOVERY = """
-SELECT thread_id FROM runs WHERE status IN ('preparing', 'starting', 'running', 'queued')
+SELECT thread_id FROM runs r WHERE status = 'running' OR status IN ('preparing', 'starting')
+  AND NOT EXISTS (SELECT 1 FROM effect_outbox o WHERE o.thread_id = r.thread_id
+    AND o.status = 'pending' AND o.attempt_count = 0
+    AND o.effect_type IN ('provider-turn.start', 'workspace.prepare')
+    AND json_extract(o.payload_json, '$.runId') = r.run_id)
+UNION SELECT thread_id FROM runs q WHERE status = 'queued' AND NOT EXISTS (
+  SELECT 1 FROM runs b WHERE b.thread_id = q.thread_id
+    AND (b.status IN ('preparing', 'starting', 'running', 'waiting')
+         OR json_extract(b.payload_json, '$.awaitingAgentSlot')))
 UNION SELECT thread_id FROM provider_sessions WHERE status NOT IN ('stopped', 'error')
 UNION SELECT thread_id FROM runtime_requests WHERE status = 'pending'
+"""
+_RUNS_AWAITING_SLOT = """
+SELECT thread_id, run_id, json_extract(payload_json, '$.activeAttemptId') FROM runs
+WHERE status = 'queued' AND json_extract(payload_json, '$.awaitingAgentSlot')
+ORDER BY json_extract(payload_json, '$.requestedAt'), rowid
 """
 
 
@@ -852,6 +875,11 @@ class Store:
 
     def threads_needing_recovery(self) -> list[str]:
         return [r[0] for r in self._reader.execute(_THREADS_NEEDING_RECOVERY)]
+
+    def runs_awaiting_slot(self) -> list[tuple[str, str, str]]:
+        """(thread id, run id, attempt id) of the runs waiting for an agent process slot, in
+        the order they were requested."""
+        return [(r[0], r[1], r[2]) for r in self._reader.execute(_RUNS_AWAITING_SLOT)]
 
     def effect(self, effect_id: str) -> EffectRow | None:
         row = self._reader.execute("SELECT * FROM effect_outbox WHERE effect_id = ?",

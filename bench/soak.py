@@ -1,10 +1,12 @@
 """Soak: kill -9 / restart cycles of the real server under a running workload.
 
-Each cycle starts (or restarts) `t3.py` on one data directory, drives a workload over MCP for a
-random 0.3-1.5 s (threads created with slow, fast and no prompts; messages sent in auto and queue
-mode to earlier threads; at most 4 calls in flight), then SIGKILLs the server with calls still in
-flight. After the restart it retries every call that got no answer (same clientRequestId) and
-counts, cumulatively:
+Each cycle starts (or restarts) `t3.py` on one data directory, makes a fixed number of calls
+over MCP (`--calls`, default 12: threads created with slow, fast and no prompts; messages sent in
+auto and queue mode to earlier threads; at most 4 calls in flight), and SIGKILLs the server a
+random 0-0.3 s after its last call went out, with calls still in flight. After the restart it
+retries every call that got no answer (same clientRequestId), lets the server finish the cycle's
+work (no run left queued, starting or running: a run the kill did not interrupt starts and
+completes) and counts, cumulatively:
 
 - lost:       acknowledged results (thread, run, message ids from a successful call) missing from
               the database
@@ -16,12 +18,18 @@ counts, cumulatively:
               way), still so 10 s after the restart
 - orphans:    provider processes of a killed server (T3_OWNER=<data dir>, another T3_SERVER_PID)
               still alive 5 s after the restart
+- undrained:  runs still queued, starting or running 60 s after the retries
 
 Lost and duplicates are checked incrementally (the ids acknowledged and the events committed since
 the last check), so a cycle does not slow down as the log grows; every 100th cycle and the last
 one re-check every acknowledged id.
 
-Usage: python bench/soak.py [--cycles 200] [--quick] [--seed N] [--keep FILE]
+Each cycle does the same work and ends with nothing left to do, so its time should not grow:
+the mean cycle time of the last 100 cycles is compared with that of the first 100 (`--quick`:
+10 cycles, halves of 5), target at most 1.2x. Every 10 cycles a line shows the time per cycle
+lately.
+
+Usage: python bench/soak.py [--cycles 1000] [--calls 12] [--quick] [--seed N] [--keep FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import contextlib
 import json
 import random
 import sqlite3
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,8 +50,10 @@ import _bench
 from harness import McpClient, T3Server, ToolResult, pids_alive, processes_matching, wait_until
 
 GHOST_GRACE_S = 10.0
+DRAIN_S = 60.0
 ORPHAN_GRACE_S = 5.0
 IN_FLIGHT = 4
+FLAT = 1.2  # last 100 cycles' mean time at most this times the first 100's
 
 
 @dataclass
@@ -56,7 +67,9 @@ class Tally:
     stuck: int = 0
     ghosts: int = 0
     orphans: int = 0
+    undrained: int = 0
     restart_s: list[float] = field(default_factory=list)
+    cycle_s: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -86,8 +99,8 @@ def _env_of(pid: int) -> dict[str, str]:
 
 
 class Soak:
-    def __init__(self, tmp: Path, server: T3Server, *, seed: int) -> None:
-        self.tmp, self.server, self.rng = tmp, server, random.Random(seed)
+    def __init__(self, tmp: Path, server: T3Server, *, seed: int, calls: int) -> None:
+        self.tmp, self.server, self.rng, self.calls = tmp, server, random.Random(seed), calls
         self.client: McpClient = server.client()
         self.db_path = server.data_dir / "t3.sqlite"
         self.owner = str(server.data_dir.resolve())
@@ -126,18 +139,22 @@ class Soak:
         if tool == "create_threads":
             self.known_threads += [t["threadId"] for t in s.get("threads", [])]
 
-    def drive(self, seconds: float) -> list[tuple[str, dict[str, Any]]]:
-        """Run the workload for `seconds`, then kill -9; return the calls left unanswered."""
-        deadline = time.monotonic() + seconds
+    def drive(self) -> list[tuple[str, dict[str, Any]]]:
+        """Make `self.calls` calls, at most IN_FLIGHT at once; kill -9 a random 0-0.3 s after
+        the last went out; return the calls left unanswered."""
         in_flight: dict[concurrent.futures.Future[ToolResult], tuple[str, dict[str, Any]]] = {}
-        while (left := deadline - time.monotonic()) > 0:
-            while len(in_flight) < IN_FLIGHT:
-                tool, args = self._next_call()
-                in_flight[self.client.submit(tool, args, timeout=60)] = (tool, args)
-            done, _ = concurrent.futures.wait(in_flight, timeout=left,
-                                              return_when=concurrent.futures.FIRST_COMPLETED)
-            for fut in done:
-                self._settle(fut, in_flight.pop(fut))
+        for n in range(self.calls):
+            if len(in_flight) >= IN_FLIGHT:
+                done, _ = concurrent.futures.wait(in_flight, timeout=60,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+                for fut in done:
+                    self._settle(fut, in_flight.pop(fut))
+            tool, args = self._next_call()
+            in_flight[self.client.submit(tool, args, timeout=60)] = (tool, args)
+        done, _ = concurrent.futures.wait(in_flight, timeout=self.rng.uniform(0, 0.3),
+                                          return_when=concurrent.futures.ALL_COMPLETED)
+        for fut in done:
+            self._settle(fut, in_flight.pop(fut))
         self.server.kill9()
         unanswered = []
         done, not_done = concurrent.futures.wait(in_flight, timeout=60)
@@ -256,26 +273,39 @@ class Soak:
         t.duplicates = seen.duplicates
 
     def cycle(self, n: int) -> None:
-        unanswered = self.drive(self.rng.uniform(0.3, 1.5))
+        began = time.perf_counter()
+        unanswered = self.drive()
         started = time.perf_counter()
         self.server.start()
         self.tally.restart_s.append(time.perf_counter() - started)
         self.check_after_restart(n)
         self.retry(unanswered)
         self.check_log(n, full=n % 100 == 0)
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not self.unfinished(), DRAIN_S, interval=0.05)
+        if left := self.unfinished():
+            self.tally.undrained += left
+            self.tally.notes.append(f"cycle {n}: {left} runs not done {DRAIN_S:.0f} s later")
         self.tally.cycles += 1
+        self.tally.cycle_s.append(time.perf_counter() - began)
+
+    def unfinished(self) -> int:
+        with contextlib.closing(self._db()) as db:
+            return db.execute("SELECT COUNT(*) FROM runs WHERE status IN ('preparing', 'queued', "
+                              "'starting', 'running', 'waiting')").fetchone()[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = _bench.parser("kill -9 / restart soak of the real t3 server under load")
-    p.add_argument("--cycles", type=int, default=200)
+    p.add_argument("--cycles", type=int, default=1000)
+    p.add_argument("--calls", type=int, default=12, help="calls per cycle")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", type=Path, help="copy the final database here (for a post-mortem)")
     args = p.parse_args(argv)
     cycles = 10 if args.quick else args.cycles
     began = time.perf_counter()
     with _bench.scratch_dir("soak") as tmp, _bench.t3_server(tmp, chunk_delay=0.02) as server:
-        soak = Soak(tmp, server, seed=args.seed)
+        soak = Soak(tmp, server, seed=args.seed, calls=args.calls)
         mark = time.perf_counter()
         try:
             for n in range(1, cycles + 1):
@@ -285,10 +315,10 @@ def main(argv: list[str] | None = None) -> int:
                 if n % 10 == 0 or n == cycles:
                     t, last10 = soak.tally, time.perf_counter() - mark
                     mark = time.perf_counter()
-                    print(f"cycle {n}/{cycles}: {mark - began:.0f} s ({last10 / 10:.1f} s per cycle "
-                          f"lately), ok calls "
-                          f"{t.calls_ok}, lost {t.lost}, dup {t.duplicates}, stuck {t.stuck}, "
-                          f"ghosts {t.ghosts}, orphans {t.orphans}", file=sys.stderr, flush=True)
+                    print(f"cycle {n}/{cycles}: {mark - began:.0f} s ({last10 / 10:.2f} s per "
+                          f"cycle lately), ok calls {t.calls_ok}, lost {t.lost}, dup "
+                          f"{t.duplicates}, stuck {t.stuck}, ghosts {t.ghosts}, orphans "
+                          f"{t.orphans}, undrained {t.undrained}", file=sys.stderr, flush=True)
         finally:
             soak.client.close()
         with contextlib.closing(soak._db()) as db:
@@ -298,9 +328,15 @@ def main(argv: list[str] | None = None) -> int:
                     db.backup(dest)
     t = soak.tally
     elapsed = time.perf_counter() - began
-    failures = t.lost + t.duplicates + t.stuck + t.ghosts + t.orphans
+    failures = t.lost + t.duplicates + t.stuck + t.ghosts + t.orphans + t.undrained
+    window = max(1, min(100, t.cycles // 2))
+    first, last = (statistics.mean(t.cycle_s[:window]), statistics.mean(t.cycle_s[-window:])) \
+        if t.cycles else (0.0, 0.0)
+    flat = last / first if first else float("inf")
     _bench.report(f"soak: {t.cycles} kill -9 / restart cycles", [
         ("wall time", f"{elapsed:.0f} s ({elapsed / max(t.cycles, 1):.1f} s per cycle)"),
+        ("cycle time", f"first {window} mean {first:.2f} s, last {window} mean {last:.2f} s: "
+                       f"{flat:.2f}x"),
         ("calls acknowledged", f"{t.calls_ok} (+{t.retried_ok} retries after restart)"),
         ("calls unanswered at kill", str(t.calls_unanswered)),
         ("threads / runs / messages acked", f"{len(soak.acked.threads)} / {len(soak.acked.runs)} / "
@@ -313,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         ("stuck outbox rows", str(t.stuck)),
         ("ghost runs", str(t.ghosts)),
         ("orphan processes", str(t.orphans)),
-    ], verdict=("PASS: 0 of each" if failures == 0 else f"FAIL: {failures} problems") +
-       f" over {t.cycles} cycles (target: 0 over 1,000)")
+        ("runs not done 60 s after a restart", str(t.undrained)),
+    ], verdict=("PASS" if failures == 0 and flat <= FLAT else "MISS") +
+       (": 0 of each" if failures == 0 else f": {failures} problems") +
+       f" over {t.cycles} cycles of {args.calls} calls (target: 0 over 1,000), cycle time "
+       f"last/first {window} {flat:.2f}x (target <= {FLAT}x)")
     for note in t.notes[:30]:
         print(f"  ! {note}")
     return 0 if failures == 0 else 1

@@ -3,6 +3,7 @@ Every test runs with both process rules (``process_rules``): the Linux path and 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -166,3 +167,42 @@ def test_restart_ends_recorded_agents_that_outlived_the_server(
     wait_until(lambda: not pids_alive([*agents, *watchers]), 10,
                message="the restart ended the recorded agents and their groups")
     assert "killed 2 provider process(es)" in t3.stderr_text()
+
+
+def test_runs_waiting_for_an_agent_slot_keep_their_places_across_a_kill9(
+        t3_factory: T3Factory, agent_log_path: Path, process_rules: dict[str, str]) -> None:
+    """With one agent process slot, the runs waiting in line when the server is killed wait on
+    after the restart, their threads not walked by recovery, then each runs once, in order."""
+    t3 = t3_factory(env=process_rules, extra="[limits]\nmax_live_agent_processes = 1\n")
+    mcp = t3.client()
+    holder = mcp.call("create_threads", {"threads": [{"prompt": "SLOW:600 holder"}]}).structured
+    waiters = mcp.call("create_threads", {"threads": [{"prompt": f"waiter {i}"}
+                                                      for i in range(3)]}).structured["threads"]
+    db = f"file:{t3.data_dir / 't3.sqlite'}?mode=ro"
+
+    def waiting() -> int:
+        with sqlite3.connect(db, uri=True) as conn:
+            return conn.execute("SELECT COUNT(*) FROM runs WHERE status = 'queued' AND json_extract("
+                                "payload_json, '$.awaitingAgentSlot')").fetchone()[0]
+    wait_until(lambda: waiting() == 3, 30, message="three runs in line")
+    wait_until(lambda: "chunk 1" in assistant_text(mcp, holder["threads"][0]["threadId"]), 30)
+    t3.kill9()
+    t3.restart()
+    runs = [mcp.call("t3_thread_wait", {"threadId": w["threadId"], "runId": w["runId"],
+                                        "timeoutMs": 60_000}).structured for w in waiters]
+    assert [r["status"] for r in runs] == ["completed"] * 3, runs
+    started = []
+    for w in waiters:
+        read = mcp.call("t3_thread_read", {"threadId": w["threadId"]}).structured
+        started.append(next(r for r in read["recentRuns"] if r["runId"] == w["runId"])["startedAt"])
+    assert started == sorted(started)
+    prompts = [json.dumps(e["msg"]) for e in agent_log(agent_log_path)
+               if e["dir"] == "in" and e["msg"].get("method") == "session/prompt"]
+    assert [sum(f"waiter {i}" in p for p in prompts) for i in range(3)] == [1, 1, 1]
+    held = holder["threads"][0]
+    assert mcp.call("t3_thread_wait", {"threadId": held["threadId"], "runId": held["runId"]}
+                    ).structured["status"] == "interrupted"
+    with sqlite3.connect(db, uri=True) as conn:  # recovery committed nothing on the waiters
+        assert conn.execute("SELECT COUNT(*) FROM command_receipts WHERE command_type = "
+                            "'thread.recover' AND thread_id IN (?, ?, ?)",
+                            [w["threadId"] for w in waiters]).fetchone()[0] == 0

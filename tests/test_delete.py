@@ -169,6 +169,9 @@ def test_a_thread_whose_recovery_fails_has_its_run_failed_and_the_next_one_recov
     async def scenario(w: World) -> None:
         await w.thread("a")
         await w.thread("b")
+        for _ in "ab":  # the old process claimed both starts: a restart must look at them
+            assert await w.store.claim_effect(owner="old", now_ms=int(time.time() * 1000),
+                                              lease_ms=30_000) is not None
         now = "2030-01-01T00:00:00.000Z"
         orch = o.Orchestrator(w.store, adapters={}, providers=w.orch.providers, clock=lambda: now)
         await orch.dispatch(o.ChangeThreadLifecycle(f"recover:a:{now}", "a", "thread.visit", now))
@@ -176,7 +179,7 @@ def test_a_thread_whose_recovery_fails_has_its_run_failed_and_the_next_one_recov
         a, b = (await orch.state("a")).runs[0], (await orch.state("b")).runs[0]
         assert a.status == "failed" and a.status_reason.startswith(
             "Recovery after a server restart failed: the request id behind command")
-        assert b.status == "starting"  # its start had not run: recovered, it still starts
+        assert b.status == "starting"  # its start had not begun: recovered, it still starts
         assert [r for r in caplog.records if r.message.startswith("recovery of thread a failed")]
     run(tmp_path, scenario)
 

@@ -681,6 +681,36 @@ async def run_steps(orch: o.Orchestrator, plan: Sequence[tuple[str, int]]) -> in
     return accepted
 
 
+def test_the_state_cache_keeps_threads_in_use_and_evicts_in_constant_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its bound the state cache drops the least recently used threads at rest, keeps the
+    ones in use (a run starting), and a load looks at two cached states, not at every one."""
+    looked: list[o.ThreadState] = []
+    blocking_run = o.ThreadState.blocking_run
+    monkeypatch.setattr(o.ThreadState, "blocking_run",
+                        lambda state: looked.append(state) or blocking_run(state))
+
+    async def scenario() -> None:
+        orch, db = in_process(tmp_path)
+        orch.MAX_CACHED_THREADS = 4
+        try:
+            busy, idle = [f"busy-{i}" for i in range(50)], [f"idle-{i}" for i in range(50)]
+            for thread_id in busy + idle:
+                await orch.dispatch(replace(create_thread(f"create-{thread_id}"), thread_id=thread_id,
+                                            initial_message=create_thread().initial_message
+                                            if thread_id in busy else None))
+            cached = set(orch._states) | set(orch._held)
+            assert set(busy) <= cached and len(cached & set(idle)) <= 4
+            looked.clear()
+            assert (await orch.state("idle-0")).thread.id == "idle-0"  # loaded from the store
+            assert len(looked) <= 2
+            assert set(busy) <= set(orch._states) | set(orch._held)
+        finally:
+            db.close()
+
+    asyncio.run(scenario())
+
+
 def test_random_command_sequences_rebuild_to_the_live_projections(tmp_path_factory: Any) -> None:
     """For generated command sequences through dispatch (decide + the real store): projections
     rebuilt from the events equal the live ones, the orchestrator's cached state equals a fresh
