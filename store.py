@@ -271,10 +271,10 @@ VALUES (?, ?, ?, ?, 'accepted', ?, ?, NULL, ?)
 """
 _SELECT_RECEIPT = "SELECT * FROM command_receipts WHERE command_id = ?"
 _NEXT_STREAM_VERSION = "SELECT COALESCE(MAX(stream_version) + 1, 0) FROM events WHERE thread_id = ?"
+# Its sequence is the cursor's lastrowid (the rowid), read without a RETURNING row: half the cost.
 _INSERT_EVENT = """
 INSERT INTO events (event_id, thread_id, stream_version, command_id, type, occurred_at, payload_json)
 VALUES (?, ?, ?, ?, ?, ?, ?)
-RETURNING sequence
 """
 _MAX_SEQUENCE = "SELECT COALESCE(MAX(sequence), 0) FROM events"
 # Built once: json.dumps with separators builds an encoder per call. Stateless, so shared.
@@ -925,7 +925,7 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
         payload_json = _compact_json(event.payload)
         sequences.append(conn.execute(_INSERT_EVENT, (
             event.event_id, event.thread_id, version, commit.command_id, event.type,
-            event.occurred_at, payload_json)).fetchone()[0])
+            event.occurred_at, payload_json)).lastrowid)
         stream_versions.append(version)
         payloads_json.append(payload_json)
         _project(conn, event.type, event.payload, payload_json)
