@@ -2790,37 +2790,41 @@ class Orchestrator:
         return self._clock()
 
     async def dispatch(self, command: Command) -> DispatchResult:
-        """Decide and commit one command; a command id seen before returns its first result."""
+        """Decide and commit one command; a command id seen before returns its first result (the
+        commit finds its receipt; read here only if decide refuses it or changes nothing)."""
         async with self._locks.setdefault(command.thread_id, asyncio.Lock()):
-            receipt = self._store.receipt(command.command_id)
-            if receipt is not None:
-                return self._replay(command, receipt)
             state = await self.state(command.thread_id) or ThreadState()
-            decision = decide(state, command, now=self._clock(), new_id=self.new_id,
-                              providers=self.providers)
+            try:
+                decision = decide(state, command, now=self._clock(), new_id=self.new_id,
+                                  providers=self.providers)
+            except Exception:
+                if (receipt := self._store.receipt(command.command_id)) is None:
+                    raise
+                return self._replay(command, receipt)
             if not decision.events and not decision.effects:
-                return DispatchResult(state.sequence, decision.result)
+                receipt = self._store.receipt(command.command_id)
+                return self._replay(command, receipt) if receipt else \
+                    DispatchResult(state.sequence, decision.result)
             _store.crash_point(f"before-commit:{command.type}")
             try:
                 outcome = await self._store.commit(decision.commit(command))
-            except _store.FingerprintMismatch as exc:
-                raise T3Error(str(exc), code="invalid_request") from exc
+            except _store.FingerprintMismatch:
+                return self._replay(command, None)
             if not outcome.committed:
                 return self._replay(command, outcome.receipt)
             _store.crash_point(f"after-commit:{command.type}")
             self._apply(decision.events, outcome.sequences, decision.entities)
             if self._subscriptions:
                 self._publish(command.command_id, decision.events, outcome)
-        for effect_id in outcome.cancelled_effect_ids:
-            task = self._effect_tasks.get(effect_id)
-            if task is not None:
-                task.cancel()
+        for task in filter(None, map(self._effect_tasks.get, outcome.cancelled_effect_ids)):
+            task.cancel()
         if decision.effects:
             self._effect_wake.set()
         return DispatchResult(outcome.receipt.result_sequence, decision.result)
 
-    def _replay(self, command: Command, receipt: _store.Receipt) -> DispatchResult:
-        if receipt.fingerprint != fingerprint_of(command):
+    def _replay(self, command: Command, receipt: _store.Receipt | None) -> DispatchResult:
+        """The first result of a command id seen before (None: its receipt is another's)."""
+        if receipt is None or receipt.fingerprint != fingerprint_of(command):
             raise T3Error(f"the request id behind command {command.command_id!r} was already "
                           "used for a different request", code="invalid_request")
         return DispatchResult(receipt.result_sequence, receipt.result, replayed=True)

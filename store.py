@@ -6,8 +6,9 @@ What it owns:
   ``backups/`` (sqlite3 backup API, temp file + rename) before it is migrated; a newer one is
   refused untouched.
 - One writer: a dedicated thread owns the only write connection and runs the jobs of a queue
-  inside ``BEGIN IMMEDIATE``, those queued meanwhile together (each in its own savepoint, one
-  fsync for all); callers await a future. Reads use a separate ``query_only`` connection.
+  inside ``BEGIN IMMEDIATE``, those queued meanwhile together (one fsync for all; a job that
+  fails leaves nothing of itself); callers await a future. Reads use a separate ``query_only``
+  connection.
 - ``commit``: a command's receipt, its events (global ``sequence``, per-thread
   ``stream_version``), the projection rows those events imply, its outbox rows and any outbox
   cancellations, in ONE transaction. A command id seen before is answered from its receipt.
@@ -266,18 +267,18 @@ def event_kind(event_type: str) -> str:
 _INSERT_RECEIPT = """
 INSERT INTO command_receipts (command_id, command_type, fingerprint, thread_id, status,
                               result_sequence, result_json, error, accepted_at)
-VALUES (?, ?, ?, ?, 'accepted', 0, ?, NULL, ?)
-ON CONFLICT (command_id) DO NOTHING
+VALUES (?, ?, ?, ?, 'accepted', ?, ?, NULL, ?)
 """
 _SELECT_RECEIPT = "SELECT * FROM command_receipts WHERE command_id = ?"
-_FINISH_RECEIPT = "UPDATE command_receipts SET result_sequence = ? WHERE command_id = ?"
 _NEXT_STREAM_VERSION = "SELECT COALESCE(MAX(stream_version) + 1, 0) FROM events WHERE thread_id = ?"
+# Its sequence is the cursor's lastrowid (the rowid), read without a RETURNING row: half the cost.
 _INSERT_EVENT = """
 INSERT INTO events (event_id, thread_id, stream_version, command_id, type, occurred_at, payload_json)
 VALUES (?, ?, ?, ?, ?, ?, ?)
-RETURNING sequence
 """
 _MAX_SEQUENCE = "SELECT COALESCE(MAX(sequence), 0) FROM events"
+# Built once: json.dumps with separators builds an encoder per call. Stateless, so shared.
+_compact_json = json.JSONEncoder(separators=(",", ":")).encode
 _APPENDED_TEXT = f"""
 SELECT json_extract(payload_json, '$.text') FROM events
 WHERE type = '{TEXT_APPENDED}' AND json_extract(payload_json, '$.id') = ? ORDER BY sequence
@@ -655,8 +656,7 @@ class Store:
                 except queue.Empty:
                     break
             live = [job for job in jobs if job is not _STOP]
-            outcomes = (self._run_alone(*live[0]) if len(live) == 1
-                        else self._run_batch(live) if live else [])
+            outcomes = self._run(live)
             by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
             for outcome, (_, loop, _) in zip(outcomes, live, strict=True):
                 by_loop.setdefault(loop, []).append(outcome)
@@ -667,6 +667,9 @@ class Store:
                 break
         self._write_conn.close()
 
+    def _run(self, jobs: list[_Job]) -> list[_Outcome]:
+        return self._run_batch(jobs) if len(jobs) > 1 else self._run_alone(*jobs[0]) if jobs else []
+
     def _run_alone(self, fn: Callable[[sqlite3.Connection], Any], loop: Any, future: Any
                    ) -> list[_Outcome]:
         try:
@@ -676,36 +679,44 @@ class Store:
             return [(future, None, exc)]
 
     def _run_batch(self, jobs: list[_Job]) -> list[_Outcome]:
-        """The jobs in one transaction, each in its own savepoint (a job that fails rolls back
-        only its own writes); callers are answered after the COMMIT. If the transaction itself
-        is lost (a failed COMMIT, or SQLite rolling back everything on SQLITE_FULL or an I/O
-        error), each job runs again alone, so each caller gets its own outcome."""
+        """The jobs in one transaction; callers are answered after the COMMIT. A job that fails
+        rolls the whole transaction back and the others run again without it, so it leaves
+        nothing of its own and costs them nothing (failures are rare: a rerun then is cheaper
+        than a savepoint around every job). If the transaction itself is lost (a failed COMMIT,
+        or SQLite rolling back everything on SQLITE_FULL or an I/O error), each job runs again
+        alone, so each caller gets its own outcome."""
         conn = self._write_conn
         outcomes: list[_Outcome] = []
+        failed: _Outcome | None = None
         try:
             with _transaction(conn):
                 for fn, _, future in jobs:
-                    conn.execute("SAVEPOINT job")
                     try:
                         outcomes.append((future, fn(conn), None))
                     except Exception as exc:
-                        conn.execute("ROLLBACK TO job")  # raises if the transaction is gone
-                        outcomes.append((future, None, exc))
-                    conn.execute("RELEASE job")
+                        if conn.in_transaction:  # only this job failed
+                            failed = (future, None, exc)
+                        raise
+                    if not conn.in_transaction:
+                        raise StoreError("a job ended the shared transaction")
         except Exception:
-            return [outcome for job in jobs for outcome in self._run_alone(*job)]
+            if failed is None:
+                return [outcome for job in jobs for outcome in self._run_alone(*job)]
+            at = len(outcomes)
+            others = self._run(jobs[:at] + jobs[at + 1:])
+            return [*others[:at], failed, *others[at:]]
         return outcomes
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn(conn)`` in a BEGIN IMMEDIATE transaction on the writer thread (shared with
-        other jobs queued meanwhile, each in its own savepoint); return once it committed."""
+        other jobs queued meanwhile); return once it committed. Once queued, the write happens:
+        a caller cancelled meanwhile stops waiting, and the writer skips its answer."""
         if self._closed:
             raise StoreError("the store is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._jobs.put((fn, loop, future))
-        # Shielded: once queued, the write happens; a commit in flight cannot be recalled.
-        return await asyncio.shield(future)
+        return await future
 
     def close(self) -> None:
         if self._closed:
@@ -925,17 +936,16 @@ def _translate(exc: BaseException) -> BaseException:
 
 
 def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
-    stamp = _now_iso()
-    inserted = conn.execute(_INSERT_RECEIPT, (
-        commit.command_id, commit.command_type, commit.fingerprint, commit.thread_id,
-        json.dumps(commit.result, separators=(",", ":")), stamp)).rowcount
-    if not inserted:
-        existing = _receipt_from_row(conn.execute(_SELECT_RECEIPT, (commit.command_id,)).fetchone())
+    # The receipt is looked up first and written last, once, with its result sequence: the write
+    # lock is held since BEGIN IMMEDIATE, so nothing can insert the same command id in between.
+    row = conn.execute(_SELECT_RECEIPT, (commit.command_id,)).fetchone()
+    if row is not None:
+        existing = _receipt_from_row(row)
         if existing.fingerprint != commit.fingerprint:
             raise FingerprintMismatch(
                 f"command id {commit.command_id!r} was already used for a different request")
         return CommitResult(committed=False, receipt=existing)
-    crash_point("commit:after-receipt")
+    stamp = _now_iso()
     sequences: list[int] = []
     stream_versions: list[int] = []
     payloads_json: list[str] = []
@@ -945,10 +955,10 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
         if version is None:
             version = conn.execute(_NEXT_STREAM_VERSION, (event.thread_id,)).fetchone()[0]
         next_versions[event.thread_id] = version + 1
-        payload_json = json.dumps(event.payload, separators=(",", ":"))
+        payload_json = _compact_json(event.payload)
         sequences.append(conn.execute(_INSERT_EVENT, (
             event.event_id, event.thread_id, version, commit.command_id, event.type,
-            event.occurred_at, payload_json)).fetchone()[0])
+            event.occurred_at, payload_json)).lastrowid)
         stream_versions.append(version)
         payloads_json.append(payload_json)
         _project(conn, event.type, event.payload, payload_json)
@@ -961,11 +971,14 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
     for effect in commit.effects:
         conn.execute(_INSERT_EFFECT, (
             effect.effect_id, commit.command_id, effect.thread_id, effect.effect_type,
-            json.dumps(effect.payload, separators=(",", ":")), int(effect.replay_safe),
+            _compact_json(effect.payload), int(effect.replay_safe),
             effect.max_attempts, now_ms, stamp, stamp))
     crash_point("commit:after-outbox")
     result_sequence = sequences[-1] if sequences else conn.execute(_MAX_SEQUENCE).fetchone()[0]
-    conn.execute(_FINISH_RECEIPT, (result_sequence, commit.command_id))
+    conn.execute(_INSERT_RECEIPT, (
+        commit.command_id, commit.command_type, commit.fingerprint, commit.thread_id,
+        result_sequence, _compact_json(commit.result), stamp))
+    crash_point("commit:after-receipt")
     receipt = Receipt(commit.command_id, commit.command_type, commit.fingerprint, commit.thread_id,
                       "accepted", result_sequence, commit.result)
     return CommitResult(committed=True, receipt=receipt, sequences=sequences,

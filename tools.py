@@ -63,6 +63,10 @@ DEFAULT_ITEM_CHARS = 20_000
 TRUNCATION_MARK = "\n…[truncated]"
 MIN_ITEM_CHARS = 1_000  # an item cut to fit a page keeps at least this much of its text
 TRANSFER_SUMMARY_CHARS = 1_000  # a read's transfer summary (the whole is the task's result)
+# A list's page unless it asks for more: a shell is about 1,000 characters, and a result of many
+# more than READ_BUDGET_CHARS passes what some agents take from a tool (Claude Code saves it to
+# a file instead).
+LIST_PAGE = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +172,12 @@ class ServerContext:
         if scope is None or scope.kind != "client":
             return {"link": self.link(thread_id)}
         return {"link": self.link(thread_id), "webUrl": f"{self.base_url}/#thread="
-                                                        f"{urllib.parse.quote(thread_id, safe='')}"}
+                                                        f"{_fragment(thread_id)}"}
+
+
+@functools.lru_cache(maxsize=4096)  # each list page quotes its ids again
+def _fragment(thread_id: str) -> str:
+    return urllib.parse.quote(thread_id, safe="")
 
 
 # =============================================================================================
@@ -1332,7 +1341,7 @@ async def _list_threads(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
         project.id, statuses=args.get("statuses") or (),
         title_contains=args.get("titleContains") or "",
         include_subagents=args.get("includeSubagents", True), offset=cursor,
-        limit=args.get("limit", 50), archived=args.get("archived", False),
+        limit=args.get("limit", LIST_PAGE), archived=args.get("archived", False),
         snoozed=args.get("snoozed"), now=kit.orch.now())
     page = [shell(kit, row) for row in rows]
     more = cursor + len(page) < total
@@ -1830,7 +1839,8 @@ OPERATIONS: list[Operation] = [
         "t3_thread_list",
         "List thread shells of one project, newest first (projectId, else the caller's or the "
         "default project). Filter by run status, title, snoozed, and archived (archived "
-        "threads are listed only with archived: true); offset pagination with cursor.",
+        "threads are listed only with archived: true); offset pagination with cursor, "
+        f"{LIST_PAGE} a page unless limit says more.",
         obj({"projectId": text_field(256),
              "statuses": {"type": "array", "maxItems": 10,
                           "items": {"type": "string", "enum": RUN_STATUSES}},
@@ -1972,10 +1982,25 @@ register(*OPERATIONS)
 
 def published_output(tool: Operation) -> dict[str, Any]:
     """The tool's outputSchema as listed: its success shape or the typed failure (MCP does not
-    ask it of errors, but gemini-cli 0.61 and opencode 1.18 check it anyway)."""
+    ask it of errors, but gemini-cli 0.61 and opencode 1.18 check it anyway). An object in a
+    list is listed by the keys it always has, not its values' types: the SDK client checks each
+    result with jsonschema at some microseconds per typed value, and a page of thread shells
+    holds hundreds (checking 20 took longer than the rest of the call). The tests check every
+    value of every result against ``output_schema``."""
     success = tool.output_schema
     return {"type": "object",
-            "anyOf": [*success.get("anyOf", [success]), FAILURE_OUTPUT]}
+            "anyOf": [*map(_keyed_lists, success.get("anyOf", [success])), FAILURE_OUTPUT]}
+
+
+def _keyed_lists(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_keyed_lists(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    items = schema.get("items")
+    if isinstance(items, dict) and "required" in items:
+        return {**schema, "items": {"type": "object", "required": items["required"]}}
+    return {k: _keyed_lists(v) for k, v in schema.items()}
 
 
 def steerable_run(state: ThreadState) -> orch.Run | None:
@@ -2074,7 +2099,7 @@ def _request_summary(request: orch.RuntimeRequest) -> dict[str, Any]:
 
 
 def _result(payload: Mapping[str, Any], *, is_error: bool) -> types.CallToolResult:
-    text = json.dumps(payload, ensure_ascii=False)
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
                                 structured_content=dict(payload), is_error=is_error)
 

@@ -119,6 +119,8 @@ class Workspaces:
 
     async def _repository(self, cwd: str) -> tuple[str, str] | None:
         """``top_level`` and the repository's git directory."""
+        if not _may_be_repository(cwd):
+            return None
         try:
             root, git_dir = (await _git(cwd, "rev-parse", "--show-toplevel",
                                         "--absolute-git-dir")).splitlines()
@@ -336,6 +338,22 @@ def _git_dir_in(root: str) -> str | None:
         return None
     named = line.removeprefix("gitdir:").strip() if line.startswith("gitdir:") else None
     return os.path.realpath(os.path.join(root, named)) if named else None
+
+
+def _may_be_repository(cwd: str) -> bool:
+    """Whether git could find a repository around ``cwd``: one of its folders holds a ``.git``
+    (folder or file) or is a git directory. t3's git gets no GIT_DIR or GIT_WORK_TREE, so it finds
+    one only this way; when none is there, no git process is started to say so (a run in a
+    workspace outside git would start two)."""
+    folder = os.path.realpath(cwd)
+    while True:
+        if os.path.lexists(os.path.join(folder, ".git")) or (
+                os.path.isfile(os.path.join(folder, "HEAD"))
+                and os.path.isdir(os.path.join(folder, "objects"))):
+            return True
+        folder, child = os.path.dirname(folder), folder
+        if folder == child:
+            return False
 
 
 def _within(path: str, folder: str) -> bool:

@@ -513,6 +513,30 @@ ALL_TABLES = ("events", "command_receipts", "effect_outbox",
               *(table for table, _, _ in store._PROJECTIONS.values()))
 
 
+def test_a_command_id_used_again_is_answered_from_its_receipt_whatever_decide_says(
+        tmp_path: Path) -> None:
+    """A command id seen again returns its first result when decide would now refuse it, and is
+    refused, writing nothing, when it carries another payload that decide would accept."""
+    async def scenario() -> None:
+        orch, db = in_process(tmp_path)
+        try:
+            first = await orch.dispatch(create_thread())
+            before = table_rows(db, ALL_TABLES)
+            again = await orch.dispatch(create_thread())  # the thread exists: decide refuses
+            assert again.replayed and (again.sequence, again.result) == (first.sequence,
+                                                                         first.result)
+            other = replace(create_thread(), thread_id="thread-2")  # decide accepts this one
+            with pytest.raises(o.T3Error, match="already used for a different request") as info:
+                await orch.dispatch(other)
+            assert info.value.code == "invalid_request"
+            assert await orch.state("thread-2") is None
+            assert table_rows(db, ALL_TABLES) == before
+        finally:
+            db.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_duplicate_provider_result_changes_nothing(tmp_path: Path) -> None:
     """The provider's end delivered twice, the same ingest batch replayed, finalization applied
     twice and a late failure: one terminal event, and nothing changes after the first."""

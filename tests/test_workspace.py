@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import os
 import shutil
 import subprocess
 import sys
@@ -95,10 +96,23 @@ def test_a_scratch_folder_in_a_repository_around_the_data_dir_has_no_checkpoint(
     assert run(spaces.top_level(str(home))) == str(home)
 
 
-def test_a_folder_outside_git_has_no_checkpoint(tmp_path: Path) -> None:
-    (tmp_path / "plain").mkdir()
-    assert run(spaces_in(tmp_path).capture(str(tmp_path / "plain"), "refs/t3/x")) \
-        is None
+def test_a_folder_outside_git_has_no_checkpoint_and_starts_no_git(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside any repository a capture is None without a git process (each run captures
+    twice); in a repository the same git is run."""
+    calls, bin_dir = tmp_path / "git-calls", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "git").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {shutil.which("git")} "$@"\n')
+    (bin_dir / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    (tmp_path / "plain" / "deeper").mkdir(parents=True)
+    spaces = spaces_in(tmp_path)
+    assert run(spaces.capture(str(tmp_path / "plain" / "deeper"), "refs/t3/x")) is None
+    assert run(spaces.top_level(str(tmp_path / "plain"))) is None
+    assert not calls.exists()
+    repo = make_repo(tmp_path / "plain" / "repo")
+    assert run(spaces.top_level(str(repo))) == str(repo)
+    assert "rev-parse" in calls.read_text()
 
 
 def test_diffs_count_the_changes_and_a_restore_brings_the_files_back(tmp_path: Path) -> None:
