@@ -17,10 +17,11 @@ Rules that hold everywhere below:
   ``failed`` with a visible ``statusReason``.
 - No SQL, subprocesses or HTTP here; never imports ``providers.py`` or ``tools.py``.
 
-Features outside the core (schedules.py, history.py, metadata.py) plug in only through the
-tables here: ``decides`` (a command and its decide function), ``register_entities``,
-``EFFECTS`` (an outbox effect), ``RUN_HOOKS`` (a say in a run's start) and
-``Orchestrator.attach`` (a runtime ``Part``); this file never imports them.
+Features outside the core (schedules.py, history.py, metadata.py, and workspace.py's
+preparation of a launch's worktree) plug in only through the tables here: ``decides`` (a
+command and its decide function), ``register_entities``, ``EFFECTS`` (an outbox effect),
+``RUN_HOOKS`` (a say in a run's start), ``SETUP_ANSWERED`` and ``Orchestrator.attach`` (a
+runtime ``Part``); this file never imports them.
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ __all__ = [
     "decides", "register_entities", "EffectKind", "Entity", "Command", "Draft", "Part",
     "RateLimited", "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
-    "handoff_prompt", "Workspaces", "AdvancePreparation", "parse_json", "json_too_deep",
+    "handoff_prompt", "Workspaces", "parse_json", "json_too_deep",
     "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS", "RunHooks", "RUN_HOOKS",
-    "HANDOFF_LABELS", "thread_work", "put_item", "MarkRunStarted",
+    "HANDOFF_LABELS", "thread_work", "put_item", "MarkRunStarted", "SETUP_ANSWERED",
+    "preparation_item_id", "PermanentEffectError",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -1702,7 +1704,8 @@ def _decide_respond(d: Draft, c: RespondRuntimeRequest, **_: Any) -> Mapping[str
                                                 "answeredBy": c.answered_by}))
     _question_closed(d, request)
     if request.response_capability.get("setup"):
-        _setup_answered(d, c, request, declined)
+        for answered in SETUP_ANSWERED:
+            answered(d, c, request, declined)
     else:
         d.effect("runtime-request.respond", {
             "requestId": request.id, "runId": request.run_id,
@@ -1866,7 +1869,7 @@ def _ingest_one(d: Draft, run: Run, attempt: RunAttempt, c: IngestProviderEvents
         d.put(replace(item, text=text, data={"steps": list(event.entries)}, updated_at=d.now))
     elif isinstance(event, RuntimeRequestOpened):
         _close_streams(d, attempt)
-        _ingest_request(d, run, attempt, c.provider_session_id, event)
+        ingest_request(d, run, attempt, c.provider_session_id, event)
     elif isinstance(event, TurnEnded):
         _close_streams(d, attempt)
         if event.status == "completed":
@@ -1907,7 +1910,7 @@ def _ingest_tool(d: Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) -> 
                   completed_at=ended))
 
 
-def _ingest_request(d: Draft, run: Run, attempt: RunAttempt, session_id: str | None,
+def ingest_request(d: Draft, run: Run, attempt: RunAttempt, session_id: str | None,
                     event: RuntimeRequestOpened) -> None:
     """A provider's question or approval request (``session_id`` None: t3's own, a launch's
     setup commands): its node, request and turn item, once."""
@@ -2015,7 +2018,7 @@ def _decide_complete(d: Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
 
 
 @decides(FailRun)
-def _decide_fail_run(d: Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
+def decide_fail_run(d: Draft, c: FailRun, **_: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
     if run is None or run.status in RUN_TERMINAL or run.status == RunStatus.QUEUED:
         raise CommandRejected("the run is not active")
@@ -2489,14 +2492,10 @@ def thread_title(title: str | None, prompt: str | None, fallback: str) -> str:
 
 # =============================================================================================
 # Workspace preparation. A launch into a new worktree starts its first run ``preparing`` with a
-# "Preparing workspace" item (phase worktree, approval, setup, ready or failed; text: the setup
-# output). ``workspace.prepare`` makes the worktree, runs the setup commands, then releases or
-# fails the run. Replay-safe: a rerun first removes what a dead attempt left. Setup commands run
-# what the worktree holds, which an agent may have written: an agent's launch below full-access
-# (``askSetup``) asks first: a pending command approval of the new run that t3 itself asks (no
-# provider session is behind it, so none ending expires it); accepted, a second
-# ``workspace.prepare`` runs them in the worktree made for the question; declined, the run starts
-# without them.
+# "Preparing workspace" item and a ``workspace.prepare`` effect. The rest is workspace.py's,
+# which t3.py loads: the effect makes the worktree and runs (or asks about) the setup commands,
+# then releases or fails the run (``run.prepare``); SETUP_ANSWERED takes the answer to its
+# question.
 
 
 class Workspaces(Protocol):
@@ -2516,75 +2515,19 @@ class Workspaces(Protocol):
     async def run_setup(self, cwd: str, command: str) -> tuple[int, str]: ...
 
 
-PREPARATION_OUTPUT_CHARS = 20_000
-
-
-@dataclass(frozen=True, slots=True)
-class AdvancePreparation(Command):
-    type: ClassVar[str] = "run.prepare"
-    run_id: str
-    phase: str  # approval | setup | ready | failed
-    output: str = ""
-    reason: str = ""
-    setup: tuple[str, ...] = ()  # approval: the commands asked about
-
-
-def _preparation_item_id(run_id: str) -> str:
+def preparation_item_id(run_id: str) -> str:
     return bounded_id(f"turn-item:{run_id}:workspace")
 
 
-def _setup_request_id(run_id: str) -> str:
-    return bounded_id(f"runtime-request:{run_id}:setup")
-
-
 def _begin_preparation(d: Draft, run: Run, preparation: Mapping[str, Any]) -> None:
-    put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
+    put_item(d, preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
              "running", title="Preparing workspace", data={"phase": "worktree"})
     d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
 
-@decides(AdvancePreparation)
-def _decide_preparation(d: Draft, c: AdvancePreparation, **kw: Any) -> Mapping[str, Any]:
-    run = d.get("run", c.run_id)
-    item = d.get("turn-item", _preparation_item_id(c.run_id))
-    if run is None or item is None or run.status != RunStatus.PREPARING:
-        raise CommandRejected("the run is not preparing its workspace")
-    if c.phase == "approval" and d.get("runtime-request", _setup_request_id(run.id)):
-        return {"runId": run.id, "status": run.status, "phase": item.data["phase"]}  # a replay
-    done = {"ready": "completed", "failed": "failed"}.get(c.phase)
-    d.put(replace(item, status=done or ("waiting" if c.phase == "approval" else "running"),
-                  text=c.output or None, data={"phase": c.phase}, updated_at=d.now,
-                  completed_at=d.now if done else None))
-    if c.phase == "approval":
-        _ingest_request(d, run, d.get("run-attempt", run.active_attempt_id), None,
-                        RuntimeRequestOpened("setup", "command", (
-                            "Run the project's setup commands in the new worktree: "
-                            + "; ".join(c.setup))[:500],
-                            {"commands": list(c.setup), "cwd": d.thread.worktree_path}))
-    if c.phase == "failed":
-        return _decide_fail_run(d, FailRun(
-            command_id=c.command_id, thread_id=c.thread_id, run_id=run.id, attempt_id=None,
-            status=RunStatus.FAILED, reason=c.reason), **kw)
-    if c.phase == "ready":
-        run = d.put(replace(run, status=RunStatus.STARTING))
-        d.effect("provider-turn.start", {"runId": run.id, "attemptId": run.active_attempt_id},
-                 run.id)
-    return {"runId": run.id, "status": run.status, "phase": c.phase}
-
-
-def _setup_answered(d: Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
-                    declined: bool) -> None:
-    """Accepted: the commands run (``workspace.prepare`` again, in the worktree already made).
-    Declined (or cancelled): the run starts without them, its item saying so."""
-    commands = request.detail["commands"]
-    note = "The setup commands were declined; the agent starts without them:\n" + "".join(
-        f"$ {command}\n" for command in commands)
-    _decide_preparation(d, AdvancePreparation(
-        command_id=c.command_id, thread_id=c.thread_id, run_id=request.run_id,
-        phase="ready" if declined else "setup", output=note if declined else ""))
-    if not declined:
-        d.effect("workspace.prepare", {"runId": request.run_id, "setup": commands,
-                                       "approved": True}, request.id)
+# In decide: an answer to t3's own question of a run (its request's capability ``setup``: a
+# launch's setup commands), and whether it was declined.
+SETUP_ANSWERED: list[Callable[[Draft, RespondRuntimeRequest, RuntimeRequest, bool], None]] = []
 
 
 # =============================================================================================
@@ -2650,7 +2593,7 @@ class DispatchResult:
     replayed: bool = False
 
 
-class _PermanentEffectError(T3Error):
+class PermanentEffectError(T3Error):
     """The effect cannot succeed by retrying."""
 
 
@@ -3065,10 +3008,10 @@ class Orchestrator:
         renewer = self.spawn(self._renew_lease(row, asyncio.current_task()), "lease")
         try:
             if row.attempt_count > row.max_attempts:  # reclaimed after its last lease expired
-                raise _PermanentEffectError("no attempts left after the last lease expired")
+                raise PermanentEffectError("no attempts left after the last lease expired")
             kind = EFFECTS.get(row.effect_type)
             if kind is None:
-                raise _PermanentEffectError(f"unknown effect type {row.effect_type!r}")
+                raise PermanentEffectError(f"unknown effect type {row.effect_type!r}")
             await kind.run(self, row)
         except asyncio.CancelledError:
             # Cancelled by a command (its row is already 'cancelled'), by losing the lease, or by
@@ -3095,7 +3038,7 @@ class Orchestrator:
 
     async def _effect_failed(self, row: _store.EffectRow, exc: Exception) -> None:
         message = f"{type(exc).__name__}: {exc}" if not isinstance(exc, T3Error) else str(exc)
-        last = row.attempt_count >= row.max_attempts or isinstance(exc, _PermanentEffectError)
+        last = row.attempt_count >= row.max_attempts or isinstance(exc, PermanentEffectError)
         log.warning("effect %s attempt %d failed: %s", row.effect_id, row.attempt_count, message)
         if not last:
             delay = min(30_000, self._backoff_base_ms * 2 ** (row.attempt_count - 1))
@@ -3238,7 +3181,7 @@ class _Sessions:
         elif live is not None and live.handle.alive():
             live.closing_reason = "Replaced by a session of the thread's new provider or model."
         if adapter is None:
-            raise _PermanentEffectError(f"provider instance {run.provider_instance_id!r} is not "
+            raise PermanentEffectError(f"provider instance {run.provider_instance_id!r} is not "
                                         "configured on this server")
         if live is not None:  # replaced: its slot passes to the new session
             self._opening.add(run.id)
@@ -3544,7 +3487,7 @@ class _Sessions:
         state = await self.orch.state(thread_id)
         message = state.entities["message"].get(message_id) if state else None
         if live is None or live.turn != (run_id, attempt_id) or message is None:
-            raise _PermanentEffectError("the turn to steer is no longer live")
+            raise PermanentEffectError("the turn to steer is no longer live")
         await live.handle.steer_turn(message.text)
 
 
@@ -3557,7 +3500,7 @@ async def _finalize_task(o: Orchestrator, parent_id: str, task_id: str, child_id
     child = await o.state(child_id)
     run = child.run(run_id) if child else None
     if child is None or run is None:
-        raise _PermanentEffectError(f"the run {run_id} of task {task_id} is gone")
+        raise PermanentEffectError(f"the run {run_id} of task {task_id} is gone")
     status = RunStatus.CANCELLED if run.status == RunStatus.ROLLED_BACK else run.status
     await o.try_dispatch(FinalizeSubagent(
         command_id=bounded_id(f"command:finalize-task:{task_id}:{run_id}"),
@@ -3566,75 +3509,11 @@ async def _finalize_task(o: Orchestrator, parent_id: str, task_id: str, child_id
         f"task {task_id} could not be finalized")
 
 
-async def _prepare_workspace(o: Orchestrator, row: _store.EffectRow) -> None:
-    """Make a launch's worktree (first removing what a killed attempt left, branch too) and run
-    its setup commands, or ask first (``askSetup``) and end; ``approved``: run them in the
-    worktree made before. Release the run, or fail it (a failed setup keeps the worktree)."""
-    p = row.payload
-    state = await o.state(row.thread_id)
-    thread = state.thread if state else None
-    run = state.run(p["runId"]) if state else None
-    if thread is None or run is None or run.status != RunStatus.PREPARING or (
-            not p.get("approved") and _setup_request_id(run.id) in
-            state.entities["runtime-request"]):  # a replay: the question was asked
-        return
-    if o.workspaces is None or not thread.worktree_path or not thread.branch:
-        raise _PermanentEffectError("this server cannot make worktrees")
-    path, output = thread.worktree_path, ""
-    try:
-        if not p.get("approved"):
-            await _make_worktree(o, row, path, thread.branch)
-            if p.get("askSetup"):
-                asked = "".join(f"$ {command}\n" for command in p["setup"])
-                await _advance_preparation(o, run, "approval", "Waiting for approval to "
-                                           f"run:\n{asked}", setup=p["setup"])
-                return
-        for command in p["setup"]:
-            output = f"{output}$ {command}\n"[-PREPARATION_OUTPUT_CHARS:]
-            await _advance_preparation(o, run, "setup", output)
-            code, text = await o.workspaces.run_setup(path, command)
-            output = (output + text)[-PREPARATION_OUTPUT_CHARS:]
-            if code != 0:
-                tail = " ".join(text.strip().splitlines()[-3:])
-                raise T3Error(f"The setup command {command!r} exited with {code}"
-                              f"{': ' + tail[-500:] if tail else ''} (the worktree is kept "
-                              f"at {path})")
-    except CommandRejected:
-        return  # the run ended meanwhile (interrupted): nothing to release
-    except T3Error as exc:
-        with contextlib.suppress(CommandRejected):
-            await _advance_preparation(o, run, "failed", output, str(exc))
-        return
-    with contextlib.suppress(CommandRejected):
-        await _advance_preparation(o, run, "ready", output)
-
-
-async def _make_worktree(o: Orchestrator, row: _store.EffectRow, path: str, branch: str) -> None:
-    p = row.payload
-    assert o.workspaces is not None
-    if row.attempt_count > 1 or os.path.lexists(path):
-        await o.workspaces.remove_worktree(p["repo"], path, branch)
-    try:
-        await o.workspaces.add_worktree(
-            p["repo"], os.path.basename(path), base_ref=p["baseRef"], branch=branch,
-            from_origin=p["fromOrigin"])
-    except Exception as exc:
-        raise T3Error(f"The worktree could not be made: {exc}") from exc
-    _store.crash_point("workspace.prepare:after-worktree")
-
-
-async def _advance_preparation(o: Orchestrator, run: Run, phase: str, output: str,
-                               reason: str = "", setup: Sequence[str] = ()) -> None:
-    await o.dispatch(AdvancePreparation(
-        command_id=o.new_id("command:prepare"), thread_id=run.thread_id,
-        run_id=run.id, phase=phase, output=output, reason=reason, setup=tuple(setup)))
-
-
 async def _respond(o: Orchestrator, row: _store.EffectRow) -> None:
     p = row.payload
     live = o.sessions.live.get(row.thread_id)
     if live is None or live.session_id != p["providerSessionId"]:
-        raise _PermanentEffectError("the provider session that asked is gone")
+        raise PermanentEffectError("the provider session that asked is gone")
     await live.handle.respond(p["nativeRequestRef"], p.get("decision"), p.get("answers"))
 
 
@@ -3705,8 +3584,6 @@ EFFECTS: dict[str, EffectKind] = {
         row.payload["runId"], row.payload.get("publish", True)), replay_safe=True),
     "subagent.question": EffectKind(_route_question, replay_safe=True),
     "subagent.question-settled": EffectKind(_withdraw_question, replay_safe=True),
-    # a second attempt first removes what the first one left
-    "workspace.prepare": EffectKind(_prepare_workspace, replay_safe=True, fails_run=True),
 }
 
 

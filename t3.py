@@ -76,7 +76,9 @@ FEATURES = ("schedules", "history", "metadata")
 
 
 def load_features() -> None:
-    for name in FEATURES:
+    """FEATURES, and workspace.py: a core layer (git) that also registers a launch's worktree
+    preparation (its command and effect) into the core's tables."""
+    for name in ("workspace", *FEATURES):
         importlib.import_module(name)
 
 

@@ -29,12 +29,19 @@ import re
 import shutil
 import signal
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, ClassVar
 
+from orchestrator import (EFFECTS, SETUP_ANSWERED, Command, CommandRejected, Draft, EffectKind,
+                          FailRun, Orchestrator, PermanentEffectError, RespondRuntimeRequest, Run,
+                          RunStatus, RuntimeRequest, RuntimeRequestOpened, T3Error, bounded_id,
+                          decide_fail_run, decides, ingest_request, preparation_item_id)
 from store import crash_point
 
-__all__ = ["GitError", "Workspaces", "FileChange", "Diff", "checkpoint_ref", "ref_problem"]
+__all__ = ["GitError", "Workspaces", "FileChange", "Diff", "checkpoint_ref", "ref_problem",
+           "AdvancePreparation", "PREPARATION_OUTPUT_CHARS"]
 
 GIT_TIMEOUT_S = 120.0
 _AUTHOR = {"GIT_AUTHOR_NAME": "t3", "GIT_AUTHOR_EMAIL": "t3@localhost",
@@ -455,3 +462,149 @@ async def _run(cwd: str, args: tuple[str, ...], env: dict[str, str],
         lines = err.decode("utf-8", "replace").strip().splitlines()[:3]
         raise GitError(f"git {args[0]}: {' '.join(lines) or f'exit {proc.returncode}'}")
     return out.decode("utf-8", "replace")
+
+
+# =============================================================================================
+# Workspace preparation: a launch's worktree, made as an effect of its first run, registered
+# into the core's tables when t3.py loads this file (``load_features``). The core starts such a
+# run ``preparing`` with a "Preparing workspace" item (phase worktree, approval, setup, ready or
+# failed; text: the setup output) and a ``workspace.prepare`` effect, which makes the worktree,
+# runs the setup commands, then releases or fails the run (``run.prepare``). Replay-safe: a
+# rerun first removes what a dead attempt left. Setup commands run what the worktree holds,
+# which an agent may have written: an agent's launch below full-access (``askSetup``) asks
+# first: a pending command approval of the new run that t3 itself asks (no provider session is
+# behind it, so none ending expires it); accepted, a second ``workspace.prepare`` runs them in
+# the worktree made for the question; declined, the run starts without them.
+
+PREPARATION_OUTPUT_CHARS = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class AdvancePreparation(Command):
+    type: ClassVar[str] = "run.prepare"
+    run_id: str
+    phase: str  # approval | setup | ready | failed
+    output: str = ""
+    reason: str = ""
+    setup: tuple[str, ...] = ()  # approval: the commands asked about
+
+
+def _setup_request_id(run_id: str) -> str:
+    return bounded_id(f"runtime-request:{run_id}:setup")
+
+
+@decides(AdvancePreparation)
+def _decide_preparation(d: Draft, c: AdvancePreparation, **kw: Any) -> Mapping[str, Any]:
+    run = d.get("run", c.run_id)
+    item = d.get("turn-item", preparation_item_id(c.run_id))
+    if run is None or item is None or run.status != RunStatus.PREPARING:
+        raise CommandRejected("the run is not preparing its workspace")
+    if c.phase == "approval" and d.get("runtime-request", _setup_request_id(run.id)):
+        return {"runId": run.id, "status": run.status, "phase": item.data["phase"]}  # a replay
+    done = {"ready": "completed", "failed": "failed"}.get(c.phase)
+    d.put(replace(item, status=done or ("waiting" if c.phase == "approval" else "running"),
+                  text=c.output or None, data={"phase": c.phase}, updated_at=d.now,
+                  completed_at=d.now if done else None))
+    if c.phase == "approval":
+        ingest_request(d, run, d.get("run-attempt", run.active_attempt_id), None,
+                       RuntimeRequestOpened("setup", "command", (
+                           "Run the project's setup commands in the new worktree: "
+                           + "; ".join(c.setup))[:500],
+                           {"commands": list(c.setup), "cwd": d.thread.worktree_path}))
+    if c.phase == "failed":
+        return decide_fail_run(d, FailRun(
+            command_id=c.command_id, thread_id=c.thread_id, run_id=run.id, attempt_id=None,
+            status=RunStatus.FAILED, reason=c.reason), **kw)
+    if c.phase == "ready":
+        run = d.put(replace(run, status=RunStatus.STARTING))
+        d.effect("provider-turn.start", {"runId": run.id, "attemptId": run.active_attempt_id},
+                 run.id)
+    return {"runId": run.id, "status": run.status, "phase": c.phase}
+
+
+def _setup_answered(d: Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
+                    declined: bool) -> None:
+    """Accepted: the commands run (``workspace.prepare`` again, in the worktree already made).
+    Declined (or cancelled): the run starts without them, its item saying so."""
+    commands = request.detail["commands"]
+    note = "The setup commands were declined; the agent starts without them:\n" + "".join(
+        f"$ {command}\n" for command in commands)
+    _decide_preparation(d, AdvancePreparation(
+        command_id=c.command_id, thread_id=c.thread_id, run_id=request.run_id,
+        phase="ready" if declined else "setup", output=note if declined else ""))
+    if not declined:
+        d.effect("workspace.prepare", {"runId": request.run_id, "setup": commands,
+                                       "approved": True}, request.id)
+
+
+SETUP_ANSWERED.append(_setup_answered)
+
+
+async def _prepare_workspace(o: Orchestrator, thread_id: str, p: Mapping[str, Any], *,
+                             retried: bool) -> None:
+    """Make a launch's worktree (first removing what a killed attempt left, branch too) and run
+    its setup commands, or ask first (``askSetup``) and end; ``approved``: run them in the
+    worktree made before. Release the run, or fail it (a failed setup keeps the worktree)."""
+    state = await o.state(thread_id)
+    thread = state.thread if state else None
+    run = state.run(p["runId"]) if state else None
+    if thread is None or run is None or run.status != RunStatus.PREPARING or (
+            not p.get("approved") and _setup_request_id(run.id) in
+            state.entities["runtime-request"]):  # a replay: the question was asked
+        return
+    if o.workspaces is None or not thread.worktree_path or not thread.branch:
+        raise PermanentEffectError("this server cannot make worktrees")
+    path, output = thread.worktree_path, ""
+    try:
+        if not p.get("approved"):
+            await _make_worktree(o, p, path, thread.branch, retried=retried)
+            if p.get("askSetup"):
+                asked = "".join(f"$ {command}\n" for command in p["setup"])
+                await _advance_preparation(o, run, "approval", "Waiting for approval to "
+                                           f"run:\n{asked}", setup=p["setup"])
+                return
+        for command in p["setup"]:
+            output = f"{output}$ {command}\n"[-PREPARATION_OUTPUT_CHARS:]
+            await _advance_preparation(o, run, "setup", output)
+            code, text = await o.workspaces.run_setup(path, command)
+            output = (output + text)[-PREPARATION_OUTPUT_CHARS:]
+            if code != 0:
+                tail = " ".join(text.strip().splitlines()[-3:])
+                raise T3Error(f"The setup command {command!r} exited with {code}"
+                              f"{': ' + tail[-500:] if tail else ''} (the worktree is kept "
+                              f"at {path})")
+    except CommandRejected:
+        return  # the run ended meanwhile (interrupted): nothing to release
+    except T3Error as exc:
+        with contextlib.suppress(CommandRejected):
+            await _advance_preparation(o, run, "failed", output, str(exc))
+        return
+    with contextlib.suppress(CommandRejected):
+        await _advance_preparation(o, run, "ready", output)
+
+
+async def _make_worktree(o: Orchestrator, p: Mapping[str, Any], path: str, branch: str, *,
+                         retried: bool) -> None:
+    assert o.workspaces is not None
+    if retried or os.path.lexists(path):
+        await o.workspaces.remove_worktree(p["repo"], path, branch)
+    try:
+        await o.workspaces.add_worktree(
+            p["repo"], os.path.basename(path), base_ref=p["baseRef"], branch=branch,
+            from_origin=p["fromOrigin"])
+    except Exception as exc:
+        raise T3Error(f"The worktree could not be made: {exc}") from exc
+    crash_point("workspace.prepare:after-worktree")
+
+
+async def _advance_preparation(o: Orchestrator, run: Run, phase: str, output: str,
+                               reason: str = "", setup: Sequence[str] = ()) -> None:
+    await o.dispatch(AdvancePreparation(
+        command_id=o.new_id("command:prepare"), thread_id=run.thread_id,
+        run_id=run.id, phase=phase, output=output, reason=reason, setup=tuple(setup)))
+
+
+# a second attempt first removes what the first one left
+EFFECTS["workspace.prepare"] = EffectKind(lambda o, row: _prepare_workspace(
+    o, row.thread_id, row.payload, retried=row.attempt_count > 1), replay_safe=True,
+    fails_run=True)

@@ -21,6 +21,7 @@ import orchestrator as o  # noqa: E402
 import schedules  # noqa: E402
 from harness import CountingIds  # noqa: E402
 import store  # noqa: E402
+import workspace  # noqa: E402
 
 NOW = "2030-01-02T03:04:05.678Z"
 THREAD = "thread-1"
@@ -750,23 +751,24 @@ def test_a_worktree_launch_prepares_before_its_turn_starts_then_is_released_or_f
         run = sim.run()
         assert run.status == "preparing" and effect_types(created) == ["workspace.prepare"]
         assert created.effects[0].payload == {"runId": run.id, **preparation}
-        item_id = o._preparation_item_id(run.id)
+        item_id = o.preparation_item_id(run.id)
         assert (sim.get("turn-item", item_id).status, sim.get("turn-item", item_id).data) == (
             "running", {"phase": "worktree"})
-        sim.do(o.AdvancePreparation(command_id=sim.cid("setup"), thread_id=THREAD,
-                                    run_id=run.id, phase="setup", output="$ x\n"))
+        sim.do(workspace.AdvancePreparation(command_id=sim.cid("setup"), thread_id=THREAD,
+                                            run_id=run.id, phase="setup", output="$ x\n"))
         assert sim.get("turn-item", item_id).text == "$ x\n"
-        ended = sim.do(o.AdvancePreparation(command_id=sim.cid(phase), thread_id=THREAD,
-                                            run_id=run.id, phase=phase, output="$ x\nboom",
-                                            reason="setup failed"))
+        ended = sim.do(workspace.AdvancePreparation(
+            command_id=sim.cid(phase), thread_id=THREAD, run_id=run.id, phase=phase,
+            output="$ x\nboom", reason="setup failed"))
         assert (sim.run().status, effect_types(ended)) == (status, effects)
         assert sim.get("turn-item", item_id).status == ("completed" if phase == "ready"
                                                         else "failed")
         if phase == "failed":
             assert sim.run().status_reason == "setup failed"
         with pytest.raises(o.CommandRejected):
-            sim.decide(o.AdvancePreparation(command_id=sim.cid("late"), thread_id=THREAD,
-                                            run_id=run.id, phase="ready"))
+            sim.decide(workspace.AdvancePreparation(command_id=sim.cid("late"),
+                                                    thread_id=THREAD, run_id=run.id,
+                                                    phase="ready"))
 
 
 # =============================================================================================
