@@ -24,13 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol, cast
 
-from orchestrator import (EFFECTS, HANDOFF_LABELS, RUN_BLOCKING, RUN_HOOKS, RUN_TERMINAL, Actor,
-                          Command, CommandRejected, ContextHandoff, ContextTransfer, CreateThread,
-                          Draft, EffectKind, Entity, MarkRunStarted, Orchestrator,
-                          ProviderAdapter, ProviderInfo, ProviderThread, Run, RunHooks, RunStatus,
-                          T3Error, ThreadState, TurnItem, Workspaces, bounded_id,
-                          decide_create_thread, decides, put_item, register_entities, sendable,
-                          thread_work)
+from orchestrator import (EFFECTS, RUN_BLOCKING, RUN_HOOKS, RUN_TERMINAL, Actor, Command,
+                          CommandRejected, ContextTransfer, CreateThread, Draft, EffectKind,
+                          Entity, MarkRunStarted, Orchestrator, ProviderAdapter, ProviderInfo,
+                          ProviderThread, Run, RunHooks, RunStatus, T3Error, ThreadState,
+                          TurnItem, Workspaces, bounded_id, decide_create_thread, decides,
+                          put_item, register_entities, sendable, thread_work)
 from tools import (BOOLEAN, CLIENT_REQUEST_ID, INTEGER, OPT_INTEGER, OPT_STRING, SEED_TITLE,
                    STRING, THREAD_ID, Args, Call, Operation, Toolkit, enum_of, list_of,
                    new_worktree, obj, register, register_wire, shape, text_field, ws_op)
@@ -38,7 +37,7 @@ from tools import (BOOLEAN, CLIENT_REQUEST_ID, INTEGER, OPT_INTEGER, OPT_STRING,
 __all__ = ["Checkpoint", "ForkThread", "MergeBack", "RollbackThread", "FinishRollback", "MERGE_BACK_LABEL",
            "fork_transfer_id", "merge_back_head", "kept_turns", "describe_handoff", "put_handoff",
            "handoff_line", "handoff_text", "HANDOFF_BUDGET", "checkpoint_id",
-           "checkpoint_scope_id", "kept_before", "file_changes"]
+           "checkpoint_scope_id", "kept_before", "file_changes", "ContextHandoff", "handoff_prompt"]
 
 log = logging.getLogger("t3.history")
 
@@ -46,14 +45,54 @@ log = logging.getLogger("t3.history")
 # =============================================================================================
 # Context handoffs. A run on a provider thread that missed earlier runs (it never took part, or
 # could not resume its conversation) carries a ContextHandoff with a turn item: a deterministic
-# summary of what it missed, which the core's ``handoff_prompt`` puts before the user's text. A
-# fork's first run and a parent's run after a merge-back carry theirs the same way.
+# summary of what it missed, which ``handoff_prompt`` puts before the user's text in the run's
+# first prompt (RunHooks.prompt). A fork's first run and a parent's run after a merge-back carry
+# theirs the same way.
 
 HANDOFF_BUDGET = 32_000  # characters of summary; the newest context is kept when cut
 HANDOFF_LINE = 240  # characters of one item line
 _HANDOFF_HEADERS = {
     "full_thread_summary": "Full conversation context for provider handoff.",
     "delta_since_target_last_seen": "Conversation delta since this provider last participated."}
+
+
+@dataclass(frozen=True, slots=True)
+class ContextHandoff(Entity):
+    """The context a provider got when it joined a thread's conversation late: after a
+    provider switch (the delta since it last took part, or the whole thread) or after a resume
+    that failed (the whole thread), or from a fork or a merge-back. Deterministic text, no
+    model call."""
+
+    kind: ClassVar[str] = "context-handoff"
+    thread_id: str
+    target_run_id: str
+    from_provider_thread_ids: Sequence[str]
+    to_provider_thread_id: str
+    covered_run_ordinals: Mapping[str, int]  # {"from": a, "to": b}
+    strategy: str  # full_thread_summary | delta_since_target_last_seen
+    status: str  # consumed: it went out with the run's first prompt
+    summary_text: str
+    created_at: str
+    updated_at: str
+    created_by_provider_instance_id: str | None = None
+
+
+register_entities(ContextHandoff)
+
+
+def handoff_prompt(text: str, *handoffs: ContextHandoff | None) -> str:
+    """What the provider is sent: the handoffs before the user's text."""
+    given = [h for h in handoffs if h is not None]
+    if not given:
+        return text
+    return "".join(f"Context handoff ({HANDOFF_LABELS.get(h.strategy, h.strategy)}):\n"
+                   f"{h.summary_text}\n\n" for h in given) + f"User message:\n{text}"
+
+
+def _prompt(state: ThreadState, handoff_ids: Sequence[str], text: str) -> str:
+    """RunHooks.prompt: the handoffs MarkRunStarted recorded for the run, then ``text``."""
+    handoffs = state.entities["context-handoff"]
+    return handoff_prompt(text, *(handoffs.get(h) for h in handoff_ids))
 
 
 def _hand_off(d: Draft, run: Run, started: MarkRunStarted,
@@ -335,6 +374,8 @@ EFFECTS["checkpoint.forget"] = EffectKind(lambda o, row: _forget_refs(  # gone r
 # a MERGE_BACK_LABEL handoff.
 
 MERGE_BACK_LABEL = "merge_back / fork_delta_summary"
+# A strategy's label in the prompt where it is not its name.
+HANDOFF_LABELS = {"fork_delta_summary": MERGE_BACK_LABEL}
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,8 +514,7 @@ def merge_back_head(fork_id: str, target_id: str, covered: Sequence[Run]) -> lis
 RUN_HOOKS.append(RunHooks(
     preparation=_fork_preparation, context=_hand_off, handoffs=_take_merge_backs,
     completed=_record_checkpoints, deleted=_forget_checkpoints, session=_native_fork,
-    started=_capture_baseline, finalize=_capture_checkpoints))
-HANDOFF_LABELS["fork_delta_summary"] = MERGE_BACK_LABEL
+    started=_capture_baseline, prompt=_prompt, finalize=_capture_checkpoints))
 
 
 # =============================================================================================

@@ -64,11 +64,10 @@ __all__ = [
     "AwaitAgentSlot", "GrantAgentSlot", "thread_title", "Subscription", "client_commands",
     "decides", "register_entities", "EffectKind", "Entity", "Command", "Draft", "Part",
     "RateLimited", "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
-    "StopThread", "ResumeThread", "RUN_LIVE", "ContextHandoff", "SwitchProvider",
-    "handoff_prompt", "Workspaces", "parse_json", "json_too_deep",
-    "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS", "RunHooks", "RUN_HOOKS",
-    "HANDOFF_LABELS", "thread_work", "put_item", "MarkRunStarted", "SETUP_ANSWERED",
-    "preparation_item_id", "PermanentEffectError",
+    "StopThread", "ResumeThread", "RUN_LIVE", "SwitchProvider", "Workspaces", "parse_json",
+    "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS", "RunHooks", "RUN_HOOKS",
+    "thread_work", "put_item", "MarkRunStarted", "SETUP_ANSWERED", "preparation_item_id",
+    "PermanentEffectError",
 ]
 
 log = logging.getLogger("t3.orchestrator")
@@ -557,27 +556,6 @@ class ContextTransfer(Entity):
     data: Mapping[str, Any] | None = None  # fork, merge_back: history.py's
 
 
-@dataclass(frozen=True, slots=True)
-class ContextHandoff(Entity):
-    """The context a provider got when it joined a thread's conversation late: after a
-    provider switch (the delta since it last took part, or the whole thread) or after a resume
-    that failed (the whole thread), or from a fork or a merge-back (history.py records them
-    all). Deterministic text, no model call."""
-
-    kind: ClassVar[str] = "context-handoff"
-    thread_id: str
-    target_run_id: str
-    from_provider_thread_ids: Sequence[str]
-    to_provider_thread_id: str
-    covered_run_ordinals: Mapping[str, int]  # {"from": a, "to": b}
-    strategy: str  # full_thread_summary | delta_since_target_last_seen
-    status: str  # consumed: it went out with the run's first prompt
-    summary_text: str
-    created_at: str
-    updated_at: str
-    created_by_provider_instance_id: str | None = None
-
-
 _ENTITY_TYPES: dict[str, type[Entity]] = {}
 _EVENT_TYPE: dict[str, str] = {}
 
@@ -592,7 +570,7 @@ def register_entities(*classes: type[Entity]) -> None:
 
 register_entities(AppThread, Run, RunAttempt, ExecutionNode, ProviderSession, ProviderThread,
                   ProviderTurn, RuntimeRequest, ConversationMessage, TurnItem, Subagent,
-                  ContextTransfer, ContextHandoff)
+                  ContextTransfer)
 
 
 @dataclass(slots=True)
@@ -1271,8 +1249,9 @@ class RunHooks:
     the run's first prompt, in order; ``completed``, at CompleteRun, what it recorded of
     ``checkpoints``: the run's checkpoint id; ``deleted``, at a thread's deletion. In the runtime:
     ``session``, extra ``open_session`` arguments (a native fork's ``fork``); ``started``, after
-    MarkRunStarted, before the prompt goes out; ``finalize``, the ``checkpoints`` a waiting run's
-    CompleteRun carries."""
+    MarkRunStarted, before the prompt goes out; ``prompt``, what that prompt sends instead of the
+    user's ``text`` (the recorded handoffs, ``handoffIds``, before it); ``finalize``, the
+    ``checkpoints`` a waiting run's CompleteRun carries."""
 
     preparation: Callable[[Draft], Mapping[str, Any] | None]
     context: Callable[[Draft, Run, MarkRunStarted, Mapping[str, ProviderInfo]], str | None]
@@ -1282,6 +1261,7 @@ class RunHooks:
     session: Callable[[Orchestrator, ThreadState, Run, ProviderAdapter],
                       Awaitable[Mapping[str, Any]]]
     started: Callable[[Orchestrator, ThreadState, Run], Awaitable[None]]
+    prompt: Callable[[ThreadState, Sequence[str], str], str]
     finalize: Callable[[Orchestrator, ThreadState, Run], Awaitable[Sequence[Mapping[str, Any]]]]
 
 
@@ -2533,10 +2513,7 @@ SETUP_ANSWERED: list[Callable[[Draft, RespondRuntimeRequest, RuntimeRequest, boo
 # =============================================================================================
 # Provider switch. ``provider.switch`` changes the instance (and model) a thread's next runs go
 # to. A run on a provider thread that missed earlier runs (never took part, or could not resume)
-# carries a ContextHandoff (history.py records it through RUN_HOOKS), put before the user's text.
-
-# A strategy's label in the prompt where it is not its name (history.py adds a merge-back's).
-HANDOFF_LABELS: dict[str, str] = {}
+# carries a context handoff (history.py's, through RUN_HOOKS), put before the user's text.
 
 
 @dataclass(frozen=True, slots=True)
@@ -2563,15 +2540,6 @@ def _decide_switch(d: Draft, c: SwitchProvider, *, providers: Mapping[str, Provi
     return {"threadId": thread.id, "providerInstanceId": c.provider_instance_id,
             "model": c.model, "runtimeMode": c.runtime_mode,
             "previous": {"providerInstanceId": before[0], "model": before[1]}}
-
-
-def handoff_prompt(text: str, *handoffs: ContextHandoff | None) -> str:
-    """What the provider is sent: the handoffs before the user's text."""
-    given = [h for h in handoffs if h is not None]
-    if not given:
-        return text
-    return "".join(f"Context handoff ({HANDOFF_LABELS.get(h.strategy, h.strategy)}):\n"
-                   f"{h.summary_text}\n\n" for h in given) + f"User message:\n{text}"
 
 
 # =============================================================================================
@@ -3153,10 +3121,11 @@ class _Sessions:
         for hooks in RUN_HOOKS:
             await hooks.started(self.orch, state, run)
         state = await self.orch.state(thread_id) or state
-        handoffs = state.entities["context-handoff"]
+        text = message.text if message else ""
+        for hooks in RUN_HOOKS:
+            text = hooks.prompt(state, started.result.get("handoffIds", ()), text)
         try:
-            await live.handle.start_turn(handoff_prompt(message.text if message else "", *(
-                handoffs.get(h) for h in started.result.get("handoffIds", ()))))
+            await live.handle.start_turn(text)
         except Exception as exc:
             live.turn = None
             await self.orch.dispatch(FailRun(

@@ -222,7 +222,7 @@ def test_decide_switch_sends_run_2_to_the_new_provider_with_a_recorded_handoff()
     (item,) = [i for i in sim.state.items() if i.type == "handoff"]
     assert (item.run_id, item.data["contextHandoffId"], item.data["toProviderInstanceId"]) == (
         run2.id, handoff.id, "other")
-    assert o.handoff_prompt("second question", handoff) == (
+    assert history.handoff_prompt("second question", handoff) == (
         f"Context handoff (full_thread_summary):\n{handoff.summary_text}\n\n"
         "User message:\nsecond question")
     assert sim.state.thread.active_provider_thread_id == run2.provider_thread_id
