@@ -66,7 +66,7 @@ __all__ = [
     "RateLimited", "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "SwitchProvider", "Workspaces", "parse_json",
     "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS", "RunHooks", "RUN_HOOKS",
-    "thread_work", "put_item", "MarkRunStarted", "SETUP_ANSWERED", "preparation_item_id",
+    "thread_work", "put_item", "MarkRunStarted", "SETUP_ANSWERED", "BEGIN_PREPARATION",
     "PermanentEffectError",
 ]
 
@@ -1329,7 +1329,8 @@ def _new_run(d: Draft, *, message_id: str, text: str, created_by: str, creation_
     if not queued:
         _user_item(d, run, message_id, root_id, "turn_start")
     if preparation:
-        _begin_preparation(d, run, preparation)
+        for begin in BEGIN_PREPARATION:
+            begin(d, run, preparation)
     elif not queued:
         d.effect("provider-turn.start", {"runId": run_id, "attemptId": attempt_id}, run_id)
     return run
@@ -2471,16 +2472,20 @@ def thread_title(title: str | None, prompt: str | None, fallback: str) -> str:
 
 
 # =============================================================================================
-# Workspace preparation. A launch into a new worktree starts its first run ``preparing`` with a
-# "Preparing workspace" item and a ``workspace.prepare`` effect. The rest is workspace.py's,
-# which t3.py loads: the effect makes the worktree and runs (or asks about) the setup commands,
-# then releases or fails the run (``run.prepare``); SETUP_ANSWERED takes the answer to its
-# question.
+# Workspace preparation. A launch into a new worktree starts its first run ``preparing``; the
+# rest is workspace.py's, which t3.py loads. In decide: BEGIN_PREPARATION gives such a run (a
+# CreateThread's or RunHooks.preparation's) its item and ``workspace.prepare`` effect, which makes
+# the worktree and runs (or asks about) the setup commands, then releases or fails the run
+# (``run.prepare``); SETUP_ANSWERED takes an answer to t3's own question of a run (its request's
+# capability ``setup``), declined or not.
+
+BEGIN_PREPARATION: list[Callable[[Draft, Run, Mapping[str, Any]], None]] = []
+SETUP_ANSWERED: list[Callable[[Draft, RespondRuntimeRequest, RuntimeRequest, bool], None]] = []
 
 
 class Workspaces(Protocol):
-    """What launches ask of git (workspace.py, which this file never imports; tools.py checks a
-    launch's strategy with the queries before anything is made; history.py asks more)."""
+    """What launches ask of git (workspace.py, never imported here): tools.py checks a launch's
+    strategy with these before anything is made; history.py and the preparation ask more."""
 
     worktrees_dir: Path
 
@@ -2488,26 +2493,6 @@ class Workspaces(Protocol):
     async def worktree_branch(self, repo: str, path: str) -> str | None: ...
     async def worktree_problem(self, repo: str, *, base_ref: str, branch: str,
                                from_origin: bool) -> str | None: ...
-    async def add_worktree(self, repo: str, name: str, *, base_ref: str, branch: str,
-                           from_origin: bool = False) -> str: ...
-    async def remove_worktree(self, repo: str, path: str, branch: str | None = None
-                              ) -> None: ...
-    async def run_setup(self, cwd: str, command: str) -> tuple[int, str]: ...
-
-
-def preparation_item_id(run_id: str) -> str:
-    return bounded_id(f"turn-item:{run_id}:workspace")
-
-
-def _begin_preparation(d: Draft, run: Run, preparation: Mapping[str, Any]) -> None:
-    put_item(d, preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
-             "running", title="Preparing workspace", data={"phase": "worktree"})
-    d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
-
-
-# In decide: an answer to t3's own question of a run (its request's capability ``setup``: a
-# launch's setup commands), and whether it was declined.
-SETUP_ANSWERED: list[Callable[[Draft, RespondRuntimeRequest, RuntimeRequest, bool], None]] = []
 
 
 # =============================================================================================

@@ -1,15 +1,21 @@
-"""Git as an effect: worktrees for launches, checkpoints as hidden refs, diffs, restores.
+"""Git as an effect: worktrees for launches, checkpoints as hidden refs, diffs, restores, and
+the preparation of a launch's worktree.
 
 The orchestrator never imports this file: t3.py hands it a ``Workspaces`` the way it hands it
-provider adapters, and ``decide`` stays pure. Every git call is ``git`` as an asyncio
-subprocess with a clean environment (no GIT_DIR, GIT_INDEX_FILE or hooks path of ours or the
-user's shell leaks in), arguments after ``--`` or ``--end-of-options`` where a name comes from a
-client, and a timeout. A repository's own config is written by whoever edits its files (an agent
-that may not run commands, too), so no setting there makes t3's git run a command: each call that
-could run one first lists the config (which runs nothing) and overrides every command-naming key
-the repository or a file it includes sets with the user's global or system value, or switches it
-off; hooks, fsmonitor, pagers, editors, the ``ext::`` transport and submodule recursion are always
-off. Captures and restores refuse a ``core.worktree`` that leads away from the repository.
+provider adapters, and ``decide`` stays pure. The preparation (its last section) plugs into the
+core's tables as a feature module does, when t3.py loads this file: the ``run.prepare`` command
+and its decide function, BEGIN_PREPARATION and SETUP_ANSWERED, and the ``workspace.prepare``
+effect, which makes the worktree and runs the project's setup commands.
+
+Every git call is ``git`` as an asyncio subprocess with a clean environment (no GIT_DIR,
+GIT_INDEX_FILE or hooks path of ours or the user's shell leaks in), arguments after ``--`` or
+``--end-of-options`` where a name comes from a client, and a timeout. A repository's own config
+is written by whoever edits its files (an agent that may not run commands, too), so no setting
+there makes t3's git run a command: each call that could run one first lists the config (which
+runs nothing) and overrides every command-naming key the repository or a file it includes sets
+with the user's global or system value, or switches it off; hooks, fsmonitor, pagers, editors,
+the ``ext::`` transport and submodule recursion are always off. Captures and restores refuse a
+``core.worktree`` that leads away from the repository.
 
 A checkpoint is a commit made from a temporary index (``GIT_INDEX_FILE`` in
 ``<data-dir>/git-index/``): the workspace's tracked and untracked, non-ignored files, kept under
@@ -32,12 +38,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
-from orchestrator import (EFFECTS, SETUP_ANSWERED, Command, CommandRejected, Draft, EffectKind,
-                          FailRun, Orchestrator, PermanentEffectError, RespondRuntimeRequest, Run,
-                          RunStatus, RuntimeRequest, RuntimeRequestOpened, T3Error, bounded_id,
-                          decide_fail_run, decides, ingest_request, preparation_item_id)
+from orchestrator import (BEGIN_PREPARATION, EFFECTS, SETUP_ANSWERED, Command, CommandRejected,
+                          Draft, EffectKind, FailRun, Orchestrator, PermanentEffectError,
+                          RespondRuntimeRequest, Run, RunStatus, RuntimeRequest,
+                          RuntimeRequestOpened, T3Error, bounded_id, decide_fail_run, decides,
+                          ingest_request, put_item)
 from store import crash_point
 
 __all__ = ["GitError", "Workspaces", "FileChange", "Diff", "checkpoint_ref", "ref_problem",
@@ -467,14 +474,15 @@ async def _run(cwd: str, args: tuple[str, ...], env: dict[str, str],
 # =============================================================================================
 # Workspace preparation: a launch's worktree, made as an effect of its first run, registered
 # into the core's tables when t3.py loads this file (``load_features``). The core starts such a
-# run ``preparing`` with a "Preparing workspace" item (phase worktree, approval, setup, ready or
-# failed; text: the setup output) and a ``workspace.prepare`` effect, which makes the worktree,
-# runs the setup commands, then releases or fails the run (``run.prepare``). Replay-safe: a
-# rerun first removes what a dead attempt left. Setup commands run what the worktree holds,
-# which an agent may have written: an agent's launch below full-access (``askSetup``) asks
-# first: a pending command approval of the new run that t3 itself asks (no provider session is
-# behind it, so none ending expires it); accepted, a second ``workspace.prepare`` runs them in
-# the worktree made for the question; declined, the run starts without them.
+# run ``preparing``; BEGIN_PREPARATION gives it a "Preparing workspace" item (phase worktree,
+# approval, setup, ready or failed; text: the setup output) and a ``workspace.prepare`` effect,
+# which makes the worktree, runs the setup commands, then releases or fails the run
+# (``run.prepare``). Replay-safe: a rerun first removes what a dead attempt left. Setup commands
+# run what the worktree holds, which an agent may have written: an agent's launch below
+# full-access (``askSetup``) asks first: a pending command approval of the new run that t3
+# itself asks (no provider session is behind it, so none ending expires it); accepted, a second
+# ``workspace.prepare`` runs them in the worktree made for the question; declined, the run
+# starts without them.
 
 PREPARATION_OUTPUT_CHARS = 20_000
 
@@ -489,14 +497,24 @@ class AdvancePreparation(Command):
     setup: tuple[str, ...] = ()  # approval: the commands asked about
 
 
+def _preparation_item_id(run_id: str) -> str:
+    return bounded_id(f"turn-item:{run_id}:workspace")
+
+
 def _setup_request_id(run_id: str) -> str:
     return bounded_id(f"runtime-request:{run_id}:setup")
+
+
+def _begin_preparation(d: Draft, run: Run, preparation: Mapping[str, Any]) -> None:
+    put_item(d, _preparation_item_id(run.id), run, run.root_node_id, "workspace_setup",
+             "running", title="Preparing workspace", data={"phase": "worktree"})
+    d.effect("workspace.prepare", {"runId": run.id, **preparation}, run.id)
 
 
 @decides(AdvancePreparation)
 def _decide_preparation(d: Draft, c: AdvancePreparation, **kw: Any) -> Mapping[str, Any]:
     run = d.get("run", c.run_id)
-    item = d.get("turn-item", preparation_item_id(c.run_id))
+    item = d.get("turn-item", _preparation_item_id(c.run_id))
     if run is None or item is None or run.status != RunStatus.PREPARING:
         raise CommandRejected("the run is not preparing its workspace")
     if c.phase == "approval" and d.get("runtime-request", _setup_request_id(run.id)):
@@ -537,6 +555,7 @@ def _setup_answered(d: Draft, c: RespondRuntimeRequest, request: RuntimeRequest,
                                        "approved": True}, request.id)
 
 
+BEGIN_PREPARATION.append(_begin_preparation)
 SETUP_ANSWERED.append(_setup_answered)
 
 
@@ -552,12 +571,13 @@ async def _prepare_workspace(o: Orchestrator, thread_id: str, p: Mapping[str, An
             not p.get("approved") and _setup_request_id(run.id) in
             state.entities["runtime-request"]):  # a replay: the question was asked
         return
-    if o.workspaces is None or not thread.worktree_path or not thread.branch:
+    git = cast("Workspaces | None", o.workspaces)  # as t3.py handed it in: this file's
+    if git is None or not thread.worktree_path or not thread.branch:
         raise PermanentEffectError("this server cannot make worktrees")
     path, output = thread.worktree_path, ""
     try:
         if not p.get("approved"):
-            await _make_worktree(o, p, path, thread.branch, retried=retried)
+            await _make_worktree(git, p, path, thread.branch, retried=retried)
             if p.get("askSetup"):
                 asked = "".join(f"$ {command}\n" for command in p["setup"])
                 await _advance_preparation(o, run, "approval", "Waiting for approval to "
@@ -566,7 +586,7 @@ async def _prepare_workspace(o: Orchestrator, thread_id: str, p: Mapping[str, An
         for command in p["setup"]:
             output = f"{output}$ {command}\n"[-PREPARATION_OUTPUT_CHARS:]
             await _advance_preparation(o, run, "setup", output)
-            code, text = await o.workspaces.run_setup(path, command)
+            code, text = await git.run_setup(path, command)
             output = (output + text)[-PREPARATION_OUTPUT_CHARS:]
             if code != 0:
                 tail = " ".join(text.strip().splitlines()[-3:])
@@ -583,13 +603,12 @@ async def _prepare_workspace(o: Orchestrator, thread_id: str, p: Mapping[str, An
         await _advance_preparation(o, run, "ready", output)
 
 
-async def _make_worktree(o: Orchestrator, p: Mapping[str, Any], path: str, branch: str, *,
+async def _make_worktree(git: Workspaces, p: Mapping[str, Any], path: str, branch: str, *,
                          retried: bool) -> None:
-    assert o.workspaces is not None
     if retried or os.path.lexists(path):
-        await o.workspaces.remove_worktree(p["repo"], path, branch)
+        await git.remove_worktree(p["repo"], path, branch)
     try:
-        await o.workspaces.add_worktree(
+        await git.add_worktree(
             p["repo"], os.path.basename(path), base_ref=p["baseRef"], branch=branch,
             from_origin=p["fromOrigin"])
     except Exception as exc:

@@ -751,7 +751,7 @@ def test_a_worktree_launch_prepares_before_its_turn_starts_then_is_released_or_f
         run = sim.run()
         assert run.status == "preparing" and effect_types(created) == ["workspace.prepare"]
         assert created.effects[0].payload == {"runId": run.id, **preparation}
-        item_id = o.preparation_item_id(run.id)
+        item_id = workspace._preparation_item_id(run.id)
         assert (sim.get("turn-item", item_id).status, sim.get("turn-item", item_id).data) == (
             "running", {"phase": "worktree"})
         sim.do(workspace.AdvancePreparation(command_id=sim.cid("setup"), thread_id=THREAD,
