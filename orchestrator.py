@@ -63,7 +63,7 @@ __all__ = [
     "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS", "mode_to_answer", "result_transfer_id",
     "AwaitAgentSlot", "GrantAgentSlot", "thread_title", "Subscription", "client_commands",
     "decides", "register_entities", "EffectKind", "Entity", "Command", "Draft", "Part",
-    "RateLimited", "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
+    "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "SwitchProvider", "Workspaces", "parse_json",
     "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS", "RunHooks", "RUN_HOOKS",
     "thread_work", "put_item", "MarkRunStarted", "SETUP_ANSWERED", "BEGIN_PREPARATION",
@@ -92,16 +92,6 @@ class T3Error(Exception):
 
 class CommandRejected(T3Error):
     """The command does not apply to the current state."""
-
-
-class RateLimited(T3Error):
-    """Too many requests; try again later."""
-
-    code = "rate_limited"
-
-    def __init__(self, message: str | None = None, *, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 # =============================================================================================

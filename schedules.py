@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 from orchestrator import (MAX_JSON_DEPTH, RUN_TERMINAL, REDACTED, EFFECTS, Actor,
                           Command, CommandRejected, CreationSource, Draft,
-                          EffectKind, Entity, InteractionMode, RateLimited, Run,
+                          EffectKind, Entity, InteractionMode, Run,
                           RunStatus, RuntimeMode, T3Error, bounded_id, decides, epoch_of,
                           iso_time, json_too_deep, parse_json, parse_timestamp,
                           register_entities, thread_title, ThreadState)
@@ -51,7 +51,7 @@ from tools import (ACTOR, BOOLEAN, CLIENT, CLIENT_REQUEST_ID, INTEGER, INTERACTI
 __all__ = ["ScheduledTask", "WebhookDelivery", "validate_schedule", "next_run_after",
            "UpsertScheduledTask", "DeleteScheduledTask", "FireScheduledTask",
            "SettleScheduledRun", "WebhookRequest", "ReceiveWebhookDelivery", "Scheduler",
-           "HOOK_BODY_MAX_BYTES"]
+           "HOOK_BODY_MAX_BYTES", "RateLimited"]
 
 log = logging.getLogger("t3.schedules")
 
@@ -237,6 +237,16 @@ _SECRET_NAME = re.compile(r"auth|cookie|token|secret|signature|passw|api[-_]?key
                           r"session", re.IGNORECASE)
 _PLACEHOLDER = re.compile(r"\{\{\s*(body|headers|query)(?:\.([^{}\s]+))?\s*\}\}")
 _MISSING = object()
+
+
+class RateLimited(T3Error):
+    """Too many requests; try again later (t3.py answers 429 with ``Retry-After``)."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str | None = None, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def _validate_webhook(schedule: Mapping[str, Any]) -> dict[str, Any]:
