@@ -20,8 +20,8 @@ Rules that hold everywhere below:
 Features outside the core (schedules.py, history.py, metadata.py, and workspace.py's
 preparation of a launch's worktree) plug in only through the tables here: ``decides`` (a
 command and its decide function), ``register_entities``, ``EFFECTS`` (an outbox effect),
-``RUN_HOOKS`` (a say in a run's start), ``SETUP_ANSWERED`` and ``Orchestrator.attach`` (a
-runtime ``Part``); this file never imports them.
+``RUN_HOOKS`` (a say in a run's start), ``BEGIN_PREPARATION`` and ``SETUP_ANSWERED`` (the
+preparation's) and ``Orchestrator.attach`` (a runtime ``Part``); this file never imports them.
 """
 
 from __future__ import annotations
@@ -1882,7 +1882,7 @@ def _ingest_tool(d: Draft, run: Run, attempt: RunAttempt, event: ToolUpdate) -> 
 
 
 def ingest_request(d: Draft, run: Run, attempt: RunAttempt, session_id: str | None,
-                    event: RuntimeRequestOpened) -> None:
+                   event: RuntimeRequestOpened) -> None:
     """A provider's question or approval request (``session_id`` None: t3's own, a launch's
     setup commands): its node, request and turn item, once."""
     request_id = bounded_id(f"runtime-request:{session_id or run.id}:{event.native_ref}")
