@@ -239,6 +239,12 @@ def _upsert_sql(table: str, pk: str, columns: Mapping[str, str]) -> str:
 
 
 _UPSERTS = {kind: _upsert_sql(*spec) for kind, spec in _PROJECTIONS.items()}
+# Per kind, each column's payload key (None where it is dotted) and the dotted key, and the
+# position of thread_id among them: a commit's Python reads these rather than parsing keys.
+_KEYS = {kind: [(None, key) if "." in key else (key, None) for key in columns.values()]
+         for kind, (_, _, columns) in _PROJECTIONS.items()}
+_THREAD_COLUMN = {kind: list(columns).index("thread_id")
+                  for kind, (_, _, columns) in _PROJECTIONS.items()}
 
 
 def _pluck(payload: Mapping[str, Any], dotted: str) -> Any:
@@ -606,8 +612,13 @@ def _backup(path: Path, backups_dir: Path, version: int) -> None:
 
 
 def _now_iso() -> str:
-    now = time.time()  # one reading: two could straddle a second and step back almost one
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
+    second, ms = divmod(int(time.time() * 1000), 1000)  # one reading: two could straddle a second
+    if second != _SECOND[0]:  # strftime costs more than the rest of a small commit's Python
+        _SECOND[:] = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return f"{_SECOND[1]}.{ms:03d}Z"
+
+
+_SECOND: list[Any] = [None, ""]  # the last second _now_iso formatted, and its text
 
 
 _STOP = object()
@@ -999,14 +1010,13 @@ def projection_writes(event_type: str, payload: Mapping[str, Any], payload_json:
     if event_type == TEXT_APPENDED:
         return []
     kind = event_kind(event_type)
-    spec = _PROJECTIONS.get(kind)
-    if spec is None:
+    keys = _KEYS.get(kind)
+    if keys is None:
         raise StoreError(f"no projection for event type {event_type!r}")
-    _, _, columns = spec
-    values = [_pluck(payload, key) for key in columns.values()]
+    values = [payload.get(key) if key else _pluck(payload, dotted) for key, dotted in keys]
     writes: list[tuple[str, tuple[Any, ...]]] = [(_UPSERTS[kind], (*values, payload_json))]
     if kind in ("thread", "run"):
-        writes.append((_REFRESH_LISTING, (values[list(columns).index("thread_id")],)))
+        writes.append((_REFRESH_LISTING, (values[_THREAD_COLUMN[kind]],)))
     if kind == "webhook-delivery":  # a hook's log keeps its newest deliveries only
         writes.append((_PRUNE_DELIVERIES, (payload["taskId"], payload["taskId"])))
     return writes
