@@ -1666,7 +1666,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"t3: {exc}", file=sys.stderr)
             return 2
         return 0
+    _watch_children_by_pidfd()
     return asyncio.run(serve(args))
+
+
+def _watch_children_by_pidfd() -> None:
+    """On Python 3.11 asyncio waits for each child in a thread of its own, started from the
+    event loop (``ThreadedChildWatcher``); a pidfd in the loop's selector needs no thread (Linux
+    5.3+). Python 3.12+ makes this choice itself; elsewhere (macOS) the threads stay."""
+    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:  # a kernel without pidfds
+        return
+    asyncio.set_child_watcher(asyncio.PidfdChildWatcher())
 
 
 if __name__ == "__main__":

@@ -102,10 +102,23 @@ def rss_kb(pid: int) -> int:
 
 def cpu_seconds(pid: int, *, children: bool = False) -> float:
     """User + system CPU time of a live process, all its threads, in seconds (Linux); with
-    `children`, that of its children it has waited for instead (exited agents, git)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    first = 13 if children else 11
-    return (int(fields[first]) + int(fields[first + 1])) / os.sysconf("SC_CLK_TCK")
+    `children`, that of its children instead: those it has waited for (exited agents, git) and
+    those still running, so that a difference over a span is what they used in it."""
+    fields = _stat(pid)
+    if not children:
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[13]) + int(fields[14])
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            child = _stat(int(entry.name))
+            if int(child[1]) == pid:
+                ticks += int(child[11]) + int(child[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name: state, ppid, ... (utime is [11])."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def report(title: str, rows: Sequence[tuple[str, str]], *, verdict: str) -> None:
