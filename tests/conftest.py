@@ -31,6 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from harness import ...` in any import mode
 
+import pg  # noqa: E402
 from fake_model import FakeModelServer  # noqa: E402
 from harness import (KEPT_MARKERS, McpClient, T3Server, child_pids, describe_process, kill_matching, leaked_processes,  # noqa: E402
                      mcp_results, output_problems, pids_alive, process_group, processes_matching, start_time,
@@ -50,6 +51,8 @@ def pytest_configure(config: pytest.Config) -> None:
                     "run on Linux, where T3_PORTABLE_PROCESSES=1 tests macOS's process rules")
     config.addinivalue_line("markers", "real_cli: drives the real npm agent CLIs against the fake model server")
     config.addinivalue_line("markers", "soak: long fault loops for bench/; skipped unless `-m soak`")
+    config.addinivalue_line("markers", "postgres: runs against a throwaway PostgreSQL server "
+                            "(tests/pg.py); skipped, saying why, without one")
     # Set before xdist starts its workers, so they and everything they start carry the same id.
     os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
 
@@ -146,6 +149,24 @@ def _agents_got_declared_results(request: pytest.FixtureRequest) -> Iterator[Non
                 for p in output_problems(e["tool"], e["result"], is_error=e["isError"])]
     if problems:
         pytest.fail("t3 answered an agent outside the tool's output schema:\n" + "\n".join(problems))
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[pg.PostgresServer]:
+    """One throwaway PostgreSQL server per test worker (tests/pg.py); skips saying why without."""
+    if (why := pg.unavailable()) is not None:
+        pytest.skip(why)
+    server = pg.PostgresServer()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: pg.PostgresServer) -> str:
+    """The URL of a new, empty database on the worker's PostgreSQL server."""
+    return postgres_server.database()
 
 
 @pytest.fixture
