@@ -88,9 +88,10 @@ class PostgresEngine:
                     continue
                 try:
                     with conn.transaction():
-                        conn.execute(file.read_text())  # no parameters: one simple query
-                        conn.execute("INSERT INTO t3_schema (version) VALUES (%s)", (version,))
-                except StoreError as exc:
+                        # As written (a plain cursor: no dialect), all statements in one query.
+                        conn.cursor().execute(file.read_text())
+                        conn.execute("INSERT INTO t3_schema (version) VALUES (?)", (version,))
+                except (psycopg.Error, StoreError) as exc:
                     raise StoreError(f"schema file pg/{file.name} failed: {exc}") from exc
                 s.log.info("applied schema pg/%s", file.name)
                 current = version
