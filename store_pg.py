@@ -179,10 +179,11 @@ def _dialect(sql: str) -> str:
 
 
 def _json(column: str, key: str) -> str:
-    """``json_extract(column, '$.key')`` for a string or null value (dotted: nested)."""
+    """``json_extract(column, '$.key')`` for a string or null value (dotted: nested), through
+    t3_json (sql/pg/0001: a NUL in the value is dropped)."""
     path = key.split(".")
-    return f"({column}::json ->> '{key}')" if len(path) == 1 \
-        else f"({column}::json #>> '{{{','.join(path)}}}')"
+    return f"(t3_json({column}) ->> '{key}')" if len(path) == 1 \
+        else f"(t3_json({column}) #>> '{{{','.join(path)}}}')"
 
 
 _FIRST_CLAIMABLE = """SELECT * FROM (
@@ -209,13 +210,13 @@ WHERE t.project_id = %(project)s AND t.deleted_at IS NULL
   AND (%(statuses)s::json IS NULL
        OR t.latest_status IN (SELECT json_array_elements_text(%(statuses)s::json)))
 """
-_NEWEST_DELIVERIES = ("ORDER BY (payload_json::json ->> 'ordinal')::numeric DESC NULLS LAST, "
+_NEWEST_DELIVERIES = (f"ORDER BY {_json('payload_json', 'ordinal')}::numeric DESC NULLS LAST, "
                       "received_at DESC")
 _DUE = f"""FROM scheduled_tasks
 WHERE enabled AND deleted_at IS NULL AND next_run_at IS NOT NULL
   AND {_json('payload_json', 'lastRunStatus')} != 'running'"""
 # A JSON true, as SQLite's json_extract makes it a true condition.
-_AWAITING_SLOT = "({column}::json ->> 'awaitingAgentSlot') = 'true'"
+_AWAITING_SLOT = "(t3_json({column}) ->> 'awaitingAgentSlot') = 'true'"
 
 _FORMS: dict[str, str] = {
     "BEGIN IMMEDIATE": f"BEGIN; SELECT pg_advisory_xact_lock({_WRITE_LOCK:d})",

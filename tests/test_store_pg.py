@@ -176,6 +176,25 @@ def test_sequences_are_gap_free_and_in_commit_order_across_nodes(
     assert all(v == list(range(len(v))) for v in versions.values()), "stream versions in order"
 
 
+def test_a_nul_in_a_payload_is_kept_and_read_out_without_it(pg_stores: Callable[[], Store]) -> None:
+    """PostgreSQL's text cannot hold NUL (and ->> refuses a \\u0000 escape): a title and
+    streamed text with NULs commit; a payload keeps them whole; what SQL reads out of one (the
+    folded title, appended text) drops only the NULs, not a backslash followed by "u0000"."""
+    st = pg_stores()
+    title = "a\x00B \\u0000 \\\x00 É"
+    assert _run(st.commit(_commit("n1", "th-n", [
+        _event("n1-t", "th-n", "thread.created", _thread("th-n", title=title)),
+        _event("n1-m", "th-n", "message.created", {"id": "m-n", "threadId": "th-n", "runId": None,
+                                                   "text": "x\x00", "streaming": True}),
+        _event("n1-a", "th-n", store.TEXT_APPENDED, {"id": "m-n", "threadId": "th-n",
+                                                     "text": "y\x00z\\u0000"})]))).committed
+    _, entities = st.thread_entities("th-n")
+    assert entities["thread"][0]["title"] == title
+    assert entities["message"][0]["text"] == "x\x00" + "yz\\u0000"
+    for needle in ("ab", "\\u0000", "\\ é"):
+        assert st.list_threads("proj", title_contains=needle)[0] == 1, needle
+
+
 # ---------------------------------------------------------------------------------------------
 # Every read answers as SQLite's
 
@@ -193,7 +212,7 @@ def _extra_commits() -> list[Any]:
             _event("x2-r", "sn-2", "run.created", {
                 **_run_entity("sn-2-r", "sn-2", 1, "failed"), "completedAt": _at(5)})]),
         _commit("x3", "ar-1", [_event("x3-e", "ar-1", "thread.created", {
-            **_thread("ar-1"), "archivedAt": _at(3)})]),
+            **_thread("ar-1", title="NUL\x00 and \\u0000"), "archivedAt": _at(3)})]),
         *[_commit(f"x4-{i}", f"q-{i}", [
             _event(f"x4-{i}-t", f"q-{i}", "thread.created", _thread(f"q-{i}")),
             _event(f"x4-{i}-r", f"q-{i}", "run.created", {

@@ -2,6 +2,15 @@
 -- types. Text compares as bytes (the database's collation is C, store_pg checks), integers are
 -- BIGINT, payload_json stays TEXT: it is returned byte for byte as it was written.
 
+-- A payload as JSON, for reading a value out of it in SQL. PostgreSQL's text cannot hold NUL,
+-- and ->> fails on a \u0000 escape: those escapes (not an escaped backslash followed by u0000)
+-- are dropped first, so a value read out here lacks its NULs; the stored payload keeps them.
+CREATE FUNCTION t3_json(payload TEXT) RETURNS json
+    IMMUTABLE STRICT PARALLEL SAFE LANGUAGE sql
+    AS $$ SELECT CASE WHEN strpos(payload, '\u0000') = 0 THEN payload::json
+                      ELSE regexp_replace(payload, '(?<!\\)((?:\\\\)*)\\u0000', '\1', 'g')::json
+                 END $$;
+
 -- The log's last sequence, as SQLite's AUTOINCREMENT keeps it: each event insert takes the next
 -- one from this row, so appends are serialized by its row lock and sequences are gap-free and in
 -- commit order (a sequence object is neither).

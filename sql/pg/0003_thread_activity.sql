@@ -4,8 +4,8 @@
 ALTER TABLE threads ADD COLUMN activity_at TEXT NOT NULL DEFAULT '';
 
 UPDATE threads SET activity_at = COALESCE((
-    SELECT GREATEST(threads.updated_at, COALESCE(r.payload_json::json ->> 'requestedAt', ''),
-                    COALESCE(r.payload_json::json ->> 'completedAt', ''))
+    SELECT GREATEST(threads.updated_at, COALESCE(t3_json(r.payload_json) ->> 'requestedAt', ''),
+                    COALESCE(t3_json(r.payload_json) ->> 'completedAt', ''))
     FROM runs r WHERE r.thread_id = threads.thread_id
     ORDER BY r.ordinal DESC LIMIT 1), updated_at);
 

@@ -8,4 +8,4 @@ ALTER TABLE threads ADD COLUMN title_folded TEXT NOT NULL DEFAULT '';
 UPDATE threads SET
   latest_status = COALESCE((SELECT r.status FROM runs r WHERE r.thread_id = threads.thread_id
                             ORDER BY r.ordinal DESC LIMIT 1), 'idle'),
-  title_folded = COALESCE(lower((payload_json::json ->> 'title') COLLATE "und-x-icu"), '');
+  title_folded = COALESCE(lower((t3_json(payload_json) ->> 'title') COLLATE "und-x-icu"), '');
