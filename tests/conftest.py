@@ -186,7 +186,8 @@ def _strace_wanted(request: pytest.FixtureRequest) -> bool:
 @pytest.fixture
 def t3_factory(tmp_path: Path, test_marker: str, request: pytest.FixtureRequest) -> Iterator[T3Factory]:
     """`t3_factory(providers=, extra=, env=, config=, data_dir=, args=, start=True)` -> T3Server.
-    Defaults: data dir `<tmp>/data`, config from `write_config(tmp_path, ...)`. In a real_cli test
+    Defaults: data dir `<tmp>/data`, config from `write_config(tmp_path, ...)`. With
+    T3_TEST_STORE=postgres each server gets a new PostgreSQL database (`--database`). In a real_cli test
     each server runs under strace into `<tmp>/net-<n>.strace`, audited at teardown."""
     servers: list[T3Server] = []
     traces: list[Path] = []
@@ -201,6 +202,8 @@ def t3_factory(tmp_path: Path, test_marker: str, request: pytest.FixtureRequest)
         if _strace_wanted(request):
             traces.append(tmp_path / f"net-{len(servers) + 1}.strace")
             wrap = strace_command(traces[-1])
+        if os.environ.get("T3_TEST_STORE") == "postgres" and "--database" not in args:
+            args = [*args, "--database", request.getfixturevalue("postgres_server").database()]
         server = T3Server(data_dir or tmp_path / "data", config, args=args, wrap=wrap,
                           env={"T3_TEST_MARKER": test_marker, **(env or {})})
         servers.append(server)
