@@ -205,7 +205,8 @@ def _extra_commits() -> list[Any]:
     later = "2025-01-09T00:00:00.000Z"
     return [
         _commit("x1", "sn-1", [_event("x1-e", "sn-1", "thread.created", {
-            **_thread("sn-1", title="Snoozed ÉTÉ"), "snoozedUntil": later, "snoozedAt": _at(1)})]),
+            **_thread("sn-1", title="Snoozed ÉTÉ"), "snoozedUntil": later,
+            "snoozedAt": _at(1)})]),
         _commit("x2", "sn-2", [
             _event("x2-e", "sn-2", "thread.created", {
                 **_thread("sn-2"), "snoozedUntil": later, "snoozedAt": _at(1)}),
@@ -221,7 +222,8 @@ def _extra_commits() -> list[Any]:
             _event(f"x4-{i}-q", f"q-{i}", "runtime-request.created", {
                 "id": f"rq-{i}", "threadId": f"q-{i}", "status": "pending",
                 "createdAt": _at(9 - i % 3)})]) for i in (3, 1, 4, 0, 2)],
-        *[_commit(f"x5-{i}", f"task-{i}", [_event(f"x5-{i}", f"task-{i}", "scheduled-task.updated", {
+        *[_commit(f"x5-{i}", f"task-{i}", [_event(
+            f"x5-{i}", f"task-{i}", "scheduled-task.updated", {
             "id": f"task-{i}", "projectId": "proj", "enabled": i != 2,
             "nextRunAt": _at(20 + i), "deletedAt": None,
             "lastRunStatus": "running" if i == 1 else "completed"})]) for i in range(4)],
