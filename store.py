@@ -15,6 +15,11 @@ What it owns:
 - The effect outbox: claim with a lease, renew, settle fenced by attempt number, recovery
   after a lost process.
 
+The engine: a ``Store`` opens its database through an engine (``migrate``, then
+``connect``): ``SqliteEngine``, one file, by default. ``store_pg.PostgresEngine`` (a feature
+module the core never imports) serves the same statements from PostgreSQL, its connections
+answering the same calls as sqlite3's; everything above ``connect`` is shared.
+
 What it refuses to do: decide anything. It never imports another layer of t3; it stores and
 returns JSON-shaped dicts and leaves their meaning to ``orchestrator.py``.
 """
@@ -36,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -45,7 +50,8 @@ __all__ = [
     "SQL_DIR", "StoreError", "DatabaseTooNew", "FingerprintMismatch", "crash_point",
     "NewEvent", "NewEffect", "Commit", "CommitResult", "Receipt", "EffectRow",
     "TEXT_APPENDED", "event_kind", "projection_writes", "rebuild_projections",
-    "connect", "add_functions", "apply_migrations", "schema_files", "Store",
+    "connect", "add_functions", "apply_migrations", "schema_files", "Engine", "SqliteEngine",
+    "Store",
 ]
 
 # Beside store.py in a checkout; in <prefix>/share/t3/sql where an installed wheel puts it.
@@ -607,6 +613,34 @@ def _backup(path: Path, backups_dir: Path, version: int) -> None:
     log.info("backed up schema v%d database to %s before migrating", version, target)
 
 
+class Engine(Protocol):
+    """Where a Store keeps its data. ``migrate`` brings the schema up to date (before any
+    ``connect``); ``connect`` opens the writer's connection, or with ``readonly`` the readers'.
+    A connection answers the sqlite3 calls the Store makes: ``execute`` (a cursor with
+    ``fetchone``, ``fetchall``, iteration, ``rowcount``, ``lastrowid``), ``in_transaction``,
+    ``close``."""
+
+    def migrate(self) -> int: ...
+
+    def connect(self, *, readonly: bool = False) -> sqlite3.Connection: ...
+
+
+class SqliteEngine:
+    """The default: one SQLite file, copied into ``backups_dir`` before a migration."""
+
+    def __init__(self, path: Path, *, backups_dir: Path) -> None:
+        self.path, self.backups_dir = path, backups_dir
+
+    def migrate(self) -> int:
+        return apply_migrations(self.path, backups_dir=self.backups_dir)
+
+    def connect(self, *, readonly: bool = False) -> sqlite3.Connection:
+        conn = connect(self.path, readonly=readonly)
+        if _MAX_PAGE_COUNT is not None and not readonly:  # test hook: a full disk
+            conn.execute(f"PRAGMA max_page_count = {int(_MAX_PAGE_COUNT):d}")
+        return conn
+
+
 # ---------------------------------------------------------------------------------------------
 # The store
 
@@ -639,17 +673,24 @@ def _answer(outcomes: list[_Outcome]) -> None:
 
 
 class Store:
-    """The database of one t3 data directory: ``Store(path, backups_dir=...)``, then ``close()``."""
+    """The database of one t3 data directory: ``Store(path, backups_dir=...)`` (SQLite) or
+    ``Store(engine)``, then ``close()``."""
 
-    def __init__(self, path: Path, *, backups_dir: Path) -> None:
-        self.path = path
-        apply_migrations(path, backups_dir=backups_dir)
-        self._reader = connect(path, readonly=True)
+    def __init__(self, where: Path | Engine, *, backups_dir: Path | None = None) -> None:
+        self.path: Path | None = None  # the SQLite file, if that is the engine
+        if isinstance(where, (str, os.PathLike)):
+            if backups_dir is None:
+                raise ValueError("a database file needs backups_dir")
+            self.path = Path(where)
+            where = SqliteEngine(self.path, backups_dir=backups_dir)
+        elif backups_dir is not None:
+            raise ValueError("an engine keeps its own backups (or none)")
+        self.engine: Engine = where
+        self.engine.migrate()
+        self._reader = self.engine.connect(readonly=True)
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="t3-store-writer", daemon=True)
-        self._write_conn = connect(path)
-        if _MAX_PAGE_COUNT is not None:  # test hook: a full disk
-            self._write_conn.execute(f"PRAGMA max_page_count = {int(_MAX_PAGE_COUNT):d}")
+        self._write_conn = self.engine.connect()
         self._closed = False
         self._writer.start()
 

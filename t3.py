@@ -108,6 +108,7 @@ class Config:
     max_connections: int = 512
     certfile: str | None = None
     keyfile: str | None = None
+    store_url: str | None = None  # [store] url: PostgreSQL (store_pg.py); None: SQLite
 
 
 def _strings(value: Any, _: Path) -> bool:
@@ -141,7 +142,10 @@ _RULES: dict[str, dict[str, _Rule]] = {
     "limits": dict.fromkeys(("credential_max_lifetime_s", "credential_idle_s",
                              "max_delegation_depth", "max_live_agent_processes",
                              "max_scheduled_tasks_per_project", "min_agent_task_interval_s"),
-                            (lambda v, _: _count(v, 1), "must be a positive integer"))}
+                            (lambda v, _: _count(v, 1), "must be a positive integer")),
+    "store": {"url": (lambda v, _: isinstance(v, str) and v.startswith(("postgresql://",
+                                                                       "postgres://")),
+                      "must be a postgresql:// URL")}}
 _SECTIONS: dict[str, Collection[str]] = {
     **_RULES, "providers": {"id", "driver", "command", "env", "models", "enabled",
                             "displayName", "agent", "registry", "instructions",
@@ -213,7 +217,8 @@ def load_config(path: Path, *, cwd: Path) -> Config:
                          "title": entry.get("title", pid), "setup": entry.get("setup", [])})
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
-    return Config(**server, projects=projects, providers=providers, **limits)
+    return Config(**server, projects=projects, providers=providers, **limits,
+                  store_url=checked("store", None, data.get("store", {})).get("url"))
 
 
 def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
@@ -1155,7 +1160,7 @@ async def serve(args: argparse.Namespace) -> int:
     configuration is refused, 1: the server cannot start)."""
     import providers as prov
     import workspace
-    from store import DatabaseTooNew, Store, StoreError
+    from store import DatabaseTooNew, StoreError
 
     # What t3 (SQLite, logs, backups too) creates in its data directory is private; agents,
     # git and setup get the user's umask back (CHILD_UMASK): they write in the user's projects.
@@ -1191,11 +1196,7 @@ async def serve(args: argparse.Namespace) -> int:
         cleanup.callback(os.close, lock)
         cleanup.callback(_withdraw, data_dir / "server.json")
         try:
-            # Created empty and 0600 first (never through a symlink): SQLite then gives its -wal
-            # and -shm files the same mode.
-            os.close(os.open(data_dir / "t3.sqlite", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
-                             0o600))
-            store = Store(data_dir / "t3.sqlite", backups_dir=data_dir / "backups")
+            store = _open_store(args.database or config.store_url, data_dir)
         except DatabaseTooNew as exc:
             print(f"t3: {exc}", file=sys.stderr)
             return 1
@@ -1204,6 +1205,25 @@ async def serve(args: argparse.Namespace) -> int:
             return 1
         cleanup.callback(store.close)
         return await _run(args, config, data_dir, store)
+
+
+def _open_store(url: str | None, data_dir: Path) -> Store:
+    """The store in ``data_dir``'s SQLite file, or with a URL in PostgreSQL (store_pg.py, a
+    feature module: imported only then)."""
+    from store import Store, StoreError
+    if url is None:
+        # Created empty and 0600 first (never through a symlink): SQLite then gives its -wal
+        # and -shm files the same mode.
+        os.close(os.open(data_dir / "t3.sqlite", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+        return Store(data_dir / "t3.sqlite", backups_dir=data_dir / "backups")
+    try:
+        import store_pg
+    except ImportError as exc:
+        raise StoreError(f"a PostgreSQL database needs psycopg ({exc}): pip install -e "
+                         "'.[postgres]'") from exc
+    if not store_pg.is_postgres_url(url):
+        raise StoreError("the database URL must start with postgresql://")
+    return Store(store_pg.PostgresEngine(url))
 
 
 def _withdraw(server_json: Path) -> None:
@@ -1639,7 +1659,9 @@ _SERVE_OPTIONS: dict[str, dict[str, Any]] = {
     "--data-dir": {"help": "data directory (default: $T3_HOME, else ~/.t3)"},
     "--config": {"help": "configuration file (default: <data-dir>/t3.toml)"},
     "--host": {"help": "address to listen on (default 127.0.0.1)"},
-    "--port": {"type": int, "help": "port to listen on (default 3773; 0 picks a free port)"}}
+    "--port": {"type": int, "help": "port to listen on (default 3773; 0 picks a free port)"},
+    "--database": {"metavar": "URL", "help": "keep t3's data in this PostgreSQL database "
+                   "(postgresql://...; default: [store] url, else SQLite in the data directory)"}}
 
 
 def _cli() -> ModuleType:

@@ -31,6 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from harness import ...` in any import mode
 
+import pg  # noqa: E402
 from fake_model import FakeModelServer  # noqa: E402
 from harness import (KEPT_MARKERS, McpClient, T3Server, child_pids, describe_process, kill_matching, leaked_processes,  # noqa: E402
                      mcp_results, output_problems, pids_alive, process_group, processes_matching, start_time,
@@ -50,6 +51,8 @@ def pytest_configure(config: pytest.Config) -> None:
                     "run on Linux, where T3_PORTABLE_PROCESSES=1 tests macOS's process rules")
     config.addinivalue_line("markers", "real_cli: drives the real npm agent CLIs against the fake model server")
     config.addinivalue_line("markers", "soak: long fault loops for bench/; skipped unless `-m soak`")
+    config.addinivalue_line("markers", "postgres: runs against a throwaway PostgreSQL server "
+                            "(tests/pg.py); skipped, saying why, without one")
     # Set before xdist starts its workers, so they and everything they start carry the same id.
     os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
 
@@ -148,6 +151,24 @@ def _agents_got_declared_results(request: pytest.FixtureRequest) -> Iterator[Non
         pytest.fail("t3 answered an agent outside the tool's output schema:\n" + "\n".join(problems))
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[pg.PostgresServer]:
+    """One throwaway PostgreSQL server per test worker (tests/pg.py); skips saying why without."""
+    if (why := pg.unavailable()) is not None:
+        pytest.skip(why)
+    server = pg.PostgresServer()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: pg.PostgresServer) -> str:
+    """The URL of a new, empty database on the worker's PostgreSQL server."""
+    return postgres_server.database()
+
+
 @pytest.fixture
 def test_marker(tmp_path: Path) -> str:
     """A string found in the command line or environment of every process the test's server starts."""
@@ -165,7 +186,8 @@ def _strace_wanted(request: pytest.FixtureRequest) -> bool:
 @pytest.fixture
 def t3_factory(tmp_path: Path, test_marker: str, request: pytest.FixtureRequest) -> Iterator[T3Factory]:
     """`t3_factory(providers=, extra=, env=, config=, data_dir=, args=, start=True)` -> T3Server.
-    Defaults: data dir `<tmp>/data`, config from `write_config(tmp_path, ...)`. In a real_cli test
+    Defaults: data dir `<tmp>/data`, config from `write_config(tmp_path, ...)`. With
+    T3_TEST_STORE=postgres each server gets a new PostgreSQL database (`--database`). In a real_cli test
     each server runs under strace into `<tmp>/net-<n>.strace`, audited at teardown."""
     servers: list[T3Server] = []
     traces: list[Path] = []
@@ -180,6 +202,8 @@ def t3_factory(tmp_path: Path, test_marker: str, request: pytest.FixtureRequest)
         if _strace_wanted(request):
             traces.append(tmp_path / f"net-{len(servers) + 1}.strace")
             wrap = strace_command(traces[-1])
+        if os.environ.get("T3_TEST_STORE") == "postgres" and "--database" not in args:
+            args = [*args, "--database", request.getfixturevalue("postgres_server").database()]
         server = T3Server(data_dir or tmp_path / "data", config, args=args, wrap=wrap,
                           env={"T3_TEST_MARKER": test_marker, **(env or {})})
         servers.append(server)

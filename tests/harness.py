@@ -98,6 +98,19 @@ class T3Server:
         self._runs: list[_Run] = []
         self._clients: list[McpClient] = []
 
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run one read (portable SQL, `?` placeholders) on the server's database: its SQLite
+        file, read-only, or the PostgreSQL database its `--database` names."""
+        if "--database" in self.args:
+            import psycopg
+            url = self.args[self.args.index("--database") + 1]
+            with psycopg.connect(url) as conn:
+                return [tuple(r) for r in conn.execute(sql.replace("?", "%s"), params or None)]
+        import sqlite3
+        with contextlib.closing(sqlite3.connect(f"file:{self.data_dir / 't3.sqlite'}?mode=ro",
+                                                uri=True)) as db:
+            return [tuple(r) for r in db.execute(sql, params)]
+
     def start(self) -> T3Server:
         """Start; return once the ready line is out and server.json names this process."""
         if self.running:

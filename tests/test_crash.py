@@ -61,11 +61,8 @@ def test_kill9_while_streaming_then_restart(t3: T3Server, mcp: McpClient, agent_
     assert run["status"] == "interrupted"
     assert "restarted" in run["statusReason"]
     assert assistant_text(mcp, thread_id).startswith(seen)  # nothing committed was lost
-    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        assert db.execute("SELECT COUNT(*) FROM effect_outbox WHERE status = 'running'") \
-            .fetchone()[0] == 0
-        assert db.execute("SELECT COUNT(*) FROM runs WHERE status IN ('starting', 'running')") \
-            .fetchone()[0] == 0
+    assert t3.rows("SELECT COUNT(*) FROM effect_outbox WHERE status = 'running'")[0][0] == 0
+    assert t3.rows("SELECT COUNT(*) FROM runs WHERE status IN ('starting', 'running')")[0][0] == 0
     assert not pids_alive(old_agents)
 
     sent = mcp.call("t3_thread_send", {"threadId": thread_id, "message": "again"}).structured

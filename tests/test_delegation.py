@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 from datetime import datetime
 from pathlib import Path
 
@@ -231,8 +230,7 @@ def test_task_cancel_on_completed_task_changes_nothing(t3_factory, tmp_path: Pat
     assert tool_results(mcp, parent["threadId"])[-1] == {"taskId": task["taskId"],
                                                          "status": "completed"}
     assert child_events() == before
-    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        assert db.execute("SELECT status FROM subagents").fetchone()[0] == "completed"
+    assert t3.rows("SELECT status FROM subagents")[0][0] == "completed"
 
 
 def mcp_calls(log_path: Path) -> list[dict]:

@@ -2,8 +2,10 @@
 listing.
 
 Every test works on real SQLite files under `tmp_path` and talks to `store.py` directly; no t3
-server is started. The store's async API is driven with `asyncio.run` through `_run`. Lease expiry
-is simulated with explicit `now_ms` values, never by waiting.
+server is started. The tests of `st` (and `stores`) are the store's contract: they run once on
+SQLite and once on a real PostgreSQL database through store_pg.py (the `postgres` tier, skipped
+saying why without a server). The store's async API is driven with `asyncio.run` through `_run`.
+Lease expiry is simulated with explicit `now_ms` values, never by waiting.
 """
 
 from __future__ import annotations
@@ -77,9 +79,30 @@ def open_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
         s.close()
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def stores(request: pytest.FixtureRequest, open_store: Callable[..., Store]
+           ) -> Iterator[Callable[[], Store]]:
+    """`stores()` -> a new Store on the test's one database: `<tmp>/t3.sqlite`, or a new
+    PostgreSQL database (as another node would open it); every store is closed at teardown."""
+    if request.param == "sqlite":
+        yield open_store
+        return
+    import store_pg
+    url = request.getfixturevalue("postgres_url")
+    opened: list[Store] = []
+
+    def make() -> Store:
+        opened.append(Store(store_pg.PostgresEngine(url)))
+        return opened[-1]
+
+    yield make
+    for s in reversed(opened):
+        s.close()
+
+
 @pytest.fixture
-def st(open_store: Callable[..., Store]) -> Store:
-    return open_store()
+def st(stores: Callable[[], Store]) -> Store:
+    return stores()
 
 
 @pytest.fixture
@@ -163,8 +186,13 @@ TABLES_SINCE_0004 = ("scheduled_tasks", "webhook_deliveries", "context_handoffs"
                      "checkpoints")
 
 
-def _tables(conn: sqlite3.Connection, tables: Sequence[str]) -> dict[str, list[tuple[Any, ...]]]:
-    return {t: sorted(tuple(r) for r in conn.execute(f"SELECT * FROM {t}")) for t in tables}
+def _tables(conn: sqlite3.Connection | Store, tables: Sequence[str]
+            ) -> dict[str, list[tuple[Any, ...]]]:
+    """Each table's rows, sorted. Not PostgreSQL's runs.row_order: it stands for SQLite's rowid
+    (which SELECT * leaves out), the order rows were first written, numbered afresh by a rebuild."""
+    read = conn.read if isinstance(conn, Store) else lambda sql: conn.execute(sql).fetchall()
+    return {t: sorted(tuple(v for k, v in zip(r.keys(), r, strict=True) if k != "row_order")
+                      for r in read(f"SELECT * FROM {t}")) for t in tables}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,8 +354,9 @@ def test_two_statements_on_one_line_are_both_applied(tmp_path: Path, sql_dir: Pa
 # Connections
 
 
-def test_pragmas_take_effect_on_the_writer_and_the_reader(st: Store) -> None:
+def test_pragmas_take_effect_on_the_writer_and_the_reader(open_store: Callable[..., Store]) -> None:
     """Both connections run WAL, synchronous FULL, foreign keys on, busy_timeout 5000."""
+    st = open_store()
     names = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout", "query_only")
 
     def pragmas(conn: sqlite3.Connection) -> tuple[Any, ...]:
@@ -480,9 +509,10 @@ def _behind_a_busy_writer(st: Store, jobs: Sequence[Callable[[], Any]]) -> tuple
     return outcomes, statements.count("COMMIT")
 
 
-def test_commands_queued_behind_a_busy_writer_share_one_transaction(st: Store) -> None:
+def test_commands_queued_behind_a_busy_writer_share_one_transaction(open_store: Callable[..., Store]) -> None:
     """Group commit: ten commits queued while the writer is busy commit together (one COMMIT, so
     one fsync), and the one that breaks a CHECK fails alone, leaving nothing of itself."""
+    st = open_store()
     commits = [_commit(f"cmd-{i}", f"th-{i}", [_event(f"ev-{i}", f"th-{i}", "thread.created",
                                                        _thread(f"th-{i}"))], [_effect(f"eff-{i}", f"th-{i}")])
                for i in range(10)]
@@ -498,9 +528,10 @@ def test_commands_queued_behind_a_busy_writer_share_one_transaction(st: Store) -
     assert _count(st, "effect_outbox") == 9 and _count(st, "events") == 9
 
 
-def test_a_batch_whose_transaction_is_lost_runs_each_job_alone(st: Store) -> None:
+def test_a_batch_whose_transaction_is_lost_runs_each_job_alone(open_store: Callable[..., Store]) -> None:
     """A job that ends the shared transaction (as SQLite does on SQLITE_FULL or an I/O error)
     costs the others nothing: each job runs again in its own transaction; only it fails."""
+    st = open_store()
     def rogue(conn: sqlite3.Connection) -> None:
         conn.execute("ROLLBACK")
 
@@ -612,10 +643,10 @@ def test_a_stale_holder_is_fenced_after_another_owner_reclaims(st: Store) -> Non
     assert _effect_row(st, "e1").status == "succeeded"
 
 
-def test_two_stores_on_one_file_never_claim_a_row_twice(open_store: Callable[..., Store]) -> None:
+def test_two_stores_on_one_file_never_claim_a_row_twice(stores: Callable[[], Store]) -> None:
     """Two stores (two writer connections, as two processes would have) claiming concurrently
     from one outbox: every row is claimed exactly once while the leases hold."""
-    a, b = open_store(), open_store()
+    a, b = stores(), stores()
     t0 = _add_effects(a, *(_effect(f"e{i}", f"T{i}") for i in range(24)))
 
     def drain(s: Store, owner: str) -> list[str]:
@@ -779,7 +810,7 @@ def _several_commits(st: Store) -> None:
 def test_rebuild_projections_equals_the_live_projections(st: Store) -> None:
     """Replaying the event log into emptied projection tables reproduces every live projection row."""
     _several_commits(st)
-    live = {t: sorted(tuple(r) for r in st.read(f"SELECT * FROM {t}")) for t in PROJECTION_TABLES}
+    live = _tables(st, PROJECTION_TABLES)
     assert all(live.values()), "every projection table has rows"
 
     def damage_and_rebuild(conn: sqlite3.Connection) -> dict[str, list[tuple[Any, ...]]]:
@@ -791,7 +822,7 @@ def test_rebuild_projections_equals_the_live_projections(st: Store) -> None:
         return _tables(conn, PROJECTION_TABLES)
 
     assert _run(st.write(damage_and_rebuild)) == live
-    assert {t: sorted(tuple(r) for r in st.read(f"SELECT * FROM {t}")) for t in PROJECTION_TABLES} == live
+    assert _tables(st, PROJECTION_TABLES) == live
 
 
 def test_thread_entities_reads_one_thread_and_its_sequence(st: Store) -> None:
@@ -826,9 +857,10 @@ _STARTUP_READS = {"recovery": (store._THREADS_NEEDING_RECOVERY, ()),
                   "pending requests": (store._PENDING_REQUESTS, ())}
 
 
-def test_what_a_restart_reads_does_not_grow_with_the_log(st: Store) -> None:
+def test_what_a_restart_reads_does_not_grow_with_the_log(open_store: Callable[..., Store]) -> None:
     """Each read a restart makes searches an index or scans a partial index of live rows only:
     none scans a table or a whole index (both grow with the log)."""
+    st = open_store()
     partial = {r[0] for r in st.read("SELECT name FROM sqlite_master WHERE type = 'index' "
                                      "AND sql LIKE '% WHERE %'")}
     for name, (sql, params) in _STARTUP_READS.items():
@@ -1032,10 +1064,11 @@ LIST_FILTERS: list[dict[str, Any]] = [
 ]
 
 
-def test_list_order_paging_and_filters_match_the_full_sort(st: Store) -> None:
+def test_list_order_paging_and_filters_match_the_full_sort(open_store: Callable[..., Store]) -> None:
     """Store.list_threads, read page by page (sizes 1, 7, 100), gives the same threads, order,
     status, activity time, counts and totals as sorting the whole project did before sql/0003,
     for each filter; a cursor past the end gives an empty page and the total."""
+    st = open_store()
     for number, (tid, events) in enumerate(_mixed_threads()):
         assert _run(st.commit(_commit(f"c{number}", tid, events))).committed
     for project in ("proj", "other", "none"):
@@ -1096,7 +1129,7 @@ def test_a_database_from_before_the_activity_column_is_backed_up_migrated_and_li
         assert kept == old_tables
         for (project, filters), expected in zip(cases, before):
             assert _listed(st, project, page_size=5, **filters) == expected, (project, filters)
-        live = {t: sorted(tuple(r) for r in st.read(f"SELECT * FROM {t}")) for t in PROJECTION_TABLES}
+        live = _tables(st, PROJECTION_TABLES)
 
         def rebuilt(conn: sqlite3.Connection) -> dict[str, list[tuple[Any, ...]]]:
             store.rebuild_projections(conn)

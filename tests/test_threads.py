@@ -16,15 +16,15 @@ from harness import (T3_PY, McpClient, T3Server, agent_log, count_prompts, proto
 
 
 def event_count(server: T3Server) -> int:
-    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        return db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+    return server.rows("SELECT COUNT(*) FROM events")[0][0]
 
 
 def row_counts(server: T3Server) -> dict[str, int]:
-    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
-                                           "AND name NOT LIKE 'sqlite_%'")]
-        return {t: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables}
+    tables = [r[0] for r in server.rows(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
+        if "--database" in server.args else
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
+    return {t: server.rows(f"SELECT COUNT(*) FROM {t}")[0][0] for t in tables}
 
 
 def create(mcp: McpClient, prompt: str | None = None, **entry: object) -> dict:
@@ -405,10 +405,9 @@ def test_sigterm_shuts_down_cleanly(t3: T3Server, mcp: McpClient) -> None:
     wait_until(lambda: "chunk 0" in assistant_text(mcp, created["threadId"]), 20)
     assert t3.stop() == 0
     assert not (t3.data_dir / "server.json").exists()
-    with sqlite3.connect(t3.data_dir / "t3.sqlite") as db:
-        status, = db.execute("SELECT status FROM runs").fetchone()
-        running = db.execute("SELECT COUNT(*) FROM effect_outbox WHERE status = 'running'")
-        assert status == "interrupted" and running.fetchone()[0] == 0
+    [(status,)] = t3.rows("SELECT status FROM runs")
+    running = t3.rows("SELECT COUNT(*) FROM effect_outbox WHERE status = 'running'")[0][0]
+    assert status == "interrupted" and running == 0
 
 
 def test_token_command_and_invalid_config(tmp_path: Path) -> None:
@@ -542,9 +541,8 @@ def test_provider_that_cannot_start_fails_the_run_after_retries(t3_factory, tmp_
     done = wait(client, created["threadId"])
     assert done["status"] == "failed"
     assert "after 5 attempt(s)" in done["statusReason"]
-    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        status, attempts = db.execute("SELECT status, attempt_count FROM effect_outbox "
-                                      "WHERE effect_type = 'provider-turn.start'").fetchone()
+    [(status, attempts)] = server.rows("SELECT status, attempt_count FROM effect_outbox "
+                                       "WHERE effect_type = 'provider-turn.start'")
     assert (status, attempts) == ("failed", 5)
 
 
