@@ -46,6 +46,7 @@ SQL_DIR = s.SQL_DIR / "pg"
 # Advisory lock keys (any bigint; these spell "t3" and a purpose).
 _WRITE_LOCK = 0x7433_0001
 _MIGRATE_LOCK = 0x7433_0002
+_NODE_LOCK = 0x7433_0003
 
 
 def is_postgres_url(url: str) -> bool:
@@ -59,6 +60,7 @@ class PostgresEngine:
         if not is_postgres_url(url):
             raise ValueError("a PostgreSQL URL starts with postgresql://")
         self.url, self.sql_dir = url, sql_dir
+        self._node_lock: Any = None  # hold_node_lock's connection
 
     def connect(self, *, readonly: bool = False) -> Any:
         try:
@@ -69,6 +71,21 @@ class PostgresEngine:
         if readonly:
             conn.execute("SET default_transaction_read_only = on")
         return conn
+
+    def hold_node_lock(self) -> None:
+        """Take the one-server lock for this process's life, or refuse: until the orchestrator
+        serializes a thread's commands and claims across servers (README, "Running on several
+        machines"), a second t3 on the same database would run the same work twice."""
+        try:
+            conn = psycopg.connect(self.url, autocommit=True)
+            held = conn.execute("SELECT pg_try_advisory_lock(%s)", (_NODE_LOCK,)).fetchone()
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+        if not (held and held[0]):
+            conn.close()
+            raise StoreError("another t3 server already uses this database; several servers on "
+                             "one database are not supported yet")
+        self._node_lock = conn  # the session holds the lock; it ends with this process
 
     def migrate(self, *, stop_after: int | None = None) -> int:
         """Bring the database to the newest schema (or ``stop_after``); return its version."""

@@ -1223,7 +1223,9 @@ def _open_store(url: str | None, data_dir: Path) -> Store:
                          "'.[postgres]'") from exc
     if not store_pg.is_postgres_url(url):
         raise StoreError("the database URL must start with postgresql://")
-    return Store(store_pg.PostgresEngine(url))
+    engine = store_pg.PostgresEngine(url)
+    engine.hold_node_lock()
+    return Store(engine)
 
 
 def _withdraw(server_json: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import McpClient, T3Server, write_config
+from harness import McpClient, ServerStartError, T3Server, write_config
 from test_threads import assistant_text, create, read, wait
 
 pytestmark = pytest.mark.postgres
@@ -58,3 +58,19 @@ def test_the_store_url_in_the_config_file_selects_postgresql(
     created = create(mcp, "hi", title="Configured")
     assert wait(mcp, created["threadId"])["status"] == "completed"
     assert _count(postgres_url, "threads") == 1
+
+
+def test_a_second_server_on_the_same_database_is_refused(
+        t3_factory, tmp_path: Path, postgres_url: str) -> None:
+    """Until several servers can share one database, the second one exits saying so and writes
+    nothing; the first keeps serving, and once it stops another may start."""
+    first = t3_factory(args=["--database", postgres_url])
+    created = create(first.client(), "hi", title="First")
+    second = t3_factory(data_dir=tmp_path / "data-2", args=["--database", postgres_url],
+                        start=False)
+    with pytest.raises(ServerStartError, match="another t3 server already uses this database"):
+        second.start()
+    assert wait(first.client(), created["threadId"])["status"] == "completed"
+    assert _count(postgres_url, "threads") == 1
+    first.stop()
+    assert read(second.start().client(), created["threadId"])["thread"]["title"] == "First"
