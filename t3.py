@@ -1180,10 +1180,13 @@ async def serve(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"t3: invalid configuration: {exc}", file=sys.stderr)
             return 2
-        if config_mode & 0o044 and any(p["env"] for p in config.providers or ()):
-            # Provider env values are often API keys.
-            log.warning("%s holds provider env values and other users may read it (mode %o); "
-                        "fix: chmod 600 %s", config_path, config_mode & 0o777, config_path)
+        secrets_held = [what for what, held in (
+            ("provider env values", any(p["env"] for p in config.providers or ())),  # API keys
+            ("a database password", bool(config.store_url and _has_password(config.store_url))))
+            if held]
+        if config_mode & 0o044 and secrets_held:
+            log.warning("%s holds %s and other users may read it (mode %o); fix: chmod 600 %s",
+                        config_path, " and ".join(secrets_held), config_mode & 0o777, config_path)
         _raise_fd_limit(config.max_connections)
         lock = _lock(data_dir)
         if lock is None:
@@ -1205,6 +1208,12 @@ async def serve(args: argparse.Namespace) -> int:
             return 1
         cleanup.callback(store.close)
         return await _run(args, config, data_dir, store)
+
+
+def _has_password(url: str) -> bool:
+    """Whether a database URL carries a password (``user:secret@`` or ``?password=``)."""
+    parts = urllib.parse.urlsplit(url)
+    return bool(parts.password) or "password" in urllib.parse.parse_qs(parts.query)
 
 
 def _open_store(url: str | None, data_dir: Path) -> Store:

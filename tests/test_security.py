@@ -34,7 +34,7 @@ import providers
 import registry
 from harness import (ACP_AGENT, T3_PY, McpClient, RawResponse, ServerStartError, T3Server,
                      agent_log, pids_alive, protocol_log, raw_post, raw_request, scripted_provider,
-                     wait_until)
+                     wait_until, write_config)
 from real_cli import text
 from test_registry import ArchiveServer, binary_registry, registry_provider, settled
 from test_webhooks import CLOCK, PUSH, github, last_sequence, make_hook
@@ -330,6 +330,19 @@ def test_config_readable_by_others_with_env_warns(t3: T3Server) -> None:
     """A config other users may read that holds provider env values gets a startup warning."""
     assert mode_of(t3.config) & 0o044, "the harness config is expected to be world-readable"
     assert f"{t3.config} holds provider env values and other users may read it" in t3.stderr_text()
+
+
+def test_config_readable_by_others_with_a_database_password_warns(tmp_path: Path) -> None:
+    """A readable config whose `[store] url` carries a password gets the same warning, and the
+    password itself is never printed (the database here refuses the connection)."""
+    config = write_config(tmp_path, extra='[store]\nurl = "postgresql://t3:hunter2-secret@127.0.0.1:1/t3"\n')
+    os.chmod(config, 0o644)
+    out = subprocess.run([sys.executable, str(T3_PY), "--port", "0", "--data-dir", str(tmp_path / "data"),
+                          "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert f"{config} holds provider env values and a database password and other users may read " \
+        "it" in out.stderr
+    assert "hunter2-secret" not in out.stderr + out.stdout
 
 
 @pytest.mark.parametrize("content", ["", "\n", "short-token", "has spaces " * 5, "é" * 43],
