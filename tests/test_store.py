@@ -87,8 +87,13 @@ def stores(request: pytest.FixtureRequest, open_store: Callable[..., Store]
     if request.param == "sqlite":
         yield open_store
         return
+    yield from pg_stores_on(request.getfixturevalue("postgres_url"))
+
+
+def pg_stores_on(url: str) -> Iterator[Callable[[], Store]]:
+    """For a fixture: `make()` -> a new Store (a node) on the PostgreSQL database at `url`;
+    every one closed at teardown."""
     import store_pg
-    url = request.getfixturevalue("postgres_url")
     opened: list[Store] = []
 
     def make() -> Store:

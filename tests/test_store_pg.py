@@ -21,7 +21,7 @@ pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e 
 import store  # noqa: E402
 import store_pg  # noqa: E402
 from store import Store  # noqa: E402
-from test_store import (LIST_FILTERS, _at, _commit, _event, _mixed_threads,  # noqa: E402
+from test_store import (LIST_FILTERS, _at, _commit, _event, _mixed_threads, pg_stores_on,  # noqa: E402
                         _run, _run_entity, _several_commits, _thread)
 
 pytestmark = pytest.mark.postgres
@@ -35,15 +35,7 @@ def _connect(url: str) -> Any:
 @pytest.fixture
 def pg_stores(postgres_url: str) -> Iterator[Callable[[], Store]]:
     """`pg_stores()` -> a new Store (a node) on the test's PostgreSQL database."""
-    opened: list[Store] = []
-
-    def make() -> Store:
-        opened.append(Store(store_pg.PostgresEngine(postgres_url)))
-        return opened[-1]
-
-    yield make
-    for s in reversed(opened):
-        s.close()
+    yield from pg_stores_on(postgres_url)
 
 
 # ---------------------------------------------------------------------------------------------
