@@ -646,13 +646,15 @@ class SqliteEngine:
 
 
 def _now_iso() -> str:
+    global _SECOND
     second, ms = divmod(int(time.time() * 1000), 1000)  # one reading: two could straddle a second
-    if second != _SECOND[0]:  # strftime costs more than the rest of a small commit's Python
-        _SECOND[:] = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-    return f"{_SECOND[1]}.{ms:03d}Z"
+    formatted = _SECOND  # one read: the writer thread and the event loop both call this
+    if formatted[0] != second:  # strftime costs more than the rest of a small commit's Python
+        formatted = _SECOND = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    return f"{formatted[1]}.{ms:03d}Z"
 
 
-_SECOND: list[Any] = [None, ""]  # the last second _now_iso formatted, and its text
+_SECOND: tuple[int, str] = (-1, "")  # the last second _now_iso formatted, and its text
 
 
 _STOP = object()
