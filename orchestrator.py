@@ -3557,12 +3557,11 @@ async def _coalesce(events: asyncio.Queue[Any], batch: list[Any], window_s: floa
 
 
 def _merge_deltas(batch: Sequence[AdapterEvent]) -> tuple[AdapterEvent, ...]:
-    """Join runs of deltas of one kind: the same text in one event per run of chunks."""
+    """Join runs of deltas of one kind: the same text in one event per run of chunks, joined
+    once (adding chunk by chunk would copy a long run's text once per chunk)."""
     merged: list[AdapterEvent] = []
-    for event in batch:
-        last = merged[-1] if merged else None
-        if isinstance(event, (TextDelta, ReasoningDelta)) and type(last) is type(event):
-            merged[-1] = type(event)(last.text + event.text)
-        else:
-            merged.append(event)
+    for kind, run in itertools.groupby(batch, lambda e: type(e) if isinstance(
+            e, (TextDelta, ReasoningDelta)) else None):
+        events = list(run)
+        merged += [kind("".join(e.text for e in events))] if kind and len(events) > 1 else events
     return tuple(merged)
