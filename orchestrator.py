@@ -2635,7 +2635,8 @@ class Orchestrator:
         self.new_id = new_id
         self._lease_ms = lease_ms
         self._backoff_base_ms = backoff_base_ms
-        self._worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # cluster.py: the node's
+        self.shared = False  # other processes commit to the database too (cluster.py)
         self._states: collections.OrderedDict[str, ThreadState] = collections.OrderedDict()
         self._held: dict[str, ThreadState] = {}  # evicted while in use (_evict)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -2679,29 +2680,38 @@ class Orchestrator:
         """Decide and commit one command; a command id seen before returns its first result (the
         commit finds its receipt; read here only if decide refuses it or changes nothing)."""
         async with self._locks.setdefault(command.thread_id, asyncio.Lock()):
-            state = await self.state(command.thread_id) or ThreadState()
-            try:
-                decision = decide(state, command, now=self._clock(), new_id=self.new_id,
-                                  providers=self.providers)
-            except Exception:
-                if (receipt := self._store.receipt(command.command_id)) is None:
-                    raise
-                return self._replay(command, receipt)
-            if not decision.events and not decision.effects:
-                receipt = self._store.receipt(command.command_id)
-                return self._replay(command, receipt) if receipt else \
-                    DispatchResult(state.sequence, decision.result)
-            _store.crash_point(f"before-commit:{command.type}")
-            try:
-                outcome = await self._store.commit(decision.commit(command))
-            except _store.FingerprintMismatch:
-                return self._replay(command, None)
-            if not outcome.committed:
-                return self._replay(command, outcome.receipt)
-            _store.crash_point(f"after-commit:{command.type}")
-            self._apply(decision.events, outcome.sequences, decision.entities)
-            if self._subscriptions:
-                self._publish(command.command_id, decision.events, outcome)
+            while True:  # shared: decided again when another process moved the thread on
+                with contextlib.suppress(_store.StaleState):
+                    return await self._dispatch(command)
+                self.forget(command.thread_id)
+
+    async def _dispatch(self, command: Command) -> DispatchResult:
+        """dispatch, under the thread's lock: one decision and its commit."""
+        state = await self.state(command.thread_id) or ThreadState()
+        try:
+            decision = decide(state, command, now=self._clock(), new_id=self.new_id,
+                              providers=self.providers)
+        except Exception:
+            if (receipt := self._store.receipt(command.command_id)) is None:
+                raise
+            return self._replay(command, receipt)
+        if not decision.events and not decision.effects:
+            receipt = self._store.receipt(command.command_id)
+            return self._replay(command, receipt) if receipt else \
+                DispatchResult(state.sequence, decision.result)
+        _store.crash_point(f"before-commit:{command.type}")
+        commit = decision.commit(command)
+        try:
+            outcome = await self._store.commit(replace(
+                commit, base=(command.thread_id, state.sequence)) if self.shared else commit)
+        except _store.FingerprintMismatch:
+            return self._replay(command, None)
+        if not outcome.committed:
+            return self._replay(command, outcome.receipt)
+        _store.crash_point(f"after-commit:{command.type}")
+        self._apply(decision.events, outcome.sequences, decision.entities, command.thread_id)
+        if self._subscriptions and not self.shared:  # shared: absorb publishes, in order
+            self._publish(command.command_id, decision.events, outcome)
         for task in filter(None, map(self._effect_tasks.get, outcome.cancelled_effect_ids)):
             task.cancel()
         if decision.effects:
@@ -2727,19 +2737,31 @@ class Orchestrator:
         return True
 
     def _apply(self, events: Sequence[_store.NewEvent], sequences: Sequence[int],
-               entities: Sequence[Any]) -> None:
+               entities: Sequence[Any], decided_on: str | None = None) -> None:
         """Committed events into the cached states; ``entities`` are what decide made of them
-        (the entity each event records), put as they are: no JSON round trip."""
+        (the entity each event records), put as they are: no JSON round trip (None: absorbed,
+        rebuilt from the payload). A state loaded after an event skips it. Shared, a state the
+        commit was not decided on may miss another process's events not absorbed yet: it is
+        dropped, loaded again on use; and only ``absorb`` shows events to the parts, once."""
         touched: set[str] = set()
         for event, sequence, entity in zip(events, sequences, entities, strict=True):
-            kind = _store.event_kind(event.type)
+            kind, own = _store.event_kind(event.type), entity is not None
             state = self._cached(event.thread_id)
-            if state is None and entity.opens_stream:  # a new thread or task
+            if state is None and own and entity.opens_stream:  # a new thread or task
                 state = self._states[event.thread_id] = ThreadState()
-            touched.add(event.thread_id)
-            if state is not None:
+            elif state is not None and (sequence <= state.sequence or self.shared and own
+                                        and event.thread_id != decided_on):
+                state = None if sequence <= state.sequence else self.forget(event.thread_id)
+            if not own:
+                entity = state.apply(event.type, event.payload) if state is not None else \
+                    _ENTITY_TYPES[kind].from_json(event.payload) if kind in _ENTITY_TYPES else None
+            elif state is not None:
                 state.put(entity)
+            if state is not None:
                 state.sequence = sequence
+            touched.add(event.thread_id)
+            if entity is None or own and self.shared:
+                continue
             if kind == "run" and entity.status in RUN_TERMINAL:
                 self.sessions.run_ended(entity.id)
             for part in self._watchers.get(kind, ()):
@@ -2747,6 +2769,25 @@ class Orchestrator:
         for thread_id in touched:
             self._notify(thread_id)
         self._evict()
+
+    def absorb(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Shared (cluster.py): the events every process on the database committed, this one's
+        too, in sequence order (``Store.events_after``'s rows): into the cached states that miss
+        them, the parts, waits and subscriptions; the effect worker looks for new work."""
+        self._apply([_store.NewEvent(r["eventId"], r["threadId"], r["type"], r["occurredAt"],
+                                     r["payload"]) for r in rows], [r["sequence"] for r in rows],
+                    [None] * len(rows))
+        for row in rows:
+            text = json.dumps(row, separators=(",", ":"))
+            for subscription in list(self._subscriptions):
+                if subscription.thread_id in (None, row["threadId"]):
+                    subscription.offer(row["sequence"], row["threadId"], text)
+        self._effect_wake.set()
+
+    def forget(self, thread_id: str) -> None:
+        """Drop the thread's cached state: it is loaded again from the store on its next use."""
+        self._states.pop(thread_id, None)
+        self._held.pop(thread_id, None)
 
     def subscribe(self, *, thread_id: str | None = None,
                   max_bytes: int = 8 * 1024 * 1024) -> Subscription:
@@ -2877,21 +2918,23 @@ class Orchestrator:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        released = await self._store.release_leases(owner=self._worker_id, reason=reason,
+        released = await self._store.release_leases(owner=self.worker_id, reason=reason,
                                                     now_ms=_ms())
         if released:
             log.info("released %d outbox lease(s)", released)
 
-    async def recover(self, *, reason: str) -> list[str]:
-        """After a restart: settle what the old process left behind. Returns recovered threads."""
-        cancelled, requeued = await self._store.recover_outbox(
+    async def recover(self, *, reason: str, of: Any = None) -> list[str]:
+        """After a restart: settle what the old process left behind (``of``: cluster.py's view of
+        one node's part of the store, this node's or a dead one's). Returns recovered threads."""
+        of = of or self._store
+        cancelled, requeued = await of.recover_outbox(
             reason="Cancelled: the server process ended before this effect completed.",
             now_ms=_ms())
         if cancelled or requeued:
             log.info("outbox recovery: %d cancelled, %d requeued", len(cancelled), requeued)
         recovered = []
         stamp = self._clock()
-        for thread_id in self._store.threads_needing_recovery():
+        for thread_id in of.threads_needing_recovery():
             try:
                 if await self._recover_thread(thread_id, reason, stamp):
                     recovered.append(thread_id)
@@ -2899,7 +2942,7 @@ class Orchestrator:
                 log.error("recovery of thread %s failed: %s", thread_id, exc, exc_info=exc)
                 await self._fail_runs(thread_id, stamp,
                                       f"Recovery after a server restart failed: {exc}"[:2000])
-        self.sessions.line_up(self._store.runs_awaiting_slot())  # the line was in memory
+        self.sessions.line_up(of.runs_awaiting_slot())  # the line was in memory
         return recovered
 
     async def _recover_thread(self, thread_id: str, reason: str, stamp: str) -> bool:
@@ -2935,14 +2978,15 @@ class Orchestrator:
         while not self.stopping:
             self._effect_wake.clear()
             while len(self._effect_tasks) < self.MAX_CONCURRENT_EFFECTS and not self.stopping:
-                row = await self._store.claim_effect(owner=self._worker_id, now_ms=_ms(),
+                row = await self._store.claim_effect(owner=self.worker_id, now_ms=_ms(),
                                                      lease_ms=self._lease_ms)
                 if row is None:
                     break
                 self._effect_tasks[row.effect_id] = self.spawn(self._run_effect(row),
                                                                f"effect {row.effect_type}")
+            # at the limit, an effect's end wakes it
             due = None if len(self._effect_tasks) >= self.MAX_CONCURRENT_EFFECTS \
-                else self._store.next_effect_due_ms()  # at the limit, an effect's end wakes it
+                else self._store.next_effect_due_ms(self.worker_id)
             timeout = None if due is None else max(0.001, (due - _ms()) / 1000)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._effect_wake.wait(), timeout)
@@ -2963,7 +3007,7 @@ class Orchestrator:
         except Exception as exc:  # any failure of the outside world is retried, then recorded
             await self._effect_failed(row, exc)
         else:
-            await self._store.settle_effect(row, owner=self._worker_id, status="succeeded")
+            await self._store.settle_effect(row, owner=self.worker_id, status="succeeded")
         finally:
             renewer.cancel()
             self._effect_tasks.pop(row.effect_id, None)
@@ -2972,7 +3016,7 @@ class Orchestrator:
     async def _renew_lease(self, row: _store.EffectRow, task: asyncio.Task[Any] | None) -> None:
         while True:
             await asyncio.sleep(self._lease_ms / 3000)
-            held = await self._store.renew_lease(row, owner=self._worker_id,
+            held = await self._store.renew_lease(row, owner=self.worker_id,
                                                  until_ms=_ms() + self._lease_ms)
             if not held and task is not None:
                 log.warning("lost the lease on %s; stopping it", row.effect_id)
@@ -2985,10 +3029,10 @@ class Orchestrator:
         log.warning("effect %s attempt %d failed: %s", row.effect_id, row.attempt_count, message)
         if not last:
             delay = min(30_000, self._backoff_base_ms * 2 ** (row.attempt_count - 1))
-            await self._store.settle_effect(row, owner=self._worker_id, status="pending",
+            await self._store.settle_effect(row, owner=self.worker_id, status="pending",
                                             error=message, retry_at_ms=_ms() + delay)
             return
-        if not await self._store.settle_effect(row, owner=self._worker_id, status="failed",
+        if not await self._store.settle_effect(row, owner=self.worker_id, status="failed",
                                                error=message):
             return
         run_id = row.payload.get("runId")

@@ -109,6 +109,7 @@ class Config:
     certfile: str | None = None
     keyfile: str | None = None
     store_url: str | None = None  # [store] url: PostgreSQL (store_pg.py); None: SQLite
+    node_id: str | None = None  # [node] id, on PostgreSQL (cluster.py); None: the data dir's
 
 
 def _strings(value: Any, _: Path) -> bool:
@@ -145,7 +146,9 @@ _RULES: dict[str, dict[str, _Rule]] = {
                             (lambda v, _: _count(v, 1), "must be a positive integer")),
     "store": {"url": (lambda v, _: isinstance(v, str) and v.startswith(("postgresql://",
                                                                        "postgres://")),
-                      "must be a postgresql:// URL")}}
+                      "must be a postgresql:// URL")},
+    "node": {"id": (lambda v, _: isinstance(v, str) and bool(re.fullmatch(r"[\w.-]{1,64}", v)),
+                    "must be 1 to 64 letters, digits, '.', '_' or '-'")}}
 _SECTIONS: dict[str, Collection[str]] = {
     **_RULES, "providers": {"id", "driver", "command", "env", "models", "enabled",
                             "displayName", "agent", "registry", "instructions",
@@ -218,7 +221,8 @@ def load_config(path: Path, *, cwd: Path) -> Config:
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
     return Config(**server, projects=projects, providers=providers, **limits,
-                  store_url=checked("store", None, data.get("store", {})).get("url"))
+                  store_url=checked("store", None, data.get("store", {})).get("url"),
+                  node_id=checked("node", None, data.get("node", {})).get("id"))
 
 
 def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
@@ -1232,9 +1236,7 @@ def _open_store(url: str | None, data_dir: Path) -> Store:
                          "'.[postgres]'") from exc
     if not store_pg.is_postgres_url(url):
         raise StoreError("the database URL must start with postgresql://")
-    engine = store_pg.PostgresEngine(url)
-    engine.hold_node_lock()
-    return Store(engine)
+    return Store(store_pg.PostgresEngine(url))
 
 
 def _withdraw(server_json: Path) -> None:
@@ -1385,8 +1387,16 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
     from schedules import Scheduler
     orch.attach(Scheduler(toolkit, wall=clock.now if clock else time.time, redact=prov.redact))
     await store.sync_projects(config.projects)
+    mine = None  # on PostgreSQL this server is a node (cluster.py): it recovers its own work only
+    if store.path is None:
+        import cluster
+        node = await cluster.Node.join(
+            store, orch, cluster.node_id(config.node_id, data_dir), url=store.engine.url,
+            providers=list(adapters), projects=[p["id"] for p in config.projects])
+        mine = node.work(node.id)
     recovered = await orch.recover(
-        reason="The t3 server restarted while this run was active; its provider process is gone.")
+        reason="The t3 server restarted while this run was active; its provider process is gone.",
+        of=mine)
     if recovered:
         log.warning("interrupted the runs left active by the previous server in %d thread(s)",
                     len(recovered))

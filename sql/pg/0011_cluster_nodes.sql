@@ -1,0 +1,30 @@
+-- sql/0011_nodes.sql in PostgreSQL's dialect, and the notices that wake every node (cluster.py
+-- LISTENs): t3_events when events commit; t3_effects when an outbox row is added or stops
+-- running (another row of its thread may run now), not when one is claimed or renewed. A notice
+-- is sent at COMMIT, once per transaction and channel however many rows it wrote.
+CREATE TABLE cluster_nodes (
+    node_id        TEXT   PRIMARY KEY,
+    started_at     TEXT   NOT NULL,
+    heartbeat_ms   BIGINT NOT NULL,
+    providers_json TEXT   NOT NULL DEFAULT '[]',
+    projects_json  TEXT   NOT NULL DEFAULT '[]'
+);
+
+CREATE TABLE thread_holders (
+    thread_id TEXT PRIMARY KEY,
+    node_id   TEXT NOT NULL
+);
+CREATE INDEX thread_holders_by_node ON thread_holders (node_id);
+
+CREATE FUNCTION t3_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify(TG_ARGV[0], '');
+    RETURN NULL;
+END $$;
+CREATE TRIGGER events_notify AFTER INSERT ON events
+    FOR EACH STATEMENT EXECUTE FUNCTION t3_notify('t3_events');
+CREATE TRIGGER effects_added AFTER INSERT ON effect_outbox
+    FOR EACH ROW EXECUTE FUNCTION t3_notify('t3_effects');
+CREATE TRIGGER effects_stopped AFTER UPDATE ON effect_outbox
+    FOR EACH ROW WHEN (OLD.status = 'running' AND NEW.status <> 'running')
+    EXECUTE FUNCTION t3_notify('t3_effects');
