@@ -30,12 +30,13 @@ How the core's single-process rules carry over:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import signal
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,9 @@ from psycopg import sql
 
 import store as s
 import store_pg
+from orchestrator import Capabilities, ProviderInfo
 
-__all__ = ["HEARTBEAT_S", "DEAD_MS", "Node", "NodeWork", "node_id"]
+__all__ = ["HEARTBEAT_S", "DEAD_MS", "ClusterProviders", "Node", "NodeWork", "node_id"]
 
 log = logging.getLogger("t3.cluster")
 HEARTBEAT_S = 1.0
@@ -104,6 +106,44 @@ def _pg(statement: str) -> str:
     return statement.replace("?", "%s")
 
 
+class ClusterProviders(Mapping[str, ProviderInfo]):
+    """The provider instances this node runs, and those only other live nodes run (as they
+    published them; ``elsewhere``): what decide and the tools check a target against, so a
+    thread made here may run on another node (the claim sends its work where it can run)."""
+
+    def __init__(self, local: Mapping[str, ProviderInfo]) -> None:
+        self.local = local
+        self.elsewhere: dict[str, ProviderInfo] = {}
+        self.nodes: dict[str, list[str]] = {}  # instance id -> the nodes that run it
+
+    def __getitem__(self, instance_id: str) -> ProviderInfo:
+        info = self.local.get(instance_id)
+        if info is not None and (info.available or instance_id not in self.elsewhere):
+            return info
+        return self.elsewhere[instance_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys([*self.local, *self.elsewhere]))
+
+    def __len__(self) -> int:
+        return len(dict.fromkeys([*self.local, *self.elsewhere]))
+
+    def runnable(self) -> list[dict[str, Any]]:
+        """This node's available instances, as published for the others."""
+        return [dataclasses.asdict(info) for info in self.local.values() if info.available]
+
+    def learn(self, nodes: Sequence[tuple[str, str]]) -> None:
+        """(node id, providers JSON) of the live nodes, this one included."""
+        elsewhere: dict[str, ProviderInfo] = {}
+        runs: dict[str, list[str]] = {}
+        for node, published in nodes:
+            for entry in json.loads(published):
+                runs.setdefault(entry["instance_id"], []).append(node)
+                elsewhere[entry["instance_id"]] = ProviderInfo(**{
+                    **entry, "capabilities": Capabilities(**entry["capabilities"])})
+        self.elsewhere, self.nodes = elsewhere, runs
+
+
 class Node:
     """This process as a node of the database's cluster: ``await Node.join(...)`` before the
     orchestrator recovers and starts. Its connections (and the id's lock) end with the process;
@@ -111,19 +151,20 @@ class Node:
     that does recovers its own threads."""
 
     def __init__(self, store: s.Store, orch: Any, node: str, *, url: str,
-                 providers: Sequence[str], projects: Sequence[str]) -> None:
+                 projects: Sequence[str]) -> None:
         self.store, self.orch, self.id, self.url = store, orch, node, url
-        self._providers, self._projects = list(providers), list(projects)
+        self.providers = ClusterProviders(orch.providers)
+        self._projects = list(projects)
         self._lock: Any = None  # the connection holding this id's lock, and heartbeating
         self._listen: Any = None
         self._last = 0  # the last sequence absorbed
 
     @classmethod
     async def join(cls, store: s.Store, orch: Any, node: str, *, url: str,
-                   providers: Sequence[str], projects: Sequence[str]) -> Node:
+                   projects: Sequence[str]) -> Node:
         """Take the id's lock (refused: StoreError), LISTEN, make the orchestrator shared, and
         register; then ``orch.recover(of=self.work(self.id))`` settles this node's last life."""
-        self = cls(store, orch, node, url=url, providers=providers, projects=projects)
+        self = cls(store, orch, node, url=url, projects=projects)
         try:
             self._lock = await psycopg.AsyncConnection.connect(url, autocommit=True)
             held = await (await self._lock.execute("SELECT pg_try_advisory_lock(%s, hashtext(%s))",
@@ -138,13 +179,16 @@ class Node:
             await self._lock.execute(
                 f"INSERT INTO cluster_nodes (node_id, started_at, heartbeat_ms, providers_json, "
                 f"projects_json) VALUES (%s, %s, {_DB_MS}, %s, %s) ON CONFLICT (node_id) DO "
-                f"UPDATE SET started_at = excluded.started_at, heartbeat_ms = excluded.heartbeat_ms, "
+                "UPDATE SET started_at = excluded.started_at, "
+                "heartbeat_ms = excluded.heartbeat_ms, "
                 "providers_json = excluded.providers_json, projects_json = excluded.projects_json",
-                (node, s._now_iso(), json.dumps(self._providers), json.dumps(self._projects)))
+                (node, s._now_iso(), json.dumps(self.providers.runnable()),
+                 json.dumps(self._projects)))
+            await self._learn()
         except psycopg.Error as exc:
             raise s.StoreError(f"cannot join the cluster: {exc}") from exc
         self._last = store.max_sequence()  # after LISTEN: a commit from now on is noticed
-        orch.shared, orch.worker_id = True, node
+        orch.shared, orch.worker_id, orch.providers = True, node, self.providers
         orch.spawn(self._follow(), "cluster-follow")
         orch.spawn(self._beat(), "cluster-heartbeat")
         log.info("joined the database as node %s", node)
@@ -181,10 +225,13 @@ class Node:
                 return
             try:
                 beat = await self._lock.execute(
-                    f"UPDATE cluster_nodes SET heartbeat_ms = {_DB_MS} WHERE node_id = %s", (self.id,))
+                    f"UPDATE cluster_nodes SET heartbeat_ms = {_DB_MS}, providers_json = %s "
+                    "WHERE node_id = %s", (json.dumps(self.providers.runnable()), self.id))
                 dead = await (await self._lock.execute(
-                    f"DELETE FROM cluster_nodes WHERE heartbeat_ms < {_DB_MS} - %s AND node_id <> %s "
+                    f"DELETE FROM cluster_nodes WHERE heartbeat_ms < {_DB_MS} - %s "
+                    "AND node_id <> %s "
                     "RETURNING node_id", (DEAD_MS, self.id))).fetchall()
+                await self._learn()
             except psycopg.Error as exc:  # the database is away: others cannot see us either
                 log.error("node %s cannot reach the database: %s", self.id, exc)
                 continue
@@ -196,6 +243,14 @@ class Node:
                 return
             for (node,) in dead:
                 await self._recover(node)
+
+    async def _learn(self) -> None:
+        """What the live nodes run (for the capabilities and a new thread's target)."""
+        cursor = await self._lock.execute(
+            "SELECT node_id, providers_json FROM cluster_nodes "
+            f"WHERE heartbeat_ms >= {_DB_MS} - %s "
+            "ORDER BY node_id", (DEAD_MS,))
+        self.providers.learn(await cursor.fetchall())
 
     async def _recover(self, node: str) -> None:
         log.warning("node %s stopped beating: recovering its threads here", node)

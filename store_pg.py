@@ -188,10 +188,13 @@ def _json(column: str, key: str) -> str:
         else f"(t3_json({column}) #>> '{{{','.join(path)}}}')"
 
 
-# Several nodes: a thread whose work another node holds (thread_holders, while that node is in
-# ``cluster_nodes``) is not claimable here; a claim makes the claiming node the thread's holder.
-_ELSEWHERE = """EXISTS (SELECT 1 FROM thread_holders n JOIN cluster_nodes d ON d.node_id = n.node_id
-                        WHERE n.thread_id = o.thread_id AND n.node_id <> %(owner)s)"""
+# Several nodes (cluster.py): a node claims the work of threads it serves (t3_serves: their
+# project and provider) unless another live node holds the thread and serves it too; a claim
+# makes the claiming node the thread's holder, so its agent process stays in one place.
+_ELSEWHERE = """(NOT t3_serves(%(owner)s, o.thread_id) OR EXISTS (
+    SELECT 1 FROM thread_holders n JOIN cluster_nodes d ON d.node_id = n.node_id
+    WHERE n.thread_id = o.thread_id AND n.node_id <> %(owner)s
+      AND t3_serves(n.node_id, o.thread_id)))"""
 _FIRST_CLAIMABLE = f"""SELECT * FROM (
     SELECT o.effect_id, o.available_at_ms, o.created_at FROM effect_outbox o WHERE {{due}}
       AND NOT EXISTS (SELECT 1 FROM effect_outbox r

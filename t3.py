@@ -110,6 +110,7 @@ class Config:
     keyfile: str | None = None
     store_url: str | None = None  # [store] url: PostgreSQL (store_pg.py); None: SQLite
     node_id: str | None = None  # [node] id, on PostgreSQL (cluster.py); None: the data dir's
+    node_projects: list[str] | None = None  # [node] projects it runs; None: those found here
 
 
 def _strings(value: Any, _: Path) -> bool:
@@ -148,7 +149,8 @@ _RULES: dict[str, dict[str, _Rule]] = {
                                                                        "postgres://")),
                       "must be a postgresql:// URL")},
     "node": {"id": (lambda v, _: isinstance(v, str) and bool(re.fullmatch(r"[\w.-]{1,64}", v)),
-                    "must be 1 to 64 letters, digits, '.', '_' or '-'")}}
+                    "must be 1 to 64 letters, digits, '.', '_' or '-'"),
+             "projects": (_strings, "must be a list of project ids")}}
 _SECTIONS: dict[str, Collection[str]] = {
     **_RULES, "providers": {"id", "driver", "command", "env", "models", "enabled",
                             "displayName", "agent", "registry", "instructions",
@@ -222,7 +224,8 @@ def load_config(path: Path, *, cwd: Path) -> Config:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
     return Config(**server, projects=projects, providers=providers, **limits,
                   store_url=checked("store", None, data.get("store", {})).get("url"),
-                  node_id=checked("node", None, data.get("node", {})).get("id"))
+                  **{f"node_{k}": v
+                     for k, v in checked("node", None, data.get("node", {})).items()})
 
 
 def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
@@ -1392,7 +1395,8 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
         import cluster
         node = await cluster.Node.join(
             store, orch, cluster.node_id(config.node_id, data_dir), url=store.engine.url,
-            providers=list(adapters), projects=[p["id"] for p in config.projects])
+            projects=config.node_projects if config.node_projects is not None else
+            ["scratch", *(p["id"] for p in config.projects if Path(p["path"]).is_dir())])
         mine = node.work(node.id)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.",

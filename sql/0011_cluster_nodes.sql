@@ -5,7 +5,7 @@ CREATE TABLE cluster_nodes (
     node_id        TEXT    PRIMARY KEY,
     started_at     TEXT    NOT NULL,
     heartbeat_ms   INTEGER NOT NULL,  -- the database's clock, so nodes' clocks may differ
-    providers_json TEXT    NOT NULL DEFAULT '[]',  -- its provider instances, as capabilities lists them
+    providers_json TEXT    NOT NULL DEFAULT '[]',  -- the provider instances it can run (their info)
     projects_json  TEXT    NOT NULL DEFAULT '[]'   -- the project ids it serves
 );
 

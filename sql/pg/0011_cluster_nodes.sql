@@ -16,6 +16,19 @@ CREATE TABLE thread_holders (
 );
 CREATE INDEX thread_holders_by_node ON thread_holders (node_id);
 
+-- Whether a node can run a thread's work: the thread's project and provider instance are among
+-- those the node serves (a scheduled task's row, not a thread's, any node can). A claimer that
+-- is not a registered node (the store used alone) serves everything.
+CREATE FUNCTION t3_serves(node TEXT, thread TEXT) RETURNS boolean STABLE LANGUAGE sql AS $$
+    SELECT NOT EXISTS (SELECT 1 FROM cluster_nodes WHERE node_id = node)
+        OR NOT EXISTS (SELECT 1 FROM threads WHERE thread_id = thread)
+        OR EXISTS (SELECT 1 FROM threads t JOIN cluster_nodes n ON n.node_id = node
+                   WHERE t.thread_id = thread
+                     AND t.project_id IN (SELECT json_array_elements_text(n.projects_json::json))
+                     AND (t3_json(t.payload_json) ->> 'providerInstanceId') IN (
+                         SELECT p ->> 'instance_id' FROM json_array_elements(n.providers_json::json) p))
+$$;
+
 CREATE FUNCTION t3_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify(TG_ARGV[0], '');

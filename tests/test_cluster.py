@@ -1,0 +1,159 @@
+"""Several t3 nodes on one PostgreSQL database (cluster.py): real `t3.py` processes, each with
+its own data directory and `[node] id`, the scripted ACP agent, MCP over HTTP, and a real
+PostgreSQL server (tests/pg.py). The `postgres` tier, skipped saying why without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import McpClient, T3Server, scripted_provider, wait_until, write_config
+from test_delegation import (call_line, create, items, runs_settled, tool_results, wait,
+                             wake_prompts)
+
+pytestmark = pytest.mark.postgres
+
+
+def _rows(url: str, query: str, *params: object) -> list[tuple]:
+    import psycopg
+    with psycopg.connect(url) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+def _nodes(t3_factory, tmp_path: Path, url: str, providers: dict[str, list[str]],
+           ) -> dict[str, T3Server]:
+    """One node per entry: its `[node] id` and the scripted provider instances it runs."""
+    servers = {}
+    for node, ids in providers.items():
+        config = write_config(tmp_path, name=f"{node}.toml",
+                              providers=[scripted_provider(tmp_path, id=i) for i in ids],
+                              extra=f'[node]\nid = "{node}"\n')
+        servers[node] = t3_factory(config=config, data_dir=tmp_path / f"data-{node}",
+                                   args=["--database", url])
+    return servers
+
+
+def _holder(url: str, thread_id: str) -> str | None:
+    found = _rows(url, "SELECT node_id FROM thread_holders WHERE thread_id = %s", thread_id)
+    return found[0][0] if found else None
+
+
+def test_a_thread_made_on_one_node_runs_on_the_node_that_has_its_provider(
+        t3_factory, tmp_path: Path, postgres_url: str) -> None:
+    """Node a runs provider alpha, b runs beta, c runs alpha: a thread created on a for beta
+    runs on b; a's capabilities offer beta (it runs elsewhere); c waits for it and reads the
+    answer; a thread for alpha made on b runs on a or c, never on b."""
+    nodes = _nodes(t3_factory, tmp_path, postgres_url,
+                   {"a": ["alpha"], "b": ["beta"], "c": ["alpha"]})
+    on_a, on_c = nodes["a"].client(), nodes["c"].client()
+    offered = on_a.call("orchestrator_capabilities", {}).structured["providers"]
+    assert {p["providerInstanceId"]: p["canRunChildTask"] for p in offered} == {
+        "alpha": True, "beta": True}
+    made = create(on_a, "hello from a", target={"providerInstanceId": "beta"})
+    assert wait(on_c, made["threadId"])["status"] == "completed"
+    assert _holder(postgres_url, made["threadId"]) == "b"
+    text = [i["text"] for i in items(on_c, made["threadId"], "messages")
+            if i["type"] == "assistant_message"]
+    assert text == ["Hello from scripted agent. You said: hello from a"]
+    assert (tmp_path / "agent-beta.log").exists()
+    other = create(nodes["b"].client(), "hello from b", target={"providerInstanceId": "alpha"})
+    assert wait(on_a, other["threadId"])["status"] == "completed"
+    assert _holder(postgres_url, other["threadId"]) in ("a", "c")
+
+
+def test_a_killed_node_s_delegated_child_is_recovered_and_wakes_its_parent_once(
+        t3_factory, tmp_path: Path, postgres_url: str) -> None:
+    """A parent on node a (alpha) delegates a slow child to beta, which nodes b and c run. The
+    node running the child is killed (-9) mid-stream: the other beta node declares it dead,
+    recovers the child, and the parent's agent is woken exactly once for the task."""
+    nodes = _nodes(t3_factory, tmp_path, postgres_url,
+                   {"a": ["alpha"], "b": ["beta"], "c": ["beta"]})
+    mcp = nodes["a"].client()
+    parent = create(mcp, call_line("delegate_task", {
+        "task": "SLOW:400", "title": "slow child", "target": {"providerInstanceId": "beta"},
+        "clientRequestId": "only-child"}), target={"providerInstanceId": "alpha"})
+    tid = parent["threadId"]
+
+    delegated = wait_until(lambda: tool_results(mcp, tid), 60)[0]
+    child_id = delegated["childThreadId"]
+    wait_until(lambda: "chunk 3 " in "".join(
+        i["text"] or "" for i in items(mcp, child_id, "messages")), 60)
+    victim = _holder(postgres_url, child_id)
+    assert victim in ("b", "c")
+    nodes[victim].kill9()
+    survivor = "c" if victim == "b" else "b"
+    wait_until(lambda: _holder(postgres_url, child_id) == survivor, 60)
+    wait_until(lambda: len(wake_prompts(tmp_path / "agent-alpha.log")) >= 1, 90)
+    wait_until(lambda: runs_settled(mcp, tid, 2), 90)
+    wakes = wake_prompts(tmp_path / "agent-alpha.log")
+    assert len(wakes) == 1, wakes
+    runs = mcp.call("t3_thread_read", {"threadId": child_id}).structured["recentRuns"]
+    assert runs[0]["status"] in ("completed", "failed", "interrupted"), runs
+    assert victim not in [n for (n,) in _rows(postgres_url, "SELECT node_id FROM cluster_nodes")]
+
+
+LOAD_S = float(os.environ.get("T3_CLUSTER_LOAD_S", "60"))
+
+
+def test_thirty_clients_over_three_nodes_lose_nothing(
+        t3_factory, tmp_path: Path, postgres_url: str) -> None:
+    """30 clients over three nodes for LOAD_S seconds (a minute unless T3_CLUSTER_LOAD_S says
+    otherwise): each creates threads and sends to them, waiting for each run through another
+    node than the one it sent to; every acknowledged message is in its thread exactly once,
+    read from any node, and every run completed."""
+    nodes = list(_nodes(t3_factory, tmp_path, postgres_url,
+                        {"a": ["scripted"], "b": ["scripted"], "c": ["scripted"]}).values())
+    acknowledged: list[tuple[str, str]] = []  # (thread id, message)
+    failures: list[str] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + LOAD_S
+
+    def client(n: int) -> None:
+        """Creates a thread, then sends to it, waiting for each run on a node it picks in turn."""
+        clients = [node.client() for node in nodes]
+        thread_id, sent = None, 0
+        while time.monotonic() < deadline and not failures:
+            mcp, message = clients[(n + sent) % 3], f"c{n}-m{sent}"
+            if thread_id is None or sent % 4 == 0:
+                result = mcp.call("create_threads", {"threads": [{"prompt": message}]})
+                if result.ok:
+                    thread_id = result.structured["threads"][0]["threadId"]
+            else:
+                result = mcp.call("t3_thread_send", {"threadId": thread_id, "message": message})
+            if result.ok:
+                with lock:
+                    acknowledged.append((thread_id, message))
+                result = clients[(n + sent + 1) % 3].call(
+                    "t3_thread_wait", {"threadId": thread_id, "timeoutMs": 60_000})
+            if not result.ok or result.structured.get("status") != "completed":
+                with lock:
+                    failures.append(f"{message}: {result.structured}")
+                return
+            sent += 1
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:3]
+    assert len(acknowledged) >= 60
+    by_thread: dict[str, list[str]] = {}
+    for thread_id, message in acknowledged:
+        by_thread.setdefault(thread_id, []).append(message)
+    readers = [node.client() for node in nodes]
+    for i, (thread_id, messages) in enumerate(sorted(by_thread.items())):
+        reader = readers[i % 3]
+        wait_until(lambda: runs_settled(reader, thread_id, len(messages)), 120)
+        said = [m["text"] for m in items(reader, thread_id, "messages")
+                if m["type"] == "user_message"]
+        assert sorted(said) == sorted(messages), (thread_id, said, messages)
+    runs = _rows(postgres_url, "SELECT status, COUNT(*) FROM runs GROUP BY status")
+    assert dict(runs) == {"completed": len(acknowledged)}, runs
+    assert json.dumps(sorted(n for (n,) in _rows(postgres_url, "SELECT node_id FROM cluster_nodes"))
+                      ) == '["a", "b", "c"]'
