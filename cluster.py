@@ -22,7 +22,8 @@ How the core's single-process rules carry over:
 - Liveness: a node renews its ``cluster_nodes`` row's heartbeat (the database's clock) every
   ``HEARTBEAT_S``. The first other node to see a heartbeat ``DEAD_MS`` old deletes that row (one
   node wins) and recovers the dead node's threads as a restart would (``Orchestrator.recover``
-  over ``NodeWork``), and holds them from then on. A node that finds its own row gone was
+  over ``NodeWork``); the next node to claim one of their effects holds that thread. A node
+  that finds its own row gone was
   declared dead while alive (cut off from the database): its work was recovered elsewhere, so
   it stops (SIGTERM to itself) rather than run it twice.
 """
@@ -259,7 +260,7 @@ class Node:
                 reason=f"The t3 node {node} running this run stopped; its provider process is "
                        "gone.", of=self.work(node))
             await self.store.write(lambda conn: conn.execute(
-                "UPDATE thread_holders SET node_id = ? WHERE node_id = ?", (self.id, node)))
+                "DELETE FROM thread_holders WHERE node_id = ?", (node,)))
         except Exception as exc:  # the next beat does not see it again: say so loudly
             log.error("recovering node %s's threads failed: %s", node, exc, exc_info=exc)
             return

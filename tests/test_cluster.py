@@ -70,8 +70,9 @@ def test_a_thread_made_on_one_node_runs_on_the_node_that_has_its_provider(
 def test_a_killed_node_s_delegated_child_is_recovered_and_wakes_its_parent_once(
         t3_factory, tmp_path: Path, postgres_url: str) -> None:
     """A parent on node a (alpha) delegates a slow child to beta, which nodes b and c run. The
-    node running the child is killed (-9) mid-stream: the other beta node declares it dead,
-    recovers the child, and the parent's agent is woken exactly once for the task."""
+    node running the child is killed (-9) mid-stream: another node declares it dead and
+    recovers the child (its run ends, as after a restart), and the parent's agent is woken
+    exactly once for the task."""
     nodes = _nodes(t3_factory, tmp_path, postgres_url,
                    {"a": ["alpha"], "b": ["beta"], "c": ["beta"]})
     mcp = nodes["a"].client()
@@ -87,15 +88,19 @@ def test_a_killed_node_s_delegated_child_is_recovered_and_wakes_its_parent_once(
     victim = _holder(postgres_url, child_id)
     assert victim in ("b", "c")
     nodes[victim].kill9()
-    survivor = "c" if victim == "b" else "b"
-    wait_until(lambda: _holder(postgres_url, child_id) == survivor, 60)
+
+    def live() -> list[str]:
+        return [n for (n,) in _rows(postgres_url, "SELECT node_id FROM cluster_nodes")]
+    wait_until(lambda: victim not in live(), 60)  # declared dead by another node
     wait_until(lambda: len(wake_prompts(tmp_path / "agent-alpha.log")) >= 1, 90)
     wait_until(lambda: runs_settled(mcp, tid, 2), 90)
+    wait_until(lambda: _rows(postgres_url, "SELECT COUNT(*) FROM effect_outbox WHERE status IN "
+                             "('pending', 'running')") == [(0,)], 60)  # no wake can follow
     wakes = wake_prompts(tmp_path / "agent-alpha.log")
     assert len(wakes) == 1, wakes
     runs = mcp.call("t3_thread_read", {"threadId": child_id}).structured["recentRuns"]
     assert runs[0]["status"] in ("completed", "failed", "interrupted"), runs
-    assert victim not in [n for (n,) in _rows(postgres_url, "SELECT node_id FROM cluster_nodes")]
+    assert sorted(live()) == sorted({"a", "b", "c"} - {victim})
 
 
 LOAD_S = float(os.environ.get("T3_CLUSTER_LOAD_S", "60"))
