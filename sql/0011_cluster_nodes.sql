@@ -1,7 +1,7 @@
 -- The t3 processes (nodes) sharing one database, and which node holds each thread's agent work
 -- (cluster.py, on PostgreSQL). A single SQLite server never writes them; the tables are here so
 -- that a schema version means the same tables on both engines.
-CREATE TABLE cluster_nodes (
+CREATE TABLE IF NOT EXISTS cluster_nodes (
     node_id        TEXT    PRIMARY KEY,
     started_at     TEXT    NOT NULL,
     heartbeat_ms   INTEGER NOT NULL,  -- the database's clock, so nodes' clocks may differ
@@ -11,8 +11,8 @@ CREATE TABLE cluster_nodes (
 
 -- A thread's effects run on the node that claimed its first one while that node lives: its agent
 -- process is there. When the node is declared dead its rows go and another node recovers them.
-CREATE TABLE thread_holders (
+CREATE TABLE IF NOT EXISTS thread_holders (
     thread_id TEXT PRIMARY KEY,
     node_id   TEXT NOT NULL
 );
-CREATE INDEX thread_holders_by_node ON thread_holders (node_id);
+CREATE INDEX IF NOT EXISTS thread_holders_by_node ON thread_holders (node_id);
