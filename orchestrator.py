@@ -61,7 +61,7 @@ __all__ = [
     "SessionCredentials", "Subagent", "ContextTransfer", "DelegateTask", "SetWakePolicy",
     "RequestTaskCancel", "FinalizeSubagent", "task_result", "TASK_TERMINAL",
     "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS", "mode_to_answer", "result_transfer_id",
-    "AwaitAgentSlot", "GrantAgentSlot", "thread_title", "Subscription", "client_commands",
+    "AwaitAgentSlot", "GrantAgentSlot", "thread_title", "client_commands",
     "decides", "register_entities", "EffectKind", "Entity", "Command", "Draft", "Part",
     "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "SwitchProvider", "Workspaces", "parse_json",
@@ -1105,7 +1105,7 @@ class Decision:
     cancel_effect_types: tuple[str, ...] = ()
     entities: tuple[Any, ...] = ()  # what each event records, for the in-memory state
 
-    def commit(self, command: Command) -> _store.Commit:
+    def commit(self, command: Command, base: tuple[str, int] | None = None) -> _store.Commit:
         return _store.Commit(
             command_id=command.command_id, command_type=command.type,
             fingerprint=fingerprint_of(command), thread_id=command.thread_id, events=self.events,
@@ -1114,7 +1114,7 @@ class Decision:
                 thread_id=e.thread_id, effect_type=e.effect_type, payload=e.payload,
                 replay_safe=e.replay_safe, max_attempts=EFFECTS[e.effect_type].attempts)
                 for e in self.effects),
-            result=self.result, cancel_effect_types=self.cancel_effect_types)
+            result=self.result, cancel_effect_types=self.cancel_effect_types, base=base)
 
 
 # =============================================================================================
@@ -2558,39 +2558,6 @@ class _LiveSession:
     last_used: float = 0.0  # monotonic time of its last turn's end: idle ones go LRU first
 
 
-class Subscription:
-    """Events committed after it began, for one thread (or all), in commit order, as JSON text.
-    Bounded: a reader more than ``max_bytes`` of events behind is cut off (``overflowed``) and
-    resubscribes from the last sequence it got, so a slow reader never grows the server."""
-
-    def __init__(self, *, thread_id: str | None, max_bytes: int) -> None:
-        self.thread_id = thread_id
-        self.max_bytes = max_bytes
-        self.overflowed = False
-        self._items: collections.deque[tuple[int, str, str]] = collections.deque()
-        self._bytes = 0
-        self._ready = asyncio.Event()
-
-    def offer(self, sequence: int, thread_id: str, text: str) -> None:
-        if self.overflowed:
-            return
-        self._bytes += len(text) + 64
-        if self._bytes > self.max_bytes:
-            self.overflowed = True
-            self._items.clear()
-        else:
-            self._items.append((sequence, thread_id, text))
-        self._ready.set()
-
-    async def take(self) -> list[tuple[int, str, str]]:
-        """(sequence, thread id, event JSON) of what arrived since the last take, waiting for at
-        least one; [] once overflowed."""
-        await self._ready.wait()
-        self._ready.clear()
-        items, self._items, self._bytes = list(self._items), collections.deque(), 0
-        return items
-
-
 class Part(Protocol):
     """A feature's runtime that the orchestrator drives (schedules.py's scheduler): it is shown
     each committed entity of the kinds it ``watches``, and ``run`` is its background loop."""
@@ -2641,7 +2608,7 @@ class Orchestrator:
         self._held: dict[str, ThreadState] = {}  # evicted while in use (_evict)
         self._locks: dict[str, asyncio.Lock] = {}
         self._signals: dict[str, asyncio.Event] = {}
-        self._subscriptions: set[Subscription] = set()
+        self._subscriptions: set[Any] = set()
         self._effect_tasks: dict[str, asyncio.Task[None]] = {}
         self._effect_wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -2685,8 +2652,7 @@ class Orchestrator:
                     return await self._dispatch(command)
                 self.forget(command.thread_id)
 
-    async def _dispatch(self, command: Command) -> DispatchResult:
-        """dispatch, under the thread's lock: one decision and its commit."""
+    async def _dispatch(self, command: Command) -> DispatchResult:  # under the thread's lock
         state = await self.state(command.thread_id) or ThreadState()
         try:
             decision = decide(state, command, now=self._clock(), new_id=self.new_id,
@@ -2700,10 +2666,9 @@ class Orchestrator:
             return self._replay(command, receipt) if receipt else \
                 DispatchResult(state.sequence, decision.result)
         _store.crash_point(f"before-commit:{command.type}")
-        commit = decision.commit(command)
         try:
-            outcome = await self._store.commit(replace(
-                commit, base=(command.thread_id, state.sequence)) if self.shared else commit)
+            outcome = await self._store.commit(decision.commit(
+                command, (command.thread_id, state.sequence) if self.shared else None))
         except _store.FingerprintMismatch:
             return self._replay(command, None)
         if not outcome.committed:
@@ -2738,11 +2703,9 @@ class Orchestrator:
 
     def _apply(self, events: Sequence[_store.NewEvent], sequences: Sequence[int],
                entities: Sequence[Any], decided_on: str | None = None) -> None:
-        """Committed events into the cached states; ``entities`` are what decide made of them
-        (the entity each event records), put as they are: no JSON round trip (None: absorbed,
-        rebuilt from the payload). A state loaded after an event skips it. Shared, a state the
-        commit was not decided on may miss another process's events not absorbed yet: it is
-        dropped, loaded again on use; and only ``absorb`` shows events to the parts, once."""
+        """Committed events into the cached states; ``entities`` are what decide made of them,
+        put as they are (None: absorbed, rebuilt from the payload). A state loaded after an event
+        skips it. Shared, one the commit was not decided on may miss others' events: dropped."""
         touched: set[str] = set()
         for event, sequence, entity in zip(events, sequences, entities, strict=True):
             kind, own = _store.event_kind(event.type), entity is not None
@@ -2760,7 +2723,7 @@ class Orchestrator:
             if state is not None:
                 state.sequence = sequence
             touched.add(event.thread_id)
-            if entity is None or own and self.shared:
+            if entity is None or own and self.shared:  # shared: absorb shows the parts, once
                 continue
             if kind == "run" and entity.status in RUN_TERMINAL:
                 self.sessions.run_ended(entity.id)
@@ -2771,33 +2734,27 @@ class Orchestrator:
         self._evict()
 
     def absorb(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Shared (cluster.py): the events every process on the database committed, this one's
-        too, in sequence order (``Store.events_after``'s rows): into the cached states that miss
-        them, the parts, waits and subscriptions; the effect worker looks for new work."""
+        """Shared (cluster.py): every process's commits, this one's too, in sequence order (rows of
+        ``Store.events_after``), as ``dispatch`` applies and publishes its own; effects looked at."""
         self._apply([_store.NewEvent(r["eventId"], r["threadId"], r["type"], r["occurredAt"],
                                      r["payload"]) for r in rows], [r["sequence"] for r in rows],
                     [None] * len(rows))
         for row in rows:
             text = json.dumps(row, separators=(",", ":"))
-            for subscription in list(self._subscriptions):
-                if subscription.thread_id in (None, row["threadId"]):
-                    subscription.offer(row["sequence"], row["threadId"], text)
+            for sub in [s for s in self._subscriptions if s.thread_id in (None, row["threadId"])]:
+                sub.offer(row["sequence"], row["threadId"], text)
         self._effect_wake.set()
 
-    def forget(self, thread_id: str) -> None:
-        """Drop the thread's cached state: it is loaded again from the store on its next use."""
-        self._states.pop(thread_id, None)
-        self._held.pop(thread_id, None)
+    def forget(self, thread_id: str) -> None:  # loaded again from the store on its next use
+        self._states.pop(thread_id, None), self._held.pop(thread_id, None)
 
-    def subscribe(self, *, thread_id: str | None = None,
-                  max_bytes: int = 8 * 1024 * 1024) -> Subscription:
-        """Every event committed from now on for ``thread_id`` (None: for every thread)."""
-        subscription = Subscription(thread_id=thread_id, max_bytes=max_bytes)
-        self._subscriptions.add(subscription)
-        return subscription
+    def subscribe(self, subscriber: Any) -> None:
+        """``subscriber.offer(sequence, thread id, JSON)`` each event of its ``thread_id`` (None:
+        every thread's) committed from now on, in commit order (tools.py's Subscription)."""
+        self._subscriptions.add(subscriber)
 
-    def unsubscribe(self, subscription: Subscription) -> None:
-        self._subscriptions.discard(subscription)
+    def unsubscribe(self, subscriber: Any) -> None:
+        self._subscriptions.discard(subscriber)
 
     def _publish(self, command_id: str, events: Sequence[_store.NewEvent],
                  outcome: _store.CommitResult) -> None:
@@ -2924,8 +2881,7 @@ class Orchestrator:
             log.info("released %d outbox lease(s)", released)
 
     async def recover(self, *, reason: str, of: Any = None) -> list[str]:
-        """After a restart: settle what the old process left behind (``of``: cluster.py's view of
-        one node's part of the store, this node's or a dead one's). Returns recovered threads."""
+        """After a restart: settle what the old process (``of``: a node's, cluster.py) left."""
         of = of or self._store
         cancelled, requeued = await of.recover_outbox(
             reason="Cancelled: the server process ended before this effect completed.",
