@@ -15,7 +15,8 @@ How the core's single-process rules carry over:
 - Seeing other nodes' commits: every node LISTENs. A commit of events sends ``t3_events`` and
   the node reads the events after the last it absorbed (``Orchestrator.absorb``: cached states,
   parts, waits and /ws subscriptions, in sequence order, its own commits included); an outbox
-  row added or stopping sends ``t3_effects`` and wakes the effect worker. No polling.
+  row added or stopping sends ``t3_effects`` and wakes the effect worker; a node joining sends
+  ``t3_nodes`` and the others read what it runs (heartbeats refresh that too). No polling.
 - Effects: a thread's effects run on the node that holds it (``thread_holders``: the node that
   claimed its first effect, so its agent process stays with it), claimed ``FOR UPDATE SKIP
   LOCKED`` under a lease fenced by owner and attempt (store_pg's claim form).
@@ -177,6 +178,7 @@ class Node:
             self._listen = await psycopg.AsyncConnection.connect(url, autocommit=True)
             await self._listen.execute("LISTEN t3_events")
             await self._listen.execute("LISTEN t3_effects")
+            await self._listen.execute("LISTEN t3_nodes")
             await self._lock.execute(
                 f"INSERT INTO cluster_nodes (node_id, started_at, heartbeat_ms, providers_json, "
                 f"projects_json) VALUES (%s, %s, {_DB_MS}, %s, %s) ON CONFLICT (node_id) DO "
@@ -185,6 +187,7 @@ class Node:
                 "providers_json = excluded.providers_json, projects_json = excluded.projects_json",
                 (node, s._now_iso(), json.dumps(self.providers.runnable()),
                  json.dumps(self._projects)))
+            await self._lock.execute("NOTIFY t3_nodes")  # the others learn what it runs
             await self._learn()
         except psycopg.Error as exc:
             raise s.StoreError(f"cannot join the cluster: {exc}") from exc
@@ -205,6 +208,8 @@ class Node:
         async for notice in self._listen.notifies():
             if notice.channel == "t3_events":
                 self._catch_up()
+            elif notice.channel == "t3_nodes":
+                await self._learn()
             else:
                 self.orch.absorb([])
 

@@ -414,8 +414,8 @@ CAPABILITIES_OUTPUT = shape({
                                 "options": list_of({"type": "object"})}, optional=["options"])),
         "omittedModels": INTEGER, "canRunChildTask": BOOLEAN,
         "canRunCrossProviderChildTask": BOOLEAN, "constraints": list_of(STRING),
-        "runtimeModes": list_of(RUNTIME), "interactionModes": list_of(INTERACTION)},
-        optional=["runtimeModes", "interactionModes"])),
+        "runtimeModes": list_of(RUNTIME), "interactionModes": list_of(INTERACTION),
+        "nodes": list_of(STRING)}, optional=["runtimeModes", "interactionModes", "nodes"])),
     "features": shape({k: BOOLEAN if isinstance(v, bool) else INTEGER
                        for k, v in FEATURES.items()})})
 TASK_CANCEL_OUTPUT = shape({"taskId": STRING, "status": enum_of(
@@ -1016,6 +1016,8 @@ async def _capabilities(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
             entry["runtimeModes"] = list(info.runtime_modes)
         if info.interaction_modes is not None:
             entry["interactionModes"] = list(info.interaction_modes)
+        if (nodes := getattr(kit.orch.providers, "nodes", None)) is not None:  # cluster.py's
+            entry["nodes"] = nodes.get(info.instance_id, [])  # the live nodes that run it
         providers.append(entry)
     return {"parentThreadId": thread.id if thread else None,
             "inheritedProviderInstanceId": thread.provider_instance_id if thread else None,

@@ -5,6 +5,7 @@ PostgreSQL server (tests/pg.py). The `postgres` tier, skipped saying why without
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cli import WsClient
 from harness import McpClient, T3Server, scripted_provider, wait_until, write_config
 from test_delegation import (call_line, create, items, runs_settled, tool_results, wait,
                              wake_prompts)
@@ -52,9 +54,12 @@ def test_a_thread_made_on_one_node_runs_on_the_node_that_has_its_provider(
     nodes = _nodes(t3_factory, tmp_path, postgres_url,
                    {"a": ["alpha"], "b": ["beta"], "c": ["alpha"]})
     on_a, on_c = nodes["a"].client(), nodes["c"].client()
-    offered = on_a.call("orchestrator_capabilities", {}).structured["providers"]
-    assert {p["providerInstanceId"]: p["canRunChildTask"] for p in offered} == {
-        "alpha": True, "beta": True}
+
+    def offered() -> dict:  # a node learns what another runs once it joined (t3_nodes)
+        listed = on_a.call("orchestrator_capabilities", {}).structured["providers"]
+        return {p["providerInstanceId"]: (p["canRunChildTask"], p["nodes"]) for p in listed}
+    wait_until(lambda: offered()["alpha"][1] == ["a", "c"], 10)
+    assert offered() == {"alpha": (True, ["a", "c"]), "beta": (True, ["b"])}
     made = create(on_a, "hello from a", target={"providerInstanceId": "beta"})
     assert wait(on_c, made["threadId"])["status"] == "completed"
     assert _holder(postgres_url, made["threadId"]) == "b"
@@ -162,3 +167,31 @@ def test_thirty_clients_over_three_nodes_lose_nothing(
     assert dict(runs) == {"completed": len(acknowledged)}, runs
     assert json.dumps(sorted(n for (n,) in _rows(postgres_url, "SELECT node_id FROM cluster_nodes"))
                       ) == '["a", "b", "c"]'
+
+
+def test_a_subscriber_on_one_node_sees_another_node_s_commits_in_order(
+        t3_factory, tmp_path: Path, postgres_url: str) -> None:
+    """A /ws subscriber on node b follows a thread that node a's agent streams: after its
+    snapshot it gets every event of the thread, in sequence order, none twice, until the run
+    completes (the commits reach b through NOTIFY, not polling)."""
+    nodes = _nodes(t3_factory, tmp_path, postgres_url, {"a": ["alpha"], "b": ["beta"]})
+    made = create(nodes["a"].client(), "SLOW:30", target={"providerInstanceId": "alpha"})
+    b = nodes["b"]
+
+    async def follow() -> tuple[int, list[int]]:
+        async with WsClient(b.url + "/ws", b.token) as client:
+            snapshot, seen = 0, []
+            async for item in client.stream("subscribeThread", {"threadId": made["threadId"]}):
+                if item["kind"] == "snapshot":
+                    snapshot = item["snapshotSequence"]
+                elif item["kind"] == "event":
+                    seen.append(item["sequence"])
+                    event = item["event"]
+                    if event["type"] == "run.updated" and event["payload"]["status"] == "completed":
+                        return snapshot, seen
+        raise AssertionError("the stream ended")
+    snapshot, seen = asyncio.run(asyncio.wait_for(follow(), 60))
+    stored = [s for (s,) in _rows(postgres_url, "SELECT sequence FROM events WHERE thread_id = %s "
+                                  "AND sequence > %s ORDER BY sequence", made["threadId"], snapshot)]
+    assert seen and seen == stored[:len(seen)], (seen, stored)
+    assert _holder(postgres_url, made["threadId"]) == "a"
