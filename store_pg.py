@@ -1,6 +1,5 @@
-"""store_pg.py: t3's store on PostgreSQL (psycopg 3), the base for several t3 nodes sharing one
-database (the store is ready for them; the orchestrator is not yet: README, "Running on several
-machines").
+"""store_pg.py: t3's store on PostgreSQL (psycopg 3), which several t3 nodes may share
+(cluster.py; README, "Running on several machines").
 
 A feature module: the core never imports it; ``t3.py`` does when ``[store] url`` or
 ``--database`` names a ``postgresql://`` URL (``pip install -e '.[postgres]'``). An auditor of a

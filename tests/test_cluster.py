@@ -19,7 +19,6 @@ from harness import McpClient, T3Server, scripted_provider, wait_until, write_co
 from test_delegation import (call_line, create, items, runs_settled, tool_results, wait,
                              wake_prompts)
 
-pytestmark = pytest.mark.postgres
 
 
 def _rows(url: str, query: str, *params: object) -> list[tuple]:
@@ -46,6 +45,7 @@ def _holder(url: str, thread_id: str) -> str | None:
     return found[0][0] if found else None
 
 
+@pytest.mark.postgres
 def test_a_thread_made_on_one_node_runs_on_the_node_that_has_its_provider(
         t3_factory, tmp_path: Path, postgres_url: str) -> None:
     """Node a runs provider alpha, b runs beta, c runs alpha: a thread created on a for beta
@@ -72,6 +72,7 @@ def test_a_thread_made_on_one_node_runs_on_the_node_that_has_its_provider(
     assert _holder(postgres_url, other["threadId"]) in ("a", "c")
 
 
+@pytest.mark.postgres
 def test_a_killed_node_s_delegated_child_is_recovered_and_wakes_its_parent_once(
         t3_factory, tmp_path: Path, postgres_url: str) -> None:
     """A parent on node a (alpha) delegates a slow child to beta, which nodes b and c run. The
@@ -111,6 +112,7 @@ def test_a_killed_node_s_delegated_child_is_recovered_and_wakes_its_parent_once(
 LOAD_S = float(os.environ.get("T3_CLUSTER_LOAD_S", "60"))
 
 
+@pytest.mark.postgres
 def test_thirty_clients_over_three_nodes_lose_nothing(
         t3_factory, tmp_path: Path, postgres_url: str) -> None:
     """30 clients over three nodes for LOAD_S seconds (a minute unless T3_CLUSTER_LOAD_S says
@@ -169,6 +171,7 @@ def test_thirty_clients_over_three_nodes_lose_nothing(
                       ) == '["a", "b", "c"]'
 
 
+@pytest.mark.postgres
 def test_a_subscriber_on_one_node_sees_another_node_s_commits_in_order(
         t3_factory, tmp_path: Path, postgres_url: str) -> None:
     """A /ws subscriber on node b follows a thread that node a's agent streams: after its
@@ -195,3 +198,15 @@ def test_a_subscriber_on_one_node_sees_another_node_s_commits_in_order(
                                   "AND sequence > %s ORDER BY sequence", made["threadId"], snapshot)]
     assert seen and seen == stored[:len(seen)], (seen, stored)
     assert _holder(postgres_url, made["threadId"]) == "a"
+
+
+@pytest.mark.parametrize(("node", "said"), [
+    ('id = "two words"', r"node\.id: must be 1 to 64"), ('projects = "web"', r"node\.projects")])
+def test_the_node_table_is_checked(tmp_path: Path, node: str, said: str) -> None:
+    """`[node]` is checked at load like every table; a good one is read as written."""
+    import t3 as server_module
+    with pytest.raises(server_module.ConfigError, match=said):
+        server_module.load_config(write_config(tmp_path, extra=f"[node]\n{node}\n"), cwd=tmp_path)
+    good = server_module.load_config(write_config(
+        tmp_path, extra='[node]\nid = "build-1"\nprojects = ["proj"]\n'), cwd=tmp_path)
+    assert (good.node_id, good.node_projects) == ("build-1", ["proj"])
