@@ -1,0 +1,150 @@
+"""Linked environments end to end: two real t3 servers, each naming the other in
+[[environments]], an agent on A delegating to a provider on B (links.py)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness import McpClient, T3Server, scripted_provider, wait_until
+from test_delegation import call_line, create, items, tool_results, wait, wake_prompts
+
+
+@dataclass
+class Pair:
+    a: T3Server
+    b: T3Server
+    mcp_a: McpClient
+    mcp_b: McpClient
+
+    @property
+    def env_b(self) -> str:
+        return str(self.b.info["environmentId"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _environment(server: T3Server) -> str:
+    return (f'[[environments]]\nid = "{server.info["environmentId"]}"\n'
+            f'url = "{server.url}"\ntoken_file = "{server.data_dir / "client-token"}"\n')
+
+
+def linked_pair(t3_factory, tmp_path: Path) -> Pair:
+    """B (provider beta), then A (provider alpha) linked to B, then B restarted linked to A.
+    Fixed ports, so each side's URL survives the other's restart."""
+    b = t3_factory(providers=[scripted_provider(tmp_path, id="beta")], data_dir=tmp_path / "b",
+                   args=["--port", str(_free_port())])
+    a = t3_factory(providers=[scripted_provider(tmp_path, id="alpha")], data_dir=tmp_path / "a",
+                   args=["--port", str(_free_port())], extra=_environment(b))
+    b.config.write_text(b.config.read_text() + "\n" + _environment(a))
+    b.restart()
+    return Pair(a, b, a.client(), b.client())
+
+
+def delegate_line(pair: Pair, task: str, **args: object) -> str:
+    return call_line("delegate_task", {"task": task, "title": "Remote", "target": {
+        "providerInstanceId": "beta", "environmentId": pair.env_b}, **args})
+
+
+def settled_runs(mcp: McpClient, thread_id: str, count: int) -> bool:
+    runs = mcp.call("t3_thread_read", {"threadId": thread_id, "runLimit": 50}).structured[
+        "recentRuns"]
+    return len(runs) >= count and all(r["status"] in ("completed", "failed", "interrupted",
+                                                      "cancelled") for r in runs)
+
+
+def test_remote_delegation_completes_and_wakes_the_parent_once(t3_factory, tmp_path: Path
+                                                               ) -> None:
+    """A task delegated from A to beta on B runs there with the parent's modes, is tracked by
+    its link, and its completion wakes A's parent exactly once with B's answer."""
+    pair = linked_pair(t3_factory, tmp_path)
+    caps = pair.mcp_a.call("orchestrator_capabilities").structured
+    assert {(p["providerInstanceId"], p["environmentId"]) for p in caps["providers"]} == {
+        ("alpha", pair.a.info["environmentId"]), ("beta", pair.env_b)}
+    assert caps["linkedEnvironments"] == [
+        {"environmentId": pair.env_b, "reachable": True, "error": None}]
+    parent = create(pair.mcp_a, delegate_line(pair, "ECHO_PROMPT"),
+                    target={"providerInstanceId": "alpha"}, runtimeMode="auto-accept-edits")
+    tid = parent["threadId"]
+    wait_until(lambda: settled_runs(pair.mcp_a, tid, 2), 60)
+    [started] = tool_results(pair.mcp_a, tid)
+    link = started["childThreadId"]
+    assert link.startswith(f"t3-thread://v2/{pair.env_b}/") and started["childThreadLink"] == link
+    assert wake_prompts(tmp_path / "agent-alpha.log") == [
+        f'Delegated task "Remote" completed. Use task_status with taskId {started["taskId"]} '
+        "to read the result."]
+    [sub] = [i for i in items(pair.mcp_a, tid) if i["type"] == "subagent"]
+    assert sub["status"] == "completed" and sub["text"] == "ECHO_PROMPT"
+    child = pair.mcp_a.call("t3_thread_read", {"threadId": link}).structured["thread"]
+    assert child["providerInstanceId"] == "beta"
+    assert child["runtimeMode"] == "auto-accept-edits"  # the parent's, never broader
+    assert pair.a.rows("SELECT status FROM effect_outbox WHERE effect_type = 'link.await'") == [
+        ("succeeded",)]
+
+
+def test_a_killed_while_the_remote_child_runs_is_woken_after_restart(t3_factory, tmp_path: Path
+                                                                    ) -> None:
+    """kill -9 of A while B's child runs: after A restarts, the watch resumes and the parent is
+    woken exactly once."""
+    pair = linked_pair(t3_factory, tmp_path)
+    parent = create(pair.mcp_a, delegate_line(pair, "SLOW:80"),
+                    target={"providerInstanceId": "alpha"})
+    tid = parent["threadId"]
+    [started] = wait_until(lambda: tool_results(pair.mcp_a, tid), 30)  # the task is made
+    remote_id = started["childThreadId"].rsplit("/", 1)[1]
+    pair.a.kill9()
+    assert wait(pair.mcp_b, remote_id, timeoutMs=0)["status"] == "running"  # still at work
+    pair.a.start()
+    wait_until(lambda: settled_runs(pair.mcp_a, tid, 2), 60)
+    assert len(wake_prompts(tmp_path / "agent-alpha.log")) == 1
+    assert pair.a.rows("SELECT status FROM effect_outbox WHERE effect_type = 'link.await'") == [
+        ("succeeded",)]
+    [sub] = [i for i in items(pair.mcp_a, tid) if i["type"] == "subagent"]
+    assert sub["status"] == "completed" and "done" in sub["text"]
+
+
+def test_links_in_thread_tools_and_refusals(t3_factory, tmp_path: Path) -> None:
+    """A remote thread's link works in t3_thread_read/wait/send; a link or target naming an
+    environment that is not linked is refused, typed, and changes nothing; an agent may not
+    make or send to a remote thread broader than itself."""
+    pair = linked_pair(t3_factory, tmp_path)
+    mcp = pair.mcp_a
+    made = create(mcp, "first", target={"providerInstanceId": "beta",
+                                        "environmentId": pair.env_b}, runtimeMode="full-access")
+    link = made["link"]
+    assert link == f"t3-thread://v2/{pair.env_b}/{made['threadId']}"
+    assert wait(mcp, link)["status"] == "completed"
+    sent = mcp.call("t3_thread_send", {"threadId": link, "message": "second"})
+    assert sent.ok, sent.structured
+    assert wait(mcp, link, runId=sent.structured["runId"])["status"] == "completed"
+    texts = [i["text"] for i in mcp.call("t3_thread_read", {"threadId": link}).structured[
+        "items"]]
+    assert texts[0] == "first" and texts[2] == "second" and len(texts) == 4
+    # Not linked: typed failures, nothing made on either side.
+    before = [len(m.call("t3_thread_list").structured["threads"]) for m in (mcp, pair.mcp_b)]
+    unknown = "t3-thread://v2/env-nowhere/thread-1"
+    for tool, args in (("t3_thread_read", {}), ("t3_thread_wait", {}),
+                       ("t3_thread_send", {"message": "hi"})):
+        assert mcp.call(tool, {"threadId": unknown, **args}).failure_code == "thread_not_found"
+    refused = mcp.call("create_threads", {"threads": [{"prompt": "x", "target": {
+        "providerInstanceId": "beta", "environmentId": "env-nowhere"}}]})
+    assert refused.failure_code == "provider_unavailable"
+    # An agent in approval-required: its remote work is no broader.
+    narrow = create(mcp, "\n".join([
+        delegate_line(pair, "ECHO_PROMPT", runtimeMode="full-access"),
+        call_line("delegate_task", {"task": "x", "target": {"environmentId": "env-nowhere"}}),
+        call_line("t3_thread_send", {"threadId": link, "message": "widen?"}),
+        call_line("create_threads", {"threads": [{"prompt": "x", "runtimeMode": "auto",
+                                                  "target": {"environmentId": pair.env_b}}]})]),
+        target={"providerInstanceId": "alpha"}, runtimeMode="approval-required")
+    assert wait(mcp, narrow["threadId"])["status"] == "completed"
+    codes = [r.get("code") for r in tool_results(mcp, narrow["threadId"])]
+    assert codes == ["runtime_mode_escalation_denied", "provider_unavailable",
+                     "runtime_mode_escalation_denied", "runtime_mode_escalation_denied"]
+    after = [len(m.call("t3_thread_list").structured["threads"]) for m in (mcp, pair.mcp_b)]
+    assert after == [before[0] + 1, before[1]]  # only the narrow thread itself
