@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -44,8 +45,8 @@ from mcp.client.streamable_http import streamable_http_client
 import orchestrator as orch
 import tools
 from orchestrator import (EFFECTS, RUN_BLOCKING, RUN_TERMINAL, CommandRejected, DelegateTask,
-                          Draft, EffectKind, FinalizeSubagent, PermanentEffectError, RunStatus,
-                          T3Error, bounded_id, decides, put_task)
+                          Draft, EffectKind, FinalizeSubagent, RunStatus, T3Error, bounded_id,
+                          decides, put_task)
 from tools import Args, Call, Operation, Toolkit
 
 __all__ = ["Environment", "Links", "DelegateRemoteTask", "parse_link", "install"]
@@ -105,11 +106,10 @@ class Links:
         headers = {"Authorization": f"Bearer {env.token()}"}
         try:
             async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(
-                    10, read=timeout_s + 10)) as http:
-                async with Client(streamable_http_client(f"{env.url}/mcp",
-                                                         http_client=http)) as client:
-                    result = await asyncio.wait_for(client.call_tool(tool, dict(args)),
-                                                    timeout_s + 20)
+                    10, read=timeout_s + 10)) as http, Client(streamable_http_client(
+                    f"{env.url}/mcp", http_client=http)) as client:
+                result = await asyncio.wait_for(client.call_tool(tool, dict(args)),
+                                                timeout_s + 20)
         except Exception as exc:  # (cancellation is a BaseException: it passes)
             raise Unreachable(f"environment {env.id} did not answer {tool}: "
                               f"{_first_leaf(exc)}") from None
@@ -342,7 +342,7 @@ async def _await_remote(o: orch.Orchestrator, row: Any) -> None:
     p = row.payload
     try:
         env = o.part(Links).environments[p["environmentId"]]
-    except (LookupError, KeyError):
+    except LookupError:  # no Links part, or the entry was removed
         env = None
     remote = {"threadId": p["remoteThreadId"], "runId": p["remoteRunId"]}
     status, text = RunStatus.FAILED, f"environment {p['environmentId']} is no longer linked"
@@ -358,11 +358,11 @@ async def _await_remote(o: orch.Orchestrator, row: Any) -> None:
                 delay = 1.0
                 continue
             # A pending request ends a remote wait at once: look again, backing off.
-        except Unreachable as exc:
+        except T3Error as exc:
+            if exc.code in ("thread_not_found", "run_not_found"):  # gone on the remote
+                status, text = RunStatus.FAILED, f"The linked task could not be followed: {exc}"
+                break
             log.info("task %s: %s; trying again in %.0f s", p["taskId"], exc, delay)
-        except T3Error as exc:  # the remote refused: its thread or run is gone
-            status, text = RunStatus.FAILED, f"The linked task could not be followed: {exc}"
-            break
         await asyncio.sleep(delay)
         delay = min(RETRY_MAX_S, delay * 2)
     await o.try_dispatch(FinalizeSubagent(
@@ -460,11 +460,14 @@ async def _remote_task_cancel(kit: Toolkit, parent_id: str, args: Args) -> dict[
         command_id=kit.derive_id("command", "task-cancel", task.id, kit.key(args)),
         thread_id=parent_id, task_id=task.id, reason=args.get("reason")))
     env_id, thread_id = parse_link(task.child_thread_id) or ("", "")
-    env = _environment(kit, env_id, what="task", code="task_not_cancellable")
-    assert env is not None
-    await _links(kit).call(env, "t3_thread_interrupt", {
-        "threadId": thread_id, "runId": task.child_run_id,
-        **({"reason": args["reason"]} if args.get("reason") else {})})
+    try:
+        env = _environment(kit, env_id, what="task", code="task_not_cancellable")
+        assert env is not None
+        await _links(kit).call(env, "t3_thread_interrupt", {
+            "threadId": thread_id, "runId": task.child_run_id,
+            **({"reason": args["reason"]} if args.get("reason") else {})})
+    except T3Error as exc:  # recorded here all the same: no wake, a late success is interrupted
+        log.warning("task %s: the remote run was not interrupted: %s", task.id, exc)
     return {"taskId": task.id, "status": "cancel_requested"}
 
 
@@ -571,11 +574,11 @@ def install() -> None:
     by_name = {op.name: op for op in tools.OPERATIONS}
     wrappers: dict[str, Callable[[_Handler], _Handler]] = {
         "orchestrator_capabilities": _capabilities, "delegate_task": _delegate,
-        "task_status": lambda core: _task_tool(core, _remote_task_status),
-        "task_cancel": lambda core: _task_tool(core, _remote_task_cancel),
-        **{n: (lambda n: lambda core: _creating(core, n))(n)
-           for n in ("create_threads", "t3_thread_launch")},
-        **{n: (lambda n: lambda core: _thread_tool(core, n))(n)
+        "task_status": functools.partial(_task_tool, remote=_remote_task_status),
+        "task_cancel": functools.partial(_task_tool, remote=_remote_task_cancel),
+        **{n: functools.partial(_creating, name=n) for n in ("create_threads",
+                                                            "t3_thread_launch")},
+        **{n: functools.partial(_thread_tool, name=n)
            for n in ("t3_thread_read", "t3_thread_wait", "t3_thread_send")}}
     for name, wrap in wrappers.items():
         op: Operation = by_name[name]

@@ -1208,6 +1208,12 @@ async def serve(args: argparse.Namespace) -> int:
         if config_mode & 0o044 and secrets_held:
             log.warning("%s holds %s and other users may read it (mode %o); fix: chmod 600 %s",
                         config_path, " and ".join(secrets_held), config_mode & 0o777, config_path)
+        for env in config.environments:  # a linked t3's client token
+            with contextlib.suppress(OSError):
+                if (mode := os.stat(env["token_file"]).st_mode) & 0o044:
+                    log.warning("%s holds environment %s's token and other users may read it "
+                                "(mode %o); fix: chmod 600 %s", env["token_file"], env["id"],
+                                mode & 0o777, env["token_file"])
         _raise_fd_limit(config.max_connections)
         lock = _lock(data_dir)
         if lock is None:

@@ -1196,7 +1196,8 @@ async def _cancel_task(kit: Toolkit, parent_id: str, task_id: str, reason: str |
         raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
     child = await kit.thread(task.child_thread_id)
     for sub in list(child.entities["subagent"].values()):
-        if sub.status not in orch.TASK_TERMINAL:
+        if sub.status not in orch.TASK_TERMINAL and not sub.child_thread_id.startswith(
+                "t3-thread:"):  # (a linked environment's child: not here)
             await _cancel_task(kit, task.child_thread_id, sub.id, reason, key)
     lost = task.status not in orch.TASK_TERMINAL and child.run(task.child_run_id) is None
     if task.status not in orch.TASK_TERMINAL:  # a published result stays as it is

@@ -34,15 +34,16 @@ def _environment(server: T3Server) -> str:
             f'url = "{server.url}"\ntoken_file = "{server.data_dir / "client-token"}"\n')
 
 
-def linked_pair(t3_factory, tmp_path: Path) -> Pair:
-    """B (provider beta), then A (provider alpha) linked to B, then B restarted linked to A.
-    Fixed ports, so each side's URL survives the other's restart."""
+def linked_pair(t3_factory, tmp_path: Path, *, both_ways: bool = False) -> Pair:
+    """B (provider beta), then A (provider alpha) linked to B; ``both_ways``: B restarted linked
+    to A. Fixed ports, so each side's URL survives a restart of the other."""
     b = t3_factory(providers=[scripted_provider(tmp_path, id="beta")], data_dir=tmp_path / "b",
                    args=["--port", str(_free_port())])
     a = t3_factory(providers=[scripted_provider(tmp_path, id="alpha")], data_dir=tmp_path / "a",
                    args=["--port", str(_free_port())], extra=_environment(b))
-    b.config.write_text(b.config.read_text() + "\n" + _environment(a))
-    b.restart()
+    if both_ways:
+        b.config.write_text(b.config.read_text() + "\n" + _environment(a))
+        b.restart()
     return Pair(a, b, a.client(), b.client())
 
 
@@ -60,12 +61,14 @@ def settled_runs(mcp: McpClient, thread_id: str, count: int) -> bool:
 
 def test_remote_delegation_completes_and_wakes_the_parent_once(t3_factory, tmp_path: Path
                                                                ) -> None:
-    """A task delegated from A to beta on B runs there with the parent's modes, is tracked by
-    its link, and its completion wakes A's parent exactly once with B's answer."""
-    pair = linked_pair(t3_factory, tmp_path)
+    """Linked both ways: a task delegated from A to beta on B runs there with the parent's
+    modes, is tracked by its link, and its completion wakes A's parent exactly once with B's
+    answer; an agent on B delegates to alpha on A and waits for the result."""
+    pair = linked_pair(t3_factory, tmp_path, both_ways=True)
+    env_a = pair.a.info["environmentId"]
     caps = pair.mcp_a.call("orchestrator_capabilities").structured
     assert {(p["providerInstanceId"], p["environmentId"]) for p in caps["providers"]} == {
-        ("alpha", pair.a.info["environmentId"]), ("beta", pair.env_b)}
+        ("alpha", env_a), ("beta", pair.env_b)}
     assert caps["linkedEnvironments"] == [
         {"environmentId": pair.env_b, "reachable": True, "error": None}]
     parent = create(pair.mcp_a, delegate_line(pair, "ECHO_PROMPT"),
@@ -75,9 +78,9 @@ def test_remote_delegation_completes_and_wakes_the_parent_once(t3_factory, tmp_p
     [started] = tool_results(pair.mcp_a, tid)
     link = started["childThreadId"]
     assert link.startswith(f"t3-thread://v2/{pair.env_b}/") and started["childThreadLink"] == link
-    assert wake_prompts(tmp_path / "agent-alpha.log") == [
+    assert wake_prompts(tmp_path / "agent-alpha.log") == [(
         f'Delegated task "Remote" completed. Use task_status with taskId {started["taskId"]} '
-        "to read the result."]
+        "to read the result.")]
     [sub] = [i for i in items(pair.mcp_a, tid) if i["type"] == "subagent"]
     assert sub["status"] == "completed" and sub["text"] == "ECHO_PROMPT"
     child = pair.mcp_a.call("t3_thread_read", {"threadId": link}).structured["thread"]
@@ -85,12 +88,21 @@ def test_remote_delegation_completes_and_wakes_the_parent_once(t3_factory, tmp_p
     assert child["runtimeMode"] == "auto-accept-edits"  # the parent's, never broader
     assert pair.a.rows("SELECT status FROM effect_outbox WHERE effect_type = 'link.await'") == [
         ("succeeded",)]
+    # The other way: B's agent waits for a task it delegated to A.
+    back = create(pair.mcp_b, call_line("delegate_task", {
+        "task": "ECHO_PROMPT back", "mode": "wait", "target": {
+            "providerInstanceId": "alpha", "environmentId": env_a}}),
+        target={"providerInstanceId": "beta"})
+    assert wait(pair.mcp_b, back["threadId"])["status"] == "completed"
+    [waited] = tool_results(pair.mcp_b, back["threadId"])
+    assert waited["status"] == "completed" and waited["summary"] == "ECHO_PROMPT back"
+    assert waited["waitTimedOut"] is False and waited["providerInstanceId"] == "alpha"
+    assert waited["childThreadId"].startswith(f"t3-thread://v2/{env_a}/")
 
 
-def test_a_killed_while_the_remote_child_runs_is_woken_after_restart(t3_factory, tmp_path: Path
-                                                                    ) -> None:
-    """kill -9 of A while B's child runs: after A restarts, the watch resumes and the parent is
-    woken exactly once."""
+def test_either_side_killed_while_the_remote_child_runs(t3_factory, tmp_path: Path) -> None:
+    """kill -9 of A while B's child runs, then of B: A restarts first and its watch finds B
+    gone, B restarts; the parent on A is woken exactly once."""
     pair = linked_pair(t3_factory, tmp_path)
     parent = create(pair.mcp_a, delegate_line(pair, "SLOW:80"),
                     target={"providerInstanceId": "alpha"})
@@ -99,13 +111,17 @@ def test_a_killed_while_the_remote_child_runs_is_woken_after_restart(t3_factory,
     remote_id = started["childThreadId"].rsplit("/", 1)[1]
     pair.a.kill9()
     assert wait(pair.mcp_b, remote_id, timeoutMs=0)["status"] == "running"  # still at work
+    pair.b.kill9()
     pair.a.start()
+    wait_until(lambda: "did not answer t3_thread_wait" in pair.a.stderr_text(), 30)
+    pair.b.start()
     wait_until(lambda: settled_runs(pair.mcp_a, tid, 2), 60)
     assert len(wake_prompts(tmp_path / "agent-alpha.log")) == 1
     assert pair.a.rows("SELECT status FROM effect_outbox WHERE effect_type = 'link.await'") == [
         ("succeeded",)]
     [sub] = [i for i in items(pair.mcp_a, tid) if i["type"] == "subagent"]
-    assert sub["status"] == "completed" and "done" in sub["text"]
+    remote = wait(pair.mcp_a, started["childThreadId"], runId=started["childRunId"])
+    assert sub["status"] == remote["status"]  # as B ended it (its restart's recovery)
 
 
 def test_links_in_thread_tools_and_refusals(t3_factory, tmp_path: Path) -> None:
