@@ -17,7 +17,7 @@ Rules that hold everywhere below:
   ``failed`` with a visible ``statusReason``.
 - No SQL, subprocesses or HTTP here; never imports ``providers.py`` or ``tools.py``.
 
-Features outside the core (schedules.py, history.py, metadata.py, and workspace.py's
+Features outside the core (schedules.py, history.py, metadata.py, links.py, workspace.py's
 preparation of a launch's worktree) plug in only through the tables here: ``decides`` (a
 command and its decide function), ``register_entities``, ``EFFECTS`` (an outbox effect),
 ``RUN_HOOKS`` (a say in a run's start), ``BEGIN_PREPARATION`` and ``SETUP_ANSWERED`` (the

@@ -12,8 +12,8 @@ size and time), the /ws protocol (parsing and shaping only: the rules are
 order. It wires the layers and decides nothing: ``store.py`` <- ``orchestrator.py`` <-
 ``tools.py``, with the adapters (``providers.py``, built by ``drivers.py``) handed in here, and
 it loads the feature modules the core never imports (``FEATURES``: schedules.py, history.py,
-metadata.py) and workspace.py's preparation of a launch's worktree, which plug into the core's
-tables.
+metadata.py, links.py) and workspace.py's preparation of a launch's worktree, which plug into
+the core's tables.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 input JSON Schema (``anyOf``, never a ``type`` array, so every client takes it) and the exact
 shape of its result, who may call it (``client``: the client token, over MCP or as a person over
 /ws; ``thread``: an agent inside a t3 thread) and a handler, a plain function ``(kit, call,
-args)``; feature modules add theirs (``register``, and ``register_wire`` for a wire command). MCP
+args)``; feature modules add theirs (``register``, and ``register_wire`` for a wire command)
+or wrap one (``replace_operation``: links.py's, which calls the core's handler). MCP
 publishes the operations that are tools; ``t3.py``'s /ws methods call the same entries by their
 /ws names (``dispatchCommand`` takes T3 Code's wire commands). Arguments are checked here
 against that one schema (the SDK's low-level server does not): unknown fields are refused, and a
