@@ -7,6 +7,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from harness import McpClient, T3Server, scripted_provider, wait_until
 from test_delegation import call_line, create, items, tool_results, wait, wake_prompts
 
@@ -164,3 +166,49 @@ def test_links_in_thread_tools_and_refusals(t3_factory, tmp_path: Path) -> None:
                      "runtime_mode_escalation_denied", "runtime_mode_escalation_denied"]
     after = [len(m.call("t3_thread_list").structured["threads"]) for m in (mcp, pair.mcp_b)]
     assert after == [before[0] + 1, before[1]]  # only the narrow thread itself
+    # A full-access agent: a retried delegation is the same task and remote thread; a different
+    # task under its retry key is refused; B's own typed refusal comes back as it is; a launch.
+    wide = create(mcp, "\n".join([
+        delegate_line(pair, "ECHO_PROMPT", clientRequestId="once"),
+        delegate_line(pair, "ECHO_PROMPT", clientRequestId="once"),
+        delegate_line(pair, "other", clientRequestId="once"),
+        call_line("delegate_task", {"task": "x", "target": {
+            "providerInstanceId": "nope", "environmentId": pair.env_b}}),
+        call_line("t3_thread_launch", {"message": "launched", "target": {
+            "environmentId": pair.env_b}})]),
+        target={"providerInstanceId": "alpha"}, runtimeMode="full-access")
+    wait_until(lambda: settled_runs(mcp, wide["threadId"], 2), 60)  # the task's wake ran
+    first, again, other, nope, launched = tool_results(mcp, wide["threadId"])
+    assert again["taskId"] == first["taskId"] and again["childThreadId"] == first["childThreadId"]
+    assert other["code"] == "invalid_request" and nope["code"] == "provider_unavailable"
+    assert launched["link"].startswith(f"t3-thread://v2/{pair.env_b}/")
+    assert launched["providerInstanceId"] == "beta"
+    assert len(wake_prompts(tmp_path / "agent-alpha.log")) == 1
+    assert len(pair.mcp_b.call("t3_thread_list").structured["threads"]) == before[1] + 2
+
+
+@pytest.mark.parametrize(("entry", "said"), [
+    ('id = "env-b"\nurl = "http://h:1/mcp"\ntoken_file = "tok"\n',
+     ":3: environments[0].url: must be http(s)://host[:port], no path"),
+    ('id = "env-b"\nurl = "http://h:1"\ntoken_file = "missing"\n',
+     ":4: environments[0].token_file: must name an existing file ('missing')"),
+    ('id = "env b"\nurl = "http://h:1"\ntoken_file = "tok"\n',
+     ":2: environments[0].id: must be the other t3's environmentId"),
+    ('id = "env-b"\nurl = "http://h:1"\n', ": environments[0].token_file: must name"),
+    ('id = "env-b"\nurl = "http://h:1"\ntoken_file = "tok"\ntoken = "x"\n',
+     ":5: environments[0].token: unknown key")])
+def test_an_environment_entry_is_checked_at_startup(tmp_path: Path, entry: str, said: str
+                                                    ) -> None:
+    """[[environments]]: its id, a URL with no path, an existing token file; nothing else."""
+    import t3 as server_module
+    (tmp_path / "tok").write_text("secret\n")
+    config = tmp_path / "t3.toml"
+    config.write_text("[[environments]]\n" + entry)
+    with pytest.raises(server_module.ConfigError) as refused:
+        server_module.load_config(config, cwd=tmp_path)
+    assert str(refused.value).startswith(f"{config}{said}"), refused.value
+    config.write_text("[[environments]]\n" + entry.split("token = ")[0].replace(
+        "/mcp", "").replace("missing", "tok").replace("env b", "env-b") + (
+        "" if "token_file" in entry else 'token_file = "tok"\n'))
+    [env] = server_module.load_config(config, cwd=tmp_path).environments
+    assert env == {"id": "env-b", "url": "http://h:1", "token_file": str(tmp_path / "tok")}
