@@ -52,6 +52,7 @@ from tools import Args, Call, Operation, Toolkit
 __all__ = ["Environment", "Links", "DelegateRemoteTask", "parse_link", "install"]
 
 log = logging.getLogger("t3.links")
+logging.getLogger("httpx2").setLevel(logging.WARNING)  # a line per request to a linked t3: noise
 
 LINK = re.compile(r"t3-thread://v2/([^/\s]{1,64})/(\S{1,512})")
 MAX_ANSWER_BYTES = 1024 * 1024  # a remote's result beyond it is refused
