@@ -491,7 +491,8 @@ def _creating(core: _Handler, name: str) -> _Handler:
         remote = {**args, "threads": made} if name == "create_threads" else made[0]
         if "clientRequestId" in args:
             remote["clientRequestId"] = _remote_key(call.scope.key, args["clientRequestId"])
-        return await _links(kit).call(env, name, remote)
+        made_there = await _links(kit).call(env, name, remote)
+        return _as_here(call, made_there)  # type: ignore[no-any-return]
     return handler
 
 
@@ -509,10 +510,25 @@ def _thread_tool(core: _Handler, name: str) -> _Handler:
                 routed["clientRequestId"] = _remote_key(call.scope.key, args["clientRequestId"])
             if routed.get("target"):
                 routed["target"] = _target_route(kit, routed["target"])[1]
+        if name == "t3_thread_read" and call.scope.kind == "thread" and not (
+                {"afterPosition", "beforePosition"} & set(args)):
+            routed["beforePosition"] = 2 ** 31  # an agent reads the newest first, as here
         if name != "t3_thread_wait":
-            return await links.call(env, name, routed)
+            return _as_here(call, await links.call(env, name, routed))
         return await _wait_remote_thread(kit, call, env, routed)
     return handler
+
+
+def _as_here(call: Call, result: Any) -> Any:
+    """A remote's result as this t3 shows it to the caller: ``webUrl`` (B's web view) only for a
+    person's client, as here (``ServerContext.links``)."""
+    if call.scope.kind == "client":
+        return result
+    if isinstance(result, list):
+        return [_as_here(call, v) for v in result]
+    if isinstance(result, dict):
+        return {k: _as_here(call, v) for k, v in result.items() if k != "webUrl"}
+    return result
 
 
 async def _send_ceiling(kit: Toolkit, call: Call, env: Environment, args: Args) -> None:

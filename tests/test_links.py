@@ -182,7 +182,7 @@ def test_links_in_thread_tools_and_refusals(t3_factory, tmp_path: Path) -> None:
     assert again["taskId"] == first["taskId"] and again["childThreadId"] == first["childThreadId"]
     assert other["code"] == "invalid_request" and nope["code"] == "provider_unavailable"
     assert launched["link"].startswith(f"t3-thread://v2/{pair.env_b}/")
-    assert launched["providerInstanceId"] == "beta"
+    assert launched["providerInstanceId"] == "beta" and "webUrl" not in launched  # (a person's)
     assert len(wake_prompts(tmp_path / "agent-alpha.log")) == 1
     assert len(pair.mcp_b.call("t3_thread_list").structured["threads"]) == before[1] + 2
 
