@@ -196,6 +196,14 @@ async def _remote_modes(kit: Toolkit, call: Call, args: Args, what: str) -> dict
     if call.scope.kind != "thread":
         return {k: args[k] for k in ("runtimeMode", "interactionMode") if k in args}
     caller, _ = await kit.agent_caller(call.scope, what)
+    assert caller.thread is not None
+    strategy = args.get("workspaceStrategy", "root")
+    if (strategy if isinstance(strategy, str) else strategy["type"]) == "worktree" and \
+            caller.thread.runtime_mode != orch.RuntimeMode.FULL_ACCESS:
+        # Its project's setup would run there without the approval it needs here (the remote
+        # sees its client token: a person).
+        raise T3Error("workspaceStrategy: a new worktree on a linked t3 needs an agent in "
+                      "full-access", code="capability_denied")
     runtime, interaction = kit.modes(args, caller)
     return {"runtimeMode": runtime, "interactionMode": interaction}
 
