@@ -12,8 +12,8 @@ size and time), the /ws protocol (parsing and shaping only: the rules are
 order. It wires the layers and decides nothing: ``store.py`` <- ``orchestrator.py`` <-
 ``tools.py``, with the adapters (``providers.py``, built by ``drivers.py``) handed in here, and
 it loads the feature modules the core never imports (``FEATURES``: schedules.py, history.py,
-metadata.py) and workspace.py's preparation of a launch's worktree, which plug into the core's
-tables.
+metadata.py, links.py) and workspace.py's preparation of a launch's worktree, which plug into
+the core's tables.
 """
 
 from __future__ import annotations
@@ -70,10 +70,11 @@ _Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], _Receive, _Send], Awaitable[None]]
 
 _ID = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
+_ENV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 # Feature modules an auditor of the core may skip: the core never imports them; each registers
 # its entities, commands, effects and operations into the core's tables when imported here.
-FEATURES = ("schedules", "history", "metadata")
+FEATURES = ("schedules", "history", "metadata", "links")
 
 
 def load_features() -> None:
@@ -109,6 +110,7 @@ class Config:
     certfile: str | None = None
     keyfile: str | None = None
     store_url: str | None = None  # [store] url: PostgreSQL (store_pg.py); None: SQLite
+    environments: tuple[dict[str, Any], ...] = ()  # [[environments]]: linked t3s (links.py)
 
 
 def _strings(value: Any, _: Path) -> bool:
@@ -145,7 +147,12 @@ _RULES: dict[str, dict[str, _Rule]] = {
                             (lambda v, _: _count(v, 1), "must be a positive integer")),
     "store": {"url": (lambda v, _: isinstance(v, str) and v.startswith(("postgresql://",
                                                                        "postgres://")),
-                      "must be a postgresql:// URL")}}
+                      "must be a postgresql:// URL")},
+    "environments": {"id": (lambda v, _: isinstance(v, str) and bool(_ENV_ID.match(v)),
+                            "must be the other t3's environmentId (its /healthz shows it)"),
+                     "url": (lambda v, _: isinstance(v, str) and bool(re.match(
+                         r"https?://[^/\s]+$", v)), "must be http(s)://host[:port], no path"),
+                     "token_file": _FILE}}
 _SECTIONS: dict[str, Collection[str]] = {
     **_RULES, "providers": {"id", "driver", "command", "env", "models", "enabled",
                             "displayName", "agent", "registry", "instructions",
@@ -182,7 +189,7 @@ def load_config(path: Path, *, cwd: Path) -> Config:
     for section, value in data.items():
         if section not in _SECTIONS:
             raise fail(section, None, None, "unknown section")
-        many = section in ("projects", "providers")
+        many = section in ("projects", "providers", "environments")
         if not (isinstance(value, list) and all(isinstance(e, dict) for e in value) if many
                 else isinstance(value, dict)):
             raise fail(section, None, None, f"must be {'tables [[' if many else 'a table ['}"
@@ -218,7 +225,21 @@ def load_config(path: Path, *, cwd: Path) -> Config:
     if not projects:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
     return Config(**server, projects=projects, providers=providers, **limits,
-                  store_url=checked("store", None, data.get("store", {})).get("url"))
+                  store_url=checked("store", None, data.get("store", {})).get("url"),
+                  environments=_environments(data.get("environments", []), checked, fail,
+                                             base=path.parent))
+
+
+def _environments(entries: list[dict[str, Any]], checked: Callable[..., dict[str, Any]],
+                  fail: _Fail, *, base: Path) -> tuple[dict[str, Any], ...]:
+    """[[environments]]: each with its token file's absolute path (relative to the config)."""
+    found: list[dict[str, Any]] = []
+    for i, entry in enumerate(entries):
+        env = checked("environments", i, entry, "id", "url", "token_file")
+        if any(e["id"] == env["id"] for e in found):
+            raise fail("environments", i, "id", f"duplicate environment {env['id']!r}")
+        found.append({**env, "token_file": str((base / env["token_file"]).resolve())})
+    return tuple(found)
 
 
 def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
@@ -1187,6 +1208,12 @@ async def serve(args: argparse.Namespace) -> int:
         if config_mode & 0o044 and secrets_held:
             log.warning("%s holds %s and other users may read it (mode %o); fix: chmod 600 %s",
                         config_path, " and ".join(secrets_held), config_mode & 0o777, config_path)
+        for env in config.environments:  # a linked t3's client token
+            with contextlib.suppress(OSError):
+                if (mode := os.stat(env["token_file"]).st_mode) & 0o044:
+                    log.warning("%s holds environment %s's token and other users may read it "
+                                "(mode %o); fix: chmod 600 %s", env["token_file"], env["id"],
+                                mode & 0o777, env["token_file"])
         _raise_fd_limit(config.max_connections)
         lock = _lock(data_dir)
         if lock is None:
@@ -1382,8 +1409,11 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
         max_delegation_depth=config.max_delegation_depth, base_url=base_url,
         max_scheduled_tasks_per_project=config.max_scheduled_tasks_per_project,
         min_agent_task_interval_s=config.min_agent_task_interval_s))
+    from links import Environment, Links
     from schedules import Scheduler
     orch.attach(Scheduler(toolkit, wall=clock.now if clock else time.time, redact=prov.redact))
+    orch.attach(Links({e["id"]: Environment(e["id"], e["url"], Path(e["token_file"]))
+                       for e in config.environments}))
     await store.sync_projects(config.projects)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.")
