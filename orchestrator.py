@@ -17,7 +17,7 @@ Rules that hold everywhere below:
   ``failed`` with a visible ``statusReason``.
 - No SQL, subprocesses or HTTP here; never imports ``providers.py`` or ``tools.py``.
 
-Features outside the core (schedules.py, history.py, metadata.py, and workspace.py's
+Features outside the core (schedules.py, history.py, metadata.py, links.py, workspace.py's
 preparation of a launch's worktree) plug in only through the tables here: ``decides`` (a
 command and its decide function), ``register_entities``, ``EFFECTS`` (an outbox effect),
 ``RUN_HOOKS`` (a say in a run's start), ``BEGIN_PREPARATION`` and ``SETUP_ANSWERED`` (the
@@ -66,9 +66,8 @@ __all__ = [
     "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "SwitchProvider", "Workspaces", "parse_json",
     "json_too_deep", "MAX_JSON_DEPTH", "CONTROL_CHARACTERS", "EFFECTS", "RunHooks", "RUN_HOOKS",
-    "thread_work", "put_item", "MarkRunStarted", "SETUP_ANSWERED", "BEGIN_PREPARATION",
-    "PermanentEffectError",
-]
+    "thread_work", "put_item", "put_task", "MarkRunStarted", "SETUP_ANSWERED",
+    "BEGIN_PREPARATION", "PermanentEffectError"]
 
 log = logging.getLogger("t3.orchestrator")
 
@@ -1719,8 +1718,7 @@ def _decide_await_slot(d: Draft, c: AwaitAgentSlot, **_: Any) -> Mapping[str, An
     run, attempt = _current(d, c.run_id, c.attempt_id)
     if run is None or attempt is None or run.status != RunStatus.STARTING:
         raise CommandRejected("the run is no longer waiting to start")
-    d.put(replace(run, status=RunStatus.QUEUED, awaiting_agent_slot=True,
-                  status_reason=c.reason))
+    d.put(replace(run, status=RunStatus.QUEUED, awaiting_agent_slot=True, status_reason=c.reason))
     return {"runId": run.id, "status": RunStatus.QUEUED}
 
 
@@ -1979,8 +1977,7 @@ def _decide_complete(d: Draft, c: CompleteRun, **_: Any) -> Mapping[str, Any]:
     if run is None or run.status != RunStatus.WAITING:
         raise CommandRejected("the run is not waiting for finalization")
     d.update("node", run.root_node_id, status="completed", completed_at=d.now)
-    checkpoint = next(filter(None, (h.completed(d, run, c.checkpoints) for h in RUN_HOOKS)),
-                      None)
+    checkpoint = next(filter(None, (h.completed(d, run, c.checkpoints) for h in RUN_HOOKS)), None)
     run = d.put(replace(run, status=RunStatus.COMPLETED, completed_at=d.now,
                         checkpoint_id=checkpoint or run.checkpoint_id))
     _finalize_if_settled(d, run)
@@ -2095,26 +2092,32 @@ def _decide_delegate(d: Draft, c: DelegateTask, *, providers: Mapping[str, Provi
             "parentThreadId": parent.id, "relationshipToParent": "subagent",
             "rootThreadId": parent.lineage.get("rootThreadId") or parent.id},
         forked_from={"type": "node", "nodeId": task_id}), providers=providers)["runId"]
-    d.put(ExecutionNode(id=task_id, thread_id=parent.id, run_id=run.id,
-                        parent_node_id=run.root_node_id, root_node_id=run.root_node_id or task_id,
-                        kind_="subagent", status="running", counts_for_run=False,
-                        started_at=d.now))
-    d.put(Subagent(id=task_id, thread_id=parent.id, run_id=run.id,
-                   parent_node_id=run.root_node_id or task_id, origin="app_owned",
-                   created_by=c.created_by, driver=info.driver,
-                   provider_instance_id=c.provider_instance_id, child_thread_id=child_id,
-                   child_run_id=child_run_id, prompt=c.task, title=c.title, model=c.model,
-                   completion_wake=c.completion_wake, status="running", started_at=d.now,
-                   updated_at=d.now))
-    put_item(d, _task_item_id(task_id), run, task_id, "subagent", "running", title=c.title,
-             text=c.task, data={"taskId": task_id, "childThreadId": child_id,
-                                "providerInstanceId": c.provider_instance_id, "model": c.model})
-    d.put(ContextTransfer(id=bounded_id(f"context-transfer:subagent_spawn:{task_id}"),
-                          thread_id=parent.id, type="subagent_spawn", source_thread_id=parent.id,
-                          target_thread_id=child_id, status="consumed", created_by=c.created_by,
-                          created_at=d.now, updated_at=d.now, target_run_id=child_run_id,
-                          consumed_at=d.now))
+    put_task(d, run, c, driver=info.driver, child_thread_id=child_id, child_run_id=child_run_id)
     return {"taskId": task_id, "childThreadId": child_id, "childRunId": child_run_id}
+
+
+def put_task(d: Draft, run: Run, c: DelegateTask, *, driver: str, child_thread_id: str,
+             child_run_id: str) -> Subagent:
+    """A delegated task's records in its parent (its node, the task, its timeline item, its
+    spawn transfer), for a child here or in a linked environment (links.py: the child's link)."""
+    d.put(ExecutionNode(id=c.task_id, thread_id=run.thread_id, run_id=run.id,
+                        parent_node_id=run.root_node_id, root_node_id=run.root_node_id or c.task_id,
+                        kind_="subagent", status="running", counts_for_run=False, started_at=d.now))
+    task = d.put(Subagent(
+        id=c.task_id, thread_id=run.thread_id, run_id=run.id, driver=driver,
+        parent_node_id=run.root_node_id or c.task_id, origin="app_owned", created_by=c.created_by,
+        provider_instance_id=c.provider_instance_id, child_thread_id=child_thread_id,
+        child_run_id=child_run_id, prompt=c.task, title=c.title, model=c.model,
+        completion_wake=c.completion_wake, status="running", started_at=d.now, updated_at=d.now))
+    put_item(d, _task_item_id(task.id), run, task.id, "subagent", "running", title=c.title,
+             text=c.task, data={"taskId": task.id, "childThreadId": child_thread_id,
+                                "providerInstanceId": c.provider_instance_id, "model": c.model})
+    d.put(ContextTransfer(id=bounded_id(f"context-transfer:subagent_spawn:{task.id}"),
+                          thread_id=run.thread_id, type="subagent_spawn",
+                          source_thread_id=run.thread_id, target_thread_id=child_thread_id,
+                          status="consumed", created_by=c.created_by, created_at=d.now,
+                          updated_at=d.now, target_run_id=child_run_id, consumed_at=d.now))
+    return task
 
 
 def _task(d: Draft, task_id: str) -> Subagent:
@@ -2442,8 +2445,7 @@ def _end_owned(d: Draft, reason: str) -> None:
         d.effect("subagent.finalize", {**task, "runId": first.id, "publish": True}, first.id,
                  thread_id=task["parentThreadId"])
     if (work := thread_work(d)) is not None:  # its effect then does nothing
-        d.put(replace(work, status="cancelled", text=reason, updated_at=d.now,
-                      completed_at=d.now))
+        d.put(replace(work, status="cancelled", text=reason, updated_at=d.now, completed_at=d.now))
     _end_sessions(d, reason)
     d.cancel_effect_types += _START_EFFECTS
     d.effect("provider-session.stop", {"reason": reason}, "deleted")

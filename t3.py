@@ -12,8 +12,8 @@ size and time), the /ws protocol (parsing and shaping only: the rules are
 order. It wires the layers and decides nothing: ``store.py`` <- ``orchestrator.py`` <-
 ``tools.py``, with the adapters (``providers.py``, built by ``drivers.py``) handed in here, and
 it loads the feature modules the core never imports (``FEATURES``: schedules.py, history.py,
-metadata.py) and workspace.py's preparation of a launch's worktree, which plug into the core's
-tables.
+metadata.py, links.py) and workspace.py's preparation of a launch's worktree, which plug into
+the core's tables.
 """
 
 from __future__ import annotations
@@ -70,10 +70,11 @@ _Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], _Receive, _Send], Awaitable[None]]
 
 _ID = re.compile(r"^[a-zA-Z][a-zA-Z0-9_-]{0,63}$")
+_ENV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 # Feature modules an auditor of the core may skip: the core never imports them; each registers
 # its entities, commands, effects and operations into the core's tables when imported here.
-FEATURES = ("schedules", "history", "metadata")
+FEATURES = ("schedules", "history", "metadata", "links")
 
 
 def load_features() -> None:
@@ -111,6 +112,7 @@ class Config:
     store_url: str | None = None  # [store] url: PostgreSQL (store_pg.py); None: SQLite
     node_id: str | None = None  # [node] id, on PostgreSQL (cluster.py); None: the data dir's
     node_projects: list[str] | None = None  # [node] projects it runs; None: those found here
+    environments: tuple[dict[str, Any], ...] = ()  # [[environments]]: linked t3s (links.py)
 
 
 def _strings(value: Any, _: Path) -> bool:
@@ -150,7 +152,12 @@ _RULES: dict[str, dict[str, _Rule]] = {
                       "must be a postgresql:// URL")},
     "node": {"id": (lambda v, _: isinstance(v, str) and bool(re.fullmatch(r"[\w.-]{1,64}", v)),
                     "must be 1 to 64 letters, digits, '.', '_' or '-'"),
-             "projects": (_strings, "must be a list of project ids")}}
+             "projects": (_strings, "must be a list of project ids")},
+    "environments": {"id": (lambda v, _: isinstance(v, str) and bool(_ENV_ID.match(v)),
+                            "must be the other t3's environmentId (its /healthz shows it)"),
+                     "url": (lambda v, _: isinstance(v, str) and bool(re.match(
+                         r"https?://[^/\s]+$", v)), "must be http(s)://host[:port], no path"),
+                     "token_file": _FILE}}
 _SECTIONS: dict[str, Collection[str]] = {
     **_RULES, "providers": {"id", "driver", "command", "env", "models", "enabled",
                             "displayName", "agent", "registry", "instructions",
@@ -187,7 +194,7 @@ def load_config(path: Path, *, cwd: Path) -> Config:
     for section, value in data.items():
         if section not in _SECTIONS:
             raise fail(section, None, None, "unknown section")
-        many = section in ("projects", "providers")
+        many = section in ("projects", "providers", "environments")
         if not (isinstance(value, list) and all(isinstance(e, dict) for e in value) if many
                 else isinstance(value, dict)):
             raise fail(section, None, None, f"must be {'tables [[' if many else 'a table ['}"
@@ -225,7 +232,21 @@ def load_config(path: Path, *, cwd: Path) -> Config:
     return Config(**server, projects=projects, providers=providers, **limits,
                   store_url=checked("store", None, data.get("store", {})).get("url"),
                   **{f"node_{k}": v
-                     for k, v in checked("node", None, data.get("node", {})).items()})
+                     for k, v in checked("node", None, data.get("node", {})).items()},
+                  environments=_environments(data.get("environments", []), checked, fail,
+                                             base=path.parent))
+
+
+def _environments(entries: list[dict[str, Any]], checked: Callable[..., dict[str, Any]],
+                  fail: _Fail, *, base: Path) -> tuple[dict[str, Any], ...]:
+    """[[environments]]: each with its token file's absolute path (relative to the config)."""
+    found: list[dict[str, Any]] = []
+    for i, entry in enumerate(entries):
+        env = checked("environments", i, entry, "id", "url", "token_file")
+        if any(e["id"] == env["id"] for e in found):
+            raise fail("environments", i, "id", f"duplicate environment {env['id']!r}")
+        found.append({**env, "token_file": str((base / env["token_file"]).resolve())})
+    return tuple(found)
 
 
 def _provider_entry(i: int, entry: Mapping[str, Any], fail: _Fail, *, base: Path) -> dict[str, Any]:
@@ -1194,6 +1215,12 @@ async def serve(args: argparse.Namespace) -> int:
         if config_mode & 0o044 and secrets_held:
             log.warning("%s holds %s and other users may read it (mode %o); fix: chmod 600 %s",
                         config_path, " and ".join(secrets_held), config_mode & 0o777, config_path)
+        for env in config.environments:  # a linked t3's client token
+            with contextlib.suppress(OSError):
+                if (mode := os.stat(env["token_file"]).st_mode) & 0o044:
+                    log.warning("%s holds environment %s's token and other users may read it "
+                                "(mode %o); fix: chmod 600 %s", env["token_file"], env["id"],
+                                mode & 0o777, env["token_file"])
         _raise_fd_limit(config.max_connections)
         lock = _lock(data_dir)
         if lock is None:
@@ -1387,8 +1414,11 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
         max_delegation_depth=config.max_delegation_depth, base_url=base_url,
         max_scheduled_tasks_per_project=config.max_scheduled_tasks_per_project,
         min_agent_task_interval_s=config.min_agent_task_interval_s))
+    from links import Environment, Links
     from schedules import Scheduler
     orch.attach(Scheduler(toolkit, wall=clock.now if clock else time.time, redact=prov.redact))
+    orch.attach(Links({e["id"]: Environment(e["id"], e["url"], Path(e["token_file"]))
+                       for e in config.environments}))
     await store.sync_projects(config.projects)
     mine = None  # on PostgreSQL this server is a node (cluster.py): it recovers its own work only
     if store.path is None:

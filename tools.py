@@ -4,7 +4,8 @@
 input JSON Schema (``anyOf``, never a ``type`` array, so every client takes it) and the exact
 shape of its result, who may call it (``client``: the client token, over MCP or as a person over
 /ws; ``thread``: an agent inside a t3 thread) and a handler, a plain function ``(kit, call,
-args)``; feature modules add theirs (``register``, and ``register_wire`` for a wire command). MCP
+args)``; feature modules add theirs (``register``, and ``register_wire`` for a wire command)
+or wrap one (``replace_operation``: links.py's, which calls the core's handler). MCP
 publishes the operations that are tools; ``t3.py``'s /ws methods call the same entries by their
 /ws names (``dispatchCommand`` takes T3 Code's wire commands). Arguments are checked here
 against that one schema (the SDK's low-level server does not): unknown fields are refused, and a
@@ -42,8 +43,9 @@ from orchestrator import RUN_TERMINAL, RunStatus, T3Error, ThreadState
 from store import Store, StoreError
 
 __all__ = ["FAILURE_CODES", "FAILURE_OUTPUT", "Scope", "current_scope", "Call", "Operation",
-           "OPERATIONS", "TOOLS", "Project", "ServerContext", "Toolkit", "build_mcp_server",
-           "failure_of", "failure_result", "published_input", "published_output", "validate"]
+           "OPERATIONS", "TOOLS", "replace_operation", "Project", "ServerContext", "Toolkit",
+           "build_mcp_server", "failure_of", "failure_result", "published_input",
+           "published_output", "validate"]
 
 log = logging.getLogger("t3.tools")
 
@@ -196,6 +198,7 @@ RUNTIME_INPUT = {"type": "string", "enum": ["inherit", *orch.RuntimeMode]}
 INTERACTION_INPUT = {"type": "string", "enum": ["inherit", *orch.InteractionMode]}
 TARGET = {"type": "object", "additionalProperties": False, "properties": {
     "providerInstanceId": text_field(64), "driverKind": text_field(64), "model": text_field(256),
+    "environmentId": text_field(64),  # another t3's instance (links.py); left out: this one
     "options": {"anyOf": [{"type": "array"}, {"type": "object"}]}}}
 CLIENT_REQUEST_ID = text_field(256)
 THREAD_ID = text_field(512)
@@ -834,6 +837,10 @@ class Toolkit:
         """The provider instance and model a new thread runs on: the target's, else the
         caller's, else the first available instance; refused when it cannot run."""
         target = target or {}
+        if target.get("environmentId", self.ctx.environment_id) != self.ctx.environment_id:
+            raise T3Error(f"target.environmentId: {target['environmentId']} is not this t3's "
+                          "environment, and no linked one can serve this call",
+                          code="provider_unavailable")
         providers = self.orch.providers
         instance_id = target.get("providerInstanceId")
         driver = target.get("driverKind")
@@ -1193,7 +1200,8 @@ async def _cancel_task(kit: Toolkit, parent_id: str, task_id: str, reason: str |
         raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
     child = await kit.thread(task.child_thread_id)
     for sub in list(child.entities["subagent"].values()):
-        if sub.status not in orch.TASK_TERMINAL:
+        if sub.status not in orch.TASK_TERMINAL and not sub.child_thread_id.startswith(
+                "t3-thread:"):  # (a linked environment's child: not here)
             await _cancel_task(kit, task.child_thread_id, sub.id, reason, key)
     lost = task.status not in orch.TASK_TERMINAL and child.run(task.child_run_id) is None
     if task.status not in orch.TASK_TERMINAL:  # a published result stays as it is
@@ -1985,6 +1993,18 @@ def register(*operations: Operation) -> None:
             TOOLS.append(op)
             _BY_NAME[op.name] = op
         BY_WS_NAME.update((name, op) for name in op.ws)
+    _published_tools.cache_clear()
+
+
+def replace_operation(op: Operation) -> None:
+    """A feature module's version of a registered operation (links.py's forward what names a
+    linked environment and call the core's handler for the rest), before the server serves."""
+    old = _BY_NAME.get(op.name) or next(o for o in OPERATIONS if o.name == op.name)
+    for table in (OPERATIONS, TOOLS):
+        table[:] = [op if o is old else o for o in table]
+    if op.mcp:
+        _BY_NAME[op.name] = op
+    BY_WS_NAME.update((name, op) for name in op.ws)
     _published_tools.cache_clear()
 
 

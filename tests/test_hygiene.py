@@ -102,7 +102,7 @@ def test_the_repository_tracks_no_built_artefacts() -> None:
 
 
 CORE = ("store", "orchestrator", "tools", "providers", "workspace")
-FEATURES = ("schedules", "history", "metadata", "drivers", "registry", "cli", "store_pg")
+FEATURES = ("schedules", "history", "metadata", "drivers", "registry", "cli", "store_pg", "links")
 
 
 def test_the_core_imports_no_feature_module() -> None:
