@@ -43,6 +43,15 @@ import t3  # noqa: E402
 t3.load_features()  # the core's tables as a server has them: feature modules register into them
 
 SESSION_ENV = "T3_TEST_SESSION"
+# T3_TEST_STORE=postgres: every server a test starts runs on a new PostgreSQL database (t3_factory)
+TEST_STORE = os.environ.get("T3_TEST_STORE") or "sqlite"
+ON_POSTGRES = TEST_STORE == "postgres"
+
+
+def sqlite_only(why: str) -> pytest.MarkDecorator:
+    """For a server test whose subject is the SQLite file itself: skipped, saying `why`, when
+    T3_TEST_STORE=postgres runs the servers on PostgreSQL."""
+    return pytest.mark.skipif(ON_POSTGRES, reason=f"SQLite only: {why}")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,6 +62,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "soak: long fault loops for bench/; skipped unless `-m soak`")
     config.addinivalue_line("markers", "postgres: runs against a throwaway PostgreSQL server "
                             "(tests/pg.py); skipped, saying why, without one")
+    if TEST_STORE not in ("sqlite", "postgres"):
+        pytest.exit(f"T3_TEST_STORE={TEST_STORE}: the stores are sqlite (the default) and postgres")
     # Set before xdist starts its workers, so they and everything they start carry the same id.
     os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
 
@@ -108,12 +119,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "soak" in (config.getoption("-m") or ""):
-        return
+    soak = "soak" in (config.getoption("-m") or "")
     skip = pytest.mark.skip(reason="soak test: select with -m soak")
+    # Under T3_TEST_STORE=postgres, a test that starts no server and opens no PostgreSQL store
+    # would run exactly as the default tier runs it: it is left to that tier.
+    same = pytest.mark.skip(reason="starts no server on the store T3_TEST_STORE chooses: the "
+                            "default tier runs it")
     for item in items:
-        if "soak" in item.keywords:
+        if "soak" in item.keywords and not soak:
             item.add_marker(skip)
+        names = getattr(item, "fixturenames", ())
+        if ON_POSTGRES and item.get_closest_marker("postgres") is None and "t3_factory" not in names \
+                and "postgres_server" not in names:
+            item.add_marker(same)
 
 
 @pytest.fixture(autouse=True)
@@ -202,7 +220,7 @@ def t3_factory(tmp_path: Path, test_marker: str, request: pytest.FixtureRequest)
         if _strace_wanted(request):
             traces.append(tmp_path / f"net-{len(servers) + 1}.strace")
             wrap = strace_command(traces[-1])
-        if os.environ.get("T3_TEST_STORE") == "postgres" and "--database" not in args:
+        if ON_POSTGRES and "--database" not in args:
             args = [*args, "--database", request.getfixturevalue("postgres_server").database()]
         server = T3Server(data_dir or tmp_path / "data", config, args=args, wrap=wrap,
                           env={"T3_TEST_MARKER": test_marker, **(env or {})})

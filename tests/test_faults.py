@@ -15,16 +15,16 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from contextlib import closing, contextmanager
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import T3Factory
+from conftest import T3Factory, sqlite_only
 from harness import (CountingIds, McpClient, ServerStartError, T3Server, agent_log, count_prompts, pids_alive,
                      processes_matching, wait_until)
 
@@ -41,35 +41,38 @@ LONG = 60.0  # generous: two cores are shared with other test processes
 # Helpers
 
 
-@contextmanager
-def readonly_db(t3: T3Server) -> Iterator[sqlite3.Connection]:
-    with closing(sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True)) as db:
-        yield db
-
-
 def scalar(t3: T3Server, sql: str, *params: Any) -> Any:
-    with readonly_db(t3) as db:
-        return db.execute(sql, params).fetchone()[0]
+    return t3.rows(sql, params)[0][0]
 
 
 def assert_consistent(t3: T3Server) -> None:
-    """The log is whole: integrity ok, global and per-thread numbering gap-free, every event has its
-    receipt, no projection row without an event, no outbox row without its command's receipt."""
-    with readonly_db(t3) as db:
-        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        count, top = db.execute("SELECT COUNT(*), COALESCE(MAX(sequence), 0) FROM events").fetchone()
-        assert count == top, "the global sequence has a gap"
-        for thread_id, count, top in db.execute(
-                "SELECT thread_id, COUNT(*), MAX(stream_version) FROM events GROUP BY thread_id"):
-            assert top == count - 1, f"stream versions of {thread_id} have a gap"
-        assert db.execute("SELECT COUNT(*) FROM events e WHERE NOT EXISTS (SELECT 1 FROM "
-                          "command_receipts r WHERE r.command_id = e.command_id)").fetchone()[0] == 0
-        assert db.execute("SELECT COUNT(*) FROM effect_outbox o WHERE NOT EXISTS (SELECT 1 FROM "
-                          "command_receipts r WHERE r.command_id = o.command_id)").fetchone()[0] == 0
-        for table, key in (("threads", "thread_id"), ("runs", "run_id"), ("messages", "message_id")):
-            orphans = db.execute(f"SELECT COUNT(*) FROM {table} p WHERE NOT EXISTS (SELECT 1 FROM "
-                                 f"events e WHERE json_extract(e.payload_json, '$.id') = p.{key})")
-            assert orphans.fetchone()[0] == 0, f"{table} row without an event"
+    """The log is whole: integrity ok (SQLite's check of its file), global and per-thread
+    numbering gap-free, every event has its receipt, no projection row without an event, no
+    outbox row without its command's receipt."""
+    if t3.database is None:
+        assert t3.rows("PRAGMA integrity_check") == [("ok",)]
+    count, top = t3.rows("SELECT COUNT(*), COALESCE(MAX(sequence), 0) FROM events")[0]
+    assert count == top, "the global sequence has a gap"
+    for thread_id, count, top in t3.rows(
+            "SELECT thread_id, COUNT(*), MAX(stream_version) FROM events GROUP BY thread_id"):
+        assert top == count - 1, f"stream versions of {thread_id} have a gap"
+    assert scalar(t3, "SELECT COUNT(*) FROM events e WHERE NOT EXISTS (SELECT 1 FROM "
+                      "command_receipts r WHERE r.command_id = e.command_id)") == 0
+    assert scalar(t3, "SELECT COUNT(*) FROM effect_outbox o WHERE NOT EXISTS (SELECT 1 FROM "
+                      "command_receipts r WHERE r.command_id = o.command_id)") == 0
+    for table, key in (("threads", "thread_id"), ("runs", "run_id"), ("messages", "message_id")):
+        orphans = scalar(t3, f"SELECT COUNT(*) FROM {table} p WHERE NOT EXISTS (SELECT 1 FROM "
+                             f"events e WHERE json_extract(e.payload_json, '$.id') = p.{key})")
+        assert orphans == 0, f"{table} row without an event"
+
+
+def outside_connection(t3: T3Server) -> Any:
+    """A connection of the test's own to the server's database, in the store's dialect: its
+    BEGIN IMMEDIATE takes the one write lock (store_pg writes it as an advisory lock)."""
+    if t3.database is None:
+        return sqlite3.connect(t3.data_dir / "t3.sqlite", timeout=30, isolation_level=None)
+    import store_pg
+    return store_pg.PostgresEngine(t3.database).connect()
 
 
 def assert_settled(t3: T3Server) -> None:
@@ -304,9 +307,10 @@ def test_parallel_and_restarted_duplicates_make_one_set_of_events(t3: T3Server, 
 
 def test_two_processes_on_one_database(t3_factory: T3Factory, t3: T3Server,
                                        mcp: McpClient) -> None:
-    """A second server on the data dir exits 1 naming the holder. A raw sqlite3 connection
-    writing (and holding the write lock) while a turn streams: the turn completes in full,
-    integrity_check is ok and the event log stays gap-free."""
+    """A second server on the data dir exits 1 naming the holder. A raw connection writing (and
+    holding the write lock: SQLite's, or the advisory lock every t3 writer takes on PostgreSQL)
+    while a turn streams: the turn completes in full, integrity_check is ok and the event log
+    stays gap-free."""
     second = t3_factory(start=False)
     assert second.data_dir == t3.data_dir
     with pytest.raises(ServerStartError):
@@ -317,9 +321,8 @@ def test_two_processes_on_one_database(t3_factory: T3Factory, t3: T3Server,
     stop, writes = threading.Event(), [0]
 
     def outside_writer() -> None:
-        with closing(sqlite3.connect(t3.data_dir / "t3.sqlite", timeout=30,
-                                     isolation_level=None)) as db:
-            db.execute("CREATE TABLE IF NOT EXISTS outside_writes (n INTEGER PRIMARY KEY, note TEXT)")
+        with closing(outside_connection(t3)) as db:
+            db.execute("CREATE TABLE IF NOT EXISTS outside_writes (note TEXT)")
             while not stop.is_set():
                 db.execute("BEGIN IMMEDIATE")
                 db.execute("INSERT INTO outside_writes (note) VALUES (?)", ("x" * 4000,))
@@ -404,6 +407,7 @@ def test_a_held_writer_queues_at_most_two_ingest_commits_before_a_command(tmp_pa
 # 7. A full disk
 
 
+@sqlite_only("the full disk is SQLite's max_page_count (the T3_MAX_PAGE_COUNT test hook)")
 def test_a_full_disk_fails_a_command_cleanly_and_recovers(t3: T3Server, mcp: McpClient) -> None:
     """With the database capped at its current size, a large send fails with a typed error and
     writes nothing, reads keep working, and without the cap the same send succeeds."""
