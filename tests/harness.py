@@ -115,16 +115,25 @@ class T3Server:
         """Run one read on the server's database: its SQLite file, read-only, or the PostgreSQL
         database `database` names. Portable SQL: `?` placeholders; `json_extract(column,
         '$.key')` as store_pg writes it there (text: a JSON true reads 'true' there, 1 here)."""
+        return self._run_sql(sql, params, write=False)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> None:
+        """Run one write (portable SQL, as `rows`) on the server's database and commit it: a test
+        standing in for what an older t3 stored, or a row lost while the server was down."""
+        self._run_sql(sql, params, write=True)
+
+    def _run_sql(self, sql: str, params: Sequence[Any], *, write: bool) -> list[tuple[Any, ...]]:
         if self.database is not None:
             import psycopg
             sql = _JSON_EXTRACT.sub(lambda m: _pg_json(m[1], m[2]), sql)
             if params:  # psycopg's placeholders; a literal % (LIKE 'x%') is then written %%
                 sql = sql.replace("%", "%%").replace("?", "%s")
-            with psycopg.connect(self.database) as conn:
-                return [tuple(r) for r in conn.execute(sql, params or None)]
+            with psycopg.connect(self.database) as conn:  # commits as the block ends
+                cursor = conn.execute(sql, params or None)
+                return [tuple(r) for r in cursor] if cursor.description else []
         import sqlite3
-        with contextlib.closing(sqlite3.connect(f"file:{self.data_dir / 't3.sqlite'}?mode=ro",
-                                                uri=True)) as db:
+        uri = f"file:{self.data_dir / 't3.sqlite'}{'' if write else '?mode=ro'}"
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db, db:  # commits as it ends
             return [tuple(r) for r in db.execute(sql, params)]
 
     def start(self) -> T3Server:
