@@ -2,7 +2,9 @@
 agent (tests/acp_agent.py) as its provider, and a sync MCP client for it.
 
 Markers: `real_cli` (npm CLIs against the fake model server; run by CI), `soak` (long fault loops;
-skipped unless selected with `-m soak`). Process hygiene: every process carrying the test's marker
+skipped unless selected with `-m soak`), `postgres` (a throwaway PostgreSQL server), `both_stores`
+(suites .ci/run runs again with T3_TEST_STORE=postgres: every server a test starts then runs on a
+new PostgreSQL database; `sqlite_only` tests skip there, saying why). Process hygiene: every process carrying the test's marker
 (its tmp dir, in a command line or an environment) is killed at teardown, and a test that leaves a
 child of the test runner alive fails. After the whole run, a process still carrying the run's
 `T3_TEST_SESSION=<id>` (set in os.environ here, so inherited by every server, provider and
@@ -62,6 +64,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "soak: long fault loops for bench/; skipped unless `-m soak`")
     config.addinivalue_line("markers", "postgres: runs against a throwaway PostgreSQL server "
                             "(tests/pg.py); skipped, saying why, without one")
+    config.addinivalue_line("markers", "both_stores: the core, delegation and fault suites, which "
+                            ".ci/run runs again with T3_TEST_STORE=postgres")
     if TEST_STORE not in ("sqlite", "postgres"):
         pytest.exit(f"T3_TEST_STORE={TEST_STORE}: the stores are sqlite (the default) and postgres")
     # Set before xdist starts its workers, so they and everything they start carry the same id.

@@ -14,6 +14,8 @@ from conftest import T3Factory
 from harness import (McpClient, T3Server, agent_log, count_prompts, pids_alive, process_group,
                      processes_matching, wait_until)
 
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
+
 
 @pytest.fixture
 def t3(t3_factory: T3Factory, process_rules: dict[str, str]) -> T3Server:

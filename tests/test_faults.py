@@ -34,6 +34,8 @@ import orchestrator as o  # noqa: E402
 import metadata  # noqa: E402
 import store  # noqa: E402
 
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
+
 LONG = 60.0  # generous: two cores are shared with other test processes
 
 

@@ -13,6 +13,8 @@ import pytest
 from harness import (McpClient, T3Server, agent_log, count_prompts, pids_alive, processes_matching,
                      scripted_provider, wait_until)
 
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
+
 
 @pytest.fixture
 def t3(t3_factory, process_rules: dict[str, str]) -> T3Server:

@@ -18,6 +18,8 @@ from conftest import sqlite_only
 from harness import (T3_PY, McpClient, T3Server, agent_log, count_prompts, protocol_log,
                      raw_post, scripted_provider, wait_until, write_config)
 
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
+
 
 def event_count(server: T3Server) -> int:
     return server.rows("SELECT COUNT(*) FROM events")[0][0]

@@ -19,6 +19,8 @@ import orchestrator
 from cli import WsClient, WsError
 from harness import T3Server, raw_request, scripted_provider
 
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
+
 
 def ws(t3: T3Server, body: Callable[[WsClient], Awaitable[Any]]) -> Any:
     """Run ``body`` with a client connected to the server's /ws."""
