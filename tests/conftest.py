@@ -4,12 +4,13 @@ agent (tests/acp_agent.py) as its provider, and a sync MCP client for it.
 Markers: `real_cli` (npm CLIs against the fake model server; run by CI), `soak` (long fault loops;
 skipped unless selected with `-m soak`), `postgres` (a throwaway PostgreSQL server), `both_stores`
 (suites .ci/run runs again with T3_TEST_STORE=postgres: every server a test starts then runs on a
-new PostgreSQL database; `sqlite_only` tests skip there, saying why). Process hygiene: every process carrying the test's marker
-(its tmp dir, in a command line or an environment) is killed at teardown, and a test that leaves a
-child of the test runner alive fails. After the whole run, a process still carrying the run's
-`T3_TEST_SESSION=<id>` (set in os.environ here, so inherited by every server, provider and
-subprocess the tests start) or living in a process group a test's server used is killed, and the
-run fails naming it.
+new PostgreSQL database; `sqlite_only` tests skip there, saying why).
+
+Process hygiene: every process carrying the test's marker (its tmp dir, in a command line or an
+environment) is killed at teardown, and a test that leaves a child of the test runner alive fails.
+After the whole run, a process still carrying the run's `T3_TEST_SESSION=<id>` (set in os.environ
+here, so inherited by every server, provider and subprocess the tests start) or living in a
+process group a test's server used is killed, and the run fails naming it.
 
 Network audit: a real_cli test runs its servers under strace (when installed; `T3_TEST_STRACE=0`
 turns it off) and fails if t3 or an agent CLI sent anything to an address that is not this host

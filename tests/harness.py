@@ -129,6 +129,7 @@ class T3Server:
             if params:  # psycopg's placeholders; a literal % (LIKE 'x%') is then written %%
                 sql = sql.replace("%", "%%").replace("?", "%s")
             with psycopg.connect(self.database) as conn:  # commits as the block ends
+                conn.read_only = not write
                 cursor = conn.execute(sql, params or None)
                 return [tuple(r) for r in cursor] if cursor.description else []
         import sqlite3
