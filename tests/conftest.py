@@ -128,14 +128,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="soak test: select with -m soak")
     # Under T3_TEST_STORE=postgres, a test that starts no server and opens no PostgreSQL store
     # would run exactly as the default tier runs it: it is left to that tier.
-    same = pytest.mark.skip(reason="starts no server on the store T3_TEST_STORE chooses: the "
-                            "default tier runs it")
+    same = pytest.mark.skip(reason="uses no server or store on the one T3_TEST_STORE chooses: "
+                            "the default tier runs it")
     for item in items:
         if "soak" in item.keywords and not soak:
             item.add_marker(skip)
         names = getattr(item, "fixturenames", ())
-        if ON_POSTGRES and item.get_closest_marker("postgres") is None and "t3_factory" not in names \
-                and "postgres_server" not in names:
+        if ON_POSTGRES and item.get_closest_marker("postgres") is None \
+                and not {"t3_factory", "new_store", "postgres_server"} & set(names):
             item.add_marker(same)
 
 
@@ -190,6 +190,28 @@ def postgres_server() -> Iterator[pg.PostgresServer]:
 def postgres_url(postgres_server: pg.PostgresServer) -> str:
     """The URL of a new, empty database on the worker's PostgreSQL server."""
     return postgres_server.database()
+
+
+@pytest.fixture
+def new_store(request: pytest.FixtureRequest) -> Iterator[Callable[[Path], Any]]:
+    """`new_store(path)` -> a `store.Store` on a new database of the store T3_TEST_STORE chooses:
+    `<path>/t3.sqlite`, or a new PostgreSQL database (so the test runs in the PostgreSQL tier
+    too); every one closed at teardown."""
+    import store
+    opened: list[store.Store] = []
+
+    def make(path: Path) -> store.Store:
+        if ON_POSTGRES:
+            import store_pg
+            url = request.getfixturevalue("postgres_server").database()
+            opened.append(store.Store(store_pg.PostgresEngine(url)))
+        else:
+            opened.append(store.Store(path / "t3.sqlite", backups_dir=path / "backups"))
+        return opened[-1]
+
+    yield make
+    for db in reversed(opened):
+        db.close()
 
 
 @pytest.fixture
