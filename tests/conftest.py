@@ -202,8 +202,8 @@ def new_store(request: pytest.FixtureRequest) -> Iterator[Callable[[Path], Any]]
 
     def make(path: Path) -> store.Store:
         if ON_POSTGRES:
+            url = request.getfixturevalue("postgres_server").database()  # or skip, saying why
             import store_pg
-            url = request.getfixturevalue("postgres_server").database()
             opened.append(store.Store(store_pg.PostgresEngine(url)))
         else:
             opened.append(store.Store(path / "t3.sqlite", backups_dir=path / "backups"))
