@@ -311,8 +311,8 @@ def test_two_processes_on_one_database(t3_factory: T3Factory, t3: T3Server,
                                        mcp: McpClient) -> None:
     """A second server on the data dir exits 1 naming the holder. A raw connection writing (and
     holding the write lock: SQLite's, or the advisory lock every t3 writer takes on PostgreSQL)
-    while a turn streams: the turn completes in full, integrity_check is ok and the event log
-    stays gap-free."""
+    while a turn streams: the turn completes in full, SQLite's integrity_check is ok and the
+    event log stays gap-free."""
     second = t3_factory(start=False)
     assert second.data_dir == t3.data_dir
     with pytest.raises(ServerStartError):

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from contextlib import closing
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -639,21 +638,16 @@ def assert_rebuilt_equals_live(t3: T3Server) -> None:
     copy of the database, on PostgreSQL in a write transaction rolled back afterwards."""
     sys.path.insert(0, str(T3_PY.parent))
     import store
+    from test_faults import table_rows  # rows of a store or a connection, runs.row_order aside
     tables = [table for table, _, _ in store._PROJECTIONS.values()]
-
-    def rows(conn: Any) -> dict[str, list[tuple]]:
-        # Not PostgreSQL's runs.row_order: SQLite's rowid there, numbered afresh by a rebuild.
-        return {t: sorted(tuple(v for k, v in zip(r.keys(), r, strict=True) if k != "row_order")
-                          for r in conn.execute(f"SELECT * FROM {t}").fetchall()) for t in tables}
-
     if t3.database is not None:
         import store_pg
         with closing(store_pg.PostgresEngine(t3.database).connect()) as conn:
             conn.execute("BEGIN IMMEDIATE")  # the write lock: the server commits nothing meanwhile
             try:
-                live = rows(conn)
+                live = table_rows(conn, tables)
                 store.rebuild_projections(conn)
-                assert rows(conn) == live
+                assert table_rows(conn, tables) == live
             finally:
                 conn.execute("ROLLBACK")
         return
@@ -662,7 +656,7 @@ def assert_rebuilt_equals_live(t3: T3Server) -> None:
             db.backup(copy)
         store.add_functions(copy)
         copy.row_factory = sqlite3.Row
-        live = rows(copy)
+        live = table_rows(copy, tables)
         copy.execute("BEGIN")
         store.rebuild_projections(copy)
-        assert rows(copy) == live
+        assert table_rows(copy, tables) == live
