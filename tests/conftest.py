@@ -2,12 +2,15 @@
 agent (tests/acp_agent.py) as its provider, and a sync MCP client for it.
 
 Markers: `real_cli` (npm CLIs against the fake model server; run by CI), `soak` (long fault loops;
-skipped unless selected with `-m soak`). Process hygiene: every process carrying the test's marker
-(its tmp dir, in a command line or an environment) is killed at teardown, and a test that leaves a
-child of the test runner alive fails. After the whole run, a process still carrying the run's
-`T3_TEST_SESSION=<id>` (set in os.environ here, so inherited by every server, provider and
-subprocess the tests start) or living in a process group a test's server used is killed, and the
-run fails naming it.
+skipped unless selected with `-m soak`), `postgres` (a throwaway PostgreSQL server), `both_stores`
+(suites .ci/run runs again with T3_TEST_STORE=postgres: every server a test starts then runs on a
+new PostgreSQL database; `sqlite_only` tests skip there, saying why).
+
+Process hygiene: every process carrying the test's marker (its tmp dir, in a command line or an
+environment) is killed at teardown, and a test that leaves a child of the test runner alive fails.
+After the whole run, a process still carrying the run's `T3_TEST_SESSION=<id>` (set in os.environ
+here, so inherited by every server, provider and subprocess the tests start) or living in a
+process group a test's server used is killed, and the run fails naming it.
 
 Network audit: a real_cli test runs its servers under strace (when installed; `T3_TEST_STRACE=0`
 turns it off) and fails if t3 or an agent CLI sent anything to an address that is not this host
@@ -43,6 +46,15 @@ import t3  # noqa: E402
 t3.load_features()  # the core's tables as a server has them: feature modules register into them
 
 SESSION_ENV = "T3_TEST_SESSION"
+# T3_TEST_STORE=postgres: every server a test starts runs on a new PostgreSQL database (t3_factory)
+TEST_STORE = os.environ.get("T3_TEST_STORE") or "sqlite"
+ON_POSTGRES = TEST_STORE == "postgres"
+
+
+def sqlite_only(why: str) -> pytest.MarkDecorator:
+    """For a server test whose subject is the SQLite file itself: skipped, saying `why`, when
+    T3_TEST_STORE=postgres runs the servers on PostgreSQL."""
+    return pytest.mark.skipif(ON_POSTGRES, reason=f"SQLite only: {why}")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,6 +65,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "soak: long fault loops for bench/; skipped unless `-m soak`")
     config.addinivalue_line("markers", "postgres: runs against a throwaway PostgreSQL server "
                             "(tests/pg.py); skipped, saying why, without one")
+    config.addinivalue_line("markers", "both_stores: the core, delegation and fault suites, which "
+                            ".ci/run runs again with T3_TEST_STORE=postgres")
+    if TEST_STORE not in ("sqlite", "postgres"):
+        pytest.exit(f"T3_TEST_STORE={TEST_STORE}: the stores are sqlite (the default) and postgres")
     # Set before xdist starts its workers, so they and everything they start carry the same id.
     os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
 
@@ -108,12 +124,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "soak" in (config.getoption("-m") or ""):
-        return
+    soak = "soak" in (config.getoption("-m") or "")
     skip = pytest.mark.skip(reason="soak test: select with -m soak")
+    # Under T3_TEST_STORE=postgres, a test that starts no server and opens no PostgreSQL store
+    # would run exactly as the default tier runs it: it is left to that tier.
+    same = pytest.mark.skip(reason="uses no server or store on the one T3_TEST_STORE chooses: "
+                            "the default tier runs it")
     for item in items:
-        if "soak" in item.keywords:
+        if "soak" in item.keywords and not soak:
             item.add_marker(skip)
+        names = getattr(item, "fixturenames", ())
+        if ON_POSTGRES and item.get_closest_marker("postgres") is None \
+                and not {"t3_factory", "new_store", "postgres_server"} & set(names):
+            item.add_marker(same)
 
 
 @pytest.fixture(autouse=True)
@@ -170,6 +193,28 @@ def postgres_url(postgres_server: pg.PostgresServer) -> str:
 
 
 @pytest.fixture
+def new_store(request: pytest.FixtureRequest) -> Iterator[Callable[[Path], Any]]:
+    """`new_store(path)` -> a `store.Store` on a new database of the store T3_TEST_STORE chooses:
+    `<path>/t3.sqlite`, or a new PostgreSQL database (so the test runs in the PostgreSQL tier
+    too); every one closed at teardown."""
+    import store
+    opened: list[store.Store] = []
+
+    def make(path: Path) -> store.Store:
+        if ON_POSTGRES:
+            url = request.getfixturevalue("postgres_server").database()  # or skip, saying why
+            import store_pg
+            opened.append(store.Store(store_pg.PostgresEngine(url)))
+        else:
+            opened.append(store.Store(path / "t3.sqlite", backups_dir=path / "backups"))
+        return opened[-1]
+
+    yield make
+    for db in reversed(opened):
+        db.close()
+
+
+@pytest.fixture
 def test_marker(tmp_path: Path) -> str:
     """A string found in the command line or environment of every process the test's server starts."""
     return f"{tmp_path}{os.sep}"
@@ -202,7 +247,7 @@ def t3_factory(tmp_path: Path, test_marker: str, request: pytest.FixtureRequest)
         if _strace_wanted(request):
             traces.append(tmp_path / f"net-{len(servers) + 1}.strace")
             wrap = strace_command(traces[-1])
-        if os.environ.get("T3_TEST_STORE") == "postgres" and "--database" not in args:
+        if ON_POSTGRES and "--database" not in args:
             args = [*args, "--database", request.getfixturevalue("postgres_server").database()]
         server = T3Server(data_dir or tmp_path / "data", config, args=args, wrap=wrap,
                           env={"T3_TEST_MARKER": test_marker, **(env or {})})

@@ -84,6 +84,14 @@ class _Run:
     pid: int = 0  # t3's own pid, from server.json
 
 
+_JSON_EXTRACT = re.compile(r"json_extract\(\s*([\w.]+)\s*,\s*'\$\.([\w.]+)'\s*\)")
+
+
+def _pg_json(column: str, key: str) -> str:
+    from store_pg import _json  # the store's own rule for json_extract on PostgreSQL
+    return _json(column, key)
+
+
 class T3Server:
     """One `t3.py` server on a data dir; `restart()` runs it again on the same dir and config.
     Its own session (`start_new_session`), so `kill9()` hits the server and nothing else. With
@@ -98,17 +106,35 @@ class T3Server:
         self._runs: list[_Run] = []
         self._clients: list[McpClient] = []
 
+    @property
+    def database(self) -> str | None:
+        """The PostgreSQL URL its `--database` names, or None: its SQLite file in the data dir."""
+        return self.args[self.args.index("--database") + 1] if "--database" in self.args else None
+
     def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        """Run one read (portable SQL, `?` placeholders) on the server's database: its SQLite
-        file, read-only, or the PostgreSQL database its `--database` names."""
-        if "--database" in self.args:
+        """Run one read on the server's database: its SQLite file, read-only, or the PostgreSQL
+        database `database` names. Portable SQL: `?` placeholders; `json_extract(column,
+        '$.key')` as store_pg writes it there (text: a JSON true reads 'true' there, 1 here)."""
+        return self._run_sql(sql, params, write=False)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> None:
+        """Run one write (portable SQL, as `rows`) on the server's database and commit it: a test
+        standing in for what an older t3 stored, or a row lost while the server was down."""
+        self._run_sql(sql, params, write=True)
+
+    def _run_sql(self, sql: str, params: Sequence[Any], *, write: bool) -> list[tuple[Any, ...]]:
+        if self.database is not None:
             import psycopg
-            url = self.args[self.args.index("--database") + 1]
-            with psycopg.connect(url) as conn:
-                return [tuple(r) for r in conn.execute(sql.replace("?", "%s"), params or None)]
+            sql = _JSON_EXTRACT.sub(lambda m: _pg_json(m[1], m[2]), sql)
+            if params:  # psycopg's placeholders; a literal % (LIKE 'x%') is then written %%
+                sql = sql.replace("%", "%%").replace("?", "%s")
+            with psycopg.connect(self.database) as conn:  # commits as the block ends
+                conn.read_only = not write
+                cursor = conn.execute(sql, params or None)
+                return [tuple(r) for r in cursor] if cursor.description else []
         import sqlite3
-        with contextlib.closing(sqlite3.connect(f"file:{self.data_dir / 't3.sqlite'}?mode=ro",
-                                                uri=True)) as db:
+        uri = f"file:{self.data_dir / 't3.sqlite'}{'' if write else '?mode=ro'}"
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db, db:  # commits as it ends
             return [tuple(r) for r in db.execute(sql, params)]
 
     def start(self) -> T3Server:

@@ -14,10 +14,8 @@ import queue
 import re
 import signal
 import subprocess
-import sqlite3
 import sys
 import threading
-from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -148,10 +146,9 @@ def test_what_the_cli_prints_for_people_is_inert_and_json_is_exact(t3_factory, t
     t3.stop()  # a title and a link as a t3 before these checks stored them
     pr = {"repository": "acme\u202e/widgets", "number": 7,
           "url": "https://github.com@evil.example/acme/widgets/pull/7"}
-    with closing(sqlite3.connect(t3.data_dir / "t3.sqlite")) as db, db:
-        db.execute("UPDATE threads SET payload_json = json_set(payload_json, '$.title', ?, "
-                   "'$.linkedPullRequest', json(?)) WHERE thread_id = ?",
-                   ("title " + EVIL, json.dumps(pr), thread_id))
+    [(payload,)] = t3.rows("SELECT payload_json FROM threads WHERE thread_id = ?", (thread_id,))
+    t3.execute("UPDATE threads SET payload_json = ? WHERE thread_id = ?", (json.dumps(
+        {**json.loads(payload), "title": "title " + EVIL, "linkedPullRequest": pr}), thread_id))
     t3.start()
     listed, shown = cli(t3, "threads"), cli(t3, "show", thread_id)
     for done in (listed, shown):

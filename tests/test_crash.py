@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,8 @@ import pytest
 from conftest import T3Factory
 from harness import (McpClient, T3Server, agent_log, count_prompts, pids_alive, process_group,
                      processes_matching, wait_until)
+
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
 
 
 @pytest.fixture
@@ -175,12 +176,10 @@ def test_runs_waiting_for_an_agent_slot_keep_their_places_across_a_kill9(
     holder = mcp.call("create_threads", {"threads": [{"prompt": "SLOW:600 holder"}]}).structured
     waiters = mcp.call("create_threads", {"threads": [{"prompt": f"waiter {i}"}
                                                       for i in range(3)]}).structured["threads"]
-    db = f"file:{t3.data_dir / 't3.sqlite'}?mode=ro"
 
     def waiting() -> int:
-        with sqlite3.connect(db, uri=True) as conn:
-            return conn.execute("SELECT COUNT(*) FROM runs WHERE status = 'queued' AND json_extract("
-                                "payload_json, '$.awaitingAgentSlot')").fetchone()[0]
+        return sum(json.loads(p).get("awaitingAgentSlot") is True
+                   for (p,) in t3.rows("SELECT payload_json FROM runs WHERE status = 'queued'"))
     wait_until(lambda: waiting() == 3, 30, message="three runs in line")
     wait_until(lambda: "chunk 1" in assistant_text(mcp, holder["threads"][0]["threadId"]), 30)
     t3.kill9()
@@ -199,7 +198,6 @@ def test_runs_waiting_for_an_agent_slot_keep_their_places_across_a_kill9(
     held = holder["threads"][0]
     assert mcp.call("t3_thread_wait", {"threadId": held["threadId"], "runId": held["runId"]}
                     ).structured["status"] == "interrupted"
-    with sqlite3.connect(db, uri=True) as conn:  # recovery committed nothing on the waiters
-        assert conn.execute("SELECT COUNT(*) FROM command_receipts WHERE command_type = "
-                            "'thread.recover' AND thread_id IN (?, ?, ?)",
-                            [w["threadId"] for w in waiters]).fetchone()[0] == 0
+    # recovery committed nothing on the waiters
+    assert t3.rows("SELECT COUNT(*) FROM command_receipts WHERE command_type = 'thread.recover' "
+                   "AND thread_id IN (?, ?, ?)", [w["threadId"] for w in waiters])[0][0] == 0

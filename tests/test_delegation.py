@@ -10,6 +10,8 @@ import pytest
 
 from harness import McpClient, T3Server, agent_log, scripted_provider, wait_until
 
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
+
 
 def two_agents(tmp_path: Path) -> list[dict]:
     return [scripted_provider(tmp_path, id="alpha"), scripted_provider(tmp_path, id="beta")]

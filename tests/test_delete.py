@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import random
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -32,8 +31,7 @@ def ws(t3: T3Server, method: str, params: dict[str, Any]) -> Any:
 
 
 def rows(t3: T3Server, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        return db.execute(sql, args).fetchall()
+    return t3.rows(sql, args)
 
 
 def create(mcp: McpClient, prompt: str, **entry: Any) -> dict[str, Any]:
@@ -88,12 +86,15 @@ def test_a_thread_whose_recovery_is_rejected_does_not_stop_startup(
     wait_until(lambda: mcp.call("t3_thread_read", {"threadId": busy["threadId"]}).structured[
         "recentRuns"][0]["status"] == "running", 20)
     t3.kill9()
-    with sqlite3.connect(t3.data_dir / "t3.sqlite") as db:
-        db.execute("UPDATE provider_sessions SET status = 'running', payload_json = "
-                   "json_set(payload_json, '$.status', 'running') WHERE thread_id = ?", (gone,))
-        db.execute("INSERT INTO provider_sessions SELECT 'ghost-session', 'ghost', 'running', "
-                   "json_set(payload_json, '$.id', 'ghost-session', '$.threadId', 'ghost') "
-                   "FROM provider_sessions WHERE thread_id = ? LIMIT 1", (gone,))
+    running = [(session_id, {**json.loads(payload), "status": "running"}) for session_id, payload
+               in t3.rows("SELECT provider_session_id, payload_json FROM provider_sessions "
+                          "WHERE thread_id = ?", (gone,))]
+    for session_id, payload in running:
+        t3.execute("UPDATE provider_sessions SET status = 'running', payload_json = ? WHERE "
+                   "provider_session_id = ?", (json.dumps(payload), session_id))
+    ghost = {**running[0][1], "id": "ghost-session", "threadId": "ghost"}
+    t3.execute("INSERT INTO provider_sessions VALUES ('ghost-session', 'ghost', 'running', ?)",
+               (json.dumps(ghost),))
     t3.start()
     ready(t3)
     assert "recovery of thread ghost failed" in t3.stderr_text()

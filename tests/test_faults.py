@@ -15,16 +15,16 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import closing, contextmanager
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import T3Factory
+from conftest import T3Factory, sqlite_only
 from harness import (CountingIds, McpClient, ServerStartError, T3Server, agent_log, count_prompts, pids_alive,
                      processes_matching, wait_until)
 
@@ -34,6 +34,8 @@ import orchestrator as o  # noqa: E402
 import metadata  # noqa: E402
 import store  # noqa: E402
 
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
+
 LONG = 60.0  # generous: two cores are shared with other test processes
 
 
@@ -41,35 +43,38 @@ LONG = 60.0  # generous: two cores are shared with other test processes
 # Helpers
 
 
-@contextmanager
-def readonly_db(t3: T3Server) -> Iterator[sqlite3.Connection]:
-    with closing(sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True)) as db:
-        yield db
-
-
 def scalar(t3: T3Server, sql: str, *params: Any) -> Any:
-    with readonly_db(t3) as db:
-        return db.execute(sql, params).fetchone()[0]
+    return t3.rows(sql, params)[0][0]
 
 
 def assert_consistent(t3: T3Server) -> None:
-    """The log is whole: integrity ok, global and per-thread numbering gap-free, every event has its
-    receipt, no projection row without an event, no outbox row without its command's receipt."""
-    with readonly_db(t3) as db:
-        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        count, top = db.execute("SELECT COUNT(*), COALESCE(MAX(sequence), 0) FROM events").fetchone()
-        assert count == top, "the global sequence has a gap"
-        for thread_id, count, top in db.execute(
-                "SELECT thread_id, COUNT(*), MAX(stream_version) FROM events GROUP BY thread_id"):
-            assert top == count - 1, f"stream versions of {thread_id} have a gap"
-        assert db.execute("SELECT COUNT(*) FROM events e WHERE NOT EXISTS (SELECT 1 FROM "
-                          "command_receipts r WHERE r.command_id = e.command_id)").fetchone()[0] == 0
-        assert db.execute("SELECT COUNT(*) FROM effect_outbox o WHERE NOT EXISTS (SELECT 1 FROM "
-                          "command_receipts r WHERE r.command_id = o.command_id)").fetchone()[0] == 0
-        for table, key in (("threads", "thread_id"), ("runs", "run_id"), ("messages", "message_id")):
-            orphans = db.execute(f"SELECT COUNT(*) FROM {table} p WHERE NOT EXISTS (SELECT 1 FROM "
-                                 f"events e WHERE json_extract(e.payload_json, '$.id') = p.{key})")
-            assert orphans.fetchone()[0] == 0, f"{table} row without an event"
+    """The log is whole: integrity ok (SQLite's check of its file), global and per-thread
+    numbering gap-free, every event has its receipt, no projection row without an event, no
+    outbox row without its command's receipt."""
+    if t3.database is None:
+        assert t3.rows("PRAGMA integrity_check") == [("ok",)]
+    count, top = t3.rows("SELECT COUNT(*), COALESCE(MAX(sequence), 0) FROM events")[0]
+    assert count == top, "the global sequence has a gap"
+    for thread_id, count, top in t3.rows(
+            "SELECT thread_id, COUNT(*), MAX(stream_version) FROM events GROUP BY thread_id"):
+        assert top == count - 1, f"stream versions of {thread_id} have a gap"
+    assert scalar(t3, "SELECT COUNT(*) FROM events e WHERE NOT EXISTS (SELECT 1 FROM "
+                      "command_receipts r WHERE r.command_id = e.command_id)") == 0
+    assert scalar(t3, "SELECT COUNT(*) FROM effect_outbox o WHERE NOT EXISTS (SELECT 1 FROM "
+                      "command_receipts r WHERE r.command_id = o.command_id)") == 0
+    for table, key in (("threads", "thread_id"), ("runs", "run_id"), ("messages", "message_id")):
+        orphans = scalar(t3, f"SELECT COUNT(*) FROM {table} p WHERE NOT EXISTS (SELECT 1 FROM "
+                             f"events e WHERE json_extract(e.payload_json, '$.id') = p.{key})")
+        assert orphans == 0, f"{table} row without an event"
+
+
+def outside_connection(t3: T3Server) -> Any:
+    """A connection of the test's own to the server's database, in the store's dialect: its
+    BEGIN IMMEDIATE takes the one write lock (store_pg writes it as an advisory lock)."""
+    if t3.database is None:
+        return sqlite3.connect(t3.data_dir / "t3.sqlite", timeout=30, isolation_level=None)
+    import store_pg
+    return store_pg.PostgresEngine(t3.database).connect()
 
 
 def assert_settled(t3: T3Server) -> None:
@@ -304,9 +309,10 @@ def test_parallel_and_restarted_duplicates_make_one_set_of_events(t3: T3Server, 
 
 def test_two_processes_on_one_database(t3_factory: T3Factory, t3: T3Server,
                                        mcp: McpClient) -> None:
-    """A second server on the data dir exits 1 naming the holder. A raw sqlite3 connection
-    writing (and holding the write lock) while a turn streams: the turn completes in full,
-    integrity_check is ok and the event log stays gap-free."""
+    """A second server on the data dir exits 1 naming the holder. A raw connection writing (and
+    holding the write lock: SQLite's, or the advisory lock every t3 writer takes on PostgreSQL)
+    while a turn streams: the turn completes in full, SQLite's integrity_check is ok and the
+    event log stays gap-free."""
     second = t3_factory(start=False)
     assert second.data_dir == t3.data_dir
     with pytest.raises(ServerStartError):
@@ -317,9 +323,8 @@ def test_two_processes_on_one_database(t3_factory: T3Factory, t3: T3Server,
     stop, writes = threading.Event(), [0]
 
     def outside_writer() -> None:
-        with closing(sqlite3.connect(t3.data_dir / "t3.sqlite", timeout=30,
-                                     isolation_level=None)) as db:
-            db.execute("CREATE TABLE IF NOT EXISTS outside_writes (n INTEGER PRIMARY KEY, note TEXT)")
+        with closing(outside_connection(t3)) as db:
+            db.execute("CREATE TABLE IF NOT EXISTS outside_writes (note TEXT)")
             while not stop.is_set():
                 db.execute("BEGIN IMMEDIATE")
                 db.execute("INSERT INTO outside_writes (note) VALUES (?)", ("x" * 4000,))
@@ -404,6 +409,7 @@ def test_a_held_writer_queues_at_most_two_ingest_commits_before_a_command(tmp_pa
 # 7. A full disk
 
 
+@sqlite_only("the full disk is SQLite's max_page_count (the T3_MAX_PAGE_COUNT test hook)")
 def test_a_full_disk_fails_a_command_cleanly_and_recovers(t3: T3Server, mcp: McpClient) -> None:
     """With the database capped at its current size, a large send fails with a typed error and
     writes nothing, reads keep working, and without the cap the same send succeeds."""
@@ -490,11 +496,11 @@ PROVIDERS = {"scripted": o.ProviderInfo(
     capabilities=o.Capabilities(supports_steering_by_restart=True))}
 
 
-def in_process(path: Path) -> tuple[o.Orchestrator, store.Store]:
-    """An orchestrator on a real store at ``path``; its effect worker is never started."""
-    db = store.Store(path / "t3.sqlite", backups_dir=path / "backups")
+def in_process(db: store.Store) -> o.Orchestrator:
+    """An orchestrator on a real store (``new_store``: SQLite, or PostgreSQL in that tier); its
+    effect worker is never started."""
     return o.Orchestrator(db, adapters={}, providers=PROVIDERS, clock=lambda: NOW,
-                          new_id=CountingIds()), db
+                          new_id=CountingIds())
 
 
 def create_thread(command_id: str = "create", text: str = "hello") -> o.CreateThread:
@@ -505,8 +511,13 @@ def create_thread(command_id: str = "create", text: str = "hello") -> o.CreateTh
         creation_source="web", initial_message=o.InitialMessage(message_id="msg-0", text=text))
 
 
-def table_rows(db: store.Store, tables: Sequence[str]) -> dict[str, list[tuple[Any, ...]]]:
-    return {t: sorted(tuple(r) for r in db.read(f"SELECT * FROM {t}")) for t in tables}
+def table_rows(db: store.Store | Any, tables: Sequence[str]) -> dict[str, list[tuple[Any, ...]]]:
+    """Each table's rows (of a store, or of a connection in its transaction), sorted. Not
+    PostgreSQL's runs.row_order: SQLite's rowid there (which SELECT * leaves out), numbered afresh
+    by a rebuild."""
+    read = db.read if isinstance(db, store.Store) else lambda sql: db.execute(sql).fetchall()
+    return {t: sorted(tuple(v for k, v in zip(r.keys(), r, strict=True) if k != "row_order")
+                      for r in read(f"SELECT * FROM {t}")) for t in tables}
 
 
 ALL_TABLES = ("events", "command_receipts", "effect_outbox",
@@ -514,11 +525,12 @@ ALL_TABLES = ("events", "command_receipts", "effect_outbox",
 
 
 def test_a_command_id_used_again_is_answered_from_its_receipt_whatever_decide_says(
-        tmp_path: Path) -> None:
+        tmp_path: Path, new_store: Callable[[Path], store.Store]) -> None:
     """A command id seen again returns its first result when decide would now refuse it, and is
     refused, writing nothing, when it carries another payload that decide would accept."""
     async def scenario() -> None:
-        orch, db = in_process(tmp_path)
+        db = new_store(tmp_path)
+        orch = in_process(db)
         try:
             first = await orch.dispatch(create_thread())
             before = table_rows(db, ALL_TABLES)
@@ -537,11 +549,13 @@ def test_a_command_id_used_again_is_answered_from_its_receipt_whatever_decide_sa
     asyncio.run(scenario())
 
 
-def test_a_duplicate_provider_result_changes_nothing(tmp_path: Path) -> None:
+def test_a_duplicate_provider_result_changes_nothing(tmp_path: Path,
+                                                     new_store: Callable[[Path], store.Store]) -> None:
     """The provider's end delivered twice, the same ingest batch replayed, finalization applied
     twice and a late failure: one terminal event, and nothing changes after the first."""
     async def scenario() -> None:
-        orch, db = in_process(tmp_path)
+        db = new_store(tmp_path)
+        orch = in_process(db)
         try:
             await orch.dispatch(create_thread())
             run = (await orch.state(THREAD)).latest_run()
@@ -575,9 +589,9 @@ def test_a_duplicate_provider_result_changes_nothing(tmp_path: Path) -> None:
                 await orch.dispatch(o.FailRun(command_id="fail", thread_id=THREAD, run_id=run.id,
                                               attempt_id=None, status="failed", reason="late"))
             assert table_rows(db, ALL_TABLES) == before
-            terminal = db.read("SELECT COUNT(*) FROM events WHERE type = 'run.updated' AND "
-                               "json_extract(payload_json, '$.status') = 'completed'")
-            assert terminal[0][0] == 1
+            terminal = [json.loads(p).get("status") for (p,) in db.read(
+                "SELECT payload_json FROM events WHERE type = 'run.updated'")]
+            assert terminal.count("completed") == 1
         finally:
             db.close()
 
@@ -599,8 +613,7 @@ def rebuilt_equals_live(db: store.Store) -> None:
 
     def rebuild(conn: sqlite3.Connection) -> None:
         store.rebuild_projections(conn)
-        raise Undo({t: sorted(tuple(r) for r in conn.execute(f"SELECT * FROM {t}"))
-                    for t in tables})
+        raise Undo(table_rows(conn, tables))
 
     with pytest.raises(Undo) as rebuilt:
         asyncio.run(_write(db, rebuild))
@@ -706,7 +719,8 @@ async def run_steps(orch: o.Orchestrator, plan: Sequence[tuple[str, int]]) -> in
 
 
 def test_the_state_cache_keeps_threads_in_use_and_evicts_in_constant_time(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, new_store: Callable[[Path], store.Store]
+) -> None:
     """Past its bound the state cache drops the least recently used threads at rest, keeps the
     ones in use (a run starting), and a load looks at two cached states, not at every one."""
     looked: list[o.ThreadState] = []
@@ -715,7 +729,8 @@ def test_the_state_cache_keeps_threads_in_use_and_evicts_in_constant_time(
                         lambda state: looked.append(state) or blocking_run(state))
 
     async def scenario() -> None:
-        orch, db = in_process(tmp_path)
+        db = new_store(tmp_path)
+        orch = in_process(db)
         orch.MAX_CACHED_THREADS = 4
         try:
             busy, idle = [f"busy-{i}" for i in range(50)], [f"idle-{i}" for i in range(50)]
@@ -735,7 +750,8 @@ def test_the_state_cache_keeps_threads_in_use_and_evicts_in_constant_time(
     asyncio.run(scenario())
 
 
-def test_random_command_sequences_rebuild_to_the_live_projections(tmp_path_factory: Any) -> None:
+def test_random_command_sequences_rebuild_to_the_live_projections(
+        tmp_path_factory: Any, new_store: Callable[[Path], store.Store]) -> None:
     """For generated command sequences through dispatch (decide + the real store): projections
     rebuilt from the events equal the live ones, the orchestrator's cached state equals a fresh
     load, stream versions are gap-free and at most one run blocks the thread. Examples:
@@ -747,8 +763,8 @@ def test_random_command_sequences_rebuild_to_the_live_projections(tmp_path_facto
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(plan=steps())
     def check(plan: list[tuple[str, int]]) -> None:
-        path = tmp_path_factory.mktemp("fuzz")
-        orch, db = in_process(path)
+        db = new_store(tmp_path_factory.mktemp("fuzz"))
+        orch = in_process(db)
         try:
             asyncio.run(run_steps(orch, plan))
             rebuilt_equals_live(db)
@@ -778,7 +794,8 @@ EVENT_COLUMNS = ("sequence", "event_id", "thread_id", "stream_version", "command
 
 
 @pytest.mark.parametrize("name", ["steering", "permissions", "delegation"])
-def test_golden_history_rebuilds_to_its_captured_projections(tmp_path: Path, name: str) -> None:
+def test_golden_history_rebuilds_to_its_captured_projections(
+        tmp_path: Path, name: str, new_store: Callable[[Path], store.Store]) -> None:
     """A real server's event log (tests/golden, captured by capture.py: steering, interrupts,
     a failure, permissions, delegation) loaded into a fresh database rebuilds exactly the
     projection tables that server had."""
@@ -786,15 +803,15 @@ def test_golden_history_rebuilds_to_its_captured_projections(tmp_path: Path, nam
               (GOLDEN / f"{name}.events.jsonl").read_text(encoding="utf-8").splitlines()]
     expected = json.loads((GOLDEN / f"{name}.projections.json").read_text(encoding="utf-8"))
     assert events and any(expected.values())
-    db = store.Store(tmp_path / "t3.sqlite", backups_dir=tmp_path / "backups")
+    db = new_store(tmp_path)
     try:
         def load_and_rebuild(conn: sqlite3.Connection) -> dict[str, list[list[Any]]]:
-            conn.executemany(
-                f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
-                f"VALUES ({', '.join('?' * len(EVENT_COLUMNS))})",
-                [tuple(e[c] for c in EVENT_COLUMNS) for e in events])
+            for e in events:
+                conn.execute(f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
+                             f"VALUES ({', '.join('?' * len(EVENT_COLUMNS))})",
+                             tuple(e[c] for c in EVENT_COLUMNS))
             store.rebuild_projections(conn)
-            return {t: sorted([list(r) for r in conn.execute(f"SELECT * FROM {t}")], key=repr)
+            return {t: sorted([list(row) for row in table_rows(conn, [t])[t]], key=repr)
                     for t in tables}
 
         # A table added after the capture (scheduled tasks, webhook deliveries) was empty there.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sqlite3
 import statistics
 import time
 from typing import Any
@@ -54,15 +53,14 @@ async def _follow(t3: T3Server, prompt: str, *, stop_after: int | None = None
 
 def _persisted_text(t3: T3Server, thread_id: str) -> str:
     """The assistant text on disk: the message as opened, then its appended text in order."""
-    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        rows = db.execute("SELECT message_id, json_extract(payload_json, '$.text') FROM messages "
-                          "WHERE thread_id = ? AND json_extract(payload_json, '$.role') = "
-                          "'assistant'", (thread_id,)).fetchall()
-        assert len(rows) == 1
-        appended = db.execute(
-            "SELECT json_extract(payload_json, '$.text') FROM events WHERE type = "
-            "'message-text.appended' AND json_extract(payload_json, '$.id') = ? ORDER BY sequence",
-            (rows[0][0],)).fetchall()
+    rows = t3.rows("SELECT message_id, json_extract(payload_json, '$.text') FROM messages "
+                   "WHERE thread_id = ? AND json_extract(payload_json, '$.role') = 'assistant'",
+                   (thread_id,))
+    assert len(rows) == 1
+    appended = t3.rows(
+        "SELECT json_extract(payload_json, '$.text') FROM events WHERE type = "
+        "'message-text.appended' AND json_extract(payload_json, '$.id') = ? ORDER BY sequence",
+        (rows[0][0],))
     return rows[0][1] + "".join(r[0] for r in appended)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,8 +51,7 @@ def cli_code(t3: T3Server, *args: str) -> str | None:
 
 
 def event_count(t3: T3Server) -> int:
-    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        return int(db.execute("SELECT count(*) FROM events").fetchone()[0])
+    return int(t3.rows("SELECT count(*) FROM events")[0][0])
 
 
 def dispatch(t3: T3Server, command: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,6 @@ server keeps serving other requests."""
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 
@@ -13,6 +12,8 @@ import pytest
 
 from harness import (McpClient, T3Server, agent_log, count_prompts, pids_alive, processes_matching,
                      scripted_provider, wait_until)
+
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
 
 
 @pytest.fixture
@@ -81,9 +82,8 @@ def test_start_failures_are_retried_with_backoff(t3_factory, tmp_path: Path) -> 
     thread_id, run_id = start(mcp, "hello")
     assert wait(mcp, thread_id, run_id)["status"] == "completed"
     assert counter.read_text() == "xxx"
-    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        status, attempts = db.execute("SELECT status, attempt_count FROM effect_outbox "
-                                      "WHERE effect_type = 'provider-turn.start'").fetchone()
+    [(status, attempts)] = server.rows("SELECT status, attempt_count FROM effect_outbox "
+                                       "WHERE effect_type = 'provider-turn.start'")
     assert (status, attempts) == ("succeeded", 3)
     assert len(thread_processes(thread_id)) == 1  # the live agent; the failed ones are gone
 

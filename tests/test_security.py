@@ -14,7 +14,6 @@ import re
 import shutil
 import signal
 import socket
-import sqlite3
 import ssl
 import stat
 import subprocess
@@ -32,6 +31,7 @@ import pytest
 import orchestrator as orch
 import providers
 import registry
+from conftest import sqlite_only
 from harness import (ACP_AGENT, T3_PY, McpClient, RawResponse, ServerStartError, T3Server,
                      agent_log, pids_alive, protocol_log, raw_post, raw_request, scripted_provider,
                      wait_until, write_config)
@@ -64,8 +64,7 @@ def event_count(server: T3Server, thread_id: str) -> int:
 
 
 def query(server: T3Server, sql: str, *params: object) -> list[tuple]:
-    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        return db.execute(sql, params).fetchall()
+    return server.rows(sql, params)
 
 
 def session_tokens(log_path: Path) -> list[str]:
@@ -240,14 +239,15 @@ def test_data_dir_and_everything_in_it_are_private(t3: T3Server) -> None:
     done = mcp.call("t3_thread_wait", {"threadId": launched["threadId"], "timeoutMs": 30_000})
     assert done.structured["status"] == "completed"
     names = set(modes_under(t3.data_dir))
-    assert {"t3.sqlite-wal", "t3.sqlite-shm", "logs/provider-scripted.log.gz"} <= names, names
+    sqlite_files = {"t3.sqlite-wal", "t3.sqlite-shm"} if t3.database is None else set()
+    assert {*sqlite_files, "logs/provider-scripted.log.gz"} <= names, names
     assert any(name.startswith("scratch/") for name in names), names
     assert not_private(t3.data_dir) == {}
 
 
 def test_existing_data_dir_is_tightened(t3_factory, tmp_path: Path) -> None:
     """A data dir left 0755 with 0644 files (an older t3) is tightened at startup, and the
-    backup taken before a schema upgrade is 0600 too."""
+    backup taken before a schema upgrade is 0600 too (SQLite's: t3 makes none of PostgreSQL)."""
     import store
     data = tmp_path / "data"
     (data / "logs").mkdir(parents=True)
@@ -257,7 +257,8 @@ def test_existing_data_dir_is_tightened(t3_factory, tmp_path: Path) -> None:
     for path in [data, *data.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     t3 = t3_factory()
-    assert list((data / "backups").glob("t3-v1-*.sqlite")), "no backup was taken"
+    if t3.database is None:
+        assert list((data / "backups").glob("t3-v1-*.sqlite")), "no backup was taken"
     assert not_private(data) == {}
     assert t3.token == "A" * 43
 
@@ -1195,6 +1196,7 @@ def test_scratch_is_not_a_project_to_create_in(t3: T3Server, mcp: McpClient) -> 
     assert mcp.call("t3_thread_list", {"projectId": "scratch"}).ok
 
 
+@sqlite_only("the full disk is SQLite's max_page_count (the T3_MAX_PAGE_COUNT test hook)")
 def test_a_failed_scratch_launch_leaves_no_folder(t3: T3Server, mcp: McpClient) -> None:
     """A scratch launch that cannot be recorded (a full disk) removes the folder it made."""
     t3.stop()

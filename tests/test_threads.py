@@ -1,4 +1,5 @@
-"""Thread tools end to end: a real `t3.py` process, real SQLite, the scripted ACP agent, MCP over HTTP."""
+"""Thread tools end to end: a real `t3.py` process, real SQLite (or PostgreSQL: T3_TEST_STORE), the
+scripted ACP agent, MCP over HTTP."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import re
 import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
+from conftest import sqlite_only
 from harness import (T3_PY, McpClient, T3Server, agent_log, count_prompts, protocol_log,
                      raw_post, scripted_provider, wait_until, write_config)
+
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
 
 
 def event_count(server: T3Server) -> int:
@@ -22,7 +27,7 @@ def event_count(server: T3Server) -> int:
 def row_counts(server: T3Server) -> dict[str, int]:
     tables = [r[0] for r in server.rows(
         "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'"
-        if "--database" in server.args else
+        if server.database is not None else
         "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")]
     return {t: server.rows(f"SELECT COUNT(*) FROM {t}")[0][0] for t in tables}
 
@@ -502,6 +507,8 @@ def test_legacy_mcp_client(t3: T3Server) -> None:
         legacy.close()
 
 
+@sqlite_only("SQLite's schema version and its backup file (test_store_pg tests PostgreSQL's "
+             "migrations, a newer database refused untouched among them)")
 def test_database_versions_on_start(t3: T3Server, t3_factory) -> None:
     """An older database is backed up before migrating; a newer one is refused untouched."""
     created = create(t3.client(), "keep me")
@@ -607,14 +614,12 @@ def test_a_long_stream_is_appended_not_rewritten(mcp: McpClient, t3: T3Server) -
     n = 10_000
     created = create(mcp, f"PACED:{n}:22:1.5")
     assert wait(mcp, created["threadId"], timeoutMs=120_000)["status"] == "completed"
-    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        [(message_id, stored, row)] = db.execute(
-            "SELECT message_id, json_extract(payload_json, '$.text'), LENGTH(payload_json) "
-            "FROM messages WHERE run_id = ? AND json_extract(payload_json, '$.role') = "
-            "'assistant'", (created["runId"],)).fetchall()
-        events = db.execute(
-            "SELECT type, LENGTH(payload_json) FROM events WHERE json_extract(payload_json, "
-            "'$.id') = ? ORDER BY sequence", (message_id,)).fetchall()
+    [(message_id, stored, row)] = t3.rows(
+        "SELECT message_id, json_extract(payload_json, '$.text'), LENGTH(payload_json) "
+        "FROM messages WHERE run_id = ? AND json_extract(payload_json, '$.role') = "
+        "'assistant'", (created["runId"],))
+    events = t3.rows("SELECT type, LENGTH(payload_json) FROM events WHERE json_extract(payload_json, "
+                     "'$.id') = ? ORDER BY sequence", (message_id,))
     chunks = re.findall(r"\.*(\d+)@\d+\.\d{4} ", stored)
     assert chunks == [str(i) for i in range(n)] and len(stored) == 22 * n
     expected = stored
@@ -624,19 +629,34 @@ def test_a_long_stream_is_appended_not_rewritten(mcp: McpClient, t3: T3Server) -
     [item, *_] = read(mcp, created["threadId"], afterPosition=0, maxCharsPerItem=50_000)["items"]
     assert item["type"] == "assistant_message"
     assert item["textTruncated"] and expected.startswith(item["text"].removesuffix("\n…[truncated]"))
-    # Replay equivalence with the appends: projections rebuilt from the log (in a copy of the
-    # database) equal the live ones.
+    # Replay equivalence with the appends: projections rebuilt from the log equal the live ones.
+    assert_rebuilt_equals_live(t3)
+
+
+def assert_rebuilt_equals_live(t3: T3Server) -> None:
+    """The server's projections rebuilt from its event log equal the live ones: on SQLite in a
+    copy of the database, on PostgreSQL in a write transaction rolled back afterwards."""
     sys.path.insert(0, str(T3_PY.parent))
     import store
+    from test_faults import table_rows  # rows of a store or a connection, runs.row_order aside
+    tables = [table for table, _, _ in store._PROJECTIONS.values()]
+    if t3.database is not None:
+        import store_pg
+        with closing(store_pg.PostgresEngine(t3.database).connect()) as conn:
+            conn.execute("BEGIN IMMEDIATE")  # the write lock: the server commits nothing meanwhile
+            try:
+                live = table_rows(conn, tables)
+                store.rebuild_projections(conn)
+                assert table_rows(conn, tables) == live
+            finally:
+                conn.execute("ROLLBACK")
+        return
     with sqlite3.connect(":memory:", isolation_level=None) as copy:
         with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
             db.backup(copy)
         store.add_functions(copy)
-        tables = [table for table, _, _ in store._PROJECTIONS.values()]
-
-        def rows() -> dict[str, list[tuple]]:
-            return {t: sorted(copy.execute(f"SELECT * FROM {t}").fetchall()) for t in tables}
-        live = rows()
+        copy.row_factory = sqlite3.Row
+        live = table_rows(copy, tables)
         copy.execute("BEGIN")
         store.rebuild_projections(copy)
-        assert rows() == live
+        assert table_rows(copy, tables) == live

@@ -7,7 +7,6 @@ Expiry (lifetime, idle) and revocation at session end are in test_delegation.py.
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 
 from harness import (McpClient, T3Server, agent_log, count_prompts, raw_post, scripted_provider,
@@ -15,17 +14,15 @@ from harness import (McpClient, T3Server, agent_log, count_prompts, raw_post, sc
 
 
 def event_count(server: T3Server) -> int:
-    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        return db.execute("SELECT COALESCE(MAX(sequence), 0) FROM events").fetchone()[0]
+    return server.rows("SELECT COALESCE(MAX(sequence), 0) FROM events")[0][0]
 
 
 def session_ended(server: T3Server, thread_id: str) -> bool:
     """Every provider session of the thread is recorded closed and no effect of it is on its way."""
-    with sqlite3.connect(f"file:{server.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        open_sessions = db.execute("SELECT COUNT(*) FROM provider_sessions WHERE thread_id = ? AND "
-                                   "status NOT IN ('closed', 'error')", (thread_id,)).fetchone()[0]
-        effects = db.execute("SELECT COUNT(*) FROM effect_outbox WHERE thread_id = ? AND status IN "
-                             "('pending', 'running')", (thread_id,)).fetchone()[0]
+    open_sessions = server.rows("SELECT COUNT(*) FROM provider_sessions WHERE thread_id = ? AND "
+                                "status NOT IN ('closed', 'error')", (thread_id,))[0][0]
+    effects = server.rows("SELECT COUNT(*) FROM effect_outbox WHERE thread_id = ? AND status IN "
+                          "('pending', 'running')", (thread_id,))[0][0]
     return open_sessions == 0 and effects == 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sqlite3
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -91,9 +90,8 @@ def session_cwds(log: Path) -> list[str]:
 
 def run_statuses(t3: T3Server, run_id: str) -> list[str]:
     """Each status a run had, in order, from the event log."""
-    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        payloads = [json.loads(p) for (p,) in db.execute(
-            "SELECT payload_json FROM events WHERE type LIKE 'run.%' ORDER BY sequence")]
+    payloads = [json.loads(p) for (p,) in t3.rows(
+        "SELECT payload_json FROM events WHERE type LIKE 'run.%' ORDER BY sequence")]
     statuses = [p["status"] for p in payloads if p.get("id") == run_id]
     return [s for i, s in enumerate(statuses) if i == 0 or statuses[i - 1] != s]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,6 +18,8 @@ import pytest
 import orchestrator
 from cli import WsClient, WsError
 from harness import T3Server, raw_request, scripted_provider
+
+pytestmark = pytest.mark.both_stores  # .ci/run runs these again on PostgreSQL
 
 
 def ws(t3: T3Server, body: Callable[[WsClient], Awaitable[Any]]) -> Any:
@@ -31,9 +32,8 @@ def ws(t3: T3Server, body: Callable[[WsClient], Awaitable[Any]]) -> Any:
 
 def events(t3: T3Server, thread_id: str, after: int = 0) -> list[int]:
     """The stored sequences of a thread's events after ``after``."""
-    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        return [r[0] for r in db.execute("SELECT sequence FROM events WHERE thread_id = ? AND "
-                                         "sequence > ? ORDER BY sequence", (thread_id, after))]
+    return [r[0] for r in t3.rows("SELECT sequence FROM events WHERE thread_id = ? AND "
+                                  "sequence > ? ORDER BY sequence", (thread_id, after))]
 
 
 def upgrade(t3: T3Server, target: str, headers: dict[str, str] | None = None) -> tuple[int, dict]:
@@ -408,9 +408,8 @@ def test_a_subscriber_that_never_reads_is_cut_off_and_resumes_without_gaps(
 
 
 def event_bytes(t3: T3Server, thread_id: str) -> int:
-    with sqlite3.connect(f"file:{t3.data_dir / 't3.sqlite'}?mode=ro", uri=True) as db:
-        return db.execute("SELECT SUM(LENGTH(payload_json)) FROM events WHERE thread_id = ?",
-                          (thread_id,)).fetchone()[0]
+    return t3.rows("SELECT SUM(LENGTH(payload_json)) FROM events WHERE thread_id = ?",
+                   (thread_id,))[0][0]
 
 
 async def collect_after(client: WsClient, thread_id: str, after: int) -> list[int]:
