@@ -153,20 +153,20 @@ class Node:
     that does recovers its own threads."""
 
     def __init__(self, store: s.Store, orch: Any, node: str, *, url: str,
-                 projects: Sequence[str]) -> None:
+                 projects: Sequence[str], slots: int) -> None:
         self.store, self.orch, self.id, self.url = store, orch, node, url
         self.providers = ClusterProviders(orch.providers)
-        self._projects = list(projects)
+        self._projects, self._slots = list(projects), slots
         self._lock: Any = None  # the connection holding this id's lock, and heartbeating
         self._listen: Any = None
         self._last = 0  # the last sequence absorbed
 
     @classmethod
     async def join(cls, store: s.Store, orch: Any, node: str, *, url: str,
-                   projects: Sequence[str]) -> Node:
+                   projects: Sequence[str], slots: int) -> Node:
         """Take the id's lock (refused: StoreError), LISTEN, make the orchestrator shared, and
         register; then ``orch.recover(of=self.work(self.id))`` settles this node's last life."""
-        self = cls(store, orch, node, url=url, projects=projects)
+        self = cls(store, orch, node, url=url, projects=projects, slots=slots)
         try:
             self._lock = await psycopg.AsyncConnection.connect(url, autocommit=True)
             held = await (await self._lock.execute("SELECT pg_try_advisory_lock(%s, hashtext(%s))",
@@ -180,13 +180,13 @@ class Node:
             await self._listen.execute("LISTEN t3_effects")
             await self._listen.execute("LISTEN t3_nodes")
             await self._lock.execute(
-                f"INSERT INTO cluster_nodes (node_id, started_at, heartbeat_ms, providers_json, "
-                f"projects_json) VALUES (%s, %s, {_DB_MS}, %s, %s) ON CONFLICT (node_id) DO "
-                "UPDATE SET started_at = excluded.started_at, "
-                "heartbeat_ms = excluded.heartbeat_ms, "
-                "providers_json = excluded.providers_json, projects_json = excluded.projects_json",
+                "INSERT INTO cluster_nodes (node_id, started_at, heartbeat_ms, providers_json, "
+                f"projects_json, slots) VALUES (%s, %s, {_DB_MS}, %s, %s, %s) ON CONFLICT "
+                "(node_id) DO UPDATE SET started_at = excluded.started_at, "
+                "heartbeat_ms = excluded.heartbeat_ms, providers_json = excluded.providers_json, "
+                "projects_json = excluded.projects_json, slots = excluded.slots",
                 (node, s._now_iso(), json.dumps(self.providers.runnable()),
-                 json.dumps(self._projects)))
+                 json.dumps(self._projects), self._slots))
             await self._lock.execute("NOTIFY t3_nodes")  # the others learn what it runs
             await self._learn()
         except psycopg.Error as exc:

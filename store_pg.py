@@ -188,12 +188,14 @@ def _json(column: str, key: str) -> str:
 
 
 # Several nodes (cluster.py): a node claims the work of threads it serves (t3_serves: their
-# project and provider) unless another live node holds the thread and serves it too; a claim
-# makes the claiming node the thread's holder, so its agent process stays in one place.
+# project and provider) unless another live node holds the thread and serves it too, and a new
+# thread's start only while it has room (t3_may_take); a claim makes the claiming node the
+# thread's holder, so its agent process stays in one place.
 _ELSEWHERE = """(NOT t3_serves(%(owner)s, o.thread_id) OR EXISTS (
     SELECT 1 FROM thread_holders n JOIN cluster_nodes d ON d.node_id = n.node_id
     WHERE n.thread_id = o.thread_id AND n.node_id <> %(owner)s
-      AND t3_serves(n.node_id, o.thread_id)))"""
+      AND t3_serves(n.node_id, o.thread_id))
+    OR o.effect_type = 'provider-turn.start' AND NOT t3_may_take(%(owner)s, o.thread_id))"""
 _FIRST_CLAIMABLE = f"""SELECT * FROM (
     SELECT o.effect_id, o.available_at_ms, o.created_at FROM effect_outbox o WHERE {{due}}
       AND NOT EXISTS (SELECT 1 FROM effect_outbox r

@@ -1426,7 +1426,8 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
         node = await cluster.Node.join(
             store, orch, cluster.node_id(config.node_id, data_dir), url=store.engine.url,
             projects=config.node_projects if config.node_projects is not None else
-            ["scratch", *(p["id"] for p in config.projects if Path(p["path"]).is_dir())])
+            ["scratch", *(p["id"] for p in config.projects if Path(p["path"]).is_dir())],
+            slots=config.max_live_agent_processes)
         mine = node.work(node.id)
     recovered = await orch.recover(
         reason="The t3 server restarted while this run was active; its provider process is gone.",

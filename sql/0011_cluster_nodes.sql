@@ -6,7 +6,8 @@ CREATE TABLE IF NOT EXISTS cluster_nodes (
     started_at     TEXT    NOT NULL,
     heartbeat_ms   INTEGER NOT NULL,  -- the database's clock, so nodes' clocks may differ
     providers_json TEXT    NOT NULL DEFAULT '[]',  -- the provider instances it can run (their info)
-    projects_json  TEXT    NOT NULL DEFAULT '[]'   -- the project ids it serves
+    projects_json  TEXT    NOT NULL DEFAULT '[]',  -- the project ids it serves
+    slots          INTEGER NOT NULL DEFAULT 16     -- its max_live_agent_processes
 );
 
 -- A thread's effects run on the node that claimed its first one while that node lives: its agent
