@@ -61,7 +61,7 @@ __all__ = [
     "SessionCredentials", "Subagent", "ContextTransfer", "DelegateTask", "SetWakePolicy",
     "RequestTaskCancel", "FinalizeSubagent", "task_result", "TASK_TERMINAL",
     "NotifyTaskQuestion", "bounded_id", "MAX_ID_CHARS", "mode_to_answer", "result_transfer_id",
-    "AwaitAgentSlot", "GrantAgentSlot", "thread_title", "Subscription", "client_commands",
+    "AwaitAgentSlot", "GrantAgentSlot", "thread_title", "client_commands",
     "decides", "register_entities", "EffectKind", "Entity", "Command", "Draft", "Part",
     "iso_time", "epoch_of", "parse_timestamp", "redact_hook_tokens",
     "StopThread", "ResumeThread", "RUN_LIVE", "SwitchProvider", "Workspaces", "parse_json",
@@ -1104,7 +1104,7 @@ class Decision:
     cancel_effect_types: tuple[str, ...] = ()
     entities: tuple[Any, ...] = ()  # what each event records, for the in-memory state
 
-    def commit(self, command: Command) -> _store.Commit:
+    def commit(self, command: Command, base: tuple[str, int] | None = None) -> _store.Commit:
         return _store.Commit(
             command_id=command.command_id, command_type=command.type,
             fingerprint=fingerprint_of(command), thread_id=command.thread_id, events=self.events,
@@ -1113,7 +1113,7 @@ class Decision:
                 thread_id=e.thread_id, effect_type=e.effect_type, payload=e.payload,
                 replay_safe=e.replay_safe, max_attempts=EFFECTS[e.effect_type].attempts)
                 for e in self.effects),
-            result=self.result, cancel_effect_types=self.cancel_effect_types)
+            result=self.result, cancel_effect_types=self.cancel_effect_types, base=base)
 
 
 # =============================================================================================
@@ -2560,39 +2560,6 @@ class _LiveSession:
     last_used: float = 0.0  # monotonic time of its last turn's end: idle ones go LRU first
 
 
-class Subscription:
-    """Events committed after it began, for one thread (or all), in commit order, as JSON text.
-    Bounded: a reader more than ``max_bytes`` of events behind is cut off (``overflowed``) and
-    resubscribes from the last sequence it got, so a slow reader never grows the server."""
-
-    def __init__(self, *, thread_id: str | None, max_bytes: int) -> None:
-        self.thread_id = thread_id
-        self.max_bytes = max_bytes
-        self.overflowed = False
-        self._items: collections.deque[tuple[int, str, str]] = collections.deque()
-        self._bytes = 0
-        self._ready = asyncio.Event()
-
-    def offer(self, sequence: int, thread_id: str, text: str) -> None:
-        if self.overflowed:
-            return
-        self._bytes += len(text) + 64
-        if self._bytes > self.max_bytes:
-            self.overflowed = True
-            self._items.clear()
-        else:
-            self._items.append((sequence, thread_id, text))
-        self._ready.set()
-
-    async def take(self) -> list[tuple[int, str, str]]:
-        """(sequence, thread id, event JSON) of what arrived since the last take, waiting for at
-        least one; [] once overflowed."""
-        await self._ready.wait()
-        self._ready.clear()
-        items, self._items, self._bytes = list(self._items), collections.deque(), 0
-        return items
-
-
 class Part(Protocol):
     """A feature's runtime that the orchestrator drives (schedules.py's scheduler): it is shown
     each committed entity of the kinds it ``watches``, and ``run`` is its background loop."""
@@ -2637,12 +2604,13 @@ class Orchestrator:
         self.new_id = new_id
         self._lease_ms = lease_ms
         self._backoff_base_ms = backoff_base_ms
-        self._worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # cluster.py: the node's
+        self.shared = False  # other processes commit to the database too (cluster.py)
         self._states: collections.OrderedDict[str, ThreadState] = collections.OrderedDict()
         self._held: dict[str, ThreadState] = {}  # evicted while in use (_evict)
         self._locks: dict[str, asyncio.Lock] = {}
         self._signals: dict[str, asyncio.Event] = {}
-        self._subscriptions: set[Subscription] = set()
+        self._subscriptions: set[Any] = set()
         self._effect_tasks: dict[str, asyncio.Task[None]] = {}
         self._effect_wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -2681,29 +2649,36 @@ class Orchestrator:
         """Decide and commit one command; a command id seen before returns its first result (the
         commit finds its receipt; read here only if decide refuses it or changes nothing)."""
         async with self._locks.setdefault(command.thread_id, asyncio.Lock()):
-            state = await self.state(command.thread_id) or ThreadState()
-            try:
-                decision = decide(state, command, now=self._clock(), new_id=self.new_id,
-                                  providers=self.providers)
-            except Exception:
-                if (receipt := self._store.receipt(command.command_id)) is None:
-                    raise
-                return self._replay(command, receipt)
-            if not decision.events and not decision.effects:
-                receipt = self._store.receipt(command.command_id)
-                return self._replay(command, receipt) if receipt else \
-                    DispatchResult(state.sequence, decision.result)
-            _store.crash_point(f"before-commit:{command.type}")
-            try:
-                outcome = await self._store.commit(decision.commit(command))
-            except _store.FingerprintMismatch:
-                return self._replay(command, None)
-            if not outcome.committed:
-                return self._replay(command, outcome.receipt)
-            _store.crash_point(f"after-commit:{command.type}")
-            self._apply(decision.events, outcome.sequences, decision.entities)
-            if self._subscriptions:
-                self._publish(command.command_id, decision.events, outcome)
+            while True:  # shared: decided again when another process moved the thread on
+                with contextlib.suppress(_store.StaleState):
+                    return await self._dispatch(command)
+                self.forget(command.thread_id)
+
+    async def _dispatch(self, command: Command) -> DispatchResult:  # under the thread's lock
+        state = await self.state(command.thread_id) or ThreadState()
+        try:
+            decision = decide(state, command, now=self._clock(), new_id=self.new_id,
+                              providers=self.providers)
+        except Exception:
+            if (receipt := self._store.receipt(command.command_id)) is None:
+                raise
+            return self._replay(command, receipt)
+        if not decision.events and not decision.effects:
+            receipt = self._store.receipt(command.command_id)
+            return self._replay(command, receipt) if receipt else \
+                DispatchResult(state.sequence, decision.result)
+        _store.crash_point(f"before-commit:{command.type}")
+        try:
+            outcome = await self._store.commit(decision.commit(
+                command, (command.thread_id, state.sequence) if self.shared else None))
+        except _store.FingerprintMismatch:
+            return self._replay(command, None)
+        if not outcome.committed:
+            return self._replay(command, outcome.receipt)
+        _store.crash_point(f"after-commit:{command.type}")
+        self._apply(decision.events, outcome.sequences, decision.entities, command.thread_id)
+        if self._subscriptions and not self.shared:  # shared: absorb publishes, in order
+            self._publish(command.command_id, decision.events, outcome)
         for task in filter(None, map(self._effect_tasks.get, outcome.cancelled_effect_ids)):
             task.cancel()
         if decision.effects:
@@ -2729,19 +2704,29 @@ class Orchestrator:
         return True
 
     def _apply(self, events: Sequence[_store.NewEvent], sequences: Sequence[int],
-               entities: Sequence[Any]) -> None:
-        """Committed events into the cached states; ``entities`` are what decide made of them
-        (the entity each event records), put as they are: no JSON round trip."""
+               entities: Sequence[Any], decided_on: str | None = None) -> None:
+        """Committed events into the cached states; ``entities`` are what decide made of them,
+        put as they are (None: absorbed, rebuilt from the payload). A state loaded after an event
+        skips it. Shared, one the commit was not decided on may miss others' events: dropped."""
         touched: set[str] = set()
         for event, sequence, entity in zip(events, sequences, entities, strict=True):
-            kind = _store.event_kind(event.type)
+            kind, own = _store.event_kind(event.type), entity is not None
             state = self._cached(event.thread_id)
-            if state is None and entity.opens_stream:  # a new thread or task
+            if state is None and own and entity.opens_stream:  # a new thread or task
                 state = self._states[event.thread_id] = ThreadState()
-            touched.add(event.thread_id)
-            if state is not None:
+            elif state is not None and (sequence <= state.sequence or self.shared and own
+                                        and event.thread_id != decided_on):
+                state = None if sequence <= state.sequence else self.forget(event.thread_id)
+            if not own:
+                entity = state.apply(event.type, event.payload) if state is not None else \
+                    _ENTITY_TYPES[kind].from_json(event.payload) if kind in _ENTITY_TYPES else None
+            elif state is not None:
                 state.put(entity)
+            if state is not None:
                 state.sequence = sequence
+            touched.add(event.thread_id)
+            if entity is None or own and self.shared:  # shared: absorb shows the parts, once
+                continue
             if kind == "run" and entity.status in RUN_TERMINAL:
                 self.sessions.run_ended(entity.id)
             for part in self._watchers.get(kind, ()):
@@ -2750,15 +2735,28 @@ class Orchestrator:
             self._notify(thread_id)
         self._evict()
 
-    def subscribe(self, *, thread_id: str | None = None,
-                  max_bytes: int = 8 * 1024 * 1024) -> Subscription:
-        """Every event committed from now on for ``thread_id`` (None: for every thread)."""
-        subscription = Subscription(thread_id=thread_id, max_bytes=max_bytes)
-        self._subscriptions.add(subscription)
-        return subscription
+    def absorb(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Shared (cluster.py): every process's commits, this one's too, in sequence order (rows of
+        ``Store.events_after``), as ``dispatch`` applies and publishes its own; effects looked at."""
+        self._apply([_store.NewEvent(r["eventId"], r["threadId"], r["type"], r["occurredAt"],
+                                     r["payload"]) for r in rows], [r["sequence"] for r in rows],
+                    [None] * len(rows))
+        for row in rows:
+            text = json.dumps(row, separators=(",", ":"))
+            for sub in [s for s in self._subscriptions if s.thread_id in (None, row["threadId"])]:
+                sub.offer(row["sequence"], row["threadId"], text)
+        self._effect_wake.set()
 
-    def unsubscribe(self, subscription: Subscription) -> None:
-        self._subscriptions.discard(subscription)
+    def forget(self, thread_id: str) -> None:  # loaded again from the store on its next use
+        self._states.pop(thread_id, None), self._held.pop(thread_id, None)
+
+    def subscribe(self, subscriber: Any) -> None:
+        """``subscriber.offer(sequence, thread id, JSON)`` each event of its ``thread_id`` (None:
+        every thread's) committed from now on, in commit order (tools.py's Subscription)."""
+        self._subscriptions.add(subscriber)
+
+    def unsubscribe(self, subscriber: Any) -> None:
+        self._subscriptions.discard(subscriber)
 
     def _publish(self, command_id: str, events: Sequence[_store.NewEvent],
                  outcome: _store.CommitResult) -> None:
@@ -2879,21 +2877,22 @@ class Orchestrator:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        released = await self._store.release_leases(owner=self._worker_id, reason=reason,
+        released = await self._store.release_leases(owner=self.worker_id, reason=reason,
                                                     now_ms=_ms())
         if released:
             log.info("released %d outbox lease(s)", released)
 
-    async def recover(self, *, reason: str) -> list[str]:
-        """After a restart: settle what the old process left behind. Returns recovered threads."""
-        cancelled, requeued = await self._store.recover_outbox(
+    async def recover(self, *, reason: str, of: Any = None) -> list[str]:
+        """After a restart: settle what the old process (``of``: a node's, cluster.py) left."""
+        of = of or self._store
+        cancelled, requeued = await of.recover_outbox(
             reason="Cancelled: the server process ended before this effect completed.",
             now_ms=_ms())
         if cancelled or requeued:
             log.info("outbox recovery: %d cancelled, %d requeued", len(cancelled), requeued)
         recovered = []
         stamp = self._clock()
-        for thread_id in self._store.threads_needing_recovery():
+        for thread_id in of.threads_needing_recovery():
             try:
                 if await self._recover_thread(thread_id, reason, stamp):
                     recovered.append(thread_id)
@@ -2901,7 +2900,7 @@ class Orchestrator:
                 log.error("recovery of thread %s failed: %s", thread_id, exc, exc_info=exc)
                 await self._fail_runs(thread_id, stamp,
                                       f"Recovery after a server restart failed: {exc}"[:2000])
-        self.sessions.line_up(self._store.runs_awaiting_slot())  # the line was in memory
+        self.sessions.line_up(of.runs_awaiting_slot())  # the line was in memory
         return recovered
 
     async def _recover_thread(self, thread_id: str, reason: str, stamp: str) -> bool:
@@ -2937,14 +2936,15 @@ class Orchestrator:
         while not self.stopping:
             self._effect_wake.clear()
             while len(self._effect_tasks) < self.MAX_CONCURRENT_EFFECTS and not self.stopping:
-                row = await self._store.claim_effect(owner=self._worker_id, now_ms=_ms(),
+                row = await self._store.claim_effect(owner=self.worker_id, now_ms=_ms(),
                                                      lease_ms=self._lease_ms)
                 if row is None:
                     break
                 self._effect_tasks[row.effect_id] = self.spawn(self._run_effect(row),
                                                                f"effect {row.effect_type}")
+            # at the limit, an effect's end wakes it
             due = None if len(self._effect_tasks) >= self.MAX_CONCURRENT_EFFECTS \
-                else self._store.next_effect_due_ms()  # at the limit, an effect's end wakes it
+                else self._store.next_effect_due_ms(self.worker_id)
             timeout = None if due is None else max(0.001, (due - _ms()) / 1000)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._effect_wake.wait(), timeout)
@@ -2965,7 +2965,7 @@ class Orchestrator:
         except Exception as exc:  # any failure of the outside world is retried, then recorded
             await self._effect_failed(row, exc)
         else:
-            await self._store.settle_effect(row, owner=self._worker_id, status="succeeded")
+            await self._store.settle_effect(row, owner=self.worker_id, status="succeeded")
         finally:
             renewer.cancel()
             self._effect_tasks.pop(row.effect_id, None)
@@ -2974,7 +2974,7 @@ class Orchestrator:
     async def _renew_lease(self, row: _store.EffectRow, task: asyncio.Task[Any] | None) -> None:
         while True:
             await asyncio.sleep(self._lease_ms / 3000)
-            held = await self._store.renew_lease(row, owner=self._worker_id,
+            held = await self._store.renew_lease(row, owner=self.worker_id,
                                                  until_ms=_ms() + self._lease_ms)
             if not held and task is not None:
                 log.warning("lost the lease on %s; stopping it", row.effect_id)
@@ -2987,10 +2987,10 @@ class Orchestrator:
         log.warning("effect %s attempt %d failed: %s", row.effect_id, row.attempt_count, message)
         if not last:
             delay = min(30_000, self._backoff_base_ms * 2 ** (row.attempt_count - 1))
-            await self._store.settle_effect(row, owner=self._worker_id, status="pending",
+            await self._store.settle_effect(row, owner=self.worker_id, status="pending",
                                             error=message, retry_at_ms=_ms() + delay)
             return
-        if not await self._store.settle_effect(row, owner=self._worker_id, status="failed",
+        if not await self._store.settle_effect(row, owner=self.worker_id, status="failed",
                                                error=message):
             return
         run_id = row.payload.get("runId")

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 __all__ = [
-    "SQL_DIR", "StoreError", "DatabaseTooNew", "FingerprintMismatch", "crash_point",
+    "SQL_DIR", "StoreError", "DatabaseTooNew", "FingerprintMismatch", "StaleState", "crash_point",
     "NewEvent", "NewEffect", "Commit", "CommitResult", "Receipt", "EffectRow",
     "TEXT_APPENDED", "event_kind", "projection_writes", "rebuild_projections",
     "connect", "add_functions", "apply_migrations", "schema_files", "Engine", "SqliteEngine",
@@ -76,6 +76,10 @@ class DatabaseTooNew(StoreError):
 
 class FingerprintMismatch(StoreError):
     """This command id was already used for a different command payload."""
+
+
+class StaleState(StoreError):
+    """The thread has events the commit's decision did not see (another node committed them)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,6 +136,9 @@ class Commit:
     result: Mapping[str, Any] = field(default_factory=dict)
     # Outbox rows of these types for this thread that are not settled yet become cancelled.
     cancel_effect_types: Sequence[str] = ()
+    # (thread id, sequence): refused (StaleState) if the thread has an event after the sequence
+    # its decision saw. Set where other processes commit to the same database (cluster.py).
+    base: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +296,7 @@ INSERT INTO events (event_id, thread_id, stream_version, command_id, type, occur
 VALUES (?, ?, ?, ?, ?, ?, ?)
 """
 _MAX_SEQUENCE = "SELECT COALESCE(MAX(sequence), 0) FROM events"
+_EVENT_AFTER = "SELECT 1 FROM events WHERE thread_id = ? AND sequence > ? LIMIT 1"
 # Built once: json.dumps with separators builds an encoder per call. Stateless, so shared.
 _compact_json = json.JSONEncoder(separators=(",", ":")).encode
 _APPENDED_TEXT = f"""
@@ -929,8 +937,8 @@ class Store:
             return cur.rowcount == 1
         return await self.write(run)
 
-    def next_effect_due_ms(self) -> int | None:
-        due = self._reader.execute(_NEXT_DUE).fetchone()[0]
+    def next_effect_due_ms(self, owner: str = "") -> int | None:
+        due = self._reader.execute(_NEXT_DUE, {"owner": owner}).fetchone()[0]
         return None if due is None else int(due)
 
     def pending_effects(self, thread_id: str) -> list[EffectRow]:
@@ -999,6 +1007,8 @@ def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
             raise FingerprintMismatch(
                 f"command id {commit.command_id!r} was already used for a different request")
         return CommitResult(committed=False, receipt=existing)
+    if commit.base is not None and conn.execute(_EVENT_AFTER, commit.base).fetchone():
+        raise StaleState(f"thread {commit.base[0]} moved on after sequence {commit.base[1]}")
     stamp = _now_iso()
     sequences: list[int] = []
     stream_versions: list[int] = []

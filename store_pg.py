@@ -1,6 +1,5 @@
-"""store_pg.py: t3's store on PostgreSQL (psycopg 3), the base for several t3 nodes sharing one
-database (the store is ready for them; the orchestrator is not yet: README, "Running on several
-machines").
+"""store_pg.py: t3's store on PostgreSQL (psycopg 3), which several t3 nodes may share
+(cluster.py; README, "Running on several machines").
 
 A feature module: the core never imports it; ``t3.py`` does when ``[store] url`` or
 ``--database`` names a ``postgresql://`` URL (``pip install -e '.[postgres]'``). An auditor of a
@@ -46,7 +45,6 @@ SQL_DIR = s.SQL_DIR / "pg"
 # Advisory lock keys (any bigint; these spell "t3" and a purpose).
 _WRITE_LOCK = 0x7433_0001
 _MIGRATE_LOCK = 0x7433_0002
-_NODE_LOCK = 0x7433_0003
 
 
 def is_postgres_url(url: str) -> bool:
@@ -60,7 +58,6 @@ class PostgresEngine:
         if not is_postgres_url(url):
             raise ValueError("a PostgreSQL URL starts with postgresql://")
         self.url, self.sql_dir = url, sql_dir
-        self._node_lock: Any = None  # hold_node_lock's connection
 
     def connect(self, *, readonly: bool = False) -> Any:
         try:
@@ -71,21 +68,6 @@ class PostgresEngine:
         if readonly:
             conn.execute("SET default_transaction_read_only = on")
         return conn
-
-    def hold_node_lock(self) -> None:
-        """Take the one-server lock for this process's life, or refuse: until the orchestrator
-        serializes a thread's commands and claims across servers (README, "Running on several
-        machines"), a second t3 on the same database would run the same work twice."""
-        try:
-            conn = psycopg.connect(self.url, autocommit=True)
-            held = conn.execute("SELECT pg_try_advisory_lock(%s)", (_NODE_LOCK,)).fetchone()
-        except psycopg.Error as exc:
-            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
-        if not (held and held[0]):
-            conn.close()
-            raise StoreError("another t3 server already uses this database; several servers on "
-                             "one database are not supported yet")
-        self._node_lock = conn  # the session holds the lock; it ends with this process
 
     def migrate(self, *, stop_after: int | None = None) -> int:
         """Bring the database to the newest schema (or ``stop_after``); return its version."""
@@ -205,12 +187,23 @@ def _json(column: str, key: str) -> str:
         else f"(t3_json({column}) #>> '{{{','.join(path)}}}')"
 
 
-_FIRST_CLAIMABLE = """SELECT * FROM (
-    SELECT o.effect_id, o.available_at_ms, o.created_at FROM effect_outbox o WHERE {due}
+# Several nodes (cluster.py): a node claims the work of threads it serves (t3_serves: their
+# project and provider) unless another live node holds the thread and serves it too, and a new
+# thread's start only while it has room (t3_may_take); a claim makes the claiming node the
+# thread's holder, so its agent process stays in one place.
+_ELSEWHERE = """(NOT t3_serves(%(owner)s, o.thread_id) OR EXISTS (
+    SELECT 1 FROM thread_holders n JOIN cluster_nodes d ON d.node_id = n.node_id
+    WHERE n.thread_id = o.thread_id AND n.node_id <> %(owner)s
+      AND t3_serves(n.node_id, o.thread_id))
+    OR o.effect_type = 'provider-turn.start' AND NOT t3_may_take(%(owner)s, o.thread_id))"""
+_FIRST_CLAIMABLE = f"""SELECT * FROM (
+    SELECT o.effect_id, o.available_at_ms, o.created_at FROM effect_outbox o WHERE {{due}}
       AND NOT EXISTS (SELECT 1 FROM effect_outbox r
                       WHERE r.thread_id = o.thread_id AND r.status = 'running'
                         AND r.lease_expires_ms >= %(now)s AND r.effect_id <> o.effect_id)
-    ORDER BY o.available_at_ms, o.created_at, o.effect_id LIMIT 1) {name}"""
+      AND NOT {_ELSEWHERE}
+    ORDER BY o.available_at_ms, o.created_at, o.effect_id LIMIT 1
+    FOR UPDATE OF o SKIP LOCKED) {{name}}"""
 _SNOOZED = f"""(COALESCE({_json('t.payload_json', 'snoozedUntil')} > %(now)s, false)
   AND NOT EXISTS (SELECT 1 FROM runtime_requests q
                   WHERE q.thread_id = t.thread_id AND q.status = 'pending')
@@ -253,6 +246,7 @@ SELECT {_json('payload_json', 'text')} FROM events
 WHERE type = '{s.TEXT_APPENDED}' AND {_json('payload_json', 'id')} = %s ORDER BY sequence
 """,
     s._CLAIM_EFFECT: f"""
+WITH claimed AS (
 UPDATE effect_outbox
 SET status = 'running', attempt_count = attempt_count + 1, lease_owner = %(owner)s,
     lease_expires_ms = %(now)s + %(lease)s, last_error = NULL, updated_at = %(stamp)s
@@ -264,14 +258,18 @@ WHERE effect_id = (
         {_FIRST_CLAIMABLE.format(due="o.status = 'running' AND o.lease_expires_ms < %(now)s",
                                  name="first_expired")}) claimable
     ORDER BY available_at_ms, created_at, effect_id LIMIT 1)
-RETURNING *
+RETURNING *),
+held AS (INSERT INTO thread_holders (thread_id, node_id) SELECT thread_id, %(owner)s FROM claimed
+         ON CONFLICT (thread_id) DO UPDATE SET node_id = excluded.node_id)
+SELECT * FROM claimed
 """,
-    s._NEXT_DUE: """
+    s._NEXT_DUE: f"""
 SELECT MIN(t) FROM (
     SELECT * FROM (SELECT o.available_at_ms AS t FROM effect_outbox o
     WHERE o.status = 'pending'
       AND NOT EXISTS (SELECT 1 FROM effect_outbox r
                       WHERE r.thread_id = o.thread_id AND r.status = 'running')
+      AND NOT {_ELSEWHERE}
     ORDER BY o.available_at_ms LIMIT 1) first_pending
     UNION ALL
     SELECT lease_expires_ms FROM effect_outbox WHERE status = 'running') due

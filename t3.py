@@ -110,6 +110,8 @@ class Config:
     certfile: str | None = None
     keyfile: str | None = None
     store_url: str | None = None  # [store] url: PostgreSQL (store_pg.py); None: SQLite
+    node_id: str | None = None  # [node] id, on PostgreSQL (cluster.py); None: the data dir's
+    node_projects: list[str] | None = None  # [node] projects it runs; None: those found here
     environments: tuple[dict[str, Any], ...] = ()  # [[environments]]: linked t3s (links.py)
 
 
@@ -148,6 +150,9 @@ _RULES: dict[str, dict[str, _Rule]] = {
     "store": {"url": (lambda v, _: isinstance(v, str) and v.startswith(("postgresql://",
                                                                        "postgres://")),
                       "must be a postgresql:// URL")},
+    "node": {"id": (lambda v, _: isinstance(v, str) and bool(re.fullmatch(r"[\w.-]{1,64}", v)),
+                    "must be 1 to 64 letters, digits, '.', '_' or '-'"),
+             "projects": (_strings, "must be a list of project ids")},
     "environments": {"id": (lambda v, _: isinstance(v, str) and bool(_ENV_ID.match(v)),
                             "must be the other t3's environmentId (its /healthz shows it)"),
                      "url": (lambda v, _: isinstance(v, str) and bool(re.match(
@@ -226,6 +231,8 @@ def load_config(path: Path, *, cwd: Path) -> Config:
         projects.append({"id": "default", "path": str(cwd.resolve()), "title": cwd.name or "/"})
     return Config(**server, projects=projects, providers=providers, **limits,
                   store_url=checked("store", None, data.get("store", {})).get("url"),
+                  **{f"node_{k}": v
+                     for k, v in checked("node", None, data.get("node", {})).items()},
                   environments=_environments(data.get("environments", []), checked, fail,
                                              base=path.parent))
 
@@ -1259,9 +1266,7 @@ def _open_store(url: str | None, data_dir: Path) -> Store:
                          "'.[postgres]'") from exc
     if not store_pg.is_postgres_url(url):
         raise StoreError("the database URL must start with postgresql://")
-    engine = store_pg.PostgresEngine(url)
-    engine.hold_node_lock()
-    return Store(engine)
+    return Store(store_pg.PostgresEngine(url))
 
 
 def _withdraw(server_json: Path) -> None:
@@ -1415,8 +1420,18 @@ async def _start_domain(config: Config, data_dir: Path, store: Store, environmen
     orch.attach(Links({e["id"]: Environment(e["id"], e["url"], Path(e["token_file"]))
                        for e in config.environments}))
     await store.sync_projects(config.projects)
+    mine = None  # on PostgreSQL this server is a node (cluster.py): it recovers its own work only
+    if store.path is None:
+        import cluster
+        node = await cluster.Node.join(
+            store, orch, cluster.node_id(config.node_id, data_dir), url=store.engine.url,
+            projects=config.node_projects if config.node_projects is not None else
+            ["scratch", *(p["id"] for p in config.projects if Path(p["path"]).is_dir())],
+            slots=config.max_live_agent_processes)
+        mine = node.work(node.id)
     recovered = await orch.recover(
-        reason="The t3 server restarted while this run was active; its provider process is gone.")
+        reason="The t3 server restarted while this run was active; its provider process is gone.",
+        of=mine)
     if recovered:
         log.warning("interrupted the runs left active by the previous server in %d thread(s)",
                     len(recovered))

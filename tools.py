@@ -19,6 +19,7 @@ results. Every denial is an ``orchestrator.T3Error`` with its typed code; MCP sh
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -416,8 +417,8 @@ CAPABILITIES_OUTPUT = shape({
                                 "options": list_of({"type": "object"})}, optional=["options"])),
         "omittedModels": INTEGER, "canRunChildTask": BOOLEAN,
         "canRunCrossProviderChildTask": BOOLEAN, "constraints": list_of(STRING),
-        "runtimeModes": list_of(RUNTIME), "interactionModes": list_of(INTERACTION)},
-        optional=["runtimeModes", "interactionModes"])),
+        "runtimeModes": list_of(RUNTIME), "interactionModes": list_of(INTERACTION),
+        "nodes": list_of(STRING)}, optional=["runtimeModes", "interactionModes", "nodes"])),
     "features": shape({k: BOOLEAN if isinstance(v, bool) else INTEGER
                        for k, v in FEATURES.items()})})
 TASK_CANCEL_OUTPUT = shape({"taskId": STRING, "status": enum_of(
@@ -1022,6 +1023,8 @@ async def _capabilities(kit: Toolkit, call: Call, args: Args) -> dict[str, Any]:
             entry["runtimeModes"] = list(info.runtime_modes)
         if info.interaction_modes is not None:
             entry["interactionModes"] = list(info.interaction_modes)
+        if (nodes := getattr(kit.orch.providers, "nodes", None)) is not None:  # cluster.py's
+            entry["nodes"] = nodes.get(info.instance_id, [])  # the live nodes that run it
         providers.append(entry)
     return {"parentThreadId": thread.id if thread else None,
             "inheritedProviderInstanceId": thread.provider_instance_id if thread else None,
@@ -1665,13 +1668,47 @@ async def _wire_command(kit: Toolkit, call: Call, a: Args) -> orch.Command:
 SUBSCRIBER_BYTES = 4 * 1024 * 1024
 
 
+class Subscription:
+    """Events committed after it began, for one thread (or all), in commit order, as JSON text.
+    Bounded: a reader more than ``max_bytes`` of events behind is cut off (``overflowed``) and
+    resubscribes from the last sequence it got, so a slow reader never grows the server."""
+
+    def __init__(self, *, thread_id: str | None, max_bytes: int) -> None:
+        self.thread_id = thread_id
+        self.max_bytes = max_bytes
+        self.overflowed = False
+        self._items: collections.deque[tuple[int, str, str]] = collections.deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
+
+    def offer(self, sequence: int, thread_id: str, text: str) -> None:
+        if self.overflowed:
+            return
+        self._bytes += len(text) + 64
+        if self._bytes > self.max_bytes:
+            self.overflowed = True
+            self._items.clear()
+        else:
+            self._items.append((sequence, thread_id, text))
+        self._ready.set()
+
+    async def take(self) -> list[tuple[int, str, str]]:
+        """(sequence, thread id, event JSON) of what arrived since the last take, waiting for at
+        least one; [] once overflowed."""
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._items, self._bytes = list(self._items), collections.deque(), 0
+        return items
+
+
 async def _subscribe_thread(kit: Toolkit, call: Call, args: Args) -> None:
     """A snapshot at N (or, with ``afterSequence`` N, the stored events after N), a
     ``synchronized`` marker, then each event as it commits: gap-free, none twice."""
     emit, thread_id, after = call.emit, args["threadId"], args.get("afterSequence")
     assert emit is not None
     await kit.thread(thread_id)
-    subscription = kit.orch.subscribe(thread_id=thread_id, max_bytes=SUBSCRIBER_BYTES)
+    subscription = Subscription(thread_id=thread_id, max_bytes=SUBSCRIBER_BYTES)
+    kit.orch.subscribe(subscription)
     try:  # subscribed before reading: what commits meanwhile is in one or both, never lost
         if after is None:
             last, projection = kit.projection(thread_id)
@@ -1701,7 +1738,8 @@ async def _subscribe_shell(kit: Toolkit, call: Call, args: Args) -> None:
     ``list_scheduled_tasks`` shows it, each time it changes."""
     emit, after = call.emit, args.get("afterSequence")
     assert emit is not None
-    subscription = kit.orch.subscribe(max_bytes=SUBSCRIBER_BYTES // 64)
+    subscription = Subscription(thread_id=None, max_bytes=SUBSCRIBER_BYTES // 64)
+    kit.orch.subscribe(subscription)
     try:
         last = kit.store.max_sequence()
         if after is None:

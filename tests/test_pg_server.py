@@ -60,17 +60,28 @@ def test_the_store_url_in_the_config_file_selects_postgresql(
     assert _count(postgres_url, "threads") == 1
 
 
-def test_a_second_server_on_the_same_database_is_refused(
+def test_two_servers_with_one_node_id_are_refused_and_two_nodes_share_threads(
         t3_factory, tmp_path: Path, postgres_url: str) -> None:
-    """Until several servers can share one database, the second one exits saying so and writes
-    nothing; the first keeps serving, and once it stops another may start."""
-    first = t3_factory(args=["--database", postgres_url])
+    """A second server on the same database with the same `[node] id` exits saying so and
+    writes nothing; with its own id it is a second node: it reads the first's thread, and a
+    message it takes runs to completion (on either node), seen on both."""
+    same = write_config(tmp_path, extra='[node]\nid = "alpha"\n', name="alpha.toml")
+    first = t3_factory(config=same, args=["--database", postgres_url])
     created = create(first.client(), "hi", title="First")
-    second = t3_factory(data_dir=tmp_path / "data-2", args=["--database", postgres_url],
-                        start=False)
-    with pytest.raises(ServerStartError, match="another t3 server already uses this database"):
-        second.start()
+    twin = t3_factory(data_dir=tmp_path / "data-2", config=same,
+                      args=["--database", postgres_url], start=False)
+    with pytest.raises(ServerStartError, match="another t3 server runs as node 'alpha'"):
+        twin.start()
     assert wait(first.client(), created["threadId"])["status"] == "completed"
-    assert _count(postgres_url, "threads") == 1
-    first.stop()
-    assert read(second.start().client(), created["threadId"])["thread"]["title"] == "First"
+    assert _count(postgres_url, "threads") == 1 and _count(postgres_url, "cluster_nodes") == 1
+    second = t3_factory(data_dir=tmp_path / "data-3", args=["--database", postgres_url])
+    other = second.client()
+    assert read(other, created["threadId"])["thread"]["title"] == "First"
+    sent = other.call("t3_thread_send", {"threadId": created["threadId"], "message": "again"})
+    assert sent.ok, sent.structured
+    assert wait(first.client(), created["threadId"], runId=sent.structured["runId"])[
+        "status"] == "completed"
+    assert assistant_text(other, created["threadId"]) == (
+        "Hello from scripted agent. You said: hi"
+        "Hello from scripted agent. You said: again")
+    assert _count(postgres_url, "cluster_nodes") == 2
