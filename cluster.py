@@ -57,6 +57,8 @@ DEAD_MS = 5_000  # a heartbeat this old: the node is dead (several missed beats,
 _NODE_LOCK = 0x7433_0003
 _DB_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 _HELD_BY = "thread_id IN (SELECT thread_id FROM thread_holders WHERE node_id = %s)"
+# A few at a time: an event may carry a long answer's text.
+_EVENTS_AFTER = "SELECT * FROM events WHERE sequence > ? ORDER BY sequence LIMIT 64"
 
 
 def node_id(configured: str | None, data_dir: Path) -> str:
@@ -214,7 +216,7 @@ class Node:
                 self.orch.absorb([])
 
     def _catch_up(self) -> None:
-        while rows := self.store.events_after(self._last, limit=1000):
+        while rows := self.store.read(_EVENTS_AFTER, (self._last,)):
             self.orch.absorb(rows)
             self._last = rows[-1]["sequence"]
 

@@ -2600,10 +2600,8 @@ class Orchestrator:
         self.workspaces = workspaces  # git as an effect (workspace.py, handed in by t3.py)
         self.adapters = dict(adapters)
         self.providers = providers  # read live: an instance may become available later
-        self._clock = clock
-        self.new_id = new_id
-        self._lease_ms = lease_ms
-        self._backoff_base_ms = backoff_base_ms
+        self._clock, self.new_id = clock, new_id
+        self._lease_ms, self._backoff_base_ms = lease_ms, backoff_base_ms
         self.worker_id = f"t3:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # cluster.py: the node's
         self.shared = False  # other processes commit to the database too (cluster.py)
         self._states: collections.OrderedDict[str, ThreadState] = collections.OrderedDict()
@@ -2736,15 +2734,20 @@ class Orchestrator:
         self._evict()
 
     def absorb(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Shared (cluster.py): every process's commits, this one's too, in sequence order (rows of
-        ``Store.events_after``), as ``dispatch`` applies and publishes its own; effects looked at."""
-        self._apply([_store.NewEvent(r["eventId"], r["threadId"], r["type"], r["occurredAt"],
-                                     r["payload"]) for r in rows], [r["sequence"] for r in rows],
-                    [None] * len(rows))
-        for row in rows:
-            text = json.dumps(row, separators=(",", ":"))
-            for sub in [s for s in self._subscriptions if s.thread_id in (None, row["threadId"])]:
-                sub.offer(row["sequence"], row["threadId"], text)
+        """Shared (cluster.py): every process's commits (rows of ``events``, in order), applied
+        and published as ``dispatch`` does its own; a payload decoded only where it is needed."""
+        def needed(row: Mapping[str, Any]) -> bool:  # by a cached state, the parts, a run's end
+            kind = _store.event_kind(row["type"])
+            state = self._states.get(row["thread_id"]) or self._held.get(row["thread_id"])
+            return kind == "run" or kind in self._watchers or (
+                state is not None and row["sequence"] > state.sequence)
+        decoded = [r for r in rows if needed(r)]
+        self._apply([_store.NewEvent(r["event_id"], r["thread_id"], r["type"], r["occurred_at"],
+                                     json.loads(r["payload_json"])) for r in decoded],
+                    [r["sequence"] for r in decoded], [None] * len(decoded))
+        for thread_id in {r["thread_id"] for r in rows}:
+            self._notify(thread_id)
+        self._offer(rows)
         self._effect_wake.set()
 
     def forget(self, thread_id: str) -> None:  # loaded again from the store on its next use
@@ -2760,23 +2763,18 @@ class Orchestrator:
 
     def _publish(self, command_id: str, events: Sequence[_store.NewEvent],
                  outcome: _store.CommitResult) -> None:
-        """Hand committed events to subscribers, in commit order (``_apply`` runs in the order
-        the single writer committed). Each event's JSON is built once, from the stored payload."""
-        texts: dict[int, str] = {}
-        for index, event in enumerate(events):
-            for subscription in list(self._subscriptions):
-                if subscription.thread_id not in (None, event.thread_id):
-                    continue
-                if index not in texts:
-                    texts[index] = (
-                        f'{{"sequence":{outcome.sequences[index]},'
-                        f'"eventId":{json.dumps(event.event_id)},'
-                        f'"threadId":{json.dumps(event.thread_id)},'
-                        f'"streamVersion":{outcome.stream_versions[index]},'
-                        f'"commandId":{json.dumps(command_id)},"type":{json.dumps(event.type)},'
-                        f'"occurredAt":{json.dumps(event.occurred_at)},'
-                        f'"payload":{outcome.payloads_json[index]}}}')
-                subscription.offer(outcome.sequences[index], event.thread_id, texts[index])
+        """Committed events to subscribers as stored rows, in commit order (``_apply``'s)."""
+        self._offer([{"sequence": q, "event_id": e.event_id, "thread_id": e.thread_id,
+                      "stream_version": v, "command_id": command_id, "type": e.type,
+                      "occurred_at": e.occurred_at, "payload_json": j} for e, q, v, j in zip(
+            events, outcome.sequences, outcome.stream_versions, outcome.payloads_json)])
+
+    def _offer(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        for row in rows:  # each event's JSON built once, if a subscriber wants it
+            wanted = [s for s in self._subscriptions if s.thread_id in (None, row["thread_id"])]
+            text = _store.event_json(row) if wanted else ""
+            for subscription in wanted:
+                subscription.offer(row["sequence"], row["thread_id"], text)
 
     async def state(self, thread_id: str) -> ThreadState | None:
         """The thread's current state (cached; loaded from the store on first use)."""
@@ -3533,16 +3531,21 @@ EFFECTS: dict[str, EffectKind] = {
 }
 
 
+_BATCH_CHARS = 256 * 1024  # one ingest event's text at most: a lagging writer copies no MBs
+
+
 def _ms() -> int:
     return int(time.time() * 1000)
 
 
 async def _coalesce(events: asyncio.Queue[Any], batch: list[Any], window_s: float) -> bool:
-    """Extend ``batch`` while it ends in a delta: with what ``events`` holds already (no timer
-    task per event), then with what comes within ``window_s``. True once the end marker came."""
-    loop = asyncio.get_running_loop()
+    """Extend ``batch`` while it ends in a delta, to _BATCH_CHARS of text: with what ``events``
+    holds already (no timer task per event), then with what comes within ``window_s``. True
+    once the end marker came."""
+    loop, size = asyncio.get_running_loop(), 0
     deadline = loop.time() + window_s
-    while isinstance(batch[-1], (TextDelta, ReasoningDelta)):
+    while isinstance(last := batch[-1], (TextDelta, ReasoningDelta)) and (
+            size := size + len(last.text)) < _BATCH_CHARS:
         if events.empty():
             if (remaining := deadline - loop.time()) <= 0:
                 return False

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SQL_DIR", "StoreError", "DatabaseTooNew", "FingerprintMismatch", "StaleState", "crash_point",
     "NewEvent", "NewEffect", "Commit", "CommitResult", "Receipt", "EffectRow",
-    "TEXT_APPENDED", "event_kind", "projection_writes", "rebuild_projections",
+    "TEXT_APPENDED", "event_json", "event_kind", "projection_writes", "rebuild_projections",
     "connect", "add_functions", "apply_migrations", "schema_files", "Engine", "SqliteEngine",
     "Store",
 ]
@@ -273,6 +273,14 @@ def _pluck(payload: Mapping[str, Any], dotted: str) -> Any:
 # log hold the whole entity again when it closes. So the bytes written per delta do not grow
 # with the message, and ``thread_entities`` adds a still-open message's appends back on load.
 TEXT_APPENDED = "message-text.appended"
+
+
+def event_json(row: Mapping[str, Any]) -> str:
+    """A stored event (a row of ``events``) as the wire shows it, its payload as stored."""
+    return (f'{{"sequence":{row["sequence"]},"eventId":{json.dumps(row["event_id"])},'
+            f'"threadId":{json.dumps(row["thread_id"])},"streamVersion":{row["stream_version"]},'
+            f'"commandId":{json.dumps(row["command_id"])},"type":{json.dumps(row["type"])},'
+            f'"occurredAt":{json.dumps(row["occurred_at"])},"payload":{row["payload_json"]}}}')
 
 
 def event_kind(event_type: str) -> str:
