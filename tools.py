@@ -1192,17 +1192,15 @@ async def _stoppable(kit: Toolkit, parent_id: str, task_id: str) -> bool:
 
 async def _cancel_task(kit: Toolkit, parent_id: str, task_id: str, reason: str | None,
                        key: str) -> bool:
-    """Stop the task's own tasks, then its child thread as a person's Stop does, then cancel
-    its own queued turn even if held. True: its child run was lost, so it is cancelled here."""
+    """Stop the task's child thread as a person's Stop does, then the child's own tasks (in this
+    order: a task of its own that ends first could hand the child its result, and the child end
+    its turn completed, before the Stop reaches it), then cancel its own queued turn even if
+    held. True: its child run was lost, so it is cancelled here."""
     parent = await kit.thread(parent_id)
     task = parent.entities["subagent"].get(task_id)
     if task is None:
         raise T3Error(f"no task {task_id} was delegated by this thread", code="task_not_found")
     child = await kit.thread(task.child_thread_id)
-    for sub in list(child.entities["subagent"].values()):
-        if sub.status not in orch.TASK_TERMINAL and not sub.child_thread_id.startswith(
-                "t3-thread:"):  # (a linked environment's child: not here)
-            await _cancel_task(kit, task.child_thread_id, sub.id, reason, key)
     lost = task.status not in orch.TASK_TERMINAL and child.run(task.child_run_id) is None
     if task.status not in orch.TASK_TERMINAL:  # a published result stays as it is
         await kit.orch.dispatch(orch.RequestTaskCancel(
@@ -1217,6 +1215,10 @@ async def _cancel_task(kit: Toolkit, parent_id: str, task_id: str, reason: str |
         command_id=kit.derive_id("command", "task-cancel", "stop", task.child_thread_id, key),
         thread_id=task.child_thread_id,
         reason=reason or "The delegated task was cancelled by its parent."))
+    for sub in list((await kit.thread(task.child_thread_id)).entities["subagent"].values()):
+        if sub.status not in orch.TASK_TERMINAL and not sub.child_thread_id.startswith(
+                "t3-thread:"):  # (a linked environment's child: not here)
+            await _cancel_task(kit, task.child_thread_id, sub.id, reason, key)
     own = (await kit.thread(task.child_thread_id)).run(task.child_run_id)
     if own is not None and own.status == RunStatus.QUEUED and not own.awaiting_agent_slot:
         await kit.orch.dispatch(orch.CancelQueuedRun(
