@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import gc
@@ -1222,6 +1223,7 @@ async def serve(args: argparse.Namespace) -> int:
                                 "(mode %o); fix: chmod 600 %s", env["token_file"], env["id"],
                                 mode & 0o777, env["token_file"])
         _raise_fd_limit(config.max_connections)
+        _return_big_buffers()
         lock = _lock(data_dir)
         if lock is None:
             holder = "?"
@@ -1478,6 +1480,15 @@ def _hypercorn_config(config: Config, hypercorn: ModuleType) -> hypercorn.config
         print(f"t3: cannot use [server] certfile/keyfile: {exc}", file=sys.stderr)
         return None
     return hconfig
+
+
+def _return_big_buffers() -> None:
+    """glibc: every buffer of 128 KiB or more gets pages of its own, given back when it is freed.
+    Left to glibc, the bound rises to the largest buffer freed so far (up to 32 MiB), and a long
+    answer's text, rebuilt as it grows, then leaves the buffers below it in the heap, where the
+    server keeps their pages. No-op without glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
 
 
 def _raise_fd_limit(max_connections: int) -> None:
