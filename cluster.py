@@ -82,18 +82,7 @@ class NodeWork:
         self.store, self.node = store, node
 
     async def recover_outbox(self, *, reason: str, now_ms: int) -> tuple[list[s.EffectRow], int]:
-        """As ``Store.recover_outbox``, for this node's rows only."""
-        def run(conn: Any) -> tuple[list[s.EffectRow], int]:
-            stamp = s._now_iso()
-            cancelled = conn.execute(sql.SQL(_pg(
-                f"{s._CANCEL} WHERE replay_safe = 0 AND (status = 'running' AND lease_owner = ? "
-                f"OR status = 'pending' AND attempt_count > 0 AND {_HELD_BY}) RETURNING *")),
-                (reason, stamp, self.node, self.node)).fetchall()
-            requeued = conn.execute(sql.SQL(_pg(
-                f"{s._REQUEUE} WHERE status = 'running' AND lease_owner = ?")),
-                (now_ms, stamp, self.node)).rowcount
-            return [s._effect_from_row(r) for r in cancelled], requeued
-        return await self.store.write(run)
+        return await self.store.recover_outbox(reason=reason, now_ms=now_ms, node=self.node)
 
     def threads_needing_recovery(self) -> list[str]:
         form = store_pg._FORMS[s._THREADS_NEEDING_RECOVERY]
@@ -104,10 +93,6 @@ class NodeWork:
         form = store_pg._FORMS[s._RUNS_AWAITING_SLOT].replace("ORDER BY", f"AND {_HELD_BY}\n"
                                                               "ORDER BY")
         return [(r[0], r[1], r[2]) for r in self.store.read(sql.SQL(form), (self.node,))]
-
-
-def _pg(statement: str) -> str:
-    return statement.replace("?", "%s")
 
 
 class ClusterProviders(Mapping[str, ProviderInfo]):
@@ -154,9 +139,9 @@ class Node:
     its row stays: a node that does not come back within DEAD_MS is recovered by another, one
     that does recovers its own threads."""
 
-    def __init__(self, store: s.Store, orch: Any, node: str, *, url: str,
-                 projects: Sequence[str], slots: int) -> None:
-        self.store, self.orch, self.id, self.url = store, orch, node, url
+    def __init__(self, store: s.Store, orch: Any, node: str, *, projects: Sequence[str],
+                 slots: int) -> None:
+        self.store, self.orch, self.id = store, orch, node
         self.providers = ClusterProviders(orch.providers)
         self._projects, self._slots = list(projects), slots
         self._lock: Any = None  # the connection holding this id's lock, and heartbeating
@@ -168,7 +153,7 @@ class Node:
                    projects: Sequence[str], slots: int) -> Node:
         """Take the id's lock (refused: StoreError), LISTEN, make the orchestrator shared, and
         register; then ``orch.recover(of=self.work(self.id))`` settles this node's last life."""
-        self = cls(store, orch, node, url=url, projects=projects, slots=slots)
+        self = cls(store, orch, node, projects=projects, slots=slots)
         try:
             self._lock = await psycopg.AsyncConnection.connect(url, autocommit=True)
             held = await (await self._lock.execute("SELECT pg_try_advisory_lock(%s, hashtext(%s))",

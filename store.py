@@ -967,20 +967,26 @@ class Store:
                                    (effect_id,)).fetchone()
         return _effect_from_row(row) if row else None
 
-    async def recover_outbox(self, *, reason: str, now_ms: int) -> tuple[list[EffectRow], int]:
-        """After a lost process: cancel process-bound rows that had started, requeue the rest.
+    async def recover_outbox(self, *, reason: str, now_ms: int, node: str | None = None
+                             ) -> tuple[list[EffectRow], int]:
+        """After a lost process: cancel process-bound rows that had started, requeue the rest
+        (``node``: only the rows that node leased or whose thread it held, cluster.py).
 
         A process-bound row that never ran (attempt_count 0) touched nothing and stays pending.
         Returns the cancelled rows and the number of requeued rows.
         """
+        mine = "" if node is None else " AND (lease_owner = ? OR thread_id IN (SELECT " \
+            "thread_id FROM thread_holders WHERE node_id = ?))"
+        of = () if node is None else (node, node)
+
         def run(conn: sqlite3.Connection) -> tuple[list[EffectRow], int]:
             stamp = _now_iso()
             cancelled = conn.execute(
                 f"{_CANCEL} WHERE replay_safe = 0 AND (status = 'running' OR "
-                "(status = 'pending' AND attempt_count > 0)) RETURNING *", (reason, stamp)
-            ).fetchall()
-            requeued = conn.execute(f"{_REQUEUE} WHERE status = 'running'",
-                                    (now_ms, stamp)).rowcount
+                f"(status = 'pending' AND attempt_count > 0)){mine} RETURNING *",
+                (reason, stamp, *of)).fetchall()
+            requeued = conn.execute(f"{_REQUEUE} WHERE status = 'running'{mine}",
+                                    (now_ms, stamp, *of)).rowcount
             return [_effect_from_row(r) for r in cancelled], requeued
         return await self.write(run)
 
