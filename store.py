@@ -8,7 +8,7 @@ What it owns:
 - One writer: a dedicated thread owns the only write connection and runs the jobs of a queue
   inside ``BEGIN IMMEDIATE``, those queued meanwhile together (one fsync for all; a job that
   fails leaves nothing of itself); callers await a future. Reads use a separate ``query_only``
-  connection.
+  connection. (An engine with ``outbox_apart`` gives the outbox's jobs a second such writer.)
 - ``commit``: a command's receipt, its events (global ``sequence``, per-thread
   ``stream_version``), the projection rows those events imply, its outbox rows and any outbox
   cancellations, in ONE transaction. A command id seen before is answered from its receipt.
@@ -521,10 +521,11 @@ def _fold(text: Any) -> str:
 
 
 @contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def _transaction(conn: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE"
+                 ) -> Iterator[sqlite3.Connection]:
     # BEGIN IMMEDIATE takes the write lock up front: a deferred transaction that reads then
     # writes can fail with SQLITE_BUSY at once in WAL mode instead of waiting out busy_timeout.
-    conn.execute("BEGIN IMMEDIATE")
+    conn.execute(begin)
     try:
         yield conn
     except BaseException:
@@ -634,7 +635,10 @@ class Engine(Protocol):
     ``connect``); ``connect`` opens the writer's connection, or with ``readonly`` the readers'.
     A connection answers the sqlite3 calls the Store makes: ``execute`` (a cursor with
     ``fetchone``, ``fetchall``, iteration, ``rowcount``, ``lastrowid``), ``in_transaction``,
-    ``close``."""
+    ``close``. ``outbox_apart``: whether the outbox's jobs may commit beside event commits, on a
+    connection of their own (then ``BEGIN`` with ``_BEGIN_OUTBOX`` serializes them)."""
+
+    outbox_apart: bool
 
     def migrate(self) -> int: ...
 
@@ -644,6 +648,7 @@ class Engine(Protocol):
 class SqliteEngine:
     """The default: one SQLite file, copied into ``backups_dir`` before a migration."""
 
+    outbox_apart = False  # one writer at a time: a second would wait on the first
     def __init__(self, path: Path, *, backups_dir: Path) -> None:
         self.path, self.backups_dir = path, backups_dir
 
@@ -674,6 +679,8 @@ _SECOND: tuple[int, str] = (-1, "")  # the last second _now_iso formatted, and i
 
 
 _STOP = object()
+# The outbox writer's BEGIN: used only where the engine keeps outbox jobs apart (its form there).
+_BEGIN_OUTBOX = "BEGIN IMMEDIATE -- the effect outbox"
 _MAX_BATCH = 256  # jobs sharing one transaction at most
 _Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
 _Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]
@@ -690,34 +697,18 @@ def _answer(outcomes: list[_Outcome]) -> None:
             future.set_exception(_translate(exc))
 
 
-class Store:
-    """The database of one t3 data directory: ``Store(path, backups_dir=...)`` (SQLite) or
-    ``Store(engine)``, then ``close()``."""
+class _Writer:
+    """A connection and the thread that writes through it. Group commit: every job queued while
+    the previous transaction was committing goes into the next one, so they share one fsync. Each
+    event loop that is waiting is woken once per transaction, with all its answers."""
 
-    def __init__(self, where: Path | Engine, *, backups_dir: Path | None = None) -> None:
-        self.path: Path | None = None  # the SQLite file, if that is the engine
-        if isinstance(where, (str, os.PathLike)):
-            if backups_dir is None:
-                raise ValueError("a database file needs backups_dir")
-            self.path = Path(where)
-            where = SqliteEngine(self.path, backups_dir=backups_dir)
-        elif backups_dir is not None:
-            raise ValueError("an engine keeps its own backups (or none)")
-        self.engine: Engine = where
-        self.engine.migrate()
-        self._reader = self.engine.connect(readonly=True)
+    def __init__(self, conn: sqlite3.Connection, begin: str, name: str) -> None:
+        self.conn, self._begin = conn, begin
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name="t3-store-writer", daemon=True)
-        self._write_conn = self.engine.connect()
-        self._closed = False
-        self._writer.start()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
 
-    # -- the writer thread -------------------------------------------------------------------
-
-    def _write_loop(self) -> None:
-        """Group commit: every job queued while the previous transaction was committing goes
-        into the next one, so they share one fsync. Each event loop that is waiting is woken
-        once per transaction, with all its answers."""
+    def _loop(self) -> None:
         while True:
             jobs = [self._jobs.get()]
             while len(jobs) < _MAX_BATCH:
@@ -735,7 +726,7 @@ class Store:
                     loop.call_soon_threadsafe(_answer, answers)
             if _STOP in jobs:
                 break
-        self._write_conn.close()
+        self.conn.close()
 
     def _run(self, jobs: list[_Job]) -> list[_Outcome]:
         return self._run_batch(jobs) if len(jobs) > 1 else self._run_alone(*jobs[0]) if jobs else []
@@ -743,7 +734,7 @@ class Store:
     def _run_alone(self, fn: Callable[[sqlite3.Connection], Any], loop: Any, future: Any
                    ) -> list[_Outcome]:
         try:
-            with _transaction(self._write_conn) as conn:
+            with _transaction(self.conn, self._begin) as conn:
                 return [(future, fn(conn), None)]
         except BaseException as exc:  # handed to the awaiting caller, not swallowed
             return [(future, None, exc)]
@@ -755,11 +746,11 @@ class Store:
         than a savepoint around every job). If the transaction itself is lost (a failed COMMIT,
         or SQLite rolling back everything on SQLITE_FULL or an I/O error), each job runs again
         alone, so each caller gets its own outcome."""
-        conn = self._write_conn
+        conn = self.conn
         outcomes: list[_Outcome] = []
         failed: _Outcome | None = None
         try:
-            with _transaction(conn):
+            with _transaction(conn, self._begin):
                 for fn, _, future in jobs:
                     try:
                         outcomes.append((future, fn(conn), None))
@@ -778,22 +769,56 @@ class Store:
         return outcomes
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` in a BEGIN IMMEDIATE transaction on the writer thread (shared with
-        other jobs queued meanwhile); return once it committed. Once queued, the write happens:
-        a caller cancelled meanwhile stops waiting, and the writer skips its answer."""
-        if self._closed:
-            raise StoreError("the store is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._jobs.put((fn, loop, future))
         return await future
 
+    def stop(self) -> None:
+        self._jobs.put(_STOP)
+        self._thread.join(timeout=30)
+
+
+class Store:
+    """The database of one t3 data directory: ``Store(path, backups_dir=...)`` (SQLite) or
+    ``Store(engine)``, then ``close()``."""
+
+    def __init__(self, where: Path | Engine, *, backups_dir: Path | None = None) -> None:
+        self.path: Path | None = None  # the SQLite file, if that is the engine
+        if isinstance(where, (str, os.PathLike)):
+            if backups_dir is None:
+                raise ValueError("a database file needs backups_dir")
+            self.path = Path(where)
+            where = SqliteEngine(self.path, backups_dir=backups_dir)
+        elif backups_dir is not None:
+            raise ValueError("an engine keeps its own backups (or none)")
+        self.engine: Engine = where
+        self.engine.migrate()
+        self._reader = self.engine.connect(readonly=True)
+        self._closed = False
+        self._writer = _Writer(self.engine.connect(), "BEGIN IMMEDIATE", "t3-store-writer")
+        # An engine whose outbox rows lock apart from event commits (store_pg.py: one node
+        # claims while another commits) gives the outbox jobs a writer of their own.
+        self._outbox = _Writer(self.engine.connect(), _BEGIN_OUTBOX, "t3-outbox-writer") \
+            if self.engine.outbox_apart else self._writer
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    async def write(self, fn: Callable[[sqlite3.Connection], T], *, outbox: bool = False) -> T:
+        """Run ``fn(conn)`` in a BEGIN IMMEDIATE transaction on the writer thread (shared with
+        other jobs queued meanwhile); return once it committed. Once queued, the write happens:
+        a caller cancelled meanwhile stops waiting, and the writer skips its answer. ``outbox``:
+        a job that writes only effect_outbox rows (and, clustered, thread_holders)."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        return await (self._outbox if outbox else self._writer).write(fn)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(_STOP)
-        self._writer.join(timeout=30)
+        for writer in {self._writer, self._outbox}:
+            writer.stop()
         self._reader.close()
 
     # -- commands ------------------------------------------------------------------------------
@@ -857,6 +882,10 @@ class Store:
                         "pendingBackgroundTasks": r["background_count"],
                         "snoozed": bool(r["snoozed"])}
                        for r in rows]
+
+    def moved_on(self, thread_id: str, sequence: int) -> bool:
+        """Whether the thread has events after ``sequence`` (another process's, cluster.py)."""
+        return self._reader.execute(_EVENT_AFTER, (thread_id, sequence)).fetchone() is not None
 
     def max_sequence(self) -> int:
         return int(self._reader.execute(_MAX_SEQUENCE).fetchone()[0])
@@ -925,13 +954,13 @@ class Store:
         def run(conn: sqlite3.Connection) -> EffectRow | None:
             row = conn.execute(_CLAIM_EFFECT, params).fetchone()
             return _effect_from_row(row) if row else None
-        return await self.write(run)
+        return await self.write(run, outbox=True)
 
     async def renew_lease(self, effect: EffectRow, *, owner: str, until_ms: int) -> bool:
         def run(conn: sqlite3.Connection) -> bool:
             return conn.execute(_RENEW_LEASE, (until_ms, _now_iso(), effect.effect_id, owner,
                                                effect.attempt_count)).rowcount == 1
-        return await self.write(run)
+        return await self.write(run, outbox=True)
 
     async def settle_effect(self, effect: EffectRow, *, owner: str, status: str,
                             error: str | None = None, retry_at_ms: int = 0) -> bool:
@@ -943,7 +972,7 @@ class Store:
             cur = conn.execute(_SETTLE_EFFECT, (status, retry_at_ms, error, _now_iso(),
                                                 effect.effect_id, owner, effect.attempt_count))
             return cur.rowcount == 1
-        return await self.write(run)
+        return await self.write(run, outbox=True)
 
     def next_effect_due_ms(self, owner: str = "") -> int | None:
         due = self._reader.execute(_NEXT_DUE, {"owner": owner}).fetchone()[0]
@@ -988,7 +1017,7 @@ class Store:
             requeued = conn.execute(f"{_REQUEUE} WHERE status = 'running'{mine}",
                                     (now_ms, stamp, *of)).rowcount
             return [_effect_from_row(r) for r in cancelled], requeued
-        return await self.write(run)
+        return await self.write(run, outbox=True)
 
     async def release_leases(self, *, owner: str, reason: str, now_ms: int) -> int:
         """At shutdown: replay-safe rows go back to pending; process-bound ones are cancelled."""
@@ -1000,7 +1029,7 @@ class Store:
             n += conn.execute(f"{_CANCEL} WHERE status = 'running' AND lease_owner = ?",
                               (reason, stamp, owner)).rowcount
             return n
-        return await self.write(run)
+        return await self.write(run, outbox=True)
 
 
 def _translate(exc: BaseException) -> BaseException:

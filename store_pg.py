@@ -20,6 +20,10 @@ Rules:
   ``BEGIN`` plus a transaction advisory lock. Events take their sequence from the ``event_log``
   row in the appending transaction, so sequences are gap-free and in commit order: a reader that
   saw N never later finds a new event below N.
+- The outbox's claims, lease renewals, settles and recoveries commit beside that lock, under one
+  of their own (``outbox_apart``): one node's claim never waits on another's commit. Only a claim
+  makes a row running, so claims in turn keep one running row per thread; a commit that cancels
+  rows meets a claim on the row's lock (``FOR UPDATE ... SKIP LOCKED``), as in some serial order.
 - A snapshot (``BEGIN`` on a reader) is a REPEATABLE READ, READ ONLY transaction; readers'
   connections are read-only.
 - Text compares and sorts as bytes, as in SQLite: the database's collation must be C (refused
@@ -45,6 +49,7 @@ SQL_DIR = s.SQL_DIR / "pg"
 # Advisory lock keys (any bigint; these spell "t3" and a purpose).
 _WRITE_LOCK = 0x7433_0001
 _MIGRATE_LOCK = 0x7433_0002
+_OUTBOX_LOCK = 0x7433_0003
 
 
 def is_postgres_url(url: str) -> bool:
@@ -53,6 +58,8 @@ def is_postgres_url(url: str) -> bool:
 
 class PostgresEngine:
     """A ``store.Engine`` on the PostgreSQL database at ``url``."""
+
+    outbox_apart = True
 
     def __init__(self, url: str, *, sql_dir: Path = SQL_DIR) -> None:
         if not is_postgres_url(url):
@@ -232,6 +239,7 @@ _AWAITING_SLOT = "(t3_json({column}) ->> 'awaitingAgentSlot') = 'true'"
 
 _FORMS: dict[str, str] = {
     "BEGIN IMMEDIATE": f"BEGIN; SELECT pg_advisory_xact_lock({_WRITE_LOCK:d})",
+    s._BEGIN_OUTBOX: f"BEGIN; SELECT pg_advisory_xact_lock({_OUTBOX_LOCK:d})",
     "BEGIN": "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY",
     s._INSERT_EVENT: """
 WITH next AS (UPDATE event_log SET last_sequence = last_sequence + 1 WHERE id = 1
@@ -260,6 +268,7 @@ WHERE effect_id = (
     ORDER BY available_at_ms, created_at, effect_id LIMIT 1)
 RETURNING *),
 held AS (INSERT INTO thread_holders (thread_id, node_id) SELECT thread_id, %(owner)s FROM claimed
+         WHERE EXISTS (SELECT 1 FROM threads t WHERE t.thread_id = claimed.thread_id)
          ON CONFLICT (thread_id) DO UPDATE SET node_id = excluded.node_id)
 SELECT * FROM claimed
 """,

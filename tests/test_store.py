@@ -497,7 +497,7 @@ def _behind_a_busy_writer(st: Store, jobs: Sequence[Callable[[], Any]]) -> tuple
     """Run `jobs` (each returns an awaitable of the store) queued while the writer is held busy;
     their outcomes (results or exceptions) and how many transactions committed meanwhile."""
     statements: list[str] = []
-    st._write_conn.set_trace_callback(statements.append)
+    st._writer.conn.set_trace_callback(statements.append)
     gate = threading.Event()
 
     async def main() -> list[Any]:
@@ -510,7 +510,7 @@ def _behind_a_busy_writer(st: Store, jobs: Sequence[Callable[[], Any]]) -> tuple
         return await asyncio.gather(*queued, return_exceptions=True)
 
     outcomes = _run(main())
-    st._write_conn.set_trace_callback(None)
+    st._writer.conn.set_trace_callback(None)
     return outcomes, statements.count("COMMIT")
 
 
