@@ -2817,21 +2817,18 @@ class Orchestrator:
     async def wait_until(self, thread_ids: Sequence[str],
                          done: Callable[[Mapping[str, ThreadState]], bool],
                          timeout_s: float) -> bool:
-        """Wait for ``done(states)``, woken by commits to any of the threads; False on timeout
-        or shutdown, thread_not_found once one is deleted. No polling: each check follows a
-        commit."""
+        """Wait for ``done(states)``, woken by commits to any of the threads; False on timeout or
+        shutdown, thread_not_found once one is deleted. No polling: each check follows a commit."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             signals = [self._signals.setdefault(t, asyncio.Event()) for t in thread_ids]
             states = {t: state for t in thread_ids if (state := await self.state(t)) is not None}
-            gone = [t for t, s in states.items() if s.thread and s.thread.deleted_at]
-            if gone:  # deleted while (or before) it was waited on
+            if gone := [t for t, s in states.items() if s.thread and s.thread.deleted_at]:
                 raise T3Error(f"thread {gone[0]} was not found", code="thread_not_found")
             if done(states):
                 return True
-            remaining = deadline - loop.time()
-            if remaining <= 0 or self.stopping:
+            if (remaining := deadline - loop.time()) <= 0 or self.stopping:
                 return False
             waiters = [loop.create_task(s.wait()) for s in signals]
             try:
@@ -2875,9 +2872,8 @@ class Orchestrator:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        released = await self._store.release_leases(owner=self.worker_id, reason=reason,
-                                                    now_ms=_ms())
-        if released:
+        if released := await self._store.release_leases(owner=self.worker_id, reason=reason,
+                                                        now_ms=_ms()):
             log.info("released %d outbox lease(s)", released)
 
     async def recover(self, *, reason: str, of: Any = None) -> list[str]:
@@ -2949,7 +2945,11 @@ class Orchestrator:
 
     async def _run_effect(self, row: _store.EffectRow) -> None:
         renewer = self.spawn(self._renew_lease(row, asyncio.current_task()), "lease")
-        try:
+        try:  # shared: the effect may be claimed before its commit reached this process's cache
+            if self.shared and (seen := self._cached(row.thread_id)) is not None and \
+                    self._store.moved_on(row.thread_id, seen.sequence):
+                async with self._locks.setdefault(row.thread_id, asyncio.Lock()):
+                    self.forget(row.thread_id)
             if row.attempt_count > row.max_attempts:  # reclaimed after its last lease expired
                 raise PermanentEffectError("no attempts left after the last lease expired")
             kind = EFFECTS.get(row.effect_type)
@@ -3114,16 +3114,17 @@ class _Sessions:
         an agent process slot and none is free (the run then waits in line)."""
         thread = state.thread
         assert thread is not None
-        live = self.live.get(thread.id)
+        if (live := self.live.get(thread.id)) is not None and live.closing_reason is not None:
+            await live.pump_done.wait()  # being stopped: a turn there would end with it
+            live = None
         adapter = self.orch.adapters.get(run.provider_instance_id)
-        same = live is not None and (live.instance_id, live.model) == (
-            run.provider_instance_id, run.model_selection.get("model"))
-        if live is not None and live.handle.alive() and same:
-            if not self._renewal_due(live, adapter):
+        if live is not None and live.handle.alive():
+            same = (live.instance_id, live.model) == (run.provider_instance_id,
+                                                      run.model_selection.get("model"))
+            if same and not self._renewal_due(live, adapter):
                 return live, False
-            live.closing_reason = "Replaced by a session with a new t3 credential."
-        elif live is not None and live.handle.alive():
-            live.closing_reason = "Replaced by a session of the thread's new provider or model."
+            live.closing_reason = "Replaced by a session with a new t3 credential." if same \
+                else "Replaced by a session of the thread's new provider or model."
         if adapter is None:
             raise PermanentEffectError(f"provider instance {run.provider_instance_id!r} is not "
                                         "configured on this server")
@@ -3310,8 +3311,7 @@ class _Sessions:
     async def _pump(self, live: _LiveSession) -> None:
         """Carry one session's events into ingest commands, in order, each after its commit."""
         events: asyncio.Queue[Any] = live.handle.events
-        batch_no = 0
-        ended = False
+        batch_no, ended = 0, False
         try:
             while not ended:
                 event = await events.get()

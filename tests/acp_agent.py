@@ -70,6 +70,8 @@ of the prompt text (the log keeps every block). A call line is `[spaces]CALL_TOO
 
 Env SCRIPTED_AGENT_FAIL_STARTS=FILE:N makes the first N processes sharing FILE (a counter) exit
 with code 7 on `initialize` (a provider that fails to start, then recovers).
+Env SCRIPTED_AGENT_LINGER_S=S: at stdin EOF, log {"dir": "eof"} and exit only S seconds later
+(an agent slow to stop).
 Env SCRIPTED_AGENT_AUTH=mcp-only refuses a session/new without MCP servers with ACP's
 auth_required (-32000 "Authentication required"): what a logged-out agent says to t3's probe,
 while t3's own sessions (which carry its MCP server) still open.
@@ -255,6 +257,9 @@ class Agent:
         while (line := await lines.get()) is not None:
             if line.strip():
                 self.receive(line)
+        if linger := float(os.environ.get("SCRIPTED_AGENT_LINGER_S", "0")):
+            self.trace("eof", None)
+            time.sleep(linger)
         os._exit(0)  # stdin EOF: running prompts (and MCP worker threads) die with us
 
     def receive(self, line):

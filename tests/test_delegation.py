@@ -459,6 +459,28 @@ def test_waiting_parents_lend_their_agent_slots_to_their_children(t3_factory,
         assert (started - asked).total_seconds() < 5, run
 
 
+def test_a_run_never_lands_on_an_agent_that_is_being_stopped(t3_factory, tmp_path: Path
+                                                             ) -> None:
+    """With one agent slot, thread B's start stops thread A's idle agent, which here takes 2 s to
+    exit after its stdin closes. A send to A in that window waits for a new agent (in line behind
+    B's run) instead of starting a turn on the one being stopped, and both runs complete."""
+    t3 = t3_factory(providers=[scripted_provider(tmp_path, env={"SCRIPTED_AGENT_LINGER_S": "2"})],
+                    extra="[limits]\nmax_live_agent_processes = 1\n")
+    mcp = t3.client()
+    [a] = mcp.call("create_threads", {"threads": [{"prompt": "first"}]}).structured["threads"]
+    assert wait(mcp, a["threadId"])["status"] == "completed"
+    [b] = mcp.call("create_threads", {"threads": [{"prompt": "second"}]}).structured["threads"]
+    wait_until(lambda: any(e["dir"] == "eof" for e in agent_log(tmp_path / "agent.log")), 30,
+               message="A's idle agent is being stopped for B's run")
+    sent = mcp.call("t3_thread_send", {"threadId": a["threadId"], "message": "again"})
+    assert sent.ok, sent.structured
+    for thread_id, run_id in ((b["threadId"], b["runId"]),
+                              (a["threadId"], sent.structured["runId"])):
+        ended = mcp.call("t3_thread_wait", {"threadId": thread_id, "runId": run_id,
+                                            "timeoutMs": 60_000}).structured
+        assert ended["status"] == "completed", ended
+
+
 def test_nested_waits_borrow_down_the_chain(t3_factory, tmp_path: Path) -> None:
     """With max_live_agent_processes = 1, a parent waits on a child that waits on a grandchild:
     each waiting agent lends its slot on, and the parent's wait ends with the whole result."""
