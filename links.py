@@ -240,9 +240,12 @@ def _decide_remote_delegate(d: Draft, c: DelegateRemoteTask, **_: Any) -> Mappin
                               code="parent_not_active")
     task = put_task(d, run, c, driver="linked", child_thread_id=c.link,
                     child_run_id=c.remote_run_id)
+    # Owned by the link, not the parent: the outbox runs one effect of an owner at a time, and
+    # the watch lasts as long as the remote run, so it would hold up the parent's own effects
+    # (its runs' starts and ends, and so its task_status and task_cancel) until then.
     d.effect("link.await", {"environmentId": c.environment_id, "taskId": task.id,
-                            "remoteThreadId": c.remote_thread_id,
-                            "remoteRunId": c.remote_run_id}, task.id)
+                            "parentThreadId": c.thread_id, "remoteThreadId": c.remote_thread_id,
+                            "remoteRunId": c.remote_run_id}, task.id, thread_id=c.link)
     return {"taskId": task.id, "childThreadId": c.link, "childRunId": c.remote_run_id}
 
 
@@ -376,7 +379,8 @@ async def _await_remote(o: orch.Orchestrator, row: Any) -> None:
         delay = min(RETRY_MAX_S, delay * 2)
     await o.try_dispatch(FinalizeSubagent(
         command_id=bounded_id(f"command:link-finalize:{p['taskId']}:{p['remoteRunId']}"),
-        thread_id=row.thread_id, task_id=p["taskId"], result=text, run_id=p["remoteRunId"],
+        thread_id=p.get("parentThreadId", row.thread_id),  # (older watches: the row's owner)
+        task_id=p["taskId"], result=text, run_id=p["remoteRunId"],
         status=RunStatus.CANCELLED if status == RunStatus.ROLLED_BACK else status),
         f"linked task {p['taskId']} could not be finalized")
 

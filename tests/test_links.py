@@ -127,6 +127,49 @@ def test_either_side_killed_while_the_remote_child_runs(t3_factory, tmp_path: Pa
     assert sub["status"] == "interrupted" and "interrupted" in sub["text"]
 
 
+def test_remote_task_status_and_cancel(t3_factory, tmp_path: Path) -> None:
+    """task_status of a task delegated to B says running while B's child runs; task_cancel
+    interrupts the run on B, and the task here ends as a local one does (interrupted, its
+    summary B's), with no wake of the parent and no later completion."""
+    pair = linked_pair(t3_factory, tmp_path)
+    mcp = pair.mcp_a
+    parent = create(mcp, delegate_line(pair, "SLOW:2000"), target={"providerInstanceId": "alpha"})
+    tid = parent["threadId"]
+    wait(mcp, tid)
+    [started] = tool_results(mcp, tid)
+    remote_id = started["childThreadId"].rsplit("/", 1)[1]
+    wait_until(lambda: "chunk 1" in "".join(i["text"] or "" for i in items(pair.mcp_b,
+                                                                           remote_id)), 30)
+
+    def parent_calls(tool: str, **args: object) -> dict:
+        """The parent's agent calls ``tool`` on the task in a turn of its own: its result."""
+        sent = mcp.call("t3_thread_send", {"threadId": tid, "message": call_line(
+            tool, {"taskId": started["taskId"], **args})})
+        assert sent.ok, sent.structured
+        assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+        return tool_results(mcp, tid)[-1]
+    running = parent_calls("task_status")
+    assert (running["status"], running["workState"], running["summary"]) == (
+        "running", "working", None)
+    assert (running["childThreadId"], running["childRunId"]) == (
+        started["childThreadId"], started["childRunId"])
+    assert parent_calls("task_cancel", reason="stop it") == {
+        "taskId": started["taskId"], "status": "cancel_requested"}
+    assert wait(pair.mcp_b, remote_id, runId=started["childRunId"])["status"] == "interrupted"
+    wait_until(lambda: pair.a.rows("SELECT status FROM effect_outbox WHERE effect_type = "
+                                   "'link.await'") == [("succeeded",)], 60)
+    ended = parent_calls("task_status")
+    assert (ended["status"], ended["workState"]) == ("interrupted", "result_available")
+    assert ended["summary"].startswith("Child task ended with status interrupted")
+    assert "chunk 1" in ended["summary"]  # B's progress before the cancel
+    assert parent_calls("task_cancel") == {"taskId": started["taskId"], "status": "interrupted"}
+    # The parent ran only the turns sent to it: a cancelled task wakes no one, here as at home.
+    assert wake_prompts(tmp_path / "agent-alpha.log") == []
+    assert len(mcp.call("t3_thread_read", {"threadId": tid, "runLimit": 50}).structured[
+        "recentRuns"]) == 5
+    assert pair.a.rows("SELECT status FROM subagents") == [("interrupted",)]
+
+
 def test_links_in_thread_tools_and_refusals(t3_factory, tmp_path: Path) -> None:
     """A remote thread's link works in t3_thread_read/wait/send; a link or target naming an
     environment that is not linked is refused, typed, and changes nothing; an agent may not
