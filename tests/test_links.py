@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +170,34 @@ def test_remote_task_status_and_cancel(t3_factory, tmp_path: Path) -> None:
     assert len(mcp.call("t3_thread_read", {"threadId": tid, "runLimit": 50}).structured[
         "recentRuns"]) == 5
     assert pair.a.rows("SELECT status FROM subagents") == [("interrupted",)]
+
+
+def _accept_queue(port: int) -> int:
+    """Connections waiting for the accept of the server listening on ``port`` (its listening
+    socket's queue, /proc/net/tcp)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+            return int(fields[4].split(":")[1], 16)
+    return 0
+
+
+def test_a_delegation_refused_here_stops_its_remote_thread(t3_factory, tmp_path: Path) -> None:
+    """The parent's run ends while B makes the delegated thread (B held stopped until then):
+    the record here is refused, and B's new run is interrupted, not left running untracked."""
+    pair = linked_pair(t3_factory, tmp_path)
+    os.kill(pair.b.pid, signal.SIGSTOP)
+    try:
+        parent = create(pair.mcp_a, delegate_line(pair, "SLOW:2000"),
+                        target={"providerInstanceId": "alpha"})
+        wait_until(lambda: _accept_queue(int(pair.b.url.rsplit(":", 1)[1])), 30)  # A calls B
+        assert pair.mcp_a.call("t3_thread_interrupt", {"threadId": parent["threadId"]}).ok
+        assert wait(pair.mcp_a, parent["threadId"])["status"] == "interrupted"
+    finally:
+        os.kill(pair.b.pid, signal.SIGCONT)
+    [made] = wait_until(lambda: pair.mcp_b.call("t3_thread_list").structured["threads"], 30)
+    assert wait(pair.mcp_b, made["threadId"], timeoutMs=30_000)["status"] == "interrupted"
+    assert pair.a.rows("SELECT COUNT(*) FROM subagents") == [(0,)]
 
 
 def test_links_in_thread_tools_and_refusals(t3_factory, tmp_path: Path) -> None:
