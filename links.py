@@ -312,8 +312,9 @@ async def _make_remote_task(kit: Toolkit, env: Environment, command: DelegateRem
             command, provider_instance_id=made[0]["providerInstanceId"], model=made[0]["model"],
             remote_thread_id=made[0]["threadId"], remote_run_id=made[0]["runId"]))).result
     except T3Error as exc:
-        await _interrupt_remote(kit, env, made[0]["threadId"], made[0]["runId"],
-                                f"Its delegation was refused: {exc}", command.task_id)
+        if kit.store.receipt(command.command_id) is None:  # (not recorded after all)
+            await _interrupt_remote(kit, env, made[0]["threadId"], made[0]["runId"],
+                                    f"Its delegation was refused: {exc}", command.task_id)
         raise
 
 
