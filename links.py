@@ -240,9 +240,12 @@ def _decide_remote_delegate(d: Draft, c: DelegateRemoteTask, **_: Any) -> Mappin
                               code="parent_not_active")
     task = put_task(d, run, c, driver="linked", child_thread_id=c.link,
                     child_run_id=c.remote_run_id)
+    # Owned by the link, not the parent: the outbox runs one effect of an owner at a time, and
+    # the watch lasts as long as the remote run, so it would hold up the parent's own effects
+    # (its runs' starts and ends, and so its task_status and task_cancel) until then.
     d.effect("link.await", {"environmentId": c.environment_id, "taskId": task.id,
-                            "remoteThreadId": c.remote_thread_id,
-                            "remoteRunId": c.remote_run_id}, task.id)
+                            "parentThreadId": c.thread_id, "remoteThreadId": c.remote_thread_id,
+                            "remoteRunId": c.remote_run_id}, task.id, thread_id=c.link)
     return {"taskId": task.id, "childThreadId": c.link, "childRunId": c.remote_run_id}
 
 
@@ -277,18 +280,12 @@ async def _delegate_remote(kit: Toolkit, call: Call, args: Args, env: Environmen
         raise T3Error("clientRequestId: already used for a different delegate_task request",
                       code="invalid_request")
     if receipt is None:
-        made = (await _links(kit).call(env, "create_threads", {
+        task_id = (await _make_remote_task(kit, env, command, {
             "threads": [{"prompt": task, "title": command.title, "target": dict(target),
                          "runtimeMode": runtime, "interactionMode": interaction}],
-            "clientRequestId": _remote_key(scope.key, command.command_id)}))["threads"]
-        if len(made) != 1 or not made[0].get("runId"):
-            raise T3Error(f"environment {env.id} made no run for the task")
-        receipt_result = (await kit.orch.dispatch(dataclasses.replace(
-            command, provider_instance_id=made[0]["providerInstanceId"], model=made[0]["model"],
-            remote_thread_id=made[0]["threadId"], remote_run_id=made[0]["runId"]))).result
+            "clientRequestId": _remote_key(scope.key, command.command_id)}))["taskId"]
     else:
-        receipt_result = receipt.result
-    task_id = receipt_result["taskId"]
+        task_id = receipt.result["taskId"]
     timed_out = False
     if args.get("mode") == "wait":
         timed_out = not await _wait_remote_task(kit, caller.thread.id, task_id, args, call)
@@ -300,6 +297,35 @@ async def _delegate_remote(kit: Toolkit, call: Call, args: Args, env: Environmen
     shaped = await _remote_task_result(kit, caller.thread.id, task_id)
     shaped["waitTimedOut"] = timed_out and shaped["status"] not in orch.TASK_TERMINAL
     return shaped
+
+
+async def _make_remote_task(kit: Toolkit, env: Environment, command: DelegateRemoteTask,
+                            create: Args) -> Mapping[str, Any]:
+    """The thread made on ``env`` (``create``: its create_threads arguments), then recorded
+    here; a record refused (the parent's run ended meanwhile) interrupts the run made there,
+    which would otherwise go on with no one here to hear of it."""
+    made = (await _links(kit).call(env, "create_threads", create))["threads"]
+    if len(made) != 1 or not made[0].get("runId"):
+        raise T3Error(f"environment {env.id} made no run for the task")
+    try:
+        return (await kit.orch.dispatch(dataclasses.replace(
+            command, provider_instance_id=made[0]["providerInstanceId"], model=made[0]["model"],
+            remote_thread_id=made[0]["threadId"], remote_run_id=made[0]["runId"]))).result
+    except T3Error as exc:
+        if kit.store.receipt(command.command_id) is None:  # (not recorded after all)
+            await _interrupt_remote(kit, env, made[0]["threadId"], made[0]["runId"],
+                                    f"Its delegation was refused: {exc}", command.task_id)
+        raise
+
+
+async def _interrupt_remote(kit: Toolkit, env: Environment, thread_id: str, run_id: str,
+                            reason: str | None, task_id: str) -> None:
+    """Interrupt a run on ``env``; a failure is logged (the caller's outcome stands)."""
+    try:
+        await _links(kit).call(env, "t3_thread_interrupt", {
+            "threadId": thread_id, "runId": run_id, **({"reason": reason} if reason else {})})
+    except T3Error as exc:
+        log.warning("task %s: the remote run was not interrupted: %s", task_id, exc)
 
 
 async def _wait_remote_task(kit: Toolkit, parent_id: str, task_id: str, args: Args,
@@ -376,7 +402,8 @@ async def _await_remote(o: orch.Orchestrator, row: Any) -> None:
         delay = min(RETRY_MAX_S, delay * 2)
     await o.try_dispatch(FinalizeSubagent(
         command_id=bounded_id(f"command:link-finalize:{p['taskId']}:{p['remoteRunId']}"),
-        thread_id=row.thread_id, task_id=p["taskId"], result=text, run_id=p["remoteRunId"],
+        thread_id=p.get("parentThreadId", row.thread_id),  # (older watches: the row's owner)
+        task_id=p["taskId"], result=text, run_id=p["remoteRunId"],
         status=RunStatus.CANCELLED if status == RunStatus.ROLLED_BACK else status),
         f"linked task {p['taskId']} could not be finalized")
 
@@ -469,14 +496,13 @@ async def _remote_task_cancel(kit: Toolkit, parent_id: str, args: Args) -> dict[
         command_id=kit.derive_id("command", "task-cancel", task.id, kit.key(args)),
         thread_id=parent_id, task_id=task.id, reason=args.get("reason")))
     env_id, thread_id = parse_link(task.child_thread_id) or ("", "")
-    try:
-        env = _environment(kit, env_id, what="task", code="task_not_cancellable")
-        assert env is not None
-        await _links(kit).call(env, "t3_thread_interrupt", {
-            "threadId": thread_id, "runId": task.child_run_id,
-            **({"reason": args["reason"]} if args.get("reason") else {})})
-    except T3Error as exc:  # recorded here all the same: no wake, a late success is interrupted
-        log.warning("task %s: the remote run was not interrupted: %s", task.id, exc)
+    env = _links(kit).environments.get(env_id)
+    if env is None:  # recorded here all the same: no wake, a late success is interrupted
+        log.warning("task %s: the remote run was not interrupted: environment %s is not linked",
+                    task.id, env_id)
+    else:
+        await _interrupt_remote(kit, env, thread_id, task.child_run_id, args.get("reason"),
+                                task.id)
     return {"taskId": task.id, "status": "cancel_requested"}
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +127,77 @@ def test_either_side_killed_while_the_remote_child_runs(t3_factory, tmp_path: Pa
         ("succeeded",)]
     [sub] = [i for i in items(pair.mcp_a, tid) if i["type"] == "subagent"]
     assert sub["status"] == "interrupted" and "interrupted" in sub["text"]
+
+
+def test_remote_task_status_and_cancel(t3_factory, tmp_path: Path) -> None:
+    """task_status of a task delegated to B says running while B's child runs; task_cancel
+    interrupts the run on B, and the task here ends as a local one does (interrupted, its
+    summary B's), with no wake of the parent and no later completion."""
+    pair = linked_pair(t3_factory, tmp_path)
+    mcp = pair.mcp_a
+    parent = create(mcp, delegate_line(pair, "SLOW:2000"), target={"providerInstanceId": "alpha"})
+    tid = parent["threadId"]
+    wait(mcp, tid)
+    [started] = tool_results(mcp, tid)
+    remote_id = started["childThreadId"].rsplit("/", 1)[1]
+    wait_until(lambda: "chunk 1" in "".join(i["text"] or "" for i in items(pair.mcp_b,
+                                                                           remote_id)), 30)
+
+    def parent_calls(tool: str, **args: object) -> dict:
+        """The parent's agent calls ``tool`` on the task in a turn of its own: its result."""
+        sent = mcp.call("t3_thread_send", {"threadId": tid, "message": call_line(
+            tool, {"taskId": started["taskId"], **args})})
+        assert sent.ok, sent.structured
+        assert wait(mcp, tid, runId=sent.structured["runId"])["status"] == "completed"
+        return tool_results(mcp, tid)[-1]
+    running = parent_calls("task_status")
+    assert (running["status"], running["workState"], running["summary"]) == (
+        "running", "working", None)
+    assert (running["childThreadId"], running["childRunId"]) == (
+        started["childThreadId"], started["childRunId"])
+    assert parent_calls("task_cancel", reason="stop it") == {
+        "taskId": started["taskId"], "status": "cancel_requested"}
+    assert wait(pair.mcp_b, remote_id, runId=started["childRunId"])["status"] == "interrupted"
+    wait_until(lambda: pair.a.rows("SELECT status FROM effect_outbox WHERE effect_type = "
+                                   "'link.await'") == [("succeeded",)], 60)
+    ended = parent_calls("task_status")
+    assert (ended["status"], ended["workState"]) == ("interrupted", "result_available")
+    assert ended["summary"].startswith("Child task ended with status interrupted")
+    assert "chunk 1" in ended["summary"]  # B's progress before the cancel
+    assert parent_calls("task_cancel") == {"taskId": started["taskId"], "status": "interrupted"}
+    # The parent ran only the turns sent to it: a cancelled task wakes no one, here as at home.
+    assert wake_prompts(tmp_path / "agent-alpha.log") == []
+    assert len(mcp.call("t3_thread_read", {"threadId": tid, "runLimit": 50}).structured[
+        "recentRuns"]) == 5
+    assert pair.a.rows("SELECT status FROM subagents") == [("interrupted",)]
+
+
+def _accept_queue(port: int) -> int:
+    """Connections waiting for the accept of the server listening on ``port`` (its listening
+    socket's queue, /proc/net/tcp)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+            return int(fields[4].split(":")[1], 16)
+    return 0
+
+
+def test_a_delegation_refused_here_stops_its_remote_thread(t3_factory, tmp_path: Path) -> None:
+    """The parent's run ends while B makes the delegated thread (B held stopped until then):
+    the record here is refused, and B's new run is interrupted, not left running untracked."""
+    pair = linked_pair(t3_factory, tmp_path)
+    os.kill(pair.b.pid, signal.SIGSTOP)
+    try:
+        parent = create(pair.mcp_a, delegate_line(pair, "SLOW:2000"),
+                        target={"providerInstanceId": "alpha"})
+        wait_until(lambda: _accept_queue(int(pair.b.url.rsplit(":", 1)[1])), 30)  # A calls B
+        assert pair.mcp_a.call("t3_thread_interrupt", {"threadId": parent["threadId"]}).ok
+        assert wait(pair.mcp_a, parent["threadId"])["status"] == "interrupted"
+    finally:
+        os.kill(pair.b.pid, signal.SIGCONT)
+    [made] = wait_until(lambda: pair.mcp_b.call("t3_thread_list").structured["threads"], 30)
+    assert wait(pair.mcp_b, made["threadId"], timeoutMs=30_000)["status"] == "interrupted"
+    assert pair.a.rows("SELECT COUNT(*) FROM subagents") == [(0,)]
 
 
 def test_links_in_thread_tools_and_refusals(t3_factory, tmp_path: Path) -> None:
