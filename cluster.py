@@ -58,7 +58,8 @@ _NODE_LOCK = 0x7433_0003
 _DB_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 _HELD_BY = "thread_id IN (SELECT thread_id FROM thread_holders WHERE node_id = %s)"
 # A few at a time: an event may carry a long answer's text.
-_EVENTS_AFTER = "SELECT * FROM events WHERE sequence > ? ORDER BY sequence LIMIT 64"
+_PAGE = 64  # events read at a time
+_EVENTS_AFTER = f"SELECT * FROM events WHERE sequence > ? ORDER BY sequence LIMIT {_PAGE:d}"
 
 
 def node_id(configured: str | None, data_dir: Path) -> str:
@@ -204,6 +205,8 @@ class Node:
         while rows := self.store.read(_EVENTS_AFTER, (self._last,)):
             self.orch.absorb(rows)
             self._last = rows[-1]["sequence"]
+            if len(rows) < _PAGE:  # the last page: no read to find it empty
+                break
 
     # -- liveness -------------------------------------------------------------------------------
 

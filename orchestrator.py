@@ -2748,7 +2748,8 @@ class Orchestrator:
         for thread_id in {r["thread_id"] for r in rows}:
             self._notify(thread_id)
         self._offer(rows)
-        self._effect_wake.set()
+        if not rows or any(_store.event_kind(r["type"]) == "run" for r in decoded):
+            self._effect_wake.set()  # outbox rows changed (t3_effects), or a run ended: a slot
 
     def forget(self, thread_id: str) -> None:  # loaded again from the store on its next use
         self._states.pop(thread_id, None), self._held.pop(thread_id, None)
@@ -3021,8 +3022,7 @@ class _Sessions:
         # Live sessions + sessions opening + slots granted to a run whose start has not run yet
         # never exceed _max_live, but for runs on a slot lent by an agent blocked in a wait
         # (_waits, _loans); runs without one wait in _line (FIFO).
-        self._max_live = max_live
-        self._max_loans = max_loans
+        self._max_live, self._max_loans = max_live, max_loans
         self._opening: set[str] = set()  # run ids
         self._reserved: dict[str, str] = {}  # run id -> thread id
         self._line: list[tuple[str, str, str]] = []  # (thread id, run id, attempt id)

@@ -194,17 +194,33 @@ def _json(column: str, key: str) -> str:
         else f"(t3_json({column}) #>> '{{{','.join(path)}}}')"
 
 
-# Several nodes (cluster.py): a node claims the work of threads it serves (t3_serves: their
-# project and provider) unless another live node holds the thread and serves it too, and a new
-# thread's start only while it has room (t3_may_take); a claim makes the claiming node the
-# thread's holder, so its agent process stays in one place.
-_ELSEWHERE = """(NOT t3_serves(%(owner)s, o.thread_id) OR EXISTS (
-    SELECT 1 FROM thread_holders n JOIN cluster_nodes d ON d.node_id = n.node_id
-    WHERE n.thread_id = o.thread_id AND n.node_id <> %(owner)s
-      AND t3_serves(n.node_id, o.thread_id))
-    OR o.effect_type = 'provider-turn.start' AND NOT t3_may_take(%(owner)s, o.thread_id))"""
+# Several nodes (cluster.py): a node claims the work of threads it serves (their project and
+# provider, as t3_serves says) unless another live node holds the thread and serves it too, and a
+# new thread's start only while it has room (as t3_may_take says); a claim makes the claiming node
+# the thread's holder, so its agent process stays in one place. Each node's lists are read once
+# per statement (``served``) and each row's thread once (``th``): these run at every wake of
+# every node's effect worker, over every pending row they pass.
+_SERVED = """served AS MATERIALIZED (SELECT n.node_id,
+    ARRAY(SELECT json_array_elements_text(n.projects_json::json)) AS projects,
+    ARRAY(SELECT p ->> 'instance_id' FROM json_array_elements(n.providers_json::json) p)
+        AS providers
+    FROM cluster_nodes n)"""
+_THREAD_OF_ROW = """LEFT JOIN LATERAL (
+    SELECT t.project_id AS project, t3_json(t.payload_json) ->> 'providerInstanceId' AS provider
+    FROM threads t WHERE t.thread_id = o.thread_id) th ON true"""
+# Whether node s serves the row's thread (a row of no thread, any node does).
+_SERVES = "(th.project IS NULL OR th.project = ANY(s.projects) AND th.provider = ANY(s.providers))"
+_ELSEWHERE = f"""(EXISTS (SELECT 1 FROM served s WHERE s.node_id = %(owner)s) AND NOT EXISTS (
+        SELECT 1 FROM served s WHERE s.node_id = %(owner)s AND {_SERVES})
+    OR EXISTS (SELECT 1 FROM thread_holders h JOIN served s ON s.node_id = h.node_id
+               WHERE h.thread_id = o.thread_id AND h.node_id <> %(owner)s AND {_SERVES})
+    OR o.effect_type = 'provider-turn.start' AND NOT (SELECT COALESCE(t3_room(%(owner)s), 1) > 0)
+       AND NOT EXISTS (SELECT 1 FROM thread_holders h
+                       WHERE h.thread_id = o.thread_id AND h.node_id = %(owner)s)
+       AND EXISTS (SELECT 1 FROM served s WHERE s.node_id <> %(owner)s AND {_SERVES}))"""
 _FIRST_CLAIMABLE = f"""SELECT * FROM (
-    SELECT o.effect_id, o.available_at_ms, o.created_at FROM effect_outbox o WHERE {{due}}
+    SELECT o.effect_id, o.available_at_ms, o.created_at FROM effect_outbox o {_THREAD_OF_ROW}
+    WHERE {{due}}
       AND NOT EXISTS (SELECT 1 FROM effect_outbox r
                       WHERE r.thread_id = o.thread_id AND r.status = 'running'
                         AND r.lease_expires_ms >= %(now)s AND r.effect_id <> o.effect_id)
@@ -254,7 +270,8 @@ SELECT {_json('payload_json', 'text')} FROM events
 WHERE type = '{s.TEXT_APPENDED}' AND {_json('payload_json', 'id')} = %s ORDER BY sequence
 """,
     s._CLAIM_EFFECT: f"""
-WITH claimed AS (
+WITH {_SERVED},
+claimed AS (
 UPDATE effect_outbox
 SET status = 'running', attempt_count = attempt_count + 1, lease_owner = %(owner)s,
     lease_expires_ms = %(now)s + %(lease)s, last_error = NULL, updated_at = %(stamp)s
@@ -273,8 +290,9 @@ held AS (INSERT INTO thread_holders (thread_id, node_id) SELECT thread_id, %(own
 SELECT * FROM claimed
 """,
     s._NEXT_DUE: f"""
+WITH {_SERVED}
 SELECT MIN(t) FROM (
-    SELECT * FROM (SELECT o.available_at_ms AS t FROM effect_outbox o
+    SELECT * FROM (SELECT o.available_at_ms AS t FROM effect_outbox o {_THREAD_OF_ROW}
     WHERE o.status = 'pending'
       AND NOT EXISTS (SELECT 1 FROM effect_outbox r
                       WHERE r.thread_id = o.thread_id AND r.status = 'running')
