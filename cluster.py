@@ -15,7 +15,8 @@ How the core's single-process rules carry over:
 - Seeing other nodes' commits: every node LISTENs. A commit of events sends ``t3_events`` and
   the node reads the events after the last it absorbed (``Orchestrator.absorb``: cached states,
   parts, waits and /ws subscriptions, in sequence order, its own commits included); an outbox
-  row added or stopping sends ``t3_effects`` and wakes the effect worker; a node joining sends
+  row added or stopping sends ``t3_effects`` and wakes the effect worker (another node's: its
+  own changes woke its worker as on SQLite; it skips notices of its writers); a node joining sends
   ``t3_nodes`` and the others read what it runs (heartbeats refresh that too). No polling.
 - Effects: a thread's effects run on the node that holds it (``thread_holders``: the node that
   claimed its first effect, so its agent process stays with it), claimed ``FOR UPDATE SKIP
@@ -148,6 +149,7 @@ class Node:
         self._lock: Any = None  # the connection holding this id's lock, and heartbeating
         self._listen: Any = None
         self._last = 0  # the last sequence absorbed
+        self._own: set[int] = getattr(store.engine, "writers", set())
 
     @classmethod
     async def join(cls, store: s.Store, orch: Any, node: str, *, url: str,
@@ -198,7 +200,7 @@ class Node:
                 self._catch_up()
             elif notice.channel == "t3_nodes":
                 await self._learn()
-            else:
+            elif notice.pid not in self._own:  # this process's changes woke its worker already
                 self.orch.absorb([])
 
     def _catch_up(self) -> None:
@@ -256,6 +258,7 @@ class Node:
                        "gone.", of=self.work(node))
             await self.store.write(lambda conn: conn.execute(
                 "DELETE FROM thread_holders WHERE node_id = ?", (node,)))
+            self.orch.absorb([])  # its rows are in line again: no notice of ours wakes the worker
         except Exception as exc:  # the next beat does not see it again: say so loudly
             log.error("recovering node %s's threads failed: %s", node, exc, exc_info=exc)
             return

@@ -65,6 +65,7 @@ class PostgresEngine:
         if not is_postgres_url(url):
             raise ValueError("a PostgreSQL URL starts with postgresql://")
         self.url, self.sql_dir = url, sql_dir
+        self.writers: set[int] = set()  # the server process ids of its writers' connections
 
     def connect(self, *, readonly: bool = False) -> Any:
         try:
@@ -74,6 +75,8 @@ class PostgresEngine:
             raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
         if readonly:
             conn.execute("SET default_transaction_read_only = on")
+        else:
+            self.writers.add(conn.info.backend_pid)
         return conn
 
     def migrate(self, *, stop_after: int | None = None) -> int:
@@ -195,26 +198,34 @@ def _json(column: str, key: str) -> str:
 
 
 # Several nodes (cluster.py): a node claims the work of threads it serves (their project and
-# provider, as t3_serves says) unless another live node holds the thread and serves it too, and a
-# new thread's start only while it has room (as t3_may_take says); a claim makes the claiming node
-# the thread's holder, so its agent process stays in one place. Each node's lists are read once
-# per statement (``served``) and each row's thread once (``th``): these run at every wake of
-# every node's effect worker, over every pending row they pass.
+# provider) unless another live node holds the thread and serves it too, and a new thread's start
+# only while it has room (``_ROOM``) or when no other node can run it; a claim makes the claiming
+# node the thread's holder, so its agent process stays in one place. These run at every wake of
+# every node's effect worker, over every pending row they pass: each node's lists are read once
+# per statement (``served``), each row's thread once (``th``), the node's room once.
 _SERVED = """served AS MATERIALIZED (SELECT n.node_id,
     ARRAY(SELECT json_array_elements_text(n.projects_json::json)) AS projects,
     ARRAY(SELECT p ->> 'instance_id' FROM json_array_elements(n.providers_json::json) p)
         AS providers
     FROM cluster_nodes n)"""
+# (OFFSET 0 keeps it a lookup per row the scan reaches, not a hash of every thread.)
 _THREAD_OF_ROW = """LEFT JOIN LATERAL (
     SELECT t.project_id AS project, t3_json(t.payload_json) ->> 'providerInstanceId' AS provider
-    FROM threads t WHERE t.thread_id = o.thread_id) th ON true"""
+    FROM threads t WHERE t.thread_id = o.thread_id OFFSET 0) th ON true"""
 # Whether node s serves the row's thread (a row of no thread, any node does).
 _SERVES = "(th.project IS NULL OR th.project = ANY(s.projects) AND th.provider = ANY(s.providers))"
+# Whether the claiming node has an agent slot that the runs on its threads (starting, running,
+# or waiting in its line for a slot) leave free; a claimer that is no node has room.
+_ROOM = """(COALESCE((SELECT n.slots FROM cluster_nodes n WHERE n.node_id = %(owner)s) - (
+    SELECT COUNT(*) FROM thread_holders h JOIN runs r ON r.thread_id = h.thread_id
+    WHERE h.node_id = %(owner)s AND r.status IN ('starting', 'running', 'queued')
+      AND (r.status <> 'queued' OR (t3_json(r.payload_json) ->> 'awaitingAgentSlot') = 'true')),
+    1) > 0)"""
 _ELSEWHERE = f"""(EXISTS (SELECT 1 FROM served s WHERE s.node_id = %(owner)s) AND NOT EXISTS (
         SELECT 1 FROM served s WHERE s.node_id = %(owner)s AND {_SERVES})
     OR EXISTS (SELECT 1 FROM thread_holders h JOIN served s ON s.node_id = h.node_id
                WHERE h.thread_id = o.thread_id AND h.node_id <> %(owner)s AND {_SERVES})
-    OR o.effect_type = 'provider-turn.start' AND NOT (SELECT COALESCE(t3_room(%(owner)s), 1) > 0)
+    OR o.effect_type = 'provider-turn.start' AND NOT {_ROOM}
        AND NOT EXISTS (SELECT 1 FROM thread_holders h
                        WHERE h.thread_id = o.thread_id AND h.node_id = %(owner)s)
        AND EXISTS (SELECT 1 FROM served s WHERE s.node_id <> %(owner)s AND {_SERVES}))"""

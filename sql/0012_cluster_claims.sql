@@ -1,0 +1,3 @@
+-- Nothing changes on SQLite. On PostgreSQL (sql/pg/0012) the claim's SQL functions go: the claim
+-- now says its rules itself (store_pg.py), reading each node's lists once per statement. The
+-- version is here so that it means the same schema on both engines.
