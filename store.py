@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager, suppress
+from contextlib import closing, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -1041,6 +1041,13 @@ def _translate(exc: BaseException) -> BaseException:
 
 
 def _commit(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
+    # A connection that can (store_pg's) sends the statements whose answers are not read without
+    # waiting for each: a commit's many writes, one round trip.
+    with getattr(conn, "pipelined", nullcontext)():
+        return _commit_now(conn, commit)
+
+
+def _commit_now(conn: sqlite3.Connection, commit: Commit) -> CommitResult:
     # The receipt is looked up first and written last, once, with its result sequence: the write
     # lock is held since BEGIN IMMEDIATE, so nothing can insert the same command id in between.
     row = conn.execute(_SELECT_RECEIPT, (commit.command_id,)).fetchone()

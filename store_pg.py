@@ -32,8 +32,10 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,16 @@ class _Connection(psycopg.Connection[Any]):
         try:
             return super().execute(_dialect(query) if isinstance(query, str) else query,
                                    params or None, **kwargs)
+        except psycopg.Error as exc:
+            raise StoreError(f"database error: {exc}") from exc
+
+    @contextlib.contextmanager
+    def pipelined(self) -> Iterator[None]:
+        """Statements sent without waiting for each answer (a read waits for those before it);
+        an error may surface at a later statement or at the end: a StoreError either way."""
+        try:
+            with self.pipeline():
+                yield
         except psycopg.Error as exc:
             raise StoreError(f"database error: {exc}") from exc
 
