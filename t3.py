@@ -1470,6 +1470,10 @@ def _hypercorn_config(config: Config, hypercorn: ModuleType) -> hypercorn.config
     """Hypercorn's settings, or None (said on stderr) when the TLS files cannot be used."""
     hconfig = hypercorn.config.Config()
     hconfig.graceful_timeout = 3.0
+    # An idle kept-alive connection stays open longer than clients keep theirs (httpx 5 s, Node
+    # 4 s, reqwest 90 s), so the client always closes first: at hypercorn's 5 s, a client reusing
+    # one as it was being closed had its call fail ("Connection closed").
+    hconfig.keep_alive_timeout = 120.0
     hconfig.websocket_max_message_size = MAX_BODY_BYTES  # a /ws frame: one request
     hconfig.accesslog = None  # never: a browser's /ws URL carries ?token=
     hconfig.errorlog = logging.getLogger("hypercorn.error")

@@ -7,6 +7,7 @@ playing a prompt-injected agent.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -648,6 +649,27 @@ def test_connection_cap(t3_factory) -> None:
             sock.close()
     wait_until(lambda: serves(t3), 10, message="served again")
     assert t3.stderr_text().count("connections open ([server] max_connections)") == 1
+
+
+def test_an_idle_kept_alive_connection_serves_its_next_request(t3) -> None:
+    """A kept-alive connection idle for 6 s is still open and serves the next request: t3 keeps
+    idle connections longer than HTTP clients keep theirs (httpx 5 s), so none reuses one that
+    the server is closing at that moment (at hypercorn's 5 s, an MCP call now and then failed
+    with "Connection closed")."""
+    url = urllib.parse.urlsplit(t3.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        for idle in (6, 0):
+            conn.request("GET", "/healthz")
+            response = conn.getresponse()
+            assert response.status == 200 and json.loads(response.read())["ok"] is True
+            time.sleep(idle)  # the idle time under test
+        assert conn.sock is not None
+        conn.sock.setblocking(False)
+        with pytest.raises(BlockingIOError):  # the same connection, open: no EOF waiting
+            conn.sock.recv(1, socket.MSG_PEEK)
+    finally:
+        conn.close()
 
 
 def test_accepted_connections_send_without_nagle_delay() -> None:
