@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -652,22 +653,20 @@ def test_connection_cap(t3_factory) -> None:
 
 
 def test_an_idle_kept_alive_connection_serves_its_next_request(t3) -> None:
-    """A kept-alive connection idle for 6 s is still open and serves the next request: t3 keeps
+    """A kept-alive connection stays open through 6 s idle and serves the next request: t3 keeps
     idle connections longer than HTTP clients keep theirs (httpx 5 s), so none reuses one that
     the server is closing at that moment (at hypercorn's 5 s, an MCP call now and then failed
     with "Connection closed")."""
     url = urllib.parse.urlsplit(t3.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
     try:
-        for idle in (6, 0):
+        for first in (True, False):
             conn.request("GET", "/healthz")
             response = conn.getresponse()
             assert response.status == 200 and json.loads(response.read())["ok"] is True
-            time.sleep(idle)  # the idle time under test
-        assert conn.sock is not None
-        conn.sock.setblocking(False)
-        with pytest.raises(BlockingIOError):  # the same connection, open: no EOF waiting
-            conn.sock.recv(1, socket.MSG_PEEK)
+            if first:  # the server's close would make the socket readable (EOF): none comes
+                assert conn.sock is not None
+                assert select.select([conn.sock], [], [], 6.0)[0] == []
     finally:
         conn.close()
 
