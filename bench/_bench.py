@@ -30,7 +30,7 @@ for _path in (REPO, REPO / "tests"):
 from harness import T3Server, kill_matching, scripted_provider, write_config  # noqa: E402
 
 __all__ = ["REPO", "machine", "median", "percentile", "timed", "parser", "scratch_dir", "t3_server",
-           "report", "rss_kb", "cpu_seconds"]
+           "wakes", "report", "rss_kb", "cpu_seconds"]
 
 
 def machine() -> str:
@@ -90,6 +90,28 @@ def t3_server(tmp: Path, *, chunk_delay: float = 0.05, data_dir: Path | None = N
     finally:
         server.close()
         kill_matching(marker)
+
+
+def wakes(mcp: Any, completed_at: Callable[[str], float], samples: int
+          ) -> Iterator[float | None]:
+    """Run completion to ``t3_thread_wait`` returning it, ``samples`` times on one new thread
+    after 3 warm-up runs: each a ``SLOW:2`` run sent with ``t3_thread_send`` and waited on at
+    once. The completion is the run's ``completedAt`` (``completed_at(run id)``, from the
+    database), the return the client's clock. None: the wait was sent after the completion."""
+    thread_id = mcp.call("create_threads", {"threads": [{"title": "wake"}]}).structured[
+        "threads"][0]["threadId"]
+    for i in range(samples + 3):
+        run_id = mcp.call("t3_thread_send", {"threadId": thread_id, "message": f"SLOW:2 {i}"}
+                          ).structured["runId"]
+        waited_from = time.time()
+        done = mcp.call("t3_thread_wait", {"threadId": thread_id, "runId": run_id,
+                                           "timeoutMs": 60_000}).structured
+        returned = time.time()
+        if done["status"] != "completed":
+            raise RuntimeError(f"run {run_id} ended {done}")
+        completed = completed_at(run_id)
+        if i >= 3:
+            yield returned - completed if completed >= waited_from else None
 
 
 def rss_kb(pid: int) -> int:

@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import json
 import sqlite3
-import time
 
 import _bench
 from harness import McpClient
@@ -37,24 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     with _bench.scratch_dir("p5") as tmp, _bench.t3_server(tmp) as server, server.client() as mcp, \
             echo_server() as echo_url, McpClient(echo_url, "unused") as echo:
         db_path = str(server.data_dir / "t3.sqlite")
-        thread_id = mcp.call("create_threads", {"threads": [{"title": "wake"}]}).structured[
-            "threads"][0]["threadId"]
-        for i in range(samples + 3):
-            run_id = mcp.call("t3_thread_send", {"threadId": thread_id, "message": f"SLOW:2 {i}"}
-                              ).structured["runId"]
-            waited_from = time.time()
-            done = mcp.call("t3_thread_wait", {"threadId": thread_id, "runId": run_id,
-                                               "timeoutMs": 60_000}).structured
-            returned = time.time()
-            if done["status"] != "completed":
-                raise RuntimeError(f"run {run_id} ended {done}")
-            completed = _completed_at(db_path, run_id)
-            if i < 3:  # warm-up
-                continue
-            if completed < waited_from:
+        for wake in _bench.wakes(mcp, lambda run_id: _completed_at(db_path, run_id), samples):
+            if wake is None:
                 dropped += 1
                 continue
-            wakes.append(returned - completed)
+            wakes.append(wake)
             echoes.append(_bench.timed(lambda: echo.call("echo", {"text": "ping"})))
     p50, p99 = _bench.median(wakes), _bench.percentile(wakes, 99)
     _bench.report("P5 wake (run completion -> t3_thread_wait returns)", [

@@ -31,7 +31,7 @@ from typing import Any
 
 import _bench
 import pg
-from harness import McpClient, T3Server, kill_matching, scripted_provider, write_config
+from harness import T3Server, kill_matching, scripted_provider, write_config
 
 TASKS, TASK_S, SLOTS = 60, 2.0, 4
 
@@ -108,20 +108,8 @@ def _calls_per_second(server: T3Server, seconds: float) -> float:
 
 
 def _wakes(server: T3Server, db: _Db, samples: int) -> list[float]:
-    out = []
     with server.client() as mcp:
-        tid = mcp.call("create_threads", {"threads": [{"title": "wake"}]}).structured[
-            "threads"][0]["threadId"]
-        for i in range(samples + 3):
-            run_id = mcp.call("t3_thread_send", {"threadId": tid, "message": f"SLOW:2 {i}"}
-                              ).structured["runId"]
-            waited_from = time.time()
-            mcp.call("t3_thread_wait", {"threadId": tid, "runId": run_id, "timeoutMs": 60_000})
-            returned = time.time()
-            completed = db.completed_at(run_id)
-            if i >= 3 and completed >= waited_from:
-                out.append(returned - completed)
-    return out
+        return [w for w in _bench.wakes(mcp, db.completed_at, samples) if w is not None]
 
 
 def _run_all(jobs: list[Callable[[], Any]]) -> None:
